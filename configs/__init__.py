@@ -1,0 +1,1 @@
+"""ml_collections configs: plain `get_config()` functions, data only."""

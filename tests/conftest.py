@@ -1,0 +1,10 @@
+"""Test set-up. Eight simulated CPU devices for the mesh tests: XLA reads this flag once, when
+JAX starts, so it is set here, before any test module imports jax."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
