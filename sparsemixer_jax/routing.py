@@ -35,12 +35,17 @@ class RouterOutput(NamedTuple):
       gate: float32 ``[...]``, the multiplier the caller applies to ``f_D(x)`` (before ``omega``).
         Its backward pass carries the router gradient estimator.
       probs: float32 ``[..., N]``, the router probabilities the expert was drawn from (masked
-        softmax for SparseMixer, softmax of the jittered logits for Switch). Zero for masked experts.
+        softmax for SparseMixer, softmax of the jittered logits for Switch); zero where masked.
     """
 
     expert: jax.Array
     gate: jax.Array
     probs: jax.Array
+
+
+def _routing_dtype(logits: jax.Array) -> jnp.dtype:
+    """float32 for bfloat16/float16/float32 logits; float64 only when the caller asks for it."""
+    return jnp.promote_types(logits.dtype, jnp.float32)
 
 
 def routing_mask(logits: jax.Array, jitter_eps: float, rule: MaskRule = "reference") -> jax.Array:
@@ -61,7 +66,7 @@ def routing_mask(logits: jax.Array, jitter_eps: float, rule: MaskRule = "referen
     The argmax is never masked, so at least one expert stays eligible. No gradient flows through
     the mask.
     """
-    logits = logits.astype(jnp.float32)
+    logits = logits.astype(_routing_dtype(logits))
     if rule == "none":
         return jnp.ones(logits.shape, dtype=bool)
     top = jnp.max(logits, axis=-1, keepdims=True)
@@ -82,7 +87,7 @@ def router_probs(
 
     Differentiable in ``logits`` (the mask is held fixed), which the exact-gradient oracle uses.
     """
-    logits = logits.astype(jnp.float32)
+    logits = logits.astype(_routing_dtype(logits))
     keep = jax.lax.stop_gradient(routing_mask(logits, jitter_eps, mask))
     return jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
 
@@ -190,7 +195,7 @@ def sparsemixer_route(
     else:
         coin = jax.random.bernoulli(coin_key, midpoint_prob, expert.shape)
         use_midpoint = coin & (expert != top)
-    forward_scale = jnp.where(use_midpoint, 0.5, 1.0).astype(jnp.float32)
+    forward_scale = jnp.where(use_midpoint, 0.5, 1.0).astype(probs.dtype)
     gate = _scaled_gate(_take(probs, expert), forward_scale, float(backward_scale))
     return RouterOutput(expert=expert, gate=gate, probs=probs)
 
@@ -216,12 +221,12 @@ def switch_route(
     Returns:
       :class:`RouterOutput` with float32 ``gate`` ``[...]`` and ``probs`` ``[..., N]``.
     """
-    logits = logits.astype(jnp.float32)
+    logits = logits.astype(_routing_dtype(logits))
     if training and jitter_eps > 0:
         if key is None:
             raise ValueError("switch_route needs a PRNG key when training with jitter_eps > 0")
         noise = jax.random.uniform(
-            key, logits.shape, minval=1.0 - jitter_eps, maxval=1.0 + jitter_eps
+            key, logits.shape, logits.dtype, minval=1.0 - jitter_eps, maxval=1.0 + jitter_eps
         )
         logits = logits * noise
     probs = jax.nn.softmax(logits, axis=-1)
