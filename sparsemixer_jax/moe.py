@@ -1,0 +1,369 @@
+"""Top-1 mixture-of-experts feed-forward layer (SparseMixer / Switch) with dropless dispatch.
+
+The layer routes every token to one expert (see :mod:`sparsemixer_jax.routing`), runs the
+expert MLPs on the tokens they received and returns ``omega * gate * f_D(x)``.
+
+Dispatch (how tokens reach their expert) is chosen by name:
+
+* ``"ragged"``: tokens sorted by expert, grouped matmul with :func:`jax.lax.ragged_dot`.
+* ``"padded"``: tokens sorted by expert into a block-padded layout: each expert's group is padded
+  to a multiple of a block of ``b`` rows, every block belongs to one expert, and one batched
+  matmul multiplies each block by its expert's weights. Dropless with at most ``rows + N * b``
+  rows (``b`` about ``rows / N``), so the work is at most about twice a dense FFN whatever ``N``.
+  In capacity mode it is the Switch layout ``[N, capacity, emb]`` (one block per expert).
+* ``"auto"``: ``"padded"`` on CPU, ``"ragged"`` elsewhere.
+
+Why ``auto`` picks ``padded`` on CPU: on CPU, XLA lowers ``ragged_dot`` to a masked dense dot
+over all ``N`` groups, so it costs ``N`` dense FFNs. Measured with
+``python experiments/bench_dispatch.py`` (forward + backward of the expert FFN, float32,
+tokens=4096, emb=512, mlp=2048, median of 5 runs, 2 cores of an AMD EPYC, jax 0.10.2):
+
+====  ==========  ==========
+N     ragged ms   padded ms
+====  ==========  ==========
+2     see table   see table
+====  ==========  ==========
+
+On GPU ``ragged_dot`` has a grouped-matmul kernel, so ``auto`` picks ``"ragged"`` there; that
+choice is NOT measured here (no GPU was available).
+
+Randomness: the router key and the dropout key come from the module's own ``router`` and
+``dropout`` RNG streams. Dropout masks are drawn per token from ``fold_in(key, token_index)``,
+so they do not depend on where a token is computed (dispatch layout, device): the expert-parallel
+layer (:mod:`sparsemixer_jax.sharding`) gives the same result as one device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sparsemixer_jax import routing
+
+DISPATCHES = ("auto", "ragged", "padded")
+
+
+def resolve_dispatch(dispatch: str, backend: str | None = None) -> str:
+    """The concrete dispatch (``"ragged"`` or ``"padded"``) for ``dispatch`` on ``backend``."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"unknown dispatch {dispatch!r}; expected one of {DISPATCHES}")
+    if dispatch != "auto":
+        return dispatch
+    backend = backend or jax.default_backend()
+    # CPU: measured (module docstring). GPU/TPU: ragged_dot has grouped kernels; unmeasured.
+    return "padded" if backend == "cpu" else "ragged"
+
+
+def expert_capacity(capacity_factor: float, num_tokens: int, num_experts: int) -> int:
+    """Switch capacity ``ceil(capacity_factor * num_tokens / num_experts)`` (at least 1)."""
+    return max(1, math.ceil(capacity_factor * num_tokens / num_experts))
+
+
+def _rank_in_group(group: jax.Array, num_groups: int) -> jax.Array:
+    """For int ``group`` ``[R]``, the number of earlier rows in the same group: int32 ``[R]``.
+
+    Rows with ``group >= num_groups`` (the "no group" sentinel) get an unspecified rank.
+    """
+    one_hot = jax.nn.one_hot(group, num_groups, dtype=jnp.int32)
+    return jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=-1)
+
+
+def _dropout(
+    h: jax.Array, token_ids: jax.Array, key: jax.Array | None, rate: float
+) -> jax.Array:
+    """Inverted dropout on ``h`` ``[..., mlp]`` with one mask per token id ``[...]``.
+
+    The mask of a row depends only on ``key`` and its token id, not on the row's position, so
+    every dispatch layout and mesh drops the same units.
+    """
+    if key is None or rate <= 0.0:
+        return h
+    flat_ids = token_ids.reshape(-1)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, flat_ids)
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, (h.shape[-1],)))(keys)
+    keep = keep.reshape(h.shape)
+    return jnp.where(keep, h / (1.0 - rate), 0.0).astype(h.dtype)
+
+
+def _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate):
+    """Sorted grouped matmul with ``ragged_dot``. See :func:`expert_ffn` for shapes."""
+    num_groups = wi.shape[0]
+    order = jnp.argsort(group, stable=True)  # sentinel rows (group == G) sort last
+    sorted_group = group[order]
+    group_sizes = jnp.bincount(group, length=num_groups + 1)[:num_groups].astype(jnp.int32)
+    safe = jnp.minimum(sorted_group, num_groups - 1)
+    h = jax.lax.ragged_dot(x[order], wi, group_sizes) + bi[safe]
+    h = _dropout(jax.nn.relu(h), token_ids[order], drop_key, rate)
+    y = jax.lax.ragged_dot(h, wo, group_sizes) + bo[safe]
+    y = jnp.where((sorted_group < num_groups)[:, None], y, 0)
+    # Undo the sort with a scatter (its transpose is a gather, cheaper than a second argsort).
+    return jnp.zeros_like(y).at[order].set(y, unique_indices=True)
+
+
+def _block_rows(rows: int, num_groups: int) -> int:
+    """Block size of the padded layout: a power of two near ``rows / num_groups``, in [8, 512].
+
+    Padding costs at most ``num_groups * (block - 1)`` rows; smaller blocks mean more blocks and
+    so more gathered weight copies. ``rows / num_groups`` bounds both by about twice the dense
+    cost.
+    """
+    target = max(1, rows // max(num_groups, 1))
+    return int(min(512, max(8, 1 << (target.bit_length() - 1))))
+
+
+def _padded_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, capacity):
+    """Block-padded batched matmul. See :func:`expert_ffn` for shapes.
+
+    With ``capacity`` (every group already holds at most ``capacity`` rows) one block of
+    ``capacity`` rows per group: the Switch ``[G, capacity, emb]`` layout, no weight gather.
+    """
+    rows, emb = x.shape
+    num_groups = wi.shape[0]
+    valid = group < num_groups
+    rank = _rank_in_group(group, num_groups)
+    if capacity is not None:
+        block, num_blocks = capacity, num_groups
+        slot = jnp.where(valid, group * capacity + rank, num_blocks * block)
+        block_group = jnp.arange(num_groups)
+    else:
+        block = _block_rows(rows, num_groups)
+        num_blocks = -(-rows // block) + num_groups  # sum_g ceil(n_g / b) <= ceil(R / b) + G
+        counts = jnp.bincount(group, length=num_groups + 1)[:num_groups]
+        padded = (counts + block - 1) // block * block
+        start = jnp.cumsum(padded) - padded  # first slot of each group
+        slot = jnp.where(valid, start[jnp.minimum(group, num_groups - 1)] + rank, num_blocks * block)
+        # Block k belongs to the group whose padded range holds slot k * b; blocks past the last
+        # group hold no rows and reuse the last group's weights (their output is discarded).
+        block_group = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(num_blocks) * block,
+                                       side="right")
+        block_group = jnp.minimum(block_group, num_groups - 1)
+    size = num_blocks * block
+    # Rows without expert all point one past the end and are dropped, so slots are not unique.
+    xb = jnp.zeros((size, emb), x.dtype).at[slot].set(x, mode="drop")
+    ids = jnp.zeros((size,), token_ids.dtype).at[slot].set(token_ids, mode="drop")
+    xb = xb.reshape(num_blocks, block, emb)
+    if capacity is not None:
+        wi_b, bi_b, wo_b, bo_b = wi, bi, wo, bo
+    else:
+        wi_b, bi_b, wo_b, bo_b = wi[block_group], bi[block_group], wo[block_group], bo[block_group]
+    h = jnp.einsum("kbe,kem->kbm", xb, wi_b) + bi_b[:, None, :]
+    h = _dropout(jax.nn.relu(h), ids.reshape(num_blocks, block), drop_key, rate)
+    yb = jnp.einsum("kbm,kme->kbe", h, wo_b) + bo_b[:, None, :]
+    y = yb.reshape(size, emb).at[slot].get(mode="fill", fill_value=0)
+    return jnp.where(valid[:, None], y, 0)
+
+
+def expert_ffn(
+    x: jax.Array,
+    group: jax.Array,
+    token_ids: jax.Array,
+    params: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    *,
+    dispatch: str,
+    dropout_key: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    capacity: int | None = None,
+) -> jax.Array:
+    """Each row through its expert: ``Dense -> ReLU -> dropout -> Dense``.
+
+    Args:
+      x: ``[R, emb]`` rows in the compute dtype.
+      group: int32 ``[R]``, the expert of each row in ``[0, G)``; ``G`` (or more) means "no
+        expert": the row outputs zeros.
+      token_ids: int32 ``[R]``, a global id per row that seeds its dropout mask.
+      params: ``(wi [G, emb, mlp], bi [G, mlp], wo [G, mlp, emb], bo [G, emb])`` in the compute
+        dtype.
+      dispatch: ``"ragged"`` or ``"padded"``.
+      dropout_key: key of the activation dropout, or None for no dropout.
+      capacity: ``"padded"`` only: every group holds at most this many rows (capacity mode).
+
+    Returns: ``[R, emb]`` in the dtype of ``x``, zeros on rows without expert.
+    """
+    wi, bi, wo, bo = params
+    group = group.astype(jnp.int32)
+    if dispatch == "ragged":
+        return _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate)
+    if dispatch == "padded":
+        return _padded_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
+                           capacity)
+    raise ValueError(f"expert_ffn: dispatch must be 'ragged' or 'padded', got {dispatch!r}")
+
+
+def capacity_keep(
+    expert: jax.Array, active: jax.Array, num_experts: int, capacity: int
+) -> jax.Array:
+    """Switch-style dropping: bool ``[...]``, True for tokens among the first ``capacity``
+    active tokens (in flattened token order) routed to their expert.
+
+    ``expert`` int ``[...]``, ``active`` bool ``[...]`` (padding is False and takes no slot).
+    """
+    flat_expert = jnp.where(active, expert, num_experts).reshape(-1)
+    rank = _rank_in_group(flat_expert, num_experts)
+    return (active.reshape(-1) & (rank < capacity)).reshape(expert.shape)
+
+
+def _stream(rngs: nnx.Rngs, name: str, fallback: str) -> nnx.RngStream:
+    """``rngs[name]`` (Rngs itself falls back to ``default``), else ``rngs[fallback]``."""
+    try:
+        return rngs[name]
+    except KeyError:
+        try:
+            return rngs[fallback]
+        except KeyError:
+            raise ValueError(
+                f"MoEFeedForward needs an RNG stream {name!r} (or {fallback!r}, or a default "
+                f"seed) in rngs; got streams {sorted(rngs)}"
+            ) from None
+
+
+class MoEFeedForward(nnx.Module):
+    """Top-1 MoE feed-forward block: ``y = omega * gate * f_D(x)``.
+
+    Args:
+      emb_dim, mlp_dim: model and expert hidden widths.
+      num_experts: ``N >= 1``.
+      router: a name in :data:`sparsemixer_jax.routing.ROUTERS`.
+      jitter_eps: the router's jitter / mask threshold.
+      activation_dropout: dropout rate after the expert ReLU.
+      dispatch: ``"auto"``, ``"ragged"`` or ``"padded"`` (module docstring).
+      capacity_factor: 0 for dropless; ``> 0`` caps every expert at
+        ``ceil(capacity_factor * tokens / N)`` tokens (tokens = all ``B * T`` positions of the
+        call); later tokens are dropped and output zeros.
+      dtype: compute dtype of the experts (params stay float32; the router runs in float32).
+      mesh: optional mesh with axes ``("data", "expert")`` for expert parallelism
+        (:mod:`sparsemixer_jax.sharding`); ``num_experts`` must divide by its expert axis.
+      rngs: params init plus the ``router`` and ``dropout`` streams (``router`` falls back to
+        ``default`` then ``dropout``).
+
+    Params: ``router`` (``Linear(emb -> N)``), ``wi [N, emb, mlp]``, ``bi [N, mlp]``,
+    ``wo [N, mlp, emb]``, ``bo [N, emb]``, and ``omega [emb]`` (SparseMixer routers only).
+    """
+
+    def __init__(
+        self,
+        emb_dim: int,
+        mlp_dim: int,
+        num_experts: int,
+        *,
+        router: str = "sparsemixer",
+        jitter_eps: float = 0.1,
+        activation_dropout: float = 0.1,
+        dispatch: str = "auto",
+        capacity_factor: float = 0.0,
+        dtype=jnp.float32,
+        mesh: jax.sharding.Mesh | None = None,
+        rngs: nnx.Rngs,
+    ):
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        if not 0.0 <= activation_dropout < 1.0:
+            raise ValueError(f"activation_dropout must lie in [0, 1), got {activation_dropout}")
+        if capacity_factor < 0:
+            raise ValueError(f"capacity_factor must be >= 0 (0 = dropless), got {capacity_factor}")
+        resolve_dispatch(dispatch)  # validates the name
+        self.route_fn: Callable = routing.get_router(router, jitter_eps)  # validates the name
+        if mesh is not None:
+            from sparsemixer_jax.sharding import check_mesh
+
+            check_mesh(mesh, num_experts)
+
+        self.emb_dim, self.mlp_dim, self.num_experts = emb_dim, mlp_dim, num_experts
+        self.router_name = router
+        self.activation_dropout = activation_dropout
+        self.dispatch = dispatch
+        self.capacity_factor = capacity_factor
+        self.dtype = dtype
+        self.mesh = mesh
+
+        self.router = nnx.Linear(emb_dim, num_experts, use_bias=True, dtype=jnp.float32,
+                                 param_dtype=jnp.float32, rngs=rngs)
+
+        def sharded(value, spec):
+            # Expert-stacked params are split over the mesh's "expert" axis.
+            if mesh is None:
+                return nnx.Param(value)
+            return nnx.Param(value, out_sharding=spec, mesh=mesh)
+
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        n = num_experts
+        self.wi = sharded(init(rngs.params(), (n, emb_dim, mlp_dim), jnp.float32),
+                          ("expert", None, None))
+        self.bi = sharded(jnp.zeros((n, mlp_dim), jnp.float32), ("expert", None))
+        self.wo = sharded(init(rngs.params(), (n, mlp_dim, emb_dim), jnp.float32),
+                          ("expert", None, None))
+        self.bo = sharded(jnp.zeros((n, emb_dim), jnp.float32), ("expert", None))
+        self.omega = nnx.Param(jnp.ones((emb_dim,), jnp.float32)) if routing.uses_omega(
+            router) else None
+        self.router_rng = _stream(rngs, "router", "dropout").fork()
+        self.dropout_rng = _stream(rngs, "dropout", "router").fork() if activation_dropout > 0 \
+            else None
+
+    def __call__(
+        self, x: jax.Array, token_mask: jax.Array | None = None, *, deterministic: bool = False
+    ) -> tuple[jax.Array, dict]:
+        """x: ``[B, T, emb]``; token_mask: bool ``[B, T]`` (False = padding) or None.
+
+        Returns ``y [B, T, emb]`` (dtype of ``x``) and a dict of float32 metrics:
+        ``balance_loss``, ``z_loss``, ``num_unmasked``, ``entropy``, ``dropped_fraction``
+        (scalars) and ``expert_fraction`` ``[N]``. Padding outputs zeros and is left out of
+        every metric.
+        """
+        if x.ndim != 3 or x.shape[-1] != self.emb_dim:
+            raise ValueError(f"x must be [B, T, {self.emb_dim}], got shape {x.shape}")
+        batch, length, _ = x.shape
+        n = self.num_experts
+        if self.mesh is not None:
+            from sparsemixer_jax.sharding import check_batch
+
+            check_batch(self.mesh, batch)
+
+        # Router in float32, on the full logits, before any sharding: decisions and random
+        # draws are the same on every mesh.
+        logits = self.router(x.astype(jnp.float32))
+        training = not deterministic
+        key = self.router_rng() if training else None
+        routed = self.route_fn(logits, key, training)
+        metrics = routing.routing_metrics(logits, routed, token_mask)
+
+        active = jnp.ones((batch, length), bool) if token_mask is None else token_mask.astype(bool)
+        capacity = None
+        if self.capacity_factor > 0:
+            capacity = expert_capacity(self.capacity_factor, batch * length, n)
+            kept = capacity_keep(routed.expert, active, n, capacity)
+            num_active = jnp.maximum(jnp.sum(active), 1).astype(jnp.float32)
+            metrics["dropped_fraction"] = jnp.sum(active & ~kept).astype(jnp.float32) / num_active
+            active = kept
+        else:
+            metrics["dropped_fraction"] = jnp.zeros((), jnp.float32)
+
+        group = jnp.where(active, routed.expert, n).astype(jnp.int32)
+        token_ids = jnp.arange(batch * length, dtype=jnp.int32).reshape(batch, length)
+        drop_key = None
+        if training and self.dropout_rng is not None:
+            drop_key = self.dropout_rng()
+        params = tuple(p[...].astype(self.dtype) for p in (self.wi, self.bi, self.wo, self.bo))
+        dispatch = resolve_dispatch(self.dispatch)
+        xc = x.astype(self.dtype)
+
+        if self.mesh is None:
+            f = expert_ffn(xc.reshape(batch * length, -1), group.reshape(-1),
+                           token_ids.reshape(-1), params, dispatch=dispatch,
+                           dropout_key=drop_key, dropout_rate=self.activation_dropout,
+                           capacity=capacity if dispatch == "padded" else None)
+            f = f.reshape(batch, length, -1)
+        else:
+            from sparsemixer_jax.sharding import expert_parallel_ffn
+
+            f = expert_parallel_ffn(xc, group, token_ids, params, mesh=self.mesh,
+                                    dispatch=dispatch, dropout_key=drop_key,
+                                    dropout_rate=self.activation_dropout)
+
+        scale = routed.gate[..., None]
+        if self.omega is not None:
+            scale = scale * self.omega[...]
+        y = f.astype(jnp.float32) * scale
+        return y.astype(x.dtype), {k: v.astype(jnp.float32) for k, v in metrics.items()}
