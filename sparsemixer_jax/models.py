@@ -1,0 +1,535 @@
+"""Switch Transformer encoder-decoder (fairseq ``transformer_wmt_en_de`` layout) in Flax NNX.
+
+Transformer-base by default: 6+6 post-norm layers, ``x = LayerNorm(x + Dropout(sublayer(x)))``,
+sinusoidal positions, one vocabulary shared by source, target and the (tied) output projection,
+token embeddings scaled by ``sqrt(emb_dim)``. Every ``moe_every``-th feed-forward layer (layers
+0, 2, 4 by default) is a :class:`sparsemixer_jax.moe.MoEFeedForward`; ``num_experts = 0`` gives
+the dense baseline.
+
+Conventions: token id 0 is padding and also the decoder's start token (the decoder input is the
+target shifted right, as in flax ``examples/wmt``). Boolean attention masks are True where a query
+may attend to a key. Parameters are float32; ``model.compute_dtype = "bfloat16"`` runs matmuls in
+bf16 while attention softmax, LayerNorm statistics and the logits stay float32.
+
+Generation uses an explicit key/value cache (:class:`DecodeCache`, a pytree of arrays) so that one
+decoding step is a pure function of ``(tokens, cache)`` and runs under ``jax.lax.while_loop``::
+
+    encoded = model.encode(inputs)                 # once per batch
+    cache = model.init_cache(batch_size, max_len)  # self-attention keys/values, all zeros
+    logits, cache = model.decode_step(tokens, cache, encoded)  # one target position per call
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+PAD_ID = 0
+
+# Large negative logit for masked attention entries; finite so that a fully masked row gives a
+# uniform distribution instead of NaN.
+_MASK_VALUE = -1e9
+
+# fairseq initialisation: xavier-uniform everywhere, with gain 1/sqrt(2) (variance scale 1/2) on
+# the query/key/value projections.
+_xavier = nnx.initializers.xavier_uniform()
+_xavier_qkv = nnx.initializers.variance_scaling(0.5, "fan_avg", "uniform")
+
+
+def _dtype(name: str) -> jnp.dtype:
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {name!r}")
+    return jnp.dtype(name)
+
+
+def shift_right(targets: jax.Array) -> jax.Array:
+    """Decoder inputs: ``[B, T]`` targets shifted one step right with ``PAD_ID`` as start token."""
+    start = jnp.full_like(targets[:, :1], PAD_ID)
+    return jnp.concatenate([start, targets[:, :-1]], axis=1)
+
+
+def sinusoidal_positions(positions: jax.Array, dim: int) -> jax.Array:
+    """fairseq sinusoidal embedding: float32 ``[*positions.shape, dim]``, ``[sin | cos]`` halves.
+
+    ``positions`` are int, 0-based. Frequencies are ``10000^(-i / (dim/2 - 1))``.
+    """
+    half = dim // 2
+    freqs = jnp.exp(jnp.arange(half, dtype=jnp.float32) * -(math.log(10000.0) / (half - 1)))
+    angles = positions.astype(jnp.float32)[..., None] * freqs
+    emb = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+    if dim % 2:
+        emb = jnp.concatenate([emb, jnp.zeros((*emb.shape[:-1], 1), emb.dtype)], axis=-1)
+    return emb
+
+
+# -- attention ------------------------------------------------------------------------------------
+
+
+class Attention(nnx.Module):
+    """Multi-head attention with separate q/k/v/out projections (with biases), as in fairseq.
+
+    Split into :meth:`project_kv` and :meth:`attend` so that the decoder can cache keys/values.
+    """
+
+    def __init__(
+        self,
+        emb_dim: int,
+        num_heads: int,
+        *,
+        attention_dropout: float,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        if emb_dim % num_heads:
+            raise ValueError(f"emb_dim {emb_dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = emb_dim // num_heads
+        self.dtype = dtype
+
+        def linear(init):
+            return nnx.Linear(emb_dim, emb_dim, kernel_init=init, dtype=dtype, rngs=rngs)
+
+        self.query, self.key, self.value = linear(_xavier_qkv), linear(_xavier_qkv), linear(
+            _xavier_qkv
+        )
+        self.out = linear(_xavier)
+        self.dropout = nnx.Dropout(attention_dropout, rngs=rngs)
+
+    def _heads(self, x: jax.Array) -> jax.Array:
+        return x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+
+    def project_kv(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Keys and values of ``x [B, S, emb]``: each ``[B, S, H, Dh]`` in the compute dtype."""
+        return self._heads(self.key(x)), self._heads(self.value(x))
+
+    def attend(
+        self,
+        x: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        mask: jax.Array,
+        *,
+        deterministic: bool,
+    ) -> jax.Array:
+        """Queries from ``x [B, T, emb]`` attend to ``k, v [B, S, H, Dh]``.
+
+        ``mask`` is bool, broadcastable to ``[B, H, T, S]``. Returns ``[B, T, emb]``.
+        """
+        q = self._heads(self.query(x)) * (self.head_dim**-0.5)
+        logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+        logits = jnp.where(mask, logits, _MASK_VALUE)
+        weights = jax.nn.softmax(logits, axis=-1)
+        weights = self.dropout(weights, deterministic=deterministic).astype(self.dtype)
+        heads = jnp.einsum("bhts,bshd->bthd", weights, v)
+        return self.out(heads.reshape(*heads.shape[:2], -1))
+
+    def __call__(
+        self, x: jax.Array, memory: jax.Array, mask: jax.Array, *, deterministic: bool
+    ) -> jax.Array:
+        k, v = self.project_kv(memory)
+        return self.attend(x, k, v, mask, deterministic=deterministic)
+
+
+# -- feed-forward ---------------------------------------------------------------------------------
+
+
+class FeedForward(nnx.Module):
+    """Dense FFN ``Linear -> ReLU -> Dropout -> Linear`` (fairseq ``fc1``/``fc2``)."""
+
+    def __init__(
+        self,
+        emb_dim: int,
+        mlp_dim: int,
+        *,
+        activation_dropout: float,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.wi = nnx.Linear(emb_dim, mlp_dim, kernel_init=_xavier, dtype=dtype, rngs=rngs)
+        self.wo = nnx.Linear(mlp_dim, emb_dim, kernel_init=_xavier, dtype=dtype, rngs=rngs)
+        self.dropout = nnx.Dropout(activation_dropout, rngs=rngs)
+
+    def __call__(
+        self, x: jax.Array, token_mask: jax.Array | None = None, *, deterministic: bool = False
+    ) -> tuple[jax.Array, None]:
+        del token_mask  # only the MoE layer's statistics need it
+        h = self.dropout(jax.nn.relu(self.wi(x)), deterministic=deterministic)
+        return self.wo(h), None
+
+
+def _make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx.Rngs):
+    """The feed-forward sublayer of ``layer``: MoE on every ``moe_every``-th layer, else dense."""
+    num_experts = int(model_cfg.num_experts)
+    if num_experts > 0 and layer % int(model_cfg.moe_every) == 0:
+        # Imported here so that the dense model does not depend on the MoE module.
+        from sparsemixer_jax.moe import MoEFeedForward
+
+        return MoEFeedForward(
+            model_cfg.emb_dim,
+            model_cfg.mlp_dim,
+            num_experts,
+            router=router_cfg.name,
+            jitter_eps=float(router_cfg.jitter_eps),
+            activation_dropout=float(model_cfg.activation_dropout),
+            dispatch=model_cfg.dispatch,
+            capacity_factor=float(model_cfg.capacity_factor),
+            dtype=dtype,
+            mesh=mesh,
+            rngs=rngs,
+        )
+    return FeedForward(
+        model_cfg.emb_dim,
+        model_cfg.mlp_dim,
+        activation_dropout=float(model_cfg.activation_dropout),
+        dtype=dtype,
+        rngs=rngs,
+    )
+
+
+def _layer_norm(emb_dim: int, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    # fairseq's LayerNorm epsilon; flax computes the statistics in float32 whatever ``dtype``.
+    return nnx.LayerNorm(emb_dim, epsilon=1e-5, dtype=dtype, rngs=rngs)
+
+
+# -- layers ---------------------------------------------------------------------------------------
+
+
+class EncoderLayer(nnx.Module):
+    """Post-norm encoder layer: self-attention, then the (dense or MoE) feed-forward."""
+
+    def __init__(self, model_cfg, router_cfg, layer: int, *, dtype, mesh, rngs: nnx.Rngs):
+        emb = model_cfg.emb_dim
+        self.self_attn = Attention(
+            emb,
+            model_cfg.num_heads,
+            attention_dropout=float(model_cfg.attention_dropout),
+            dtype=dtype,
+            rngs=rngs,
+        )
+        self.self_attn_norm = _layer_norm(emb, dtype, rngs)
+        self.ffn = _make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
+        self.ffn_norm = _layer_norm(emb, dtype, rngs)
+        self.dropout = nnx.Dropout(float(model_cfg.dropout), rngs=rngs)
+
+    def __call__(
+        self, x: jax.Array, mask: jax.Array, token_mask: jax.Array, *, deterministic: bool
+    ) -> tuple[jax.Array, dict | None]:
+        """``x [B, S, emb]``, ``mask [B, 1, 1, S]``, ``token_mask [B, S]`` -> ``x``, metrics."""
+        h = self.self_attn(x, x, mask, deterministic=deterministic)
+        x = self.self_attn_norm(x + self.dropout(h, deterministic=deterministic))
+        h, metrics = self.ffn(x, token_mask, deterministic=deterministic)
+        x = self.ffn_norm(x + self.dropout(h, deterministic=deterministic))
+        return x, metrics
+
+
+class DecoderLayer(nnx.Module):
+    """Post-norm decoder layer: causal self-attention, cross-attention, feed-forward."""
+
+    def __init__(self, model_cfg, router_cfg, layer: int, *, dtype, mesh, rngs: nnx.Rngs):
+        emb, heads = model_cfg.emb_dim, model_cfg.num_heads
+        att_drop = float(model_cfg.attention_dropout)
+        self.self_attn = Attention(
+            emb, heads, attention_dropout=att_drop, dtype=dtype, rngs=rngs
+        )
+        self.self_attn_norm = _layer_norm(emb, dtype, rngs)
+        self.cross_attn = Attention(
+            emb, heads, attention_dropout=att_drop, dtype=dtype, rngs=rngs
+        )
+        self.cross_attn_norm = _layer_norm(emb, dtype, rngs)
+        self.ffn = _make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
+        self.ffn_norm = _layer_norm(emb, dtype, rngs)
+        self.dropout = nnx.Dropout(float(model_cfg.dropout), rngs=rngs)
+
+    def _residual(self, norm, x, h, deterministic):
+        return norm(x + self.dropout(h, deterministic=deterministic))
+
+    def __call__(
+        self,
+        x: jax.Array,
+        self_kv: tuple[jax.Array, jax.Array],
+        self_mask: jax.Array,
+        cross_kv: tuple[jax.Array, jax.Array],
+        cross_mask: jax.Array,
+        token_mask: jax.Array | None,
+        *,
+        deterministic: bool,
+    ) -> tuple[jax.Array, dict | None]:
+        """One decoder layer on ``x [B, T, emb]`` given precomputed keys/values.
+
+        ``self_kv`` are the self-attention keys/values ``[B, L, H, Dh]`` (of ``x`` itself in the
+        teacher-forced pass, or the cache in incremental decoding), ``cross_kv`` those of the
+        encoder output ``[B, S, H, Dh]``. Masks broadcast to ``[B, H, T, L]`` and ``[B, H, T, S]``.
+        """
+        h = self.self_attn.attend(x, *self_kv, self_mask, deterministic=deterministic)
+        x = self._residual(self.self_attn_norm, x, h, deterministic)
+        h = self.cross_attn.attend(x, *cross_kv, cross_mask, deterministic=deterministic)
+        x = self._residual(self.cross_attn_norm, x, h, deterministic)
+        h, metrics = self.ffn(x, token_mask, deterministic=deterministic)
+        x = self._residual(self.ffn_norm, x, h, deterministic)
+        return x, metrics
+
+
+# -- decoding state -------------------------------------------------------------------------------
+
+
+class Encoded(NamedTuple):
+    """What incremental decoding needs from the encoder (a pytree; batch axis first).
+
+    Attributes:
+      cross_k, cross_v: per decoder layer, the cross-attention keys/values ``[B, S, H, Dh]``.
+      src_mask: bool ``[B, S]``, True on source tokens (not padding).
+    """
+
+    cross_k: tuple[jax.Array, ...]
+    cross_v: tuple[jax.Array, ...]
+    src_mask: jax.Array
+
+
+class DecodeCache(NamedTuple):
+    """Decoder self-attention cache (a pytree).
+
+    Attributes:
+      index: int32 scalar, the position of the next token to feed (shared by the whole batch).
+      k, v: per decoder layer, ``[B, L, H, Dh]`` keys/values of positions ``< index``.
+    """
+
+    index: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
+# -- the model ------------------------------------------------------------------------------------
+
+
+def _token_embedding_init(emb_dim: int):
+    # fairseq: N(0, emb_dim^-1/2); with the sqrt(emb_dim) input scale the inputs have unit scale.
+    return nnx.initializers.normal(stddev=emb_dim**-0.5)
+
+
+class Transformer(nnx.Module):
+    """Switch Transformer encoder-decoder for translation.
+
+    Args:
+      config: the experiment config (``config.model.*`` and ``config.router.*`` are read; see
+        ``configs/wmt_base.py``), or any object with ``model`` and ``router`` attributes.
+      vocab_size: size of the shared vocabulary (id 0 is padding / decoder start).
+      mesh: optional ``jax.sharding.Mesh`` handed to the MoE layers.
+      rngs: ``nnx.Rngs``; ``params`` for initialisation, ``dropout`` (and whatever the MoE layer
+        uses for routing) at training time.
+    """
+
+    def __init__(self, config: Any, vocab_size: int, *, mesh=None, rngs: nnx.Rngs):
+        m, r = config.model, config.router
+        self.vocab_size = int(vocab_size)
+        self.emb_dim = int(m.emb_dim)
+        self.num_heads = int(m.num_heads)
+        self.num_experts = int(m.num_experts)
+        self.dtype = _dtype(m.compute_dtype)
+        dtype = self.dtype
+        self.embed = nnx.Embed(
+            self.vocab_size,
+            self.emb_dim,
+            embedding_init=_token_embedding_init(self.emb_dim),
+            dtype=dtype,
+            rngs=rngs,
+        )
+        self.embed_dropout = nnx.Dropout(float(m.dropout), rngs=rngs)
+        self.encoder_layers = nnx.List(
+            [
+                EncoderLayer(m, r, i, dtype=dtype, mesh=mesh, rngs=rngs)
+                for i in range(int(m.encoder_layers))
+            ]
+        )
+        self.decoder_layers = nnx.List(
+            [
+                DecoderLayer(m, r, i, dtype=dtype, mesh=mesh, rngs=rngs)
+                for i in range(int(m.decoder_layers))
+            ]
+        )
+
+    # -- pieces ----------------------------------------------------------------------------------
+
+    def _embed(self, tokens: jax.Array, positions: jax.Array, deterministic: bool) -> jax.Array:
+        """``tokens [B, T]`` at ``positions`` (broadcastable to ``[B, T]``) -> ``[B, T, emb]``."""
+        x = self.embed(tokens) * jnp.asarray(math.sqrt(self.emb_dim), self.dtype)
+        x = x + sinusoidal_positions(positions, self.emb_dim).astype(self.dtype)
+        return self.embed_dropout(x, deterministic=deterministic)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        """Tied output projection: ``[..., emb]`` -> float32 ``[..., V]`` (f32 accumulation)."""
+        table = self.embed.embedding[...].astype(self.dtype)
+        return jnp.einsum("...e,ve->...v", x, table, preferred_element_type=jnp.float32)
+
+    def _encode(
+        self, inputs: jax.Array, deterministic: bool
+    ) -> tuple[jax.Array, jax.Array, dict[str, dict]]:
+        """Encoder over ``inputs [B, S]`` -> hidden ``[B, S, emb]``, source mask, MoE metrics."""
+        src_mask = inputs != PAD_ID
+        positions = jnp.arange(inputs.shape[1])[None, :]
+        x = self._embed(inputs, positions, deterministic)
+        attn_mask = src_mask[:, None, None, :]
+        metrics = {}
+        for i, layer in enumerate(self.encoder_layers):
+            x, layer_metrics = layer(x, attn_mask, src_mask, deterministic=deterministic)
+            if layer_metrics is not None:
+                metrics[f"encoder/layer_{i}"] = layer_metrics
+        return x, src_mask, metrics
+
+    def _cross_kv(self, hidden: jax.Array) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        kvs = [layer.cross_attn.project_kv(hidden) for layer in self.decoder_layers]
+        return tuple(k for k, _ in kvs), tuple(v for _, v in kvs)
+
+    # -- teacher-forced forward ------------------------------------------------------------------
+
+    def __call__(
+        self, inputs: jax.Array, targets: jax.Array, *, deterministic: bool = False
+    ) -> tuple[jax.Array, dict[str, Any]]:
+        """Teacher-forced forward pass.
+
+        Args:
+          inputs: int ``[B, S]`` source ids, 0-padded.
+          targets: int ``[B, T]`` target ids, 0-padded; the decoder reads them shifted right.
+          deterministic: disable dropout and use deterministic (argmax) routing.
+
+        Returns:
+          ``logits`` float32 ``[B, T, V]`` (position t predicts ``targets[:, t]``) and ``aux``:
+          ``{"moe": {"encoder/layer_0": metrics, ..., "decoder/layer_0": ...},
+          "balance_loss": sum over MoE layers, "z_loss": sum over MoE layers}`` (both float32
+          scalars, 0 for the dense model).
+        """
+        hidden, src_mask, metrics = self._encode(inputs, deterministic)
+        cross_k, cross_v = self._cross_kv(hidden)
+
+        tgt_mask = targets != PAD_ID
+        length = targets.shape[1]
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        # Key j holds decoder input j; it is masked where target j is padding, which for every
+        # non-padding query equals masking padded decoder inputs (the start token stays visible).
+        self_mask = causal[None, None] & tgt_mask[:, None, None, :]
+        cross_mask = src_mask[:, None, None, :]
+
+        x = self._embed(shift_right(targets), jnp.arange(length)[None, :], deterministic)
+        for i, layer in enumerate(self.decoder_layers):
+            self_kv = layer.self_attn.project_kv(x)
+            x, layer_metrics = layer(
+                x,
+                self_kv,
+                self_mask,
+                (cross_k[i], cross_v[i]),
+                cross_mask,
+                tgt_mask,
+                deterministic=deterministic,
+            )
+            if layer_metrics is not None:
+                metrics[f"decoder/layer_{i}"] = layer_metrics
+        return self._logits(x), _aux(metrics)
+
+    # -- incremental decoding --------------------------------------------------------------------
+
+    def encode(self, inputs: jax.Array, *, deterministic: bool = True) -> Encoded:
+        """Runs the encoder on ``inputs [B, S]`` and projects its output for every decoder layer."""
+        hidden, src_mask, _ = self._encode(inputs, deterministic)
+        cross_k, cross_v = self._cross_kv(hidden)
+        return Encoded(cross_k=cross_k, cross_v=cross_v, src_mask=src_mask)
+
+    def init_cache(self, batch_size: int, max_len: int) -> DecodeCache:
+        """An empty cache for ``batch_size`` sequences of at most ``max_len`` decoder positions."""
+        head_dim = self.emb_dim // self.num_heads
+        shape = (batch_size, max_len, self.num_heads, head_dim)
+        n = len(self.decoder_layers)
+        zeros = tuple(jnp.zeros(shape, self.dtype) for _ in range(n))
+        return DecodeCache(index=jnp.zeros((), jnp.int32), k=zeros, v=zeros)
+
+    def decode_step(
+        self,
+        tokens: jax.Array,
+        cache: DecodeCache,
+        encoded: Encoded,
+        *,
+        deterministic: bool = True,
+    ) -> tuple[jax.Array, DecodeCache]:
+        """Feeds one decoder input per sequence and returns the next-token logits.
+
+        Args:
+          tokens: int ``[B]``, the decoder input at position ``cache.index`` (``PAD_ID`` as the
+            start token at position 0, then the previously chosen token).
+          cache: from :meth:`init_cache` or the previous step; batch size ``B``.
+          encoded: from :meth:`encode`, batch size ``B`` (repeat it for beams).
+
+        Returns:
+          float32 ``[B, V]`` logits for the token at position ``cache.index`` and the updated
+          cache (``index + 1``). Equal to the teacher-forced logits at that position.
+        """
+        index = cache.index
+        max_len = cache.k[0].shape[1]
+        x = self._embed(tokens[:, None], index[None, None], deterministic)
+        self_mask = (jnp.arange(max_len) <= index)[None, None, None, :]
+        cross_mask = encoded.src_mask[:, None, None, :]
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.decoder_layers):
+            k, v = layer.self_attn.project_kv(x)
+            k = jax.lax.dynamic_update_slice_in_dim(cache.k[i], k.astype(cache.k[i].dtype), index, 1)
+            v = jax.lax.dynamic_update_slice_in_dim(cache.v[i], v.astype(cache.v[i].dtype), index, 1)
+            new_k.append(k)
+            new_v.append(v)
+            x, _ = layer(
+                x,
+                (k, v),
+                self_mask,
+                (encoded.cross_k[i], encoded.cross_v[i]),
+                cross_mask,
+                None,
+                deterministic=deterministic,
+            )
+        new_cache = DecodeCache(index=index + 1, k=tuple(new_k), v=tuple(new_v))
+        return self._logits(x[:, 0]), new_cache
+
+
+def _aux(metrics: dict[str, dict]) -> dict[str, Any]:
+    """Collects per-layer MoE metrics and sums the auxiliary losses over layers."""
+    zero = jnp.zeros((), jnp.float32)
+    balance = sum((m["balance_loss"] for m in metrics.values()), zero)
+    z_loss = sum((m["z_loss"] for m in metrics.values()), zero)
+    return {"moe": metrics, "balance_loss": balance, "z_loss": z_loss}
+
+
+# -- after training ---------------------------------------------------------------------------------
+
+
+def fold_omega(model: nnx.Module) -> int:
+    """Folds SparseMixer's ``omega`` into the experts' output projections, in place.
+
+    The MoE output is ``omega * gate * (h @ wo + bo)`` for the chosen expert, so scaling every
+    expert's ``wo [N, mlp, emb]`` and ``bo [N, emb]`` by ``omega [emb]`` and then setting ``omega``
+    to ones leaves the function unchanged and saves one multiply at inference.
+
+    Returns the number of MoE layers folded (0 for the dense model or a Switch router).
+    """
+    folded = 0
+    for _, module in nnx.iter_modules(model):
+        omega = getattr(module, "omega", None)
+        if not isinstance(omega, nnx.Variable):
+            continue
+        scale = omega[...]
+        wo, bo = _expert_output_params(module)
+        wo[...] = wo[...] * scale.astype(wo[...].dtype)
+        bo[...] = bo[...] * scale.astype(bo[...].dtype)
+        omega[...] = jnp.ones_like(scale)
+        folded += 1
+    return folded
+
+
+def _expert_output_params(module: nnx.Module) -> tuple[nnx.Variable, nnx.Variable]:
+    """The stacked expert output weight ``[N, mlp, emb]`` and bias ``[N, emb]`` of an MoE layer."""
+    holders = [module, getattr(module, "experts", None)]
+    for holder in holders:
+        if holder is None:
+            continue
+        wo, bo = getattr(holder, "wo", None), getattr(holder, "bo", None)
+        if isinstance(wo, nnx.Variable) and isinstance(bo, nnx.Variable):
+            return wo, bo
+    raise TypeError(f"cannot find stacked expert 'wo'/'bo' parameters on {type(module).__name__}")
