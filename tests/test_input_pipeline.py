@@ -1,0 +1,357 @@
+"""Input pipeline: readers, errors, SentencePiece cache, bucketing, resumable order, hosts, eval."""
+
+import collections
+import gzip
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from configs.wmt_base import get_config
+from sparsemixer_jax import input_pipeline as ip
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MULTI30K = os.path.join(REPO, "..", "shared", "data", "multi30k")
+
+
+def synthetic_config(size: int = 400, vocab: int = 120, max_len: int = 64, max_tokens: int = 1024):
+    c = get_config()
+    c.data.source = "synthetic"
+    c.data.synthetic_size = size
+    c.data.vocab_size = vocab
+    c.data.vocab_sample_sentences = 300
+    c.data.max_len = max_len
+    c.data.max_tokens = max_tokens
+    return c
+
+
+def text_config(directory: str, **overrides):
+    c = get_config()
+    c.data.source = "text"
+    c.data.dir = str(directory)
+    c.data.train_prefix, c.data.valid_prefix, c.data.test_prefix = "train", "valid", "test"
+    c.data.vocab_size = 25
+    c.data.max_len = 64
+    c.data.max_tokens = 256
+    for k, v in overrides.items():
+        c.data[k] = v
+    return c
+
+
+def write_pair(directory, prefix: str, src: list[str], tgt: list[str], gz: bool = False):
+    for lang, lines in (("en", src), ("de", tgt)):
+        path = os.path.join(directory, f"{prefix}.{lang}" + (".gz" if gz else ""))
+        opener = gzip.open if gz else open
+        with opener(path, "wt", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+
+
+def rows(batch: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The non-padding rows of a batch as (source ids, target ids) tuples without padding."""
+    out = []
+    for s, t in zip(batch["inputs"], batch["targets"], strict=True):
+        if s[0] != ip.PAD_ID:
+            out.append((tuple(int(x) for x in s if x), tuple(int(x) for x in t if x)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    config = synthetic_config()
+    workdir = str(tmp_path_factory.mktemp("synth"))
+    data = ip.load_datasets(config, workdir, batch_multiple=4, process_index=0, process_count=1)
+    return config, workdir, data
+
+
+# ----- import hygiene -------------------------------------------------------------------------
+def test_import_does_not_load_tensorflow():
+    code = (
+        "import sys, sparsemixer_jax, sparsemixer_jax.input_pipeline, sparsemixer_jax.bleu\n"
+        "bad = [m for m in ('tensorflow', 'tensorflow_datasets') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
+
+
+# ----- config and reader errors ---------------------------------------------------------------
+def test_unknown_source_is_named():
+    c = synthetic_config()
+    c.data.source = "csv"
+    with pytest.raises(
+        ValueError, match=r"unknown config.data.source 'csv'.*tfds, text, synthetic"
+    ):
+        ip.load_datasets(c, "/nonexistent", process_index=0, process_count=1)
+
+
+@pytest.mark.parametrize(
+    ("source", "field"),
+    [
+        ("synthetic", "max_tokens"),
+        ("text", "dir"),
+        ("synthetic", "synthetic_size"),
+        ("tfds", "tfds_name"),
+    ],
+)
+def test_missing_config_field_is_named(source, field):
+    c = synthetic_config()
+    c.data.source = source
+    del c.data[field]
+    with pytest.raises(ValueError, match=f"missing fields .*'{field}'"):
+        ip.check_config(c)
+
+
+def test_missing_text_file_names_both_paths(tmp_path):
+    with pytest.raises(FileNotFoundError) as err:
+        ip.read_text(str(tmp_path), "train", "en", "de")
+    plain = os.path.join(str(tmp_path), "train.en")
+    assert plain in str(err.value) and plain + ".gz" in str(err.value)
+
+
+def test_misaligned_files_name_both_files_and_counts(tmp_path):
+    write_pair(tmp_path, "train", ["a", "b", "c"], ["x", "y"])
+    with pytest.raises(ValueError) as err:
+        ip.read_text(str(tmp_path), "train", "en", "de")
+    msg = str(err.value)
+    assert "train.en has 3 lines" in msg and "train.de has 2 lines" in msg
+
+
+def test_read_text_plain_and_gz_and_direction(tmp_path):
+    write_pair(tmp_path, "train", ["hello", "two words"], ["hallo", "zwei Wörter"], gz=True)
+    write_pair(tmp_path, "valid", ["one"], ["eins"], gz=False)
+    assert ip.read_text(str(tmp_path), "train", "en", "de") == [
+        ("hello", "hallo"),
+        ("two words", "zwei Wörter"),
+    ]
+    assert ip.read_text(str(tmp_path), "valid", "de", "en") == [("eins", "one")]
+
+
+# ----- synthetic language -------------------------------------------------------------------
+def test_synthetic_is_seeded_and_well_formed():
+    a, b, other = (
+        ip.synthetic_pairs(300, 0, 0),
+        ip.synthetic_pairs(300, 0, 0),
+        ip.synthetic_pairs(300, 1, 0),
+    )
+    assert a == b and a != other
+    assert ip.synthetic_pairs(300, 0, 1) != a  # valid is a different stream from train
+    lengths = [len(s.split()) for s, _ in a]
+    assert min(lengths) >= 3 and max(lengths) <= 15 and len(set(lengths)) >= 8
+    # Word-for-word (same word count); the verb (the word after the subject NP's noun) goes last
+    # and always translates the same way: a dictionary a model can learn.
+    verb_translation = collections.defaultdict(set)
+    lex = ip._lexicon()
+    verbs = {s for s, _ in lex.verbs}
+    for s, t in a:
+        assert len(s.split()) == len(t.split())
+        verb = next(w for w in s.split() if w in verbs)
+        verb_translation[verb].add(t.split()[-1])
+    assert all(len(v) == 1 for v in verb_translation.values())
+
+
+# ----- tokenizer cache ------------------------------------------------------------------------
+def test_tokenizer_ids_and_roundtrip(synth):
+    _, _, data = synth
+    tok = data.tokenizer
+    assert (tok.vocab_size, tok.pad_id, tok.eos_id) == (120, 0, 1)
+    text = data.test_sources[0]
+    ids = tok.encode(text)
+    assert ip.EOS_ID not in ids and ip.PAD_ID not in ids
+    assert tok.decode([*ids, ip.EOS_ID, 5, 6, 0, 0]) == text  # stops at EOS
+
+
+def test_tokenizer_is_cached_and_size_checked(synth):
+    config, workdir, data = synth
+    path = os.path.join(workdir, "spm.model")
+    mtime = os.path.getmtime(path)
+    again = ip.get_tokenizer(config, workdir, [])  # no text: must come from the cache
+    assert os.path.getmtime(path) == mtime and again.encode("ta") == data.tokenizer.encode("ta")
+    bigger = synthetic_config(vocab=150)
+    with pytest.raises(
+        ValueError, match=r"spm.model has 120 pieces but config.data.vocab_size is 150"
+    ):
+        ip.get_tokenizer(bigger, workdir, [])
+
+
+def test_vocab_too_large_fails_with_suggestion(tmp_path):
+    c = synthetic_config(size=50, vocab=5000)
+    with pytest.raises(ValueError, match=r"vocab_size=5000 is too large.*at most \d+ pieces"):
+        ip.get_tokenizer(c, str(tmp_path), ip.synthetic_pairs(50, 0, 0))
+    assert not os.path.exists(tmp_path / "spm.model")
+
+
+# ----- bucketing and batches ------------------------------------------------------------------
+def test_bucket_lengths_and_sizes():
+    lengths = ip.bucket_lengths(256)
+    assert lengths[0] == 8 and lengths[-1] == 256 and lengths == sorted(set(lengths))
+    assert len(lengths) <= 16
+    for length in lengths:
+        size = ip.bucket_batch_size(length, 4096, 8)
+        assert size % 8 == 0 and size * length <= 4096 and (size + 8) * length > 4096
+
+
+def test_train_batches_respect_token_budget_and_cover_the_epoch(synth):
+    config, _, data = synth
+    train = data.train
+    max_tokens = config.data.max_tokens
+    seen = []
+    shapes = set()
+    for _ in range(train.num_batches):
+        batch = next(train)
+        assert set(batch) == {"inputs", "targets"}
+        assert batch["inputs"].dtype == np.int32 and batch["targets"].dtype == np.int32
+        b, length = batch["inputs"].shape
+        assert batch["targets"].shape == (b, length) and b * length <= max_tokens and b % 4 == 0
+        shapes.add((b, length))
+        for src, tgt in rows(batch):
+            assert src[-1] == ip.EOS_ID and tgt[-1] == ip.EOS_ID
+        seen += rows(batch)
+    assert shapes <= set(train.shapes)
+    assert train.state()["epoch"] == 0 and train.state()["index"] == train.num_batches
+    # One epoch = every training example exactly once.
+    expected = [
+        (tuple(train.examples.src(i).tolist()), tuple(train.examples.tgt(i).tolist()))
+        for i in range(len(train.examples))
+    ]
+    assert collections.Counter(seen) == collections.Counter(expected)
+    stats = data.stats["train"]
+    assert len(seen) == stats["kept"] == config.data.synthetic_size - stats["too_long"]
+    assert stats["too_long"] < 0.05 * config.data.synthetic_size
+
+
+def test_restore_replays_exactly(synth):
+    _, _, data = synth
+    t = data.train
+    fresh = ip.TrainBatches(t.examples, t.lengths, t.batch_sizes, seed=3)
+    for _ in range(t.num_batches - 2):  # stop just before an epoch boundary
+        next(fresh)
+    state = fresh.state()
+    expected = [next(fresh) for _ in range(5)]  # crosses into epoch 1
+    assert fresh.state()["epoch"] == 1
+    resumed = ip.TrainBatches(t.examples, t.lengths, t.batch_sizes, seed=3)
+    resumed.restore(state)
+    for a, b in zip(expected, (next(resumed) for _ in range(5)), strict=True):
+        np.testing.assert_array_equal(a["inputs"], b["inputs"])
+        np.testing.assert_array_equal(a["targets"], b["targets"])
+    # Epochs and seeds reorder the data.
+    e0 = [r for _, r in fresh.epoch_plan(0)]
+    e1 = [r for _, r in fresh.epoch_plan(1)]
+    other = [
+        r for _, r in ip.TrainBatches(t.examples, t.lengths, t.batch_sizes, seed=4).epoch_plan(0)
+    ]
+    assert any(not np.array_equal(a, b) for a, b in zip(e0, e1, strict=True))
+    assert any(not np.array_equal(a, b) for a, b in zip(e0, other, strict=True))
+    with pytest.raises(ValueError, match="batches per epoch"):
+        resumed.restore({"epoch": 0, "index": 0, "num_batches": t.num_batches + 1})
+
+
+def test_hosts_split_the_same_global_batch(synth):
+    _, _, data = synth
+    t = data.train
+    single = ip.TrainBatches(t.examples, t.lengths, t.batch_sizes, seed=0)
+    hosts = [
+        ip.TrainBatches(
+            t.examples, t.lengths, t.batch_sizes, seed=0, process_index=p, process_count=2
+        )
+        for p in range(2)
+    ]
+    for _ in range(t.num_batches + 1):
+        whole = next(single)
+        parts = [next(h) for h in hosts]
+        assert parts[0]["inputs"].shape[0] == whole["inputs"].shape[0] // 2
+        for key in ("inputs", "targets"):
+            np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), whole[key])
+
+
+def test_eval_batches_keep_everything_in_recoverable_order(synth):
+    _, _, data = synth
+    tok = data.tokenizer
+    n = len(data.test_sources)
+    assert n == ip.synthetic_split_sizes(400)[2] == len(data.test_references)
+    decoded_src = ip.restore_order(
+        data.test, [[tok.decode(r) for r in b["inputs"]] for b in data.test], n
+    )
+    decoded_tgt = ip.restore_order(
+        data.test, [[tok.decode(r) for r in b["targets"]] for b in data.test], n
+    )
+    assert decoded_src == data.test_sources and decoded_tgt == data.test_references
+    assert data.test_sources == [s for s, _ in ip.synthetic_pairs(n, 0, 2)]
+    for b in data.valid + data.test:
+        assert b["inputs"].shape[0] * b["inputs"].shape[1] <= 1024
+        assert ((b["index"] >= 0) == (b["inputs"][:, 0] != 0)).all()
+
+
+def test_too_small_token_budget_is_rejected():
+    c = synthetic_config(max_len=64, max_tokens=100)
+    with pytest.raises(ValueError, match="max_tokens=100 cannot hold 2 rows"):
+        ip.load_datasets(c, "/nonexistent", batch_multiple=2, process_index=0, process_count=1)
+
+
+# ----- skipping, counting, logging (text source) ----------------------------------------------
+def test_empty_and_long_pairs_are_skipped_counted_and_logged(tmp_path, caplog):
+    words = ["the", "small", "dog", "runs", "to", "the", "big", "house", "and", "back", "again"]
+    src = [" ".join(words[: 3 + i % 6]) for i in range(120)]
+    tgt = [" ".join(reversed(words[: 3 + i % 6])) for i in range(120)]
+    src[5] = "   "  # empty source
+    tgt[9] = ""  # empty target
+    src[11] = " ".join(words * 6)  # far over max_len tokens
+    write_pair(tmp_path, "train", src, tgt)
+    write_pair(tmp_path, "valid", ["the dog", "", " ".join(words * 6)], ["dog the", "x", "long"])
+    write_pair(tmp_path, "test", ["the house"], ["house the"], gz=True)
+    config = text_config(tmp_path)
+    with caplog.at_level(logging.INFO, logger="sparsemixer_jax.input_pipeline"):
+        data = ip.load_datasets(config, str(tmp_path / "work"), process_index=0, process_count=1)
+    stats = data.stats["train"]
+    assert (stats["pairs"], stats["empty"], stats["too_long"], stats["kept"]) == (120, 2, 1, 117)
+    assert (
+        "skipped 2 pairs with an empty side and 1 pairs with a side over max_len=64" in caplog.text
+    )
+    # Eval drops only the empty pair and keeps the over-long one in a longer bucket.
+    assert data.valid_sources == ["the dog", " ".join(words * 6)]
+    assert data.stats["valid"]["over_max_len_kept"] == 1
+    assert max(b["inputs"].shape[1] for b in data.valid) > config.data.max_len
+    assert data.test_references == ["house the"]
+
+
+# ----- real data ------------------------------------------------------------------------------
+@pytest.mark.skipif(not os.path.isdir(MULTI30K), reason=f"Multi30k not found at {MULTI30K}")
+def test_multi30k_relative_dir(tmp_path):
+    config = text_config(
+        "../shared/data/multi30k",
+        train_prefix="train",
+        valid_prefix="val",
+        test_prefix="test_2016_flickr",
+        vocab_size=200,
+        vocab_sample_sentences=1000,
+        max_len=128,
+        max_tokens=2048,
+    )
+    data = ip.load_datasets(
+        config, str(tmp_path), batch_multiple=8, process_index=0, process_count=1
+    )
+    stats = data.stats["train"]
+    assert stats["pairs"] == 29000 and stats["kept"] + stats["too_long"] + stats["empty"] == 29000
+    assert stats["kept"] > 28000  # captions are short
+    with gzip.open(os.path.join(MULTI30K, "test_2016_flickr.de.gz"), "rt", encoding="utf-8") as f:
+        assert data.test_references == [line.rstrip("\n") for line in f]
+    assert len(data.test_sources) == 1000 and data.test_sources[0].startswith("A man")
+    assert sum(ip.batch_counts(b)["examples"] for b in data.test) == 1000
+
+
+# ----- TFDS (mocked, offline) -----------------------------------------------------------------
+def test_tfds_reads_fields_by_name_not_supervised_keys(tmp_path):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    c = get_config()  # wmt14_translate/de-en, src=en, tgt=de
+    c.data.vocab_size = 40
+    c.data.max_len = 256
+    with tfds.testing.mock_data(num_examples=30):
+        builder = tfds.builder(c.data.tfds_name)
+        assert builder.info.supervised_keys == ("de", "en")  # the trap: de first
+        raw = list(tfds.as_numpy(builder.as_dataset(split="validation", shuffle_files=False)))
+        pairs = ip.read_tfds(c.data.tfds_name, "validation", "en", "de")
+        data = ip.load_datasets(c, str(tmp_path), process_index=0, process_count=1)
+    assert pairs == [(ex["en"].decode(), ex["de"].decode()) for ex in raw]
+    assert data.stats["train"]["pairs"] == 30
+    assert len(data.valid_sources) + data.stats["valid"]["empty"] == 30
