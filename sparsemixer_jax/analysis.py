@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparsemixer_jax.routing import Estimator, router_probs
 
@@ -202,10 +203,10 @@ def relative_error(estimate: jax.Array, target: jax.Array) -> jax.Array:
 
 def loglog_slope(scales, errors) -> float:
     """Least-squares slope of ``log(error)`` against ``log(scale)``: the order of accuracy."""
-    x = jnp.log(jnp.asarray(scales))
-    y = jnp.log(jnp.asarray(errors))
+    x = np.log(np.asarray(scales, dtype=np.float64))
+    y = np.log(np.asarray(errors, dtype=np.float64))
     x_c = x - x.mean()
-    return float(jnp.sum(x_c * (y - y.mean())) / jnp.sum(x_c * x_c))
+    return float(np.sum(x_c * (y - y.mean())) / np.sum(x_c * x_c))
 
 
 def accuracy_sweep(

@@ -1,0 +1,374 @@
+"""Tests of the routers: shapes, dtypes, masks, sampling, and the gradient estimators.
+
+Statistical tests use a fixed seed and a bound of 4.5 standard errors per component
+(two-sided false-alarm rate below 1e-5 per component for a correct implementation).
+"""
+
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsemixer_jax import analysis
+from sparsemixer_jax.routing import (
+    ROUTERS,
+    get_router,
+    load_balancing_loss,
+    router_probs,
+    router_z_loss,
+    routing_mask,
+    routing_metrics,
+    sparsemixer_route,
+    switch_route,
+    uses_omega,
+)
+
+Z_SE = 4.5
+KEY = jax.random.key(0)
+_STATIC = ("jitter_eps", "training", "mask", "estimator", "midpoint_prob", "backward_scale")
+# Jitted once per option set: eager op-by-op dispatch would dominate the suite's run time.
+route = jax.jit(sparsemixer_route, static_argnames=_STATIC)
+switch = jax.jit(switch_route, static_argnames=("jitter_eps", "training"))
+
+
+def gate_grad(z, key, **options):
+    """d sum(gate) / d logits."""
+    return _gate_grad(z, key, **options)
+
+
+@jax.jit
+def _probs_jacobian(z):
+    return jax.vmap(jax.jacobian(lambda zi: router_probs(zi, 0.1)))(z)  # [T, N, N]
+
+
+_gate_grad = jax.jit(
+    jax.grad(lambda z, key, **o: jnp.sum(sparsemixer_route(z, key, **o).gate)),
+    static_argnames=_STATIC,
+)
+
+
+def _logits(shape, scale=1.0, seed=1):
+    return scale * jax.random.normal(jax.random.key(seed), shape)
+
+
+# ---------------------------------------------------------------- shapes, dtypes, transforms
+
+
+class ShapeTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_sparsemixer_shapes(self):
+        for shape in [(6,), (5, 6), (2, 3, 6)]:
+            for training in (True, False):
+                route = self.variant(
+                    lambda z, k, t=training: sparsemixer_route(z, k, training=t)
+                )
+                out = route(_logits(shape), KEY)
+                chex.assert_shape(out.expert, shape[:-1])
+                chex.assert_shape(out.gate, shape[:-1])
+                chex.assert_shape(out.probs, shape)
+                chex.assert_type([out.expert, out.gate, out.probs], [jnp.int32, float, float])
+                np.testing.assert_allclose(out.probs.sum(-1), 1.0, rtol=1e-6)
+                chex.assert_tree_all_finite((out.gate, out.probs))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_switch_shapes(self):
+        for shape in [(6,), (5, 6), (2, 3, 6)]:
+            out = self.variant(lambda z, k: switch_route(z, k))(_logits(shape), KEY)
+            chex.assert_shape([out.expert, out.gate], shape[:-1])
+            chex.assert_shape(out.probs, shape)
+            assert out.expert.dtype == jnp.int32
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_grad_is_finite_and_zero_on_masked_experts(self):
+        z = _logits((4, 7), scale=3.0)
+
+        def loss(z):
+            return jnp.sum(sparsemixer_route(z, KEY).gate)
+
+        grad = self.variant(jax.grad(loss))(z)
+        chex.assert_tree_all_finite(grad)
+        keep = routing_mask(z, 0.1)
+        assert not bool(jnp.all(keep)), "test needs some masked experts"
+        np.testing.assert_array_equal(np.asarray(grad)[~np.asarray(keep)], 0.0)
+
+    def test_vmap_matches_per_row_calls(self):
+        z = _logits((5, 6))
+        keys = jax.random.split(KEY, 5)
+        batched = jax.vmap(lambda zi, ki: sparsemixer_route(zi, ki))(z, keys)
+        grads = jax.vmap(_gate_grad)(z, keys)
+        for i in range(5):
+            row = route(z[i], keys[i])
+            assert int(batched.expert[i]) == int(row.expert)
+            np.testing.assert_allclose(batched.gate[i], row.gate, rtol=1e-6)
+            np.testing.assert_allclose(grads[i], gate_grad(z[i], keys[i]), rtol=1e-6, atol=1e-7)
+
+
+def test_bfloat16_logits_route_in_float32():
+    z32 = _logits((8, 6)).astype(jnp.bfloat16).astype(jnp.float32)
+    z16 = z32.astype(jnp.bfloat16)
+    out16 = route(z16, KEY)
+    out32 = route(z32, KEY)
+    assert out16.gate.dtype == jnp.float32 and out16.probs.dtype == jnp.float32
+    np.testing.assert_array_equal(out16.expert, out32.expert)
+    np.testing.assert_allclose(out16.probs, out32.probs, rtol=1e-6)
+    grad16 = gate_grad(z16, KEY)
+    assert grad16.dtype == jnp.bfloat16
+    grad32 = gate_grad(z32, KEY)
+    np.testing.assert_allclose(grad16.astype(jnp.float32), grad32, rtol=1e-2, atol=1e-2)
+    sw = switch(z16, KEY)
+    assert sw.gate.dtype == jnp.float32
+
+
+# ---------------------------------------------------------------- masks
+
+
+def test_mask_rules_on_hand_computed_logits():
+    # gap 0.2 at z=0.8: reference tests 0.2 / max(0.8, 1.0) > 0.2 (no, kept);
+    # the paper tests 0.2 > 0.1 * (1.0 + 0.8) = 0.18 (yes, masked).
+    z = jnp.array([1.0, 0.8, 0.0])
+    np.testing.assert_array_equal(routing_mask(z, 0.1, "reference"), [True, True, False])
+    np.testing.assert_array_equal(routing_mask(z, 0.1, "paper"), [True, False, False])
+    np.testing.assert_array_equal(routing_mask(z, 0.1, "none"), [True, True, True])
+    # Negative maximum: reference scale is max(|z_i|, max z) = |z_i|.
+    z = jnp.array([-1.0, -1.15, -1.3])  # gaps 0.15/1.15 = 0.13 (kept), 0.3/1.3 = 0.23 (masked)
+    np.testing.assert_array_equal(routing_mask(z, 0.1, "reference"), [True, True, False])
+    with pytest.raises(ValueError, match="unknown mask rule"):
+        routing_mask(z, 0.1, "bogus")
+
+
+def test_probs_are_softmax_over_unmasked_logits():
+    z = jnp.array([2.0, 1.9, 0.5, 1.7])
+    keep = np.asarray(routing_mask(z, 0.1))
+    expected = np.where(keep, np.exp(z), 0.0)
+    expected /= expected.sum()
+    np.testing.assert_allclose(router_probs(z, 0.1), expected, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def test_sampling_frequencies_match_probs_and_masked_never_sampled():
+    num = 40_000
+    z = jnp.array([1.0, 0.9, 0.85, 0.3, -0.5, 0.95])
+    probs = np.asarray(router_probs(z, 0.1))
+    assert (probs == 0).sum() == 2, "test needs masked experts"
+    out = route(jnp.broadcast_to(z, (num, 6)), KEY)
+    counts = np.bincount(np.asarray(out.expert), minlength=6)
+    assert np.all(counts[probs == 0] == 0), counts
+    freq = counts / num
+    se = np.sqrt(probs * (1 - probs) / num)
+    live = probs > 0
+    assert np.all(np.abs(freq - probs)[live] < Z_SE * se[live]), (freq, probs, se)
+
+
+def test_coin_frequency_and_gate_values():
+    num = 40_000
+    z = jnp.broadcast_to(jnp.array([1.0, 0.95, 0.9]), (num, 3))
+    for p in (0.5, 0.25, 1.0):
+        out = route(z, KEY, midpoint_prob=p)
+        prob_at = np.take_along_axis(np.asarray(out.probs), np.asarray(out.expert)[:, None], -1)
+        ratio = np.asarray(out.gate) / prob_at[:, 0]
+        assert set(np.round(np.unique(ratio), 6)) <= {0.5, 1.0}
+        top = np.asarray(out.expert) == 0
+        assert np.all(ratio[top] == 1.0), "the argmax always takes the Euler branch"
+        halved = (ratio[~top] == 0.5).mean()
+        se = np.sqrt(p * (1 - p) / (~top).sum())
+        assert abs(halved - p) <= max(Z_SE * se, 1e-12), (p, halved, se)
+    for estimator, factor in (("euler", 1.0), ("midpoint", 0.5)):
+        out = route(z, KEY, estimator=estimator)
+        chosen = np.take_along_axis(np.asarray(out.probs), np.asarray(out.expert)[:, None], -1)
+        np.testing.assert_allclose(out.gate, factor * chosen[:, 0], rtol=1e-6)
+
+
+def test_backward_sends_scaled_gate_cotangent_to_the_chosen_probability():
+    z = _logits((6, 5))
+    jac = _probs_jacobian(z)
+    for estimator, scale in (("mix", 2.0), ("midpoint", 1.0)):
+        out = route(z, KEY, estimator=estimator, backward_scale=scale)
+        grad = gate_grad(z, KEY, estimator=estimator, backward_scale=scale)
+        expected = scale * jac[jnp.arange(6), out.expert]
+        np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_eval_is_deterministic_argmax():
+    z = _logits((4, 6, 5))
+    a = route(z, jax.random.key(1), training=False)
+    b = route(z, None, training=False)
+    np.testing.assert_array_equal(a.expert, jnp.argmax(z, -1))
+    np.testing.assert_array_equal(a.expert, b.expert)
+    np.testing.assert_array_equal(a.gate, jnp.max(a.probs, -1))
+    sw = switch(z, None, training=False)
+    np.testing.assert_array_equal(sw.expert, jnp.argmax(z, -1))
+    np.testing.assert_allclose(sw.probs, jax.nn.softmax(z), rtol=1e-6)
+
+
+def test_training_without_key_is_a_clear_error():
+    with pytest.raises(ValueError, match="PRNG key"):
+        sparsemixer_route(_logits((3,)), None)
+    with pytest.raises(ValueError, match="PRNG key"):
+        switch_route(_logits((3,)), None)
+    with pytest.raises(ValueError, match="estimator"):
+        sparsemixer_route(_logits((3,)), KEY, estimator="rk4")
+    with pytest.raises(ValueError, match="midpoint_prob"):
+        sparsemixer_route(_logits((3,)), KEY, midpoint_prob=1.5)
+
+
+@pytest.mark.parametrize(
+    "logits",
+    [jnp.zeros((4, 5)), jnp.full((4, 5), 3.0), 1e4 * _logits((4, 5)), _logits((4, 1))],
+    ids=["all-zero", "all-equal", "magnitude-1e4", "single-expert"],
+)
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+def test_degenerate_logits_give_finite_outputs_and_grads(logits, name):
+    router = get_router(name)
+
+    @jax.jit
+    def route_and_grad(z):
+        def loss(z):
+            out = router(z, KEY, True)
+            return jnp.sum(out.gate) + jnp.sum(out.probs**2), out
+
+        return jax.grad(loss, has_aux=True)(z)
+
+    grad, out = route_and_grad(logits)
+    chex.assert_tree_all_finite((out.gate, out.probs, grad))
+    assert np.all((np.asarray(out.expert) >= 0) & (np.asarray(out.expert) < logits.shape[-1]))
+
+
+# ---------------------------------------------------------------- switch baseline
+
+
+def test_switch_jitter_and_plain_gradient():
+    z = _logits((3, 4))
+    eps = 0.1
+    out = switch(z, KEY, jitter_eps=eps)
+    noise = jax.random.uniform(KEY, z.shape, minval=1 - eps, maxval=1 + eps)
+    np.testing.assert_allclose(out.probs, jax.nn.softmax(z * noise), rtol=1e-6)
+    grad = jax.grad(lambda z: switch_route(z, KEY, jitter_eps=eps).gate.sum())(z)
+    jac = jax.vmap(jax.jacobian(lambda zi, ui: jax.nn.softmax(zi * ui)))(z, noise)
+    np.testing.assert_allclose(grad, jac[jnp.arange(3), out.expert], rtol=1e-5, atol=1e-7)
+    no_jitter = switch(z, KEY, jitter_eps=0.0)
+    np.testing.assert_allclose(no_jitter.probs, jax.nn.softmax(z), rtol=1e-6)
+
+
+# ---------------------------------------------------------------- losses and metrics
+
+
+def test_load_balancing_loss_hand_computed():
+    probs = jnp.array([[0.7, 0.3], [0.6, 0.4], [0.2, 0.8], [0.9, 0.1]])
+    expert = jnp.array([0, 0, 1, 0])
+    # f = (3/4, 1/4), P = (0.6, 0.4): 2 * (0.45 + 0.1) = 1.1
+    np.testing.assert_allclose(load_balancing_loss(probs, expert), 1.1, rtol=1e-6)
+    uniform = jnp.full((4, 4), 0.25)
+    np.testing.assert_allclose(load_balancing_loss(uniform, jnp.arange(4)), 1.0, rtol=1e-6)
+    # Padding rows are excluded: the masked loss equals the loss on the kept rows.
+    mask = jnp.array([True, True, False, True])
+    np.testing.assert_allclose(
+        load_balancing_loss(probs, expert, mask),
+        load_balancing_loss(probs[mask], expert[mask]),
+        rtol=1e-6,
+    )
+
+
+def test_z_loss_and_metrics():
+    z = jnp.array([[0.0, 0.0], [1.0, -1.0]])
+    lse = np.log([2.0, np.exp(1) + np.exp(-1)])
+    np.testing.assert_allclose(router_z_loss(z), np.mean(lse**2), rtol=1e-6)
+    z = jnp.array([[1.0, 0.95, -3.0], [2.0, -2.0, -2.0]])
+    out = route(z, None, training=False)
+    m = jax.jit(routing_metrics)(z, out)
+    np.testing.assert_allclose(m["num_unmasked"], 1.5)
+    np.testing.assert_allclose(m["expert_fraction"], [1.0, 0.0, 0.0])
+    p = np.exp(1.0) / (np.exp(1.0) + np.exp(0.95))
+    entropy = -(p * np.log(p) + (1 - p) * np.log(1 - p)) / 2
+    np.testing.assert_allclose(m["entropy"], entropy, rtol=1e-5)
+
+
+def test_router_registry():
+    for name in ROUTERS:
+        out = get_router(name, 0.1)(_logits((3, 4)), KEY, True)
+        chex.assert_shape(out.probs, (3, 4))
+        assert uses_omega(name) == (name != "switch")
+    with pytest.raises(ValueError, match="unknown router"):
+        get_router("top2")
+    with pytest.raises(ValueError, match="jitter_eps"):
+        get_router("switch", -0.1)
+
+
+def test_import_is_cheap():
+    code = "import sys, sparsemixer_jax; assert 'tensorflow' not in sys.modules, 'TF imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------- Monte Carlo vs exact oracle
+
+MC_SAMPLES = 40_000
+
+
+@pytest.fixture(scope="module")
+def mc_problem():
+    # Reference mask keeps experts 0-2 and masks 3-4 (gaps 0.7 and 1.5 > 0.2).
+    problem = analysis.random_problem(jax.random.key(3), num_experts=5, dim=3)
+    return problem._replace(
+        logits=jnp.array([1.0, 0.9, 0.85, 0.3, -0.5]), expert_outputs=2 * problem.expert_outputs
+    )
+
+
+def _mc_gradients(problem, **options):
+    """Per-sample router gradients ``[T, N]`` of ``g(gate * f_D)`` with independent samples."""
+
+    def total(z_batch):
+        out = sparsemixer_route(z_batch, jax.random.key(11), **options)
+        y = out.gate[:, None] * problem.expert_outputs[out.expert]
+        return jnp.sum(jax.vmap(problem.downstream)(y))
+
+    z_batch = jnp.broadcast_to(problem.logits, (MC_SAMPLES, problem.logits.shape[0]))
+    return np.asarray(jax.jit(jax.grad(total))(z_batch), dtype=np.float64)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"estimator": "euler"},
+        {"estimator": "midpoint"},
+        {"midpoint_prob": 1.0},
+        {"mask": "none"},
+        {"mask": "paper", "backward_scale": 1.0},
+    ],
+    ids=["mix", "euler", "midpoint", "paper-coin", "no-mask", "paper-mask-scale1"],
+)
+def test_monte_carlo_gradient_matches_exact_expectation(mc_problem, options):
+    grads = _mc_gradients(mc_problem, **options)
+    mean = grads.mean(0)
+    se = grads.std(0, ddof=1) / np.sqrt(MC_SAMPLES)
+    mask = options.get("mask", "reference")
+    oracle_options = {k: v for k, v in options.items() if k != "mask"}
+
+    def probs_fn(z):
+        return router_probs(z, 0.1, mask)
+
+    expected = np.asarray(
+        analysis.router_expected_gradient(mc_problem, probs_fn, **oracle_options)
+    )
+    live = se > 0
+    np.testing.assert_array_equal(mean[~live], expected[~live])  # masked experts: exactly 0
+    z_scores = np.abs(mean - expected)[live] / se[live]
+    assert np.all(z_scores < Z_SE), f"z-scores {z_scores}, SE {se}"
+
+
+def test_monte_carlo_test_can_tell_estimators_apart(mc_problem):
+    """Mix and Euler expectations differ by many standard errors: the test above has power."""
+
+    def probs_fn(z):
+        return router_probs(z, 0.1)
+
+    grads = _mc_gradients(mc_problem)
+    se = grads.std(0, ddof=1) / np.sqrt(MC_SAMPLES)
+    mix = analysis.router_expected_gradient(mc_problem, probs_fn)
+    euler = analysis.router_expected_gradient(mc_problem, probs_fn, estimator="euler")
+    assert np.max(np.abs(np.asarray(mix - euler)) / np.maximum(se, 1e-30)) > 2 * Z_SE
