@@ -391,8 +391,12 @@ def train_tokenizer(
         os.link(tmp_path, model_path)  # atomic and fails if another host got there first
     except FileExistsError:
         logger.info("another process wrote %s first; using it", model_path)
+    except OSError:  # a filesystem without hard links: fall back to an atomic rename
+        if not os.path.exists(model_path):
+            os.replace(tmp_path, model_path)
     finally:
-        os.remove(tmp_path)
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
 
 
 def get_tokenizer(config: Any, workdir: str, train_pairs: Sequence[Pair]) -> Tokenizer:
