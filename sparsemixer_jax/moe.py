@@ -135,7 +135,8 @@ def _padded_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, capacity):
         counts = jnp.bincount(group, length=num_groups + 1)[:num_groups]
         padded = (counts + block - 1) // block * block
         start = jnp.cumsum(padded) - padded  # first slot of each group
-        slot = jnp.where(valid, start[jnp.minimum(group, num_groups - 1)] + rank, num_blocks * block)
+        first = start[jnp.minimum(group, num_groups - 1)]
+        slot = jnp.where(valid, first + rank, num_blocks * block)
         # Block k belongs to the group whose padded range holds slot k * b; blocks past the last
         # group hold no rows and reuse the last group's weights (their output is discarded).
         block_group = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(num_blocks) * block,

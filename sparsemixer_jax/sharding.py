@@ -67,7 +67,8 @@ def make_mesh(data: int, expert: int, devices: Sequence[jax.Device] | None = Non
 
 
 def check_mesh(mesh: Mesh, num_experts: int) -> None:
-    """Raise ValueError unless ``mesh`` has ``"data"`` and ``"expert"`` axes dividing the experts."""
+    """Raise ValueError unless ``mesh`` has axes ``("data", "expert")`` and the expert axis
+    divides ``num_experts``."""
     if set(mesh.axis_names) != set(AXES):
         raise ValueError(f"mesh axes must be {AXES}, got {mesh.axis_names}")
     expert = mesh.shape["expert"]

@@ -1,0 +1,72 @@
+"""Time the MoE expert dispatch: ``ragged`` (ragged_dot) against ``padded`` (block-padded
+batched matmul), forward + backward of the expert FFN, on the default JAX backend.
+
+    python experiments/bench_dispatch.py [--tokens 4096 --emb 512 --mlp 2048 --experts 2 4 8 16]
+
+Prints a table of median milliseconds per forward+backward; the result sets the CPU default of
+``dispatch="auto"`` in ``sparsemixer_jax/moe.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from sparsemixer_jax.moe import expert_ffn
+
+
+def bench(dispatch: str, tokens: int, emb: int, mlp: int, n: int, repeats: int,
+          dtype) -> float:
+    """Median seconds of one jitted forward+backward of ``expert_ffn``."""
+    kx, kg, kw = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (tokens, emb), dtype)
+    group = jax.random.randint(kg, (tokens,), 0, n)  # roughly balanced routing
+    ids = jnp.arange(tokens, dtype=jnp.int32)
+    k1, k2 = jax.random.split(kw)
+    params = (
+        jax.random.normal(k1, (n, emb, mlp), dtype) / emb**0.5,
+        jnp.zeros((n, mlp), dtype),
+        jax.random.normal(k2, (n, mlp, emb), dtype) / mlp**0.5,
+        jnp.zeros((n, emb), dtype),
+    )
+
+    def loss(params, x):
+        y = expert_ffn(x, group, ids, params, dispatch=dispatch)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    jax.block_until_ready(step(params, x))  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(step(params, x))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--emb", type=int, default=512)
+    parser.add_argument("--mlp", type=int, default=2048)
+    parser.add_argument("--experts", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    dtype = jnp.dtype(args.dtype)
+    print(f"backend={jax.default_backend()} devices={jax.devices()[0].device_kind} "
+          f"tokens={args.tokens} emb={args.emb} mlp={args.mlp} dtype={args.dtype} "
+          f"median of {args.repeats}, fwd+bwd")
+    print(f"{'N':>4} {'ragged ms':>10} {'padded ms':>10} {'faster':>8}")
+    for n in args.experts:
+        r = bench("ragged", args.tokens, args.emb, args.mlp, n, args.repeats, dtype) * 1e3
+        p = bench("padded", args.tokens, args.emb, args.mlp, n, args.repeats, dtype) * 1e3
+        print(f"{n:>4} {r:>10.1f} {p:>10.1f} {'ragged' if r < p else 'padded':>8}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Tests of the MoE feed-forward layer (single device): dispatch equivalence, a dense reference,
+padding, capacity mode, dtypes, randomness and argument errors."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparsemixer_jax import routing
+from sparsemixer_jax.moe import (
+    MoEFeedForward,
+    capacity_keep,
+    expert_capacity,
+    expert_ffn,
+    resolve_dispatch,
+)
+
+EMB, MLP, N, B, T = 16, 32, 4, 4, 8
+
+
+def make_layer(**kw) -> MoEFeedForward:
+    kw.setdefault("rngs", nnx.Rngs(params=0, dropout=1, router=2))
+    return MoEFeedForward(EMB, MLP, N, **kw)
+
+
+@pytest.fixture(scope="module")
+def data():
+    kx, kw = jax.random.split(jax.random.key(42))
+    x = jax.random.normal(kx, (B, T, EMB), jnp.float32)
+    mask = jnp.ones((B, T), bool).at[1, 5:].set(False).at[3, 2:].set(False)
+    head = jax.random.normal(kw, (B, T, EMB), jnp.float32)  # fixed projection for the loss
+    return x, mask, head
+
+
+@nnx.jit(static_argnames="deterministic")
+def loss_and_grads(layer, x, mask, head, deterministic: bool = False):
+    """``(loss, y, metrics, param grads)`` of ``sum(y * head) + balance_loss``.
+
+    Compiled once per layer configuration (graph structure), shared by the tests.
+    """
+
+    def loss_fn(layer):
+        y, metrics = layer(x, mask, deterministic=deterministic)
+        return jnp.sum(y * head) + metrics["balance_loss"], (y, metrics)
+
+    (loss, (y, metrics)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(layer)
+    return loss, y, metrics, grads
+
+
+def dense_reference(params, x, mask):
+    """Deterministic layer output computed densely: every expert on every token, then select the
+    argmax expert. Written independently of the dispatch code."""
+    p = params
+    logits = x @ p["router"]["kernel"][...] + p["router"]["bias"][...]
+    probs = routing.router_probs(logits, 0.1)
+    top = jnp.argmax(probs, -1)
+    gate = jnp.take_along_axis(probs, top[..., None], -1)
+    h = jax.nn.relu(jnp.einsum("bte,nem->btnm", x, p["wi"][...]) + p["bi"][...])
+    f = jnp.einsum("btnm,nme->btne", h, p["wo"][...]) + p["bo"][...]
+    f = jnp.take_along_axis(f, top[..., None, None], axis=2)[:, :, 0]
+    y = gate * f * p["omega"][...]
+    return jnp.where(mask[..., None], y, 0.0)
+
+
+@jax.jit
+def _reference_value_and_grad(params, x, mask, head):
+    """Dense reference output and the gradient of the test loss (deterministic routing)."""
+
+    def ref_loss(params):
+        y = dense_reference(params, x, mask)
+        logits = x @ params["router"]["kernel"][...] + params["router"]["bias"][...]
+        routed = routing.get_router("sparsemixer", 0.1)(logits, None, False)
+        return jnp.sum(y * head) + routing.routing_metrics(logits, routed, mask)["balance_loss"]
+
+    return dense_reference(params, x, mask), jax.grad(ref_loss)(params)
+
+
+@pytest.fixture(scope="module")
+def train_runs(data):
+    """Training-mode results (sampling + dropout) for both dispatches, compiled once each."""
+    x, mask, head = data
+    out = {}
+    for dispatch in ("ragged", "padded"):
+        out[dispatch] = loss_and_grads(make_layer(dispatch=dispatch), x, mask, head)
+    return out
+
+
+def test_dispatches_agree_in_training(train_runs):
+    loss_r, y_r, met_r, g_r = train_runs["ragged"]
+    loss_p, y_p, met_p, g_p = train_runs["padded"]
+    chex.assert_trees_all_close(y_r, y_p, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss_r, loss_p, rtol=1e-5)
+    chex.assert_trees_all_close(met_r, met_p, rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(g_r, g_p, rtol=1e-5, atol=1e-6)
+    # The router gets a gradient (through SparseMixer's custom gate VJP and the balance loss),
+    # and so do omega and every expert that received a token.
+    assert float(jnp.abs(g_r["router"]["kernel"][...]).sum()) > 0
+    assert float(jnp.abs(g_r["omega"][...]).sum()) > 0
+    used = np.asarray(met_r["expert_fraction"]) > 0
+    wi_norm = np.asarray(jnp.abs(g_r["wi"][...]).sum(axis=(1, 2)))
+    np.testing.assert_array_equal(wi_norm > 0, used)
+
+
+def test_padding_outputs_zero_and_is_left_out_of_metrics(train_runs, data):
+    mask = data[1]
+    _, y, metrics, _ = train_runs["padded"]
+    np.testing.assert_array_equal(np.asarray(y)[~np.asarray(mask)], 0.0)
+    assert np.all(np.abs(np.asarray(y)[np.asarray(mask)]).sum(-1) > 0)
+    frac = np.asarray(metrics["expert_fraction"])
+    # Fractions of the unmasked tokens: multiples of 1 / (number of real tokens), summing to 1.
+    n_real = int(np.asarray(mask).sum())
+    np.testing.assert_allclose(frac.sum(), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(frac * n_real, np.round(frac * n_real), atol=1e-4)
+    assert float(metrics["dropped_fraction"]) == 0.0
+
+
+@pytest.mark.parametrize("dispatch", ["ragged", "padded"])
+def test_matches_dense_reference_deterministic(data, dispatch):
+    x, mask, head = data
+    layer = make_layer(dispatch=dispatch)
+    params = nnx.state(layer, nnx.Param)
+    _, y, metrics, grads = loss_and_grads(layer, x, mask, head, deterministic=True)
+    assert float(metrics["dropped_fraction"]) == 0.0
+
+    y_ref, ref_grads = _reference_value_and_grad(params, x, mask, head)
+    chex.assert_trees_all_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
+
+
+_jit_ffn = jax.jit(expert_ffn, static_argnames=("dispatch",))
+
+
+def test_expert_ffn_skewed_groups():
+    """Extreme group sizes (one expert takes everything, empty experts, rows without expert):
+    both dispatches equal a per-row loop."""
+    rows, g = 37, 3  # not a multiple of any block size
+    k = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(k[0], (rows, EMB))
+    params = (
+        jax.random.normal(k[1], (g, EMB, MLP)) / 4,
+        jax.random.normal(k[2], (g, MLP)),
+        jax.random.normal(k[3], (g, MLP, EMB)) / 6,
+        jnp.arange(g * EMB, dtype=jnp.float32).reshape(g, EMB) / 50,
+    )
+    ids = jnp.arange(rows, dtype=jnp.int32)
+    wi, bi, wo, bo = (np.asarray(p) for p in params)
+    cases = [
+        np.full(rows, 1),  # all to one expert
+        np.where(np.arange(rows) % 5 == 0, g, 2),  # some rows without expert, expert 0/1 empty
+        np.arange(rows) % (g + 1),  # round robin incl. "none"
+    ]
+    for groups in cases:
+        want = np.zeros((rows, EMB), np.float32)
+        for r, gr in enumerate(groups):
+            if gr < g:
+                h = np.maximum(np.asarray(x[r]) @ wi[gr] + bi[gr], 0)
+                want[r] = h @ wo[gr] + bo[gr]
+        for dispatch in ("ragged", "padded"):
+            got = _jit_ffn(x, jnp.asarray(groups), ids, params, dispatch=dispatch)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=dispatch)
+
+
+@pytest.mark.parametrize("dispatch", ["ragged", "padded"])
+def test_capacity_mode(data, dispatch):
+    x, mask, _ = data
+    dropless, _ = make_layer(dispatch=dispatch)(x, mask, deterministic=True)
+    # Capacity large enough for any routing: identical to dropless.
+    big, big_met = make_layer(dispatch=dispatch, capacity_factor=float(N))(
+        x, mask, deterministic=True)
+    np.testing.assert_allclose(big, dropless, rtol=1e-6, atol=1e-7)
+    assert float(big_met["dropped_fraction"]) == 0.0
+
+    # Small capacity: the first `cap` real tokens of each expert (flattened order) survive.
+    factor = 0.5
+    small, met = make_layer(dispatch=dispatch, capacity_factor=factor)(x, mask, deterministic=True)
+    cap = int(np.ceil(factor * B * T / N))
+    layer = make_layer()
+    expert = np.asarray(jnp.argmax(layer.router(x), -1)).reshape(-1)
+    m = np.asarray(mask).reshape(-1)
+    seen = np.zeros(N, int)
+    kept = np.zeros(B * T, bool)
+    for i, e in enumerate(expert):
+        if m[i]:
+            kept[i] = seen[e] < cap
+            seen[e] += 1
+    assert (~kept & m).sum() > 0, "test needs some dropped tokens"
+    small, dropless = np.asarray(small).reshape(-1, EMB), np.asarray(dropless).reshape(-1, EMB)
+    np.testing.assert_array_equal(small[~kept], 0.0)
+    np.testing.assert_allclose(small[kept], dropless[kept], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(met["dropped_fraction"], (~kept & m).sum() / m.sum(), rtol=1e-6)
+
+
+def test_capacity_helpers():
+    assert expert_capacity(1.0, 10, 4) == 3
+    assert expert_capacity(0.01, 10, 4) == 1
+    expert = jnp.array([0, 0, 1, 0, 0])
+    active = jnp.array([True, False, True, True, True])
+    np.testing.assert_array_equal(capacity_keep(expert, active, 2, 2),
+                                  [True, False, True, True, False])
+
+
+def test_bfloat16_compute(data):
+    x, mask, _ = data
+    y32, _ = make_layer(activation_dropout=0.0)(x, mask, deterministic=True)
+    layer = make_layer(dtype=jnp.bfloat16, activation_dropout=0.0)
+    y16, met = layer(x.astype(jnp.bfloat16), mask, deterministic=True)
+    assert y16.dtype == jnp.bfloat16
+    assert layer.wi[...].dtype == jnp.float32 and met["balance_loss"].dtype == jnp.float32
+    # bf16 has an 8-bit mantissa: relative error of a few 1e-3 per op.
+    np.testing.assert_allclose(np.asarray(y16, np.float32), y32, rtol=5e-2, atol=5e-2)
+
+
+def test_params_and_omega():
+    sm = make_layer()
+    assert sm.wi[...].shape == (N, EMB, MLP) and sm.bi[...].shape == (N, MLP)
+    assert sm.wo[...].shape == (N, MLP, EMB) and sm.bo[...].shape == (N, EMB)
+    np.testing.assert_array_equal(sm.omega[...], np.ones(EMB))
+    assert sm.router.kernel[...].shape == (EMB, N) and sm.router.bias is not None
+    assert make_layer(router="switch").omega is None
+
+
+def test_randomness_from_module_streams(data):
+    x, mask, _ = data
+    layer = make_layer(router="switch")
+    y1, _ = layer(x, mask)
+    y2, _ = layer(x, mask)  # the streams advanced: new dropout masks
+    assert not np.allclose(y1, y2)
+    # Same seeds, same draws; only the `router` stream seeds the routing.
+    y1b, _ = make_layer(router="switch")(x, mask)
+    np.testing.assert_array_equal(y1, y1b)
+    yd1, _ = layer(x, mask, deterministic=True)
+    yd2, _ = layer(x, mask, deterministic=True)
+    np.testing.assert_array_equal(yd1, yd2)
+
+
+def test_auto_dispatch_and_errors():
+    assert resolve_dispatch("auto", "cpu") == "padded"
+    assert resolve_dispatch("auto", "gpu") == "ragged"
+    with pytest.raises(ValueError, match="unknown dispatch 'fast'"):
+        make_layer(dispatch="fast")
+    with pytest.raises(ValueError, match="unknown router 'top2'"):
+        make_layer(router="top2")
+    with pytest.raises(ValueError, match="num_experts must be >= 1, got 0"):
+        MoEFeedForward(EMB, MLP, 0, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="capacity_factor"):
+        make_layer(capacity_factor=-1.0)
+    with pytest.raises(ValueError, match=r"x must be \[B, T, 16\]"):
+        make_layer()(jnp.zeros((2, 3, 8)))
+    with pytest.raises(ValueError, match="RNG stream 'router'"):
+        make_layer(rngs=nnx.Rngs(params=0))
