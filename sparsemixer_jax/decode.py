@@ -41,9 +41,7 @@ def length_penalty(length: jax.Array, alpha: float) -> jax.Array:
     return jnp.power((5.0 + jnp.asarray(length, jnp.float32)) / 6.0, alpha)
 
 
-def sequence_limits(
-    inputs: jax.Array, max_extra_len: int, max_len: int
-) -> jax.Array:
+def sequence_limits(inputs: jax.Array, max_extra_len: int, max_len: int) -> jax.Array:
     """Per-sentence output budget ``min(source_len + max_extra_len, max_len)``: int32 ``[B]``.
 
     ``source_len`` counts non-padding tokens of ``inputs [B, S]``; the budget includes EOS and is
@@ -241,13 +239,16 @@ def beam_search(
         live_seqs, last, parent = _gather_beams((cand_seqs, cand_token, cand_beam), live_pick)
         cache = _merge_beams(_gather_beams(_split_beams(cache, b), parent))
 
-        done = (
-            state.done
-            | (jnp.sum(fin_flags, axis=1) >= k)
-            | (state.step + 1 >= limits)
-        )
+        done = state.done | (jnp.sum(fin_flags, axis=1) >= k) | (state.step + 1 >= limits)
         return BeamState(
-            state.step + 1, live_seqs, live_scores, last, fin_seqs, fin_scores, fin_flags, done,
+            state.step + 1,
+            live_seqs,
+            live_scores,
+            last,
+            fin_seqs,
+            fin_scores,
+            fin_flags,
+            done,
             cache,
         )
 

@@ -93,8 +93,10 @@ class Attention(nnx.Module):
         def linear(init):
             return nnx.Linear(emb_dim, emb_dim, kernel_init=init, dtype=dtype, rngs=rngs)
 
-        self.query, self.key, self.value = linear(_xavier_qkv), linear(_xavier_qkv), linear(
-            _xavier_qkv
+        self.query, self.key, self.value = (
+            linear(_xavier_qkv),
+            linear(_xavier_qkv),
+            linear(_xavier_qkv),
         )
         self.out = linear(_xavier)
         self.dropout = nnx.Dropout(attention_dropout, rngs=rngs)
@@ -232,13 +234,9 @@ class DecoderLayer(nnx.Module):
     def __init__(self, model_cfg, router_cfg, layer: int, *, dtype, mesh, rngs: nnx.Rngs):
         emb, heads = model_cfg.emb_dim, model_cfg.num_heads
         att_drop = float(model_cfg.attention_dropout)
-        self.self_attn = Attention(
-            emb, heads, attention_dropout=att_drop, dtype=dtype, rngs=rngs
-        )
+        self.self_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype, rngs=rngs)
         self.self_attn_norm = _layer_norm(emb, dtype, rngs)
-        self.cross_attn = Attention(
-            emb, heads, attention_dropout=att_drop, dtype=dtype, rngs=rngs
-        )
+        self.cross_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype, rngs=rngs)
         self.cross_attn_norm = _layer_norm(emb, dtype, rngs)
         self.ffn = _make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
         self.ffn_norm = _layer_norm(emb, dtype, rngs)
@@ -471,9 +469,9 @@ class Transformer(nnx.Module):
         cross_mask = encoded.src_mask[:, None, None, :]
         new_k, new_v = [], []
         for i, layer in enumerate(self.decoder_layers):
-            k, v = layer.self_attn.project_kv(x)
-            k = jax.lax.dynamic_update_slice_in_dim(cache.k[i], k.astype(cache.k[i].dtype), index, 1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache.v[i], v.astype(cache.v[i].dtype), index, 1)
+            k_new, v_new = layer.self_attn.project_kv(x)
+            k = jax.lax.dynamic_update_slice_in_dim(cache.k[i], k_new.astype(self.dtype), index, 1)
+            v = jax.lax.dynamic_update_slice_in_dim(cache.v[i], v_new.astype(self.dtype), index, 1)
             new_k.append(k)
             new_v.append(v)
             x, _ = layer(
@@ -497,7 +495,7 @@ def _aux(metrics: dict[str, dict]) -> dict[str, Any]:
     return {"moe": metrics, "balance_loss": balance, "z_loss": z_loss}
 
 
-# -- after training ---------------------------------------------------------------------------------
+# -- after training -------------------------------------------------------------------------------
 
 
 def fold_omega(model: nnx.Module) -> int:
