@@ -22,6 +22,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.vocab_sample_sentences = 2_000_000  # sentence pairs used to train the vocabulary
     c.data.max_len = 256  # tokens per side; longer pairs are skipped and counted
     c.data.max_tokens = 4096  # tokens (source or target, padded) per batch per update micro-step
+    c.data.bucket_step = 8  # padded lengths are multiples of this (fewer buckets = fewer compiles)
     c.data.synthetic_size = 20000  # sentence pairs for data.source = "synthetic"
 
     c.model = ml_collections.ConfigDict()

@@ -775,7 +775,8 @@ def _eval_split(
     longest = int(examples.lengths.max()) if len(examples) else 1
     over = int((examples.lengths > max_len).sum())
     # Eval keeps over-long pairs (BLEU is over the whole test set) in extra, longer buckets.
-    eval_lengths = extend_buckets(lengths, longest)
+    # lengths[0] is the bucket step (load_datasets starts the buckets at one step).
+    eval_lengths = extend_buckets(lengths, longest, step=lengths[0])
     sizes = [bucket_batch_size(n, max_tokens, multiple) for n in eval_lengths]
     batches = eval_batches(
         examples, eval_lengths, sizes, process_index=process_index, process_count=process_count
@@ -830,7 +831,10 @@ def load_datasets(
     data = config.data
     max_len, max_tokens = int(data.max_len), int(data.max_tokens)
     multiple = math.lcm(int(batch_multiple), int(process_count))
-    lengths = bucket_lengths(max_len)
+    step = int(data.get("bucket_step", 8))
+    if step < 1:
+        raise ValueError(f"config.data.bucket_step must be >= 1, got {step}")
+    lengths = bucket_lengths(max_len, min_len=step, step=step)
     if max_tokens < multiple * lengths[-1]:
         raise ValueError(
             f"config.data.max_tokens={max_tokens} cannot hold {multiple} rows (batch multiple) of "

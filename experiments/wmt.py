@@ -1,0 +1,83 @@
+"""Train and evaluate a Switch / Switch+SparseMixer Transformer on a translation task.
+
+    python -m experiments.wmt --config configs/wmt_n4.py --workdir runs/wmt_n4
+    python -m experiments.wmt --config configs/quickstart.py --config.router.name=switch \
+        --workdir runs/quickstart_switch
+
+Rerunning the same command on the same workdir resumes from its last checkpoint.
+
+Several processes (a TPU pod, GPU hosts under SLURM or Open MPI, or any launcher that sets
+``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``): the same command on
+every host calls ``jax.distributed.initialize()`` first; process 0 writes logs and results.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and results.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _multi_process_environment() -> bool:
+    env = os.environ
+    return (
+        "JAX_COORDINATOR_ADDRESS" in env
+        or int(env.get("SLURM_NTASKS", "1")) > 1
+        or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+        or "," in env.get("TPU_WORKER_HOSTNAMES", "")
+    )
+
+
+def initialize_distributed() -> None:
+    """``jax.distributed.initialize()`` when launched as one of several processes."""
+    if not _multi_process_environment():
+        return
+    import jax
+
+    # CPU hosts need a collectives implementation to talk to each other; GPUs/TPUs ignore this.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    env = os.environ
+    if "JAX_COORDINATOR_ADDRESS" in env and "JAX_NUM_PROCESSES" in env:
+        jax.distributed.initialize(
+            coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(env["JAX_NUM_PROCESSES"]),
+            process_id=int(env["JAX_PROCESS_ID"]),
+        )
+    else:
+        jax.distributed.initialize()
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    initialize_distributed()
+    import jax
+
+    from sparsemixer_jax import train
+
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
+    if jax.process_index() != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    config = flags.FLAGS.config
+    try:
+        results = train.train_and_evaluate(config, flags.FLAGS.workdir)
+    except train.TrainingDiverged as err:
+        print(f"training stopped: {err}", file=sys.stderr)
+        sys.exit(1)
+    if jax.process_index() == 0:
+        summary = {k: results.get(k) for k in
+                   ("steps", "valid_loss", "best_valid_loss", "bleu", "bleu_best",
+                    "tokenized_bleu", "tokens_per_second")}
+        print("results:", summary)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    app.run(main)

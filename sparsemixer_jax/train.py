@@ -1,0 +1,610 @@
+"""Training and evaluation of the Switch Transformer on a translation task.
+
+``train_and_evaluate(config, workdir)`` is the whole experiment: data, model, optimizer, the
+training loop with gradient accumulation, validation, checkpoints (resumed automatically), and
+at the end beam search and BLEU on the test split for the last and the best checkpoint.
+
+Exact resumption: the parameters, the optimizer state, the step and the data position are
+checkpointed; the random keys of step ``s`` are derived from ``(seed, s)``; the learning rate
+depends on the step only. A run stopped at step ``k`` and resumed to ``2k`` therefore ends with
+the parameters of an uninterrupted ``2k``-step run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from sparsemixer_jax import bleu, decode, input_pipeline, routing, sharding
+from sparsemixer_jax.checkpoint import RunCheckpoints
+from sparsemixer_jax.models import PAD_ID, Transformer
+
+logger = logging.getLogger(__name__)
+
+# Fields that may change between a run and its resumption; anything else must match.
+RESUMABLE_CHANGES = ("train_steps", "eval_every", "checkpoint_every", "log_every", "decode")
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient became non-finite; the update was not applied."""
+
+
+# ------------------------------------------------------------------------------- config checks
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+    """Raises ValueError naming the first field that makes no sense, before anything compiles."""
+    m, r, o = config.model, config.router, config.optim
+    positive = {
+        "model.encoder_layers": m.encoder_layers,
+        "model.decoder_layers": m.decoder_layers,
+        "model.emb_dim": m.emb_dim,
+        "model.mlp_dim": m.mlp_dim,
+        "model.num_heads": m.num_heads,
+        "model.moe_every": m.moe_every,
+        "train_steps": config.train_steps,
+        "eval_every": config.eval_every,
+        "checkpoint_every": config.checkpoint_every,
+        "log_every": config.log_every,
+        "decode.beam_size": config.decode.beam_size,
+        "optim.peak_lr": o.peak_lr,
+    }
+    for name, value in positive.items():
+        if not value > 0:
+            raise ValueError(f"config.{name} must be > 0, got {value}")
+    if m.emb_dim % m.num_heads:
+        raise ValueError(
+            f"config.model.emb_dim={m.emb_dim} is not divisible by num_heads={m.num_heads}"
+        )
+    if m.num_experts < 0:
+        raise ValueError(f"config.model.num_experts must be >= 0 (0 = dense), got {m.num_experts}")
+    if r.name not in routing.ROUTERS:
+        raise ValueError(f"config.router.name={r.name!r}; choose one of {sorted(routing.ROUTERS)}")
+    for name in ("dropout", "attention_dropout", "activation_dropout"):
+        if not 0.0 <= m[name] < 1.0:
+            raise ValueError(f"config.model.{name} must lie in [0, 1), got {m[name]}")
+    if not 0.0 <= o.label_smoothing < 1.0:
+        raise ValueError(
+            f"config.optim.label_smoothing must lie in [0, 1), got {o.label_smoothing}"
+        )
+    if o.warmup_steps < 0 or o.init_lr < 0:
+        raise ValueError("config.optim.warmup_steps and init_lr must be >= 0")
+    if m.compute_dtype not in ("float32", "bfloat16"):
+        raise ValueError(
+            f"config.model.compute_dtype must be float32 or bfloat16, got {m.compute_dtype!r}"
+        )
+
+
+# ------------------------------------------------------------------------- optimizer and loss
+
+
+def learning_rate_schedule(optim: ml_collections.ConfigDict) -> Callable[[jax.Array], jax.Array]:
+    """fairseq's ``inverse_sqrt``: linear warmup from ``init_lr`` to ``peak_lr`` over
+    ``warmup_steps``, then ``peak_lr * sqrt(warmup_steps / step)``. Independent of the total
+    number of steps, so a run can be extended without changing its past."""
+    peak, init, warmup = float(optim.peak_lr), float(optim.init_lr), int(optim.warmup_steps)
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        if warmup == 0:
+            return jnp.full_like(step, peak) / jnp.sqrt(jnp.maximum(step, 1.0))
+        warm = init + (peak - init) * step / warmup
+        decay = peak * jnp.sqrt(warmup / jnp.maximum(step, 1.0))
+        return jnp.where(step < warmup, warm, decay)
+
+    return schedule
+
+
+def make_optimizer(optim: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """Adam(b1, b2, eps) on the inverse-sqrt schedule; optional clipping and decoupled decay."""
+    parts = []
+    if optim.clip_norm > 0:
+        parts.append(optax.clip_by_global_norm(float(optim.clip_norm)))
+    parts.append(
+        optax.adamw(
+            learning_rate=learning_rate_schedule(optim),
+            b1=float(optim.b1),
+            b2=float(optim.b2),
+            eps=float(optim.eps),
+            weight_decay=float(optim.weight_decay),
+        )
+    )
+    return optax.chain(*parts)
+
+
+def token_losses(
+    logits: jax.Array, targets: jax.Array, label_smoothing: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sums over non-padding target tokens.
+
+    Args:
+      logits: float32 ``[B, T, V]``; targets: int ``[B, T]`` (0 = padding).
+
+    Returns:
+      ``(smoothed, nll, tokens)``: label-smoothed cross entropy (uniform smoothing over the
+      vocabulary, as fairseq's ``label_smoothed_cross_entropy``), plain negative log-likelihood,
+      and the number of target tokens; float32 scalars.
+    """
+    weights = (targets != PAD_ID).astype(jnp.float32)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    smooth = -jnp.mean(log_probs, axis=-1)
+    smoothed = (1.0 - label_smoothing) * nll + label_smoothing * smooth
+    return jnp.sum(smoothed * weights), jnp.sum(nll * weights), jnp.sum(weights)
+
+
+# ------------------------------------------------------------------------------ model and mesh
+
+
+def make_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
+    """The ``(data, expert)`` mesh of ``config.mesh``, or None on a single device."""
+    if jax.device_count() == 1:
+        if config.mesh.expert not in (1,) or config.mesh.data not in (1, -1):
+            raise ValueError(
+                f"config.mesh asks for data={config.mesh.data} x expert={config.mesh.expert} "
+                "devices but only 1 device is visible"
+            )
+        return None
+    mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.expert))
+    if config.model.num_experts:
+        sharding.check_mesh(mesh, int(config.model.num_experts))
+    return mesh
+
+
+def build_model(
+    config: ml_collections.ConfigDict, vocab_size: int, mesh: jax.sharding.Mesh | None
+) -> Transformer:
+    """The Transformer of ``config``, initialised from ``config.seed``, placed on ``mesh``."""
+    seed = int(config.seed)
+    rngs = nnx.Rngs(params=seed, dropout=seed + 1, router=seed + 2)
+    model = Transformer(config, vocab_size, mesh=mesh, rngs=rngs)
+    if mesh is not None:
+        sharding.shard_state(model, mesh)
+    return model
+
+
+def count_params(params: Any) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+# --------------------------------------------------------------------------- compiled steps
+
+
+class Steps:
+    """The jitted functions of one model structure: gradient accumulation, update, evaluation.
+
+    Parameters travel as a pure pytree (nested dict of arrays) so that optax and orbax see plain
+    arrays; the rest of the model state (RNG streams) is reseeded from an explicit key per
+    micro-batch, which is what makes resumption exact.
+    """
+
+    def __init__(self, model: Transformer, config: ml_collections.ConfigDict):
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.params = nnx.to_pure_dict(params)
+        self.tx = make_optimizer(config.optim)
+        self.schedule = learning_rate_schedule(config.optim)
+        label_smoothing = float(config.optim.label_smoothing)
+        balance_weight = float(config.router.balance_weight)
+        z_weight = float(config.router.z_loss_weight)
+        graphdef = self.graphdef
+
+        def loss_fn(params, rest, batch, key):
+            # A fresh copy of the RNG-stream variables at this trace level, so reseeding them
+            # under jax.grad does not mutate the caller's.
+            rest = jax.tree.map(lambda x: x, rest)
+            model = nnx.merge(graphdef, nnx.State(params), rest)
+            dropout_key, router_key = jax.random.split(key)
+            nnx.reseed(model, dropout=dropout_key, router=router_key)
+            logits, aux = model(batch["inputs"], batch["targets"], deterministic=False)
+            smoothed, nll, tokens = token_losses(logits, batch["targets"], label_smoothing)
+            # The auxiliary losses are means over the micro-batch; weighting them by its tokens
+            # makes the update's objective a token-weighted mean over micro-batches.
+            aux_loss = balance_weight * aux["balance_loss"] + z_weight * aux["z_loss"]
+            metrics = {
+                "smoothed": smoothed,
+                "nll": nll,
+                "tokens": tokens,
+                "balance_loss": aux["balance_loss"] * tokens,
+                "z_loss": aux["z_loss"] * tokens,
+                "moe": jax.tree.map(lambda v: v * tokens, aux["moe"]),
+            }
+            return smoothed + aux_loss * tokens, metrics
+
+        def accumulate(params, rest, acc, batch, key):
+            grads, metrics = jax.grad(loss_fn, has_aux=True)(params, rest, batch, key)
+            return jax.tree.map(jnp.add, acc, {"grads": grads, "metrics": metrics})
+
+        def zeros(params, rest, batch):
+            shapes = jax.eval_shape(
+                lambda p, r, b: loss_fn(p, r, b, jax.random.key(0))[1], params, rest, batch
+            )
+            return {
+                "grads": jax.tree.map(jnp.zeros_like, params),
+                "metrics": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+            }
+
+        def update(params, opt_state, acc):
+            m = acc["metrics"]
+            tokens = jnp.maximum(m["tokens"], 1.0)
+            grads = jax.tree.map(lambda g: g / tokens, acc["grads"])
+            grad_norm = optax.global_norm(grads)
+            finite = jnp.isfinite(grad_norm) & jnp.isfinite(m["smoothed"])
+            updates, new_opt_state = self.tx.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+
+            def keep_if_finite(new, old):
+                return jnp.where(finite, new, old)
+
+            params = jax.tree.map(keep_if_finite, new_params, params)
+            opt_state = jax.tree.map(keep_if_finite, new_opt_state, opt_state)
+            out = {
+                "loss": m["smoothed"] / tokens,
+                "nll": m["nll"] / tokens,
+                "balance_loss": m["balance_loss"] / tokens,
+                "z_loss": m["z_loss"] / tokens,
+                "grad_norm": grad_norm,
+                "tokens": m["tokens"],
+                "finite": finite,
+                "moe": jax.tree.map(lambda v: v / tokens, m["moe"]),
+            }
+            return params, opt_state, out
+
+        def evaluate(params, rest, batch):
+            model = nnx.merge(graphdef, nnx.State(params), rest)
+            logits, _ = model(batch["inputs"], batch["targets"], deterministic=True)
+            smoothed, nll, tokens = token_losses(logits, batch["targets"], label_smoothing)
+            return jnp.stack([smoothed, nll, tokens])
+
+        self.accumulate = jax.jit(accumulate, donate_argnums=(2,))
+        self.zeros = jax.jit(zeros)
+        self.update = jax.jit(update, donate_argnums=(0, 1, 2))
+        self.evaluate = jax.jit(evaluate)
+        self.init_opt = jax.jit(self.tx.init)
+
+    def model(self, params: Any) -> Transformer:
+        """A Transformer module holding ``params`` (for decoding)."""
+        return nnx.merge(self.graphdef, nnx.State(params), self.rest)
+
+
+# ----------------------------------------------------------------------------- data on devices
+
+
+class DevicePlacer:
+    """Turns this host's numpy batch into a global array sharded over the mesh's data axis."""
+
+    def __init__(self, mesh: jax.sharding.Mesh | None):
+        self.sharding = None if mesh is None else sharding.batch_sharding(mesh)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        arrays = {k: batch[k] for k in ("inputs", "targets")}
+        if self.sharding is None:
+            return {k: jnp.asarray(v) for k, v in arrays.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self.sharding, v) for k, v in arrays.items()
+        }
+
+
+def accumulation_steps(config: ml_collections.ConfigDict) -> int:
+    """Micro-batches per update so that an update sees about ``optim.tokens_per_update`` tokens."""
+    per_update = int(config.optim.tokens_per_update)
+    return max(1, math.ceil(per_update / int(config.data.max_tokens))) if per_update > 0 else 1
+
+
+def evaluate_loss(steps: Steps, params, batches, place: DevicePlacer) -> dict[str, float]:
+    """Token-averaged label-smoothed loss and NLL over ``batches`` (deterministic forward)."""
+    total = np.zeros(3)
+    for batch in batches:
+        total += np.asarray(jax.device_get(steps.evaluate(params, steps.rest, place(batch))))
+    smoothed, nll, tokens = total
+    tokens = max(tokens, 1.0)
+    return {
+        "valid_loss": float(smoothed / tokens),
+        "valid_nll": float(nll / tokens),
+        "valid_ppl": float(np.exp(min(nll / tokens, 50.0))),
+    }
+
+
+def translate_batches(
+    model: Transformer,
+    batches: list[dict[str, np.ndarray]],
+    tokenizer: input_pipeline.Tokenizer,
+    num_sentences: int,
+    decode_config: ml_collections.ConfigDict,
+    place: DevicePlacer,
+) -> list[str]:
+    """Beam search over eval ``batches``; detokenized hypotheses in file order."""
+    from jax.experimental import multihost_utils
+
+    hyps = [""] * num_sentences
+    for batch in batches:
+        inputs = place(batch)["inputs"]
+        seqs, _ = decode.beam_search_model(
+            model,
+            inputs,
+            eos_id=tokenizer.eos_id,
+            beam_size=int(decode_config.beam_size),
+            alpha=float(decode_config.length_penalty),
+            max_extra_len=int(decode_config.max_extra_len),
+        )
+        best = seqs[:, 0]
+        index = batch["index"]
+        if jax.process_count() > 1:
+            best = multihost_utils.process_allgather(best, tiled=True)
+            index = multihost_utils.process_allgather(index, tiled=True)
+        for row, i in zip(np.asarray(best), np.asarray(index), strict=True):
+            if i >= 0:
+                hyps[int(i)] = tokenizer.decode(row.tolist())
+    return hyps
+
+
+# ---------------------------------------------------------------------------------- logging
+
+
+class MetricLog:
+    """``metrics.jsonl`` and TensorBoard, written by process 0 only."""
+
+    def __init__(self, workdir: str, resume_step: int):
+        self.active = jax.process_index() == 0
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.writer = None
+        if not self.active:
+            return
+        if os.path.exists(self.path):
+            # Drop records a killed run wrote after its last checkpoint: they will be redone.
+            with open(self.path) as f:
+                kept = [
+                    line for line in f if line.strip() and json.loads(line)["step"] <= resume_step
+                ]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+        try:
+            from tensorboardX import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        except ImportError:  # TensorBoard is optional; metrics.jsonl is always written
+            logger.warning("tensorboardX not installed: no TensorBoard logs")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in _flatten(record).items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "/"))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _to_python(tree: Any) -> Any:
+    return jax.tree.map(lambda x: np.asarray(x).tolist(), jax.device_get(tree))
+
+
+# --------------------------------------------------------------------------------- the loop
+
+
+def _check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+    """Refuses to resume a workdir whose saved config differs in anything but RESUMABLE_CHANGES."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = json.load(f)
+    current = json.loads(config.to_json())
+    for key in sorted(set(saved) | set(current)):
+        if key in RESUMABLE_CHANGES:
+            continue
+        if saved.get(key) != current.get(key):
+            raise ValueError(
+                f"workdir {workdir} holds a run with a different config.{key}:\n"
+                f"  saved:   {saved.get(key)}\n  current: {current.get(key)}\n"
+                "use a fresh --workdir, or restore the saved setting"
+            )
+
+
+def _progress(total: int, initial: int):
+    if jax.process_index() != 0:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=2.0)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Trains (resuming from ``workdir`` if it holds a checkpoint), evaluates, writes results.
+
+    Returns the results dict that is also written to ``{workdir}/results.json``.
+    Raises :class:`TrainingDiverged` if the loss becomes non-finite.
+    """
+    check_config(config)
+    os.makedirs(workdir, exist_ok=True)
+    _check_resume_config(workdir, config)
+    is_main = jax.process_index() == 0
+    if is_main:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json(indent=1))
+
+    mesh = make_mesh(config)
+    data_parallel = 1 if mesh is None else mesh.shape["data"]
+    if is_main:  # process 0 trains the vocabulary; the others then read it from the cache
+        data = input_pipeline.load_datasets(config, workdir, batch_multiple=data_parallel)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("vocabulary ready")
+    if not is_main:
+        data = input_pipeline.load_datasets(config, workdir, batch_multiple=data_parallel)
+
+    model = build_model(config, data.tokenizer.vocab_size, mesh)
+    steps = Steps(model, config)
+    del model
+    place = DevicePlacer(mesh)
+    params = steps.params
+    opt_state = steps.init_opt(params)
+    accum = accumulation_steps(config)
+    logger.info(
+        "model: %s parameters; %d micro-batches of <= %d tokens per update; mesh %s",
+        f"{count_params(params):,}", accum, config.data.max_tokens,
+        None if mesh is None else dict(mesh.shape),
+    )
+
+    checkpoints = RunCheckpoints(workdir)
+    start_step, best_loss, best_step = 0, math.inf, -1
+    restored = checkpoints.restore(checkpoints.last, {"params": params, "opt_state": opt_state})
+    if restored is not None:
+        state, meta = restored
+        params, opt_state = state["params"], state["opt_state"]
+        start_step = int(meta["step"])
+        best_loss, best_step = float(meta["best_valid_loss"]), int(meta["best_step"])
+        data.train.restore(meta["data"])
+        logger.info(
+            "resumed from step %d (best valid loss %.4f at %d)", start_step, best_loss, best_step
+        )
+    log = MetricLog(workdir, start_step)
+    key = jax.random.key(int(config.seed) + 3)
+    train_steps = int(config.train_steps)
+    train_iter: Iterator = data.train
+    progress = _progress(train_steps, start_step)
+
+    def meta_for(step: int) -> dict:
+        return {"step": step, "data": data.train.state(), "best_valid_loss": best_loss,
+                "best_step": best_step}
+
+    train_time, train_tokens = 0.0, 0.0
+    pending = None  # metrics of the last step, read one step late so the host never waits idle
+    valid = {}
+
+    def finish_step(record) -> None:
+        nonlocal train_tokens
+        step, metrics, started, moe_due = record
+        metrics = jax.device_get(metrics)
+        elapsed = time.perf_counter() - started
+        if not bool(metrics["finite"]):
+            log.write({"step": step, "error": "non-finite loss or gradient",
+                       "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])})
+            raise TrainingDiverged(
+                f"step {step}: loss {float(metrics['loss'])} / gradient norm "
+                f"{float(metrics['grad_norm'])} is not finite; the update was not applied and no "
+                f"checkpoint was written after step {checkpoints.last.latest_step()} "
+                f"(the last good one, in {workdir}/checkpoints/last). Lower optim.peak_lr, set "
+                "optim.clip_norm, or use float32 compute."
+            )
+        train_tokens += float(metrics["tokens"])
+        entry = {"step": step, "loss": float(metrics["loss"]), "nll": float(metrics["nll"]),
+                 "lr": float(steps.schedule(step - 1)), "grad_norm": float(metrics["grad_norm"]),
+                 "tokens": float(metrics["tokens"]), "balance_loss": float(metrics["balance_loss"]),
+                 "z_loss": float(metrics["z_loss"]),
+                 "tokens_per_s": float(metrics["tokens"]) / max(elapsed, 1e-9)}
+        if moe_due and metrics["moe"]:
+            entry["moe"] = _to_python(metrics["moe"])
+        log.write(entry)
+        if progress is not None:
+            progress.set_postfix(
+                loss=f"{entry['loss']:.3f}", lr=f"{entry['lr']:.2e}", refresh=False
+            )
+
+    try:
+        for step in range(start_step + 1, train_steps + 1):
+            started = time.perf_counter()
+            micro = [next(train_iter) for _ in range(accum)]
+            step_key = jax.random.fold_in(key, step)
+            acc = None
+            for j, batch in enumerate(micro):
+                global_batch = place(batch)
+                if acc is None:
+                    acc = steps.zeros(params, steps.rest, global_batch)
+                acc = steps.accumulate(
+                    params, steps.rest, acc, global_batch, jax.random.fold_in(step_key, j)
+                )
+            params, opt_state, metrics = steps.update(params, opt_state, acc)
+            if pending is not None:
+                finish_step(pending)
+            pending = (step, metrics, started, step % int(config.log_every) == 0)
+            train_time += time.perf_counter() - started
+            if progress is not None:
+                progress.update(1)
+
+            is_last = step == train_steps
+            if step % int(config.eval_every) == 0 or is_last:
+                finish_step(pending)
+                pending = None
+                valid = evaluate_loss(steps, params, data.valid, place)
+                log.write({"step": step, **valid})
+                if valid["valid_loss"] < best_loss:
+                    best_loss, best_step = valid["valid_loss"], step
+                    checkpoints.save_best(step, {"params": params, "opt_state": opt_state},
+                                          meta_for(step))
+                logger.info("step %d: %s", step, valid)
+            if step % int(config.checkpoint_every) == 0 or is_last:
+                if pending is not None:
+                    finish_step(pending)
+                    pending = None
+                checkpoints.save_last(step, {"params": params, "opt_state": opt_state},
+                                      meta_for(step))
+        if pending is not None:
+            finish_step(pending)
+    finally:
+        checkpoints.wait()
+        if progress is not None:
+            progress.close()
+
+    if not valid:  # resumed a finished run: nothing trained, evaluate what is there
+        valid = evaluate_loss(steps, params, data.valid, place)
+    results = {
+        "steps": train_steps,
+        "valid_loss": valid["valid_loss"],
+        "valid_nll": valid["valid_nll"],
+        "best_valid_loss": best_loss,
+        "best_step": best_step,
+        "tokens_per_second": train_tokens / train_time if train_time > 0 else None,
+        "train_time_s": train_time,
+        "num_params": count_params(params),
+        "data_stats": data.stats,
+    }
+    candidates = {"": params}
+    if best_step > 0:
+        template = {"params": params, "opt_state": opt_state}
+        best_state, _ = checkpoints.restore(checkpoints.best, template, best_step)
+        candidates["_best"] = best_state["params"]
+    for suffix, candidate in candidates.items():
+        hyps = translate_batches(steps.model(candidate), data.test, data.tokenizer,
+                                 len(data.test_sources), config.decode, place)
+        results[f"bleu{suffix}"] = bleu.sacre_bleu(hyps, data.test_references)
+        results[f"tokenized_bleu{suffix}"] = bleu.tokenized_bleu(hyps, data.test_references)
+        if is_main:
+            name = f"translations{suffix or '_last'}.txt"
+            with open(os.path.join(workdir, name), "w") as f:
+                f.writelines(h + "\n" for h in hyps)
+    results["config"] = json.loads(config.to_json())
+    if is_main:
+        with open(os.path.join(workdir, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    log.close()
+    checkpoints.close()
+    return results
