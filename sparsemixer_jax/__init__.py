@@ -29,3 +29,23 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# The Switch Transformer and its decoding (flax, no TensorFlow; the MoE layer loads on first use).
+from sparsemixer_jax.decode import (
+    beam_search,
+    beam_search_model,
+    greedy_search,
+    greedy_search_model,
+)
+from sparsemixer_jax.models import DecodeCache, Encoded, Transformer, fold_omega
+
+__all__ += [
+    "DecodeCache",
+    "Encoded",
+    "Transformer",
+    "beam_search",
+    "beam_search_model",
+    "fold_omega",
+    "greedy_search",
+    "greedy_search_model",
+]

@@ -311,3 +311,17 @@ def test_transformer_base_forward_backward_on_cpu():
                 assert np.abs(np.asarray(ffn[name][...])).max() > 0, (stack, i, name)
     num_moe = sum(isinstance(m, MoEFeedForward) for _, m in nnx.iter_modules(model))
     assert num_moe == 6
+
+
+def test_mesh_is_passed_to_moe_layers():
+    """The mesh reaches every MoE layer; N=6 on an expert axis of 4 is the MoE layer's error."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (simulated) devices, see conftest.py")
+    from sparsemixer_jax.sharding import make_mesh
+
+    mesh = make_mesh(data=2, expert=4)
+    model = nnx.eval_shape(lambda: Transformer(tiny_config(4), VOCAB, mesh=mesh, rngs=nnx.Rngs(0)))
+    moe = [m for _, m in nnx.iter_modules(model) if isinstance(m, MoEFeedForward)]
+    assert len(moe) == 2 and all(m.mesh is mesh for m in moe)
+    with pytest.raises(ValueError, match="divisible"):
+        Transformer(tiny_config(6), VOCAB, mesh=mesh, rngs=nnx.Rngs(0))
