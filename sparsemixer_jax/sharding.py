@@ -85,11 +85,33 @@ def check_batch(mesh: Mesh, batch: int) -> None:
         raise ValueError(f"batch size {batch} is not divisible by the mesh data axis ({data})")
 
 
-def shard_state(module: nnx.Module, mesh: Mesh) -> None:
-    """Place ``module``'s state on ``mesh`` in place: variables annotated with ``out_sharding``
-    (the MoE expert weights: ``("expert", ...)``) are split accordingly, the rest replicated."""
-    state = nnx.state(module)
-    nnx.update(module, jax.device_put(state, nnx.get_named_sharding(state, mesh)))
+def _trimmed(spec: P) -> P:
+    """``spec`` without trailing ``None``s: ``P("expert", None)`` -> ``P("expert")``.
+
+    Same layout, but jit compares shardings by their spec: outputs come back trimmed, so
+    untrimmed inputs would make the second training step recompile.
+    """
+    parts = list(spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return P(*parts)
+
+
+def state_shardings(state, mesh: Mesh):
+    """NamedShardings for an ``nnx.State``: from each variable's ``out_sharding`` annotation
+    (the MoE expert weights carry ``("expert", ...)``), replicated where there is none."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, _trimmed(spec)),
+                        nnx.get_partition_spec(state))
+
+
+def shard_state(obj: nnx.Module | nnx.Pytree, mesh: Mesh) -> None:
+    """Place the state of ``obj`` (a model, or an ``nnx.Optimizer``) on ``mesh``, in place.
+
+    Shard every stateful object passed to a jitted step, the optimizer included, so the step's
+    outputs come back with the shardings of its inputs (otherwise the second step recompiles).
+    """
+    state = nnx.state(obj)
+    nnx.update(obj, jax.device_put(state, state_shardings(state, mesh)))
 
 
 def expert_parallel_ffn(

@@ -80,34 +80,27 @@ def _reference_value_and_grad(params, x, mask, head):
 
 
 @pytest.fixture(scope="module")
-def train_runs(data):
-    """Training-mode results (sampling + dropout) for both dispatches, compiled once each."""
+def train_run(data):
+    """Training-mode results (sampling + dropout), padded dispatch. Ragged dispatch in training
+    mode is compared with it through the sharded layer in tests/test_sharding.py."""
     x, mask, head = data
-    out = {}
-    for dispatch in ("ragged", "padded"):
-        out[dispatch] = loss_and_grads(make_layer(dispatch=dispatch), x, mask, head)
-    return out
+    return loss_and_grads(make_layer(dispatch="padded"), x, mask, head)
 
 
-def test_dispatches_agree_in_training(train_runs):
-    loss_r, y_r, met_r, g_r = train_runs["ragged"]
-    loss_p, y_p, met_p, g_p = train_runs["padded"]
-    chex.assert_trees_all_close(y_r, y_p, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(loss_r, loss_p, rtol=1e-5)
-    chex.assert_trees_all_close(met_r, met_p, rtol=1e-6, atol=1e-7)
-    chex.assert_trees_all_close(g_r, g_p, rtol=1e-5, atol=1e-6)
+def test_training_gradients_reach_router_omega_and_used_experts(train_run):
+    _, _, metrics, grads = train_run
     # The router gets a gradient (through SparseMixer's custom gate VJP and the balance loss),
-    # and so do omega and every expert that received a token.
-    assert float(jnp.abs(g_r["router"]["kernel"][...]).sum()) > 0
-    assert float(jnp.abs(g_r["omega"][...]).sum()) > 0
-    used = np.asarray(met_r["expert_fraction"]) > 0
-    wi_norm = np.asarray(jnp.abs(g_r["wi"][...]).sum(axis=(1, 2)))
+    # and so do omega and exactly the experts that received a token.
+    assert float(jnp.abs(grads["router"]["kernel"][...]).sum()) > 0
+    assert float(jnp.abs(grads["omega"][...]).sum()) > 0
+    used = np.asarray(metrics["expert_fraction"]) > 0
+    wi_norm = np.asarray(jnp.abs(grads["wi"][...]).sum(axis=(1, 2)))
     np.testing.assert_array_equal(wi_norm > 0, used)
 
 
-def test_padding_outputs_zero_and_is_left_out_of_metrics(train_runs, data):
+def test_padding_outputs_zero_and_is_left_out_of_metrics(train_run, data):
     mask = data[1]
-    _, y, metrics, _ = train_runs["padded"]
+    _, y, metrics, _ = train_run
     np.testing.assert_array_equal(np.asarray(y)[~np.asarray(mask)], 0.0)
     assert np.all(np.abs(np.asarray(y)[np.asarray(mask)]).sum(-1) > 0)
     frac = np.asarray(metrics["expert_fraction"])
