@@ -49,3 +49,9 @@ __all__ += [
     "greedy_search",
     "greedy_search_model",
 ]
+
+# The MoE feed-forward layer and expert parallelism.
+from sparsemixer_jax.moe import MoEFeedForward, expert_ffn  # noqa: E402 (appended block)
+from sparsemixer_jax.sharding import make_mesh, shard_state  # noqa: E402
+
+__all__ += ["MoEFeedForward", "expert_ffn", "make_mesh", "shard_state"]
