@@ -93,11 +93,9 @@ class Attention(nnx.Module):
         def linear(init):
             return nnx.Linear(emb_dim, emb_dim, kernel_init=init, dtype=dtype, rngs=rngs)
 
-        self.query, self.key, self.value = (
-            linear(_xavier_qkv),
-            linear(_xavier_qkv),
-            linear(_xavier_qkv),
-        )
+        self.query = linear(_xavier_qkv)
+        self.key = linear(_xavier_qkv)
+        self.value = linear(_xavier_qkv)
         self.out = linear(_xavier)
         self.dropout = nnx.Dropout(attention_dropout, rngs=rngs)
 
@@ -305,6 +303,8 @@ class DecodeCache(NamedTuple):
 
 def _token_embedding_init(emb_dim: int):
     # fairseq: N(0, emb_dim^-1/2); with the sqrt(emb_dim) input scale the inputs have unit scale.
+    # Unlike fairseq, row 0 (padding) is neither zeroed nor frozen: it is also the decoder's start
+    # token here, and padded positions are masked out of attention and the loss anyway.
     return nnx.initializers.normal(stddev=emb_dim**-0.5)
 
 
