@@ -30,7 +30,7 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-# The Switch Transformer and its decoding (flax, no TensorFlow; the MoE layer loads on first use).
+# The Switch Transformer and its decoding (flax only, no TensorFlow).
 from sparsemixer_jax.decode import (
     beam_search,
     beam_search_model,
