@@ -12,6 +12,8 @@ the parameters of an uninterrupted ``2k``-step run.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import math
@@ -90,7 +92,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 # ------------------------------------------------------------------------- optimizer and loss
 
 
-def learning_rate_schedule(optim: ml_collections.ConfigDict) -> Callable[[jax.Array], jax.Array]:
+def learning_rate_schedule(optim: Any) -> Callable[[jax.Array], jax.Array]:
     """fairseq's ``inverse_sqrt``: linear warmup from ``init_lr`` to ``peak_lr`` over
     ``warmup_steps``, then ``peak_lr * sqrt(warmup_steps / step)``. Independent of the total
     number of steps, so a run can be extended without changing its past."""
@@ -107,7 +109,7 @@ def learning_rate_schedule(optim: ml_collections.ConfigDict) -> Callable[[jax.Ar
     return schedule
 
 
-def make_optimizer(optim: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(optim: Any) -> optax.GradientTransformation:
     """Adam(b1, b2, eps) on the inverse-sqrt schedule; optional clipping and decoupled decay."""
     parts = []
     if optim.clip_norm > 0:
@@ -149,18 +151,36 @@ def token_losses(
 
 
 def make_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
-    """The ``(data, expert)`` mesh of ``config.mesh``, or None on a single device."""
-    if jax.device_count() == 1:
-        if config.mesh.expert not in (1,) or config.mesh.data not in (1, -1):
-            raise ValueError(
-                f"config.mesh asks for data={config.mesh.data} x expert={config.mesh.expert} "
-                "devices but only 1 device is visible"
-            )
+    """The ``(data, expert)`` mesh of ``config.mesh``, or None for a single device.
+
+    ``mesh.data = -1`` takes every device the expert axis leaves. A single process may ask for
+    fewer devices than it has (the first ones are used); several processes must use them all.
+    """
+    available = jax.device_count()
+    expert = int(config.mesh.expert)
+    data = int(config.mesh.data)
+    if expert < 1 or (data < 1 and data != -1):
+        raise ValueError(
+            f"config.mesh: expert must be >= 1 and data >= 1 or -1, got {config.mesh.to_dict()}"
+        )
+    if data == -1:
+        if available % expert:
+            raise ValueError(f"config.mesh.expert={expert} does not divide the {available} devices")
+        data = available // expert
+    wanted = data * expert
+    if wanted > available or (wanted < available and jax.process_count() > 1):
+        raise ValueError(
+            f"config.mesh asks for data={data} x expert={expert} = {wanted} devices but "
+            f"{available} are visible"
+        )
+    if config.model.num_experts and int(config.model.num_experts) % expert:
+        raise ValueError(
+            f"config.model.num_experts={config.model.num_experts} is not divisible by "
+            f"config.mesh.expert={expert}"
+        )
+    if wanted == 1:
         return None
-    mesh = sharding.make_mesh(int(config.mesh.data), int(config.mesh.expert))
-    if config.model.num_experts:
-        sharding.check_mesh(mesh, int(config.model.num_experts))
-    return mesh
+    return sharding.make_mesh(data, expert, jax.devices()[:wanted])
 
 
 def build_model(
@@ -182,8 +202,128 @@ def count_params(params: Any) -> int:
 # --------------------------------------------------------------------------- compiled steps
 
 
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """The loss hyperparameters (hashable: a static argument of the compiled steps)."""
+
+    label_smoothing: float
+    balance_weight: float
+    z_loss_weight: float
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSettings:
+    """``config.optim`` as a hashable value (a static argument of the compiled update)."""
+
+    peak_lr: float
+    init_lr: float
+    warmup_steps: int
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    clip_norm: float
+
+    @classmethod
+    def from_config(cls, optim: ml_collections.ConfigDict) -> OptimSettings:
+        cast = {"int": int, "float": float}  # field types are strings (postponed annotations)
+        return cls(**{f.name: cast[f.type](optim[f.name]) for f in dataclasses.fields(cls)})
+
+
+# The compiled steps are module-level functions of (static) model structure and settings, so
+# every run in a process with the same structure and shapes reuses one compilation.
+
+
+def _loss(graphdef, settings: LossSettings, params, rest, batch, key):
+    """Training objective of one micro-batch (summed over its tokens) and its metrics."""
+    # A fresh copy of the RNG-stream variables at this trace level, so reseeding them under
+    # jax.grad does not mutate the caller's.
+    rest = jax.tree.map(lambda x: x, rest)
+    model = nnx.merge(graphdef, nnx.State(params), rest)
+    dropout_key, router_key = jax.random.split(key)
+    nnx.reseed(model, dropout=dropout_key, router=router_key)
+    logits, aux = model(batch["inputs"], batch["targets"], deterministic=False)
+    smoothed, nll, tokens = token_losses(logits, batch["targets"], settings.label_smoothing)
+    # The auxiliary losses are means over the micro-batch; weighting them by its tokens makes
+    # the update's objective a token-weighted mean over micro-batches.
+    aux_loss = (
+        settings.balance_weight * aux["balance_loss"] + settings.z_loss_weight * aux["z_loss"]
+    )
+    metrics = {
+        "smoothed": smoothed,
+        "nll": nll,
+        "tokens": tokens,
+        "balance_loss": aux["balance_loss"] * tokens,
+        "z_loss": aux["z_loss"] * tokens,
+        "moe": jax.tree.map(lambda v: v * tokens, aux["moe"]),
+    }
+    return smoothed + aux_loss * tokens, metrics
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _zero_accumulator(graphdef, settings, params, rest, batch):
+    shapes = jax.eval_shape(
+        lambda p, r, b: _loss(graphdef, settings, p, r, b, jax.random.key(0))[1],
+        params, rest, batch,
+    )
+    return {
+        "grads": jax.tree.map(jnp.zeros_like, params),
+        "metrics": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+    }
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
+def _accumulate(graphdef, settings, params, rest, acc, batch, key):
+    grads, metrics = jax.grad(_loss, argnums=2, has_aux=True)(
+        graphdef, settings, params, rest, batch, key
+    )
+    return jax.tree.map(jnp.add, acc, {"grads": grads, "metrics": metrics})
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1, 2))
+def _update(optim: OptimSettings, params, opt_state, acc):
+    """One optimizer update from accumulated gradient sums; skipped if anything is non-finite."""
+    m = acc["metrics"]
+    tokens = jnp.maximum(m["tokens"], 1.0)
+    grads = jax.tree.map(lambda g: g / tokens, acc["grads"])
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(m["smoothed"])
+    updates, new_opt_state = make_optimizer(optim).update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+
+    def keep_if_finite(new, old):
+        return jnp.where(finite, new, old)
+
+    params = jax.tree.map(keep_if_finite, new_params, params)
+    opt_state = jax.tree.map(keep_if_finite, new_opt_state, opt_state)
+    out = {
+        "loss": m["smoothed"] / tokens,
+        "nll": m["nll"] / tokens,
+        "balance_loss": m["balance_loss"] / tokens,
+        "z_loss": m["z_loss"] / tokens,
+        "grad_norm": grad_norm,
+        "tokens": m["tokens"],
+        "finite": finite,
+        "moe": jax.tree.map(lambda v: v / tokens, m["moe"]),
+    }
+    return params, opt_state, out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _evaluate(graphdef, settings: LossSettings, params, rest, batch):
+    """``[smoothed, nll, tokens]`` sums of the deterministic forward on one batch."""
+    model = nnx.merge(graphdef, nnx.State(params), rest)
+    logits, _ = model(batch["inputs"], batch["targets"], deterministic=True)
+    return jnp.stack(token_losses(logits, batch["targets"], settings.label_smoothing))
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _init_optimizer(optim: OptimSettings, params):
+    return make_optimizer(optim).init(params)
+
+
 class Steps:
-    """The jitted functions of one model structure: gradient accumulation, update, evaluation.
+    """The compiled steps bound to one model: gradient accumulation, update, evaluation.
 
     Parameters travel as a pure pytree (nested dict of arrays) so that optax and orbax see plain
     arrays; the rest of the model state (RNG streams) is reseeded from an explicit key per
@@ -193,85 +333,28 @@ class Steps:
     def __init__(self, model: Transformer, config: ml_collections.ConfigDict):
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self.params = nnx.to_pure_dict(params)
-        self.tx = make_optimizer(config.optim)
-        self.schedule = learning_rate_schedule(config.optim)
-        label_smoothing = float(config.optim.label_smoothing)
-        balance_weight = float(config.router.balance_weight)
-        z_weight = float(config.router.z_loss_weight)
-        graphdef = self.graphdef
+        self.optim = OptimSettings.from_config(config.optim)
+        self.schedule = learning_rate_schedule(self.optim)
+        self.loss = LossSettings(
+            label_smoothing=float(config.optim.label_smoothing),
+            balance_weight=float(config.router.balance_weight),
+            z_loss_weight=float(config.router.z_loss_weight),
+        )
 
-        def loss_fn(params, rest, batch, key):
-            # A fresh copy of the RNG-stream variables at this trace level, so reseeding them
-            # under jax.grad does not mutate the caller's.
-            rest = jax.tree.map(lambda x: x, rest)
-            model = nnx.merge(graphdef, nnx.State(params), rest)
-            dropout_key, router_key = jax.random.split(key)
-            nnx.reseed(model, dropout=dropout_key, router=router_key)
-            logits, aux = model(batch["inputs"], batch["targets"], deterministic=False)
-            smoothed, nll, tokens = token_losses(logits, batch["targets"], label_smoothing)
-            # The auxiliary losses are means over the micro-batch; weighting them by its tokens
-            # makes the update's objective a token-weighted mean over micro-batches.
-            aux_loss = balance_weight * aux["balance_loss"] + z_weight * aux["z_loss"]
-            metrics = {
-                "smoothed": smoothed,
-                "nll": nll,
-                "tokens": tokens,
-                "balance_loss": aux["balance_loss"] * tokens,
-                "z_loss": aux["z_loss"] * tokens,
-                "moe": jax.tree.map(lambda v: v * tokens, aux["moe"]),
-            }
-            return smoothed + aux_loss * tokens, metrics
+    def init_opt(self, params):
+        return _init_optimizer(self.optim, params)
 
-        def accumulate(params, rest, acc, batch, key):
-            grads, metrics = jax.grad(loss_fn, has_aux=True)(params, rest, batch, key)
-            return jax.tree.map(jnp.add, acc, {"grads": grads, "metrics": metrics})
+    def zeros(self, params, batch):
+        return _zero_accumulator(self.graphdef, self.loss, params, self.rest, batch)
 
-        def zeros(params, rest, batch):
-            shapes = jax.eval_shape(
-                lambda p, r, b: loss_fn(p, r, b, jax.random.key(0))[1], params, rest, batch
-            )
-            return {
-                "grads": jax.tree.map(jnp.zeros_like, params),
-                "metrics": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-            }
+    def accumulate(self, params, acc, batch, key):
+        return _accumulate(self.graphdef, self.loss, params, self.rest, acc, batch, key)
 
-        def update(params, opt_state, acc):
-            m = acc["metrics"]
-            tokens = jnp.maximum(m["tokens"], 1.0)
-            grads = jax.tree.map(lambda g: g / tokens, acc["grads"])
-            grad_norm = optax.global_norm(grads)
-            finite = jnp.isfinite(grad_norm) & jnp.isfinite(m["smoothed"])
-            updates, new_opt_state = self.tx.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
+    def update(self, params, opt_state, acc):
+        return _update(self.optim, params, opt_state, acc)
 
-            def keep_if_finite(new, old):
-                return jnp.where(finite, new, old)
-
-            params = jax.tree.map(keep_if_finite, new_params, params)
-            opt_state = jax.tree.map(keep_if_finite, new_opt_state, opt_state)
-            out = {
-                "loss": m["smoothed"] / tokens,
-                "nll": m["nll"] / tokens,
-                "balance_loss": m["balance_loss"] / tokens,
-                "z_loss": m["z_loss"] / tokens,
-                "grad_norm": grad_norm,
-                "tokens": m["tokens"],
-                "finite": finite,
-                "moe": jax.tree.map(lambda v: v / tokens, m["moe"]),
-            }
-            return params, opt_state, out
-
-        def evaluate(params, rest, batch):
-            model = nnx.merge(graphdef, nnx.State(params), rest)
-            logits, _ = model(batch["inputs"], batch["targets"], deterministic=True)
-            smoothed, nll, tokens = token_losses(logits, batch["targets"], label_smoothing)
-            return jnp.stack([smoothed, nll, tokens])
-
-        self.accumulate = jax.jit(accumulate, donate_argnums=(2,))
-        self.zeros = jax.jit(zeros)
-        self.update = jax.jit(update, donate_argnums=(0, 1, 2))
-        self.evaluate = jax.jit(evaluate)
-        self.init_opt = jax.jit(self.tx.init)
+    def evaluate(self, params, batch):
+        return _evaluate(self.graphdef, self.loss, params, self.rest, batch)
 
     def model(self, params: Any) -> Transformer:
         """A Transformer module holding ``params`` (for decoding)."""
@@ -306,7 +389,7 @@ def evaluate_loss(steps: Steps, params, batches, place: DevicePlacer) -> dict[st
     """Token-averaged label-smoothed loss and NLL over ``batches`` (deterministic forward)."""
     total = np.zeros(3)
     for batch in batches:
-        total += np.asarray(jax.device_get(steps.evaluate(params, steps.rest, place(batch))))
+        total += np.asarray(jax.device_get(steps.evaluate(params, place(batch))))
     smoothed, nll, tokens = total
     tokens = max(tokens, 1.0)
     return {
@@ -538,10 +621,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             for j, batch in enumerate(micro):
                 global_batch = place(batch)
                 if acc is None:
-                    acc = steps.zeros(params, steps.rest, global_batch)
-                acc = steps.accumulate(
-                    params, steps.rest, acc, global_batch, jax.random.fold_in(step_key, j)
-                )
+                    acc = steps.zeros(params, global_batch)
+                acc = steps.accumulate(params, acc, global_batch, jax.random.fold_in(step_key, j))
             params, opt_state, metrics = steps.update(params, opt_state, acc)
             if pending is not None:
                 finish_step(pending)

@@ -1,0 +1,86 @@
+"""Translate stdin with a trained run: one source sentence per line in, one translation out.
+
+    echo "A man is riding a bike." | python -m experiments.translate --workdir runs/multi30k_n4
+
+Uses the run's saved config, vocabulary and its best checkpoint (``--checkpoint last`` for the
+last one); beam size and length penalty default to the run's ``config.decode``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_string("workdir", None, "A workdir written by experiments.wmt.")
+flags.DEFINE_enum("checkpoint", "best", ["best", "last"], "Which checkpoint to use.")
+flags.DEFINE_integer("beam_size", None, "Beam size (default: the run's decode.beam_size).")
+flags.DEFINE_float("length_penalty", None, "GNMT alpha (default: the run's decode.length_penalty).")
+flags.DEFINE_integer("batch_size", 64, "Sentences per beam-search batch.")
+flags.mark_flag_as_required("workdir")
+
+
+def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
+                    beam_size: int | None = None, length_penalty: float | None = None,
+                    batch_size: int = 64) -> list[str]:
+    """Translations of ``lines`` (in order) with the run in ``workdir``."""
+    import ml_collections
+    import numpy as np
+
+    from sparsemixer_jax import decode, input_pipeline, train
+    from sparsemixer_jax.checkpoint import RunCheckpoints
+
+    config_path = os.path.join(workdir, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(
+            f"{config_path} not found: is {workdir} a workdir of experiments.wmt?"
+        )
+    with open(config_path) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    tokenizer = input_pipeline.Tokenizer(os.path.join(workdir, "spm.model"))
+    steps = train.Steps(train.build_model(config, tokenizer.vocab_size, None), config)
+    template = {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
+    checkpoints = RunCheckpoints(workdir)
+    manager = checkpoints.best if checkpoint == "best" else checkpoints.last
+    restored = checkpoints.restore(manager, template)
+    checkpoints.close()
+    if restored is None:
+        raise FileNotFoundError(f"no {checkpoint} checkpoint in {workdir}/checkpoints/{checkpoint}")
+    model = steps.model(restored[0]["params"])
+
+    encoded = [[*tokenizer.encode(line.strip()), tokenizer.eos_id] for line in lines]
+    order = sorted(range(len(lines)), key=lambda i: len(encoded[i]))  # similar lengths together
+    outputs = [""] * len(lines)
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        # Pad the length to a multiple of 16 and the batch to batch_size: few compilations.
+        length = -(-max(len(encoded[i]) for i in rows) // 16) * 16
+        inputs = np.zeros((batch_size, length), np.int32)
+        for r, i in enumerate(rows):
+            inputs[r, : len(encoded[i])] = encoded[i]
+        seqs, _ = decode.beam_search_model(
+            model, inputs, eos_id=tokenizer.eos_id,
+            beam_size=beam_size or int(config.decode.beam_size),
+            alpha=config.decode.length_penalty if length_penalty is None else length_penalty,
+            max_extra_len=int(config.decode.max_extra_len),
+        )
+        best = np.asarray(seqs[:, 0])
+        for r, i in enumerate(rows):
+            outputs[i] = tokenizer.decode(best[r].tolist())
+    return outputs
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    f = flags.FLAGS
+    lines = sys.stdin.read().splitlines()
+    for line in translate_lines(f.workdir, lines, checkpoint=f.checkpoint, beam_size=f.beam_size,
+                                length_penalty=f.length_penalty, batch_size=f.batch_size):
+        print(line)
+
+
+if __name__ == "__main__":
+    app.run(main)

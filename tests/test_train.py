@@ -1,0 +1,198 @@
+"""End-to-end tests of the training loop: resume, SIGKILL, non-finite stop, CLI, translate, plot.
+
+All runs use ``tests/tiny_wmt_config.py`` (one padded shape, so each step function compiles once
+per process and the in-process runs share the compilations).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import plot, translate
+from sparsemixer_jax import train
+from sparsemixer_jax.checkpoint import RunCheckpoints
+from tests import tiny_wmt_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny(**overrides):
+    config = tiny_wmt_config.get_config()
+    for key, value in overrides.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return config
+
+
+def last_params(workdir, config):
+    """Parameters of the last checkpoint in ``workdir``, as numpy."""
+    steps = train.Steps(train.build_model(config, config.data.vocab_size, None), config)
+    template = {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
+    checkpoints = RunCheckpoints(workdir)
+    state, meta = checkpoints.restore(checkpoints.last, template)
+    checkpoints.close()
+    return jax.tree.map(np.asarray, state["params"]), meta
+
+
+def read_metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """An uninterrupted 6-step run: the reference for the resume tests."""
+    workdir = str(tmp_path_factory.mktemp("straight"))
+    results = train.train_and_evaluate(tiny(), workdir)
+    return workdir, results
+
+
+def test_straight_run_learns_and_writes_results(straight_run):
+    workdir, results = straight_run
+    assert results["steps"] == 6
+    for key in ("bleu", "bleu_best", "valid_loss", "tokens_per_second", "config"):
+        assert key in results
+    with open(os.path.join(workdir, "results.json")) as f:
+        on_disk = json.load(f)
+    assert on_disk["valid_loss"] == results["valid_loss"]
+    records = read_metrics(workdir)
+    train_steps = [r["step"] for r in records if "loss" in r]
+    assert train_steps == list(range(1, 7))
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses[-1] < losses[0], losses  # it learns, even in six steps
+    moe = [r for r in records if "moe" in r]
+    assert moe and "encoder/layer_0" in moe[0]["moe"]
+    assert len(moe[0]["moe"]["encoder/layer_0"]["expert_fraction"]) == 2
+    valid = [r for r in records if "valid_loss" in r]
+    assert [r["step"] for r in valid] == [3, 6]
+    assert os.path.exists(os.path.join(workdir, "translations_last.txt"))
+
+
+def test_extending_a_run_equals_the_uninterrupted_run(straight_run, tmp_path):
+    workdir = str(tmp_path / "resumed")
+    train.train_and_evaluate(tiny(train_steps=3), workdir)
+    resumed = train.train_and_evaluate(tiny(train_steps=6), workdir)
+    reference_dir, reference = straight_run
+    assert resumed["valid_loss"] == reference["valid_loss"]
+    params, meta = last_params(workdir, tiny())
+    expected, expected_meta = last_params(reference_dir, tiny())
+    assert meta["step"] == expected_meta["step"] == 6
+    assert meta["data"] == expected_meta["data"]
+    jax.tree.map(np.testing.assert_array_equal, params, expected)
+    # Each step is logged once, although the run was stopped and started again.
+    assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == list(range(1, 7))
+
+
+def test_sigkill_mid_run_then_resume(straight_run, tmp_path):
+    workdir = str(tmp_path / "killed")
+    command = [sys.executable, "-m", "experiments.wmt", "--config", "tests/tiny_wmt_config.py",
+               "--workdir", workdir, "--config.checkpoint_every=1"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+    last = os.path.join(workdir, "checkpoints", "last")
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        done = [d for d in os.listdir(last) if d.isdigit()] if os.path.isdir(last) else []
+        if done and max(int(d) for d in done) >= 2:
+            break
+        time.sleep(0.2)
+    assert process.poll() is None, "run ended before it could be killed: " + (
+        process.stderr.read().decode()[-2000:]
+    )
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    process.stderr.close()
+    killed_at = max(int(d) for d in os.listdir(last) if d.isdigit())
+    assert 2 <= killed_at < 6
+
+    rerun = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    with open(os.path.join(workdir, "config.json")) as f:
+        config = json.load(f)
+    assert config["checkpoint_every"] == 1  # the command-line override reached the run
+    params, meta = last_params(workdir, tiny())
+    expected, _ = last_params(straight_run[0], tiny())
+    assert meta["step"] == 6
+    jax.tree.map(np.testing.assert_array_equal, params, expected)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    workdir = str(tmp_path / "diverged")
+    # lr 1e30: the first update makes the weights ~1e30, the next forward overflows.
+    config = tiny(**{"optim.peak_lr": 1e30, "optim.warmup_steps": 0, "checkpoint_every": 1,
+                     "eval_every": 100})
+    with pytest.raises(train.TrainingDiverged, match="not finite"):
+        train.train_and_evaluate(config, workdir)
+    records = read_metrics(workdir)
+    bad_step = next(r["step"] for r in records if "error" in r)
+    checkpoints = RunCheckpoints(workdir)
+    saved = checkpoints.last.all_steps()
+    checkpoints.close()
+    assert saved and max(saved) < bad_step
+    params, _ = last_params(workdir, config)
+    assert all(np.all(np.isfinite(p)) for p in jax.tree.leaves(params))
+    assert not os.path.exists(os.path.join(workdir, "results.json"))
+
+
+def test_config_errors_are_caught_before_compiling(tmp_path):
+    cases = [
+        ({"router.name": "top2"}, "router.name"),
+        ({"model.emb_dim": 17}, "not divisible by num_heads"),
+        ({"model.dropout": 1.0}, "model.dropout"),
+        ({"train_steps": 0}, "train_steps"),
+        ({"model.compute_dtype": "float16"}, "compute_dtype"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ValueError, match=message):
+            train.check_config(tiny(**overrides))
+    with pytest.raises(ValueError, match=r"not divisible by config\.mesh\.expert"):
+        train.make_mesh(tiny(**{"mesh.data": 1, "mesh.expert": 4, "model.num_experts": 6}))
+    with pytest.raises(ValueError, match="devices"):
+        train.make_mesh(tiny(**{"mesh.data": 16, "mesh.expert": 1}))
+
+
+def test_resuming_with_a_different_model_is_refused(straight_run):
+    with pytest.raises(ValueError, match=r"different config\.model"):
+        train.train_and_evaluate(tiny(**{"model.emb_dim": 32}), straight_run[0])
+
+
+def test_learning_rate_schedule_is_inverse_sqrt():
+    config = tiny(**{"optim.warmup_steps": 100, "optim.peak_lr": 1e-3, "optim.init_lr": 1e-7})
+    lr = train.learning_rate_schedule(config.optim)
+    np.testing.assert_allclose(lr(0), 1e-7, rtol=1e-5)
+    np.testing.assert_allclose(lr(50), 1e-7 + (1e-3 - 1e-7) / 2, rtol=1e-5)
+    np.testing.assert_allclose(lr(100), 1e-3, rtol=1e-5)
+    np.testing.assert_allclose(lr(400), 5e-4, rtol=1e-5)
+
+
+def test_label_smoothed_loss_hand_computed():
+    logits = np.log(np.array([[[0.5, 0.25, 0.25], [0.2, 0.2, 0.6]]], np.float32))
+    targets = np.array([[1, 0]])  # second position is padding
+    smoothed, nll, tokens = train.token_losses(logits, targets, 0.1)
+    expected_smooth = -np.mean(np.log([0.5, 0.25, 0.25]))
+    np.testing.assert_allclose(nll, -np.log(0.25), rtol=1e-6)
+    np.testing.assert_allclose(smoothed, 0.9 * -np.log(0.25) + 0.1 * expected_smooth, rtol=1e-6)
+    assert float(tokens) == 1.0
+
+
+def test_translate_and_plot(straight_run, tmp_path):
+    workdir, _ = straight_run
+    lines = ["ta gabapa tarano", "mo numu robano dari"]
+    out = translate.translate_lines(workdir, lines, batch_size=4)
+    assert len(out) == 2 and all(isinstance(o, str) for o in out)
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        translate.translate_lines(str(tmp_path), lines)
+    png = tmp_path / "curves.png"
+    plot.main([workdir, workdir, "--out", str(png)])
+    assert png.stat().st_size > 10_000
