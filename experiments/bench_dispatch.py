@@ -35,7 +35,11 @@ def bench(dispatch: str, tokens: int, emb: int, mlp: int, n: int, repeats: int,
     )
 
     def loss(params, x):
-        y = expert_ffn(x, group, ids, params, dispatch=dispatch)
+        if dispatch == "dense":  # one FFN on every token: the cost floor of any dispatch
+            wi, bi, wo, bo = (p[0] for p in params)
+            y = jax.nn.relu(x @ wi + bi) @ wo + bo
+        else:
+            y = expert_ffn(x, group, ids, params, dispatch=dispatch)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1)))
@@ -54,13 +58,15 @@ def main() -> None:
     parser.add_argument("--emb", type=int, default=512)
     parser.add_argument("--mlp", type=int, default=2048)
     parser.add_argument("--experts", type=int, nargs="+", default=[2, 4, 8, 16])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     dtype = jnp.dtype(args.dtype)
     print(f"backend={jax.default_backend()} devices={jax.devices()[0].device_kind} "
           f"tokens={args.tokens} emb={args.emb} mlp={args.mlp} dtype={args.dtype} "
           f"median of {args.repeats}, fwd+bwd")
+    dense = bench("dense", args.tokens, args.emb, args.mlp, 1, args.repeats, dtype) * 1e3
+    print(f"dense FFN (one expert, all tokens): {dense:.1f} ms")
     print(f"{'N':>4} {'ragged ms':>10} {'padded ms':>10} {'faster':>8}")
     for n in args.experts:
         r = bench("ragged", args.tokens, args.emb, args.mlp, n, args.repeats, dtype) * 1e3

@@ -13,16 +13,24 @@ Dispatch (how tokens reach their expert) is chosen by name:
   In capacity mode it is the Switch layout ``[N, capacity, emb]`` (one block per expert).
 * ``"auto"``: ``"padded"`` on CPU, ``"ragged"`` elsewhere.
 
-Why ``auto`` picks ``padded`` on CPU: on CPU, XLA lowers ``ragged_dot`` to a masked dense dot
-over all ``N`` groups, so it costs ``N`` dense FFNs. Measured with
-``python experiments/bench_dispatch.py`` (forward + backward of the expert FFN, float32,
-tokens=4096, emb=512, mlp=2048, median of 5 runs, 2 cores of an AMD EPYC, jax 0.10.2):
+Why ``auto`` picks ``padded`` on CPU: there XLA lowers ``ragged_dot`` to a masked dense dot over
+all ``N`` groups, so it costs about ``N`` dense FFNs; the block-padded layout stays near one to
+two. Measured with ``PYTHONPATH=. python experiments/bench_dispatch.py`` (forward + backward of
+the expert FFN, float32, tokens=4096, emb=512, mlp=2048, random balanced routing, median of 3;
+2 cores of an "AMD EPYC" (lscpu model name), jax 0.10.2, about 5 minutes). Other jobs shared the
+2 cores (load average 4 to 5), so absolute times are inflated and noisy, the dense baseline
+included; the ratio ragged / padded is the finding (an earlier run: 1.4x, 2.4x, 2.8x, 21x):
 
 ====  ==========  ==========
 N     ragged ms   padded ms
 ====  ==========  ==========
-2     see table   see table
+2         2660        1512
+4         2996        1180
+8         5941        1583
+16       18603        2967
 ====  ==========  ==========
+
+(dense FFN, one expert over all tokens: 1632 ms in the same run.)
 
 On GPU ``ragged_dot`` has a grouped-matmul kernel, so ``auto`` picks ``"ragged"`` there; that
 choice is NOT measured here (no GPU was available).
@@ -36,7 +44,6 @@ layer (:mod:`sparsemixer_jax.sharding`) gives the same result as one device.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -266,14 +273,17 @@ class MoEFeedForward(nnx.Module):
         if capacity_factor < 0:
             raise ValueError(f"capacity_factor must be >= 0 (0 = dropless), got {capacity_factor}")
         resolve_dispatch(dispatch)  # validates the name
-        self.route_fn: Callable = routing.get_router(router, jitter_eps)  # validates the name
+        routing.get_router(router, jitter_eps)  # validates the name and jitter_eps
         if mesh is not None:
             from sparsemixer_jax.sharding import check_mesh
 
             check_mesh(mesh, num_experts)
 
         self.emb_dim, self.mlp_dim, self.num_experts = emb_dim, mlp_dim, num_experts
+        # Names, not the router function: a per-instance lambda would make every layer's graph
+        # definition distinct and defeat nnx.jit's compilation cache.
         self.router_name = router
+        self.jitter_eps = jitter_eps
         self.activation_dropout = activation_dropout
         self.dispatch = dispatch
         self.capacity_factor = capacity_factor
@@ -327,7 +337,7 @@ class MoEFeedForward(nnx.Module):
         logits = self.router(x.astype(jnp.float32))
         training = not deterministic
         key = self.router_rng() if training else None
-        routed = self.route_fn(logits, key, training)
+        routed = routing.get_router(self.router_name, self.jitter_eps)(logits, key, training)
         metrics = routing.routing_metrics(logits, routed, token_mask)
 
         active = jnp.ones((batch, length), bool) if token_mask is None else token_mask.astype(bool)
