@@ -33,14 +33,18 @@ def make_layer(mesh=None, **kw) -> MoEFeedForward:
 
 @nnx.jit
 def loss_and_grads(layer, x, mask, head):
-    """Training mode: SparseMixer sampling, its custom router VJP and activation dropout."""
+    """Training mode: SparseMixer sampling, its custom router VJP and activation dropout.
 
-    def loss_fn(layer):
+    Returns ``(loss, y, metrics, param grads, input grad)``.
+    """
+
+    def loss_fn(layer, x):
         y, metrics = layer(x, mask)
         return jnp.sum(y * head) + metrics["balance_loss"], (y, metrics)
 
-    (loss, (y, metrics)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(layer)
-    return loss, y, metrics, grads
+    (loss, (y, metrics)), (grads, dx) = nnx.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(layer, x)
+    return loss, y, metrics, grads, dx
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +73,8 @@ def test_sharded_layer_equals_single_device(shape, data, single):
     assert layer.wi[...].sharding.shard_shape(layer.wi[...].shape) == (N // shape[1], EMB, MLP)
     assert layer.router.kernel[...].sharding.is_fully_replicated
     x, mask, head = (jax.device_put(a, batch_sharding(mesh)) for a in data)
-    loss, y, metrics, grads = loss_and_grads(layer, x, mask, head)
-    loss0, y0, metrics0, grads0 = single
+    loss, y, metrics, grads, dx = loss_and_grads(layer, x, mask, head)
+    loss0, y0, metrics0, grads0, dx0 = single
     chex.assert_trees_all_close(y, y0, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, loss0, rtol=1e-5)
     chex.assert_trees_all_close(metrics, metrics0, rtol=1e-5, atol=1e-7)
@@ -79,6 +83,9 @@ def test_sharded_layer_equals_single_device(shape, data, single):
     chex.assert_trees_all_close(nnx.to_pure_dict(grads), nnx.to_pure_dict(grads0), rtol=1e-4,
                                 atol=1e-6)
     assert float(jnp.abs(grads["router"]["kernel"][...]).sum()) > 0
+    # The input gradient (through the router and the all_to_all exchange) feeds earlier layers.
+    np.testing.assert_allclose(dx, dx0, rtol=1e-4, atol=1e-6)
+    assert float(jnp.abs(dx).sum()) > 0
 
 
 @nnx.jit
