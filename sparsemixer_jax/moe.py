@@ -125,14 +125,15 @@ def _block_rows(rows: int, num_groups: int) -> int:
 def _padded_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, capacity):
     """Block-padded batched matmul. See :func:`expert_ffn` for shapes.
 
-    With ``capacity`` (every group already holds at most ``capacity`` rows) one block of
-    ``capacity`` rows per group: the Switch ``[G, capacity, emb]`` layout, no weight gather.
+    With ``capacity``: one block of ``capacity`` rows per group, the Switch
+    ``[G, capacity, emb]`` layout, no weight gather; rows past the capacity output zeros.
     """
     rows, emb = x.shape
     num_groups = wi.shape[0]
     valid = group < num_groups
     rank = _rank_in_group(group, num_groups)
     if capacity is not None:
+        valid = valid & (rank < capacity)  # over-capacity rows would spill into the next block
         block, num_blocks = capacity, num_groups
         slot = jnp.where(valid, group * capacity + rank, num_blocks * block)
         block_group = jnp.arange(num_groups)
@@ -187,7 +188,9 @@ def expert_ffn(
         dtype.
       dispatch: ``"ragged"`` or ``"padded"``.
       dropout_key: key of the activation dropout, or None for no dropout.
-      capacity: ``"padded"`` only: every group holds at most this many rows (capacity mode).
+      capacity: ``"padded"`` only: the Switch layout with this many slots per group; rows past
+        it (in row order) output zeros. The layer drops tokens before (``capacity_keep``), so
+        its groups always fit.
 
     Returns: ``[R, emb]`` in the dtype of ``x``, zeros on rows without expert.
     """

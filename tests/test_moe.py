@@ -187,6 +187,23 @@ def test_capacity_mode(data, dispatch):
     np.testing.assert_allclose(met["dropped_fraction"], (~kept & m).sum() / m.sum(), rtol=1e-6)
 
 
+def test_padded_capacity_layout_drops_overflow():
+    """``expert_ffn(capacity=c)`` keeps the first ``c`` rows of each group, zeros the rest."""
+    rows, g, cap = 10, 2, 3
+    x = jax.random.normal(jax.random.key(5), (rows, EMB))
+    shapes = [(g, EMB, MLP), (g, MLP), (g, MLP, EMB), (g, EMB)]
+    keys = jax.random.split(jax.random.key(6), 4)
+    params = tuple(jax.random.normal(k, s) for k, s in zip(keys, shapes, strict=True))
+    groups = jnp.array([0, 0, 1, 0, 0, 2, 0, 1, 1, 1])  # group 0: 5 rows, group 1: 4, one "none"
+    ids = jnp.arange(rows, dtype=jnp.int32)
+    full = _jit_ffn(x, groups, ids, params, dispatch="padded")
+    capped = expert_ffn(x, groups, ids, params, dispatch="padded", capacity=cap)
+    kept = np.array([1, 1, 1, 1, 0, 0, 0, 1, 1, 0], bool)
+    np.testing.assert_allclose(np.asarray(capped)[kept], np.asarray(full)[kept], rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(capped)[~kept], 0.0)
+
+
 def test_capacity_helpers():
     assert expert_capacity(1.0, 10, 4) == 3
     assert expert_capacity(0.01, 10, 4) == 1
