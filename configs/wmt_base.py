@@ -68,7 +68,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.decode.beam_size = 4
     c.decode.length_penalty = 0.6
     c.decode.max_extra_len = 50  # generate at most source length + this many tokens
-    c.decode.batch_size = 64
+    c.decode.test_bleu = True  # beam search + BLEU on the test split at the end of training
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # -1 = all devices not used by the expert axis

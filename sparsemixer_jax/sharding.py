@@ -111,7 +111,23 @@ def shard_state(obj: nnx.Module | nnx.Pytree, mesh: Mesh) -> None:
     outputs come back with the shardings of its inputs (otherwise the second step recompiles).
     """
     state = nnx.state(obj)
-    nnx.update(obj, jax.device_put(state, state_shardings(state, mesh)))
+    nnx.update(obj, jax.tree.map(_place, state, state_shardings(state, mesh)))
+
+
+def _place(value: jax.Array, target: NamedSharding) -> jax.Array:
+    """``jax.device_put`` that also works when the mesh spans several processes.
+
+    ``device_put`` only reaches this process's devices. With several processes every host holds
+    the same initial value (same seed), and each builds its own shards from it.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(value, target)
+    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):  # RNG stream keys: place the raw data
+        data = np.asarray(jax.random.key_data(value))
+        placed = jax.make_array_from_callback(data.shape, target, lambda index: data[index])
+        return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(value))
+    data = np.asarray(value)
+    return jax.make_array_from_callback(data.shape, target, lambda index: data[index])
 
 
 def expert_parallel_ffn(

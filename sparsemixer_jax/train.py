@@ -668,8 +668,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         "num_params": count_params(params),
         "data_stats": data.stats,
     }
-    candidates = {"": params}
-    if best_step > 0:
+    candidates = {"": params} if config.decode.test_bleu else {}
+    if best_step > 0 and config.decode.test_bleu:
         template = {"params": params, "opt_state": opt_state}
         best_state, _ = checkpoints.restore(checkpoints.best, template, best_step)
         candidates["_best"] = best_state["params"]
