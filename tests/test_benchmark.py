@@ -1,0 +1,115 @@
+"""Smoke tests of experiments/benchmark.py and of the summarising code of experiments/compare.py.
+
+Tiny sizes, one repeat: they check that the scripts run and write what docs/benchmarks.md reads,
+never how fast anything is (timings on shared CPU cores are no test material).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from experiments import benchmark, compare
+
+TINY = ["--emb", "16", "--mlp", "32", "--heads", "2", "--layers", "1", "--vocab", "64",
+        "--tokens", "64", "--length", "8", "--warmup", "1", "--repeats", "1"]
+
+
+def test_benchmark_writes_every_section(tmp_path):
+    out = tmp_path / "bench.json"
+    result = benchmark.main(["--out", str(out), "--experts", "2",
+                             "--sections", "overhead", "moe_vs_dense", *TINY])
+    saved = json.loads(out.read_text())
+    assert saved["overhead"]["2"].keys() >= {"switch_s", "sparsemixer_s", "ratio"}
+    assert saved["overhead"]["2"]["ratio"] > 0
+    assert set(saved["moe_vs_dense"]["2"]) == {"ragged", "padded", "auto"}
+    assert saved["machine"]["backend"] == result["machine"]["backend"]
+
+
+def test_model_flops_counts_the_output_projection():
+    sizes = {"emb": 8, "mlp": 16, "layers": 1, "vocab": 10, "tokens": 4, "length": 4}
+    with_vocab = benchmark.model_flops_per_step({**sizes, "vocab": 20}, 0)
+    # 2 e V forward per target token, times 3 for forward + backward, 4 tokens.
+    assert with_vocab - benchmark.model_flops_per_step(sizes, 0) == 3 * 4 * 2 * 8 * 10
+    # Top-1 MoE adds only the router's FLOPs.
+    assert benchmark.model_flops_per_step(sizes, 4) > benchmark.model_flops_per_step(sizes, 0)
+
+
+def test_summarize_trace_self_times(tmp_path):
+    import gzip
+
+    events = [
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": {"name": "XLAEigen"}},
+        {"ph": "X", "name": "while.1", "pid": 1, "tid": 2, "ts": 0, "dur": 10},
+        {"ph": "X", "name": "dot.3", "pid": 1, "tid": 2, "ts": 1, "dur": 6},
+        {"ph": "X", "name": "add_fusion.4", "pid": 1, "tid": 2, "ts": 20, "dur": 4},
+    ]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = benchmark.summarize_trace(str(path), steps=2)
+    cats = summary["categories"]
+    assert math.isclose(cats["matmul"]["s_per_step"], 3e-6)  # 6 us over 2 steps
+    assert math.isclose(cats["while"]["s_per_step"], 2e-6)  # 10 - 6 us nested, over 2 steps
+    assert math.isclose(summary["device_s_per_step"], 7e-6)
+
+
+def _fake_run(root, arm, seed, valid, final=True, bleu=10.0):
+    workdir = compare.run_dir(str(root), arm, seed)
+    os.makedirs(workdir)
+    router, n = compare.arm_settings(arm)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump({"model": {"num_experts": n}, "router": {"name": router}}, f)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        for step, loss in enumerate(valid, 1):
+            f.write(json.dumps({"step": step * 10, "loss": loss + 0.1, "tokens_per_s": 1.0})
+                    + "\n")
+            f.write(json.dumps({"step": step * 10, "valid_loss": loss}) + "\n")
+    if final:
+        with open(os.path.join(workdir, "results.json"), "w") as f:
+            json.dump({"bleu": bleu, "bleu_best": bleu + 1, "best_valid_loss": min(valid),
+                       "tokens_per_second": 100.0}, f)
+
+
+def test_compare_summary_tables_and_plot(tmp_path):
+    root = tmp_path / "runs"
+    for seed in (0, 1, 2):
+        _fake_run(root, "switch_n4", seed, [5.0, 4.0, 3.0 + 0.1 * seed])
+        _fake_run(root, "sparsemixer_n4", seed, [4.5, 3.0, 2.5], bleu=12.0)
+        _fake_run(root, "dense", seed, [5.0, 4.5, 4.0], final=seed < 2)
+    arms = compare.arm_names([4])
+    summary = compare.summarize(str(root), arms, [0, 1, 2])
+    assert summary["checkpoints"] == [10, 20, 30]
+    sm = summary["arms"]["sparsemixer_n4"]
+    assert sm["valid_loss_at"]["20"]["mean"] == pytest.approx(3.0)
+    assert sm["target_valid_loss"] == pytest.approx(3.1)  # mean of Switch's final losses
+    # 4.5 at 10 and 3.0 at 20: 3.1 is reached at 10 + 10 * 1.4 / 1.5 updates.
+    assert sm["updates_to_target"]["mean"] == pytest.approx(10 + 10 * 1.4 / 1.5)
+    assert sm["bleu"]["mean"] == pytest.approx(12.0) and sm["bleu"]["std"] == 0.0
+    dense = summary["arms"]["dense"]
+    assert dense["finished"] == 2 and dense["updates_to_target"]["not_reached"] == 3
+    table = compare.markdown(summary)
+    assert "sparsemixer_n4" in table and "never reached" in table
+    compare.plot(str(root), summary, str(tmp_path / "curves.png"))
+    assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_updates_to_reach_interpolates():
+    steps, losses = np.array([10, 20, 30]), np.array([5.0, 4.0, 3.0])
+    assert compare.updates_to_reach(steps, losses, 3.5) == pytest.approx(25.0)
+    assert compare.updates_to_reach(steps, losses, 6.0) == 10.0
+    assert compare.updates_to_reach(steps, losses, 2.0) is None
+
+
+def test_make_config_sets_arm_and_overrides():
+    config = compare.make_config("configs/multi30k_compare.py", "switch_n8", 2, 7,
+                                 ["model.emb_dim=64", "decode.beam_size=2"])
+    assert (config.router.name, config.model.num_experts, config.seed) == ("switch", 8, 2)
+    assert config.train_steps == 7 and config.model.emb_dim == 64
+    assert config.decode.beam_size == 2
+    assert compare.make_config("configs/multi30k_compare.py", "dense", 0, None).model \
+        .num_experts == 0
