@@ -246,9 +246,11 @@ def layer_step(layer: Any, x: Any) -> Callable[[], Any]:
     return lambda: grads(params, rest, x)
 
 
-def bench_moe_vs_dense(sizes, experts, dtype, warmup, repeats,
-                       impls=("ragged", "padded")) -> tuple[dict, dict]:
-    """One MoE layer (each dispatch) against the dense FFN of width ``mlp``, fwd + bwd."""
+def bench_moe_vs_dense(sizes, experts, dtype, warmup, repeats, impls=("ragged", "padded"),
+                       dropout: float = 0.1) -> tuple[dict, dict]:
+    """One MoE layer (each dispatch) against the dense FFN of width ``mlp``, fwd + bwd, both
+    with activation dropout ``dropout`` (the MoE layer draws its masks per token, the dense
+    layer one mask for the whole batch)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -259,14 +261,14 @@ def bench_moe_vs_dense(sizes, experts, dtype, warmup, repeats,
     compute = jnp.dtype(dtype)
     rows = max(1, sizes["tokens"] // sizes["length"])
     x = jax.random.normal(jax.random.key(1), (rows, sizes["length"], sizes["emb"]), compute)
-    dense = FeedForward(sizes["emb"], sizes["mlp"], activation_dropout=0.1, dtype=compute,
+    dense = FeedForward(sizes["emb"], sizes["mlp"], activation_dropout=dropout, dtype=compute,
                         rngs=nnx.Rngs(0))
     ratios, seconds = {}, {}
     for n in experts:
         fns = {"dense": layer_step(dense, x)}
         for impl in impls:
             moe = MoEFeedForward(sizes["emb"], sizes["mlp"], n, router="sparsemixer",
-                                 activation_dropout=0.1, dispatch=impl, dtype=compute,
+                                 activation_dropout=dropout, dispatch=impl, dtype=compute,
                                  rngs=nnx.Rngs(0))
             fns[impl] = layer_step(moe, x)
         load_before = load_average()
@@ -413,6 +415,54 @@ def bench_profile(sizes, dtype, warmup, steps, logdir, num_experts=4) -> dict[st
     return out
 
 
+def _ms(stat: dict[str, Any]) -> str:
+    return f"{stat['median']*1e3:.3g} [{stat['min']*1e3:.3g}, {stat['max']*1e3:.3g}]"
+
+
+def _load(pair: Sequence[float | None] | None) -> str:
+    return "–" if not pair else " → ".join("?" if v is None else f"{v:.1f}" for v in pair)
+
+
+def markdown_tables(result: dict[str, Any]) -> str:
+    """The sections of a benchmark JSON as markdown tables (what docs/benchmarks.md shows):
+    medians with [min, max] in milliseconds, and the 1-minute load average before → after."""
+    lines: list[str] = []
+    if "overhead" in result:
+        lines += ["| N | Switch ms/update | SparseMixer ms/update | ratio | load avg |",
+                  "| --- | --- | --- | --- | --- |"]
+        for n, o in result["overhead"].items():
+            lines.append(f"| {n} | {_ms(o['switch'])} | {_ms(o['sparsemixer'])} | "
+                         f"{o['ratio']:.3f} | {_load(o['load_average'])} |")
+        lines.append("")
+    if "moe_vs_dense" in result:
+        lines += ["| N | dense ms | ragged ms | padded ms | ragged / dense | padded / dense "
+                  "| load avg |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for n, r in result["moe_vs_dense"].items():
+            t = result["moe_vs_dense_s"][n]
+            lines.append(f"| {n} | {_ms(t['dense'])} | {_ms(t['ragged'])} | {_ms(t['padded'])} "
+                         f"| {r['ragged']:.2f} | {r['padded']:.2f} | {_load(t['load_average'])} |")
+        lines.append("")
+    if "throughput" in result:
+        t = result["throughput"]
+        lines += ["| model | params | ms/update | target tokens/s [range] | model GFLOP/s | MFU "
+                  "| load avg |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for name in ("dense", "n4"):
+            a = t[name]
+            lo, hi = a["tokens_per_s_range"]
+            mfu = "–" if a["mfu"] is None else f"{a['mfu']:.1%}"
+            lines.append(f"| {name} | {a['num_params']:,} | {_ms(a['step_s'])} | "
+                         f"{a['tokens_per_s']:.0f} [{lo:.0f}, {hi:.0f}] | "
+                         f"{a['achieved_flops_per_s']/1e9:.1f} | {mfu} | "
+                         f"{_load(t['load_average'])} |")
+        lines.append("")
+    if "profile" in result and "categories" in result["profile"]:
+        p = result["profile"]
+        lines += ["| op category | share of device time |", "| --- | --- |"]
+        lines += [f"| {k} | {v['fraction']:.1%} |" for k, v in p["categories"].items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------- main
 
 
@@ -434,6 +484,8 @@ def machine() -> dict[str, Any]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench.json")
+    parser.add_argument("--report", default=None, metavar="JSON",
+                        help="print the markdown tables of an existing result file and exit")
     parser.add_argument("--backend", default=None, choices=["cpu", "gpu", "tpu"],
                         help="JAX platform (default: JAX's default)")
     parser.add_argument("--sections", nargs="+", default=["overhead", "moe_vs_dense",
@@ -444,6 +496,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-dir", default="/tmp/sparsemixer_profile",
                         help="section 'profile': where jax.profiler writes its trace")
     parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--layer-dropout", type=float, default=0.1,
+                        help="moe_vs_dense: activation dropout of both layers (0 = none)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=6)
     for name in CPU_SIZES:
@@ -454,6 +508,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.report:
+        with open(args.report) as f:
+            result = json.load(f)
+        print(markdown_tables(result))
+        return result
     if args.backend:
         os.environ["JAX_PLATFORMS"] = args.backend
     import jax
@@ -467,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "command": " ".join(["python -m experiments.benchmark",
                              *(sys.argv[1:] if argv is None else argv)]),
         "machine": machine(), "sizes": sizes, "dtype": dtype,
-        "warmup": args.warmup, "repeats": args.repeats,
+        "warmup": args.warmup, "repeats": args.repeats, "layer_dropout": args.layer_dropout,
         "load_average_start": load_average(),
     }
     print(json.dumps({k: result[k] for k in ("machine", "sizes", "dtype")}), flush=True)
@@ -475,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result["overhead"] = bench_overhead(sizes, args.experts, dtype, args.warmup, args.repeats)
     if "moe_vs_dense" in args.sections:
         result["moe_vs_dense"], result["moe_vs_dense_s"] = bench_moe_vs_dense(
-            sizes, args.experts, dtype, args.warmup, args.repeats)
+            sizes, args.experts, dtype, args.warmup, args.repeats, dropout=args.layer_dropout)
     if "throughput" in args.sections:
         result["throughput"] = bench_throughput(sizes, dtype, args.warmup, args.repeats)
     if "profile" in args.sections:
@@ -486,6 +545,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args.out}")
+    print(markdown_tables(result))
     return result
 
 
