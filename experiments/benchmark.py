@@ -209,9 +209,13 @@ def bench_overhead(sizes, experts, dtype, warmup, repeats) -> dict[str, Any]:
                for router in ("switch", "sparsemixer")}
         times = time_interleaved(fns, warmup, repeats)
         s, m = stats(times["switch"]), stats(times["sparsemixer"])
+        # Each repeat times the two routers back to back, under nearly the same load: the
+        # spread of these paired ratios is the noise floor of "ratio".
+        paired = [b / a for a, b in zip(times["switch"], times["sparsemixer"], strict=True)]
         out[str(n)] = {
             "switch_s": s["median"], "sparsemixer_s": m["median"],
             "ratio": m["median"] / s["median"],
+            "paired_ratio": stats(paired),
             "switch": s, "sparsemixer": m,
             "load_average": [load_before, load_average()],
         }
@@ -428,11 +432,15 @@ def markdown_tables(result: dict[str, Any]) -> str:
     medians with [min, max] in milliseconds, and the 1-minute load average before → after."""
     lines: list[str] = []
     if "overhead" in result:
-        lines += ["| N | Switch ms/update | SparseMixer ms/update | ratio | load avg |",
-                  "| --- | --- | --- | --- | --- |"]
+        lines += ["| N | Switch ms/update | SparseMixer ms/update | ratio of medians "
+                  "| paired ratios: median [min, max] | load avg |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for n, o in result["overhead"].items():
+            pr = o.get("paired_ratio")
+            paired = "–" if pr is None else (
+                f"{pr['median']:.3f} [{pr['min']:.3f}, {pr['max']:.3f}]")
             lines.append(f"| {n} | {_ms(o['switch'])} | {_ms(o['sparsemixer'])} | "
-                         f"{o['ratio']:.3f} | {_load(o['load_average'])} |")
+                         f"{o['ratio']:.3f} | {paired} | {_load(o['load_average'])} |")
         lines.append("")
     if "moe_vs_dense" in result:
         lines += ["| N | dense ms | ragged ms | padded ms | ragged / dense | padded / dense "
