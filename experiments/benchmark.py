@@ -420,7 +420,11 @@ def bench_profile(sizes, dtype, warmup, steps, logdir, num_experts=4) -> dict[st
 
 
 def _ms(stat: dict[str, Any]) -> str:
-    return f"{stat['median']*1e3:.3g} [{stat['min']*1e3:.3g}, {stat['max']*1e3:.3g}]"
+    def one(seconds: float) -> str:
+        ms = seconds * 1e3
+        return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
+
+    return f"{one(stat['median'])} [{one(stat['min'])}, {one(stat['max'])}]"
 
 
 def _load(pair: Sequence[float | None] | None) -> str:
