@@ -210,10 +210,35 @@ def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
         if target is None:
             entry["updates_to_target"] = _mean_std([])
             continue
-        reached = [updates_to_reach(*r["curves"]["valid"], target)
-                   for r in runs.get(arm, {}).values()]
+        reached, missed = [], 0
+        for r in runs.get(arm, {}).values():
+            value = updates_to_reach(*r["curves"]["valid"], target)
+            if value is not None:
+                reached.append(value)
+            elif r["results"] is not None:  # a partial run may still get there: not counted
+                missed += 1
         entry["updates_to_target"] = _mean_std(reached)
-        entry["updates_to_target"]["not_reached"] = sum(v is None for v in reached)
+        entry["updates_to_target"]["not_reached"] = missed
+
+    # Paired by seed against Switch of the same N (same data order and initial weights, so the
+    # seed-to-seed variation partly cancels): arm minus Switch, mean ± std over seeds.
+    for arm in arms:
+        entry = summary["arms"][arm]
+        reference = entry["target_arm"]
+        if arm == reference or reference not in runs:
+            continue
+        diffs: dict[str, list[float | None]] = {"final_valid_loss": [], "bleu": [],
+                                                "bleu_best": []}
+        for seed, run in runs.get(arm, {}).items():
+            other = runs[reference].get(seed)
+            if other is None or run["results"] is None or other["results"] is None:
+                continue
+            diffs["final_valid_loss"].append(float(run["curves"]["valid"][1][-1])
+                                             - float(other["curves"]["valid"][1][-1]))
+            for key in ("bleu", "bleu_best"):
+                a, b = run["results"].get(key), other["results"].get(key)
+                diffs[key].append(None if a is None or b is None else a - b)
+        entry["paired_minus_target_arm"] = {k: _mean_std(v) for k, v in diffs.items()}
     return summary
 
 
@@ -230,8 +255,8 @@ def markdown(summary: dict[str, Any]) -> str:
     """Two markdown tables: validation loss at fixed update counts; the final figures."""
     arms = list(summary["arms"])
     checkpoints = summary["checkpoints"]
-    shown = checkpoints if len(checkpoints) <= 6 else [
-        checkpoints[round(i * (len(checkpoints) - 1) / 5)] for i in range(6)]
+    stride = max(1, -(-len(checkpoints) // 6))  # at most 6 columns, evenly spaced, last kept
+    shown = checkpoints[::-1][::stride][::-1]
     lines = ["| arm | " + " | ".join(f"valid loss @ {c}" for c in shown) + " |",
              "| --- |" + " --- |" * len(shown)]
     for arm in arms:
@@ -253,6 +278,15 @@ def markdown(summary: dict[str, Any]) -> str:
             f"| {arm} | {e['finished']}/{e['runs']} | {_fmt(e['final_valid_loss'])} | {reach} | "
             f"{_fmt(e['bleu'], 2)} | {_fmt(e['bleu_best'], 2)} | "
             f"{_fmt(e['tokens_per_second'], 0)} |")
+    paired = [a for a in arms if "paired_minus_target_arm" in summary["arms"][a]]
+    if paired:
+        lines += ["", "| arm minus its Switch arm, same seed | final valid loss | BLEU last "
+                      "| BLEU best |", "| --- | --- | --- | --- |"]
+        for arm in paired:
+            e = summary["arms"][arm]
+            d = e["paired_minus_target_arm"]
+            lines.append(f"| {arm} − {e['target_arm']} | {_fmt(d['final_valid_loss'])} | "
+                         f"{_fmt(d['bleu'], 2)} | {_fmt(d['bleu_best'], 2)} |")
     return "\n".join(lines) + "\n"
 
 

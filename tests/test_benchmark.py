@@ -90,8 +90,13 @@ def test_compare_summary_tables_and_plot(tmp_path):
     # 4.5 at 10 and 3.0 at 20: 3.1 is reached at 10 + 10 * 1.4 / 1.5 updates.
     assert sm["updates_to_target"]["mean"] == pytest.approx(10 + 10 * 1.4 / 1.5)
     assert sm["bleu"]["mean"] == pytest.approx(12.0) and sm["bleu"]["std"] == 0.0
+    paired = sm["paired_minus_target_arm"]
+    assert paired["final_valid_loss"]["mean"] == pytest.approx(2.5 - 3.1)
+    assert paired["bleu"]["mean"] == pytest.approx(2.0)
     dense = summary["arms"]["dense"]
-    assert dense["finished"] == 2 and dense["updates_to_target"]["not_reached"] == 3
+    # Two finished dense runs never reached the target; the partial one is not counted.
+    assert dense["finished"] == 2 and dense["updates_to_target"]["not_reached"] == 2
+    assert dense["paired_minus_target_arm"]["final_valid_loss"]["n"] == 2
     table = compare.markdown(summary)
     assert "sparsemixer_n4" in table and "never reached" in table
     compare.plot(str(root), summary, str(tmp_path / "curves.png"))
