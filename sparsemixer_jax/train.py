@@ -492,6 +492,29 @@ def _to_python(tree: Any) -> Any:
 # --------------------------------------------------------------------------------- the loop
 
 
+def _test_bleu(config, workdir, steps, params, opt_state, checkpoints, best_step, data, place):
+    """Beam search on the test split with the last and the best checkpoint; BLEU of each."""
+    hyps = {"last": translate_batches(steps.model(params), data.test, data.tokenizer,
+                                      len(data.test_sources), config.decode, place)}
+    if best_step == int(config.train_steps):  # the best is the last: decode once
+        hyps["best"] = hyps["last"]
+    elif best_step > 0:
+        template = {"params": params, "opt_state": opt_state}
+        best_state, _ = checkpoints.restore(checkpoints.best, template, best_step)
+        hyps["best"] = translate_batches(steps.model(best_state["params"]), data.test,
+                                         data.tokenizer, len(data.test_sources), config.decode,
+                                         place)
+    results = {}
+    for name, texts in hyps.items():
+        suffix = "" if name == "last" else "_best"
+        results[f"bleu{suffix}"] = bleu.sacre_bleu(texts, data.test_references)
+        results[f"tokenized_bleu{suffix}"] = bleu.tokenized_bleu(texts, data.test_references)
+        if jax.process_index() == 0:
+            with open(os.path.join(workdir, f"translations_{name}.txt"), "w") as f:
+                f.writelines(h + "\n" for h in texts)
+    return results
+
+
 def _check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> None:
     """Refuses to resume a workdir whose saved config differs in anything but RESUMABLE_CHANGES."""
     path = os.path.join(workdir, "config.json")
@@ -668,20 +691,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         "num_params": count_params(params),
         "data_stats": data.stats,
     }
-    candidates = {"": params} if config.decode.test_bleu else {}
-    if best_step > 0 and config.decode.test_bleu:
-        template = {"params": params, "opt_state": opt_state}
-        best_state, _ = checkpoints.restore(checkpoints.best, template, best_step)
-        candidates["_best"] = best_state["params"]
-    for suffix, candidate in candidates.items():
-        hyps = translate_batches(steps.model(candidate), data.test, data.tokenizer,
-                                 len(data.test_sources), config.decode, place)
-        results[f"bleu{suffix}"] = bleu.sacre_bleu(hyps, data.test_references)
-        results[f"tokenized_bleu{suffix}"] = bleu.tokenized_bleu(hyps, data.test_references)
-        if is_main:
-            name = f"translations{suffix or '_last'}.txt"
-            with open(os.path.join(workdir, name), "w") as f:
-                f.writelines(h + "\n" for h in hyps)
+    if config.decode.test_bleu:
+        results.update(_test_bleu(config, workdir, steps, params, opt_state, checkpoints,
+                                  best_step, data, place))
     results["config"] = json.loads(config.to_json())
     if is_main:
         with open(os.path.join(workdir, "results.json"), "w") as f:
