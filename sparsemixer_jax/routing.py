@@ -64,7 +64,9 @@ def routing_mask(logits: jax.Array, jitter_eps: float, rule: MaskRule = "referen
     ``rule="none"`` keeps every expert (plain softmax sampling, the paper's ablation).
 
     The argmax is never masked, so at least one expert stays eligible. No gradient flows through
-    the mask.
+    the mask. Both tests are relative to the logits' magnitude, so near-zero logits (a freshly
+    initialised router) often leave only the argmax eligible; such a token has ``pi_D = 1`` and
+    gives the router no gradient, as in the reference.
     """
     logits = logits.astype(_routing_dtype(logits))
     if rule == "none":
