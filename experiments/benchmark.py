@@ -11,6 +11,9 @@ Three sections (``--sections`` picks some):
   per update), Switch against Switch+SparseMixer on the same model sizes, the same seed and the
   same batch, for each N. Repeats are interleaved in ABBA order so that a change of machine load
   hits both routers alike. JSON: ``overhead[N] = {"switch_s", "sparsemixer_s", "ratio", ...}``.
+* ``router``: the two routers alone (forward + backward on ``[tokens, N]`` logits), and the
+  difference as a share of the whole step: a bound on SparseMixer's overhead that is not
+  drowned by the load noise of whole-step timings.
 * ``moe_vs_dense``: forward + backward of one MoE layer (``MoEFeedForward``, top-1, dropless,
   each dispatch implementation) against a dense feed-forward layer of width ``mlp`` (the same
   per-token FLOPs: top-1 runs one expert of width ``mlp`` per token), interleaved.
@@ -224,6 +227,44 @@ def bench_overhead(sizes, experts, dtype, warmup, repeats) -> dict[str, Any]:
               f"{m['max']*1e3:.1f}], ratio {out[str(n)]['ratio']:.3f} "
               f"(load {out[str(n)]['load_average']})", flush=True)
         del fns
+    return out
+
+
+def bench_router(tokens: int, experts: Sequence[int], warmup: int, repeats: int,
+                 step_s: float | None = None) -> dict[str, Any]:
+    """The routers alone: forward + backward of ``sum(gate * g) + load_balancing_loss`` on
+    float32 logits ``[tokens, N]``, Switch against SparseMixer, interleaved. Their difference,
+    divided by the whole step's time (``step_s``), bounds SparseMixer's share of the step far
+    below the noise of timing whole steps on a shared machine."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparsemixer_jax import routing
+
+    out: dict[str, Any] = {}
+    for n in experts:
+        logits = jax.random.normal(jax.random.key(2), (tokens, n), jnp.float32)
+        cotangent = jax.random.normal(jax.random.key(3), (tokens,), jnp.float32)
+        fns = {}
+        for name in ("switch", "sparsemixer"):
+            route = routing.get_router(name, 0.1)
+
+            def loss(logits, route=route, cotangent=cotangent):
+                r = route(logits, jax.random.key(4), True)
+                return jnp.sum(r.gate * cotangent) + routing.load_balancing_loss(r.probs,
+                                                                                 r.expert)
+
+            step = jax.jit(jax.grad(loss))
+            fns[name] = lambda step=step, logits=logits: step(logits)
+        times = time_interleaved(fns, warmup, repeats)
+        sw, sm = stats(times["switch"]), stats(times["sparsemixer"])
+        extra = sm["median"] - sw["median"]
+        out[str(n)] = {"switch": sw, "sparsemixer": sm, "extra_s": extra,
+                       "extra_fraction_of_step": extra / step_s if step_s else None,
+                       "load_average": load_average()}
+        print(f"router N={n}: switch {sw['median']*1e6:.0f} us, sparsemixer "
+              f"{sm['median']*1e6:.0f} us" + (f", extra = {extra / step_s:.2%} of a step"
+                                                if step_s else ""), flush=True)
     return out
 
 
@@ -446,6 +487,15 @@ def markdown_tables(result: dict[str, Any]) -> str:
             lines.append(f"| {n} | {_ms(o['switch'])} | {_ms(o['sparsemixer'])} | "
                          f"{o['ratio']:.3f} | {paired} | {_load(o['load_average'])} |")
         lines.append("")
+    if "router" in result:
+        lines += ["| N | Switch router µs | SparseMixer router µs | extra, share of a step |",
+                  "| --- | --- | --- | --- |"]
+        for n, r in result["router"].items():
+            share = r["extra_fraction_of_step"]
+            lines.append(f"| {n} | {r['switch']['median']*1e6:.0f} | "
+                         f"{r['sparsemixer']['median']*1e6:.0f} | "
+                         f"{'–' if share is None else f'{share:.3%}'} |")
+        lines.append("")
     if "moe_vs_dense" in result:
         lines += ["| N | dense ms | ragged ms | padded ms | ragged / dense | padded / dense "
                   "| load avg |", "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -500,7 +550,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="print the markdown tables of an existing result file and exit")
     parser.add_argument("--backend", default=None, choices=["cpu", "gpu", "tpu"],
                         help="JAX platform (default: JAX's default)")
-    parser.add_argument("--sections", nargs="+", default=["overhead", "moe_vs_dense",
+    parser.add_argument("--sections", nargs="+", default=["overhead", "router", "moe_vs_dense",
                                                           "throughput"])
     parser.add_argument("--experts", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
@@ -508,6 +558,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-dir", default="/tmp/sparsemixer_profile",
                         help="section 'profile': where jax.profiler writes its trace")
     parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--step-seconds", type=float, default=None,
+                        help="router: the whole step's time to relate the routers' cost to "
+                             "(default: the fastest Switch step of this run's overhead section)")
     parser.add_argument("--layer-dropout", type=float, default=0.1,
                         help="moe_vs_dense: activation dropout of both layers (0 = none)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -544,6 +597,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(json.dumps({k: result[k] for k in ("machine", "sizes", "dtype")}), flush=True)
     if "overhead" in args.sections:
         result["overhead"] = bench_overhead(sizes, args.experts, dtype, args.warmup, args.repeats)
+    if "router" in args.sections:
+        overhead = result.get("overhead", {})
+        step_s = min((o["switch_s"] for o in overhead.values()), default=None)
+        result["router"] = bench_router(sizes["tokens"], args.experts, args.warmup,
+                                        max(args.repeats, 20), step_s or args.step_seconds)
     if "moe_vs_dense" in args.sections:
         result["moe_vs_dense"], result["moe_vs_dense_s"] = bench_moe_vs_dense(
             sizes, args.experts, dtype, args.warmup, args.repeats, dropout=args.layer_dropout)

@@ -22,11 +22,12 @@ TINY = ["--emb", "16", "--mlp", "32", "--heads", "2", "--layers", "1", "--vocab"
 def test_benchmark_writes_every_section(tmp_path):
     out = tmp_path / "bench.json"
     result = benchmark.main(["--out", str(out), "--experts", "2",
-                             "--sections", "overhead", "moe_vs_dense", *TINY])
+                             "--sections", "overhead", "router", "moe_vs_dense", *TINY])
     saved = json.loads(out.read_text())
     assert saved["overhead"]["2"].keys() >= {"switch_s", "sparsemixer_s", "ratio"}
     assert saved["overhead"]["2"]["ratio"] > 0
     assert set(saved["moe_vs_dense"]["2"]) == {"ragged", "padded", "auto"}
+    assert saved["router"]["2"]["extra_fraction_of_step"] is not None
     assert saved["machine"]["backend"] == result["machine"]["backend"]
 
 
