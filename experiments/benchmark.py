@@ -18,6 +18,8 @@ Three sections (``--sections`` picks some):
   each dispatch implementation) against a dense feed-forward layer of width ``mlp`` (the same
   per-token FLOPs: top-1 runs one expert of width ``mlp`` per token), interleaved.
   JSON: ``moe_vs_dense[N][impl] = ratio`` (MoE / dense seconds); times in ``moe_vs_dense_s``.
+* ``padded_blocks`` (not run by default): the ``padded`` layer with smaller blocks than
+  ``moe._block_rows`` picks, against dense: the evidence for a proposed change of that rule.
 * ``throughput``: target tokens per second of the whole training step, dense against N=4
   (SparseMixer), and model FLOPs utilisation against the device's peak on an accelerator.
 * ``profile`` (not run by default): a ``jax.profiler`` trace of a few whole training steps
@@ -328,6 +330,54 @@ def bench_moe_vs_dense(sizes, experts, dtype, warmup, repeats, impls=("ragged", 
     return ratios, seconds
 
 
+def bench_padded_blocks(sizes, experts, dtype, warmup, repeats, dropout: float = 0.1,
+                        divisors: Sequence[int] = (1, 2, 4, 8)) -> dict[str, Any]:
+    """The ``padded`` MoE layer with blocks of about ``R / (d * N)`` rows for each divisor
+    ``d`` (``d = 1`` is ``moe._block_rows``' current rule), as a ratio to the dense layer.
+
+    A diagnostic for the dispatch's owner: ``moe._block_rows`` is swapped for the duration of
+    each compilation and restored (the library itself is not changed)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sparsemixer_jax import moe
+    from sparsemixer_jax.models import FeedForward
+
+    compute = jnp.dtype(dtype)
+    rows = max(1, sizes["tokens"] // sizes["length"])
+    x = jax.random.normal(jax.random.key(1), (rows, sizes["length"], sizes["emb"]), compute)
+    dense = FeedForward(sizes["emb"], sizes["mlp"], activation_dropout=dropout, dtype=compute,
+                        rngs=nnx.Rngs(0))
+    out: dict[str, Any] = {}
+    original = moe._block_rows
+    for n in experts:
+        fns = {"dense": layer_step(dense, x)}
+        for d in divisors:
+            def block_rows(r: int, g: int, d: int = d) -> int:
+                target = max(1, r // (max(g, 1) * d))
+                return int(min(512, max(8, 1 << (target.bit_length() - 1))))
+
+            moe._block_rows = block_rows
+            try:
+                layer = moe.MoEFeedForward(sizes["emb"], sizes["mlp"], n, dispatch="padded",
+                                           activation_dropout=dropout, dtype=compute,
+                                           rngs=nnx.Rngs(0))
+                fn = layer_step(layer, x)
+                jax.block_until_ready(fn())  # compile now, while the block rule is swapped
+            finally:
+                moe._block_rows = original
+            fns[f"R/{d}N"] = fn
+        times = time_interleaved(fns, warmup, repeats)
+        dense_s = stats(times["dense"])["median"]
+        out[str(n)] = {k: stats(v)["median"] / dense_s for k, v in times.items() if k != "dense"}
+        out[str(n)]["dense_s"] = dense_s
+        out[str(n)]["load_average"] = load_average()
+        print(f"padded blocks N={n}: " + ", ".join(
+            f"{k} {v:.2f}x" for k, v in out[str(n)].items() if k.startswith("R/")), flush=True)
+    return out
+
+
 def bench_throughput(sizes, dtype, warmup, repeats) -> dict[str, Any]:
     """Target tokens per second of the whole training step, dense vs N=4, and MFU."""
     batch = synthetic_batch(sizes)
@@ -605,6 +655,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if "moe_vs_dense" in args.sections:
         result["moe_vs_dense"], result["moe_vs_dense_s"] = bench_moe_vs_dense(
             sizes, args.experts, dtype, args.warmup, args.repeats, dropout=args.layer_dropout)
+    if "padded_blocks" in args.sections:
+        result["padded_blocks"] = bench_padded_blocks(sizes, args.experts, dtype, args.warmup,
+                                                      args.repeats, dropout=args.layer_dropout)
     if "throughput" in args.sections:
         result["throughput"] = bench_throughput(sizes, dtype, args.warmup, args.repeats)
     if "profile" in args.sections:
