@@ -212,5 +212,10 @@ def expert_parallel_ffn(
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of ``[B, ...]`` inputs: batch over ``"data"``, replicated over ``"expert"``."""
-    return NamedSharding(mesh, P("data"))
+    """Sharding of ``[B, ...]`` inputs: batch over every device, ``("data", "expert")``.
+
+    The layers outside the MoE blocks are then split over the whole mesh rather than repeated
+    on each device of an expert group, and the MoE block finds each device's tokens already
+    where :func:`expert_parallel_ffn` wants them (``B`` a multiple of the mesh size).
+    """
+    return NamedSharding(mesh, P(("data", "expert")))

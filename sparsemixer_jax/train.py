@@ -557,7 +557,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             f.write(config.to_json(indent=1))
 
     mesh = make_mesh(config)
-    data_parallel = 1 if mesh is None else mesh.shape["data"]
+    data_parallel = 1 if mesh is None else mesh.size  # the batch is split over every device
     if is_main:  # process 0 trains the vocabulary; the others then read it from the cache
         data = input_pipeline.load_datasets(config, workdir, batch_multiple=data_parallel)
     if jax.process_count() > 1:
