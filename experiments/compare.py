@@ -152,19 +152,24 @@ def read_results(workdir: str) -> dict[str, Any] | None:
 
 def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
               checkpoints: Sequence[int] | None = None) -> dict[str, Any]:
-    """The study's numbers from the workdirs under ``root`` (finished or partial runs).
+    """The study's numbers from the finished runs (``results.json`` present) under ``root``;
+    unfinished ones are listed per arm and left out, so every figure is at the full budget.
 
     ``checkpoints``: update counts at which validation losses are tabulated; default: every
     evaluation step that all runs present share.
     """
     runs: dict[str, dict[int, dict[str, Any]]] = {}
+    partial: dict[str, list[int]] = {}
     for arm in arms:
         for seed in seeds:
             workdir = run_dir(root, arm, seed)
             if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
                 continue
-            curves = read_run(workdir)
-            runs.setdefault(arm, {})[seed] = {"curves": curves, "results": read_results(workdir)}
+            results = read_results(workdir)
+            if results is None:  # unfinished: counted, left out of every statistic
+                partial.setdefault(arm, []).append(seed)
+                continue
+            runs.setdefault(arm, {})[seed] = {"curves": read_run(workdir), "results": results}
     if checkpoints is None:
         shared = None
         for per_seed in runs.values():
@@ -180,9 +185,8 @@ def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
         per_seed = runs.get(arm, {})
         router, n = arm_settings(arm)
         entry: dict[str, Any] = {"router": router if n else "dense", "num_experts": n,
-                                 "finished": sum(r["results"] is not None
-                                                 for r in per_seed.values()),
-                                 "runs": len(per_seed)}
+                                 "finished": len(per_seed),
+                                 "unfinished_seeds": partial.get(arm, [])}
         entry["valid_loss_at"] = {
             str(c): _mean_std([loss_at(*r["curves"]["valid"], c) for r in per_seed.values()])
             for c in checkpoints
@@ -210,15 +214,10 @@ def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
         if target is None:
             entry["updates_to_target"] = _mean_std([])
             continue
-        reached, missed = [], 0
-        for r in runs.get(arm, {}).values():
-            value = updates_to_reach(*r["curves"]["valid"], target)
-            if value is not None:
-                reached.append(value)
-            elif r["results"] is not None:  # a partial run may still get there: not counted
-                missed += 1
+        reached = [updates_to_reach(*r["curves"]["valid"], target)
+                   for r in runs.get(arm, {}).values()]
         entry["updates_to_target"] = _mean_std(reached)
-        entry["updates_to_target"]["not_reached"] = missed
+        entry["updates_to_target"]["not_reached"] = sum(v is None for v in reached)
 
     # Paired by seed against Switch of the same N (same data order and initial weights, so the
     # seed-to-seed variation partly cancels): arm minus Switch, mean ± std over seeds.
@@ -263,7 +262,7 @@ def markdown(summary: dict[str, Any]) -> str:
         e = summary["arms"][arm]
         lines.append(f"| {arm} | " + " | ".join(_fmt(e["valid_loss_at"][str(c)]) for c in shown)
                      + " |")
-    lines += ["", "| arm | runs done | final valid loss | updates to Switch's final loss "
+    lines += ["", "| arm | runs finished | final valid loss | updates to Switch's final loss "
                   "| BLEU last | BLEU best | train tokens/s |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for arm in arms:
@@ -275,7 +274,7 @@ def markdown(summary: dict[str, Any]) -> str:
         if e["target_valid_loss"] is not None:
             reach += f" (target {e['target_valid_loss']:.3f})"
         lines.append(
-            f"| {arm} | {e['finished']}/{e['runs']} | {_fmt(e['final_valid_loss'])} | {reach} | "
+            f"| {arm} | {e['finished']} | {_fmt(e['final_valid_loss'])} | {reach} | "
             f"{_fmt(e['bleu'], 2)} | {_fmt(e['bleu_best'], 2)} | "
             f"{_fmt(e['tokens_per_second'], 0)} |")
     paired = [a for a in arms if "paired_minus_target_arm" in summary["arms"][a]]
@@ -302,7 +301,7 @@ def plot(root: str, summary: dict[str, Any], out: str, window: int = 20) -> None
     for i, arm in enumerate(summary["arms"]):
         color = f"C{i}"
         curves = [read_run(run_dir(root, arm, s)) for s in summary["seeds"]
-                  if os.path.exists(os.path.join(run_dir(root, arm, s), "metrics.jsonl"))]
+                  if read_results(run_dir(root, arm, s)) is not None]
         for ax, kind in ((ax_train, "train"), (ax_valid, "valid")):
             pairs = [c[kind] for c in curves if len(c[kind][0])]
             if not pairs:

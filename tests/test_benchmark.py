@@ -123,8 +123,10 @@ def test_compare_summary_tables_and_plot(tmp_path):
     assert paired["final_valid_loss"]["mean"] == pytest.approx(2.5 - 3.1)
     assert paired["bleu"]["mean"] == pytest.approx(2.0)
     dense = summary["arms"]["dense"]
-    # Two finished dense runs never reached the target; the partial one is not counted.
-    assert dense["finished"] == 2 and dense["updates_to_target"]["not_reached"] == 2
+    # The unfinished dense run is listed and left out of every figure.
+    assert dense["finished"] == 2 and dense["unfinished_seeds"] == [2]
+    assert dense["updates_to_target"]["not_reached"] == 2
+    assert dense["final_valid_loss"]["n"] == 2
     assert dense["paired_minus_target_arm"]["final_valid_loss"]["n"] == 2
     table = compare.markdown(summary)
     assert "sparsemixer_n4" in table and "never reached" in table
