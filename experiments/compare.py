@@ -297,7 +297,7 @@ def plot(root: str, summary: dict[str, Any], out: str, window: int = 20) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_train, ax_valid) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_train, ax_valid, ax_diff) = plt.subplots(1, 3, figsize=(16, 4.2))
     for i, arm in enumerate(summary["arms"]):
         color = f"C{i}"
         curves = [read_run(run_dir(root, arm, s)) for s in summary["seeds"]
@@ -314,13 +314,33 @@ def plot(root: str, summary: dict[str, Any], out: str, window: int = 20) -> None
             ax.plot(steps, values.mean(0), color=color, label=f"{arm} (n={len(pairs)})",
                     marker="o" if kind == "valid" else None, ms=3)
             ax.fill_between(steps, values.min(0), values.max(0), color=color, alpha=0.2)
+        # Paired by seed: validation loss minus the Switch arm's of the same seed.
+        reference = summary["arms"][arm].get("target_arm")
+        diffs = []
+        for seed in summary["seeds"]:
+            mine, other = run_dir(root, arm, seed), run_dir(root, reference or "", seed)
+            if arm == reference or read_results(mine) is None or read_results(other) is None:
+                continue
+            (s_a, v_a), (s_b, v_b) = read_run(mine)["valid"], read_run(other)["valid"]
+            common = np.intersect1d(s_a, s_b)
+            diffs.append((common, v_a[np.isin(s_a, common)] - v_b[np.isin(s_b, common)]))
+        if diffs:
+            length = min(len(d[0]) for d in diffs)
+            values = np.stack([d[1][:length] for d in diffs])
+            ax_diff.plot(diffs[0][0][:length], values.mean(0), color=color, marker="o", ms=3,
+                         label=f"{arm} − {reference} (n={len(diffs)})")
+            ax_diff.fill_between(diffs[0][0][:length], values.min(0), values.max(0),
+                                 color=color, alpha=0.2)
+    ax_diff.axhline(0.0, color="k", lw=0.8)
+    ax_diff.set_title("validation loss minus Switch's, same seed")
     ax_train.set_title(f"training loss (moving average, {window} updates)")
     ax_valid.set_title("validation loss (mean over seeds, band = min..max)")
-    for ax in (ax_train, ax_valid):
+    for ax in (ax_train, ax_valid, ax_diff):
         ax.set_xlabel("updates")
         ax.set_ylabel("label-smoothed cross entropy (nats)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     ax_valid.set_ylim(top=min(ax_valid.get_ylim()[1], 7.0))
     fig.tight_layout()
     fig.savefig(out, dpi=110)
