@@ -4,7 +4,8 @@
     python -m experiments.wmt --config configs/quickstart.py --config.router.name=switch \
         --workdir runs/quickstart_switch
 
-Rerunning the same command on the same workdir resumes from its last checkpoint.
+Rerunning the same command on the same workdir resumes from its last checkpoint. Compiled steps
+are cached in ``~/.cache/sparsemixer_jax/xla`` (set ``JAX_COMPILATION_CACHE_DIR`` to move it).
 
 Several processes (a TPU pod, GPU hosts under SLURM or Open MPI, or any launcher that sets
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``): the same command on
@@ -59,6 +60,13 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     initialize_distributed()
     import jax
+
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        # Every length bucket compiles its own step (tens of seconds each on a CPU); a persistent
+        # cache lets resumed runs, other seeds and later runs with the same shapes skip that.
+        cache = os.path.join(os.path.expanduser("~"), ".cache", "sparsemixer_jax", "xla")
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
     from sparsemixer_jax import train
 

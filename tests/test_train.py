@@ -97,7 +97,8 @@ def test_sigkill_mid_run_then_resume(straight_run, tmp_path):
     workdir = str(tmp_path / "killed")
     command = [sys.executable, "-m", "experiments.wmt", "--config", "tests/tiny_wmt_config.py",
                "--workdir", workdir, "--config.checkpoint_every=1"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # A fresh compilation cache: with a warm one the run could finish before it is killed.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE)
     last = os.path.join(workdir, "checkpoints", "last")
