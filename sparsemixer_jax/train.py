@@ -534,6 +534,20 @@ def _check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> Non
             )
 
 
+def _wait_for_all_processes(name: str, timeout_s: int = 4 * 3600) -> None:
+    """Barrier across processes, then the first collective while they are in step.
+
+    ``multihost_utils.sync_global_devices`` alone is a collective, and on CPU hosts its first use
+    sets up gloo with a 30 s deadline: too short for process 0 training a vocabulary while the
+    others wait. The coordination service's barrier waits as long as needed.
+    """
+    from jax._src import distributed  # the coordination-service client; no public wrapper yet
+    from jax.experimental import multihost_utils
+
+    distributed.global_state.client.wait_at_barrier(name, timeout_in_ms=timeout_s * 1000)
+    multihost_utils.sync_global_devices(name)
+
+
 def _progress(total: int, initial: int):
     if jax.process_index() != 0:
         return None
@@ -561,11 +575,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if is_main:  # process 0 trains the vocabulary; the others then read it from the cache
         data = input_pipeline.load_datasets(config, workdir, batch_multiple=data_parallel)
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("vocabulary ready")
+        _wait_for_all_processes("vocabulary ready")
     if not is_main:
         data = input_pipeline.load_datasets(config, workdir, batch_multiple=data_parallel)
+    if jax.process_count() > 1:
+        _wait_for_all_processes("data ready")
 
     model = build_model(config, data.tokenizer.vocab_size, mesh)
     steps = Steps(model, config)
