@@ -410,7 +410,7 @@ def translate_batches(
     """Beam search over eval ``batches``; detokenized hypotheses in file order."""
     from jax.experimental import multihost_utils
 
-    hyps = [""] * num_sentences
+    rows, outputs = [], []
     for batch in batches:
         inputs = place(batch)["inputs"]
         seqs, _ = decode.beam_search_model(
@@ -426,10 +426,9 @@ def translate_batches(
         if jax.process_count() > 1:
             best = multihost_utils.process_allgather(best, tiled=True)
             index = multihost_utils.process_allgather(index, tiled=True)
-        for row, i in zip(np.asarray(best), np.asarray(index), strict=True):
-            if i >= 0:
-                hyps[int(i)] = tokenizer.decode(row.tolist())
-    return hyps
+        rows.append({"index": np.asarray(index)})
+        outputs.append([tokenizer.decode(row.tolist()) for row in np.asarray(best)])
+    return input_pipeline.restore_order(rows, outputs, num_sentences)
 
 
 # ---------------------------------------------------------------------------------- logging
