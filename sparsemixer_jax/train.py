@@ -533,6 +533,14 @@ def _check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> Non
             )
 
 
+def _write_atomically(path: str, text: str) -> None:
+    """A reader sees the old file or the new one, never a half-written one."""
+    tmp_path = f"{path}.tmp{os.getpid()}"
+    with open(tmp_path, "w") as f:
+        f.write(text)
+    os.replace(tmp_path, path)
+
+
 def _wait_for_all_processes(name: str, timeout_s: int = 4 * 3600) -> None:
     """Barrier across processes, then the first collective while they are in step.
 
@@ -565,9 +573,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     os.makedirs(workdir, exist_ok=True)
     _check_resume_config(workdir, config)
     is_main = jax.process_index() == 0
-    if is_main:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json(indent=1))
+    if is_main:  # atomically: the other processes may be reading it in _check_resume_config
+        _write_atomically(os.path.join(workdir, "config.json"), config.to_json(indent=1))
 
     mesh = make_mesh(config)
     data_parallel = 1 if mesh is None else mesh.size  # the batch is split over every device
@@ -709,8 +716,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                   best_step, data, place))
     results["config"] = json.loads(config.to_json())
     if is_main:
-        with open(os.path.join(workdir, "results.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        _write_atomically(os.path.join(workdir, "results.json"), json.dumps(results, indent=1))
     log.close()
     checkpoints.close()
     return results

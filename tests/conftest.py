@@ -1,10 +1,14 @@
-"""Test set-up. Eight simulated CPU devices for the mesh tests: XLA reads this flag once, when
-JAX starts, so it is set here, before any test module imports jax."""
+"""Test set-up, before any test module imports jax (XLA reads its flags once, when JAX starts).
+
+Eight simulated CPU devices for the mesh tests. LLVM optimisation level 0: the tests' models are
+tiny, so XLA's compile time, not run time, is most of the suite; level 0 halves it (5.3 to 3.9 min
+on 2 cores). Subprocesses that tests start inherit both flags through the environment."""
 
 import os
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

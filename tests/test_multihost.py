@@ -35,8 +35,9 @@ def _free_port() -> int:
 
 def _env(devices: int, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
         JAX_PLATFORMS="cpu",
         TF_CPP_MIN_LOG_LEVEL="3",
         **extra,
@@ -72,9 +73,16 @@ def test_two_processes_match_one_process(tmp_path):
         )
         for i in range(2)
     ]
-    for p in processes:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
+    try:
+        errors = [p.communicate(timeout=600)[1] for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    for i, p in enumerate(processes):
+        # Both logs: a process that fails takes the other down with it a few minutes later.
+        assert p.returncode == 0, f"process {i} failed; its log, then the other's:\n" + "\n".join(
+            err[-3000:] for err in (errors[i], errors[1 - i])
+        )
 
     single_train, single_valid = _losses(single)
     multi_train, multi_valid = _losses(multi)
