@@ -3,11 +3,10 @@
 * :func:`sacre_bleu` -- corpus BLEU from sacrebleu on detokenized, cased text with its default
   ``13a`` tokenizer: the comparable, signature-backed number.
 * :func:`tokenized_bleu` -- the number most WMT'14 En-De papers print (tensor2tensor's
-  ``get_ende_bleu.sh``, fairseq's ``compound_split_bleu.sh``): tokenize, split hyphenated compounds
-  ``a-b`` into ``a ##AT##-##AT## b``, then BLEU on the tokens. Those scripts tokenize with Moses'
-  ``tokenizer.perl``; ``sacremoses`` is not a dependency here, so this uses sacrebleu's ``13a``
-  tokenizer, which (like Moses without ``-a``) keeps a hyphen inside a word and separates
-  punctuation. Scores can differ from Moses-tokenized ones by a few tenths; say which you report.
+  ``get_ende_bleu.sh``, fairseq's ``compound_split_bleu.sh``): tokenize with Moses'
+  ``tokenizer.perl -l de`` (here its port ``sacremoses``, default options: no aggressive hyphen
+  splitting, HTML-escaping on), split hyphenated compounds ``a-b`` into ``a ##AT##-##AT## b``,
+  then BLEU on the tokens as ``multi-bleu.perl`` computes it.
 """
 
 from __future__ import annotations
@@ -38,11 +37,12 @@ def sacre_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
     return float(sacrebleu.corpus_bleu(list(hypotheses), [list(references)]).score)
 
 
-def tokenize_13a(text: str) -> str:
-    """sacrebleu's ``13a`` (mteval-v13a) tokenization of one detokenized line."""
-    from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
+def moses_tokenize(lines: Sequence[str], lang: str) -> list[str]:
+    """``tokenizer.perl -l {lang}`` on each detokenized line (sacremoses, default options)."""
+    from sacremoses import MosesTokenizer
 
-    return Tokenizer13a()(text)
+    tokenizer = MosesTokenizer(lang=lang)
+    return [tokenizer.tokenize(line, return_str=True) for line in lines]
 
 
 def compound_split(text: str) -> str:
@@ -55,17 +55,24 @@ def compound_split(text: str) -> str:
 
 
 def tokenized_bleu(
-    hypotheses: Sequence[str], references: Sequence[str], *, tokenize: bool = True
+    hypotheses: Sequence[str],
+    references: Sequence[str],
+    *,
+    lang: str = "de",
+    tokenize: bool = True,
 ) -> float:
-    """Corpus BLEU (0-100) on ``13a``-tokenized, compound-split text (WMT'14 En-De convention).
+    """Corpus BLEU (0-100) on Moses-tokenized, compound-split text (WMT'14 En-De convention).
 
-    With ``tokenize=False`` the inputs are taken as already tokenized (e.g. by Moses) and only the
-    compound split is applied. The final BLEU uses ``tokenize="none"`` so the tokens are kept as is.
+    ``lang`` is the target language, for the tokenizer's rules. With ``tokenize=False`` the inputs
+    are taken as already tokenized and only the compound split is applied. The BLEU itself is
+    sacrebleu's with ``tokenize="none"``, which keeps the tokens as given (cased, like
+    ``multi-bleu.perl`` without ``-lc``).
     """
     from sacrebleu.metrics import BLEU
 
     _check(hypotheses, references)
-    prep = (lambda s: compound_split(tokenize_13a(s))) if tokenize else compound_split
-    hyps = [prep(h) for h in hypotheses]
-    refs = [prep(r) for r in references]
+    if tokenize:
+        hypotheses, references = moses_tokenize(hypotheses, lang), moses_tokenize(references, lang)
+    hyps = [compound_split(h) for h in hypotheses]
+    refs = [compound_split(r) for r in references]
     return float(BLEU(tokenize="none").corpus_score(hyps, [refs]).score)

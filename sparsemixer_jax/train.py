@@ -507,7 +507,9 @@ def _test_bleu(config, workdir, steps, params, opt_state, checkpoints, best_step
     for name, texts in hyps.items():
         suffix = "" if name == "last" else "_best"
         results[f"bleu{suffix}"] = bleu.sacre_bleu(texts, data.test_references)
-        results[f"tokenized_bleu{suffix}"] = bleu.tokenized_bleu(texts, data.test_references)
+        results[f"tokenized_bleu{suffix}"] = bleu.tokenized_bleu(
+            texts, data.test_references, lang=config.data.tgt
+        )
         if jax.process_index() == 0:
             with open(os.path.join(workdir, f"translations_{name}.txt"), "w") as f:
                 f.writelines(h + "\n" for h in texts)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from sparsemixer_jax.bleu import compound_split, sacre_bleu, tokenize_13a, tokenized_bleu
+from sparsemixer_jax.bleu import compound_split, moses_tokenize, sacre_bleu, tokenized_bleu
 
 
 def _bleu_by_hand(matches: list[int], totals: list[int], hyp_len: int, ref_len: int) -> float:
@@ -52,8 +52,14 @@ def test_compound_split_concrete_strings():
     assert compound_split("x - y -z") == "x - y -z"
 
 
-def test_tokenize_13a_keeps_word_internal_hyphen():
-    assert tokenize_13a("A well-known man, (really).") == "A well-known man , ( really ) ."
+def test_moses_tokenize_like_tokenizer_perl():
+    # tokenizer.perl -l de: punctuation split off, word-internal hyphens kept (no -a), the
+    # apostrophe split on both sides outside en/fr/it, and &, ", ' HTML-escaped.
+    lines = ["A well-known man, (really).", 'Er sagte: "Peter\'s Haus-Boot & mehr"?']
+    assert moses_tokenize(lines, "de") == [
+        "A well-known man , ( really ) .",
+        "Er sagte : &quot; Peter &apos; s Haus-Boot &amp; mehr &quot; ?",
+    ]
 
 
 def test_tokenized_bleu_hand_computed():
