@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 from sparsemixer_jax import bleu, decode, input_pipeline, routing, sharding
-from sparsemixer_jax.checkpoint import RunCheckpoints
+from sparsemixer_jax.checkpoint import RunCheckpoints, has_checkpoint
 from sparsemixer_jax.models import PAD_ID, Transformer
 
 logger = logging.getLogger(__name__)
@@ -517,13 +517,24 @@ def _test_bleu(config, workdir, steps, params, opt_state, checkpoints, best_step
 
 
 def _check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-    """Refuses to resume a workdir whose saved config differs in anything but RESUMABLE_CHANGES."""
+    """Refuses to resume a workdir whose saved config differs in anything but RESUMABLE_CHANGES.
+
+    A workdir without a checkpoint (a run stopped by a config or data error) starts afresh with
+    the new config; its cached vocabulary is dropped if the data settings changed.
+    """
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         return
     with open(path) as f:
         saved = json.load(f)
     current = json.loads(config.to_json())
+    if not has_checkpoint(workdir):
+        vocabulary = os.path.join(workdir, "spm.model")
+        stale = saved.get("data") != current.get("data") or saved.get("seed") != current.get("seed")
+        if stale and jax.process_index() == 0 and os.path.exists(vocabulary):
+            logger.info("data settings changed, nothing trained yet: retraining %s", vocabulary)
+            os.remove(vocabulary)
+        return
     for key in sorted(set(saved) | set(current)):
         if key in RESUMABLE_CHANGES:
             continue
@@ -610,10 +621,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         params, opt_state = state["params"], state["opt_state"]
         start_step = int(meta["step"])
         best_loss, best_step = float(meta["best_valid_loss"]), int(meta["best_step"])
+        if start_step > int(config.train_steps):
+            raise ValueError(
+                f"config.train_steps={config.train_steps} but {workdir} holds a checkpoint of step "
+                f"{start_step}: set config.train_steps >= {start_step}, or use a fresh --workdir"
+            )
         data.train.restore(meta["data"])
         logger.info(
             "resumed from step %d (best valid loss %.4f at %d)", start_step, best_loss, best_step
         )
+    checkpoints.discard_best_after(start_step)  # from a run killed after them: they are redone
     log = MetricLog(workdir, start_step)
     key = jax.random.key(int(config.seed) + 3)
     train_steps = int(config.train_steps)

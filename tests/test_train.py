@@ -6,6 +6,7 @@ per process and the in-process runs share the compilations).
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -166,6 +167,47 @@ def test_config_errors_are_caught_before_compiling(tmp_path):
 def test_resuming_with_a_different_model_is_refused(straight_run):
     with pytest.raises(ValueError, match=r"different config\.model"):
         train.train_and_evaluate(tiny(**{"model.emb_dim": 32}), straight_run[0])
+
+
+def test_resume_after_a_kill_between_the_best_and_the_last_save(straight_run, tmp_path):
+    """Step 6 saved its best checkpoint but not its last one: the rerun resumes from step 3,
+    recomputes step 6 (whose best checkpoint is on disk already) and ends like the straight run."""
+    workdir = str(tmp_path / "copy")
+    shutil.copytree(straight_run[0], workdir)
+    checkpoints = RunCheckpoints(workdir)
+    assert checkpoints.best.all_steps() == [3, 6] and checkpoints.last.all_steps() == [6]
+    checkpoints.close()
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "last", "6"))
+    shutil.copytree(os.path.join(straight_run[0], "checkpoints", "best", "3"),
+                    os.path.join(workdir, "checkpoints", "last", "3"))
+    results = train.train_and_evaluate(tiny(), workdir)
+    assert results["valid_loss"] == straight_run[1]["valid_loss"]
+    assert results["bleu_best"] == straight_run[1]["bleu_best"]
+    params, meta = last_params(workdir, tiny())
+    assert meta["step"] == 6
+    jax.tree.map(np.testing.assert_array_equal, params, last_params(straight_run[0], tiny())[0])
+
+
+def test_rerun_after_a_config_error_is_not_refused_and_shrinking_a_run_is(straight_run, tmp_path):
+    workdir = str(tmp_path / "fixed")
+    with pytest.raises(ValueError, match="vocab_size"):
+        train.train_and_evaluate(tiny(**{"data.vocab_size": 100_000}), workdir)
+    # Nothing was trained, so the corrected config is a fresh start, not a "different config".
+    train.train_and_evaluate(tiny(**{"train_steps": 3, "decode.test_bleu": False}), workdir)
+    with pytest.raises(ValueError, match=r"train_steps=2 but .* step 3"):
+        train.train_and_evaluate(tiny(train_steps=2), workdir)
+
+
+def test_vocabulary_of_an_untrained_workdir_is_retrained_when_the_data_settings_change(tmp_path):
+    workdir = str(tmp_path)
+    vocabulary = tmp_path / "spm.model"
+    with open(tmp_path / "config.json", "w") as f:
+        f.write(tiny().to_json())
+    vocabulary.write_text("cached")
+    train._check_resume_config(workdir, tiny(**{"train_steps": 9}))  # data unchanged: kept
+    assert vocabulary.exists()
+    train._check_resume_config(workdir, tiny(**{"data.vocab_size": 100}))
+    assert not vocabulary.exists()
 
 
 def test_learning_rate_schedule_is_inverse_sqrt():
