@@ -124,9 +124,11 @@ def _find_text_file(directory: str, prefix: str, lang: str) -> str:
 
 def _read_lines(path: str) -> list[str]:
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        # rstrip("\n") only: a line's own spaces are kept until the shared empty-line check.
-        return [line.rstrip("\r\n") for line in f]
+    # newline="\n": a stray carriage return inside a line must not split it in two (universal
+    # newlines would, and the two files would then seem misaligned or, worse, align wrongly).
+    with opener(path, "rt", encoding="utf-8", newline="\n") as f:
+        # Only the line ending goes: a line's own spaces are kept until the shared empty check.
+        return [line.removesuffix("\n").removesuffix("\r") for line in f]
 
 
 def read_text(directory: str, prefix: str, src: str, tgt: str) -> list[Pair]:
@@ -771,6 +773,11 @@ def _eval_split(
     stats: dict[str, Any],
 ) -> tuple[list[Batch], list[str], list[str]]:
     kept, empty = drop_empty(pairs)
+    if not kept:
+        raise ValueError(
+            f"the {name} split has no usable pairs ({len(pairs)} read, {empty} with an empty "
+            f"side): check config.data.{name}_prefix and config.data.source"
+        )
     examples, _ = tokenize_pairs(tokenizer, kept, max_len=None)
     longest = int(examples.lengths.max()) if len(examples) else 1
     over = int((examples.lengths > max_len).sum())

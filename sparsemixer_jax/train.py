@@ -424,6 +424,8 @@ def translate_batches(
         best = seqs[:, 0]
         index = batch["index"]
         if jax.process_count() > 1:
+            # Both as global arrays placed alike, so their rows line up whatever the device order.
+            index = jax.make_array_from_process_local_data(place.sharding, index)
             best = multihost_utils.process_allgather(best, tiled=True)
             index = multihost_utils.process_allgather(index, tiled=True)
         rows.append({"index": np.asarray(index)})
@@ -445,12 +447,16 @@ class MetricLog:
             return
         if os.path.exists(self.path):
             # Drop records a killed run wrote after its last checkpoint: they will be redone.
+            kept = []
             with open(self.path) as f:
-                kept = [
-                    line for line in f if line.strip() and json.loads(line)["step"] <= resume_step
-                ]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:  # a line cut short by the kill
+                        continue
+                    if record["step"] <= resume_step:
+                        kept.append(line)
+            _write_atomically(self.path, "".join(kept))
         try:
             from tensorboardX import SummaryWriter
 

@@ -315,6 +315,25 @@ def test_empty_and_long_pairs_are_skipped_counted_and_logged(tmp_path, caplog):
     assert data.test_references == ["house the"]
 
 
+def test_empty_eval_split_is_an_error_naming_the_split(tmp_path):
+    words = ["the", "small", "dog", "runs", "to", "big", "house"]
+    src = [" ".join(words[: 2 + i % 5]) for i in range(60)]
+    write_pair(tmp_path, "train", src, src)
+    write_pair(tmp_path, "valid", ["", "  "], ["x", "y"])  # every pair has an empty side
+    write_pair(tmp_path, "test", ["the house"], ["house the"])
+    with pytest.raises(ValueError, match=r"valid split has no usable pairs \(2 read, 2 with an"):
+        ip.load_datasets(text_config(tmp_path), str(tmp_path / "work"), process_index=0,
+                         process_count=1)
+
+
+def test_carriage_return_inside_a_line_does_not_split_it(tmp_path):
+    # Windows line endings are stripped; a lone \r inside a line stays part of that line.
+    for lang, text in (("en", "a\rb\r\nc\r\n"), ("de", "x\ny\n")):
+        with open(tmp_path / f"train.{lang}", "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+    assert ip.read_text(str(tmp_path), "train", "en", "de") == [("a\rb", "x"), ("c", "y")]
+
+
 # ----- real data ------------------------------------------------------------------------------
 @pytest.mark.skipif(not os.path.isdir(MULTI30K), reason=f"Multi30k not found at {MULTI30K}")
 def test_multi30k_relative_dir(tmp_path):

@@ -1,5 +1,6 @@
 """Two processes on this machine (CPU backend, gloo collectives, coordinator on localhost) train
-a few steps and agree with one process that holds both devices and sees the same global batch.
+a few steps and agree with one process that holds both devices and sees the same global batch,
+in losses and in the test set's translations.
 
 The one-process run happens in this test process, on two of its eight simulated devices."""
 
@@ -21,7 +22,6 @@ OVERRIDES = {
     "train_steps": STEPS,
     "eval_every": STEPS,
     "checkpoint_every": STEPS,
-    "decode.test_bleu": False,
 }
 ARGS = ["--config", "tests/tiny_wmt_config.py"]
 ARGS += [f"--config.{key}={value}" for key, value in OVERRIDES.items()]
@@ -92,3 +92,8 @@ def test_two_processes_match_one_process(tmp_path):
     np.testing.assert_allclose(multi_valid, single_valid, rtol=1e-5)
     with open(os.path.join(multi, "results.json")) as f:
         assert json.load(f)["steps"] == STEPS  # written once, by process 0
+    # Test-set beam search: each process decodes its rows; process 0 puts them in file order.
+    with open(os.path.join(single, "translations_last.txt")) as f:
+        expected = f.read()
+    with open(os.path.join(multi, "translations_last.txt")) as f:
+        assert f.read() == expected
