@@ -154,9 +154,14 @@ class FeedForward(nnx.Module):
         self.dropout = nnx.Dropout(activation_dropout, rngs=rngs)
 
     def __call__(
-        self, x: jax.Array, token_mask: jax.Array | None = None, *, deterministic: bool = False
+        self,
+        x: jax.Array,
+        token_mask: jax.Array | None = None,
+        *,
+        deterministic: bool = False,
+        dropless: bool = False,
     ) -> tuple[jax.Array, None]:
-        del token_mask  # only the MoE layer's statistics need it
+        del token_mask, dropless  # only the MoE layer needs them
         h = self.dropout(jax.nn.relu(self.wi(x)), deterministic=deterministic)
         return self.wo(h), None
 
@@ -216,12 +221,18 @@ class EncoderLayer(nnx.Module):
         self.dropout = nnx.Dropout(float(model_cfg.dropout), rngs=rngs)
 
     def __call__(
-        self, x: jax.Array, mask: jax.Array, token_mask: jax.Array, *, deterministic: bool
+        self,
+        x: jax.Array,
+        mask: jax.Array,
+        token_mask: jax.Array,
+        *,
+        deterministic: bool,
+        dropless: bool = False,
     ) -> tuple[jax.Array, dict | None]:
         """``x [B, S, emb]``, ``mask [B, 1, 1, S]``, ``token_mask [B, S]`` -> ``x``, metrics."""
         h = self.self_attn(x, x, mask, deterministic=deterministic)
         x = self.self_attn_norm(x + self.dropout(h, deterministic=deterministic))
-        h, metrics = self.ffn(x, token_mask, deterministic=deterministic)
+        h, metrics = self.ffn(x, token_mask, deterministic=deterministic, dropless=dropless)
         x = self.ffn_norm(x + self.dropout(h, deterministic=deterministic))
         return x, metrics
 
@@ -253,6 +264,7 @@ class DecoderLayer(nnx.Module):
         token_mask: jax.Array | None,
         *,
         deterministic: bool,
+        dropless: bool = False,
     ) -> tuple[jax.Array, dict | None]:
         """One decoder layer on ``x [B, T, emb]`` given precomputed keys/values.
 
@@ -264,7 +276,7 @@ class DecoderLayer(nnx.Module):
         x = self._residual(self.self_attn_norm, x, h, deterministic)
         h = self.cross_attn.attend(x, *cross_kv, cross_mask, deterministic=deterministic)
         x = self._residual(self.cross_attn_norm, x, h, deterministic)
-        h, metrics = self.ffn(x, token_mask, deterministic=deterministic)
+        h, metrics = self.ffn(x, token_mask, deterministic=deterministic, dropless=dropless)
         x = self._residual(self.ffn_norm, x, h, deterministic)
         return x, metrics
 
@@ -363,7 +375,7 @@ class Transformer(nnx.Module):
         return jnp.einsum("...e,ve->...v", x, table, preferred_element_type=jnp.float32)
 
     def _encode(
-        self, inputs: jax.Array, deterministic: bool
+        self, inputs: jax.Array, deterministic: bool, dropless: bool = False
     ) -> tuple[jax.Array, jax.Array, dict[str, dict]]:
         """Encoder over ``inputs [B, S]`` -> hidden ``[B, S, emb]``, source mask, MoE metrics."""
         src_mask = inputs != PAD_ID
@@ -372,7 +384,9 @@ class Transformer(nnx.Module):
         attn_mask = src_mask[:, None, None, :]
         metrics = {}
         for i, layer in enumerate(self.encoder_layers):
-            x, layer_metrics = layer(x, attn_mask, src_mask, deterministic=deterministic)
+            x, layer_metrics = layer(
+                x, attn_mask, src_mask, deterministic=deterministic, dropless=dropless
+            )
             if layer_metrics is not None:
                 metrics[f"encoder/layer_{i}"] = layer_metrics
         return x, src_mask, metrics
@@ -429,8 +443,13 @@ class Transformer(nnx.Module):
     # -- incremental decoding --------------------------------------------------------------------
 
     def encode(self, inputs: jax.Array, *, deterministic: bool = True) -> Encoded:
-        """Runs the encoder on ``inputs [B, S]`` and projects its output for every decoder layer."""
-        hidden, src_mask, _ = self._encode(inputs, deterministic)
+        """Runs the encoder on ``inputs [B, S]`` and projects its output for every decoder layer.
+
+        Decoding (this and :meth:`decode_step`) is dropless even with ``capacity_factor > 0``: a
+        capacity shared by the sentences of a batch (and, per step, by a handful of tokens) would
+        make a sentence's translation depend on the others it is batched with.
+        """
+        hidden, src_mask, _ = self._encode(inputs, deterministic, dropless=True)
         cross_k, cross_v = self._cross_kv(hidden)
         return Encoded(cross_k=cross_k, cross_v=cross_v, src_mask=src_mask)
 
@@ -482,6 +501,7 @@ class Transformer(nnx.Module):
                 cross_mask,
                 None,
                 deterministic=deterministic,
+                dropless=True,
             )
         new_cache = DecodeCache(index=index + 1, k=tuple(new_k), v=tuple(new_v))
         return self._logits(x[:, 0]), new_cache

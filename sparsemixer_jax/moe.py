@@ -317,9 +317,15 @@ class MoEFeedForward(nnx.Module):
             else None
 
     def __call__(
-        self, x: jax.Array, token_mask: jax.Array | None = None, *, deterministic: bool = False
+        self,
+        x: jax.Array,
+        token_mask: jax.Array | None = None,
+        *,
+        deterministic: bool = False,
+        dropless: bool = False,
     ) -> tuple[jax.Array, dict]:
-        """x: ``[B, T, emb]``; token_mask: bool ``[B, T]`` (False = padding) or None.
+        """x: ``[B, T, emb]``; token_mask: bool ``[B, T]`` (False = padding) or None;
+        ``dropless`` ignores ``capacity_factor`` for this call (decoding uses it).
 
         Returns ``y [B, T, emb]`` (dtype of ``x``) and a dict of float32 metrics:
         ``balance_loss``, ``z_loss``, ``num_unmasked``, ``entropy``, ``dropped_fraction``
@@ -345,7 +351,7 @@ class MoEFeedForward(nnx.Module):
 
         active = jnp.ones((batch, length), bool) if token_mask is None else token_mask.astype(bool)
         capacity = None
-        if self.capacity_factor > 0:
+        if self.capacity_factor > 0 and not dropless:
             capacity = expert_capacity(self.capacity_factor, batch * length, n)
             kept = capacity_keep(routed.expert, active, n, capacity)
             num_active = jnp.maximum(jnp.sum(active), 1).astype(jnp.float32)

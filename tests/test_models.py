@@ -222,6 +222,18 @@ def test_cached_decoding_matches_forward(moe_model, batch, eval_out):
     )
 
 
+def test_decoding_is_dropless_in_capacity_mode(moe_model, batch):
+    """A capacity that drops tokens in the teacher-forced pass leaves decoding as if dropless, so
+    a translation does not depend on the other sentences of its batch."""
+    inputs, targets = batch
+    capped = Transformer(tiny_config(capacity_factor=0.3), VOCAB, rngs=nnx.Rngs(0))
+    _, aux = eval_forward(capped, inputs, targets)
+    assert max(float(m["dropped_fraction"]) for m in aux["moe"].values()) > 0
+    got, _ = cached_logits(capped, inputs, targets)
+    want, _ = cached_logits(moe_model, inputs, targets)  # same params, capacity_factor 0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+
+
 # -- fold_omega -----------------------------------------------------------------------------------
 
 
