@@ -817,6 +817,7 @@ def load_datasets(
     batch_multiple: int = 1,
     process_index: int | None = None,
     process_count: int | None = None,
+    raw_train: list[Pair] | None = None,
 ) -> Datasets:
     """Reads, tokenizes and batches the train/valid/test splits that ``config.data`` names.
 
@@ -826,6 +827,7 @@ def load_datasets(
       batch_multiple: global batch sizes are multiples of this (the data-parallel mesh size).
       process_index, process_count: this host and the number of hosts (default: from JAX). Each
         host gets rows ``[p * B / P, (p + 1) * B / P)`` of every global batch of ``B`` rows.
+      raw_train: the train split as :func:`read_split` returns it, if already read.
     """
     check_config(config)
     if process_index is None or process_count is None:
@@ -850,7 +852,8 @@ def load_datasets(
         )
     sizes = [bucket_batch_size(n, max_tokens, multiple) for n in lengths]
 
-    raw_train = read_split(config, "train")
+    if raw_train is None:
+        raw_train = read_split(config, "train")
     tokenizer = get_tokenizer(config, workdir, raw_train)
     stats: dict[str, Any] = {
         "vocab_size": tokenizer.vocab_size,

@@ -597,12 +597,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     mesh = make_mesh(config)
     data_parallel = 1 if mesh is None else mesh.size  # the batch is split over every device
-    if is_main:  # process 0 trains the vocabulary; the others then read it from the cache
-        data = input_pipeline.load_datasets(config, workdir, batch_multiple=data_parallel)
+    raw_train = None
     if jax.process_count() > 1:
+        # Process 0 trains the vocabulary; then every host loads its data at the same time.
+        if is_main:
+            raw_train = input_pipeline.read_split(config, "train")
+            input_pipeline.get_tokenizer(config, workdir, raw_train)
         _wait_for_all_processes("vocabulary ready")
-    if not is_main:
-        data = input_pipeline.load_datasets(config, workdir, batch_multiple=data_parallel)
+    data = input_pipeline.load_datasets(config, workdir, batch_multiple=data_parallel,
+                                        raw_train=raw_train)
+    del raw_train
     if jax.process_count() > 1:
         _wait_for_all_processes("data ready")
 
