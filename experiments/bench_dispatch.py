@@ -1,7 +1,7 @@
 """Time the MoE expert dispatch: ``ragged`` (ragged_dot) against ``padded`` (block-padded
 batched matmul), forward + backward of the expert FFN, on the default JAX backend.
 
-    python experiments/bench_dispatch.py [--tokens 4096 --emb 512 --mlp 2048 --experts 2 4 8 16]
+    python -m experiments.bench_dispatch [--tokens 4096 --emb 512 --mlp 2048 --experts 2 4 8 16]
 
 Prints a table of median milliseconds per forward+backward; the result sets the CPU default of
 ``dispatch="auto"`` in ``sparsemixer_jax/moe.py``.

@@ -601,7 +601,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", default=None, choices=["cpu", "gpu", "tpu"],
                         help="JAX platform (default: JAX's default)")
     parser.add_argument("--sections", nargs="+", default=["overhead", "router", "moe_vs_dense",
-                                                          "throughput"])
+                                                          "throughput"],
+                        choices=["overhead", "router", "moe_vs_dense", "throughput", "profile",
+                                 "padded_blocks"])
     parser.add_argument("--experts", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                         help="compute dtype (default: float32 on CPU, bfloat16 elsewhere)")
@@ -651,7 +653,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         overhead = result.get("overhead", {})
         step_s = min((o["switch_s"] for o in overhead.values()), default=None)
         result["router"] = bench_router(sizes["tokens"], args.experts, args.warmup,
-                                        max(args.repeats, 20), step_s or args.step_seconds)
+                                        max(args.repeats, 20), args.step_seconds or step_s)
     if "moe_vs_dense" in args.sections:
         result["moe_vs_dense"], result["moe_vs_dense_s"] = bench_moe_vs_dense(
             sizes, args.experts, dtype, args.warmup, args.repeats, dropout=args.layer_dropout)

@@ -11,8 +11,11 @@ dense for seed 0, then seed 1, ...) so that a study cut short still compares the
 seeds.
 
 Resuming: a run whose workdir holds ``results.json`` is skipped; a partial one resumes from its
-last checkpoint (the training loop does that). ``--summarize-only`` reads what is there and writes
-the tables and the plot without training.
+last checkpoint (the training loop does that). A run whose loss became non-finite gets a
+``diverged.json`` and is not retried (from its last checkpoint it would diverge again); the tables
+count it per arm. ``--summarize-only`` reads what is there and writes the tables and the plot
+without training. The tables and the plot go to ``--root`` unless ``--out-json``, ``--out-md``
+and ``--plot`` say otherwise.
 
 Summary (JSON, markdown, PNG), mean ± std over seeds (sample std, ``ddof=1``) for each arm:
 validation loss at fixed update counts, updates needed to reach Switch's final validation loss
@@ -23,6 +26,7 @@ validation loss), BLEU of the last and of the best checkpoint, training tokens p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -56,13 +60,25 @@ def arm_settings(arm: str) -> tuple[str, int]:
     return router, int(n)
 
 
+DIVERGED = "diverged.json"
+
+
 def run_dir(root: str, arm: str, seed: int) -> str:
     return os.path.join(root, f"{arm}_s{seed}")
+
+
+ARM_FIELDS = ("router.name", "model.num_experts", "seed")  # set per run by the study itself
 
 
 def make_config(config_path: str, arm: str, seed: int, steps: int | None,
                 overrides: Sequence[str] = ()) -> Any:
     """The config of one run: ``config_path``'s ``get_config()`` with the arm, seed and budget."""
+    for item in overrides:
+        if item.split("=", 1)[0] in ARM_FIELDS:
+            raise ValueError(
+                f"--override {item}: {', '.join(ARM_FIELDS)} are set per run by the study; use "
+                "--experts and --seeds"
+            )
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("compare_config", config_path)
@@ -97,14 +113,19 @@ def run_all(args: argparse.Namespace) -> None:
             if os.path.exists(os.path.join(workdir, "results.json")):
                 logger.info("%s: finished, skipped", workdir)
                 continue
+            if os.path.exists(os.path.join(workdir, DIVERGED)):
+                logger.info("%s: diverged earlier, skipped (delete it to retry)", workdir)
+                continue
             config = make_config(args.config, arm, seed, args.steps, args.override)
             logger.info("%s: training (%s)", workdir,
                         "resuming" if os.path.isdir(workdir) else "fresh")
             started = time.time()
             try:
                 train.train_and_evaluate(config, workdir)
-            except train.TrainingDiverged as err:  # recorded in metrics.jsonl; the study goes on
+            except train.TrainingDiverged as err:  # the study goes on without this run
                 logger.error("%s diverged: %s", workdir, err)
+                with open(os.path.join(workdir, DIVERGED), "w") as f:
+                    json.dump({"error": str(err)}, f)
             logger.info("%s: %.0f s", workdir, time.time() - started)
             # Rewrite the summary after every run, so a study cut short still has its tables.
             summarize_and_write(args)
@@ -160,10 +181,14 @@ def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
     """
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     partial: dict[str, list[int]] = {}
+    diverged: dict[str, list[int]] = {}
     for arm in arms:
         for seed in seeds:
             workdir = run_dir(root, arm, seed)
             if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+                continue
+            if os.path.exists(os.path.join(workdir, DIVERGED)):
+                diverged.setdefault(arm, []).append(seed)
                 continue
             results = read_results(workdir)
             if results is None:  # unfinished: counted, left out of every statistic
@@ -186,7 +211,8 @@ def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
         router, n = arm_settings(arm)
         entry: dict[str, Any] = {"router": router if n else "dense", "num_experts": n,
                                  "finished": len(per_seed),
-                                 "unfinished_seeds": partial.get(arm, [])}
+                                 "unfinished_seeds": partial.get(arm, []),
+                                 "diverged_seeds": diverged.get(arm, [])}
         entry["valid_loss_at"] = {
             str(c): _mean_std([loss_at(*r["curves"]["valid"], c) for r in per_seed.values()])
             for c in checkpoints
@@ -241,18 +267,19 @@ def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
     return summary
 
 
-def _fmt(stat: dict[str, Any], digits: int = 3) -> str:
+def _fmt(stat: dict[str, Any], digits: int = 3, seeds: int = 3) -> str:
     if stat.get("mean") is None:
         return "–"
     text = f"{stat['mean']:.{digits}f}"
     if stat.get("std") is not None:
         text += f" ± {stat['std']:.{digits}f}"
-    return text + (f" (n={stat['n']})" if stat["n"] != 3 else "")
+    return text + (f" (n={stat['n']})" if stat["n"] != seeds else "")
 
 
 def markdown(summary: dict[str, Any]) -> str:
     """Two markdown tables: validation loss at fixed update counts; the final figures."""
     arms = list(summary["arms"])
+    fmt = functools.partial(_fmt, seeds=len(summary["seeds"]))
     checkpoints = summary["checkpoints"]
     stride = max(1, -(-len(checkpoints) // 6))  # at most 6 columns, evenly spaced, last kept
     shown = checkpoints[::-1][::stride][::-1]
@@ -260,23 +287,24 @@ def markdown(summary: dict[str, Any]) -> str:
              "| --- |" + " --- |" * len(shown)]
     for arm in arms:
         e = summary["arms"][arm]
-        lines.append(f"| {arm} | " + " | ".join(_fmt(e["valid_loss_at"][str(c)]) for c in shown)
+        lines.append(f"| {arm} | " + " | ".join(fmt(e["valid_loss_at"][str(c)]) for c in shown)
                      + " |")
     lines += ["", "| arm | runs finished | final valid loss | updates to Switch's final loss "
                   "| BLEU last | BLEU best | train tokens/s |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for arm in arms:
         e = summary["arms"][arm]
-        reach = _fmt(e["updates_to_target"], 0)
+        reach = fmt(e["updates_to_target"], 0)
         missed = e["updates_to_target"].get("not_reached", 0)
         if missed:
             reach += f"; {missed} run(s) never reached it"
+        diverged = f" ({len(e['diverged_seeds'])} diverged)" if e["diverged_seeds"] else ""
         if e["target_valid_loss"] is not None:
             reach += f" (target {e['target_valid_loss']:.3f})"
         lines.append(
-            f"| {arm} | {e['finished']} | {_fmt(e['final_valid_loss'])} | {reach} | "
-            f"{_fmt(e['bleu'], 2)} | {_fmt(e['bleu_best'], 2)} | "
-            f"{_fmt(e['tokens_per_second'], 0)} |")
+            f"| {arm} | {e['finished']}{diverged} | {fmt(e['final_valid_loss'])} | {reach} | "
+            f"{fmt(e['bleu'], 2)} | {fmt(e['bleu_best'], 2)} | "
+            f"{fmt(e['tokens_per_second'], 0)} |")
     paired = [a for a in arms if "paired_minus_target_arm" in summary["arms"][a]]
     if paired:
         lines += ["", "| arm minus its Switch arm, same seed | final valid loss | BLEU last "
@@ -284,8 +312,8 @@ def markdown(summary: dict[str, Any]) -> str:
         for arm in paired:
             e = summary["arms"][arm]
             d = e["paired_minus_target_arm"]
-            lines.append(f"| {arm} − {e['target_arm']} | {_fmt(d['final_valid_loss'])} | "
-                         f"{_fmt(d['bleu'], 2)} | {_fmt(d['bleu_best'], 2)} |")
+            lines.append(f"| {arm} − {e['target_arm']} | {fmt(d['final_valid_loss'])} | "
+                         f"{fmt(d['bleu'], 2)} | {fmt(d['bleu_best'], 2)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -373,11 +401,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-dense", action="store_true", help="leave out the dense arm")
     parser.add_argument("--override", action="append", default=[],
                         help="FIELD=VALUE applied to every run's config, e.g. model.emb_dim=64")
-    parser.add_argument("--out-json", default="docs/compare.json")
-    parser.add_argument("--out-md", default="docs/compare.md")
-    parser.add_argument("--plot", default="docs/convergence.png")
+    parser.add_argument("--out-json", help="summary JSON (default: ROOT/compare.json)")
+    parser.add_argument("--out-md", help="markdown tables (default: ROOT/compare.md)")
+    parser.add_argument("--plot", help="curves PNG (default: ROOT/convergence.png)")
     parser.add_argument("--summarize-only", action="store_true")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for field, name in (("out_json", "compare.json"), ("out_md", "compare.md"),
+                        ("plot", "convergence.png")):
+        if getattr(args, field) is None:
+            setattr(args, field, os.path.join(args.root, name))
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -385,6 +418,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
     if not args.summarize_only:
+        from experiments.wmt import enable_compilation_cache
+
+        enable_compilation_cache()
         run_all(args)
     summarize_and_write(args)
 

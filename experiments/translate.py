@@ -72,11 +72,23 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
     return outputs
 
 
+def split_lines(data: bytes) -> list[str]:
+    """UTF-8 input split at ``\n`` (a ``\r\n`` ending counts as one) and nowhere else.
+
+    ``str.splitlines()`` would also split at a stray ``\r``, ``\x0c`` or U+2028 inside a
+    sentence and shift every later translation against its source.
+    """
+    text = data.decode("utf-8")
+    if not text:
+        return []
+    return [line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")]
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     f = flags.FLAGS
-    lines = sys.stdin.read().splitlines()
+    lines = split_lines(sys.stdin.buffer.read())
     for line in translate_lines(f.workdir, lines, checkpoint=f.checkpoint, beam_size=f.beam_size,
                                 length_penalty=f.length_penalty, batch_size=f.batch_size):
         print(line)

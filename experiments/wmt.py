@@ -55,18 +55,29 @@ def initialize_distributed() -> None:
         jax.distributed.initialize()
 
 
+def enable_compilation_cache() -> None:
+    """JAX's persistent compilation cache in ``~/.cache/sparsemixer_jax/xla``, unless the user
+    set ``JAX_COMPILATION_CACHE_DIR`` (which JAX reads itself).
+
+    Every length bucket compiles its own step (tens of seconds each on a CPU); the cache lets
+    resumed runs, other seeds and later runs with the same shapes skip that.
+    """
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    import jax
+
+    cache = os.path.join(os.path.expanduser("~"), ".cache", "sparsemixer_jax", "xla")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     initialize_distributed()
     import jax
 
-    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-        # Every length bucket compiles its own step (tens of seconds each on a CPU); a persistent
-        # cache lets resumed runs, other seeds and later runs with the same shapes skip that.
-        cache = os.path.join(os.path.expanduser("~"), ".cache", "sparsemixer_jax", "xla")
-        jax.config.update("jax_compilation_cache_dir", cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    enable_compilation_cache()
 
     from sparsemixer_jax import train
 

@@ -15,7 +15,10 @@ Token ids (joint SentencePiece model, cached as ``{workdir}/spm.model``): ``pad 
 Batches are dicts of numpy ``int32`` arrays, ``inputs [B, L]`` and ``targets [B, L]``, 0-padded,
 both sides ending with EOS. ``L`` is a bucket length and ``B`` the bucket's batch size, chosen so
 that ``B * L <= max_tokens``; the set of shapes is small and fixed, so ``jit`` compiles once per
-bucket.
+bucket. One exception: evaluation keeps sentences longer than ``max_len`` in extra, longer
+buckets, and a batch never has fewer rows than the batch multiple (the device count), so a
+validation or test sentence longer than ``max_tokens / multiple`` makes a batch over
+``max_tokens`` (the training split drops such pairs).
 A batch whose bucket ran short is filled with all-padding rows (every id 0): the loss must weight
 tokens by ``targets != 0`` -- which it does anyway -- and attention must survive fully masked rows.
 
@@ -680,7 +683,8 @@ class TrainBatches:
         if "num_batches" in state and int(state["num_batches"]) != self.num_batches:
             raise ValueError(
                 f"data state was saved with {int(state['num_batches'])} batches per epoch but this "
-                f"data has {self.num_batches}: the data, vocabulary or batching config changed"
+                f"data has {self.num_batches}: the data, vocabulary or batching config, or the "
+                "number of devices (batches are multiples of it), changed"
             )
         self._epoch, self._index = int(state["epoch"]), int(state["index"])
         self._plan = None

@@ -15,7 +15,7 @@ Dispatch (how tokens reach their expert) is chosen by name:
 
 Why ``auto`` picks ``padded`` on CPU: there XLA lowers ``ragged_dot`` to a masked dense dot over
 all ``N`` groups, so it costs about ``N`` dense FFNs; the block-padded layout stays near one to
-two. Measured with ``PYTHONPATH=. python experiments/bench_dispatch.py`` (forward + backward of
+two. Measured with ``python -m experiments.bench_dispatch`` (forward + backward of
 the expert FFN, float32, tokens=4096, emb=512, mlp=2048, random balanced routing, median of 3;
 2 cores of an "AMD EPYC" (lscpu model name), jax 0.10.2, about 5 minutes). Other jobs shared the
 2 cores (load average 4 to 5), so absolute times are inflated and noisy, the dense baseline

@@ -110,6 +110,9 @@ def test_compare_summary_tables_and_plot(tmp_path):
         _fake_run(root, "switch_n4", seed, [5.0, 4.0, 3.0 + 0.1 * seed])
         _fake_run(root, "sparsemixer_n4", seed, [4.5, 3.0, 2.5], bleu=12.0)
         _fake_run(root, "dense", seed, [5.0, 4.5, 4.0], final=seed < 2)
+    _fake_run(root, "switch_n8", 0, [5.0, 9.0], final=False)
+    with open(os.path.join(compare.run_dir(str(root), "switch_n8", 0), compare.DIVERGED), "w") as f:
+        f.write("{}")
     arms = compare.arm_names([4])
     summary = compare.summarize(str(root), arms, [0, 1, 2])
     assert summary["checkpoints"] == [10, 20, 30]
@@ -130,6 +133,11 @@ def test_compare_summary_tables_and_plot(tmp_path):
     assert dense["paired_minus_target_arm"]["final_valid_loss"]["n"] == 2
     table = compare.markdown(summary)
     assert "sparsemixer_n4" in table and "never reached" in table
+    # A diverged run is counted apart, not as unfinished, and left out of the figures.
+    n8 = compare.summarize(str(root), ["switch_n8"], [0])["arms"]["switch_n8"]
+    assert n8["diverged_seeds"] == [0] and n8["unfinished_seeds"] == [] and n8["finished"] == 0
+    assert "| switch_n8 | 0 (1 diverged) |" in compare.markdown(
+        compare.summarize(str(root), ["switch_n8"], [0]))
     compare.plot(str(root), summary, str(tmp_path / "curves.png"))
     assert (tmp_path / "curves.png").stat().st_size > 0
 
@@ -149,3 +157,12 @@ def test_make_config_sets_arm_and_overrides():
     assert config.decode.beam_size == 2
     assert compare.make_config("configs/multi30k_compare.py", "dense", 0, None).model \
         .num_experts == 0
+    with pytest.raises(ValueError, match="set per run by the study"):
+        compare.make_config("configs/multi30k_compare.py", "dense", 0, None,
+                            ["model.num_experts=8"])
+
+
+def test_compare_writes_its_tables_under_root_by_default(tmp_path):
+    args = compare.parse_args(["--root", str(tmp_path), "--summarize-only"])
+    assert args.out_json == str(tmp_path / "compare.json")
+    assert args.plot == str(tmp_path / "convergence.png")

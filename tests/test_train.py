@@ -236,6 +236,10 @@ def test_translate_and_plot(straight_run, tmp_path):
     assert len(out) == 2 and all(isinstance(o, str) for o in out)
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         translate.translate_lines(str(tmp_path), lines)
+    # stdin is split at newlines only: a stray \r or U+2028 inside a line keeps it whole.
+    assert translate.split_lines("a\rb\r\nc\u2028d\n\ne\n".encode()) == [
+        "a\rb", "c\u2028d", "", "e"]
+    assert translate.split_lines(b"") == [] and translate.split_lines(b"x") == ["x"]
     png = tmp_path / "curves.png"
     plot.main([workdir, workdir, "--out", str(png)])
     assert png.stat().st_size > 10_000
