@@ -652,6 +652,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 "best_step": best_step}
 
     train_time, train_tokens = 0.0, 0.0
+    step_rates = []  # tokens/s of each step: their median leaves out the compilation stalls
     pending = None  # metrics of the last step, read one step late so the host never waits idle
     valid = {}
 
@@ -676,6 +677,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                  "tokens": float(metrics["tokens"]), "balance_loss": float(metrics["balance_loss"]),
                  "z_loss": float(metrics["z_loss"]),
                  "tokens_per_s": float(metrics["tokens"]) / max(elapsed, 1e-9)}
+        step_rates.append(entry["tokens_per_s"])
         if moe_due and metrics["moe"]:
             entry["moe"] = _to_python(metrics["moe"])
         log.write(entry)
@@ -736,6 +738,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         "best_valid_loss": best_loss,
         "best_step": best_step,
         "tokens_per_second": train_tokens / train_time if train_time > 0 else None,
+        "tokens_per_second_median_step": float(np.median(step_rates)) if step_rates else None,
         "train_time_s": train_time,
         "num_params": count_params(params),
         "data_stats": data.stats,

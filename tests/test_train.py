@@ -71,6 +71,10 @@ def test_straight_run_learns_and_writes_results(straight_run):
     assert train_steps == list(range(1, 7))
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses[-1] < losses[0], losses  # it learns, even in six steps
+    # The per-step median leaves out the first step's compilation, which the overall rate holds.
+    rates = sorted(r["tokens_per_s"] for r in records if "loss" in r)
+    assert results["tokens_per_second_median_step"] == pytest.approx((rates[2] + rates[3]) / 2)
+    assert results["tokens_per_second_median_step"] > results["tokens_per_second"]
     moe = [r for r in records if "moe" in r]
     assert moe and "encoder/layer_0" in moe[0]["moe"]
     assert len(moe[0]["moe"]["encoder/layer_0"]["expert_fraction"]) == 2
