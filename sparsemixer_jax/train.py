@@ -454,8 +454,8 @@ class MetricLog:
                         record = json.loads(line)
                     except json.JSONDecodeError:  # a line cut short by the kill
                         continue
-                    if record["step"] <= resume_step:
-                        kept.append(line)
+                    if record["step"] <= resume_step:  # (a kill can also cut just the "\n")
+                        kept.append(line if line.endswith("\n") else line + "\n")
             _write_atomically(self.path, "".join(kept))
         try:
             from tensorboardX import SummaryWriter
