@@ -29,8 +29,9 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
     import ml_collections
     import numpy as np
 
-    from sparsemixer_jax import decode, input_pipeline, train
+    from sparsemixer_jax import decode, train
     from sparsemixer_jax.checkpoint import RunCheckpoints
+    from sparsemixer_jax.data.tokenizer import Tokenizer
 
     config_path = os.path.join(workdir, "config.json")
     if not os.path.exists(config_path):
@@ -39,7 +40,7 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
         )
     with open(config_path) as f:
         config = ml_collections.ConfigDict(json.load(f))
-    tokenizer = input_pipeline.Tokenizer(os.path.join(workdir, "spm.model"))
+    tokenizer = Tokenizer(os.path.join(workdir, "spm.model"))
     steps = train.Steps(train.build_model(config, tokenizer.vocab_size, None), config)
     template = {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
     checkpoints = RunCheckpoints(workdir)

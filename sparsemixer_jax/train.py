@@ -29,8 +29,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sparsemixer_jax import bleu, decode, input_pipeline, routing, sharding
+from sparsemixer_jax import bleu, decode, routing, sharding
 from sparsemixer_jax.checkpoint import RunCheckpoints, has_checkpoint
+from sparsemixer_jax.data.batching import restore_order
+from sparsemixer_jax.data.sources import read_split
+from sparsemixer_jax.data.tokenizer import Tokenizer, get_tokenizer
+from sparsemixer_jax.data.translation import load_datasets
 from sparsemixer_jax.models import PAD_ID, Transformer
 
 logger = logging.getLogger(__name__)
@@ -402,7 +406,7 @@ def evaluate_loss(steps: Steps, params, batches, place: DevicePlacer) -> dict[st
 def translate_batches(
     model: Transformer,
     batches: list[dict[str, np.ndarray]],
-    tokenizer: input_pipeline.Tokenizer,
+    tokenizer: Tokenizer,
     num_sentences: int,
     decode_config: ml_collections.ConfigDict,
     place: DevicePlacer,
@@ -430,7 +434,7 @@ def translate_batches(
             index = multihost_utils.process_allgather(index, tiled=True)
         rows.append({"index": np.asarray(index)})
         outputs.append([tokenizer.decode(row.tolist()) for row in np.asarray(best)])
-    return input_pipeline.restore_order(rows, outputs, num_sentences)
+    return restore_order(rows, outputs, num_sentences)
 
 
 # ---------------------------------------------------------------------------------- logging
@@ -601,10 +605,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if jax.process_count() > 1:
         # Process 0 trains the vocabulary; then every host loads its data at the same time.
         if is_main:
-            raw_train = input_pipeline.read_split(config, "train")
-            input_pipeline.get_tokenizer(config, workdir, raw_train)
+            raw_train = read_split(config, "train")
+            get_tokenizer(config, workdir, raw_train)
         _wait_for_all_processes("vocabulary ready")
-    data = input_pipeline.load_datasets(config, workdir, batch_multiple=data_parallel,
+    data = load_datasets(config, workdir, batch_multiple=data_parallel,
                                         raw_train=raw_train)
     del raw_train
     if jax.process_count() > 1:

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from experiments import plot, translate
-from sparsemixer_jax import input_pipeline, train
+from sparsemixer_jax import train
 from sparsemixer_jax.checkpoint import RunCheckpoints
+from sparsemixer_jax.data.translation import load_datasets
 from tests import tiny_wmt_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -263,7 +264,7 @@ def test_training_on_an_expert_mesh_matches_one_device(straight_run, tmp_path):
 
     params, _ = last_params(workdir, tiny())
     steps = train.Steps(train.build_model(tiny(), config.data.vocab_size, None), tiny())
-    data = input_pipeline.load_datasets(config, workdir, batch_multiple=4)  # the mesh's batches
+    data = load_datasets(config, workdir, batch_multiple=4)  # the mesh's batches
     texts = train.translate_batches(
         steps.model(jax.tree.map(jax.numpy.asarray, params)), data.test, data.tokenizer,
         len(data.test_sources), config.decode, train.DevicePlacer(None),

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from configs.wmt_base import get_config
-from sparsemixer_jax import input_pipeline as ip
+from sparsemixer_jax.data import batching, sources, synthetic, translation
+from sparsemixer_jax.data import tokenizer as tokenization
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI30K = os.path.join(REPO, "..", "shared", "data", "multi30k")
@@ -53,7 +54,7 @@ def rows(batch: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The non-padding rows of a batch as (source ids, target ids) tuples without padding."""
     out = []
     for s, t in zip(batch["inputs"], batch["targets"], strict=True):
-        if s[0] != ip.PAD_ID:
+        if s[0] != tokenization.PAD_ID:
             out.append((tuple(int(x) for x in s if x), tuple(int(x) for x in t if x)))
     return out
 
@@ -62,14 +63,16 @@ def rows(batch: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 def synth(tmp_path_factory):
     config = synthetic_config()
     workdir = str(tmp_path_factory.mktemp("synth"))
-    data = ip.load_datasets(config, workdir, batch_multiple=4, process_index=0, process_count=1)
+    data = translation.load_datasets(
+        config, workdir, batch_multiple=4, process_index=0, process_count=1
+    )
     return config, workdir, data
 
 
 # ----- import hygiene -------------------------------------------------------------------------
 def test_import_does_not_load_tensorflow():
     code = (
-        "import sys, sparsemixer_jax, sparsemixer_jax.input_pipeline, sparsemixer_jax.bleu\n"
+        "import sys, sparsemixer_jax, sparsemixer_jax.data.translation, sparsemixer_jax.bleu\n"
         "bad = [m for m in ('tensorflow', 'tensorflow_datasets') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
@@ -83,7 +86,7 @@ def test_unknown_source_is_named():
     with pytest.raises(
         ValueError, match=r"unknown config.data.source 'csv'.*tfds, text, synthetic"
     ):
-        ip.load_datasets(c, "/nonexistent", process_index=0, process_count=1)
+        translation.load_datasets(c, "/nonexistent", process_index=0, process_count=1)
 
 
 @pytest.mark.parametrize(
@@ -100,12 +103,12 @@ def test_missing_config_field_is_named(source, field):
     c.data.source = source
     del c.data[field]
     with pytest.raises(ValueError, match=f"missing fields .*'{field}'"):
-        ip.check_config(c)
+        sources.check_config(c)
 
 
 def test_missing_text_file_names_both_paths(tmp_path):
     with pytest.raises(FileNotFoundError) as err:
-        ip.read_text(str(tmp_path), "train", "en", "de")
+        sources.read_text(str(tmp_path), "train", "en", "de")
     plain = os.path.join(str(tmp_path), "train.en")
     assert plain in str(err.value) and plain + ".gz" in str(err.value)
 
@@ -113,7 +116,7 @@ def test_missing_text_file_names_both_paths(tmp_path):
 def test_misaligned_files_name_both_files_and_counts(tmp_path):
     write_pair(tmp_path, "train", ["a", "b", "c"], ["x", "y"])
     with pytest.raises(ValueError) as err:
-        ip.read_text(str(tmp_path), "train", "en", "de")
+        sources.read_text(str(tmp_path), "train", "en", "de")
     msg = str(err.value)
     assert "train.en has 3 lines" in msg and "train.de has 2 lines" in msg
 
@@ -121,28 +124,28 @@ def test_misaligned_files_name_both_files_and_counts(tmp_path):
 def test_read_text_plain_and_gz_and_direction(tmp_path):
     write_pair(tmp_path, "train", ["hello", "two words"], ["hallo", "zwei Wörter"], gz=True)
     write_pair(tmp_path, "valid", ["one"], ["eins"], gz=False)
-    assert ip.read_text(str(tmp_path), "train", "en", "de") == [
+    assert sources.read_text(str(tmp_path), "train", "en", "de") == [
         ("hello", "hallo"),
         ("two words", "zwei Wörter"),
     ]
-    assert ip.read_text(str(tmp_path), "valid", "de", "en") == [("eins", "one")]
+    assert sources.read_text(str(tmp_path), "valid", "de", "en") == [("eins", "one")]
 
 
 # ----- synthetic language -------------------------------------------------------------------
 def test_synthetic_is_seeded_and_well_formed():
     a, b, other = (
-        ip.synthetic_pairs(300, 0, 0),
-        ip.synthetic_pairs(300, 0, 0),
-        ip.synthetic_pairs(300, 1, 0),
+        synthetic.synthetic_pairs(300, 0, 0),
+        synthetic.synthetic_pairs(300, 0, 0),
+        synthetic.synthetic_pairs(300, 1, 0),
     )
     assert a == b and a != other
-    assert ip.synthetic_pairs(300, 0, 1) != a  # valid is a different stream from train
+    assert synthetic.synthetic_pairs(300, 0, 1) != a  # valid is a different stream from train
     lengths = [len(s.split()) for s, _ in a]
     assert min(lengths) >= 3 and max(lengths) <= 15 and len(set(lengths)) >= 8
     # Word-for-word (same word count); the verb (the word after the subject NP's noun) goes last
     # and always translates the same way: a dictionary a model can learn.
     verb_translation = collections.defaultdict(set)
-    lex = ip._lexicon()
+    lex = synthetic._lexicon()
     verbs = {s for s, _ in lex.verbs}
     for s, t in a:
         assert len(s.split()) == len(t.split())
@@ -158,37 +161,37 @@ def test_tokenizer_ids_and_roundtrip(synth):
     assert (tok.vocab_size, tok.pad_id, tok.eos_id) == (120, 0, 1)
     text = data.test_sources[0]
     ids = tok.encode(text)
-    assert ip.EOS_ID not in ids and ip.PAD_ID not in ids
-    assert tok.decode([*ids, ip.EOS_ID, 5, 6, 0, 0]) == text  # stops at EOS
+    assert tokenization.EOS_ID not in ids and tokenization.PAD_ID not in ids
+    assert tok.decode([*ids, tokenization.EOS_ID, 5, 6, 0, 0]) == text  # stops at EOS
 
 
 def test_tokenizer_is_cached_and_size_checked(synth):
     config, workdir, data = synth
     path = os.path.join(workdir, "spm.model")
     mtime = os.path.getmtime(path)
-    again = ip.get_tokenizer(config, workdir, [])  # no text: must come from the cache
+    again = tokenization.get_tokenizer(config, workdir, [])  # no text: must come from the cache
     assert os.path.getmtime(path) == mtime and again.encode("ta") == data.tokenizer.encode("ta")
     bigger = synthetic_config(vocab=150)
     with pytest.raises(
         ValueError, match=r"spm.model has 120 pieces but config.data.vocab_size is 150"
     ):
-        ip.get_tokenizer(bigger, workdir, [])
+        tokenization.get_tokenizer(bigger, workdir, [])
 
 
 def test_vocab_too_large_fails_with_suggestion(tmp_path):
     c = synthetic_config(size=50, vocab=5000)
     with pytest.raises(ValueError, match=r"vocab_size=5000 is too large.*at most \d+ pieces"):
-        ip.get_tokenizer(c, str(tmp_path), ip.synthetic_pairs(50, 0, 0))
+        tokenization.get_tokenizer(c, str(tmp_path), synthetic.synthetic_pairs(50, 0, 0))
     assert not os.path.exists(tmp_path / "spm.model")
 
 
 # ----- bucketing and batches ------------------------------------------------------------------
 def test_bucket_lengths_and_sizes():
-    lengths = ip.bucket_lengths(256)
+    lengths = batching.bucket_lengths(256)
     assert lengths[0] == 8 and lengths[-1] == 256 and lengths == sorted(set(lengths))
     assert len(lengths) <= 16
     for length in lengths:
-        size = ip.bucket_batch_size(length, 4096, 8)
+        size = batching.bucket_batch_size(length, 4096, 8)
         assert size % 8 == 0 and size * length <= 4096 and (size + 8) * length > 4096
 
 
@@ -206,7 +209,7 @@ def test_train_batches_respect_token_budget_and_cover_the_epoch(synth):
         assert batch["targets"].shape == (b, length) and b * length <= max_tokens and b % 4 == 0
         shapes.add((b, length))
         for src, tgt in rows(batch):
-            assert src[-1] == ip.EOS_ID and tgt[-1] == ip.EOS_ID
+            assert src[-1] == tokenization.EOS_ID and tgt[-1] == tokenization.EOS_ID
         seen += rows(batch)
     assert shapes <= set(train.shapes)
     assert train.state()["epoch"] == 0 and train.state()["index"] == train.num_batches
@@ -224,13 +227,13 @@ def test_train_batches_respect_token_budget_and_cover_the_epoch(synth):
 def test_restore_replays_exactly(synth):
     _, _, data = synth
     t = data.train
-    fresh = ip.TrainBatches(t.examples, t.lengths, t.batch_sizes, seed=3)
+    fresh = batching.TrainBatches(t.examples, t.lengths, t.batch_sizes, seed=3)
     for _ in range(t.num_batches - 2):  # stop just before an epoch boundary
         next(fresh)
     state = fresh.state()
     expected = [next(fresh) for _ in range(5)]  # crosses into epoch 1
     assert fresh.state()["epoch"] == 1
-    resumed = ip.TrainBatches(t.examples, t.lengths, t.batch_sizes, seed=3)
+    resumed = batching.TrainBatches(t.examples, t.lengths, t.batch_sizes, seed=3)
     resumed.restore(state)
     for a, b in zip(expected, (next(resumed) for _ in range(5)), strict=True):
         np.testing.assert_array_equal(a["inputs"], b["inputs"])
@@ -239,7 +242,10 @@ def test_restore_replays_exactly(synth):
     e0 = [r for _, r in fresh.epoch_plan(0)]
     e1 = [r for _, r in fresh.epoch_plan(1)]
     other = [
-        r for _, r in ip.TrainBatches(t.examples, t.lengths, t.batch_sizes, seed=4).epoch_plan(0)
+        r
+        for _, r in batching.TrainBatches(t.examples, t.lengths, t.batch_sizes, seed=4).epoch_plan(
+            0
+        )
     ]
     assert any(not np.array_equal(a, b) for a, b in zip(e0, e1, strict=True))
     assert any(not np.array_equal(a, b) for a, b in zip(e0, other, strict=True))
@@ -250,9 +256,9 @@ def test_restore_replays_exactly(synth):
 def test_hosts_split_the_same_global_batch(synth):
     _, _, data = synth
     t = data.train
-    single = ip.TrainBatches(t.examples, t.lengths, t.batch_sizes, seed=0)
+    single = batching.TrainBatches(t.examples, t.lengths, t.batch_sizes, seed=0)
     hosts = [
-        ip.TrainBatches(
+        batching.TrainBatches(
             t.examples, t.lengths, t.batch_sizes, seed=0, process_index=p, process_count=2
         )
         for p in range(2)
@@ -269,15 +275,15 @@ def test_eval_batches_keep_everything_in_recoverable_order(synth):
     _, _, data = synth
     tok = data.tokenizer
     n = len(data.test_sources)
-    assert n == ip.synthetic_split_sizes(400)[2] == len(data.test_references)
-    decoded_src = ip.restore_order(
+    assert n == synthetic.synthetic_split_sizes(400)[2] == len(data.test_references)
+    decoded_src = batching.restore_order(
         data.test, [[tok.decode(r) for r in b["inputs"]] for b in data.test], n
     )
-    decoded_tgt = ip.restore_order(
+    decoded_tgt = batching.restore_order(
         data.test, [[tok.decode(r) for r in b["targets"]] for b in data.test], n
     )
     assert decoded_src == data.test_sources and decoded_tgt == data.test_references
-    assert data.test_sources == [s for s, _ in ip.synthetic_pairs(n, 0, 2)]
+    assert data.test_sources == [s for s, _ in synthetic.synthetic_pairs(n, 0, 2)]
     for b in data.valid + data.test:
         assert b["inputs"].shape[0] * b["inputs"].shape[1] <= 1024
         assert ((b["index"] >= 0) == (b["inputs"][:, 0] != 0)).all()
@@ -286,7 +292,9 @@ def test_eval_batches_keep_everything_in_recoverable_order(synth):
 def test_too_small_token_budget_is_rejected():
     c = synthetic_config(max_len=64, max_tokens=100)
     with pytest.raises(ValueError, match="max_tokens=100 cannot hold 2 rows"):
-        ip.load_datasets(c, "/nonexistent", batch_multiple=2, process_index=0, process_count=1)
+        translation.load_datasets(
+            c, "/nonexistent", batch_multiple=2, process_index=0, process_count=1
+        )
 
 
 # ----- skipping, counting, logging (text source) ----------------------------------------------
@@ -301,8 +309,10 @@ def test_empty_and_long_pairs_are_skipped_counted_and_logged(tmp_path, caplog):
     write_pair(tmp_path, "valid", ["the dog", "", " ".join(words * 6)], ["dog the", "x", "long"])
     write_pair(tmp_path, "test", ["the house"], ["house the"], gz=True)
     config = text_config(tmp_path)
-    with caplog.at_level(logging.INFO, logger="sparsemixer_jax.input_pipeline"):
-        data = ip.load_datasets(config, str(tmp_path / "work"), process_index=0, process_count=1)
+    with caplog.at_level(logging.INFO, logger="sparsemixer_jax.data.translation"):
+        data = translation.load_datasets(
+            config, str(tmp_path / "work"), process_index=0, process_count=1
+        )
     stats = data.stats["train"]
     assert (stats["pairs"], stats["empty"], stats["too_long"], stats["kept"]) == (120, 2, 1, 117)
     assert (
@@ -322,8 +332,9 @@ def test_empty_eval_split_is_an_error_naming_the_split(tmp_path):
     write_pair(tmp_path, "valid", ["", "  "], ["x", "y"])  # every pair has an empty side
     write_pair(tmp_path, "test", ["the house"], ["house the"])
     with pytest.raises(ValueError, match=r"valid split has no usable pairs \(2 read, 2 with an"):
-        ip.load_datasets(text_config(tmp_path), str(tmp_path / "work"), process_index=0,
-                         process_count=1)
+        translation.load_datasets(
+            text_config(tmp_path), str(tmp_path / "work"), process_index=0, process_count=1
+        )
 
 
 def test_carriage_return_inside_a_line_does_not_split_it(tmp_path):
@@ -331,7 +342,7 @@ def test_carriage_return_inside_a_line_does_not_split_it(tmp_path):
     for lang, text in (("en", "a\rb\r\nc\r\n"), ("de", "x\ny\n")):
         with open(tmp_path / f"train.{lang}", "w", encoding="utf-8", newline="") as f:
             f.write(text)
-    assert ip.read_text(str(tmp_path), "train", "en", "de") == [("a\rb", "x"), ("c", "y")]
+    assert sources.read_text(str(tmp_path), "train", "en", "de") == [("a\rb", "x"), ("c", "y")]
 
 
 # ----- real data ------------------------------------------------------------------------------
@@ -347,7 +358,7 @@ def test_multi30k_relative_dir(tmp_path):
         max_len=128,
         max_tokens=2048,
     )
-    data = ip.load_datasets(
+    data = translation.load_datasets(
         config, str(tmp_path), batch_multiple=8, process_index=0, process_count=1
     )
     stats = data.stats["train"]
@@ -356,7 +367,7 @@ def test_multi30k_relative_dir(tmp_path):
     with gzip.open(os.path.join(MULTI30K, "test_2016_flickr.de.gz"), "rt", encoding="utf-8") as f:
         assert data.test_references == [line.rstrip("\n") for line in f]
     assert len(data.test_sources) == 1000 and data.test_sources[0].startswith("A man")
-    assert sum(ip.batch_counts(b)["examples"] for b in data.test) == 1000
+    assert sum(batching.batch_counts(b)["examples"] for b in data.test) == 1000
 
 
 # ----- TFDS (mocked, offline) -----------------------------------------------------------------
@@ -369,8 +380,8 @@ def test_tfds_reads_fields_by_name_not_supervised_keys(tmp_path):
         builder = tfds.builder(c.data.tfds_name)
         assert builder.info.supervised_keys == ("de", "en")  # the trap: de first
         raw = list(tfds.as_numpy(builder.as_dataset(split="validation", shuffle_files=False)))
-        pairs = ip.read_tfds(c.data.tfds_name, "validation", "en", "de")
-        data = ip.load_datasets(c, str(tmp_path), process_index=0, process_count=1)
+        pairs = sources.read_tfds(c.data.tfds_name, "validation", "en", "de")
+        data = translation.load_datasets(c, str(tmp_path), process_index=0, process_count=1)
     assert pairs == [(ex["en"].decode(), ex["de"].decode()) for ex in raw]
     assert data.stats["train"]["pairs"] == 30
     assert len(data.valid_sources) + data.stats["valid"]["empty"] == 30

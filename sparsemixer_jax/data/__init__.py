@@ -1,0 +1,10 @@
+"""Data pipelines, one module per concern.
+
+* :mod:`.sources`     -- translation text pairs from TFDS, line-aligned files or the synthetic pair;
+* :mod:`.synthetic`   -- the generated language pair;
+* :mod:`.tokenizer`   -- the joint SentencePiece vocabulary;
+* :mod:`.batching`    -- tokenized pairs, length buckets, training and evaluation batches;
+* :mod:`.translation` -- all of the above together (:func:`translation.load_datasets`).
+"""
+
+Pair = tuple[str, str]  # a (source, target) sentence pair

@@ -1,0 +1,159 @@
+"""Translation sources: raw (source, target) text pairs from TFDS, text files or the synthetic pair.
+
+Chosen by ``config.data.source`` (schema: ``configs/wmt_base.py``):
+
+* ``tfds``      -- a TFDS translation dataset (``wmt14_translate/de-en``); the fields named by
+                   ``config.data.src`` / ``config.data.tgt`` are read, so the direction never
+                   depends on the dataset's ``supervised_keys`` (for de-en: ``("de", "en")``).
+* ``text``      -- line-aligned files ``{dir}/{prefix}.{lang}`` or ``{dir}/{prefix}.{lang}.gz``.
+* ``synthetic`` -- a generated language pair (:mod:`sparsemixer_jax.data.synthetic`).
+
+TensorFlow / TFDS are imported only inside :func:`read_tfds`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from typing import Any
+
+from sparsemixer_jax.data import Pair
+from sparsemixer_jax.data.synthetic import synthetic_pairs, synthetic_split_sizes
+
+SOURCES = ("tfds", "text", "synthetic")
+# Fields every source needs, then the extra ones each source reads.
+_COMMON_FIELDS = (
+    "source",
+    "src",
+    "tgt",
+    "train_prefix",
+    "valid_prefix",
+    "test_prefix",
+    "vocab_size",
+    "vocab_sample_sentences",
+    "max_len",
+    "max_tokens",
+)
+_SOURCE_FIELDS = {"tfds": ("tfds_name", "dir"), "text": ("dir",), "synthetic": ("synthetic_size",)}
+
+# The repository root, against which relative data paths such as ``../shared/data/multi30k`` are
+# resolved when they do not exist relative to the working directory.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# -----------------------------------------------------------------------------------------------
+# Config checks.
+# -----------------------------------------------------------------------------------------------
+def check_config(config: Any) -> None:
+    """Raises ``ValueError`` naming every missing ``config.data`` field, or an unknown source."""
+    if "data" not in config:
+        raise ValueError("config has no `data` section (see configs/wmt_base.py for the schema)")
+    data = config.data
+    if "source" not in data:
+        raise ValueError("config.data is missing field 'source' (one of tfds, text, synthetic)")
+    if data.source not in SOURCES:
+        raise ValueError(
+            f"unknown config.data.source {data.source!r}: expected one of {', '.join(SOURCES)}"
+        )
+    needed = _COMMON_FIELDS + _SOURCE_FIELDS[data.source]
+    missing = [f for f in needed if f not in data]
+    if "seed" not in config:
+        missing.append("seed (top level)")
+    if missing:
+        raise ValueError(
+            f"config.data is missing fields for source {data.source!r}: {missing} "
+            "(see configs/wmt_base.py for the schema)"
+        )
+    if data.max_len < 2:
+        raise ValueError(f"config.data.max_len must be >= 2 (text + EOS), got {data.max_len}")
+
+
+# -----------------------------------------------------------------------------------------------
+# Readers: one per source, each returning a list of raw (src, tgt) string pairs.
+# -----------------------------------------------------------------------------------------------
+def resolve_data_dir(path: str) -> str:
+    """``path`` if it exists (absolute or relative to the cwd), else relative to the repo root.
+
+    Configs name the shared data as ``../shared/data/multi30k`` relative to the repository root;
+    this keeps that working from any working directory (tests, experiments/, notebooks).
+    """
+    path = os.path.expanduser(path)
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    return os.path.normpath(os.path.join(REPO_ROOT, path))
+
+
+def _find_text_file(directory: str, prefix: str, lang: str) -> str:
+    plain = os.path.join(directory, f"{prefix}.{lang}")
+    for candidate in (plain, plain + ".gz"):
+        if os.path.isfile(candidate):
+            return candidate
+    raise FileNotFoundError(
+        f"no text file for prefix {prefix!r}, language {lang!r}: tried {plain} and {plain}.gz"
+    )
+
+
+def _read_lines(path: str) -> list[str]:
+    opener = gzip.open if path.endswith(".gz") else open
+    # newline="\n": a stray carriage return inside a line must not split it in two (universal
+    # newlines would, and the two files would then seem misaligned or, worse, align wrongly).
+    with opener(path, "rt", encoding="utf-8", newline="\n") as f:
+        # Only the line ending goes: a line's own spaces are kept until the shared empty check.
+        return [line.removesuffix("\n").removesuffix("\r") for line in f]
+
+
+def read_text(directory: str, prefix: str, src: str, tgt: str) -> list[Pair]:
+    """Reads line-aligned ``{directory}/{prefix}.{src|tgt}[.gz]`` into ``[(src_line, tgt_line)]``.
+
+    Raises ``FileNotFoundError`` naming both paths tried, ``ValueError`` naming both files and both
+    line counts when they are not aligned.
+    """
+    directory = resolve_data_dir(directory)
+    src_path = _find_text_file(directory, prefix, src)
+    tgt_path = _find_text_file(directory, prefix, tgt)
+    src_lines, tgt_lines = _read_lines(src_path), _read_lines(tgt_path)
+    if len(src_lines) != len(tgt_lines):
+        raise ValueError(
+            f"misaligned parallel files: {src_path} has {len(src_lines)} lines but {tgt_path} has "
+            f"{len(tgt_lines)} lines"
+        )
+    return list(zip(src_lines, tgt_lines, strict=True))
+
+
+def read_tfds(name: str, split: str, src: str, tgt: str, data_dir: str = "") -> list[Pair]:
+    """Reads a TFDS translation split as ``[(example[src], example[tgt])]``.
+
+    The fields are picked by name (``src="en", tgt="de"`` for English->German on
+    ``wmt14_translate/de-en``, whose supervised keys are ``("de", "en")``), so the direction is the
+    config's, not the dataset's. TensorFlow is imported here and only here.
+    """
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
+
+    # TF must not grab accelerators that JAX owns.
+    tf.config.set_visible_devices([], "GPU")
+    builder = tfds.builder(name, data_dir=data_dir or None)
+    features = set(builder.info.features.keys())
+    for lang in (src, tgt):
+        if lang not in features:
+            raise ValueError(
+                f"TFDS dataset {name!r} has no feature {lang!r} (has {sorted(features)})"
+            )
+    builder.download_and_prepare()
+    ds = builder.as_dataset(split=split, shuffle_files=False)
+    return [(ex[src].decode("utf-8"), ex[tgt].decode("utf-8")) for ex in tfds.as_numpy(ds)]
+
+
+def read_split(config: Any, split: str) -> list[Pair]:
+    """Raw pairs of ``split`` in {"train", "valid", "test"} from the source the config names."""
+    data = config.data
+    prefix = data[f"{split}_prefix"]
+    if data.source == "text":
+        return read_text(data.dir, prefix, data.src, data.tgt)
+    if data.source == "tfds":
+        return read_tfds(data.tfds_name, prefix, data.src, data.tgt, data.dir)
+    if data.source == "synthetic":
+        index = ("train", "valid", "test").index(split)
+        size = synthetic_split_sizes(int(data.synthetic_size))[index]
+        return synthetic_pairs(size, int(config.seed), index)
+    raise ValueError(f"unknown config.data.source {data.source!r}: expected one of {SOURCES}")
