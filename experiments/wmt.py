@@ -21,6 +21,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import cli
+
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and results.")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -71,6 +73,23 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+def try_it_hint(config, workdir: str) -> str | None:
+    """For a run on the generated language: what the model translates and a command to try it."""
+    if config.data.source != "synthetic":
+        return None
+    import shlex
+
+    from sparsemixer_jax.data.sources import read_split
+
+    source = read_split(config, "test")[0][0]
+    return (
+        "this model translates the generated language of sparsemixer_jax.data.synthetic (not "
+        "English or German); try it on a sentence of its test split:\n"
+        f"  echo {shlex.quote(source)} | python -m experiments.translate --workdir "
+        f"{shlex.quote(workdir)}"
+    )
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -80,8 +99,9 @@ def main(argv: list[str]) -> None:
     enable_compilation_cache()
 
     from sparsemixer_jax import train
+    from sparsemixer_jax.checkpoint import CheckpointError
 
-    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
+    cli.quiet_libraries()
     if jax.process_index() != 0:
         logging.getLogger().setLevel(logging.WARNING)
     config = flags.FLAGS.config
@@ -90,13 +110,23 @@ def main(argv: list[str]) -> None:
     except train.TrainingDiverged as err:
         print(f"training stopped: {err}", file=sys.stderr)
         sys.exit(1)
+    except (ValueError, FileNotFoundError, CheckpointError) as err:
+        # Config, data and resume errors name the field and the fix; a traceback adds nothing
+        # (--verbosity=1 shows it).
+        if flags.FLAGS.verbosity >= 1:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     if jax.process_index() == 0:
         summary = {k: results.get(k) for k in
                    ("steps", "valid_loss", "best_valid_loss", "bleu", "bleu_best",
                     "tokenized_bleu", "tokens_per_second")}
         print("results:", summary)
+        hint = try_it_hint(config, flags.FLAGS.workdir)
+        if hint:
+            print(hint)
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

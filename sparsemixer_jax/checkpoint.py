@@ -1,46 +1,188 @@
-"""Checkpoints of a training run with orbax: the last one and the best by validation loss.
+"""Checkpoints of a training run with orbax: the last ones and the best by validation loss.
 
 Layout under ``{workdir}/checkpoints/``: ``last/<step>/`` and ``best/<step>/``, each an orbax
 checkpoint with two items: ``state`` (params and optimizer state, a pytree of arrays saved from
-every host) and ``meta`` (JSON: step, data position, best validation loss so far). Orbax writes
-to a temporary directory and renames it when complete, so a run killed mid-save leaves the
-previous checkpoint intact and the partial one is ignored.
+every host) and ``meta`` (JSON: step, data position, best validation loss so far), plus our
+``manifest.json`` (size and SHA-256 of every file). Orbax writes to a temporary directory and
+renames it when complete, so a run killed mid-save leaves the previous checkpoints intact and the
+partial one is ignored.
 
-``best`` keeps two steps: a run killed after saving a new best but before the ``last`` checkpoint
-of that step resumes from a ``last`` whose meta names the previous best, which must still exist.
-Best checkpoints newer than the step a run resumes from are discarded
-(:meth:`RunCheckpoints.discard_best_after`): the resumed run recomputes them.
+Nothing is lost to one bad checkpoint:
+
+* ``last`` keeps :data:`KEEP_LAST` steps and ``best`` keeps two, so a corrupt newest checkpoint
+  costs at most one checkpoint interval.
+* :meth:`RunCheckpoints.restore_newest_intact` tries every checkpoint on disk, newest step first
+  (``last`` before ``best`` of the same step; a best checkpoint holds the full training state too),
+  and restores the first that passes our manifest and orbax's own reading. Each one that fails is
+  named with its reason on one line and moved to ``checkpoints/unreadable/`` (never deleted).
+* Orbax has no checksum of the array data (only of the OCDBT index), so a flipped bit in a data
+  file would load silently; the manifest catches that, and a truncated or missing file before
+  orbax starts its asynchronous reads (whose failures otherwise surface as pages of tracebacks).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
+import hashlib
+import json
+import logging
 import os
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
+logger = logging.getLogger(__name__)
+
+KEEP_LAST = 2  # the newest and one before it: a corrupt newest costs one interval
+KEEP_BEST = 2
+MANIFEST = "manifest.json"
+KINDS = ("last", "best")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message is one line naming the directory and the cause."""
+
+
+@dataclasses.dataclass
+class Restored:
+    """A restored checkpoint: its step, ``state`` (placed like the template), ``meta`` (JSON) and
+    where it came from (``kind`` is ``"last"`` or ``"best"``)."""
+
+    step: int
+    state: Any
+    meta: dict
+    kind: str
+    directory: str
+
+
+def _step_dirs(directory: str) -> list[int]:
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+
 
 def has_checkpoint(workdir: str) -> bool:
-    """Whether ``workdir`` holds a complete ``last`` checkpoint (without opening orbax)."""
-    last = os.path.join(os.path.abspath(workdir), "checkpoints", "last")
-    return os.path.isdir(last) and any(name.isdigit() for name in os.listdir(last))
+    """Whether ``workdir`` holds any finished ``last`` or ``best`` checkpoint (without orbax)."""
+    root = os.path.join(os.path.abspath(workdir), "checkpoints")
+    return any(_step_dirs(os.path.join(root, kind)) for kind in KINDS)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(step_dir: str) -> None:
+    """Writes ``{step_dir}/manifest.json``: size and SHA-256 of every file of the checkpoint."""
+    files = {}
+    for parent, _, names in os.walk(step_dir):
+        for name in names:
+            path = os.path.join(parent, name)
+            rel = os.path.relpath(path, step_dir)
+            if rel != MANIFEST:
+                files[rel] = [os.path.getsize(path), _sha256(path)]
+    tmp = os.path.join(step_dir, f"{MANIFEST}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump({"files": files}, f)
+    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def check_manifest(step_dir: str) -> None:
+    """Raises :class:`CheckpointError` if a file the manifest lists is missing, of another size or
+    another digest. A checkpoint without a manifest (killed between orbax's save and ours) passes:
+    orbax's own reading is then the only check."""
+    path = os.path.join(step_dir, MANIFEST)
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{step_dir}: unreadable {MANIFEST} ({e})") from None
+    for rel, (size, digest) in sorted(files.items()):
+        full = os.path.join(step_dir, rel)
+        if not os.path.exists(full):
+            raise CheckpointError(f"{step_dir}: file {rel} is missing")
+        actual = os.path.getsize(full)
+        if actual != size:
+            raise CheckpointError(f"{step_dir}: file {rel} has {actual} bytes, {size} were saved")
+        if _sha256(full) != digest:
+            raise CheckpointError(f"{step_dir}: file {rel} differs from the saved one (SHA-256)")
+
+
+def _one_line(error: BaseException) -> str:
+    """The root cause of an exception chain, on one line: tensorstore's status (e.g.
+    ``OUT_OF_RANGE: ... byte range ...``) sits at the bottom, under orbax's generic wrappers."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+
+
+class _DropUnretrievedTaskErrors(logging.Filter):
+    """Orbax reads every array in its own asyncio task; when one read fails, the failures of the
+    others are logged by asyncio as "Task exception was never retrieved", each with a full
+    TensorStore spec (a thousand lines for a small model). The first failure is reported."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "exception was never retrieved" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_failed_reads():
+    log = logging.getLogger("asyncio")
+    drop = _DropUnretrievedTaskErrors()
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        gc.collect()  # the failed tasks report now, while the filter is on
+        log.removeFilter(drop)
 
 
 class RunCheckpoints:
     """The ``last`` and ``best`` checkpoint managers of one workdir."""
 
-    def __init__(self, workdir: str):
-        root = os.path.join(os.path.abspath(workdir), "checkpoints")
+    def __init__(self, workdir: str, keep_last: int = KEEP_LAST, keep_best: int = KEEP_BEST):
+        self.root = os.path.join(os.path.abspath(workdir), "checkpoints")
         self.last = ocp.CheckpointManager(
-            os.path.join(root, "last"), options=ocp.CheckpointManagerOptions(max_to_keep=1)
+            os.path.join(self.root, "last"),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep_last),
         )
         self.best = ocp.CheckpointManager(
-            os.path.join(root, "best"), options=ocp.CheckpointManagerOptions(max_to_keep=2)
+            os.path.join(self.root, "best"),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep_best),
         )
 
-    @staticmethod
-    def _save(manager: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None:
+    def manager(self, kind: str) -> ocp.CheckpointManager:
+        return {"last": self.last, "best": self.best}[kind]
+
+    def step_dir(self, kind: str, step: int) -> str:
+        return os.path.join(self.root, kind, str(step))
+
+    # ------------------------------------------------------------------------------ saving
+
+    def _write_manifests(self, manager: ocp.CheckpointManager, kind: str) -> None:
+        """Manifests of every finished save of ``manager`` that has none yet (process 0)."""
+        manager.wait_until_finished()
+        if jax.process_index() != 0:
+            return
+        for step in manager.all_steps():
+            step_dir = self.step_dir(kind, step)
+            if os.path.isdir(step_dir) and not os.path.exists(os.path.join(step_dir, MANIFEST)):
+                write_manifest(step_dir)
+
+    def _save(self, kind: str, step: int, state: Any, meta: dict) -> None:
+        manager = self.manager(kind)
+        # The previous save of this manager finishes here anyway (orbax waits for it before it
+        # starts the next); its manifest is written now, while this one runs in the background.
+        self._write_manifests(manager, kind)
         manager.save(
             step,
             args=ocp.args.Composite(
@@ -50,20 +192,19 @@ class RunCheckpoints:
         )
 
     def save_last(self, step: int, state: Any, meta: dict) -> None:
-        self._save(self.last, step, state, meta)
+        self._save("last", step, state, meta)
 
     def save_best(self, step: int, state: Any, meta: dict) -> None:
-        self._save(self.best, step, state, meta)
+        self._save("best", step, state, meta)
 
-    def discard_best_after(self, step: int) -> None:
-        """Deletes best checkpoints of steps after ``step`` (called on every process)."""
-        for later in self.best.all_steps():
-            if later > step:
-                self.best.delete(later)
+    # ----------------------------------------------------------------------------- restoring
 
     @staticmethod
     def restore(manager: ocp.CheckpointManager, template: Any, step: int | None = None):
-        """``(state, meta)`` of ``step`` (default: latest), placed like ``template``; or None."""
+        """``(state, meta)`` of ``step`` (default: latest), placed like ``template``; or None.
+
+        No checks and no fallback: :meth:`restore_checked` and :meth:`restore_newest_intact`
+        add those."""
         step = manager.latest_step() if step is None else step
         if step is None:
             return None
@@ -76,11 +217,70 @@ class RunCheckpoints:
         )
         return restored.state, dict(restored.meta)
 
+    def restore_checked(self, kind: str, step: int, template: Any) -> Restored:
+        """Restores ``kind/step`` after checking its manifest; any failure, from the manifest or
+        from orbax, is a :class:`CheckpointError` whose one-line message names the directory."""
+        step_dir = self.step_dir(kind, step)
+        check_manifest(step_dir)
+        try:
+            with _quiet_failed_reads():
+                state, meta = self.restore(self.manager(kind), template, step)
+            if int(meta["step"]) != step:
+                raise ValueError(f"meta says step {meta['step']}")
+        except Exception as e:  # orbax / tensorstore raise many types; all mean "unusable"
+            raise CheckpointError(f"{step_dir}: {_one_line(e)}") from None
+        return Restored(step, state, meta, kind, step_dir)
+
+    def candidates(self) -> list[tuple[int, str]]:
+        """``(step, kind)`` of every finished checkpoint, newest first, ``last`` before ``best``."""
+        found = [(step, kind) for kind in KINDS for step in _step_dirs(os.path.join(self.root,
+                                                                                    kind))]
+        return sorted(found, key=lambda sk: (-sk[0], KINDS.index(sk[1])))
+
+    def restore_newest_intact(self, template: Any) -> Restored | None:
+        """The newest checkpoint (``last`` or ``best``) that restores, or None if there is none.
+
+        Each unreadable one is logged on one line, moved to ``checkpoints/unreadable/`` (by
+        process 0; never deleted) and the next older one is tried. Raises
+        :class:`CheckpointError` if checkpoints exist but none restores.
+        """
+        failures = []
+        for step, kind in self.candidates():
+            try:
+                restored = self.restore_checked(kind, step, template)
+            except CheckpointError as e:
+                failures.append(str(e))
+                logger.warning("unreadable checkpoint, trying an older one: %s", e)
+                self._set_aside(kind, step)
+                continue
+            if failures:
+                logger.warning("resuming from the intact checkpoint %s", restored.directory)
+            return restored
+        if failures:
+            raise CheckpointError(
+                f"no readable checkpoint in {self.root} ({'; '.join(failures)}); the unreadable "
+                f"ones are in {os.path.join(self.root, 'unreadable')}. To start over, use a fresh "
+                "--workdir (or move this one's checkpoints/ and metrics.jsonl away)"
+            )
+        return None
+
+    def _set_aside(self, kind: str, step: int) -> None:
+        """Moves an unreadable checkpoint out of orbax's sight, so the step can be saved again."""
+        if jax.process_index() == 0:
+            target = os.path.join(self.root, "unreadable", f"{kind}-{step}")
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            suffix = 1
+            while os.path.exists(target if suffix == 1 else f"{target}.{suffix}"):
+                suffix += 1
+            os.replace(self.step_dir(kind, step), target if suffix == 1 else f"{target}.{suffix}")
+        self.manager(kind).reload()
+
     def wait(self) -> None:
-        """Blocks until asynchronous saves are on disk."""
-        self.last.wait_until_finished()
-        self.best.wait_until_finished()
+        """Blocks until asynchronous saves are on disk and have their manifests."""
+        self._write_manifests(self.last, "last")
+        self._write_manifests(self.best, "best")
 
     def close(self) -> None:
+        self.wait()
         self.last.close()
         self.best.close()

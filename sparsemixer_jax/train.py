@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 from sparsemixer_jax import bleu, decode, routing, sharding
-from sparsemixer_jax.checkpoint import RunCheckpoints, has_checkpoint
+from sparsemixer_jax.checkpoint import CheckpointError, RunCheckpoints, has_checkpoint
 from sparsemixer_jax.data.batching import restore_order
 from sparsemixer_jax.data.sources import read_split
 from sparsemixer_jax.data.tokenizer import Tokenizer, get_tokenizer
@@ -45,6 +45,10 @@ RESUMABLE_CHANGES = ("train_steps", "eval_every", "checkpoint_every", "log_every
 
 class TrainingDiverged(RuntimeError):
     """The loss or the gradient became non-finite; the update was not applied."""
+
+
+class ResumeError(ValueError):
+    """The workdir cannot be resumed with this config; the message names what and how to fix it."""
 
 
 # ------------------------------------------------------------------------------- config checks
@@ -509,10 +513,14 @@ def _test_bleu(config, workdir, steps, params, opt_state, checkpoints, best_step
         hyps["best"] = hyps["last"]
     elif best_step > 0:
         template = {"params": params, "opt_state": opt_state}
-        best_state, _ = checkpoints.restore(checkpoints.best, template, best_step)
-        hyps["best"] = translate_batches(steps.model(best_state["params"]), data.test,
-                                         data.tokenizer, len(data.test_sources), config.decode,
-                                         place)
+        try:
+            best_state = checkpoints.restore_checked("best", best_step, template).state
+        except CheckpointError as e:  # the run's result stands; only its best BLEU is missing
+            logger.warning("no test BLEU of the best checkpoint: %s", e)
+        else:
+            hyps["best"] = translate_batches(steps.model(best_state["params"]), data.test,
+                                             data.tokenizer, len(data.test_sources),
+                                             config.decode, place)
     results = {}
     for name, texts in hyps.items():
         suffix = "" if name == "last" else "_best"
@@ -545,15 +553,40 @@ def _check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> Non
             logger.info("data settings changed, nothing trained yet: retraining %s", vocabulary)
             os.remove(vocabulary)
         return
-    for key in sorted(set(saved) | set(current)):
-        if key in RESUMABLE_CHANGES:
-            continue
-        if saved.get(key) != current.get(key):
-            raise ValueError(
-                f"workdir {workdir} holds a run with a different config.{key}:\n"
-                f"  saved:   {saved.get(key)}\n  current: {current.get(key)}\n"
-                "use a fresh --workdir, or restore the saved setting"
-            )
+    changed = [
+        f"config.{name} (saved {before!r}, now {after!r})"
+        for name, (before, after) in _config_differences(saved, current).items()
+        if name.split(".")[0] not in RESUMABLE_CHANGES
+    ]
+    if changed:
+        raise ResumeError(
+            f"workdir {workdir} holds a run with a different {'; '.join(changed)}: "
+            "restore the saved setting, or use a fresh --workdir"
+        )
+
+
+def _config_differences(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
+    """``{dotted field: (saved, current)}`` of every leaf that differs; mesh sizes are compared
+    as resolved on this machine (``mesh.data = -1`` and the device count it stands for agree)."""
+    missing = object()
+    saved, current = _resolved_mesh(saved), _resolved_mesh(current)
+    flat_saved, flat_current = (
+        {k.replace("/", "."): v for k, v in _flatten(c).items()} for c in (saved, current)
+    )
+    out = {}
+    for name in sorted(set(flat_saved) | set(flat_current)):
+        before, after = flat_saved.get(name, missing), flat_current.get(name, missing)
+        if before != after:
+            out[name] = tuple(None if v is missing else v for v in (before, after))
+    return out
+
+
+def _resolved_mesh(config: dict) -> dict:
+    mesh = config.get("mesh")
+    if not isinstance(mesh, dict) or mesh.get("data") != -1:
+        return config
+    expert = int(mesh.get("expert", 1)) or 1
+    return {**config, "mesh": {**mesh, "data": jax.device_count() // expert}}
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -579,11 +612,24 @@ def _wait_for_all_processes(name: str, timeout_s: int = 4 * 3600) -> None:
 
 
 def _progress(total: int, initial: int):
+    """A tqdm bar of training steps on process 0 (None elsewhere); see :func:`_advance`."""
     if jax.process_index() != 0:
         return None
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=2.0)
+
+
+def _advance(progress, compiled: bool) -> None:
+    """One step done. A step that compiled (the first of each batch shape: tens of seconds on a
+    CPU) is counted but not timed, so the rate and the ETA are those of the steps to come; tqdm's
+    smoothed rate would otherwise carry the stall for many updates (an opening ETA of an hour for
+    a run of a minute)."""
+    if progress is None:
+        return
+    if compiled:
+        progress.unpause()  # restarts the clock: the time since the last refresh is dropped
+    progress.update(1)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -629,22 +675,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     checkpoints = RunCheckpoints(workdir)
     start_step, best_loss, best_step = 0, math.inf, -1
-    restored = checkpoints.restore(checkpoints.last, {"params": params, "opt_state": opt_state})
+    try:
+        restored = checkpoints.restore_newest_intact({"params": params, "opt_state": opt_state})
+    except CheckpointError as e:
+        checkpoints.close()
+        raise ResumeError(str(e)) from None
     if restored is not None:
-        state, meta = restored
-        params, opt_state = state["params"], state["opt_state"]
-        start_step = int(meta["step"])
+        params, opt_state = restored.state["params"], restored.state["opt_state"]
+        meta = restored.meta
+        start_step = restored.step
         best_loss, best_step = float(meta["best_valid_loss"]), int(meta["best_step"])
         if start_step > int(config.train_steps):
-            raise ValueError(
+            checkpoints.close()
+            raise ResumeError(
                 f"config.train_steps={config.train_steps} but {workdir} holds a checkpoint of step "
                 f"{start_step}: set config.train_steps >= {start_step}, or use a fresh --workdir"
             )
         data.train.restore(meta["data"])
+        if restored.kind == "best" and start_step not in checkpoints.last.all_steps():
+            # The full training state of this step is only in `best`: a copy in `last` keeps
+            # the run resumable when later best checkpoints replace this one.
+            checkpoints.save_last(start_step, restored.state, meta)
         logger.info(
-            "resumed from step %d (best valid loss %.4f at %d)", start_step, best_loss, best_step
+            "resumed from %s (step %d; best valid loss %.4f at %d)", restored.directory,
+            start_step, best_loss, best_step,
         )
-    checkpoints.discard_best_after(start_step)  # from a run killed after them: they are redone
     log = MetricLog(workdir, start_step)
     key = jax.random.key(int(config.seed) + 3)
     train_steps = int(config.train_steps)
@@ -658,6 +713,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     train_time, train_tokens = 0.0, 0.0
     step_rates = []  # tokens/s of each step: their median leaves out the compilation stalls
     pending = None  # metrics of the last step, read one step late so the host never waits idle
+    seen_shapes = set()  # batch shapes the step functions were compiled for
     valid = {}
 
     def finish_step(record) -> None:
@@ -694,6 +750,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         for step in range(start_step + 1, train_steps + 1):
             started = time.perf_counter()
             micro = [next(train_iter) for _ in range(accum)]
+            new_shapes = {b["inputs"].shape + b["targets"].shape for b in micro} - seen_shapes
+            seen_shapes |= new_shapes
             step_key = jax.random.fold_in(key, step)
             acc = None
             for j, batch in enumerate(micro):
@@ -706,8 +764,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                 finish_step(pending)
             pending = (step, metrics, started, step % int(config.log_every) == 0)
             train_time += time.perf_counter() - started
-            if progress is not None:
-                progress.update(1)
+            _advance(progress, compiled=bool(new_shapes))
 
             is_last = step == train_steps
             if step % int(config.eval_every) == 0 or is_last:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -101,7 +102,19 @@ def train_tokenizer(
         except RuntimeError as e:
             if os.path.exists(tmp_path):
                 os.remove(tmp_path)
-            if "Vocabulary size too high" in str(e) or "Vocabulary size is smaller" in str(e):
+            too_small = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
+            if too_small:  # SentencePiece's "N vs M": M = distinct characters + special pieces
+                raise ValueError(
+                    f"config.data.vocab_size={vocab_size} is too small for the training text: its "
+                    f"characters alone need {too_small.group(1)} pieces: set a larger "
+                    f"config.data.vocab_size >= {too_small.group(1)}"
+                ) from e
+            if "sentences_.empty()" in str(e):
+                raise ValueError(
+                    "the training text for the vocabulary is empty (no pair with two non-empty "
+                    "sides): check config.data.source and config.data.train_prefix"
+                ) from e
+            if "Vocabulary size too high" in str(e):
                 limit = str(e).rsplit("<=", 1)[-1].strip(" .") if "<=" in str(e) else "?"
                 raise ValueError(
                     f"config.data.vocab_size={vocab_size} is too large for the training text "

@@ -147,6 +147,11 @@ def load_datasets(
 
     if raw_train is None:
         raw_train = read_split(config, "train")
+    if not any(src.strip() and tgt.strip() for src, tgt in raw_train):
+        raise ValueError(
+            f"the train split has no usable pairs ({len(raw_train)} read, all with an empty "
+            "side): check config.data.train_prefix and config.data.source"
+        )
     tokenizer = get_tokenizer(config, workdir, raw_train)
     stats: dict[str, Any] = {
         "vocab_size": tokenizer.vocab_size,
@@ -156,6 +161,12 @@ def load_datasets(
     kept, empty = drop_empty(raw_train)
     examples, too_long = tokenize_pairs(tokenizer, kept, max_len=max_len)
     del raw_train, kept
+    if not len(examples):
+        raise ValueError(
+            f"the train split has no usable pairs: {empty} with an empty side, {too_long} with a "
+            f"side over config.data.max_len={max_len} tokens (with EOS): raise "
+            "config.data.max_len, or check config.data.train_prefix"
+        )
     train = TrainBatches(
         examples,
         lengths,

@@ -1,0 +1,79 @@
+"""What the command-line entry points share: quiet library logging and config-flag errors.
+
+Library INFO logs (orbax announces every save and restore, TFDS every file) are off unless
+``--verbosity`` is given (absl's flag: ``--verbosity=0`` brings back INFO, ``1`` adds DEBUG);
+the project's own INFO lines stay. An unknown ``--config.<field>`` override is one line naming
+the field and its closest matches, not ml_collections' chain of tracebacks.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import logging
+import sys
+from typing import Any
+
+from absl import app, flags
+
+# Loggers of the libraries whose INFO lines are noise to a user (orbax logs through absl).
+LIBRARY_LOGGERS = ("absl", "orbax", "jax", "tensorflow", "tensorflow_datasets")
+
+
+def quiet_libraries() -> None:
+    """Library loggers to WARNING unless the user asked for a ``--verbosity``."""
+    if flags.FLAGS["verbosity"].present:
+        return
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _load_config_file(spec: str) -> Any:
+    """``get_config()`` of a config file named as ``--config`` names it (``path[:arg]``)."""
+    path, _, arg = spec.partition(":")
+    module_spec = importlib.util.spec_from_file_location("_config_for_error", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()
+
+
+def unknown_config_field(argv: list[str]) -> str | None:
+    """A one-line message for the first ``--config.a.b=...`` of ``argv`` that names no field of
+    the config file, with the closest field names; None if every override names a field."""
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if spec is None and "--config" in argv[:-1]:
+        spec = argv[argv.index("--config") + 1]
+    if spec is None:
+        return None
+    try:
+        config = _load_config_file(spec)
+    except Exception:  # the config flag reports its own file's errors
+        return None
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        path = arg[len("--config."):].split("=", 1)[0]
+        node, done = config, []
+        for key in path.split("."):
+            if not hasattr(node, "keys") or key not in node:
+                fields = sorted(node.keys()) if hasattr(node, "keys") else []
+                close = difflib.get_close_matches(key, fields, n=3, cutoff=0.5)
+                where = "config" + "".join("." + k for k in done)
+                hint = f"did you mean {', '.join(where + '.' + c for c in close)}?" if close else (
+                    f"its fields are: {', '.join(fields)}" if fields else f"{where} has no fields")
+                return f"--config.{path}: {where} has no field {key!r}; {hint}"
+            node = node[key]
+            done.append(key)
+    return None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with an unknown ``--config.`` field reported on one line."""
+    try:
+        return app.parse_flags_with_usage(argv)
+    except (AttributeError, KeyError, ValueError):
+        message = unknown_config_field(argv)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
