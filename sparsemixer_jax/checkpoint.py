@@ -40,6 +40,9 @@ KEEP_LAST = 2  # the newest and one before it: a corrupt newest costs one interv
 KEEP_BEST = 2
 MANIFEST = "manifest.json"
 KINDS = ("last", "best")
+# Files of every checkpoint that orbax opens first: their absence gives orbax's most obscure errors
+# ("Dict key mismatch" for a missing tree structure).
+REQUIRED_FILES = ("state/_METADATA", "meta/metadata")
 
 
 class CheckpointError(RuntimeError):
@@ -94,9 +97,12 @@ def write_manifest(step_dir: str) -> None:
 
 
 def check_manifest(step_dir: str) -> None:
-    """Raises :class:`CheckpointError` if a file the manifest lists is missing, of another size or
-    another digest. A checkpoint without a manifest (killed between orbax's save and ours) passes:
+    """Raises :class:`CheckpointError` if a required file or a file the manifest lists is missing,
+    or a listed one has another size or another digest. A checkpoint without a manifest (killed between orbax's save and ours) passes:
     orbax's own reading is then the only check."""
+    for rel in REQUIRED_FILES:  # what orbax reads first; its own errors name none of them
+        if not os.path.exists(os.path.join(step_dir, rel)):
+            raise CheckpointError(f"{step_dir}: file {rel} is missing")
     path = os.path.join(step_dir, MANIFEST)
     if not os.path.exists(path):
         return

@@ -385,3 +385,106 @@ def test_tfds_reads_fields_by_name_not_supervised_keys(tmp_path):
     assert pairs == [(ex["en"].decode(), ex["de"].decode()) for ex in raw]
     assert data.stats["train"]["pairs"] == 30
     assert len(data.valid_sources) + data.stats["valid"]["empty"] == 30
+
+
+# ----- errors that name the field and the fix, before any long work ---------------------------
+def test_vocab_too_small_says_larger_and_the_minimum(tmp_path):
+    pairs = synthetic.synthetic_pairs(200, 0, 0)
+    with pytest.raises(ValueError) as error:
+        tokenization.get_tokenizer(synthetic_config(vocab=10), str(tmp_path), pairs)
+    minimum = int(str(error.value).rsplit(">= ", 1)[1])
+    assert "vocab_size=10 is too small" in str(error.value) and "larger" in str(error.value)
+    # The minimum is exact: one piece fewer fails, the minimum trains.
+    tokenization.train_tokenizer(pairs, str(tmp_path / "ok.model"), minimum, seed=0)
+    with pytest.raises(ValueError, match="too small"):
+        tokenization.train_tokenizer(pairs, str(tmp_path / "no.model"), minimum - 1, seed=0)
+
+
+def test_empty_training_text_is_named_before_sentencepiece(tmp_path):
+    write_pair(tmp_path, "train", ["", " "], ["x", ""])
+    write_pair(tmp_path, "valid", ["the dog"], ["dog the"])
+    write_pair(tmp_path, "test", ["the dog"], ["dog the"])
+    with pytest.raises(ValueError, match=r"train split has no usable pairs \(2 read, all with an"):
+        translation.load_datasets(text_config(tmp_path), str(tmp_path / "work"),
+                                  process_index=0, process_count=1)
+    with pytest.raises(ValueError, match=r"training text for the vocabulary is empty"):
+        tokenization.train_tokenizer([], str(tmp_path / "spm.model"), 30, seed=0)
+
+
+def test_training_data_all_over_max_len_is_named(tmp_path):
+    words = ["the", "small", "dog", "runs", "to", "the", "big", "house", "and", "back"]
+    src = [" ".join(words[: 5 + i % 5]) for i in range(80)]
+    write_pair(tmp_path, "train", src, src)
+    write_pair(tmp_path, "valid", ["the dog"], ["dog the"])
+    write_pair(tmp_path, "test", ["the dog"], ["dog the"])
+    with pytest.raises(ValueError, match=r"0 with an empty side, 80 with a side over "
+                                         r"config\.data\.max_len=4 tokens.*raise config\.data"):
+        translation.load_datasets(text_config(tmp_path, max_len=4, max_tokens=64, vocab_size=20),
+                                  str(tmp_path / "work"), process_index=0, process_count=1)
+
+
+# ----- the real WMT'14 builder, offline ---------------------------------------------------------
+def _wmt14_archives(root) -> dict[str, str]:
+    """The four archives `wmt14_translate/de-en` downloads, as tiny extracted directories laid out
+    like the real ones (paths from TFDS's translate/wmt.py)."""
+    layout = {
+        "training-parallel-europarl-v7.tgz": ("training/europarl-v7.de-en", "parliament"),
+        "training-parallel-commoncrawl.tgz": ("commoncrawl.de-en", "web"),
+        "training-parallel-nc-v9.tgz": ("training/news-commentary-v9.de-en", "commentary"),
+    }
+    archives = {}
+    for archive, (stem, word) in layout.items():
+        base = os.path.join(root, archive)
+        os.makedirs(os.path.dirname(os.path.join(base, stem)), exist_ok=True)
+        for lang, text in (("de", f"Das {word} Haus\nEin {word} Hund\n"),
+                           ("en", f"The {word} house\nA {word} dog\n")):
+            with open(os.path.join(base, f"{stem}.{lang}"), "w", encoding="utf-8") as f:
+                f.write(text)
+        archives[archive] = base
+    dev = os.path.join(root, "dev.tgz")
+    os.makedirs(os.path.join(dev, "dev"))
+    for lang, text in (("de", "Ein Haus\n"), ("en", "A house\n")):
+        with open(os.path.join(dev, "dev", f"newstest2013.{lang}"), "w", encoding="utf-8") as f:
+            f.write(text)
+    for side, lang, text in (("src", "de", "Eine Katze"), ("ref", "en", "A cat")):
+        name = os.path.join(dev, "dev", f"newstest2014-deen-{side}.{lang}.sgm")
+        with open(name, "w", encoding="utf-8") as f:
+            f.write(f'<srcset>\n<doc docid="1">\n<seg id="1">{text}</seg>\n</doc>\n</srcset>\n')
+    archives["dev.tgz"] = dev
+    return archives
+
+
+def test_real_wmt14_builder_prepares_offline_from_local_files(tmp_path):
+    """TFDS's own `wmt14_translate/de-en` builder (not mock_data) runs download_and_prepare with
+    its download manager answering from local files: a dependency the builder imports
+    (importlib_resources) or a changed TFDS API fails here, not after a user's first download."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+    from unittest import mock
+
+    archives = _wmt14_archives(str(tmp_path / "downloads"))
+    requested = []
+
+    def download_and_extract(self, url_or_urls):
+        def local(url):
+            requested.append(url)
+            return archives[url.rsplit("/", 1)[-1]]
+
+        if isinstance(url_or_urls, str):
+            return local(url_or_urls)
+        if isinstance(url_or_urls, dict):
+            return {k: download_and_extract(self, v) for k, v in url_or_urls.items()}
+        return [local(u) for u in url_or_urls]
+
+    data_dir = str(tmp_path / "tfds")
+    with mock.patch.object(tfds.download.DownloadManager, "download_and_extract",
+                           download_and_extract):
+        train = sources.read_tfds("wmt14_translate/de-en", "train", "en", "de", data_dir)
+    assert {url.rsplit("/", 1)[-1] for url in requested} == set(archives)
+    assert sorted(train) == sorted(
+        (f"{a} {w} {b}", f"{c} {w} {d}") for w in ("parliament", "web", "commentary")
+        for a, b, c, d in (("The", "house", "Das", "Haus"), ("A", "dog", "Ein", "Hund")))
+    # Prepared once: the test and validation splits now read without any download.
+    assert sources.read_tfds("wmt14_translate/de-en", "test", "en", "de", data_dir) == [
+        ("A cat", "Eine Katze")]
+    assert sources.read_tfds("wmt14_translate/de-en", "validation", "de", "en", data_dir) == [
+        ("Ein Haus", "A house")]

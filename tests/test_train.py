@@ -19,6 +19,7 @@ import pytest
 from experiments import plot, translate
 from sparsemixer_jax import train
 from sparsemixer_jax.checkpoint import RunCheckpoints
+from sparsemixer_jax.data.sources import read_split
 from sparsemixer_jax.data.translation import load_datasets
 from tests import tiny_wmt_config
 
@@ -175,16 +176,14 @@ def test_resuming_with_a_different_model_is_refused(straight_run):
 
 
 def test_resume_after_a_kill_between_the_best_and_the_last_save(straight_run, tmp_path):
-    """Step 6 saved its best checkpoint but not its last one: the rerun resumes from step 3,
-    recomputes step 6 (whose best checkpoint is on disk already) and ends like the straight run."""
+    """Step 6 saved its best checkpoint but not its last one: the rerun resumes from best/6 (a
+    best checkpoint holds the whole training state) and ends like the straight run."""
     workdir = str(tmp_path / "copy")
     shutil.copytree(straight_run[0], workdir)
     checkpoints = RunCheckpoints(workdir)
-    assert checkpoints.best.all_steps() == [3, 6] and checkpoints.last.all_steps() == [6]
+    assert checkpoints.best.all_steps() == [3, 6] and checkpoints.last.all_steps() == [3, 6]
     checkpoints.close()
     shutil.rmtree(os.path.join(workdir, "checkpoints", "last", "6"))
-    shutil.copytree(os.path.join(straight_run[0], "checkpoints", "best", "3"),
-                    os.path.join(workdir, "checkpoints", "last", "3"))
     results = train.train_and_evaluate(tiny(), workdir)
     assert results["valid_loss"] == straight_run[1]["valid_loss"]
     assert results["bleu_best"] == straight_run[1]["bleu_best"]
@@ -271,3 +270,94 @@ def test_training_on_an_expert_mesh_matches_one_device(straight_run, tmp_path):
     )
     with open(os.path.join(workdir, "translations_last.txt")) as f:
         assert f.read().splitlines() == texts
+
+
+def test_resume_refusal_names_every_changed_field_and_accepts_equivalent_meshes(tmp_path):
+    workdir = str(tmp_path)
+    os.makedirs(tmp_path / "checkpoints" / "last" / "3")  # a trained run
+    saved = tiny(**{"mesh.data": jax.device_count(), "mesh.expert": 1})
+    with open(tmp_path / "config.json", "w") as f:
+        f.write(saved.to_json())
+    # mesh.data = -1 means every device: the same mesh as the saved explicit count.
+    train._check_resume_config(workdir, tiny(**{"mesh.data": -1, "mesh.expert": 1,
+                                                "train_steps": 9}))
+    changed = tiny(**{"mesh.data": -1, "mesh.expert": 1, "model.emb_dim": 32,
+                      "optim.peak_lr": 1.0})
+    with pytest.raises(train.ResumeError) as error:
+        train._check_resume_config(workdir, changed)
+    message = str(error.value)
+    assert "config.model.emb_dim (saved 16, now 32)" in message
+    assert "config.optim.peak_lr (saved 0.003, now 1.0)" in message
+    assert "mesh" not in message and "\n" not in message and "fresh --workdir" in message
+
+
+def test_translate_errors_name_the_missing_file_or_the_bad_flag(straight_run, tmp_path):
+    workdir = tmp_path / "untrained"
+    workdir.mkdir()
+    shutil.copy(os.path.join(straight_run[0], "config.json"), workdir)
+    with pytest.raises(FileNotFoundError, match=r"spm\.model not found: .*experiments\.wmt"):
+        translate.translate_lines(str(workdir), ["ta"])
+    shutil.copy(os.path.join(straight_run[0], "spm.model"), workdir)
+    with pytest.raises(FileNotFoundError, match=r"no best checkpoint in .*--checkpoint last"):
+        translate.translate_lines(str(workdir), ["ta"])
+    with pytest.raises(ValueError, match=r"--beam_size must be >= 1, got 0"):
+        translate.translate_lines(straight_run[0], ["ta"], beam_size=0)
+    with pytest.raises(ValueError, match=r"--batch_size must be >= 1, got 0"):
+        translate.translate_lines(straight_run[0], ["ta"], batch_size=0)
+
+
+def test_translate_cli_prints_translations_without_library_info_logs(straight_run):
+    run = subprocess.run(
+        [sys.executable, "-m", "experiments.translate", "--workdir", straight_run[0],
+         "--batch_size=2"], input="ta gabapa tarano\n", cwd=REPO, capture_output=True,
+        text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(run.stdout.splitlines()) == 1
+    info = [line for line in run.stderr.splitlines() if line.startswith("I")]
+    assert not info, info[:5]  # orbax announced its restore in ~30 INFO lines
+
+
+def test_progress_eta_leaves_out_compilation():
+    """A 60 s compilation then steps of 0.5 s: the rate shown is about 2 steps/s, not the
+    1/60 step/s that tqdm's smoothed rate would carry for many refreshes."""
+    bar = train._progress(total=200, initial=0)
+    clock = [0.0]
+    bar._time = lambda: clock[0]
+    bar.start_t = bar.last_print_t = 0.0
+    clock[0] = 60.0  # the first step compiles
+    train._advance(bar, compiled=True)
+    for _ in range(20):
+        clock[0] += 0.5
+        train._advance(bar, compiled=False)
+    rate = bar.format_dict["rate"] or bar._ema_dn() / bar._ema_dt()
+    bar.close()
+    assert 1.5 < rate < 2.5, rate
+
+
+def test_quickstart_hint_names_the_generated_language_and_a_test_line(tmp_path):
+    from experiments import wmt
+
+    config = tiny()
+    hint = wmt.try_it_hint(config, str(tmp_path))
+    first_test_source = read_split(config, "test")[0][0]
+    assert "generated language" in hint and first_test_source in hint
+    assert f"python -m experiments.translate --workdir {tmp_path}" in hint
+    config.data.source = "text"
+    assert wmt.try_it_hint(config, str(tmp_path)) is None
+
+
+def test_unknown_config_field_is_one_line_with_close_matches():
+    from experiments import cli
+
+    argv = ["wmt", "--config", "configs/quickstart.py", "--workdir", "/tmp/unused"]
+    assert cli.unknown_config_field([*argv, "--config.model.emb_dim=8"]) is None
+    message = cli.unknown_config_field([*argv, "--config.model.emb_dimm=8"])
+    assert message == ("--config.model.emb_dimm: config.model has no field 'emb_dimm'; did you "
+                       "mean config.model.emb_dim, config.model.mlp_dim?")
+    run = subprocess.run([sys.executable, "-m", "experiments.wmt", *argv[1:],
+                          "--config.model.foo=1"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: --config.model.foo: config.model has no field 'foo'; its fields are: "), lines
