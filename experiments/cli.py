@@ -1,4 +1,4 @@
-"""What the command-line entry points share: quiet library logging and config-flag errors.
+"""What the command-line entry points share: quiet library logging, config-flag errors, hints.
 
 Library INFO logs (orbax announces every save and restore, TFDS every file) are off unless
 ``--verbosity`` is given (absl's flag: ``--verbosity=0`` brings back INFO, ``1`` adds DEBUG);
@@ -77,3 +77,20 @@ def parse_flags(argv: list[str]) -> list[str]:
             raise
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
+
+
+def try_it_hint(config, workdir: str) -> str | None:
+    """For a run on the generated language: what the model translates and a command to try it."""
+    if config.data.source != "synthetic":
+        return None
+    import shlex
+
+    from sparsemixer_jax.data.sources import read_split
+
+    source = read_split(config, "test")[0][0]
+    return (
+        "this model translates the generated language of sparsemixer_jax.data.synthetic (not "
+        "English or German); try it on a sentence of its test split:\n"
+        f"  echo {shlex.quote(source)} | python -m experiments.translate --workdir "
+        f"{shlex.quote(workdir)}"
+    )

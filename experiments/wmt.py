@@ -73,23 +73,6 @@ def enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
-def try_it_hint(config, workdir: str) -> str | None:
-    """For a run on the generated language: what the model translates and a command to try it."""
-    if config.data.source != "synthetic":
-        return None
-    import shlex
-
-    from sparsemixer_jax.data.sources import read_split
-
-    source = read_split(config, "test")[0][0]
-    return (
-        "this model translates the generated language of sparsemixer_jax.data.synthetic (not "
-        "English or German); try it on a sentence of its test split:\n"
-        f"  echo {shlex.quote(source)} | python -m experiments.translate --workdir "
-        f"{shlex.quote(workdir)}"
-    )
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -122,7 +105,7 @@ def main(argv: list[str]) -> None:
                    ("steps", "valid_loss", "best_valid_loss", "bleu", "bleu_best",
                     "tokenized_bleu", "tokens_per_second")}
         print("results:", summary)
-        hint = try_it_hint(config, flags.FLAGS.workdir)
+        hint = cli.try_it_hint(config, flags.FLAGS.workdir)
         if hint:
             print(hint)
 

@@ -98,8 +98,8 @@ def write_manifest(step_dir: str) -> None:
 
 def check_manifest(step_dir: str) -> None:
     """Raises :class:`CheckpointError` if a required file or a file the manifest lists is missing,
-    or a listed one has another size or another digest. A checkpoint without a manifest (killed between orbax's save and ours) passes:
-    orbax's own reading is then the only check."""
+    or a listed one has another size or another digest. A checkpoint without a manifest (killed
+    between orbax's save and ours) passes: orbax's own reading is then the only check."""
     for rel in REQUIRED_FILES:  # what orbax reads first; its own errors name none of them
         if not os.path.exists(os.path.join(step_dir, rel)):
             raise CheckpointError(f"{step_dir}: file {rel} is missing")

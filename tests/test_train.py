@@ -335,15 +335,15 @@ def test_progress_eta_leaves_out_compilation():
 
 
 def test_quickstart_hint_names_the_generated_language_and_a_test_line(tmp_path):
-    from experiments import wmt
+    from experiments import cli
 
     config = tiny()
-    hint = wmt.try_it_hint(config, str(tmp_path))
+    hint = cli.try_it_hint(config, str(tmp_path))
     first_test_source = read_split(config, "test")[0][0]
     assert "generated language" in hint and first_test_source in hint
     assert f"python -m experiments.translate --workdir {tmp_path}" in hint
     config.data.source = "text"
-    assert wmt.try_it_hint(config, str(tmp_path)) is None
+    assert cli.try_it_hint(config, str(tmp_path)) is None
 
 
 def test_unknown_config_field_is_one_line_with_close_matches():
