@@ -152,6 +152,23 @@ def _quiet_failed_reads():
         log.removeFilter(drop)
 
 
+def _check_processes_agree(step: int, kind: str) -> None:
+    """Every process must resume from the same checkpoint (a read error on one host only would
+    otherwise make the hosts train from different states)."""
+    if jax.process_count() == 1:
+        return
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    mine = np.array([step, (*KINDS, "none").index(kind)], np.int64)
+    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    if not (everyone == mine).all():
+        raise CheckpointError(
+            f"the processes found different checkpoints to resume from (step, kind index per "
+            f"process: {everyone.tolist()}); check that every host sees the same workdir"
+        )
+
+
 class RunCheckpoints:
     """The ``last`` and ``best`` checkpoint managers of one workdir."""
 
@@ -261,7 +278,9 @@ class RunCheckpoints:
                 continue
             if failures:
                 logger.warning("resuming from the intact checkpoint %s", restored.directory)
+            _check_processes_agree(restored.step, restored.kind)
             return restored
+        _check_processes_agree(-1, "none")
         if failures:
             raise CheckpointError(
                 f"no readable checkpoint in {self.root} ({'; '.join(failures)}); the unreadable "

@@ -146,6 +146,10 @@ def test_deleting_the_last_checkpoint_resumes_from_best_and_keeps_everything(fin
     step 0, delete the best checkpoints and cut metrics.jsonl."""
     lines = read_lines(copy)
     shutil.rmtree(os.path.join(copy, "checkpoints", "last", "6"))
+    # The issue's command asked for fewer steps than the workdir holds: refused, nothing touched.
+    with pytest.raises(train.ResumeError, match=r"train_steps=3 but .* step 6: set"):
+        train.train_and_evaluate(tiny(train_steps=3), copy)
+    assert read_lines(copy) == lines and steps_on_disk(copy, "best") == [3, 6]
     results = train.train_and_evaluate(tiny(), copy)
     assert results["valid_loss"] == finished[1]["valid_loss"]
     assert read_lines(copy) == lines
