@@ -660,3 +660,22 @@ def test_top2_monte_carlo_gradient_matches_exact_expectation(mc_problem, estimat
     alternative = np.asarray(analysis.topk_expected_gradient(problem, probs_fn, 2,
                                                              estimator=other))
     assert np.max(np.abs(alternative - expected)[live] / se[live]) > 2 * Z_SE
+
+
+# ---------------------------------------------------------------- README
+
+
+def test_readme_router_snippet_runs_as_written():
+    """The first code block of the README's "The router in your own code" runs unchanged."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## The router in your own code", 1)[1].split("\n## ", 1)[0]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    names: dict = {}
+    exec(compile(snippet, "README.md", "exec"), names)
+    tokens, emb = names["tokens"], names["emb"]
+    assert names["y"].shape == names["y2"].shape == (tokens, emb)
+    assert names["out2"].expert.shape == (tokens, 2)
+    assert np.all(np.isfinite(names["y2"])) and np.isfinite(float(names["aux"]))
