@@ -79,7 +79,7 @@ def test_experiment_writes_results(tmp_path):
     plot = tmp_path / "plot.png"
     gradient_accuracy.main(
         ["--out", str(out), "--plot", str(plot), "--num-problems", "2", "--num-scales", "5",
-         "--min-scale", "1e-2", "--num-experts", "4", "--dim", "4"]
+         "--min-scale", "1e-2", "--num-experts", "4", "--dim", "4", "--top-k", "2"]
     )
     results = json.loads(out.read_text())
     assert set(results["estimators"]) == {
@@ -88,7 +88,7 @@ def test_experiment_writes_results(tmp_path):
     for entry in results["estimators"].values():
         assert len(entry["relerr_full"]) == 5
         assert np.isfinite(entry["slope_full"])
-    assert set(results["topk"]) == {"1", "2"}
+    assert set(results["topk"]) == {"2"}
     for table in results["topk"].values():
         assert set(table) == set(analysis.TOPK_ESTIMATORS)
         for entry in table.values():
