@@ -402,10 +402,13 @@ class MoEFeedForward(nnx.Module):
                                     dispatch=dispatch, dropout_key=drop_key,
                                     dropout_rate=self.activation_dropout)
         f = f.reshape(batch, length, k, -1)
+        if k == 1:  # drop the k axis: the same ops (and float rounding) as the top-1 layer
+            f, gate = f[:, :, 0], gate[..., 0]
 
-        scale = gate[..., None]  # [B, T, k, 1]
+        scale = gate[..., None]
         if self.omega is not None:
             scale = scale * self.omega[...]
         y = f.astype(jnp.float32) * scale
-        y = y[:, :, 0] if k == 1 else jnp.sum(y, axis=2)
+        if k > 1:
+            y = jnp.sum(y, axis=2)
         return y.astype(x.dtype), {name: v.astype(jnp.float32) for name, v in metrics.items()}
