@@ -43,6 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.router = ml_collections.ConfigDict()
     c.router.name = "sparsemixer"  # see sparsemixer_jax.routing.ROUTERS
     c.router.jitter_eps = 0.1
+    c.router.top_k = 1  # experts per token (the one place top-k is set; GRIN uses 2)
     c.router.balance_weight = 0.01
     c.router.z_loss_weight = 0.0
 

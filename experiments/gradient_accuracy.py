@@ -6,6 +6,12 @@ with the exact ``nabla_0`` (its ``nabla_0`` part: estimate minus ``nabla_1``) an
 full gradient ``nabla_0 + nabla_1``. The slope of log(relative error) against log(s) is the
 estimator's order of accuracy: the paper claims 1 for forward Euler and 2 for the mid-point rule.
 
+Top-k (``--top-k``, default 1 and 2): the same problems routed to ``k`` experts by sequential
+sampling; for plain backpropagation, SparseMixer's mix, GRIN's SparseMixer-v2 and the corrected
+v2star, the norm ratio ``|E| / |exact|``, the cosine and the relative error (the bias) of the
+exact expected gradient against the exact top-k gradient (``analysis.topk_accuracy_sweep``).
+GRIN's Appendix A reports v2 at about 0.5x the exact norm and its correction at about 1.0x.
+
     python -m experiments.gradient_accuracy --out results.json --plot gradient_accuracy.png
 """
 
@@ -51,11 +57,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="fit the slope on scales <= this (the asymptotic regime)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top-k", type=int, nargs="*", default=[1, 2],
+                        help="also sweep top-k routing for these k (none: skip)")
     args = parser.parse_args(argv)
     if args.num_problems < 1 or args.num_experts < 2 or args.dim < 1:
         parser.error("need --num-problems >= 1, --num-experts >= 2 and --dim >= 1")
     if not 0 < args.min_scale < 1 or args.num_scales < 3:
         parser.error("need 0 < --min-scale < 1 and --num-scales >= 3")
+    if any(not 1 <= k <= args.num_experts for k in args.top_k):
+        parser.error(f"--top-k values must lie in [1, --num-experts={args.num_experts}]")
     return args
 
 
@@ -90,12 +100,34 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 entry[metric] = values.mean(0).tolist()
         summary[name] = entry
+    problems = [analysis.random_problem(k, args.num_experts, args.dim) for k in keys]
     return {
         "scales": scales.tolist(),
         "fit_scales": scales[fit].tolist(),
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},
         "estimators": summary,
+        "topk": {str(k): _topk_summary(problems, scales, fit, probs_fn, k) for k in args.top_k},
     }
+
+
+def _topk_summary(problems, scales, fit, probs_fn, top_k: int) -> dict:
+    """Per estimator: mean norm ratio and cosine, geometric-mean bias and its slope."""
+    sweeps = [analysis.topk_accuracy_sweep(p, scales, probs_fn, top_k) for p in problems]
+    summary = {}
+    for name in sweeps[0]:
+        norm = np.array([s[name]["norm_ratio"] for s in sweeps])  # [problems, scales]
+        cos = np.array([s[name]["cos"] for s in sweeps])
+        err = np.array([s[name]["relerr"] for s in sweeps])
+        slopes = [analysis.loglog_slope(scales[fit], e[fit]) for e in err]
+        summary[name] = {
+            "norm_ratio": norm.mean(0).tolist(),
+            "norm_ratio_std": norm.std(0).tolist(),
+            "cos": cos.mean(0).tolist(),
+            "relerr": np.exp(np.log(err).mean(0)).tolist(),
+            "slope": float(np.mean(slopes)),
+            "slope_std": float(np.std(slopes)),
+        }
+    return summary
 
 
 def print_table(results: dict) -> None:
@@ -115,6 +147,19 @@ def print_table(results: dict) -> None:
         f" slopes: mean ± std over problems, fitted on scales {results['fit_scales'][0]:.0e}"
         f"..{results['fit_scales'][-1]:.0e})"
     )
+    lo = scales[-1]
+    for k, table in results.get("topk", {}).items():
+        print(f"\ntop-{k}: against the exact top-{k} gradient (norm ratio, cosine: mean"
+              f" [± std] over problems; bias = relative error, geometric mean)")
+        print(f"{'estimator':10s}  norm@s=1  norm@s={lo:.0e}        cos@s=1  cos@s={lo:.0e}"
+              f"  bias@s=1  bias@s={lo:.0e}  slope(bias)")
+        for name, e in table.items():
+            print(
+                f"{name:10s}  {e['norm_ratio'][0]:8.3f}  {e['norm_ratio'][-1]:6.3f} ± "
+                f"{e['norm_ratio_std'][-1]:.3f}  {e['cos'][0]:8.4f}  {e['cos'][-1]:10.4f}"
+                f"  {e['relerr'][0]:8.2e}  {e['relerr'][-1]:10.2e}  {e['slope']:5.2f} ± "
+                f"{e['slope_std']:.2f}"
+            )
 
 
 def plot(results: dict, path: str) -> None:

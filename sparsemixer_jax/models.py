@@ -179,6 +179,8 @@ def _make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nn
             num_experts,
             router=router_cfg.name,
             jitter_eps=float(router_cfg.jitter_eps),
+            # Configs written before top-k (e.g. a resumed run's config.json) have no top_k.
+            top_k=int(getattr(router_cfg, "top_k", 1)),
             activation_dropout=float(model_cfg.activation_dropout),
             dispatch=model_cfg.dispatch,
             capacity_factor=float(model_cfg.capacity_factor),

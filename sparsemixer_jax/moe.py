@@ -1,7 +1,8 @@
-"""Top-1 mixture-of-experts feed-forward layer (SparseMixer / Switch) with dropless dispatch.
+"""Mixture-of-experts feed-forward layer (SparseMixer / Switch, top-1 or top-k), dropless.
 
-The layer routes every token to one expert (see :mod:`sparsemixer_jax.routing`), runs the
-expert MLPs on the tokens they received and returns ``omega * gate * f_D(x)``.
+The layer routes every token to ``k`` experts (see :mod:`sparsemixer_jax.routing`; ``k = 1`` by
+default), runs the expert MLPs on the rows they received (one row per token and chosen expert)
+and returns ``omega * sum_t gate_t * f_{D_t}(x)``.
 
 Dispatch (how tokens reach their expert) is chosen by name:
 
@@ -36,7 +37,8 @@ On GPU ``ragged_dot`` has a grouped-matmul kernel, so ``auto`` picks ``"ragged"`
 choice is NOT measured here (no GPU was available).
 
 Randomness: the router key and the dropout key come from the module's own ``router`` and
-``dropout`` RNG streams. Dropout masks are drawn per token from ``fold_in(key, token_index)``,
+``dropout`` RNG streams. Dropout masks are drawn per row from ``fold_in(key, row_id)`` with
+``row_id = token_index * k + t`` for the token's ``t``-th expert (the token index when k = 1),
 so they do not depend on where a token is computed (dispatch layout, device): the expert-parallel
 layer (:mod:`sparsemixer_jax.sharding`) gives the same result as one device.
 """
@@ -232,18 +234,21 @@ def _stream(rngs: nnx.Rngs, name: str, fallback: str) -> nnx.RngStream:
 
 
 class MoEFeedForward(nnx.Module):
-    """Top-1 MoE feed-forward block: ``y = omega * gate * f_D(x)``.
+    """MoE feed-forward block: ``y = omega * sum_t gate_t * f_{D_t}(x)`` over ``top_k`` experts.
 
     Args:
       emb_dim, mlp_dim: model and expert hidden widths.
       num_experts: ``N >= 1``.
       router: a name in :data:`sparsemixer_jax.routing.ROUTERS`.
       jitter_eps: the router's jitter / mask threshold.
+      top_k: experts per token, ``1 <= top_k <= N`` (distinct; see ``routing.sparsemixer_route``).
       activation_dropout: dropout rate after the expert ReLU.
       dispatch: ``"auto"``, ``"ragged"`` or ``"padded"`` (module docstring).
       capacity_factor: 0 for dropless; ``> 0`` caps every expert at
-        ``ceil(capacity_factor * tokens / N)`` tokens (tokens = all ``B * T`` positions of the
-        call); later tokens are dropped and output zeros.
+        ``ceil(capacity_factor * rows / N)`` rows (rows = ``B * T * top_k``: every position of
+        the call and each of its experts). Rows are served first choices first (all tokens'
+        first expert, in token order, then all second experts, ...), as in GShard; a dropped row
+        outputs zeros, the token's other experts still count.
       dtype: compute dtype of the experts (params stay float32; the router runs in float32).
       mesh: optional mesh with axes ``("data", "expert")`` for expert parallelism
         (:mod:`sparsemixer_jax.sharding`); ``num_experts`` must divide by its expert axis.
@@ -262,6 +267,7 @@ class MoEFeedForward(nnx.Module):
         *,
         router: str = "sparsemixer",
         jitter_eps: float = 0.1,
+        top_k: int = 1,
         activation_dropout: float = 0.1,
         dispatch: str = "auto",
         capacity_factor: float = 0.0,
@@ -275,8 +281,12 @@ class MoEFeedForward(nnx.Module):
             raise ValueError(f"activation_dropout must lie in [0, 1), got {activation_dropout}")
         if capacity_factor < 0:
             raise ValueError(f"capacity_factor must be >= 0 (0 = dropless), got {capacity_factor}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(
+                f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
+            )
         resolve_dispatch(dispatch)  # validates the name
-        routing.get_router(router, jitter_eps)  # validates the name and jitter_eps
+        routing.get_router(router, jitter_eps, top_k)  # validates the name and jitter_eps
         if mesh is not None:
             from sparsemixer_jax.sharding import check_mesh
 
@@ -287,6 +297,7 @@ class MoEFeedForward(nnx.Module):
         # definition distinct and defeat nnx.jit's compilation cache.
         self.router_name = router
         self.jitter_eps = jitter_eps
+        self.top_k = top_k
         self.activation_dropout = activation_dropout
         self.dispatch = dispatch
         self.capacity_factor = capacity_factor
@@ -328,9 +339,9 @@ class MoEFeedForward(nnx.Module):
         ``dropless`` ignores ``capacity_factor`` for this call (decoding uses it).
 
         Returns ``y [B, T, emb]`` (dtype of ``x``) and a dict of float32 metrics:
-        ``balance_loss``, ``z_loss``, ``num_unmasked``, ``entropy``, ``dropped_fraction``
-        (scalars) and ``expert_fraction`` ``[N]``. Padding outputs zeros and is left out of
-        every metric.
+        ``balance_loss``, ``z_loss``, ``num_unmasked``, ``entropy``, ``dropped_fraction`` (of
+        rows) (scalars) and ``expert_fraction`` ``[N]`` (share of rows). Padding outputs zeros and
+        is left out of every metric.
         """
         if x.ndim != 3 or x.shape[-1] != self.emb_dim:
             raise ValueError(f"x must be [B, T, {self.emb_dim}], got shape {x.shape}")
@@ -346,44 +357,58 @@ class MoEFeedForward(nnx.Module):
         logits = self.router(x.astype(jnp.float32))
         training = not deterministic
         key = self.router_rng() if training else None
-        routed = routing.get_router(self.router_name, self.jitter_eps)(logits, key, training)
+        routed = routing.get_router(self.router_name, self.jitter_eps, self.top_k)(
+            logits, key, training)
         metrics = routing.routing_metrics(logits, routed, token_mask)
 
+        # One row per token and chosen expert: [B, T, k], row id token * k + t.
+        k = self.top_k
+        expert = routed.expert if k > 1 else routed.expert[..., None]
+        gate = routed.gate if k > 1 else routed.gate[..., None]
         active = jnp.ones((batch, length), bool) if token_mask is None else token_mask.astype(bool)
+        active = jnp.broadcast_to(active[..., None], (batch, length, k))
         capacity = None
         if self.capacity_factor > 0 and not dropless:
-            capacity = expert_capacity(self.capacity_factor, batch * length, n)
-            kept = capacity_keep(routed.expert, active, n, capacity)
+            capacity = expert_capacity(self.capacity_factor, batch * length * k, n)
+            # Slot-major order: every token's first choice is served before any second choice.
+            kept = jnp.moveaxis(capacity_keep(jnp.moveaxis(expert, -1, 0),
+                                              jnp.moveaxis(active, -1, 0), n, capacity), 0, -1)
             num_active = jnp.maximum(jnp.sum(active), 1).astype(jnp.float32)
             metrics["dropped_fraction"] = jnp.sum(active & ~kept).astype(jnp.float32) / num_active
             active = kept
         else:
             metrics["dropped_fraction"] = jnp.zeros((), jnp.float32)
 
-        group = jnp.where(active, routed.expert, n).astype(jnp.int32)
-        token_ids = jnp.arange(batch * length, dtype=jnp.int32).reshape(batch, length)
+        group = jnp.where(active, expert, n).astype(jnp.int32)
+        row_ids = jnp.arange(batch * length * k, dtype=jnp.int32).reshape(batch, length, k)
         drop_key = None
         if training and self.dropout_rng is not None:
             drop_key = self.dropout_rng()
         params = tuple(p[...].astype(self.dtype) for p in (self.wi, self.bi, self.wo, self.bo))
         dispatch = resolve_dispatch(self.dispatch)
         xc = x.astype(self.dtype)
+        xr = jnp.repeat(xc, k, axis=1) if k > 1 else xc  # [B, T * k, emb], row t*k+s = token t
 
         if self.mesh is None:
-            f = expert_ffn(xc.reshape(batch * length, -1), group.reshape(-1),
-                           token_ids.reshape(-1), params, dispatch=dispatch,
+            f = expert_ffn(xr.reshape(batch * length * k, -1), group.reshape(-1),
+                           row_ids.reshape(-1), params, dispatch=dispatch,
                            dropout_key=drop_key, dropout_rate=self.activation_dropout,
                            capacity=capacity if dispatch == "padded" else None)
-            f = f.reshape(batch, length, -1)
         else:
             from sparsemixer_jax.sharding import expert_parallel_ffn
 
-            f = expert_parallel_ffn(xc, group, token_ids, params, mesh=self.mesh,
+            f = expert_parallel_ffn(xr, group.reshape(batch, length * k),
+                                    row_ids.reshape(batch, length * k), params, mesh=self.mesh,
                                     dispatch=dispatch, dropout_key=drop_key,
                                     dropout_rate=self.activation_dropout)
+        f = f.reshape(batch, length, k, -1)
+        if k == 1:  # drop the k axis: the same ops (and float rounding) as the top-1 layer
+            f, gate = f[:, :, 0], gate[..., 0]
 
-        scale = routed.gate[..., None]
+        scale = gate[..., None]
         if self.omega is not None:
             scale = scale * self.omega[...]
         y = f.astype(jnp.float32) * scale
-        return y.astype(x.dtype), {k: v.astype(jnp.float32) for k, v in metrics.items()}
+        if k > 1:
+            y = jnp.sum(y, axis=2)
+        return y.astype(x.dtype), {name: v.astype(jnp.float32) for name, v in metrics.items()}

@@ -1,8 +1,9 @@
-"""Top-1 expert routing: SparseMixer and the Switch Transformer baseline.
+"""Expert routing (top-1 and top-k): SparseMixer, GRIN's SparseMixer-v2 and the Switch baseline.
 
 Every router here is a pure function of the router logits ``[..., N]`` (any number of leading
 token axes) and a PRNG key, and returns a :class:`RouterOutput`. The caller computes the layer
-output as ``gate * f_expert(x)`` (times ``omega`` for SparseMixer, see the paper's Section 3.5).
+output as ``gate * f_expert(x)``, summed over the ``k`` experts of a token for top-k (times
+``omega`` for SparseMixer, see the paper's Section 3.5).
 Routing math runs in float32 whatever the dtype of the logits.
 
 Notation follows Liu, Gao & Chen, "Sparse Backpropagation for MoE Training" (ICLR 2024):
@@ -17,25 +18,28 @@ oracle and ``experiments/gradient_accuracy.py`` for the measured orders of accur
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MaskRule = Literal["reference", "paper", "none"]
-Estimator = Literal["mix", "euler", "midpoint"]
+Estimator = Literal["mix", "euler", "midpoint", "v2", "v2star"]
 
 
 class RouterOutput(NamedTuple):
-    """What a top-1 router returns for each token.
+    """What a router returns for each token.
 
     Attributes:
-      expert: int32 ``[...]``, the chosen expert ``D``.
-      gate: float32 ``[...]``, the multiplier the caller applies to ``f_D(x)`` (before ``omega``).
-        Its backward pass carries the router gradient estimator.
-      probs: float32 ``[..., N]``, the router probabilities the expert was drawn from (masked
-        softmax for SparseMixer, softmax of the jittered logits for Switch); zero where masked.
+      expert: int32 ``[...]`` (top-1) or ``[..., k]`` (top-k, distinct experts), the chosen ``D``.
+      gate: float32, same shape as ``expert``: the multiplier the caller applies to ``f_D(x)``
+        (before ``omega``). Its backward pass carries the router gradient estimator.
+      probs: float32 ``[..., N]``, the router probabilities the (first) expert was drawn from
+        (masked softmax for SparseMixer, softmax of the jittered logits for Switch); zero where
+        masked.
     """
 
     expert: jax.Array
@@ -118,49 +122,165 @@ def _take(values: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(values, index[..., None], axis=-1)[..., 0]
 
 
+class EstimatorRule(NamedTuple):
+    """How an estimator of :data:`ESTIMATORS` treats a chosen expert ``D``
+    (see :func:`sparsemixer_route`).
+
+    With probability ``reduced_prob`` (never on the argmax unless ``on_argmax``) the forward
+    weight is ``reduced_weight * pi_D`` instead of ``pi_D``; the backward pass always sends
+    ``backward_scale * dL/dgate`` to ``pi_D``.
+    """
+
+    reduced_weight: float
+    reduced_prob: float
+    backward_scale: float
+    on_argmax: bool = False
+
+
+ESTIMATORS: dict[str, EstimatorRule] = {
+    "mix": EstimatorRule(0.5, 0.5, 2.0),
+    "euler": EstimatorRule(0.5, 0.0, 2.0),
+    "midpoint": EstimatorRule(0.5, 1.0, 2.0, on_argmax=True),
+    "v2": EstimatorRule(1.0 / 3.0, 0.75, 1.0),
+    "v2star": EstimatorRule(1.0 / 3.0, 0.375, 2.0),
+}
+
+
+def _check_route_args(fn: str, logits, top_k, jitter_eps, training) -> None:
+    """ValueError naming the argument and its value for anything a router cannot use.
+
+    These are static (Python) arguments: they pick code paths and shapes at trace time, so a
+    traced value is refused too.
+    """
+    if jnp.ndim(logits) < 1:
+        raise ValueError(
+            f"{fn}: logits must have at least one axis (experts last, shape [..., N]), "
+            f"got shape {jnp.shape(logits)}"
+        )
+    num_experts = jnp.shape(logits)[-1]
+    if num_experts < 1:
+        raise ValueError(f"{fn}: logits need at least one expert, got shape {jnp.shape(logits)}")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
+        raise ValueError(f"{fn}: top_k must be a Python int, got {top_k!r}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"{fn}: top_k must lie in [1, N] with N = logits.shape[-1] = {num_experts}, "
+            f"got top_k={top_k}"
+        )
+    if (
+        isinstance(jitter_eps, bool)
+        or not isinstance(jitter_eps, (int, float, np.floating, np.integer))
+        or not math.isfinite(jitter_eps)
+        or jitter_eps < 0
+    ):
+        raise ValueError(
+            f"{fn}: jitter_eps must be a finite Python number >= 0, got {jitter_eps!r}"
+        )
+    if not isinstance(training, (bool, np.bool_)):
+        raise ValueError(
+            f"{fn}: training must be a Python bool (it selects sampling or argmax when the "
+            f"function is traced), got {training!r}"
+        )
+
+
+def _check_finite_logits(fn: str, logits: jax.Array, top_k: int) -> jax.Array:
+    """bool ``[...]``: True for tokens whose logits hold NaN or +inf (they route to NaN gates).
+
+    ``-inf`` is allowed: it removes that expert for that token. Outside ``jit`` (concrete
+    logits) a token with NaN, +inf or fewer than ``top_k`` experts above ``-inf`` raises a
+    ValueError; under ``jit`` values cannot raise, and such tokens get NaN ``probs`` and ``gate``
+    so that the loss turns NaN (the training loop then skips the update and reports it).
+    """
+    invalid = jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1)
+    if not isinstance(logits, jax.core.Tracer):
+        bad = np.asarray(invalid)
+        if bad.any():
+            where = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"{fn}: logits hold NaN or +inf for {int(bad.sum())} token(s), first at index "
+                f"{where} of the token axes; -inf (an excluded expert) is the only non-finite "
+                f"value allowed"
+            )
+        live = np.asarray(jnp.sum(logits > -jnp.inf, axis=-1))
+        if (live < top_k).any():
+            where = tuple(int(i) for i in np.argwhere(live < top_k)[0])
+            raise ValueError(
+                f"{fn}: top_k={top_k} but token {where} has only {int(live[where])} expert(s) "
+                f"with logit > -inf"
+            )
+    return invalid
+
+
 def sparsemixer_route(
     logits: jax.Array,
     key: jax.Array | None,
     *,
+    top_k: int = 1,
     jitter_eps: float = 0.1,
     training: bool = True,
     mask: MaskRule = "reference",
     estimator: Estimator = "mix",
-    midpoint_prob: float = 0.5,
-    backward_scale: float = 2.0,
+    midpoint_prob: float | None = None,
+    backward_scale: float | None = None,
 ) -> RouterOutput:
-    """SparseMixer top-1 routing with its sparse router-gradient estimator.
+    """SparseMixer routing (top-1, or top-k by sequential sampling) with its sparse gradient.
 
     Args:
       logits: router logits ``z``, ``[..., N]``, any float dtype (routing runs in float32).
+        ``-inf`` excludes an expert for that token; NaN or +inf is an error (see below).
       key: PRNG key for sampling; required when ``training``.
-      jitter_eps: the Switch jitter ``r``; sets the mask threshold.
-      training: sample ``D ~ pi`` and apply the estimator; otherwise ``D = argmax`` with
-        ``gate = pi_D`` and no randomness.
+      top_k: experts per token, ``1 <= top_k <= N``. Expert ``t`` is drawn like the first from
+        the tokens' logits with the experts already chosen removed (mask and softmax recomputed
+        from the best remaining logit), so the ``k`` experts of a token are distinct.
+        ``top_k = N`` is allowed: every expert, in sampled order; the last has gate 1 and gives
+        no router gradient.
+      jitter_eps: the Switch jitter ``r``; sets the mask threshold. Python float ``>= 0``.
+      training: Python bool. Sample and apply the estimator; otherwise ``D`` = argmax (top-k in
+        order of the logits) with ``gate = pi_D`` and no randomness.
       mask: which experts are eligible, see :func:`routing_mask`.
-      estimator: ``"mix"`` (SparseMixer: Euler on the argmax, a coin between Euler and mid-point
-        elsewhere), ``"euler"`` (SparseMixer-1st, Euler everywhere), ``"midpoint"``
-        (SparseMixer-2nd, mid-point everywhere, the argmax included, so training and inference
-        outputs differ by a factor 2).
-      midpoint_prob: for ``"mix"``, the probability that a non-argmax token takes the mid-point
-        branch. 0.5 is the reference's fair coin; 1.0 is the paper's text.
-      backward_scale: factor on the gate's cotangent. 2.0 as in the reference.
+      estimator: how the gradient of the sampling is estimated (defaults below:
+        reduced-branch weight / its probability off the argmax / backward scale):
+
+        * ``"mix"`` (SparseMixer, 1/2 / 0.5 / 2): Euler on the argmax, a coin between Euler and
+          mid-point elsewhere.
+        * ``"euler"`` (SparseMixer-1st, - / 0 / 2): Euler everywhere.
+        * ``"midpoint"`` (SparseMixer-2nd, 1/2 / 1 / 2): mid-point everywhere, the argmax
+          included, so training and inference outputs differ by a factor 2.
+        * ``"v2"`` (GRIN's SparseMixer-v2 as released, 1/3 / 0.75 / 1): Heun's third-order rule
+          for ``nabla_0`` and nothing for ``nabla_1``.
+        * ``"v2star"`` (1/3 / 0.375 / 2): the correction of v2 derived in this project (below).
+      midpoint_prob: the probability that a non-argmax choice takes the reduced-weight branch;
+        None takes the estimator's default. Only for ``"mix"``, ``"v2"``, ``"v2star"``.
+      backward_scale: factor on the gate's cotangent; None takes the estimator's default.
 
     Returns:
-      :class:`RouterOutput`; ``expert`` int32 ``[...]``, ``gate`` float32 ``[...]``,
-      ``probs`` float32 ``[..., N]``.
+      :class:`RouterOutput`: ``expert`` int32 and ``gate`` float32 of shape ``[...]`` when
+      ``top_k == 1`` and ``[..., top_k]`` otherwise (``gate[..., t]`` is the probability of
+      expert ``t`` among those left after the first ``t``, not renormalised, as in GRIN);
+      ``probs`` float32 ``[..., N]``, the distribution of the first expert.
 
-    The forward-Euler branch outputs ``pi_D f_D``; the mid-point branch outputs ``pi_D f_D / 2``.
-    Both send ``backward_scale * dL/dgate`` to ``pi_D``. With the default scale 2 the expected
-    router gradient is, per token and in the paper's notation,
+    The forward-Euler branch outputs ``pi_D f_D``; the reduced branch outputs ``w pi_D f_D``
+    (``w = 1/2`` mid-point, ``1/3`` Heun). Both send ``backward_scale * dL/dgate`` to ``pi_D``,
+    whatever ``w``. With the defaults the expected router gradient is, per token and in the
+    paper's notation (``u(w) = g'(w pi f) . pi f``, so ``nabla_1 = u(1)`` and
+    ``nabla_0 = integral of u over [0, 1]``, both times ``dpi / pi``):
 
-    * on the argmax: Euler for both terms, ``2 g'(pi f) f dpi`` (``nabla_1`` exactly, plus the
-      Euler estimate of ``nabla_0``, which has the same value);
-    * elsewhere, averaged over the coin: ``g'(pi f) f dpi + g'(pi f / 2) f dpi``, i.e. ``nabla_1``
-      plus the mid-point estimate of ``nabla_0``.
+    * ``"mix"``, on the argmax: ``2 u(1)``; elsewhere ``u(1) + u(1/2)``: ``nabla_1`` plus the
+      mid-point estimate of ``nabla_0``.
+    * ``"v2"``: ``u(1)`` on the argmax, ``u(1)/4 + 3 u(1/3)/4`` elsewhere: Heun's third-order
+      estimate of ``nabla_0`` alone, with ``nabla_1`` missing. As outputs shrink
+      ``nabla_0 -> nabla_1``, so v2 gives about half the exact gradient (GRIN, Appendix A).
+    * ``"v2star"``: ``2 u(1)`` on the argmax, ``2 (5 u(1)/8 + 3 u(1/3)/8)`` elsewhere, i.e.
+      ``u(1) + (u(1)/4 + 3 u(1/3)/4)``: exact ``nabla_1`` plus Heun's estimate of ``nabla_0``.
+      GRIN's Appendix A.2 describes its corrected v2 as a factor 2, a different coin and a
+      softmax temperature of 2; the factor and the coin here are derived from the quadrature
+      above. The temperature is not applied: its text was not available to check against.
 
-    Where the reference code (microsoft/SparseMixer, which produced the paper's numbers) departs
-    from the paper, this function follows the reference by default:
+    For ``top_k > 1`` each step's estimator acts on that step's conditional probabilities; the
+    term from "the first choice changes the distribution of the second" has no sparse estimate
+    here or in GRIN (``sparsemixer_jax.analysis.exact_topk_gradient`` measures what it costs).
+
+    Where the reference codes depart from their papers, this function follows the code:
 
     1. Mask threshold: ``(max z - z_i) / max(|z_i|, max z) > 2 r`` instead of the paper's
        ``max z - z_i > r (|max z| + |z_i|)`` (``mask="paper"`` gives the paper's rule).
@@ -168,61 +288,105 @@ def sparsemixer_route(
        flips a fair coin between mid-point and Euler there (``midpoint_prob=1.0`` gives the paper).
     3. The paper's estimators approximate ``nabla_0`` alone; the reference doubles the gate's
        gradient so that one backward pass also carries ``nabla_1`` (``backward_scale=1.0``
-       drops the doubling).
-    4. The reference samples ``D`` with the Gumbel-max trick, as here; the paper writes
+       drops the doubling). GRIN's released v2 does not double it (scale 1).
+    4. ``D`` is drawn with the Gumbel-max trick, as in both reference codes; the papers write
        ``D ~ pi`` without saying how. The two are the same distribution.
-    """
-    if estimator not in ("mix", "euler", "midpoint"):
-        raise ValueError(
-            f"unknown estimator {estimator!r}; expected 'mix', 'euler' or 'midpoint'"
-        )
-    if not 0.0 <= midpoint_prob <= 1.0:
-        raise ValueError(f"midpoint_prob must lie in [0, 1], got {midpoint_prob}")
-    probs = router_probs(logits, jitter_eps, mask)
-    top = jnp.argmax(probs, axis=-1).astype(jnp.int32)
-    if not training:
-        return RouterOutput(expert=top, gate=_take(probs, top), probs=probs)
-    if key is None:
-        raise ValueError("sparsemixer_route needs a PRNG key when training=True")
+    5. GRIN's code writes the Heun weight as ``0.3333`` (and 1 as ``0.3333 + 0.6667``); here it
+       is ``1/3`` in float32. Its second expert's coin is compared with the argmax of the
+       second step's distribution, as here.
 
+    Non-finite logits: ``-inf`` removes an expert (never sampled, probability 0). A token with
+    NaN or +inf logits, or fewer than ``top_k`` experts above ``-inf``, gets NaN ``probs`` and
+    ``gate`` (a valid ``expert`` index); called outside ``jit`` it raises ValueError instead.
+    """
+    fn = "sparsemixer_route"
+    _check_route_args(fn, logits, top_k, jitter_eps, training)
+    if estimator not in ESTIMATORS:
+        raise ValueError(
+            f"{fn}: unknown estimator {estimator!r}; expected one of {list(ESTIMATORS)}"
+        )
+    if midpoint_prob is not None and not 0.0 <= midpoint_prob <= 1.0:
+        raise ValueError(f"{fn}: midpoint_prob must lie in [0, 1], got {midpoint_prob}")
+    if backward_scale is not None and not math.isfinite(backward_scale):
+        raise ValueError(f"{fn}: backward_scale must be a finite number, got {backward_scale}")
+    if training and key is None:
+        raise ValueError(f"{fn} needs a PRNG key when training=True")
+    rule = ESTIMATORS[estimator]
+    reduced_prob = rule.reduced_prob if midpoint_prob is None else float(midpoint_prob)
+    scale = rule.backward_scale if backward_scale is None else float(backward_scale)
+    invalid = _check_finite_logits(fn, logits, top_k)
+
+    remaining = logits.astype(_routing_dtype(logits))
+    experts, gates, first_probs = [], [], None
+    for step in range(top_k):
+        probs = router_probs(remaining, jitter_eps, mask)
+        probs = jnp.where(invalid[..., None], jnp.nan, probs)
+        first_probs = probs if first_probs is None else first_probs
+        top = jnp.argmax(probs, axis=-1).astype(jnp.int32)
+        if training:
+            step_key = key if step == 0 else jax.random.fold_in(key, step)
+            expert, gate = _sample_step(probs, top, step_key, estimator, rule, reduced_prob, scale)
+        else:
+            expert, gate = top, _take(probs, top)
+        experts.append(expert)
+        gates.append(gate)
+        if step + 1 < top_k:  # later steps choose among the experts not yet chosen
+            chosen = jax.nn.one_hot(expert, remaining.shape[-1], dtype=bool)
+            remaining = jnp.where(chosen, -jnp.inf, remaining)
+    if top_k == 1:
+        return RouterOutput(expert=experts[0], gate=gates[0], probs=first_probs)
+    return RouterOutput(
+        expert=jnp.stack(experts, axis=-1), gate=jnp.stack(gates, axis=-1), probs=first_probs
+    )
+
+
+def _sample_step(probs, top, key, estimator, rule: EstimatorRule, reduced_prob, scale):
+    """One draw ``D ~ probs`` and its gate ``w pi_D`` with the estimator's backward."""
     sample_key, coin_key = jax.random.split(key)
     # Gumbel-max over the masked logits; log(probs) differs from them by a constant per token.
     masked_logits = jnp.log(jax.lax.stop_gradient(probs))
     expert = jax.random.categorical(sample_key, masked_logits, axis=-1).astype(jnp.int32)
-
     if estimator == "euler":
-        use_midpoint = jnp.zeros(expert.shape, dtype=bool)
+        reduced = jnp.zeros(expert.shape, dtype=bool)
     elif estimator == "midpoint":
-        use_midpoint = jnp.ones(expert.shape, dtype=bool)
+        reduced = jnp.ones(expert.shape, dtype=bool)
     else:
-        coin = jax.random.bernoulli(coin_key, midpoint_prob, expert.shape)
-        use_midpoint = coin & (expert != top)
-    forward_scale = jnp.where(use_midpoint, 0.5, 1.0).astype(probs.dtype)
-    gate = _scaled_gate(_take(probs, expert), forward_scale, float(backward_scale))
-    return RouterOutput(expert=expert, gate=gate, probs=probs)
+        coin = jax.random.bernoulli(coin_key, reduced_prob, expert.shape)
+        reduced = coin if rule.on_argmax else coin & (expert != top)
+    forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(probs.dtype)
+    return expert, _scaled_gate(_take(probs, expert), forward_scale, scale)
 
 
 def switch_route(
     logits: jax.Array,
     key: jax.Array | None,
     *,
+    top_k: int = 1,
     jitter_eps: float = 0.1,
     training: bool = True,
 ) -> RouterOutput:
-    """Switch Transformer top-1 routing, as the reference baseline (``switchgate.py``).
+    """Switch Transformer routing, as the reference baseline (``switchgate.py``), top-1 or top-k.
 
     In training the logits are multiplied by ``u ~ U(1 - jitter_eps, 1 + jitter_eps)`` per
-    element; ``probs`` is the softmax of the (jittered) logits, ``expert`` its argmax and ``gate``
-    its value there. The gradient is plain backpropagation through the gate: the routing term
-    ``nabla_0`` is dropped, as in ordinary MoE training.
+    element; ``probs`` is the softmax of the (jittered) logits, ``expert`` its argmax (its
+    ``top_k`` largest, in decreasing order) and ``gate`` its value there (not renormalised over
+    the ``k``, like GRIN's top-2). The gradient is plain backpropagation through the gate: the
+    routing term ``nabla_0`` is dropped, as in ordinary MoE training.
 
     Args:
-      logits: ``[..., N]``, any float dtype.
+      logits: ``[..., N]``, any float dtype; ``-inf`` excludes an expert, NaN/+inf as in
+        :func:`sparsemixer_route`.
       key: PRNG key for the jitter; required when ``training`` and ``jitter_eps > 0``.
+      top_k: experts per token, ``1 <= top_k <= N``.
+      jitter_eps: Python float ``>= 0``; training: Python bool.
 
     Returns:
-      :class:`RouterOutput` with float32 ``gate`` ``[...]`` and ``probs`` ``[..., N]``.
+      :class:`RouterOutput` with int32 ``expert`` and float32 ``gate`` of shape ``[...]``
+      (``top_k == 1``) or ``[..., top_k]``, and ``probs`` ``[..., N]``.
     """
+    fn = "switch_route"
+    _check_route_args(fn, logits, top_k, jitter_eps, training)
+    invalid = _check_finite_logits(fn, logits, top_k)
     logits = logits.astype(_routing_dtype(logits))
     if training and jitter_eps > 0:
         if key is None:
@@ -232,8 +396,12 @@ def switch_route(
         )
         logits = logits * noise
     probs = jax.nn.softmax(logits, axis=-1)
-    expert = jnp.argmax(probs, axis=-1).astype(jnp.int32)
-    return RouterOutput(expert=expert, gate=_take(probs, expert), probs=probs)
+    probs = jnp.where(invalid[..., None], jnp.nan, probs)
+    if top_k == 1:
+        expert = jnp.argmax(probs, axis=-1).astype(jnp.int32)
+        return RouterOutput(expert=expert, gate=_take(probs, expert), probs=probs)
+    gate, expert = jax.lax.top_k(probs, top_k)
+    return RouterOutput(expert=expert.astype(jnp.int32), gate=gate, probs=probs)
 
 
 def _token_mean(values: jax.Array, token_mask: jax.Array | None) -> jax.Array:
@@ -250,6 +418,16 @@ def _token_mean(values: jax.Array, token_mask: jax.Array | None) -> jax.Array:
     return jnp.sum(values * weights, axis=token_axes) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
+def _expert_share(expert: jax.Array, num_experts: int, probs_ndim: int) -> jax.Array:
+    """float32 ``[..., N]``: each token's share of its routed rows per expert (1 for top-1).
+
+    ``expert`` is ``[...]`` (top-1) or ``[..., k]`` (top-k, then it has as many axes as the
+    probabilities): each of the ``k`` rows counts ``1/k``.
+    """
+    share = jax.nn.one_hot(expert, num_experts, dtype=jnp.float32)
+    return jnp.mean(share, axis=-2) if expert.ndim == probs_ndim else share
+
+
 def load_balancing_loss(
     probs: jax.Array, expert: jax.Array, token_mask: jax.Array | None = None
 ) -> jax.Array:
@@ -257,13 +435,14 @@ def load_balancing_loss(
 
     Args:
       probs: ``[..., N]`` router probabilities (gradient flows through ``P_i``).
-      expert: int ``[...]`` chosen experts (``f_i``, the token fraction, carries no gradient).
+      expert: int ``[...]`` chosen experts, or ``[..., k]`` for top-k (``f_i``, the fraction of
+        routed rows, carries no gradient).
       token_mask: optional bool ``[...]``; False marks padding, left out of both means.
 
     Returns: scalar float32; 1.0 for perfectly uniform routing.
     """
     num_experts = probs.shape[-1]
-    fraction = _token_mean(jax.nn.one_hot(expert, num_experts, dtype=jnp.float32), token_mask)
+    fraction = _token_mean(_expert_share(expert, num_experts, probs.ndim), token_mask)
     mean_prob = _token_mean(probs.astype(jnp.float32), token_mask)
     return num_experts * jnp.sum(fraction * mean_prob)
 
@@ -280,7 +459,7 @@ def routing_metrics(
     """Per-layer router statistics for logging.
 
     Returns a dict of float32 arrays: ``balance_loss`` and ``z_loss`` (scalars),
-    ``expert_fraction`` ``[N]`` (share of tokens per expert), ``num_unmasked`` (mean number of
+    ``expert_fraction`` ``[N]`` (share of routed rows per expert), ``num_unmasked`` (mean number of
     experts with nonzero probability per token) and ``entropy`` (mean router entropy, nats).
     """
     probs = routed.probs
@@ -290,7 +469,7 @@ def routing_metrics(
         "balance_loss": load_balancing_loss(probs, routed.expert, token_mask),
         "z_loss": router_z_loss(logits, token_mask),
         "expert_fraction": _token_mean(
-            jax.nn.one_hot(routed.expert, num_experts, dtype=jnp.float32), token_mask
+            _expert_share(routed.expert, num_experts, probs.ndim), token_mask
         ),
         "num_unmasked": _token_mean(jnp.sum(probs > 0, axis=-1).astype(jnp.float32), token_mask),
         "entropy": _token_mean(-jnp.sum(probs * safe_log, axis=-1), token_mask),
@@ -299,36 +478,36 @@ def routing_metrics(
 
 RouterFn = Callable[[jax.Array, "jax.Array | None", bool], RouterOutput]
 
-#: Routers selectable by name from a config. Each entry maps ``jitter_eps`` to a router.
-ROUTERS: dict[str, Callable[[float], RouterFn]] = {
-    "switch": lambda eps: lambda z, key, training: switch_route(
-        z, key, jitter_eps=eps, training=training
-    ),
-    "sparsemixer": lambda eps: lambda z, key, training: sparsemixer_route(
-        z, key, jitter_eps=eps, training=training
-    ),
-    "sparsemixer_1st": lambda eps: lambda z, key, training: sparsemixer_route(
-        z, key, jitter_eps=eps, training=training, estimator="euler"
-    ),
-    "sparsemixer_2nd": lambda eps: lambda z, key, training: sparsemixer_route(
-        z, key, jitter_eps=eps, training=training, estimator="midpoint"
-    ),
-    "sparsemixer_paper": lambda eps: lambda z, key, training: sparsemixer_route(
-        z, key, jitter_eps=eps, training=training, mask="paper", midpoint_prob=1.0
-    ),
-    "sparsemixer_nomask": lambda eps: lambda z, key, training: sparsemixer_route(
-        z, key, jitter_eps=eps, training=training, mask="none"
-    ),
+#: Routers selectable by name from a config: keyword arguments of the routing function.
+ROUTERS: dict[str, tuple[Callable[..., RouterOutput], dict]] = {
+    "switch": (switch_route, {}),
+    "sparsemixer": (sparsemixer_route, {}),
+    "sparsemixer_1st": (sparsemixer_route, {"estimator": "euler"}),
+    "sparsemixer_2nd": (sparsemixer_route, {"estimator": "midpoint"}),
+    "sparsemixer_paper": (sparsemixer_route, {"mask": "paper", "midpoint_prob": 1.0}),
+    "sparsemixer_nomask": (sparsemixer_route, {"mask": "none"}),
+    "sparsemixer_v2": (sparsemixer_route, {"estimator": "v2"}),
+    "sparsemixer_v2star": (sparsemixer_route, {"estimator": "v2star"}),
 }
 
 
-def get_router(name: str, jitter_eps: float = 0.1) -> RouterFn:
+def get_router(name: str, jitter_eps: float = 0.1, top_k: int = 1) -> RouterFn:
     """The router called ``name`` (a key of :data:`ROUTERS`) as ``fn(logits, key, training)``."""
     if name not in ROUTERS:
         raise ValueError(f"unknown router {name!r}; choose one of {sorted(ROUTERS)}")
-    if jitter_eps < 0:
-        raise ValueError(f"router jitter_eps must be >= 0, got {jitter_eps}")
-    return ROUTERS[name](jitter_eps)
+    if isinstance(jitter_eps, bool) or not (
+        isinstance(jitter_eps, (int, float)) and math.isfinite(jitter_eps) and jitter_eps >= 0
+    ):
+        raise ValueError(f"router jitter_eps must be a finite number >= 0, got {jitter_eps!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"router top_k must be an int >= 1, got {top_k!r}")
+    route, options = ROUTERS[name]
+
+    def router(logits: jax.Array, key: jax.Array | None, training: bool) -> RouterOutput:
+        return route(logits, key, training=training, top_k=top_k, jitter_eps=jitter_eps,
+                     **options)
+
+    return router
 
 
 def uses_omega(name: str) -> bool:

@@ -144,9 +144,11 @@ def expert_parallel_ffn(
     """:func:`sparsemixer_jax.moe.expert_ffn` with experts split over the mesh's expert axis.
 
     Args:
-      x: ``[B, T, emb]`` in the compute dtype, ``B`` divisible by the data axis.
-      group: int32 ``[B, T]`` global expert per token, ``N`` (= number of experts) for none.
-      token_ids: int32 ``[B, T]`` global token ids (seed the dropout masks).
+      x: ``[B, T, emb]`` in the compute dtype, ``B`` divisible by the data axis. ``T`` counts
+        rows: for top-k the layer passes ``T * k`` rows per sequence (each token repeated once
+        per chosen expert), and nothing here depends on which.
+      group: int32 ``[B, T]`` global expert per row, ``N`` (= number of experts) for none.
+      token_ids: int32 ``[B, T]`` global row ids (seed the dropout masks).
       params: ``(wi [N, emb, mlp], bi [N, mlp], wo [N, mlp, emb], bo [N, emb])``.
 
     Returns: ``[B, T, emb]``, equal to the single-device ``expert_ffn`` (dropless).

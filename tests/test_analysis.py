@@ -79,7 +79,7 @@ def test_experiment_writes_results(tmp_path):
     plot = tmp_path / "plot.png"
     gradient_accuracy.main(
         ["--out", str(out), "--plot", str(plot), "--num-problems", "2", "--num-scales", "5",
-         "--min-scale", "1e-2", "--num-experts", "4", "--dim", "4"]
+         "--min-scale", "1e-2", "--num-experts", "4", "--dim", "4", "--top-k", "2"]
     )
     results = json.loads(out.read_text())
     assert set(results["estimators"]) == {
@@ -88,9 +88,73 @@ def test_experiment_writes_results(tmp_path):
     for entry in results["estimators"].values():
         assert len(entry["relerr_full"]) == 5
         assert np.isfinite(entry["slope_full"])
+    assert set(results["topk"]) == {"2"}
+    for table in results["topk"].values():
+        assert set(table) == set(analysis.TOPK_ESTIMATORS)
+        for entry in table.values():
+            assert len(entry["norm_ratio"]) == len(entry["cos"]) == len(entry["relerr"]) == 5
     assert plot.stat().st_size > 10_000
 
 
 def test_experiment_rejects_bad_arguments():
     with pytest.raises(SystemExit):
         gradient_accuracy.parse_args(["--min-scale", "2"])
+    with pytest.raises(SystemExit):
+        gradient_accuracy.parse_args(["--num-experts", "4", "--top-k", "5"])
+
+
+# ---------------------------------------------------------------- top-k oracle
+
+
+def test_topk_oracle_at_k1_equals_the_top1_oracle(problems):
+    with jax.enable_x64(True):
+        problem = problems[1]
+        @jax.jit
+        def both(problem):
+            estimators = ("mix", "euler", "midpoint")
+            return (
+                analysis.exact_gradient(problem, _probs_fn),
+                analysis.exact_topk_gradient(problem, _probs_fn, 1),
+                [analysis.router_expected_gradient(problem, _probs_fn, estimator=e)
+                 for e in estimators],
+                [analysis.topk_expected_gradient(problem, _probs_fn, 1, estimator=e)
+                 for e in estimators],
+            )
+
+        top1, topk, expected1, expectedk = both(problem)
+        for a, b in zip(list(top1) + expected1, list(topk) + expectedk, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def test_topk_exact_gradient_by_hand_on_two_experts():
+    """N = k = 2: every token gets both experts, ``y = pi_i f_i + 1 * f_j`` for the order
+    (i, j) drawn with probability pi_i. The loss and its gradient written out by hand."""
+    with jax.enable_x64(True):
+        problem = analysis.random_problem(jax.random.key(5), num_experts=2, dim=3)
+        exact = jax.jit(lambda p: analysis.exact_topk_gradient(p, _probs_fn, 2))(problem)
+
+        def by_hand(z):
+            p = jax.nn.softmax(z)
+            f = problem.expert_outputs
+            return (p[0] * problem.downstream(p[0] * f[0] + f[1])
+                    + p[1] * problem.downstream(p[1] * f[1] + f[0]))
+
+        np.testing.assert_allclose(exact.loss, by_hand(problem.logits), rtol=1e-12)
+        np.testing.assert_allclose(exact.full, jax.grad(by_hand)(problem.logits), rtol=1e-10,
+                                   atol=1e-12)
+
+
+def test_grin_appendix_a_norm_ratios(problems):
+    """GRIN App. A: as expert outputs shrink, v2's expected router gradient tends to half the
+    exact one (nabla_1 is missing and nabla_0 -> nabla_1), the corrected v2star to all of it."""
+    with jax.enable_x64(True):
+        sweep = analysis.topk_accuracy_sweep(problems[0], [1e-3], _probs_fn, 1)
+        np.testing.assert_allclose(sweep["v2"]["norm_ratio"], 0.5, atol=2e-3)
+        np.testing.assert_allclose(sweep["v2star"]["norm_ratio"], 1.0, atol=2e-3)
+        np.testing.assert_allclose(sweep["backprop"]["norm_ratio"], 0.5, atol=2e-3)
+        assert sweep["v2star"]["cos"][0] > 0.9999
+        # Top-2: the choice of the first expert moves the second's distribution; no estimator
+        # here sees that term, so a bias stays at every scale.
+        top2 = analysis.topk_accuracy_sweep(problems[0], [1e-2, 1e-3], _probs_fn, 2)
+        assert min(top2["v2star"]["relerr"]) > 1e-2
+        np.testing.assert_allclose(top2["v2"]["relerr"][0], top2["v2"]["relerr"][1], rtol=0.05)

@@ -262,3 +262,107 @@ def test_auto_dispatch_and_errors():
         make_layer()(jnp.zeros((2, 3, 8)))
     with pytest.raises(ValueError, match="RNG stream 'router'"):
         make_layer(rngs=nnx.Rngs(params=0))
+
+
+# ---------------------------------------------------------------- top-k (k rows per token)
+
+K = 2
+
+
+def dense_topk_reference(params, x, mask, k, kept=None):
+    """Deterministic top-k layer output computed densely: every expert on every token, then the
+    k best logits in order, each weighted by its probability among the experts not yet chosen.
+    ``kept`` (bool ``[B, T, k]``) zeroes dropped rows. Written independently of the dispatch."""
+    p = params
+    logits = x @ p["router"]["kernel"][...] + p["router"]["bias"][...]
+    order = jax.lax.top_k(logits, k)[1]  # [B, T, k]
+    h = jax.nn.relu(jnp.einsum("bte,nem->btnm", x, p["wi"][...]) + p["bi"][...])
+    f = jnp.einsum("btnm,nme->btne", h, p["wo"][...]) + p["bo"][...]
+    y = jnp.zeros_like(x)
+    removed = jnp.zeros(logits.shape, bool)
+    for t in range(k):
+        probs = routing.router_probs(jnp.where(removed, -jnp.inf, logits), 0.1)
+        expert = order[..., t]
+        gate = jnp.take_along_axis(probs, expert[..., None], -1)
+        if kept is not None:
+            gate = jnp.where(kept[..., t, None], gate, 0.0)
+        y = y + gate * jnp.take_along_axis(f, expert[..., None, None], axis=2)[:, :, 0]
+        removed = removed | jax.nn.one_hot(expert, logits.shape[-1], dtype=bool)
+    return jnp.where(mask[..., None], y * p["omega"][...], 0.0)
+
+
+@jax.jit
+def _topk_reference_value_and_grad(params, x, mask, head):
+    def ref_loss(params):
+        y = dense_topk_reference(params, x, mask, K)
+        logits = x @ params["router"]["kernel"][...] + params["router"]["bias"][...]
+        routed = routing.get_router("sparsemixer", 0.1, K)(logits, None, False)
+        return jnp.sum(y * head) + routing.routing_metrics(logits, routed, mask)["balance_loss"]
+
+    return dense_topk_reference(params, x, mask, K), jax.grad(ref_loss)(params)
+
+
+@pytest.mark.parametrize("dispatch", ["ragged", "padded"])
+def test_top2_matches_dense_reference_deterministic(data, dispatch):
+    x, mask, head = data
+    layer = make_layer(dispatch=dispatch, top_k=K)
+    params = nnx.state(layer, nnx.Param)
+    _, y, metrics, grads = loss_and_grads(layer, x, mask, head, deterministic=True)
+    y_ref, ref_grads = _topk_reference_value_and_grad(params, x, mask, head)
+    chex.assert_trees_all_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(grads, ref_grads, rtol=1e-4, atol=1e-6)
+    # Two distinct experts per real token: each expert's share is a multiple of 1 / (2 * real).
+    frac = np.asarray(metrics["expert_fraction"])
+    rows = 2 * int(np.asarray(mask).sum())
+    np.testing.assert_allclose(frac.sum(), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(frac * rows, np.round(frac * rows), atol=1e-4)
+
+
+def test_top2_training_dispatches_agree(data):
+    """Training mode (sampled experts, v2star estimator, per-row dropout): ragged == padded in
+    outputs, metrics and gradients, and every expert that got a row gets a gradient."""
+    x, mask, head = data
+    runs = [loss_and_grads(make_layer(dispatch=d, top_k=K, router="sparsemixer_v2star"),
+                           x, mask, head) for d in ("ragged", "padded")]
+    (_, y0, m0, g0), (_, y1, m1, g1) = runs
+    chex.assert_trees_all_close((y0, m0), (y1, m1), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(nnx.to_pure_dict(g0), nnx.to_pure_dict(g1), rtol=1e-4, atol=1e-6)
+    assert float(jnp.abs(g0["router"]["kernel"][...]).sum()) > 0
+    used = np.asarray(m0["expert_fraction"]) > 0
+    np.testing.assert_array_equal(np.asarray(jnp.abs(g0["wi"][...]).sum(axis=(1, 2))) > 0, used)
+    np.testing.assert_array_equal(np.asarray(y0)[~np.asarray(mask)], 0.0)
+
+
+@pytest.mark.parametrize("dispatch", ["ragged", "padded"])
+def test_top2_capacity_mode(data, dispatch):
+    x, mask, _ = data
+    layer = make_layer(dispatch=dispatch, top_k=K, capacity_factor=0.5)
+    small, met = layer(x, mask, deterministic=True)
+    big, big_met = make_layer(dispatch=dispatch, top_k=K, capacity_factor=float(N))(
+        x, mask, deterministic=True)
+    params = nnx.state(layer, nnx.Param)
+    np.testing.assert_allclose(big, dense_topk_reference(params, x, mask, K), rtol=1e-5,
+                               atol=1e-6)
+    assert float(big_met["dropped_fraction"]) == 0.0
+    # By hand: rows served first choices first, in token order; cap rows per expert.
+    cap = int(np.ceil(0.5 * B * T * K / N))
+    order = np.asarray(jax.lax.top_k(layer.router(x), K)[1]).reshape(-1, K)
+    m = np.asarray(mask).reshape(-1)
+    seen, kept = np.zeros(N, int), np.zeros((B * T, K), bool)
+    for t in range(K):
+        for i in range(B * T):
+            if m[i]:
+                kept[i, t] = seen[order[i, t]] < cap
+                seen[order[i, t]] += 1
+    assert (~kept & m[:, None]).sum() > 0, "test needs dropped rows"
+    want = dense_topk_reference(params, x, mask, K, kept=jnp.asarray(kept.reshape(B, T, K)))
+    np.testing.assert_allclose(small, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(met["dropped_fraction"],
+                               (~kept & m[:, None]).sum() / (K * m.sum()), rtol=1e-6)
+
+
+def test_top_k_errors():
+    with pytest.raises(ValueError, match=r"top_k must be an int in \[1, num_experts=4\], got 5"):
+        make_layer(top_k=5)
+    with pytest.raises(ValueError, match=r"got 0"):
+        make_layer(top_k=0)

@@ -29,10 +29,12 @@ from sparsemixer_jax.routing import (
 
 Z_SE = 4.5
 KEY = jax.random.key(0)
-_STATIC = ("jitter_eps", "training", "mask", "estimator", "midpoint_prob", "backward_scale")
+_STATIC = (
+    "top_k", "jitter_eps", "training", "mask", "estimator", "midpoint_prob", "backward_scale"
+)
 # Jitted once per option set: eager op-by-op dispatch would dominate the suite's run time.
 route = jax.jit(sparsemixer_route, static_argnames=_STATIC)
-switch = jax.jit(switch_route, static_argnames=("jitter_eps", "training"))
+switch = jax.jit(switch_route, static_argnames=("top_k", "jitter_eps", "training"))
 
 
 def gate_grad(z, key, **options):
@@ -372,3 +374,311 @@ def test_monte_carlo_test_can_tell_estimators_apart(mc_problem):
     mix = analysis.router_expected_gradient(mc_problem, probs_fn)
     euler = analysis.router_expected_gradient(mc_problem, probs_fn, estimator="euler")
     assert np.max(np.abs(np.asarray(mix - euler)) / np.maximum(se, 1e-30)) > 2 * Z_SE
+
+
+# ---------------------------------------------------------------- top-1 unchanged by top-k
+
+
+def _frozen_top1_route(logits, key, *, jitter_eps=0.1, training=True, mask="reference",
+                       estimator="mix", midpoint_prob=0.5, backward_scale=2.0):
+    """The top-1 router as it was before top-k (commit 016d4c5), kept verbatim in substance:
+    the top-k router with ``top_k=1`` must reproduce it bit for bit."""
+    from sparsemixer_jax.routing import _scaled_gate, _take
+
+    probs = router_probs(logits, jitter_eps, mask)
+    top = jnp.argmax(probs, axis=-1).astype(jnp.int32)
+    if not training:
+        return top, _take(probs, top), probs
+    sample_key, coin_key = jax.random.split(key)
+    masked_logits = jnp.log(jax.lax.stop_gradient(probs))
+    expert = jax.random.categorical(sample_key, masked_logits, axis=-1).astype(jnp.int32)
+    if estimator == "euler":
+        use_midpoint = jnp.zeros(expert.shape, dtype=bool)
+    elif estimator == "midpoint":
+        use_midpoint = jnp.ones(expert.shape, dtype=bool)
+    else:
+        coin = jax.random.bernoulli(coin_key, midpoint_prob, expert.shape)
+        use_midpoint = coin & (expert != top)
+    forward_scale = jnp.where(use_midpoint, 0.5, 1.0).astype(probs.dtype)
+    gate = _scaled_gate(_take(probs, expert), forward_scale, float(backward_scale))
+    return expert, gate, probs
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"estimator": "euler"}, {"estimator": "midpoint"}, {"midpoint_prob": 1.0},
+     {"mask": "paper", "backward_scale": 1.0}, {"mask": "none"}, {"training": False}],
+    ids=["mix", "euler", "midpoint", "paper-coin", "paper-mask", "no-mask", "eval"],
+)
+def test_top1_is_bit_for_bit_the_previous_router(options):
+    z = _logits((64, 5), scale=0.5, seed=4).astype(jnp.bfloat16)  # bf16: the cast path too
+
+    def both(z, key):
+        def new(z):
+            out = sparsemixer_route(z, key, top_k=1, **options)
+            return jnp.sum(out.gate * jnp.arange(64)), out
+
+        def old(z):
+            expert, gate, probs = _frozen_top1_route(z, key, **options)
+            return jnp.sum(gate * jnp.arange(64)), (expert, gate, probs)
+
+        return jax.grad(new, has_aux=True)(z), jax.grad(old, has_aux=True)(z)
+
+    (g_new, out), (g_old, (expert, gate, probs)) = jax.jit(both)(z, KEY)
+    for a, b in ((out.expert, expert), (out.gate, gate), (out.probs, probs), (g_new, g_old)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert out.gate.shape == (64,)
+
+
+# ---------------------------------------------------------------- top-k
+
+
+@pytest.fixture(scope="module")
+def top2_samples():
+    """40k training draws of top-2 routing on one token (module-scoped: one compilation)."""
+    z = jnp.array([1.0, 0.9, 0.85, 0.95, -0.5])  # expert 4 masked at every step
+    out = route(jnp.broadcast_to(z, (MC_SAMPLES, 5)), KEY, top_k=2)
+    return z, jax.device_get(out)
+
+
+def test_top2_distinct_experts_and_masked_never_sampled(top2_samples):
+    z, out = top2_samples
+    expert = np.asarray(out.expert)
+    assert expert.shape == (MC_SAMPLES, 2) and out.gate.shape == (MC_SAMPLES, 2)
+    assert np.all(expert[:, 0] != expert[:, 1]), "the second expert equals the first"
+    assert not np.any(expert == 4), "a masked expert was sampled"
+    # -inf excludes an expert in every step, also when it would otherwise be eligible.
+    z_inf = jnp.broadcast_to(z.at[1].set(-jnp.inf), (4096, 5))
+    out_inf = route(z_inf, KEY, top_k=3)
+    assert not np.any(np.asarray(out_inf.expert) == 1)
+    rows = np.sort(np.asarray(out_inf.expert), axis=-1)
+    assert np.all(np.diff(rows, axis=-1) > 0)
+
+
+def test_top2_second_expert_frequencies_match_conditional_probs(top2_samples):
+    """P(D2 = j) = sum_i pi_i pi^(i)_j, with pi^(i) the masked softmax without expert i."""
+    z, out = top2_samples
+    first = np.asarray(router_probs(z, 0.1), np.float64)
+    second = np.zeros(5)
+    for i in range(5):
+        cond = np.asarray(router_probs(z.at[i].set(-jnp.inf), 0.1), np.float64)
+        second += first[i] * cond
+    for slot, probs in ((0, first), (1, second)):
+        freq = np.bincount(np.asarray(out.expert)[:, slot], minlength=5) / MC_SAMPLES
+        se = np.sqrt(probs * (1 - probs) / MC_SAMPLES)
+        live = probs > 0
+        assert np.all(np.abs(freq - probs)[live] < Z_SE * se[live]), (slot, freq, probs, se)
+        assert np.all(freq[~live] == 0)
+    # The gate of slot 2 is the conditional probability of its expert (not renormalised).
+    e1, e2 = np.asarray(out.expert).T
+    cond = np.stack([np.asarray(router_probs(z.at[i].set(-jnp.inf), 0.1)) for i in range(5)])
+    ratio = np.asarray(out.gate)[:, 1] / cond[e1, e2]
+    assert set(np.round(np.unique(ratio), 6)) <= {0.5, 1.0}
+
+
+@pytest.mark.parametrize(("estimator", "weight", "prob"), [("v2", 1 / 3, 0.75),
+                                                           ("v2star", 1 / 3, 0.375)])
+def test_v2_coin_and_weights(estimator, weight, prob):
+    """GRIN's coin: off the argmax, weight 1/3 with probability 0.75 (v2) or 3/8 (v2star)."""
+    num = MC_SAMPLES
+    z = jnp.broadcast_to(jnp.array([1.0, 0.95, 0.9]), (num, 3))
+    out = route(z, KEY, top_k=2, estimator=estimator)
+    expert, gate = np.asarray(out.expert), np.asarray(out.gate)
+    for slot in range(2):
+        if slot == 0:
+            probs = np.broadcast_to(np.asarray(out.probs), (num, 3))
+            top = np.zeros(num, int)
+        else:
+            cond = np.stack([np.asarray(router_probs(z[0].at[i].set(-jnp.inf), 0.1))
+                             for i in range(3)])
+            probs = cond[expert[:, 0]]
+            top = np.argmax(probs, -1)
+        chosen = np.take_along_axis(probs, expert[:, slot, None], -1)[:, 0]
+        ratio = gate[:, slot] / chosen
+        assert np.all(np.isclose(ratio, weight, rtol=1e-6) | (ratio == 1.0))
+        on_top = expert[:, slot] == top
+        assert np.all(ratio[on_top] == 1.0), "the argmax always takes the full weight"
+        reduced = np.isclose(ratio[~on_top], weight).mean()
+        se = np.sqrt(prob * (1 - prob) / (~on_top).sum())
+        assert abs(reduced - prob) < Z_SE * se, (slot, reduced, prob, se)
+
+
+def test_topk_eval_is_deterministic_sorted_topk():
+    z = _logits((4, 6, 5), seed=2)
+    for k in (2, 3, 5):
+        a = route(z, jax.random.key(1), top_k=k, training=False)
+        b = route(z, None, top_k=k, training=False)
+        np.testing.assert_array_equal(a.expert, jax.lax.top_k(z, k)[1])
+        np.testing.assert_array_equal(a.expert, b.expert)
+        np.testing.assert_array_equal(a.gate, b.gate)
+        # Gate t: probability of the t-th best logit among the experts not yet chosen.
+        z_np, expert = np.asarray(z), np.asarray(a.expert)
+        for t in range(k):
+            remaining = z_np.copy()
+            np.put_along_axis(remaining, expert[..., :t], -np.inf, -1) if t else None
+            cond = np.asarray(router_probs(jnp.asarray(remaining), 0.1))
+            want = np.take_along_axis(cond, expert[..., t, None], -1)[..., 0]
+            np.testing.assert_allclose(a.gate[..., t], want, rtol=1e-6)
+    sw = switch(z, None, top_k=2, training=False)
+    np.testing.assert_array_equal(sw.expert, jax.lax.top_k(z, 2)[1])
+    np.testing.assert_allclose(sw.gate, jax.lax.top_k(jax.nn.softmax(z), 2)[0], rtol=1e-6)
+
+
+def test_topk_bfloat16_logits():
+    z32 = _logits((8, 6)).astype(jnp.bfloat16).astype(jnp.float32)
+    z16 = z32.astype(jnp.bfloat16)
+    out16, out32 = route(z16, KEY, top_k=2), route(z32, KEY, top_k=2)
+    assert out16.gate.dtype == jnp.float32 and out16.probs.dtype == jnp.float32
+    np.testing.assert_array_equal(out16.expert, out32.expert)
+    np.testing.assert_allclose(out16.gate, out32.gate, rtol=1e-6)
+    grad16 = gate_grad(z16, KEY, top_k=2, estimator="v2star")
+    grad32 = gate_grad(z32, KEY, top_k=2, estimator="v2star")
+    assert grad16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(grad16.astype(jnp.float32), grad32, rtol=1e-2, atol=1e-2)
+
+
+def test_top_k_equal_to_num_experts_routes_to_every_expert():
+    z = _logits((16, 3), scale=3.0)
+    out = route(z, KEY, top_k=3, estimator="v2star")
+    np.testing.assert_array_equal(np.sort(np.asarray(out.expert), -1), np.tile([0, 1, 2], (16, 1)))
+    np.testing.assert_array_equal(out.gate[:, -1], 1.0)  # the last expert is left alone
+    chex.assert_tree_all_finite(gate_grad(z, KEY, top_k=3, estimator="v2star"))
+    with pytest.raises(ValueError, match=r"top_k must lie in \[1, N\] with N = .* got top_k=4"):
+        sparsemixer_route(z, KEY, top_k=4)
+    with pytest.raises(ValueError, match="top_k must lie in"):
+        switch_route(z, KEY, top_k=4)
+
+
+def test_topk_gradient_is_scaled_conditional_jacobian():
+    """d sum(gate)/dz = s * sum_t d pi^(t)_{D_t} / dz, the coin never entering the backward."""
+    z = _logits((6, 5))
+    out = route(z, KEY, top_k=2, estimator="v2")
+    grad = gate_grad(z, KEY, top_k=2, estimator="v2")
+    e1 = np.asarray(out.expert)[:, 0]
+
+    def conditional(zi, i):
+        return router_probs(jnp.where(jnp.arange(5) == i, -jnp.inf, zi), 0.1)
+
+    want = np.zeros((6, 5))
+    for r in range(6):
+        jac1 = jax.jacobian(lambda zi: router_probs(zi, 0.1))(z[r])
+        jac2 = jax.jacobian(conditional)(z[r], e1[r])
+        want[r] = jac1[out.expert[r, 0]] + jac2[out.expert[r, 1]]
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------- argument checks, non-finite
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"jitter_eps": -1.0}, r"jitter_eps must be a finite Python number >= 0, got -1.0"),
+        ({"jitter_eps": float("nan")}, r"jitter_eps must be .* got nan"),
+        ({"top_k": 0}, r"top_k must lie in \[1, N\] .* got top_k=0"),
+        ({"top_k": 2.0}, r"top_k must be a Python int, got 2.0"),
+        ({"training": "yes"}, r"training must be a Python bool .* got 'yes'"),
+    ],
+)
+@pytest.mark.parametrize("router", [sparsemixer_route, switch_route])
+def test_static_arguments_are_checked_in_the_router(router, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        router(_logits((3, 4)), KEY, **kwargs)
+
+
+def test_more_argument_errors():
+    with pytest.raises(ValueError, match=r"logits must have at least one axis .* got shape \(\)"):
+        sparsemixer_route(jnp.float32(1.0), KEY)
+    with pytest.raises(ValueError, match=r"logits must have at least one axis"):
+        switch_route(jnp.float32(1.0), KEY)
+    with pytest.raises(ValueError, match=r"midpoint_prob must lie in \[0, 1\], got -0.5"):
+        sparsemixer_route(_logits((3,)), KEY, midpoint_prob=-0.5)
+    with pytest.raises(ValueError, match="training must be a Python bool"):
+        jax.jit(lambda z, t: sparsemixer_route(z, KEY, training=t))(_logits((3,)), True)
+    with pytest.raises(ValueError, match="unknown estimator 'v3'"):
+        sparsemixer_route(_logits((3,)), KEY, estimator="v3")
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
+def test_nan_or_plus_inf_logits(bad):
+    z = jnp.array([[0.5, 0.0, 1.0], [bad, 0.0, 1.0]])
+    # Outside jit: a clear error naming the token.
+    with pytest.raises(ValueError, match=r"NaN or \+inf for 1 token\(s\), first at index \(1,\)"):
+        sparsemixer_route(z, KEY)
+    with pytest.raises(ValueError, match=r"NaN or \+inf"):
+        switch_route(z, KEY)
+    # Under jit values cannot raise: that token's gate and probs are NaN (the loss turns NaN and
+    # the training loop skips the update), the other token is untouched.
+    for out in (route(z, KEY, top_k=2), switch(z, KEY)):
+        assert np.all(np.isfinite(out.gate[0])) and np.all(np.isnan(out.gate[1]))
+        assert np.all(np.isnan(out.probs[1])) and np.all(np.isfinite(out.probs[0]))
+        assert np.all((np.asarray(out.expert) >= 0) & (np.asarray(out.expert) < 3))
+
+
+def test_minus_inf_logits_exclude_experts():
+    z = jnp.array([[-jnp.inf, 0.0, 1.0], [-jnp.inf, -jnp.inf, 1.0]])
+    out = route(z, KEY)
+    np.testing.assert_array_equal(out.probs[:, 0], 0.0)
+    chex.assert_tree_all_finite((out.gate, out.probs))
+    with pytest.raises(ValueError, match=r"top_k=2 but token \(1,\) has only 1 expert"):
+        sparsemixer_route(z, KEY, top_k=2)
+    # Under jit: the token without a second expert gets a NaN second gate.
+    out2 = route(z, KEY, top_k=2)
+    assert np.isfinite(out2.gate[0]).all() and np.isnan(out2.gate[1, 1])
+
+
+# ---------------------------------------------------------------- top-k Monte Carlo vs oracle
+
+
+@pytest.mark.parametrize("estimator", ["v2", "v2star", "mix"])
+def test_top2_monte_carlo_gradient_matches_exact_expectation(mc_problem, estimator):
+    """Mean of 40k top-2 router gradients vs the enumerated expectation
+    (analysis.topk_expected_gradient), within 4.5 standard errors per component."""
+    problem = mc_problem._replace(logits=jnp.array([1.0, 0.9, 0.85, 0.95, -0.5]))
+
+    def total(z_batch):
+        out = sparsemixer_route(z_batch, jax.random.key(11), top_k=2, estimator=estimator)
+        y = jnp.einsum("tk,tkd->td", out.gate, problem.expert_outputs[out.expert])
+        return jnp.sum(jax.vmap(problem.downstream)(y))
+
+    z_batch = jnp.broadcast_to(problem.logits, (MC_SAMPLES, 5))
+    grads = np.asarray(jax.jit(jax.grad(total))(z_batch), np.float64)
+    mean = grads.mean(0)
+    se = grads.std(0, ddof=1) / np.sqrt(MC_SAMPLES)
+
+    def probs_fn(z):
+        return router_probs(z, 0.1)
+
+    other = "v2" if estimator != "v2" else "v2star"
+
+    @jax.jit
+    def oracle(problem):
+        return [analysis.topk_expected_gradient(problem, probs_fn, 2, estimator=e)
+                for e in (estimator, other)]
+
+    expected, alternative = (np.asarray(g) for g in oracle(problem))
+    live = se > 0
+    np.testing.assert_array_equal(mean[~live], expected[~live])
+    z_scores = np.abs(mean - expected)[live] / se[live]
+    assert np.all(z_scores < Z_SE), f"z-scores {z_scores}, SE {se}"
+    # Power: v2 and v2star expectations differ by far more than the noise.
+    assert np.max(np.abs(alternative - expected)[live] / se[live]) > 2 * Z_SE
+
+
+# ---------------------------------------------------------------- README
+
+
+def test_readme_router_snippet_runs_as_written():
+    """The first code block of the README's "The router in your own code" runs unchanged."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## The router in your own code", 1)[1].split("\n## ", 1)[0]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    names: dict = {}
+    exec(compile(snippet, "README.md", "exec"), names)
+    tokens, emb = names["tokens"], names["emb"]
+    assert names["y"].shape == names["y2"].shape == (tokens, emb)
+    assert names["out2"].expert.shape == (tokens, 2)
+    assert np.all(np.isfinite(names["y2"])) and np.isfinite(float(names["aux"]))

@@ -93,6 +93,31 @@ def forward_eval(layer, x, mask):
     return layer(x, mask, deterministic=True)
 
 
+@pytest.fixture(scope="module")
+def single_top2(data):
+    return loss_and_grads(make_layer(top_k=2, router="sparsemixer_v2"), *data)
+
+
+def test_sharded_top2_layer_equals_single_device(data, single_top2):
+    """Top-2 (GRIN's v2 router, two rows per token through the all_to_all exchange) on a 2x4
+    mesh with ragged dispatch: outputs, metrics, parameter and input gradients equal one
+    device (padded dispatch)."""
+    shape = (2, 4)
+    mesh = make_mesh(*shape)
+    layer = make_layer(mesh, top_k=2, router="sparsemixer_v2",
+                       dispatch=MESH_DISPATCH.get(shape, "padded"))
+    x, mask, head = (jax.device_put(a, batch_sharding(mesh)) for a in data)
+    loss, y, metrics, grads, dx = loss_and_grads(layer, x, mask, head)
+    loss0, y0, metrics0, grads0, dx0 = single_top2
+    chex.assert_trees_all_close(y, y0, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, loss0, rtol=1e-5)
+    chex.assert_trees_all_close(metrics, metrics0, rtol=1e-5, atol=1e-7)
+    chex.assert_trees_all_close(nnx.to_pure_dict(grads), nnx.to_pure_dict(grads0), rtol=1e-4,
+                                atol=1e-6)
+    np.testing.assert_allclose(dx, dx0, rtol=1e-4, atol=1e-6)
+    assert float(jnp.abs(grads["router"]["kernel"][...]).sum()) > 0
+
+
 def test_uneven_chunks():
     """A data shard of 7 tokens does not split evenly over an expert axis of 4: the padded
     chunking still equals one device."""
