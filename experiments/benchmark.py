@@ -58,6 +58,10 @@ PEAK_FLOPS = {
     "TPU v5p": {"bfloat16": 459e12, "float32": 459e12},
 }
 
+# --backend -> JAX_PLATFORMS. jax 0.11 reads "gpu" as "any GPU plugin" and then fails to start
+# ROCm on a CUDA machine ("Unable to initialize backend 'rocm'"); the plugin's name is "cuda".
+PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
+
 CPU_SIZES = {"emb": 256, "mlp": 1024, "heads": 4, "layers": 2, "vocab": 4000, "tokens": 2048,
              "length": 32}
 ACCEL_SIZES = {"emb": 512, "mlp": 2048, "heads": 8, "layers": 6, "vocab": 32000,
@@ -598,8 +602,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="bench.json")
     parser.add_argument("--report", default=None, metavar="JSON",
                         help="print the markdown tables of an existing result file and exit")
-    parser.add_argument("--backend", default=None, choices=["cpu", "gpu", "tpu"],
-                        help="JAX platform (default: JAX's default)")
+    parser.add_argument("--backend", default=None, choices=sorted(PLATFORMS),
+                        help="JAX platform (default: JAX's default); gpu = cuda (NVIDIA)")
     parser.add_argument("--sections", nargs="+", default=["overhead", "router", "moe_vs_dense",
                                                           "throughput"],
                         choices=["overhead", "router", "moe_vs_dense", "throughput", "profile",
@@ -631,7 +635,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(markdown_tables(result))
         return result
     if args.backend:
-        os.environ["JAX_PLATFORMS"] = args.backend
+        os.environ["JAX_PLATFORMS"] = PLATFORMS[args.backend]
     import jax
 
     backend = jax.default_backend()

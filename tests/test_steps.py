@@ -1,0 +1,127 @@
+"""The fused training step, the fused attention option and the runtime settings, on CPU.
+
+Float32 comparisons run at ``highest`` matmul precision (conftest), which is what CPUs do anyway;
+on a GPU it keeps TF32 out of them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparsemixer_jax import runtime, train
+from sparsemixer_jax.models import Attention, Transformer
+from tests import tiny_wmt_config
+
+VOCAB = 40
+
+
+def tiny_config(**model):
+    c = tiny_wmt_config.get_config()
+    for k, v in model.items():
+        c.model[k] = v
+    return c
+
+
+def batch(seed=0, rows=4, length=8):
+    rng = np.random.default_rng(seed)
+    b = {k: rng.integers(3, VOCAB, (rows, length), dtype=np.int32) for k in ("inputs", "targets")}
+    b["targets"][1, 5:] = 0  # some padding
+    b["inputs"][2, 6:] = 0
+    return {k: jnp.asarray(v) for k, v in b.items()}
+
+
+@pytest.fixture(scope="module")
+def steps():
+    config = tiny_config()
+    return train.Steps(train.build_model(config, VOCAB, mesh=None), config)
+
+
+def copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def test_fused_step_equals_zero_accumulate_update(steps):
+    """One micro-batch: the single compiled call gives what the three calls give."""
+    key = jax.random.key(7)
+    params = copy(steps.params)
+    opt = steps.init_opt(params)
+    b = batch()
+    acc = steps.zeros(params, b)
+    acc = steps.accumulate(params, acc, b, jax.random.fold_in(key, 0))
+    ref_params, ref_opt, ref_metrics = steps.update(copy(params), copy(opt), acc)
+    new_params, new_opt, metrics = steps.train_step(copy(params), copy(opt), [b], key)
+    for ref, new in ((ref_params, new_params), (ref_opt, new_opt), (ref_metrics, metrics)):
+        jax.tree.map(np.testing.assert_array_equal, ref, new)
+    assert not np.allclose(jax.tree.leaves(new_params)[0], jax.tree.leaves(steps.params)[0])
+
+
+def test_several_micro_batches_take_the_accumulating_path(steps):
+    key = jax.random.key(3)
+    params = copy(steps.params)
+    opt = steps.init_opt(params)
+    b0, b1 = batch(0), batch(1)
+    acc = steps.zeros(params, b0)
+    for j, b in enumerate((b0, b1)):
+        acc = steps.accumulate(params, acc, b, jax.random.fold_in(key, j))
+    ref = steps.update(copy(params), copy(opt), acc)
+    new = steps.train_step(copy(params), copy(opt), [b0, b1], key)
+    jax.tree.map(np.testing.assert_array_equal, ref, new)
+
+
+@pytest.mark.parametrize("impl", ["xla", "auto"])
+def test_dot_product_attention_equals_the_einsum_attention(impl):
+    kw = dict(attention_dropout=0.0, dtype=jnp.float32)
+    ref = Attention(32, 4, **kw, rngs=nnx.Rngs(0))
+    fused = Attention(32, 4, **kw, implementation=impl, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 5, 32))
+    memory = jax.random.normal(jax.random.key(2), (2, 7, 32))
+    pad = jnp.array([[True] * 7, [True] * 4 + [False] * 3])[:, None, None, :]
+    causal = jnp.tril(jnp.ones((5, 5), bool))[None, None]
+    for mem, mask in ((memory, pad), (x, causal)):
+        np.testing.assert_allclose(fused(x, mem, mask, deterministic=False),
+                                   ref(x, mem, mask, deterministic=False), rtol=1e-5, atol=1e-6)
+
+
+def test_transformer_with_fused_attention_equals_the_paper_attention():
+    """Whole model, training mode (dropout elsewhere on), attention dropout 0."""
+    b = batch()
+    outs = []
+    for impl in ("einsum", "xla"):
+        config = tiny_config(attention_impl=impl, attention_dropout=0.0)
+        model = Transformer(config, VOCAB, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+        outs.append(model(b["inputs"], b["targets"], deterministic=False)[0])
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_impl_config_errors():
+    with pytest.raises(ValueError, match=r"attention_impl.*no dropout.*attention_dropout=0\.1"):
+        train.check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.1))
+    with pytest.raises(ValueError, match="attention implementation 'flash'"):
+        train.check_config(tiny_config(attention_impl="flash", attention_dropout=0.0))
+    c = tiny_config()
+    c.runtime.rng_impl = "philox"
+    with pytest.raises(ValueError, match=r"runtime\.rng_impl='philox'"):
+        train.check_config(c)
+
+
+def test_runtime_configure_sets_prng_and_xla_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_x=1")
+    before = jax.config.values["jax_default_prng_impl"]
+    c = tiny_wmt_config.get_config()
+    c.runtime.rng_impl = "unsafe_rbg"
+    c.runtime.deterministic = True
+    try:
+        runtime.configure(c)
+        assert jax.config.values["jax_default_prng_impl"] == "unsafe_rbg"
+        assert str(jax.random.key_impl(jax.random.key(0))) == "unsafe_rbg"
+        assert os.environ["XLA_FLAGS"].split() == ["--xla_cpu_x=1", runtime.DETERMINISTIC_XLA_FLAG]
+        runtime.configure(c)  # idempotent
+        assert os.environ["XLA_FLAGS"].count("deterministic") == 1
+    finally:
+        jax.config.update("jax_default_prng_impl", before)
