@@ -828,7 +828,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.report:
         with open(args.report) as f:
             result = json.load(f)
-        print(markdown_tables(result))
+        # experiments/gpu_campaign.sh merges several runs: {"runs": {name: result}}.
+        for name, run in result.get("runs", {"": result}).items():
+            if name:
+                print(f"### {name}: {run.get('command', run.get('failed', '')[-300:])}\n")
+            print(markdown_tables(run))
         return result
     if args.backend:
         os.environ["JAX_PLATFORMS"] = PLATFORMS[args.backend]
