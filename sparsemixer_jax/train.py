@@ -91,6 +91,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         check_attention_impl(m.get("attention_impl", "einsum"), m.attention_dropout)
     except ValueError as err:
         raise ValueError(f"config.model.attention_impl: {err}") from None
+    if m.get("attention_impl") == "cudnn" and m.compute_dtype != "bfloat16":
+        raise ValueError("config.model.attention_impl='cudnn' needs compute_dtype='bfloat16' "
+                         f"(cuDNN's fused attention takes 16-bit inputs), got {m.compute_dtype!r}")
     if "runtime" in config:
         runtime.check_runtime_config(config.runtime)
 

@@ -102,6 +102,10 @@ def test_transformer_with_fused_attention_equals_the_paper_attention():
 def test_attention_impl_config_errors():
     with pytest.raises(ValueError, match=r"attention_impl.*no dropout.*attention_dropout=0\.1"):
         train.check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.1))
+    with pytest.raises(ValueError, match="'cudnn' needs compute_dtype='bfloat16'"):
+        train.check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.0))
+    train.check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.0,
+                                   compute_dtype="bfloat16"))
     with pytest.raises(ValueError, match="attention implementation 'flash'"):
         train.check_config(tiny_config(attention_impl="flash", attention_dropout=0.0))
     c = tiny_config()
