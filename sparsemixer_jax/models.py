@@ -71,9 +71,25 @@ def sinusoidal_positions(positions: jax.Array, dim: int) -> jax.Array:
 
 # model.attention_impl -> jax.nn.dot_product_attention's ``implementation`` ("einsum" is this
 # module's own attention, the only one with dropout on the attention weights: the paper's setting).
-# "cudnn" is cuDNN's fused flash attention (NVIDIA GPUs, bf16/fp16); "auto" lets jax pick it where
-# it applies and XLA's reference otherwise.
+# "xla" and "auto" (jax picks; XLA in jax 0.10) take the boolean mask as it is. "cudnn" is cuDNN's
+# fused flash attention (NVIDIA GPUs, bf16): a general mask would become an additive bias that the
+# kernel reads in full, so it gets the masks as sequence lengths and a causal flag instead
+# (:func:`mask_as_lengths`).
 ATTENTION_IMPLS = {"einsum": None, "xla": "xla", "cudnn": "cudnn", "auto": None}
+_LENGTH_MASKED = ("cudnn",)
+
+
+def mask_as_lengths(mask: jax.Array, batch: int, queries: int) -> tuple[jax.Array, bool]:
+    """The model's attention masks as ``(key lengths int32 [B], causal)``.
+
+    Every mask this model builds keeps the keys before a per-row length (padding is on the right)
+    and, when it has a query axis longer than one (decoder self-attention in training), is also
+    causal. A row without any key gets length 1 instead of 0 (only all-padding filler rows have
+    none; their outputs are never used), so no kernel sees an empty row.
+    """
+    causal = mask.shape[-2] > 1
+    last_row = jnp.broadcast_to(mask, (batch, 1, queries, mask.shape[-1]))[:, 0, -1, :]
+    return jnp.maximum(jnp.sum(last_row, axis=-1, dtype=jnp.int32), 1), causal
 
 
 def check_attention_impl(implementation: str, attention_dropout: float) -> None:
@@ -145,10 +161,13 @@ class Attention(nnx.Module):
             # Fused attention: no dropout on the weights (check_attention_impl), softmax in
             # float32 inside the kernel / XLA's reference, the same scale and mask.
             q = self._heads(self.query(x))
-            mask = jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[1], k.shape[1]))
+            kwargs = {"mask": jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[1], k.shape[1]))}
+            if self.implementation in _LENGTH_MASKED:
+                lengths, causal = mask_as_lengths(mask, q.shape[0], q.shape[1])
+                kwargs = {"key_value_seq_lengths": lengths, "is_causal": causal}
             heads = jax.nn.dot_product_attention(
-                q, k.astype(q.dtype), v.astype(q.dtype), mask=mask,
-                scale=self.head_dim**-0.5, implementation=ATTENTION_IMPLS[self.implementation])
+                q, k.astype(q.dtype), v.astype(q.dtype), scale=self.head_dim**-0.5,
+                implementation=ATTENTION_IMPLS[self.implementation], **kwargs)
             return self.out(heads.reshape(*heads.shape[:2], -1))
         q = self._heads(self.query(x)) * (self.head_dim**-0.5)
         logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)

@@ -99,6 +99,38 @@ def test_transformer_with_fused_attention_equals_the_paper_attention():
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
+def test_cudnn_attention_masks_as_lengths_equal_the_paper_attention(monkeypatch):
+    """The "cudnn" path (masks as key lengths + causal flag) run by XLA on CPU: the whole model in
+    training mode, and incremental decoding, equal the einsum attention with boolean masks."""
+    from sparsemixer_jax import models
+
+    monkeypatch.setitem(models.ATTENTION_IMPLS, "cudnn", "xla")  # cuDNN itself needs a GPU
+    b = batch()
+    outs, steps = [], []
+    for impl in ("einsum", "cudnn"):
+        config = tiny_config(attention_impl=impl, attention_dropout=0.0)
+        model = Transformer(config, VOCAB, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+        outs.append(model(b["inputs"], b["targets"], deterministic=False)[0])
+        encoded = model.encode(b["inputs"])
+        cache = model.init_cache(b["inputs"].shape[0], 6)
+        for t in range(3):
+            logits, cache = model.decode_step(b["targets"][:, t], cache, encoded)
+        steps.append(logits)
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(steps[0], steps[1], rtol=1e-5, atol=1e-5)
+
+
+def test_mask_as_lengths():
+    from sparsemixer_jax.models import mask_as_lengths
+
+    pad = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], bool)[:, None, None, :]
+    lengths, causal = mask_as_lengths(pad, 3, 5)
+    assert lengths.tolist() == [3, 2, 1] and not causal  # an empty row gets 1
+    square = jnp.tril(jnp.ones((4, 4), bool))[None, None] & pad
+    lengths, causal = mask_as_lengths(square, 3, 4)
+    assert lengths.tolist() == [3, 2, 1] and causal
+
+
 def test_attention_impl_config_errors():
     with pytest.raises(ValueError, match=r"attention_impl.*no dropout.*attention_dropout=0\.1"):
         train.check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.1))
