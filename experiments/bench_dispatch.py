@@ -68,7 +68,8 @@ def main() -> None:
     if args.triton_ragged_dot:
         from sparsemixer_jax.grouped_matmul import enable_triton_ragged_dot
 
-        print(f"triton ragged_dot lowering: {'on' if enable_triton_ragged_dot() else 'not in this jax'}")
+        state = "on" if enable_triton_ragged_dot() else "not in this jax"
+        print(f"triton ragged_dot lowering: {state}")
     dtype = jnp.dtype(args.dtype)
     print(f"backend={jax.default_backend()} devices={jax.devices()[0].device_kind} "
           f"tokens={args.tokens} emb={args.emb} mlp={args.mlp} dtype={args.dtype} "
