@@ -89,6 +89,25 @@ def test_backend_gpu_means_cuda():
     assert benchmark.parse_args(["--backend", "gpu"]).backend == "gpu"
 
 
+def test_gpu_campaign_script_parses_and_names_real_files():
+    """experiments/gpu_campaign.sh is valid bash, its test files exist, and it writes at most the
+    8 files a device lease brings back. (Run on CPU at tiny sizes with PLATFORM=cpu: see
+    docs/benchmarks.md, section 6.)"""
+    import re
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "experiments", "gpu_campaign.sh")
+    subprocess.run(["bash", "-n", script], check=True)
+    with open(script) as f:
+        text = f.read()
+    for test_file in set(re.findall(r"tests/test_\w+\.py", text)):
+        assert os.path.exists(os.path.join(root, test_file)), test_file
+    outputs = set(re.findall(r'"\$OUT/([\w.$]+)', text))
+    parts = {"layer", "step", "variants", "profile", "decode"}  # "$OUT/$part.json"
+    assert len((outputs - {"$part.json"}) | {f"{p}.json" for p in parts}) <= 8, outputs
+
+
 @pytest.mark.slow
 def test_benchmark_whole_training_step(tmp_path):
     """The real thing at tiny sizes: two compiled training steps (about 20 s on an idle 2-core
