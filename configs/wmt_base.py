@@ -77,6 +77,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.runtime = ml_collections.ConfigDict()
     c.runtime.deterministic = False  # XLA:GPU deterministic ops: bit-exact resume on GPU, slower
     c.runtime.rng_impl = "threefry2x32"  # jax_default_prng_impl: | "rbg" | "unsafe_rbg"
+    c.runtime.matmul_precision = "default"  # | "highest": full float32 matmuls (no TF32 on GPU)
     c.runtime.triton_ragged_dot = False  # ragged_dot's grouped Pallas/Triton GPU lowering
 
     c.mesh = ml_collections.ConfigDict()

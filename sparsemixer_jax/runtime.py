@@ -11,6 +11,9 @@
   jitter, dropout). ``"threefry2x32"`` (jax's default, the same numbers on every backend) or
   ``"rbg"`` / ``"unsafe_rbg"``, which are cheaper on accelerators (4-8% of an H100 step, issue
   8) but draw other numbers, so a run's results change with it.
+* ``runtime.matmul_precision``: ``jax_default_matmul_precision``. ``"default"`` leaves jax's
+  choice (float32 matmuls run as TF32 on NVIDIA GPUs since Ampere, ~1e-3 relative error);
+  ``"highest"`` computes them in full float32 (slower on GPUs; no effect on CPUs).
 * ``runtime.triton_ragged_dot``: ``ragged_dot``'s grouped Pallas/Triton GPU lowering where this
   jax has it (:mod:`sparsemixer_jax.grouped_matmul`); with it ``dispatch="auto"`` picks
   ``"ragged"`` on GPUs.
@@ -28,12 +31,17 @@ logger = logging.getLogger(__name__)
 
 DETERMINISTIC_XLA_FLAG = "--xla_gpu_deterministic_ops=true"
 RNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+MATMUL_PRECISIONS = ("default", "high", "highest")
 
 
 def check_runtime_config(runtime: Any) -> None:
     """Raises ValueError naming a ``config.runtime`` field that makes no sense."""
     if runtime.rng_impl not in RNG_IMPLS:
         raise ValueError(f"config.runtime.rng_impl={runtime.rng_impl!r}; choose one of {RNG_IMPLS}")
+    precision = runtime.get("matmul_precision", "default")
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"config.runtime.matmul_precision={precision!r}; choose one of "
+                         f"{MATMUL_PRECISIONS}")
 
 
 def _backend_started() -> bool:
@@ -70,6 +78,9 @@ def configure(config: Any) -> None:
         set_deterministic_gpu_ops()
     if jax.config.values["jax_default_prng_impl"] != runtime.rng_impl:
         jax.config.update("jax_default_prng_impl", runtime.rng_impl)
+    precision = runtime.get("matmul_precision", "default")
+    if precision != "default":
+        jax.config.update("jax_default_matmul_precision", precision)
     if runtime.triton_ragged_dot:
         from sparsemixer_jax.grouped_matmul import enable_triton_ragged_dot
 

@@ -147,17 +147,22 @@ def test_attention_impl_config_errors():
 
 
 def test_runtime_configure_sets_prng_and_xla_flags(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_x=1")
+    flags = os.environ.get("XLA_FLAGS", "")  # conftest's; XLA aborts on flags it does not know
+    monkeypatch.setenv("XLA_FLAGS", flags)
     before = jax.config.values["jax_default_prng_impl"]
     c = tiny_wmt_config.get_config()
+    precision = jax.config.values["jax_default_matmul_precision"]
     c.runtime.rng_impl = "unsafe_rbg"
     c.runtime.deterministic = True
+    c.runtime.matmul_precision = "high"
     try:
         runtime.configure(c)
+        assert jax.config.values["jax_default_matmul_precision"] == "high"
         assert jax.config.values["jax_default_prng_impl"] == "unsafe_rbg"
         assert str(jax.random.key_impl(jax.random.key(0))) == "unsafe_rbg"
-        assert os.environ["XLA_FLAGS"].split() == ["--xla_cpu_x=1", runtime.DETERMINISTIC_XLA_FLAG]
+        assert os.environ["XLA_FLAGS"].split() == [*flags.split(), runtime.DETERMINISTIC_XLA_FLAG]
         runtime.configure(c)  # idempotent
         assert os.environ["XLA_FLAGS"].count("deterministic") == 1
     finally:
         jax.config.update("jax_default_prng_impl", before)
+        jax.config.update("jax_default_matmul_precision", precision)
