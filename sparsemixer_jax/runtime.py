@@ -58,7 +58,7 @@ def set_deterministic_gpu_ops() -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if DETERMINISTIC_XLA_FLAG in flags.split():
         return
-    if _backend_started() and jax.default_backend() == "gpu":
+    if _backend_started() and jax.default_backend() in ("gpu", "cuda", "rocm"):
         raise RuntimeError(
             "config.runtime.deterministic needs XLA_FLAGS to hold "
             f"{DETERMINISTIC_XLA_FLAG} before JAX starts its GPU backend; call "

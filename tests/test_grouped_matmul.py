@@ -46,7 +46,7 @@ def test_enable_triton_ragged_dot_where_available(monkeypatch):
         jax.config.update(option, False)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda"), reason="needs an NVIDIA GPU")
 def test_triton_ragged_dot_matches_padded_on_gpu():
     """Where the grouped kernels exist, ragged (Triton) and padded agree in float32 (highest)."""
     import jax.numpy as jnp
