@@ -6,7 +6,7 @@
 #     OUT=gpu_out bash experiments/gpu_campaign.sh layer step   # some parts
 #
 # Parts (each meant to take <= ~8 min on one H100, so that a device lease with a 10-minute limit per command
-# runs them one or two at a time): env, layer, step, variants, profile, decode, tests.
+# runs them one or two at a time): env, layer, step, variants, flags, profile, decode, tests.
 # Results go to $OUT as each run finishes (at most 8 files: what a device lease brings back):
 #   campaign.txt     GPU, driver, jax/jaxlib/CUDA/cuDNN versions, then each run's start and exit
 #   layer.json       one MoE layer fwd+bwd vs dense FFN, N=2,4,8,16: ragged (XLA's lowering),
@@ -14,7 +14,8 @@
 #   step.json        whole training step: throughput + MFU (dense vs N=4), SparseMixer/Switch
 #                    overhead and the routers alone at N=2,4,8,16; default config (dispatch auto)
 #   variants.json    throughput with cuDNN flash attention, unsafe_rbg dropout PRNG, both,
-#                    deterministic GPU ops (its cost), and the one-call vs three-call update
+#                    deterministic GPU ops (its cost), the one-call vs three-call update, and
+#                    (part "flags") two XLA:GPU flags
 #   profile.json     device time per GPU kernel category (N=4, default config and fast variant)
 #   profile.trace.json.gz  the default config's trace (Perfetto / TensorBoard)
 #   decode.json      beam search (beam 4) sentences/s, Multi30k-test and newstest-like batches
@@ -33,7 +34,7 @@ RUN_LIMIT=${RUN_LIMIT:-560}  # seconds; one run past it is stopped and the campa
 PLATFORM=${PLATFORM:-cuda}  # PLATFORM=cpu BENCH_ARGS="--emb 16 ..." checks the script on a CPU
 BENCH_ARGS=${BENCH_ARGS:-}  # appended to every benchmark run (e.g. smaller sizes)
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env layer step variants profile decode tests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env layer step variants flags profile decode tests)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)
@@ -96,6 +97,14 @@ for part in "${PARTS[@]}"; do
       bench variants deterministic --sections throughput --deterministic
       bench variants fusion --sections fusion --experts 4
       ;;
+    flags)
+      # XLA:GPU flags an entry point could set, if they pay: cuBLAS for every matmul instead of
+      # XLA's Triton GEMM fusions, and the latency-hiding scheduler.
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
+        bench variants no_triton_gemm --sections throughput
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true" \
+        bench variants latency_hiding_scheduler --sections throughput
+      ;;
     profile)
       rm -rf "$WORK/trace_default" "$WORK/trace_fast"
       bench profile default --sections profile --profile-dir "$WORK/trace_default" --repeats 1
@@ -119,7 +128,7 @@ for part in "${PARTS[@]}"; do
         tests/test_gpu.py tests/test_train.py >"$OUT/tests.txt" 2>&1
       log "tests: exit $? ($(tail -n 1 "$OUT/tests.txt"))"
       ;;
-    *) log "unknown part $part (env layer step variants profile decode tests)" ;;
+    *) log "unknown part $part (env layer step variants flags profile decode tests)" ;;
   esac
 done
 log "done: $OUT"
