@@ -780,9 +780,18 @@ def machine() -> dict[str, Any]:
                         if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
-            "device_count": jax.device_count(), "cpu": cpu, "cpu_count": os.cpu_count(),
-            "jax": jax.__version__, "python": platform.python_version()}
+    out = {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+           "device_count": jax.device_count(), "cpu": cpu, "cpu_count": os.cpu_count(),
+           "jax": jax.__version__, "python": platform.python_version()}
+    try:  # the CUDA plugin's versions (what jax's cuDNN attention checks); absent on CPU/TPU
+        from jax._src.lib import cuda_versions
+
+        if cuda_versions is not None and out["backend"] in ("gpu", "cuda"):
+            out["cudnn"] = cuda_versions.cudnn_get_version()
+            out["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
+    except Exception as err:  # private module: record why instead of failing the benchmark
+        out["cuda_versions_error"] = repr(err)
+    return out
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
