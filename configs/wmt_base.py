@@ -39,6 +39,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.dispatch = "auto"  # "auto" | "ragged" | "padded"
     c.model.capacity_factor = 0.0  # 0 = dropless; > 0 = Switch-style capacity with dropping
     c.model.compute_dtype = "float32"  # "float32" | "bfloat16" (params stay float32)
+    # "einsum" (the paper's attention, with attention dropout) | "xla" | "cudnn" | "auto"
+    # (jax.nn.dot_product_attention; fused flash attention with "cudnn"; needs attention_dropout=0)
+    c.model.attention_impl = "einsum"
 
     c.router = ml_collections.ConfigDict()
     c.router.name = "sparsemixer"  # see sparsemixer_jax.routing.ROUTERS
@@ -70,6 +73,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.decode.length_penalty = 0.6
     c.decode.max_extra_len = 50  # generate at most source length + this many tokens
     c.decode.test_bleu = True  # beam search + BLEU on the test split at the end of training
+
+    # Process-wide JAX/XLA settings (sparsemixer_jax/runtime.py), applied before JAX starts.
+    c.runtime = ml_collections.ConfigDict()
+    c.runtime.deterministic = False  # XLA:GPU deterministic ops: bit-exact resume on GPU, slower
+    c.runtime.rng_impl = "threefry2x32"  # jax_default_prng_impl: | "rbg" | "unsafe_rbg"
+    c.runtime.matmul_precision = "default"  # | "highest": full float32 matmuls (no TF32 on GPU)
+    c.runtime.triton_ragged_dot = False  # ragged_dot's grouped Pallas/Triton GPU lowering
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # -1 = all devices not used by the expert axis

@@ -4,7 +4,9 @@ batched matmul), forward + backward of the expert FFN, on the default JAX backen
     python -m experiments.bench_dispatch [--tokens 4096 --emb 512 --mlp 2048 --experts 2 4 8 16]
 
 Prints a table of median milliseconds per forward+backward; the result sets the CPU default of
-``dispatch="auto"`` in ``sparsemixer_jax/moe.py``.
+``dispatch="auto"`` in ``sparsemixer_jax/moe.py`` (``moe.AUTO_DISPATCH``). On a GPU
+(``JAX_PLATFORMS=cuda``), ``--triton-ragged-dot`` times ``ragged`` with ragged_dot's grouped
+Pallas/Triton lowering where the installed jax has it (it says so when it has not).
 """
 
 from __future__ import annotations
@@ -60,7 +62,14 @@ def main() -> None:
     parser.add_argument("--experts", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--triton-ragged-dot", action="store_true",
+                        help="ragged: the grouped Pallas/Triton GPU lowering, where available")
     args = parser.parse_args()
+    if args.triton_ragged_dot:
+        from sparsemixer_jax.grouped_matmul import enable_triton_ragged_dot
+
+        state = "on" if enable_triton_ragged_dot() else "not in this jax"
+        print(f"triton ragged_dot lowering: {state}")
     dtype = jnp.dtype(args.dtype)
     print(f"backend={jax.default_backend()} devices={jax.devices()[0].device_kind} "
           f"tokens={args.tokens} emb={args.emb} mlp={args.mlp} dtype={args.dtype} "

@@ -1,31 +1,41 @@
-"""Router overhead, MoE layer against dense, and training throughput, measured side by side.
+"""Router overhead, MoE layer against dense, training throughput and decoding, side by side.
 
     python -m experiments.benchmark --out bench.json                 # sizes for this backend
     python -m experiments.benchmark --out bench.json --backend gpu --repeats 20
     python -m experiments.benchmark --emb 128 --mlp 256 --tokens 512 --experts 2 4 --repeats 2
+    bash experiments/gpu_campaign.sh                                  # every GPU figure
 
-Three sections (``--sections`` picks some):
+Sections (``--sections`` picks some):
 
-* ``overhead``: seconds per update of the whole training step (``train.Steps``: zero the
-  accumulator, forward + backward, optimizer update: the three compiled calls ``train.py`` makes
-  per update), Switch against Switch+SparseMixer on the same model sizes, the same seed and the
-  same batch, for each N. Repeats are interleaved in ABBA order so that a change of machine load
-  hits both routers alike. JSON: ``overhead[N] = {"switch_s", "sparsemixer_s", "ratio", ...}``.
+* ``overhead``: seconds per update of the whole training step (``train.Steps.train_step``: one
+  compiled call per update, as ``train.py`` runs without gradient accumulation), Switch against
+  Switch+SparseMixer on the same model sizes, the same seed and the same batch, for each N.
+  Repeats are interleaved in ABBA order so that a change of machine load hits both routers
+  alike. JSON: ``overhead[N] = {"switch_s", "sparsemixer_s", "ratio", ...}``.
 * ``router``: the two routers alone (forward + backward on ``[tokens, N]`` logits), and the
   difference as a share of the whole step: a bound on SparseMixer's overhead that is not
   drowned by the load noise of whole-step timings.
 * ``moe_vs_dense``: forward + backward of one MoE layer (``MoEFeedForward``, top-1, dropless,
-  each dispatch implementation) against a dense feed-forward layer of width ``mlp`` (the same
-  per-token FLOPs: top-1 runs one expert of width ``mlp`` per token), interleaved.
+  each dispatch of ``--layer-dispatches``; with ``--triton-ragged-dot`` "ragged" is the grouped
+  Pallas/Triton lowering where jax has it) against a dense feed-forward layer of width ``mlp``
+  (the same per-token FLOPs: top-1 runs one expert of width ``mlp`` per token), interleaved.
   JSON: ``moe_vs_dense[N][impl] = ratio`` (MoE / dense seconds); times in ``moe_vs_dense_s``.
 * ``padded_blocks`` (not run by default): the ``padded`` layer with smaller blocks than
   ``moe._block_rows`` picks, against dense: the evidence for a proposed change of that rule.
 * ``throughput``: target tokens per second of the whole training step, dense against N=4
   (SparseMixer), and model FLOPs utilisation against the device's peak on an accelerator.
+* ``fusion`` (not run by default): the one-call update against the three calls of an
+  accumulating update (zero, accumulate, update), dense and each N.
+* ``decode`` (not run by default): beam search (beam 4) in sentences per second on Multi30k-test
+  and newstest-like batches, dense and each N, compile time apart.
 * ``profile`` (not run by default): a ``jax.profiler`` trace of a few whole training steps
-  (N=4, SparseMixer) and the device time per op category (matmul, while loops, scatter, ...),
-  from the trace's self times; the trace itself stays in ``--profile-dir`` for TensorBoard or
-  Perfetto.
+  (N=4, SparseMixer) and the device time per op or kernel category (matmul, fused attention,
+  fusions, scatter, collectives, memcpy, ...): on a GPU from the kernels on the device's
+  streams, on CPU from the XLA ops' self times; the trace itself stays in ``--profile-dir`` for
+  TensorBoard or Perfetto.
+
+Whole-step sections take ``--dispatch``, ``--attention-impl`` and, for the whole run,
+``--rng-impl``, ``--deterministic``, ``--triton-ragged-dot``; the JSON records them.
 
 Every timing: ``--warmup`` untimed calls (the first compiles), then ``--repeats`` timed calls,
 each ended by ``jax.block_until_ready``; reported as median, min and max seconds. The load
@@ -58,6 +68,12 @@ PEAK_FLOPS = {
     "TPU v5p": {"bfloat16": 459e12, "float32": 459e12},
 }
 
+# --backend -> JAX_PLATFORMS. jax 0.11 reads "gpu" as "any GPU plugin" and then fails to start
+# ROCm on a CUDA machine ("Unable to initialize backend 'rocm'"); the plugin's name is "cuda".
+PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
+
+DISPATCH_CHOICES = ("auto", "ragged", "padded")
+
 CPU_SIZES = {"emb": 256, "mlp": 1024, "heads": 4, "layers": 2, "vocab": 4000, "tokens": 2048,
              "length": 32}
 ACCEL_SIZES = {"emb": 512, "mlp": 2048, "heads": 8, "layers": 6, "vocab": 32000,
@@ -80,10 +96,13 @@ def stats(times: Sequence[float]) -> dict[str, Any]:
             "n": len(times)}
 
 
-def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int,
-                     repeats: int) -> dict[str, list[float]]:
+def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: int,
+                     cpu_times: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Seconds per call of each function, timed in turn (ABBA order for two) after ``warmup``
-    untimed calls each. Each call must return what it computed; it is blocked on."""
+    untimed calls each. Each call must return what it computed; it is blocked on.
+
+    ``cpu_times``, if given, receives the process's CPU seconds (all threads) per call: on CPU
+    cores shared with other jobs, the work done, which waiting for a core does not inflate."""
     import jax
 
     for fn in fns.values():
@@ -93,9 +112,11 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int,
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             jax.block_until_ready(fns[name]())
             times[name].append(time.perf_counter() - start)
+            if cpu_times is not None:
+                cpu_times.setdefault(name, []).append(time.process_time() - cpu_start)
     return times
 
 
@@ -103,11 +124,15 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int,
 
 
 def model_config(sizes: dict[str, int], num_experts: int, router: str, dtype: str,
-                 dispatch: str = "auto") -> Any:
-    """``configs/wmt_base.py`` with the benchmark's sizes (dropout and optimizer unchanged)."""
+                 dispatch: str = "auto", attention_impl: str = "einsum") -> Any:
+    """``configs/wmt_base.py`` with the benchmark's sizes (dropout and optimizer unchanged, except
+    attention dropout 0 with a fused ``attention_impl``, which has none)."""
     from configs import wmt_base
 
     c = wmt_base.get_config()
+    c.model.attention_impl = attention_impl
+    if attention_impl != "einsum":
+        c.model.attention_dropout = 0.0
     c.model.encoder_layers = c.model.decoder_layers = sizes["layers"]
     c.model.emb_dim, c.model.mlp_dim = sizes["emb"], sizes["mlp"]
     c.model.num_heads = sizes["heads"]
@@ -139,9 +164,12 @@ class TrainStep:
     """One update of ``train.py``'s training loop (one micro-batch), as a zero-argument call.
 
     Owns the parameters and optimizer state, which the compiled update donates and returns.
+    ``fused``: ``train.Steps.train_step``, one compiled call per update (what ``train.py`` runs
+    without gradient accumulation); else the three calls of an accumulating update (zero the
+    accumulator, forward + backward, optimizer update).
     """
 
-    def __init__(self, config: Any, vocab: int, batch: dict[str, Any]):
+    def __init__(self, config: Any, vocab: int, batch: dict[str, Any], fused: bool = True):
         import jax
 
         from sparsemixer_jax import train
@@ -154,15 +182,22 @@ class TrainStep:
         self.batch = batch
         self.key = jax.random.key(0)
         self.num_params = train.count_params(self.params)
+        self.fused = fused
         self.calls = 0
 
     def __call__(self) -> Any:
         import jax
 
         # The same key every call: the routers see the same jitter/mask draws each time.
-        acc = self.steps.zeros(self.params, self.batch)
-        acc = self.steps.accumulate(self.params, acc, self.batch, self.key)
-        self.params, self.opt_state, metrics = self.steps.update(self.params, self.opt_state, acc)
+        if self.fused:
+            self.params, self.opt_state, metrics = self.steps.train_step(
+                self.params, self.opt_state, [self.batch], self.key)
+        else:
+            acc = self.steps.zeros(self.params, self.batch)
+            acc = self.steps.accumulate(self.params, acc, self.batch,
+                                        jax.random.fold_in(self.key, 0))
+            self.params, self.opt_state, metrics = self.steps.update(self.params,
+                                                                     self.opt_state, acc)
         self.calls += 1
         return jax.tree.leaves(self.params)[0], metrics
 
@@ -204,13 +239,15 @@ def device_peak(dtype: str) -> tuple[str, float | None]:
 # --------------------------------------------------------------------------------- sections
 
 
-def bench_overhead(sizes, experts, dtype, warmup, repeats) -> dict[str, Any]:
-    """Whole training step, Switch vs SparseMixer, for each N (interleaved repeats)."""
+def bench_overhead(sizes, experts, dtype, warmup, repeats, **model_options) -> dict[str, Any]:
+    """Whole training step, Switch vs SparseMixer, for each N (interleaved repeats).
+    ``model_options``: ``dispatch`` and ``attention_impl`` of :func:`model_config`."""
     batch = synthetic_batch(sizes)
     out = {}
     for n in experts:
         load_before = load_average()
-        fns = {router: TrainStep(model_config(sizes, n, router, dtype), sizes["vocab"], batch)
+        fns = {router: TrainStep(model_config(sizes, n, router, dtype, **model_options),
+                                 sizes["vocab"], batch)
                for router in ("switch", "sparsemixer")}
         times = time_interleaved(fns, warmup, repeats)
         s, m = stats(times["switch"]), stats(times["sparsemixer"])
@@ -322,7 +359,8 @@ def bench_moe_vs_dense(sizes, experts, dtype, warmup, repeats, impls=("ragged", 
         times = time_interleaved(fns, warmup, repeats)
         per = {name: stats(t) for name, t in times.items()}
         ratios[str(n)] = {impl: per[impl]["median"] / per["dense"]["median"] for impl in impls}
-        ratios[str(n)]["auto"] = ratios[str(n)][resolve_dispatch("auto")]
+        if resolve_dispatch("auto") in impls:
+            ratios[str(n)]["auto"] = ratios[str(n)][resolve_dispatch("auto")]
         seconds[str(n)] = {**per, "load_average": [load_before, load_average()]}
         print(f"moe_vs_dense N={n}: dense {per['dense']['median']*1e3:.1f} ms; " + ", ".join(
             f"{impl} {per[impl]['median']*1e3:.1f} ms ({ratios[str(n)][impl]:.2f}x)"
@@ -378,13 +416,14 @@ def bench_padded_blocks(sizes, experts, dtype, warmup, repeats, dropout: float =
     return out
 
 
-def bench_throughput(sizes, dtype, warmup, repeats) -> dict[str, Any]:
+def bench_throughput(sizes, dtype, warmup, repeats, **model_options) -> dict[str, Any]:
     """Target tokens per second of the whole training step, dense vs N=4, and MFU."""
     batch = synthetic_batch(sizes)
     tokens = int(batch["targets"].size)
     load_before = load_average()
     arms = {"dense": 0, "n4": 4}
-    fns = {name: TrainStep(model_config(sizes, n, "sparsemixer", dtype), sizes["vocab"], batch)
+    fns = {name: TrainStep(model_config(sizes, n, "sparsemixer", dtype, **model_options),
+                           sizes["vocab"], batch)
            for name, n in arms.items()}
     times = time_interleaved(fns, warmup, repeats)
     kind, peak = device_peak(dtype)
@@ -410,57 +449,181 @@ def bench_throughput(sizes, dtype, warmup, repeats) -> dict[str, Any]:
     return out
 
 
+def bench_fusion(sizes, experts, dtype, warmup, repeats, **model_options) -> dict[str, Any]:
+    """The whole training step as one compiled call (``train.Steps.train_step``) against the
+    three calls of an accumulating update, dense and each N, interleaved: the cost of dispatch
+    and of materialising the gradient accumulator."""
+    batch = synthetic_batch(sizes)
+    out: dict[str, Any] = {}
+    for n in [0, *experts]:
+        config = model_config(sizes, n, "sparsemixer", dtype, **model_options)
+        fns = {"fused": TrainStep(config, sizes["vocab"], batch, fused=True),
+               "three_calls": TrainStep(config, sizes["vocab"], batch, fused=False)}
+        load_before = load_average()
+        cpu: dict[str, list[float]] = {}
+        times = time_interleaved(fns, warmup, repeats, cpu_times=cpu)
+        f, t = stats(times["fused"]), stats(times["three_calls"])
+        fc, tc = stats(cpu["fused"]), stats(cpu["three_calls"])
+        name = "dense" if n == 0 else str(n)
+        out[name] = {"fused": f, "three_calls": t, "ratio": f["median"] / t["median"],
+                     "fused_cpu": fc, "three_calls_cpu": tc,
+                     "cpu_ratio": fc["median"] / tc["median"],
+                     "load_average": [load_before, load_average()]}
+        print(f"fusion {name}: one call {f['median']*1e3:.1f} ms, three calls "
+              f"{t['median']*1e3:.1f} ms, ratio {out[name]['ratio']:.3f}; CPU time "
+              f"{fc['median']*1e3:.1f} vs {tc['median']*1e3:.1f} ms, ratio "
+              f"{out[name]['cpu_ratio']:.3f}", flush=True)
+        del fns
+    return out
+
+
+# Decoding shapes: sentences per batch x padded source length. Multi30k's test_2016_flickr has
+# 1,000 sentences of about 12-16 subword tokens (at most ~40); WMT newstest2014 has 3,003
+# sentences of about 30-35 (long tail past 100). Buckets of 32 and 64 cover most of each.
+DECODE_SHAPES = {"multi30k": (128, 32), "newstest": (64, 64)}
+
+
+def bench_decode(sizes, experts, dtype, warmup, repeats, beam_size=4, max_extra_len=50,
+                 shapes=None) -> dict[str, Any]:
+    """Beam search (``decode.beam_search_model``) in sentences per second, per model and shape.
+
+    Compile time (first call minus a timed call) is reported apart. The model is untrained, so
+    it rarely emits EOS and every search runs to its length limit (source + ``max_extra_len``):
+    an upper bound on a trained model's time per sentence."""
+    import jax
+    import numpy as np
+
+    from sparsemixer_jax import decode, train
+
+    shapes = shapes or DECODE_SHAPES
+    out: dict[str, Any] = {"beam_size": beam_size, "max_extra_len": max_extra_len}
+    for n in [0, *experts]:
+        config = model_config(sizes, n, "sparsemixer", dtype)
+        model = train.build_model(config, sizes["vocab"], mesh=None)
+        name = "dense" if n == 0 else f"n{n}"
+        for shape_name, (rows, length) in shapes.items():
+            rng = np.random.default_rng(0)
+            inputs = rng.integers(3, sizes["vocab"], (rows, length), dtype=np.int32)
+            inputs[:, -1] = 1  # EOS
+
+            def search(inputs=inputs, model=model):
+                return decode.beam_search_model(model, inputs, eos_id=1, beam_size=beam_size,
+                                                max_extra_len=max_extra_len)[0]
+
+            start = time.perf_counter()
+            jax.block_until_ready(search())
+            first = time.perf_counter() - start
+            times = time_interleaved({"search": search}, max(warmup - 1, 0), repeats)["search"]
+            st = stats(times)
+            out[f"{name}/{shape_name}"] = {
+                "num_experts": n, "sentences": rows, "source_len": length,
+                "search_s": st, "sentences_per_s": rows / st["median"],
+                "compile_s": max(first - st["median"], 0.0), "load_average": load_average()}
+            print(f"decode {name} {shape_name} ({rows} x {length}, beam {beam_size}): "
+                  f"{rows / st['median']:.1f} sentences/s ({st['median']*1e3:.0f} ms per batch), "
+                  f"compile {out[f'{name}/{shape_name}']['compile_s']:.1f} s", flush=True)
+    return out
+
+
 def _op_category(name: str) -> str:
-    """Coarse kind of an XLA CPU thunk from its HLO name (heuristic: names carry the opcode)."""
+    """Coarse kind of an XLA op (CPU thunk, from its HLO name) or GPU kernel (from its name).
+
+    A heuristic on names: XLA names fusions after their kind and root op (``loop_add_fusion``,
+    ``input_reduce_fusion``), cuBLAS/CUTLASS/cuDNN kernels carry their library's prefixes
+    (``sm90_xmma_gemm``, ``nvjet_``, ``cutlass_``, ``cudnn``), NCCL kernels ``nccl``."""
     lowered = name.lower()
+    if any(k in lowered for k in ("flash", "fmha", "cudnn", "sdpa")):
+        return "attention (fused)"
     if any(k in lowered for k in ("dot", "gemm", "matmul", "conv", "ynn_fusion", "xnn_fusion",
-                                  "cublas", "cutlass", "triton_gemm")):
+                                  "cublas", "cutlass", "nvjet", "xmma", "wgmma", "ragged")):
         return "matmul"
-    for key in ("while", "scatter", "gather", "sort", "reduce-window", "rng", "threefry",
-                "copy", "transpose", "all-reduce", "custom-call"):
+    if any(k in lowered for k in ("nccl", "all-reduce", "all_reduce", "all-gather",
+                                  "all-to-all", "reduce-scatter", "collective")):
+        return "collective"
+    if any(k in lowered for k in ("memcpy", "memset")):
+        return "memcpy/memset"
+    if any(k in lowered for k in ("threefry", "philox", "rng", "random")):
+        return "rng"
+    for key in ("while", "scatter", "gather", "sort", "reduce-window", "copy", "transpose",
+                "custom-call"):
         if key in lowered:
             return key
+    if "cub::" in lowered or "radix" in lowered:
+        return "sort"
+    if "reduce" in lowered or "reduction" in lowered:
+        return "reduction fusion"
+    if "triton" in lowered:
+        return "triton fusion"
     if "fusion" in lowered:
         return "other fusion"
     return "other"
 
 
-def summarize_trace(path: str, steps: int, top: int = 25) -> dict[str, Any]:
-    """Self time (exclusive of nested events) per op and per category from a Chrome/Perfetto
-    trace ``*.trace.json.gz`` of ``jax.profiler``, divided by ``steps``.
+# Threads (trace "resources") of a GPU/TPU device process that summarise the kernels of the
+# stream lines (XLA modules, XLA ops, steps, launch statistics): counting them would count the
+# same time twice.
+_DERIVED_DEVICE_LINES = ("xla modules", "xla ops", "steps", "launch stats", "framework",
+                         "source code", "tensorflow", "host offload")
 
-    Device (XLA) ops are the events on the XLA executor threads; the ``python`` thread holds
-    the host side (tracing, dispatch, argument handling)."""
+
+def _self_times(events: list[dict]) -> Any:
+    """Exclusive time (minus nested events on the same thread) per event name, in microseconds."""
+    import collections
+
+    events = sorted(events, key=lambda e: (e["ts"], -e["dur"]))
+    stack: list[list] = []  # [end, name, time of children, duration]
+    exclusive: collections.Counter = collections.Counter()
+    for e in [*events, None]:  # None: a sentinel that closes every open event
+        while stack and (e is None or stack[-1][0] <= e["ts"]):
+            _, op, child, dur = stack.pop()
+            exclusive[op] += dur - child
+        if e is None:
+            break
+        if stack:
+            stack[-1][2] += e["dur"]
+        stack.append([e["ts"] + e["dur"], e["name"], 0.0, e["dur"]])
+    return exclusive
+
+
+def summarize_trace(path: str, steps: int, top: int = 25) -> dict[str, Any]:
+    """Device time per op or kernel and per category from a Chrome/Perfetto trace
+    ``*.trace.json.gz`` of ``jax.profiler``, divided by ``steps``.
+
+    Accelerators: the trace has a process per device (``/device:GPU:0``, ``/device:TPU:0``) with
+    a thread per stream (``Stream #14(Compute)``) holding the kernels as they ran; those are the
+    device table (the device's summary lines, ``XLA Ops`` and the like, are skipped: they repeat
+    the streams). Host threads, ``python`` included, are never in it.
+    CPU: the XLA ops are the events on the executor threads of the host process (self times);
+    the ``python`` thread holds the host side (tracing, dispatch, argument handling).
+    ``host_python_s_per_step`` is the ``python`` thread's self time per frame either way."""
     import collections
     import gzip
 
     with gzip.open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
+    process_names = {e["pid"]: e["args"]["name"] for e in events
+                     if e.get("ph") == "M" and e.get("name") == "process_name"}
     thread_names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
                     if e.get("ph") == "M" and e.get("name") == "thread_name"}
     by_thread: dict[Any, list] = collections.defaultdict(list)
     for e in events:
         if e.get("ph") == "X" and "dur" in e:
             by_thread[(e["pid"], e.get("tid"))].append(e)
+    device_pids = {pid for pid, name in process_names.items()
+                   if name.startswith("/device:") and "cpu" not in name.lower()}
     self_time: collections.Counter = collections.Counter()
     host: collections.Counter = collections.Counter()
+    streams = set()
     for thread, evs in by_thread.items():
         name = thread_names.get(thread, "")
-        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack: list[list] = []  # [end, name, time of children, duration]
-        exclusive: collections.Counter = collections.Counter()
-        for e in [*evs, None]:  # None: a sentinel that closes every open event
-            while stack and (e is None or stack[-1][0] <= e["ts"]):
-                _, op, child, dur = stack.pop()
-                exclusive[op] += dur - child
-            if e is None:
-                break
-            if stack:
-                stack[-1][2] += e["dur"]
-            stack.append([e["ts"] + e["dur"], e["name"], 0.0, e["dur"]])
-        target = host if name == "python" else self_time
-        target.update(exclusive)
+        if name == "python":
+            host.update(_self_times(evs))
+        elif not device_pids:  # CPU: the executor threads
+            self_time.update(_self_times(evs))
+        elif thread[0] in device_pids and not name.lower().startswith(_DERIVED_DEVICE_LINES):
+            streams.add(f"{process_names[thread[0]]} {name}".strip())
+            self_time.update(_self_times(evs))
     waits = [k for k in self_time if k.startswith("ThunkExecutor") or "wait" in k.lower()]
     for k in waits:  # executor bookkeeping and waiting, not work
         del self_time[k]
@@ -470,6 +633,8 @@ def summarize_trace(path: str, steps: int, top: int = 25) -> dict[str, Any]:
     total = sum(self_time.values()) or 1.0
     scale = 1e-6 / steps  # microseconds -> seconds per step
     return {
+        "device_kind": "accelerator streams" if device_pids else "cpu threads",
+        "streams": sorted(streams),
         "device_s_per_step": total * scale,
         "categories": {k: {"s_per_step": v * scale, "fraction": v / total}
                        for k, v in categories.most_common()},
@@ -479,14 +644,16 @@ def summarize_trace(path: str, steps: int, top: int = 25) -> dict[str, Any]:
     }
 
 
-def bench_profile(sizes, dtype, warmup, steps, logdir, num_experts=4) -> dict[str, Any]:
+def bench_profile(sizes, dtype, warmup, steps, logdir, num_experts=4,
+                  **model_options) -> dict[str, Any]:
     """``jax.profiler`` trace of ``steps`` whole training steps (SparseMixer, ``num_experts``)
     and a summary of where the device time goes."""
     import glob
 
     import jax
 
-    step = TrainStep(model_config(sizes, num_experts, "sparsemixer", dtype), sizes["vocab"],
+    step = TrainStep(model_config(sizes, num_experts, "sparsemixer", dtype, **model_options),
+                     sizes["vocab"],
                      synthetic_batch(sizes))
     for _ in range(warmup):
         jax.block_until_ready(step())
@@ -547,12 +714,37 @@ def markdown_tables(result: dict[str, Any]) -> str:
                          f"{'–' if share is None else f'{share:.3%}'} |")
         lines.append("")
     if "moe_vs_dense" in result:
-        lines += ["| N | dense ms | ragged ms | padded ms | ragged / dense | padded / dense "
-                  "| load avg |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        impls = [k for k in next(iter(result["moe_vs_dense_s"].values()))
+                 if k not in ("dense", "load_average")]
+        lines += ["| N | dense ms | " + " | ".join(f"{i} ms" for i in impls) + " | "
+                  + " | ".join(f"{i} / dense" for i in impls) + " | load avg |",
+                  "| --- " * (3 + 2 * len(impls)) + "|"]
         for n, r in result["moe_vs_dense"].items():
             t = result["moe_vs_dense_s"][n]
-            lines.append(f"| {n} | {_ms(t['dense'])} | {_ms(t['ragged'])} | {_ms(t['padded'])} "
-                         f"| {r['ragged']:.2f} | {r['padded']:.2f} | {_load(t['load_average'])} |")
+            lines.append(f"| {n} | {_ms(t['dense'])} | "
+                         + " | ".join(_ms(t[i]) for i in impls) + " | "
+                         + " | ".join(f"{r[i]:.2f}" for i in impls)
+                         + f" | {_load(t['load_average'])} |")
+        lines.append("")
+    if "fusion" in result:
+        lines += ["| model | one call ms/update | three calls ms/update | ratio "
+                  "| CPU ms: one call | CPU ms: three calls | CPU ratio | load avg |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name, f in result["fusion"].items():
+            lines.append(f"| {name} | {_ms(f['fused'])} | {_ms(f['three_calls'])} | "
+                         f"{f['ratio']:.3f} | {_ms(f['fused_cpu'])} | "
+                         f"{_ms(f['three_calls_cpu'])} | {f['cpu_ratio']:.3f} | "
+                         f"{_load(f['load_average'])} |")
+        lines.append("")
+    if "decode" in result:
+        d = result["decode"]
+        lines += [f"| model / shape (beam {d['beam_size']}) | sentences x source length "
+                  "| ms per batch | sentences/s | compile s |", "| --- | --- | --- | --- | --- |"]
+        for name, r in d.items():
+            if isinstance(r, dict):
+                lines.append(f"| {name} | {r['sentences']} x {r['source_len']} | "
+                             f"{_ms(r['search_s'])} | {r['sentences_per_s']:.1f} | "
+                             f"{r['compile_s']:.1f} |")
         lines.append("")
     if "throughput" in result:
         t = result["throughput"]
@@ -588,9 +780,18 @@ def machine() -> dict[str, Any]:
                         if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
-            "device_count": jax.device_count(), "cpu": cpu, "cpu_count": os.cpu_count(),
-            "jax": jax.__version__, "python": platform.python_version()}
+    out = {"backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+           "device_count": jax.device_count(), "cpu": cpu, "cpu_count": os.cpu_count(),
+           "jax": jax.__version__, "python": platform.python_version()}
+    try:  # the CUDA plugin's versions (what jax's cuDNN attention checks); absent on CPU/TPU
+        from jax._src.lib import cuda_versions
+
+        if cuda_versions is not None and out["backend"] in ("gpu", "cuda"):
+            out["cudnn"] = cuda_versions.cudnn_get_version()
+            out["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
+    except Exception as err:  # private module: record why instead of failing the benchmark
+        out["cuda_versions_error"] = repr(err)
+    return out
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -598,12 +799,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="bench.json")
     parser.add_argument("--report", default=None, metavar="JSON",
                         help="print the markdown tables of an existing result file and exit")
-    parser.add_argument("--backend", default=None, choices=["cpu", "gpu", "tpu"],
-                        help="JAX platform (default: JAX's default)")
+    parser.add_argument("--backend", default=None, choices=sorted(PLATFORMS),
+                        help="JAX platform (default: JAX's default); gpu = cuda (NVIDIA)")
     parser.add_argument("--sections", nargs="+", default=["overhead", "router", "moe_vs_dense",
                                                           "throughput"],
                         choices=["overhead", "router", "moe_vs_dense", "throughput", "profile",
-                                 "padded_blocks"])
+                                 "padded_blocks", "fusion", "decode"])
+    parser.add_argument("--dispatch", default="auto", choices=DISPATCH_CHOICES,
+                        help="whole-step sections (overhead, throughput, fusion, profile): the "
+                             "MoE layers' dispatch")
+    parser.add_argument("--layer-dispatches", nargs="+", default=["ragged", "padded"],
+                        choices=["ragged", "padded"],
+                        help="moe_vs_dense: the dispatch implementations timed against dense")
+    parser.add_argument("--attention-impl", default="einsum",
+                        choices=["einsum", "xla", "cudnn", "auto"],
+                        help="whole-step sections: model.attention_impl (not einsum: attention "
+                             "dropout 0)")
+    parser.add_argument("--rng-impl", default=None, choices=["threefry2x32", "rbg", "unsafe_rbg"],
+                        help="jax_default_prng_impl for the whole run (default: jax's)")
+    parser.add_argument("--triton-ragged-dot", action="store_true",
+                        help="turn on ragged_dot's Pallas/Triton GPU lowering (where this jax has "
+                             "it; recorded in the JSON)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="XLA's deterministic GPU ops (runtime.deterministic)")
+    parser.add_argument("--decode-beam", type=int, default=4)
+    parser.add_argument("--decode-extra-len", type=int, default=50,
+                        help="decode: output length limit = source length + this")
+    parser.add_argument("--decode-shapes", nargs="+", default=None, metavar="NAME=ROWSxLEN",
+                        help=f"decode: batches to time (default {DECODE_SHAPES})")
     parser.add_argument("--experts", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                         help="compute dtype (default: float32 on CPU, bfloat16 elsewhere)")
@@ -628,11 +851,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.report:
         with open(args.report) as f:
             result = json.load(f)
-        print(markdown_tables(result))
+        # experiments/gpu_campaign.sh merges several runs: {"runs": {name: result}}.
+        for name, run in result.get("runs", {"": result}).items():
+            if name:
+                print(f"### {name}: {run.get('command', run.get('failed', '')[-300:])}\n")
+            print(markdown_tables(run))
         return result
     if args.backend:
-        os.environ["JAX_PLATFORMS"] = args.backend
+        os.environ["JAX_PLATFORMS"] = PLATFORMS[args.backend]
+    if args.deterministic:  # before JAX starts its backend
+        from sparsemixer_jax import runtime
+
+        runtime.set_deterministic_gpu_ops()
     import jax
+
+    from sparsemixer_jax import grouped_matmul
+
+    if args.rng_impl:
+        jax.config.update("jax_default_prng_impl", args.rng_impl)
+    triton = grouped_matmul.enable_triton_ragged_dot() if args.triton_ragged_dot else False
 
     backend = jax.default_backend()
     defaults = CPU_SIZES if backend == "cpu" else ACCEL_SIZES
@@ -645,10 +882,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "machine": machine(), "sizes": sizes, "dtype": dtype,
         "warmup": args.warmup, "repeats": args.repeats, "layer_dropout": args.layer_dropout,
         "load_average_start": load_average(),
+        "dispatch": args.dispatch, "attention_impl": args.attention_impl,
+        "rng_impl": jax.config.values["jax_default_prng_impl"],
+        "triton_ragged_dot": {"requested": args.triton_ragged_dot,
+                              "available": grouped_matmul.triton_ragged_dot_available(),
+                              "enabled": triton},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
+    model_options = {"dispatch": args.dispatch, "attention_impl": args.attention_impl}
     print(json.dumps({k: result[k] for k in ("machine", "sizes", "dtype")}), flush=True)
     if "overhead" in args.sections:
-        result["overhead"] = bench_overhead(sizes, args.experts, dtype, args.warmup, args.repeats)
+        result["overhead"] = bench_overhead(sizes, args.experts, dtype, args.warmup, args.repeats,
+                                            **model_options)
     if "router" in args.sections:
         overhead = result.get("overhead", {})
         step_s = min((o["switch_s"] for o in overhead.values()), default=None)
@@ -656,15 +901,31 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                         max(args.repeats, 20), args.step_seconds or step_s)
     if "moe_vs_dense" in args.sections:
         result["moe_vs_dense"], result["moe_vs_dense_s"] = bench_moe_vs_dense(
-            sizes, args.experts, dtype, args.warmup, args.repeats, dropout=args.layer_dropout)
+            sizes, args.experts, dtype, args.warmup, args.repeats,
+            impls=tuple(args.layer_dispatches), dropout=args.layer_dropout)
     if "padded_blocks" in args.sections:
         result["padded_blocks"] = bench_padded_blocks(sizes, args.experts, dtype, args.warmup,
                                                       args.repeats, dropout=args.layer_dropout)
     if "throughput" in args.sections:
-        result["throughput"] = bench_throughput(sizes, dtype, args.warmup, args.repeats)
+        result["throughput"] = bench_throughput(sizes, dtype, args.warmup, args.repeats,
+                                                **model_options)
+    if "fusion" in args.sections:
+        result["fusion"] = bench_fusion(sizes, args.experts, dtype, args.warmup, args.repeats,
+                                        **model_options)
+    if "decode" in args.sections:
+        shapes = None
+        if args.decode_shapes:
+            shapes = {}
+            for item in args.decode_shapes:
+                name, _, dims = item.partition("=")
+                rows, _, length = dims.partition("x")
+                shapes[name] = (int(rows), int(length))
+        result["decode"] = bench_decode(sizes, args.experts, dtype, args.warmup, args.repeats,
+                                        beam_size=args.decode_beam,
+                                        max_extra_len=args.decode_extra_len, shapes=shapes)
     if "profile" in args.sections:
         result["profile"] = bench_profile(sizes, dtype, args.warmup, args.profile_steps,
-                                          args.profile_dir)
+                                          args.profile_dir, **model_options)
     result["load_average_end"] = load_average()
     if args.out:
         with open(args.out, "w") as f:

@@ -76,6 +76,9 @@ def enable_compilation_cache() -> None:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from sparsemixer_jax import runtime
+
+    runtime.configure(flags.FLAGS.config)  # XLA flags must be set before JAX starts its backend
     initialize_distributed()
     import jax
 

@@ -69,6 +69,41 @@ def sinusoidal_positions(positions: jax.Array, dim: int) -> jax.Array:
 # -- attention ------------------------------------------------------------------------------------
 
 
+# model.attention_impl -> jax.nn.dot_product_attention's ``implementation`` ("einsum" is this
+# module's own attention, the only one with dropout on the attention weights: the paper's setting).
+# "xla" and "auto" (jax picks; XLA in jax 0.10) take the boolean mask as it is. "cudnn" is cuDNN's
+# fused flash attention (NVIDIA GPUs, bf16): a general mask would become an additive bias that the
+# kernel reads in full, so it gets the masks as sequence lengths and a causal flag instead
+# (:func:`mask_as_lengths`).
+ATTENTION_IMPLS = {"einsum": None, "xla": "xla", "cudnn": "cudnn", "auto": None}
+_LENGTH_MASKED = ("cudnn",)
+
+
+def mask_as_lengths(mask: jax.Array, batch: int, queries: int) -> tuple[jax.Array, bool]:
+    """The model's attention masks as ``(key lengths int32 [B], causal)``.
+
+    Every mask this model builds keeps the keys before a per-row length (padding is on the right)
+    and, when it has a query axis longer than one (decoder self-attention in training), is also
+    causal. A row without any key gets length 1 instead of 0 (only all-padding filler rows have
+    none; their outputs are never used), so no kernel sees an empty row.
+    """
+    causal = mask.shape[-2] > 1
+    last_row = jnp.broadcast_to(mask, (batch, 1, queries, mask.shape[-1]))[:, 0, -1, :]
+    return jnp.maximum(jnp.sum(last_row, axis=-1, dtype=jnp.int32), 1), causal
+
+
+def check_attention_impl(implementation: str, attention_dropout: float) -> None:
+    """Raises ValueError if ``implementation`` is unknown or cannot apply ``attention_dropout``."""
+    if implementation not in ATTENTION_IMPLS:
+        raise ValueError(f"attention implementation {implementation!r}; expected one of "
+                         f"{sorted(ATTENTION_IMPLS)}")
+    if implementation != "einsum" and attention_dropout > 0:
+        raise ValueError(
+            f"attention implementation {implementation!r} has no dropout on the attention "
+            f"weights, but attention_dropout={attention_dropout}: set it to 0 or use 'einsum'"
+        )
+
+
 class Attention(nnx.Module):
     """Multi-head attention with separate q/k/v/out projections (with biases), as in fairseq.
 
@@ -82,13 +117,16 @@ class Attention(nnx.Module):
         *,
         attention_dropout: float,
         dtype: jnp.dtype,
+        implementation: str = "einsum",
         rngs: nnx.Rngs,
     ):
         if emb_dim % num_heads:
             raise ValueError(f"emb_dim {emb_dim} is not divisible by num_heads {num_heads}")
+        check_attention_impl(implementation, attention_dropout)
         self.num_heads = num_heads
         self.head_dim = emb_dim // num_heads
         self.dtype = dtype
+        self.implementation = implementation
 
         def linear(init):
             return nnx.Linear(emb_dim, emb_dim, kernel_init=init, dtype=dtype, rngs=rngs)
@@ -119,6 +157,18 @@ class Attention(nnx.Module):
 
         ``mask`` is bool, broadcastable to ``[B, H, T, S]``. Returns ``[B, T, emb]``.
         """
+        if self.implementation != "einsum":
+            # Fused attention: no dropout on the weights (check_attention_impl), softmax in
+            # float32 inside the kernel / XLA's reference, the same scale and mask.
+            q = self._heads(self.query(x))
+            kwargs = {"mask": jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[1], k.shape[1]))}
+            if self.implementation in _LENGTH_MASKED:
+                lengths, causal = mask_as_lengths(mask, q.shape[0], q.shape[1])
+                kwargs = {"key_value_seq_lengths": lengths, "is_causal": causal}
+            heads = jax.nn.dot_product_attention(
+                q, k.astype(q.dtype), v.astype(q.dtype), scale=self.head_dim**-0.5,
+                implementation=ATTENTION_IMPLS[self.implementation], **kwargs)
+            return self.out(heads.reshape(*heads.shape[:2], -1))
         q = self._heads(self.query(x)) * (self.head_dim**-0.5)
         logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
         logits = jnp.where(mask, logits, _MASK_VALUE)
@@ -197,6 +247,11 @@ def _make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nn
     )
 
 
+def _attention_impl(model_cfg: Any) -> str:
+    # Configs written before the field existed mean the paper's attention.
+    return getattr(model_cfg, "attention_impl", "einsum")
+
+
 def _layer_norm(emb_dim: int, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
     # fairseq's LayerNorm epsilon; flax computes the statistics in float32 whatever ``dtype``.
     return nnx.LayerNorm(emb_dim, epsilon=1e-5, dtype=dtype, rngs=rngs)
@@ -215,6 +270,7 @@ class EncoderLayer(nnx.Module):
             model_cfg.num_heads,
             attention_dropout=float(model_cfg.attention_dropout),
             dtype=dtype,
+            implementation=_attention_impl(model_cfg),
             rngs=rngs,
         )
         self.self_attn_norm = _layer_norm(emb, dtype, rngs)
@@ -245,9 +301,12 @@ class DecoderLayer(nnx.Module):
     def __init__(self, model_cfg, router_cfg, layer: int, *, dtype, mesh, rngs: nnx.Rngs):
         emb, heads = model_cfg.emb_dim, model_cfg.num_heads
         att_drop = float(model_cfg.attention_dropout)
-        self.self_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype, rngs=rngs)
+        impl = _attention_impl(model_cfg)
+        self.self_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype,
+                                   implementation=impl, rngs=rngs)
         self.self_attn_norm = _layer_norm(emb, dtype, rngs)
-        self.cross_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype, rngs=rngs)
+        self.cross_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype,
+                                    implementation=impl, rngs=rngs)
         self.cross_attn_norm = _layer_norm(emb, dtype, rngs)
         self.ffn = _make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
         self.ffn_norm = _layer_norm(emb, dtype, rngs)

@@ -12,7 +12,8 @@ Dispatch (how tokens reach their expert) is chosen by name:
   matmul multiplies each block by its expert's weights. Dropless with at most ``rows + N * b``
   rows (``b`` about ``rows / N``), so the work is at most about twice a dense FFN whatever ``N``.
   In capacity mode it is the Switch layout ``[N, capacity, emb]`` (one block per expert).
-* ``"auto"``: ``"padded"`` on CPU, ``"ragged"`` elsewhere.
+* ``"auto"``: per backend, from the measured table :data:`AUTO_DISPATCH` (``"padded"`` on CPU
+  and GPU, ``"ragged"`` on GPU only with grouped kernels on, ``"ragged"`` on TPU).
 
 Why ``auto`` picks ``padded`` on CPU: there XLA lowers ``ragged_dot`` to a masked dense dot over
 all ``N`` groups, so it costs about ``N`` dense FFNs; the block-padded layout stays near one to
@@ -33,8 +34,8 @@ N     ragged ms   padded ms
 
 (dense FFN, one expert over all tokens: 1632 ms in the same run.)
 
-On GPU ``ragged_dot`` has a grouped-matmul kernel, so ``auto`` picks ``"ragged"`` there; that
-choice is NOT measured here (no GPU was available).
+On GPU ``ragged_dot`` is as slow by default (:data:`AUTO_DISPATCH`), unless its grouped
+Pallas/Triton lowering is on (:mod:`sparsemixer_jax.grouped_matmul`).
 
 Randomness: the router key and the dropout key come from the module's own ``router`` and
 ``dropout`` RNG streams. Dropout masks are drawn per row from ``fold_in(key, row_id)`` with
@@ -56,15 +57,39 @@ from sparsemixer_jax import routing
 DISPATCHES = ("auto", "ragged", "padded")
 
 
+# What ``dispatch="auto"`` runs on each backend, from measurements (forward + backward of one
+# MoE layer against the dense FFN of the same width, N = 2, 4, 8, 16):
+# * cpu: "padded". ``python -m experiments.bench_dispatch`` on 2 cores of an AMD EPYC, jax 0.10.2,
+#   float32, 4096 tokens, emb 512, mlp 2048: ragged / padded = 1.8x, 2.5x, 3.8x, 6.3x (module
+#   docstring).
+# * gpu: "padded". ``python -m experiments.benchmark --backend cuda --sections moe_vs_dense`` on
+#   one H100 80GB, jax 0.11.2, CUDA 13, bf16, 32,768 tokens, emb 512, mlp 2048 (issue 8): ragged
+#   147-203 ms, padded 4.3-4.9 ms, dense 1.7 ms. XLA:GPU lowers ragged_dot to a dense dot over
+#   all groups; with the grouped Pallas/Triton lowering on ("ragged" below) it is unmeasured.
+# * tpu: "ragged" (lowers to TPU's native ragged dot). NOT measured: no TPU was available.
+AUTO_DISPATCH = {"cpu": "padded", "gpu": "padded", "tpu": "ragged"}
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
 def resolve_dispatch(dispatch: str, backend: str | None = None) -> str:
-    """The concrete dispatch (``"ragged"`` or ``"padded"``) for ``dispatch`` on ``backend``."""
+    """The concrete dispatch (``"ragged"`` or ``"padded"``) for ``dispatch`` on ``backend``.
+
+    ``backend`` is a JAX platform name (default: ``jax.default_backend()``); ``"cuda"`` and
+    ``"rocm"`` count as ``"gpu"``, unknown platforms get ``"padded"`` (dropless, at most about
+    twice a dense FFN whatever the lowering). On a GPU ``auto`` picks ``"ragged"`` only while
+    ``ragged_dot``'s grouped Pallas/Triton lowering is on
+    (:func:`sparsemixer_jax.grouped_matmul.enable_triton_ragged_dot`).
+    """
     if dispatch not in DISPATCHES:
         raise ValueError(f"unknown dispatch {dispatch!r}; expected one of {DISPATCHES}")
     if dispatch != "auto":
         return dispatch
     backend = backend or jax.default_backend()
-    # CPU: measured (module docstring). GPU/TPU: ragged_dot has grouped kernels; unmeasured.
-    return "padded" if backend == "cpu" else "ragged"
+    if backend in _GPU_PLATFORMS:
+        from sparsemixer_jax.grouped_matmul import triton_ragged_dot_enabled
+
+        return "ragged" if triton_ragged_dot_enabled() else AUTO_DISPATCH["gpu"]
+    return AUTO_DISPATCH.get(backend, "padded")
 
 
 def expert_capacity(capacity_factor: float, num_tokens: int, num_experts: int) -> int:

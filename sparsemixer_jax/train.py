@@ -29,18 +29,33 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sparsemixer_jax import bleu, decode, routing, sharding
+from sparsemixer_jax import bleu, decode, routing, runtime, sharding
 from sparsemixer_jax.checkpoint import CheckpointError, RunCheckpoints, has_checkpoint
 from sparsemixer_jax.data.batching import restore_order
 from sparsemixer_jax.data.sources import read_split
 from sparsemixer_jax.data.tokenizer import Tokenizer, get_tokenizer
 from sparsemixer_jax.data.translation import load_datasets
-from sparsemixer_jax.models import PAD_ID, Transformer
+from sparsemixer_jax.models import PAD_ID, Transformer, check_attention_impl
 
 logger = logging.getLogger(__name__)
 
 # Fields that may change between a run and its resumption; anything else must match.
-RESUMABLE_CHANGES = ("train_steps", "eval_every", "checkpoint_every", "log_every", "decode")
+# Config fields (or whole sections) a resumed run may change: schedules of the loop, decoding, and
+# settings that change speed or float rounding but not what is trained.
+RESUMABLE_CHANGES = (
+    "train_steps",
+    "eval_every",
+    "checkpoint_every",
+    "log_every",
+    "decode",
+    "model.attention_impl",
+    "runtime.deterministic",
+    "runtime.matmul_precision",
+    "runtime.triton_ragged_dot",
+)
+# Fields added after runs were saved without them, with the value that reproduces the old behaviour:
+# a saved config that lacks one is read as having this value.
+ADDED_FIELD_DEFAULTS = {"router.top_k": 1, "runtime.rng_impl": "threefry2x32"}
 
 
 class TrainingDiverged(RuntimeError):
@@ -95,6 +110,15 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError(
             f"config.model.compute_dtype must be float32 or bfloat16, got {m.compute_dtype!r}"
         )
+    try:
+        check_attention_impl(m.get("attention_impl", "einsum"), m.attention_dropout)
+    except ValueError as err:
+        raise ValueError(f"config.model.attention_impl: {err}") from None
+    if m.get("attention_impl") == "cudnn" and m.compute_dtype != "bfloat16":
+        raise ValueError("config.model.attention_impl='cudnn' needs compute_dtype='bfloat16' "
+                         f"(cuDNN's fused attention takes 16-bit inputs), got {m.compute_dtype!r}")
+    if "runtime" in config:
+        runtime.check_runtime_config(config.runtime)
 
 
 # ------------------------------------------------------------------------- optimizer and loss
@@ -288,8 +312,7 @@ def _accumulate(graphdef, settings, params, rest, acc, batch, key):
     return jax.tree.map(jnp.add, acc, {"grads": grads, "metrics": metrics})
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1, 2))
-def _update(optim: OptimSettings, params, opt_state, acc):
+def _apply_update(optim: OptimSettings, params, opt_state, acc):
     """One optimizer update from accumulated gradient sums; skipped if anything is non-finite."""
     m = acc["metrics"]
     tokens = jnp.maximum(m["tokens"], 1.0)
@@ -315,6 +338,23 @@ def _update(optim: OptimSettings, params, opt_state, acc):
         "moe": jax.tree.map(lambda v: v / tokens, m["moe"]),
     }
     return params, opt_state, out
+
+
+_update = functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(1, 2))(_apply_update)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 5))
+def _train_step(graphdef, settings, optim: OptimSettings, params, rest, opt_state, batch, key):
+    """A whole update from one micro-batch in one compiled call: gradient, then optimizer.
+
+    The same arithmetic as ``_accumulate`` on a zero accumulator followed by ``_update``, without
+    materialising the accumulator, with one dispatch instead of three, and with XLA free to fuse
+    the gradient's last ops into the optimizer's. Parameters and optimizer state are donated.
+    """
+    grads, metrics = jax.grad(_loss, argnums=2, has_aux=True)(
+        graphdef, settings, params, rest, batch, key
+    )
+    return _apply_update(optim, params, opt_state, {"grads": grads, "metrics": metrics})
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -360,6 +400,21 @@ class Steps:
 
     def update(self, params, opt_state, acc):
         return _update(self.optim, params, opt_state, acc)
+
+    def train_step(self, params, opt_state, micro_batches, step_key):
+        """One update from ``micro_batches`` (device batches); micro-batch ``j`` draws its
+        randomness from ``fold_in(step_key, j)``. Returns ``(params, opt_state, metrics)``.
+
+        One micro-batch: a single compiled call (:func:`_train_step`). Several: zero, accumulate
+        each, update (three kinds of calls). Both donate ``params`` and ``opt_state``.
+        """
+        if len(micro_batches) == 1:
+            return _train_step(self.graphdef, self.loss, self.optim, params, self.rest,
+                               opt_state, micro_batches[0], jax.random.fold_in(step_key, 0))
+        acc = self.zeros(params, micro_batches[0])
+        for j, batch in enumerate(micro_batches):
+            acc = self.accumulate(params, acc, batch, jax.random.fold_in(step_key, j))
+        return self.update(params, opt_state, acc)
 
     def evaluate(self, params, batch):
         return _evaluate(self.graphdef, self.loss, params, self.rest, batch)
@@ -556,7 +611,7 @@ def _check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> Non
     changed = [
         f"config.{name} (saved {before!r}, now {after!r})"
         for name, (before, after) in _config_differences(saved, current).items()
-        if name.split(".")[0] not in RESUMABLE_CHANGES
+        if name not in RESUMABLE_CHANGES and name.split(".")[0] not in RESUMABLE_CHANGES
     ]
     if changed:
         raise ResumeError(
@@ -575,7 +630,8 @@ def _config_differences(saved: dict, current: dict) -> dict[str, tuple[Any, Any]
     )
     out = {}
     for name in sorted(set(flat_saved) | set(flat_current)):
-        before, after = flat_saved.get(name, missing), flat_current.get(name, missing)
+        before = flat_saved.get(name, ADDED_FIELD_DEFAULTS.get(name, missing))
+        after = flat_current.get(name, missing)
         if before != after:
             out[name] = tuple(None if v is missing else v for v in (before, after))
     return out
@@ -639,6 +695,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     Raises :class:`TrainingDiverged` if the loss becomes non-finite.
     """
     check_config(config)
+    runtime.configure(config)  # before any key is made (experiments.wmt calls it before JAX starts)
     os.makedirs(workdir, exist_ok=True)
     _check_resume_config(workdir, config)
     is_main = jax.process_index() == 0
@@ -752,14 +809,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             micro = [next(train_iter) for _ in range(accum)]
             new_shapes = {b["inputs"].shape + b["targets"].shape for b in micro} - seen_shapes
             seen_shapes |= new_shapes
-            step_key = jax.random.fold_in(key, step)
-            acc = None
-            for j, batch in enumerate(micro):
-                global_batch = place(batch)
-                if acc is None:
-                    acc = steps.zeros(params, global_batch)
-                acc = steps.accumulate(params, acc, global_batch, jax.random.fold_in(step_key, j))
-            params, opt_state, metrics = steps.update(params, opt_state, acc)
+            params, opt_state, metrics = steps.train_step(
+                params, opt_state, [place(batch) for batch in micro], jax.random.fold_in(key, step))
             if pending is not None:
                 finish_step(pending)
             pending = (step, metrics, started, step % int(config.log_every) == 0)

@@ -2,7 +2,11 @@
 
 Eight simulated CPU devices for the mesh tests. LLVM optimisation level 0: the tests' models are
 tiny, so XLA's compile time, not run time, is most of the suite; level 0 halves it (5.3 to 3.9 min
-on 2 cores). Subprocesses that tests start inherit both flags through the environment."""
+on 2 cores). Subprocesses that tests start inherit both flags through the environment.
+
+Float32 matmuls at ``highest`` precision: the tests compare float32 numbers at CPU tolerances,
+and NVIDIA GPUs would otherwise run them as TF32 (about 1e-3 relative error). CPUs compute float32
+matmuls in full precision either way, so CPU results do not change."""
 
 import os
 
@@ -11,4 +15,5 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

@@ -49,6 +49,65 @@ def test_overhead_section_json(monkeypatch):
     assert out["4"]["paired_ratio"]["n"] == 3
 
 
+def test_fusion_section_json(monkeypatch):
+    """The fusion section's bookkeeping, with a stand-in for the compiled training step."""
+    built = []
+
+    class FakeStep:
+        def __init__(self, config, vocab, batch, fused=True):
+            built.append((config.model.num_experts, fused, config.model.attention_impl,
+                          config.model.attention_dropout))
+
+        def __call__(self):
+            return np.zeros(())
+
+    monkeypatch.setattr(benchmark, "TrainStep", FakeStep)
+    sizes = {"emb": 16, "mlp": 32, "heads": 2, "layers": 1, "vocab": 64, "tokens": 64,
+             "length": 8}
+    out = benchmark.bench_fusion(sizes, [4], "float32", warmup=1, repeats=2,
+                                 attention_impl="xla")
+    assert set(out) == {"dense", "4"} and out["4"]["fused"]["n"] == 2
+    assert built == [(0, True, "xla", 0.0), (0, False, "xla", 0.0), (4, True, "xla", 0.0),
+                     (4, False, "xla", 0.0)]
+    assert "| dense |" in benchmark.markdown_tables({"fusion": out})
+
+
+def test_decode_section_runs(tmp_path):
+    """Beam search of the dense model on one tiny batch (one compilation, a few seconds)."""
+    sizes = {"emb": 16, "mlp": 32, "heads": 2, "layers": 1, "vocab": 64, "tokens": 64,
+             "length": 8}
+    out = benchmark.bench_decode(sizes, [], "float32", warmup=1, repeats=1, beam_size=2,
+                                 max_extra_len=3, shapes={"tiny": (3, 6)})
+    r = out["dense/tiny"]
+    assert r["sentences"] == 3 and r["sentences_per_s"] > 0 and r["compile_s"] >= 0
+    assert "| dense/tiny | 3 x 6 |" in benchmark.markdown_tables({"decode": out})
+
+
+def test_backend_gpu_means_cuda():
+    # jax 0.11: JAX_PLATFORMS=gpu tries ROCm on a CUDA machine; the CUDA plugin is "cuda".
+    assert benchmark.PLATFORMS["gpu"] == benchmark.PLATFORMS["cuda"] == "cuda"
+    assert benchmark.parse_args(["--backend", "gpu"]).backend == "gpu"
+
+
+def test_gpu_campaign_script_parses_and_names_real_files():
+    """experiments/gpu_campaign.sh is valid bash, its test files exist, and it writes at most the
+    8 files a device lease brings back. (Run on CPU at tiny sizes with PLATFORM=cpu: see
+    docs/benchmarks.md, section 6.)"""
+    import re
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "experiments", "gpu_campaign.sh")
+    subprocess.run(["bash", "-n", script], check=True)
+    with open(script) as f:
+        text = f.read()
+    for test_file in set(re.findall(r"tests/test_\w+\.py", text)):
+        assert os.path.exists(os.path.join(root, test_file)), test_file
+    outputs = set(re.findall(r'"\$OUT/([\w.$]+)', text))
+    parts = {"layer", "step", "variants", "profile", "decode"}  # "$OUT/$part.json"
+    assert len((outputs - {"$part.json"}) | {f"{p}.json" for p in parts}) <= 8, outputs
+
+
 @pytest.mark.slow
 def test_benchmark_whole_training_step(tmp_path):
     """The real thing at tiny sizes: two compiled training steps (about 20 s on an idle 2-core
@@ -85,6 +144,29 @@ def test_summarize_trace_self_times(tmp_path):
     assert math.isclose(cats["matmul"]["s_per_step"], 3e-6)  # 6 us over 2 steps
     assert math.isclose(cats["while"]["s_per_step"], 2e-6)  # 10 - 6 us nested, over 2 steps
     assert math.isclose(summary["device_s_per_step"], 7e-6)
+
+
+def test_summarize_gpu_trace_counts_stream_kernels_only():
+    """``tests/data/gpu_trace.trace.json.gz``: a synthesized two-step trace in the layout that
+    jax.profiler writes on an NVIDIA GPU (a ``/device:GPU:0`` process with ``Stream #..`` threads
+    of kernels and summary threads ``XLA Ops``/``XLA Modules``/``Steps``, a ``/host:CPU`` process
+    with the ``python`` thread), with made-up durations in microseconds."""
+    path = os.path.join(os.path.dirname(__file__), "data", "gpu_trace.trace.json.gz")
+    summary = benchmark.summarize_trace(path, steps=2)
+    assert summary["device_kind"] == "accelerator streams"
+    assert summary["streams"] == ["/device:GPU:0 Stream #14(Compute)",
+                                  "/device:GPU:0 Stream #15(MemcpyH2D)"]
+    cats = {k: v["s_per_step"] * 1e6 for k, v in summary["categories"].items()}
+    # Per step: kernels 40 + 10 + 6 + 8 + 12 + 4 + 6 + 2 = 88 us, memcpy 4 us; the summary lines
+    # (XLA Ops 50, XLA Modules 120, Steps 200) and every host thread are left out.
+    assert cats == pytest.approx({"matmul": 40, "other fusion": 10, "reduction fusion": 6,
+                                  "scatter": 8, "attention (fused)": 12, "collective": 4,
+                                  "rng": 6, "triton fusion": 2, "memcpy/memset": 4})
+    assert summary["device_s_per_step"] == pytest.approx(92e-6)
+    ops = [op["op"] for op in summary["top_ops"]]
+    assert not any(name in ops for name in ("stop_trace", "block_until_ready", "dot.12", "step"))
+    # 300 us, of which 50 us are the nested stop_trace: 250 us self time per step.
+    assert summary["host_python_s_per_step"]["block_until_ready"] == pytest.approx(250e-6)
 
 
 def _fake_run(root, arm, seed, valid, final=True, bleu=10.0):

@@ -291,6 +291,24 @@ def test_resume_refusal_names_every_changed_field_and_accepts_equivalent_meshes(
     assert "mesh" not in message and "\n" not in message and "fresh --workdir" in message
 
 
+def test_resume_accepts_a_config_saved_before_later_fields_existed(tmp_path):
+    """A workdir saved before router.top_k / runtime existed resumes under today's defaults,
+    may change speed-only settings, and is refused a new value of a field that changes training."""
+    os.makedirs(tmp_path / "checkpoints" / "last" / "3")
+    saved = json.loads(tiny().to_json())
+    del saved["router"]["top_k"]
+    del saved["runtime"]
+    saved["model"].pop("attention_impl")
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(saved, f)
+    train._check_resume_config(str(tmp_path), tiny(**{"runtime.deterministic": True,
+                                                       "runtime.matmul_precision": "highest"}))
+    with pytest.raises(train.ResumeError, match=r"config\.router\.top_k \(saved 1, now 2\)"):
+        train._check_resume_config(str(tmp_path), tiny(**{"router.top_k": 2}))
+    with pytest.raises(train.ResumeError, match=r"config\.runtime\.rng_impl"):
+        train._check_resume_config(str(tmp_path), tiny(**{"runtime.rng_impl": "rbg"}))
+
+
 def test_translate_errors_name_the_missing_file_or_the_bad_flag(straight_run, tmp_path):
     workdir = tmp_path / "untrained"
     workdir.mkdir()

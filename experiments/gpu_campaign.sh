@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Every GPU figure of issue 8 in one command, from the repository root of a machine with an
+# NVIDIA GPU and jax[cuda] (docs/benchmarks.md, "GPU"):
+#
+#     OUT=gpu_out bash experiments/gpu_campaign.sh              # all parts, ~25 min on an H100
+#     OUT=gpu_out bash experiments/gpu_campaign.sh layer step   # some parts
+#
+# Parts (each meant to take <= ~8 min on one H100, so that a device lease with a 10-minute limit per command
+# runs them one or two at a time): env, layer, step, variants, flags, profile, decode, tests.
+# Results go to $OUT as each run finishes (at most 8 files: what a device lease brings back):
+#   campaign.txt     GPU, driver, jax/jaxlib/CUDA/cuDNN versions, then each run's start and exit
+#   layer.json       one MoE layer fwd+bwd vs dense FFN, N=2,4,8,16: ragged (XLA's lowering),
+#                    padded, and ragged with the Pallas/Triton grouped lowering where jax has it
+#   step.json        whole training step: throughput + MFU (dense vs N=4), SparseMixer/Switch
+#                    overhead and the routers alone at N=2,4,8,16; default config (dispatch auto)
+#   variants.json    throughput with cuDNN flash attention, unsafe_rbg dropout PRNG, both,
+#                    deterministic GPU ops (its cost), the one-call vs three-call update, and
+#                    (part "flags") two XLA:GPU flags
+#   profile.json     device time per GPU kernel category (N=4, default config and fast variant)
+#   profile.trace.json.gz  the default config's trace (Perfetto / TensorBoard)
+#   decode.json      beam search (beam 4) sentences/s, Multi30k-test and newstest-like batches
+#   tests.txt        the test files that run on GPU, with JAX_PLATFORMS=cuda
+# Each JSON holds {"runs": {name: the benchmark's JSON}}; print its tables with
+#     python -m experiments.benchmark --report $OUT/step.json
+#
+# ml_collections, sacremoses and tensorboardX: installed from ./.whl when present (made on a
+# machine with PyPI: pip download ml_collections==1.1.0 sacremoses==0.2.0 tensorboardX==2.6.5
+# click joblib regex -d .whl), for images that lack them.
+set -uo pipefail
+
+OUT=${OUT:-gpu_campaign_out}
+REPEATS=${REPEATS:-10}
+RUN_LIMIT=${RUN_LIMIT:-560}  # seconds; one run past it is stopped and the campaign goes on
+PLATFORM=${PLATFORM:-cuda}  # PLATFORM=cpu BENCH_ARGS="--emb 16 ..." checks the script on a CPU
+BENCH_ARGS=${BENCH_ARGS:-}  # appended to every benchmark run (e.g. smaller sizes)
+PARTS=("$@")
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env layer step variants flags profile decode tests)
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WORK=$(mktemp -d)
+export JAX_PLATFORMS=$PLATFORM
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/sparsemixer_campaign_cache}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+if [ -d .whl ]; then
+  for w in .whl/*.whl; do pip install -q --no-index --no-deps "$w" >/dev/null 2>&1 || true; done
+fi
+python -c "import ml_collections" || { echo "ml_collections is missing (see the header)"; exit 1; }
+
+log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT/campaign.txt" >&2; }
+
+# bench PART NAME ARGS...: one benchmark run, merged into $OUT/PART.json under NAME at once.
+bench() {
+  local part=$1 name=$2
+  shift 2
+  log "$part/$name: python -m experiments.benchmark $*"
+  # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
+  timeout "$RUN_LIMIT" python -m experiments.benchmark --backend "$PLATFORM" --repeats "$REPEATS" \
+    --out "$WORK/$part.$name.json" "$@" $BENCH_ARGS 2>&1 | tail -n 40 >>"$WORK/$part.$name.log"
+  log "$part/$name: exit ${PIPESTATUS[0]}"
+  python - "$OUT/$part.json" "$name" "$WORK/$part.$name.json" "$WORK/$part.$name.log" <<'EOF'
+import json, os, sys
+path, name, result, logfile = sys.argv[1:]
+merged = json.load(open(path)) if os.path.exists(path) else {"runs": {}}
+if os.path.exists(result):
+    merged["runs"][name] = json.load(open(result))
+else:  # stopped or failed: keep its last lines
+    merged["runs"][name] = {"failed": open(logfile).read()[-4000:]}
+json.dump(merged, open(path, "w"), indent=1)
+EOF
+}
+
+for part in "${PARTS[@]}"; do
+  case $part in
+    env)
+      { nvidia-smi; python -c "import jax; jax.print_environment_info(); print(jax.devices())"
+        python -c "from sparsemixer_jax import grouped_matmul as g; print('triton ragged_dot kernels:', g.triton_ragged_dot_available())"
+        pip list 2>/dev/null | grep -i -E "jax|nvidia|flax|optax|orbax"; } >>"$OUT/campaign.txt" 2>&1
+      ;;
+    layer)
+      bench layer xla_lowering --sections moe_vs_dense --experts 2 4 8 16
+      if python -c "from sparsemixer_jax import grouped_matmul as g; exit(not g.triton_ragged_dot_available())"; then
+        bench layer triton_ragged_dot --sections moe_vs_dense --experts 2 4 8 16 \
+          --layer-dispatches ragged --triton-ragged-dot
+      else
+        log "layer/triton_ragged_dot: skipped, this jax lacks the Pallas/Triton ragged_dot kernels"
+      fi
+      ;;
+    step)
+      bench step throughput --sections throughput
+      bench step overhead --sections overhead router --experts 2 4 8 16
+      ;;
+    variants)
+      bench variants cudnn_attention --sections throughput --attention-impl cudnn
+      bench variants unsafe_rbg --sections throughput --rng-impl unsafe_rbg
+      bench variants cudnn_unsafe_rbg --sections throughput --attention-impl cudnn --rng-impl unsafe_rbg
+      bench variants deterministic --sections throughput --deterministic
+      bench variants fusion --sections fusion --experts 4
+      ;;
+    flags)
+      # XLA:GPU flags an entry point could set, if they pay: cuBLAS for every matmul instead of
+      # XLA's Triton GEMM fusions, and the latency-hiding scheduler.
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
+        bench variants no_triton_gemm --sections throughput
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true" \
+        bench variants latency_hiding_scheduler --sections throughput
+      ;;
+    profile)
+      rm -rf "$WORK/trace_default" "$WORK/trace_fast"
+      bench profile default --sections profile --profile-dir "$WORK/trace_default" --repeats 1
+      bench profile cudnn_unsafe_rbg --sections profile --profile-dir "$WORK/trace_fast" \
+        --attention-impl cudnn --rng-impl unsafe_rbg --repeats 1
+      trace=$(find "$WORK/trace_default" -name "*.trace.json.gz" | head -n 1)
+      # A lease brings back files of at most 16 MiB.
+      if [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt 16000000 ]; then
+        cp "$trace" "$OUT/profile.trace.json.gz"
+      fi
+      ;;
+    decode)
+      # Compile time is reported apart: no persistent cache, so it is a real compilation.
+      (unset JAX_COMPILATION_CACHE_DIR; bench decode beam4 --sections decode --experts 4 --repeats 3)
+      ;;
+    tests)
+      log "tests: JAX_PLATFORMS=$PLATFORM pytest (GPU subset)"
+      timeout "$RUN_LIMIT" python -m pytest -q -n 0 -p no:cacheprovider \
+        tests/test_routing.py tests/test_moe.py tests/test_models.py tests/test_decode.py \
+        tests/test_analysis.py tests/test_steps.py tests/test_grouped_matmul.py \
+        tests/test_gpu.py tests/test_train.py >"$OUT/tests.txt" 2>&1
+      log "tests: exit $? ($(tail -n 1 "$OUT/tests.txt"))"
+      ;;
+    *) log "unknown part $part (env layer step variants flags profile decode tests)" ;;
+  esac
+done
+log "done: $OUT"

@@ -1,0 +1,169 @@
+"""The fused training step, the fused attention option and the runtime settings, on CPU.
+
+Float32 comparisons run at ``highest`` matmul precision (conftest), which is what CPUs do anyway;
+on a GPU it keeps TF32 out of them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparsemixer_jax import runtime, train
+from sparsemixer_jax.models import Attention, Transformer
+from tests import tiny_wmt_config
+
+VOCAB = 40
+
+
+def tiny_config(**model):
+    c = tiny_wmt_config.get_config()
+    for k, v in model.items():
+        c.model[k] = v
+    return c
+
+
+def batch(seed=0, rows=4, length=8):
+    rng = np.random.default_rng(seed)
+    b = {k: rng.integers(3, VOCAB, (rows, length), dtype=np.int32) for k in ("inputs", "targets")}
+    b["targets"][1, 5:] = 0  # some padding
+    b["inputs"][2, 6:] = 0
+    return {k: jnp.asarray(v) for k, v in b.items()}
+
+
+@pytest.fixture(scope="module")
+def steps():
+    config = tiny_config()
+    return train.Steps(train.build_model(config, VOCAB, mesh=None), config)
+
+
+def copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def assert_same_update(ref, new):
+    """Bit-exact on CPU. GPUs' default reductions and scatter-adds are not deterministic, and
+    Adam's first step is about ``lr * sign(g)``, so a gradient entry near 0 may move its
+    parameter by up to ``2 lr`` (lr = 1e-7 here) the other way: 1e-6 absolute there."""
+    if jax.default_backend() == "cpu":
+        jax.tree.map(np.testing.assert_array_equal, ref, new)
+    else:
+        jax.tree.map(lambda r, n: np.testing.assert_allclose(r, n, rtol=1e-5, atol=1e-6), ref, new)
+
+
+def test_fused_step_equals_zero_accumulate_update(steps):
+    """One micro-batch: the single compiled call gives what the three calls give."""
+    key = jax.random.key(7)
+    params = copy(steps.params)
+    opt = steps.init_opt(params)
+    b = batch()
+    acc = steps.zeros(params, b)
+    acc = steps.accumulate(params, acc, b, jax.random.fold_in(key, 0))
+    ref_params, ref_opt, ref_metrics = steps.update(copy(params), copy(opt), acc)
+    new_params, new_opt, metrics = steps.train_step(copy(params), copy(opt), [b], key)
+    assert_same_update((ref_params, ref_opt, ref_metrics), (new_params, new_opt, metrics))
+    assert not np.allclose(jax.tree.leaves(new_params)[0], jax.tree.leaves(steps.params)[0])
+
+
+def test_several_micro_batches_take_the_accumulating_path(steps):
+    key = jax.random.key(3)
+    params = copy(steps.params)
+    opt = steps.init_opt(params)
+    b0, b1 = batch(0), batch(1)
+    acc = steps.zeros(params, b0)
+    for j, b in enumerate((b0, b1)):
+        acc = steps.accumulate(params, acc, b, jax.random.fold_in(key, j))
+    ref = steps.update(copy(params), copy(opt), acc)
+    new = steps.train_step(copy(params), copy(opt), [b0, b1], key)
+    assert_same_update(ref, new)
+
+
+@pytest.mark.parametrize("impl", ["xla", "auto"])
+def test_dot_product_attention_equals_the_einsum_attention(impl):
+    kw = dict(attention_dropout=0.0, dtype=jnp.float32)
+    ref = Attention(32, 4, **kw, rngs=nnx.Rngs(0))
+    fused = Attention(32, 4, **kw, implementation=impl, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 5, 32))
+    memory = jax.random.normal(jax.random.key(2), (2, 7, 32))
+    pad = jnp.array([[True] * 7, [True] * 4 + [False] * 3])[:, None, None, :]
+    causal = jnp.tril(jnp.ones((5, 5), bool))[None, None]
+    for mem, mask in ((memory, pad), (x, causal)):
+        np.testing.assert_allclose(fused(x, mem, mask, deterministic=False),
+                                   ref(x, mem, mask, deterministic=False), rtol=1e-5, atol=1e-6)
+
+
+def test_transformer_with_fused_attention_equals_the_paper_attention(monkeypatch):
+    """Whole model in training mode (dropout elsewhere on), attention dropout 0: "xla" (boolean
+    masks) and the "cudnn" path (masks as key lengths + causal flag, run by XLA here: cuDNN
+    itself needs a GPU) equal the einsum attention; so does incremental decoding via "cudnn"."""
+    from sparsemixer_jax import models
+
+    monkeypatch.setitem(models.ATTENTION_IMPLS, "cudnn", "xla")
+    b = batch()
+    outs, steps = {}, {}
+    for impl in ("einsum", "xla", "cudnn"):
+        config = tiny_config(attention_impl=impl, attention_dropout=0.0)
+        model = Transformer(config, VOCAB, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+        outs[impl] = model(b["inputs"], b["targets"], deterministic=False)[0]
+        if impl != "xla":
+            encoded = model.encode(b["inputs"])
+            cache = model.init_cache(b["inputs"].shape[0], 6)
+            for t in range(3):
+                logits, cache = model.decode_step(b["targets"][:, t], cache, encoded)
+            steps[impl] = logits
+    for impl in ("xla", "cudnn"):
+        np.testing.assert_allclose(outs[impl], outs["einsum"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(steps["cudnn"], steps["einsum"], rtol=1e-5, atol=1e-5)
+
+
+def test_mask_as_lengths():
+    from sparsemixer_jax.models import mask_as_lengths
+
+    pad = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], bool)[:, None, None, :]
+    lengths, causal = mask_as_lengths(pad, 3, 5)
+    assert lengths.tolist() == [3, 2, 1] and not causal  # an empty row gets 1
+    square = jnp.tril(jnp.ones((4, 4), bool))[None, None] & pad
+    lengths, causal = mask_as_lengths(square, 3, 4)
+    assert lengths.tolist() == [3, 2, 1] and causal
+
+
+def test_attention_impl_config_errors():
+    with pytest.raises(ValueError, match=r"attention_impl.*no dropout.*attention_dropout=0\.1"):
+        train.check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.1))
+    with pytest.raises(ValueError, match="'cudnn' needs compute_dtype='bfloat16'"):
+        train.check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.0))
+    train.check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.0,
+                                   compute_dtype="bfloat16"))
+    with pytest.raises(ValueError, match="attention implementation 'flash'"):
+        train.check_config(tiny_config(attention_impl="flash", attention_dropout=0.0))
+    c = tiny_config()
+    c.runtime.rng_impl = "philox"
+    with pytest.raises(ValueError, match=r"runtime\.rng_impl='philox'"):
+        train.check_config(c)
+
+
+def test_runtime_configure_sets_prng_and_xla_flags(monkeypatch):
+    flags = os.environ.get("XLA_FLAGS", "")  # conftest's; XLA aborts on flags it does not know
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    before = jax.config.values["jax_default_prng_impl"]
+    c = tiny_wmt_config.get_config()
+    precision = jax.config.values["jax_default_matmul_precision"]
+    c.runtime.rng_impl = "unsafe_rbg"
+    c.runtime.deterministic = True
+    c.runtime.matmul_precision = "high"
+    try:
+        runtime.configure(c)
+        assert jax.config.values["jax_default_matmul_precision"] == "high"
+        assert jax.config.values["jax_default_prng_impl"] == "unsafe_rbg"
+        assert str(jax.random.key_impl(jax.random.key(0))) == "unsafe_rbg"
+        assert os.environ["XLA_FLAGS"].split() == [*flags.split(), runtime.DETERMINISTIC_XLA_FLAG]
+        runtime.configure(c)  # idempotent
+        assert os.environ["XLA_FLAGS"].count("deterministic") == 1
+    finally:
+        jax.config.update("jax_default_prng_impl", before)
+        jax.config.update("jax_default_matmul_precision", precision)
