@@ -227,3 +227,18 @@ def test_readme_command_runs_a_few_steps(corpus, tmp_path):
         results = json.load(f)
     assert results["steps"] == 2 and np.isfinite(results["valid_loss"])
     assert os.path.exists(os.path.join(workdir, "spm.model"))
+
+
+@pytest.mark.slow  # its own compilation of every step: minutes on 2 shared cores
+def test_pretraining_on_an_expert_mesh_matches_one_device(corpus, straight_run, tmp_path):
+    """Two simulated devices, experts split over them: the same run as on one device (float32
+    on CPU; the tolerance covers the different order of the cross-device sums)."""
+    workdir = str(tmp_path / "mesh")
+    config = tiny(corpus, **{"mesh.expert": 2, "mesh.data": 1})
+    results = pretrain.pretrain(config, workdir)
+    reference = straight_run[1]
+    np.testing.assert_allclose(results["valid_loss"], reference["valid_loss"], rtol=1e-4)
+    params, _ = last_state(workdir, tiny(corpus))
+    expected, _ = last_state(straight_run[0], tiny(corpus))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+                 params, expected)
