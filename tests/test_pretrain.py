@@ -7,8 +7,10 @@ step function compiles once and the in-process runs share the compilations).
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -242,3 +244,37 @@ def test_pretraining_on_an_expert_mesh_matches_one_device(corpus, straight_run, 
     expected, _ = last_state(straight_run[0], tiny(corpus))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                  params, expected)
+
+
+@pytest.mark.slow  # two CLI runs with a cold compilation cache
+def test_sigkill_mid_run_then_resume(corpus, straight_run, tmp_path):
+    """SIGKILL once a checkpoint past step 2 is on disk, rerun the same command: the result is the
+    straight run's."""
+    workdir = str(tmp_path / "killed")
+    config = tiny(corpus)
+    command = [sys.executable, "-m", "experiments.pretrain", "--config",
+               "tests/tiny_electra_config.py", "--workdir", workdir,
+               f"--config.data.train={config.data.train}",
+               f"--config.data.valid={config.data.valid}", "--config.checkpoint_every=1"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+    last = os.path.join(workdir, "checkpoints", "last")
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and process.poll() is None:
+        done = [d for d in os.listdir(last) if d.isdigit()] if os.path.isdir(last) else []
+        if done and max(int(d) for d in done) >= 2:
+            break
+        time.sleep(0.2)
+    assert process.poll() is None, "run ended before it could be killed: " + (
+        process.stderr.read().decode()[-2000:])
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    process.stderr.close()
+    assert 2 <= max(int(d) for d in os.listdir(last) if d.isdigit()) < 6
+    rerun = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    params, meta = last_state(workdir, config)
+    expected, _ = last_state(straight_run[0], config)
+    assert meta["step"] == 6
+    jax.tree.map(np.testing.assert_array_equal, params, expected)
