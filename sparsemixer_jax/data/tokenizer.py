@@ -63,15 +63,19 @@ class Tokenizer:
 
 
 def train_tokenizer(
-    pairs: Sequence[Pair],
+    sentences: Iterable[str],
     model_path: str,
     vocab_size: int,
     *,
     seed: int,
     character_coverage: float = 0.9995,
     model_type: str = "unigram",
+    user_defined_symbols: Sequence[str] = (),
 ) -> None:
-    """Trains a joint SentencePiece model on both sides of ``pairs`` and writes ``model_path``.
+    """Trains a SentencePiece model on ``sentences`` and writes ``model_path``.
+
+    ``user_defined_symbols`` become single pieces with the ids right after ``unk``
+    (3, 4, ...), in order.
 
     Several hosts may race on a shared workdir: each trains into a unique temporary file and links
     it into place only if no model is there yet, so all hosts end up loading the same file.
@@ -81,12 +85,12 @@ def train_tokenizer(
     import sentencepiece as spm
 
     spm.set_random_generator_seed(seed)  # SentencePiece samples sentences with its own RNG
-    sentences = (s for pair in pairs for s in pair)
+    sentences = list(sentences)
     tmp_path = f"{model_path}.tmp-{uuid.uuid4().hex}"
     with open(tmp_path, "wb") as f:
         try:
             spm.SentencePieceTrainer.train(
-                sentence_iterator=sentences,
+                sentence_iterator=iter(sentences),
                 model_writer=f,
                 vocab_size=vocab_size,
                 model_type=model_type,
@@ -95,6 +99,7 @@ def train_tokenizer(
                 eos_id=EOS_ID,
                 unk_id=UNK_ID,
                 bos_id=-1,
+                user_defined_symbols=list(user_defined_symbols),
                 num_threads=os.cpu_count() or 1,
                 minloglevel=2,
             )
@@ -105,8 +110,8 @@ def train_tokenizer(
                 limit = str(e).rsplit("<=", 1)[-1].strip(" .") if "<=" in str(e) else "?"
                 raise ValueError(
                     f"config.data.vocab_size={vocab_size} is too large for the training text "
-                    f"({len(pairs)} pairs): SentencePiece can build at most {limit} pieces; set a "
-                    "smaller config.data.vocab_size"
+                    f"({len(sentences)} sentences): SentencePiece can build at most {limit} "
+                    "pieces; set a smaller config.data.vocab_size"
                 ) from e
             raise
     try:
@@ -148,7 +153,7 @@ def get_tokenizer(config: Any, workdir: str, train_pairs: Sequence[Pair]) -> Tok
             path,
         )
         train_tokenizer(
-            pairs,
+            (s for pair in pairs for s in pair),
             path,
             int(data.vocab_size),
             seed=int(config.seed),

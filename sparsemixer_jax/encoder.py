@@ -1,0 +1,226 @@
+"""Bidirectional Transformer encoder with T5 relative position buckets, for ELECTRA and GLUE.
+
+BERT layout (post-norm layers ``x = LayerNorm(x + Dropout(sublayer(x)))``, an embedding
+LayerNorm, segment embeddings) with two changes the paper makes (its Appendix, "Pre-training"):
+no absolute positions but T5's relative position buckets (Raffel et al., 2020), a learned bias per
+(bucket, head) added to every layer's attention logits, and MoE feed-forward layers on every
+``moe_every``-th layer. The attention, the feed-forward / MoE sublayers and the LayerNorms are the
+translation model's own (:mod:`sparsemixer_jax.models`); there is one MoE implementation.
+
+Conventions (shared with :mod:`sparsemixer_jax.data.text`): token id 0 is padding and is masked
+out of attention and of the MoE layers; segment ids are 0 for ``[CLS] a [SEP]`` and 1 for
+``b [SEP]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sparsemixer_jax import models
+
+PAD_ID = models.PAD_ID
+NUM_SEGMENTS = 2
+
+# BERT / ELECTRA initialise embeddings with N(0, 0.02).
+_embedding_init = nnx.initializers.normal(stddev=0.02)
+
+
+def relative_position_bucket(
+    relative_position: jax.Array, *, num_buckets: int = 32, max_distance: int = 128
+) -> jax.Array:
+    """T5's bidirectional bucketing of ``relative_position = key_position - query_position``.
+
+    Half of the buckets are for keys before the query (``0 .. num_buckets/2 - 1``), half for keys
+    after it (``num_buckets/2 ..``). In each half the first ``num_buckets/4`` distances get a
+    bucket each; larger distances share logarithmically wider buckets up to ``max_distance``, and
+    everything farther falls in the last bucket of its half. Returns int32 of the input's shape.
+    """
+    if num_buckets < 4 or num_buckets % 2:
+        raise ValueError(f"num_buckets must be even and >= 4, got {num_buckets}")
+    half = num_buckets // 2
+    exact = half // 2
+    if max_distance <= exact:
+        raise ValueError(f"max_distance must exceed num_buckets/4 = {exact}, got {max_distance}")
+    relative_position = jnp.asarray(relative_position, jnp.int32)
+    offset = jnp.where(relative_position > 0, half, 0)
+    distance = jnp.abs(relative_position)
+    # Distance d >= exact: exact + floor(log(d / exact) / log(max_distance / exact) * (half-exact)).
+    # (max(d, 1) keeps log finite where the branch is not taken.)
+    scaled = jnp.log(jnp.maximum(distance, 1).astype(jnp.float32) / exact) / math.log(
+        max_distance / exact
+    )
+    far = exact + (scaled * (half - exact)).astype(jnp.int32)
+    far = jnp.minimum(far, half - 1)
+    return offset + jnp.where(distance < exact, distance, far)
+
+
+class RelativePositionBias(nnx.Module):
+    """A learned scalar per (bucket, head), shared by all layers of an encoder as in T5."""
+
+    def __init__(self, num_heads: int, *, num_buckets: int, max_distance: int, rngs: nnx.Rngs):
+        self.num_buckets = num_buckets
+        self.max_distance = max_distance
+        self.table = nnx.Embed(num_buckets, num_heads, embedding_init=_embedding_init, rngs=rngs)
+
+    def __call__(self, length: int) -> jax.Array:
+        """float32 ``[1, H, length, length]``: bias of query ``t`` attending to key ``s``."""
+        positions = jnp.arange(length)
+        buckets = relative_position_bucket(
+            positions[None, :] - positions[:, None],
+            num_buckets=self.num_buckets,
+            max_distance=self.max_distance,
+        )
+        bias = self.table(buckets)  # [T, S, H]
+        return jnp.transpose(bias, (2, 0, 1))[None].astype(jnp.float32)
+
+
+class Embeddings(nnx.Module):
+    """Token + segment embeddings, LayerNorm, dropout (BERT's embedding block, no positions).
+
+    ELECTRA ties this whole block between the generator and the discriminator; the token table
+    also serves as the generator's output projection.
+    """
+
+    def __init__(self, vocab_size: int, emb_dim: int, *, dropout: float, dtype, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.token = nnx.Embed(
+            vocab_size, emb_dim, embedding_init=_embedding_init, dtype=dtype, rngs=rngs
+        )
+        self.segment = nnx.Embed(
+            NUM_SEGMENTS, emb_dim, embedding_init=_embedding_init, dtype=dtype, rngs=rngs
+        )
+        self.norm = models._layer_norm(emb_dim, dtype, rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, segments: jax.Array, *, deterministic: bool):
+        x = self.norm(self.token(tokens) + self.segment(segments))
+        return self.dropout(x, deterministic=deterministic)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Tied output projection ``[..., emb] -> float32 [..., V]`` (f32 accumulation)."""
+        table = self.token.embedding[...].astype(self.dtype)
+        return jnp.einsum("...e,ve->...v", x, table, preferred_element_type=jnp.float32)
+
+
+class EncoderLayer(nnx.Module):
+    """Post-norm layer: self-attention with a relative position bias, then dense or MoE FFN."""
+
+    def __init__(self, model_cfg, router_cfg, layer: int, *, dtype, mesh, rngs: nnx.Rngs):
+        emb = int(model_cfg.emb_dim)
+        self.self_attn = models.Attention(
+            emb,
+            int(model_cfg.num_heads),
+            attention_dropout=float(model_cfg.attention_dropout),
+            dtype=dtype,
+            rngs=rngs,
+        )
+        self.self_attn_norm = models._layer_norm(emb, dtype, rngs)
+        self.ffn = models._make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
+        self.ffn_norm = models._layer_norm(emb, dtype, rngs)
+        self.dropout = nnx.Dropout(float(model_cfg.dropout), rngs=rngs)
+
+    def _attend(self, x, bias, mask, deterministic):
+        # models.Attention.attend plus an additive bias on the logits (T5's position bias).
+        attn = self.self_attn
+        q = attn._heads(attn.query(x)) * (attn.head_dim**-0.5)
+        k, v = attn.project_kv(x)
+        logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+        logits = jnp.where(mask, logits + bias, models._MASK_VALUE)
+        weights = jax.nn.softmax(logits, axis=-1)
+        weights = attn.dropout(weights, deterministic=deterministic).astype(attn.dtype)
+        heads = jnp.einsum("bhts,bshd->bthd", weights, v)
+        return attn.out(heads.reshape(*heads.shape[:2], -1))
+
+    def __call__(self, x, bias, mask, token_mask, *, deterministic: bool):
+        """x ``[B,L,emb]``, bias ``[1, H, L, L]``, mask ``[B, 1, 1, L]``, token_mask ``[B, L]``."""
+        h = self._attend(x, bias, mask, deterministic)
+        x = self.self_attn_norm(x + self.dropout(h, deterministic=deterministic))
+        h, metrics = self.ffn(x, token_mask, deterministic=deterministic)
+        x = self.ffn_norm(x + self.dropout(h, deterministic=deterministic))
+        return x, metrics
+
+
+class Encoder(nnx.Module):
+    """The encoder of ``config.model`` / ``config.router`` (schema: ``configs/electra_base.py``).
+
+    Args:
+      config: reads ``config.model`` (``emb_dim, num_layers, num_heads, mlp_dim, dropout,
+        attention_dropout, activation_dropout, num_experts, moe_every, dispatch,
+        capacity_factor, compute_dtype, relative_buckets, relative_max_distance``) and
+        ``config.router`` (``name, jitter_eps``).
+      vocab_size: vocabulary size (id 0 is padding).
+      mesh: optional ``("data", "expert")`` mesh handed to the MoE layers.
+      rngs: ``params`` for initialisation; ``dropout`` and ``router`` streams for training.
+      embeddings: an :class:`Embeddings` block to share (ELECTRA's tied embeddings); a new one
+        is made if None.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        vocab_size: int,
+        *,
+        mesh=None,
+        rngs: nnx.Rngs,
+        embeddings: Embeddings | None = None,
+    ):
+        m, r = config.model, config.router
+        self.vocab_size = int(vocab_size)
+        self.emb_dim = int(m.emb_dim)
+        self.num_experts = int(m.num_experts)
+        self.dtype = models._dtype(m.compute_dtype)
+        if embeddings is None:
+            embeddings = Embeddings(
+                self.vocab_size, self.emb_dim, dropout=float(m.dropout), dtype=self.dtype,
+                rngs=rngs,
+            )
+        self.embeddings = embeddings
+        self.position_bias = RelativePositionBias(
+            int(m.num_heads),
+            num_buckets=int(m.get("relative_buckets", 32)),
+            max_distance=int(m.get("relative_max_distance", 128)),
+            rngs=rngs,
+        )
+        self.layers = nnx.List(
+            [
+                EncoderLayer(m, r, i, dtype=self.dtype, mesh=mesh, rngs=rngs)
+                for i in range(int(m.num_layers))
+            ]
+        )
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        segments: jax.Array | None = None,
+        deterministic: bool = True,
+    ) -> tuple[jax.Array, dict[str, Any]]:
+        """Encodes ``tokens``.
+
+        Args:
+          tokens: int ``[B, L]``, 0-padded.
+          segments: int ``[B, L]`` segment ids (0 or 1); all 0 if None.
+          deterministic: no dropout, deterministic routing.
+
+        Returns:
+          ``hidden [B, L, emb]`` in the compute dtype and ``aux``:
+          ``{"moe": {"layer_0": metrics, ...}, "balance_loss": ..., "z_loss": ...}`` (sums over
+          MoE layers, float32 scalars, 0 for a dense encoder), as :class:`models.Transformer`.
+        """
+        if segments is None:
+            segments = jnp.zeros_like(tokens)
+        token_mask = tokens != PAD_ID
+        x = self.embeddings(tokens, segments, deterministic=deterministic)
+        bias = self.position_bias(tokens.shape[1])
+        attn_mask = token_mask[:, None, None, :]
+        metrics = {}
+        for i, layer in enumerate(self.layers):
+            x, layer_metrics = layer(x, bias, attn_mask, token_mask, deterministic=deterministic)
+            if layer_metrics is not None:
+                metrics[f"layer_{i}"] = layer_metrics
+        return x, models._aux(metrics)

@@ -1,0 +1,99 @@
+"""The pretraining encoder: T5 relative position buckets, padding, MoE metrics."""
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparsemixer_jax.encoder import Encoder, relative_position_bucket
+
+
+def tiny_config(num_experts=2, num_layers=2):
+    c = ml_collections.ConfigDict()
+    c.model = ml_collections.ConfigDict(dict(
+        num_layers=num_layers, emb_dim=16, mlp_dim=32, num_heads=2, dropout=0.1,
+        attention_dropout=0.1, activation_dropout=0.1, relative_buckets=32,
+        relative_max_distance=128, num_experts=num_experts, moe_every=2, dispatch="auto",
+        capacity_factor=0.0, compute_dtype="float32",
+    ))
+    c.router = ml_collections.ConfigDict(dict(name="sparsemixer", jitter_eps=0.1))
+    return c
+
+
+# Computed by hand from T5's definition with 32 buckets (16 per direction, 8 exact distances
+# each) and max_distance 128: distance d >= 8 goes to 8 + floor(ln(d / 8) / ln(16) * 8), capped
+# at 15; keys after the query (relative position > 0) add 16. E.g. d = 20: ln 2.5 / ln 16 * 8 =
+# 2.64 -> 10; d = 33: 4.09 -> 12; d = 70: 6.26 -> 14; d = 200: 9.29 -> capped at 15.
+BUCKET_TABLE = {
+    -300: 15, -200: 15, -128: 15, -70: 14, -60: 13, -33: 12, -20: 10, -17: 10, -15: 9,
+    -12: 9, -11: 8, -9: 8, -8: 8, -7: 7, -3: 3, -1: 1, 0: 0, 1: 17, 3: 19, 7: 23, 8: 24,
+    9: 24, 11: 24, 12: 25, 15: 25, 17: 26, 20: 26, 33: 28, 60: 29, 70: 30, 128: 31, 200: 31,
+}
+
+
+def test_relative_position_bucket_matches_hand_table():
+    rel = np.array(list(BUCKET_TABLE))
+    got = np.asarray(relative_position_bucket(jnp.asarray(rel), num_buckets=32, max_distance=128))
+    np.testing.assert_array_equal(got, np.array(list(BUCKET_TABLE.values())))
+
+
+def test_relative_position_bucket_rejects_bad_settings():
+    with pytest.raises(ValueError, match="num_buckets"):
+        relative_position_bucket(jnp.zeros(3, jnp.int32), num_buckets=7)
+    with pytest.raises(ValueError, match="max_distance"):
+        relative_position_bucket(jnp.zeros(3, jnp.int32), num_buckets=32, max_distance=8)
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return Encoder(tiny_config(), vocab_size=50, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+
+
+def test_shapes_and_moe_aux(encoder):
+    tokens = jnp.array([[3, 10, 11, 4, 12, 4, 0, 0], [3, 7, 8, 9, 4, 0, 0, 0]], jnp.int32)
+    segments = jnp.array([[0, 0, 0, 0, 1, 1, 0, 0], [0] * 8], jnp.int32)
+    hidden, aux = encoder(tokens, segments=segments)
+    assert hidden.shape == (2, 8, 16) and hidden.dtype == jnp.float32
+    assert set(aux["moe"]) == {"layer_0"}  # moe_every=2, 2 layers: layer 0 is MoE
+    np.testing.assert_allclose(aux["balance_loss"], aux["moe"]["layer_0"]["balance_loss"])
+    assert aux["moe"]["layer_0"]["expert_fraction"].shape == (2,)
+    # The segment ids change the hidden states of every position.
+    other, _ = encoder(tokens, segments=jnp.zeros_like(segments))
+    assert not np.allclose(hidden[0, :6], other[0, :6])
+
+
+def test_padding_is_invisible(encoder):
+    """Real positions do not see padding: appending pads leaves their hidden states unchanged
+    (relative positions do not depend on the length), and the routing metrics too."""
+    tokens = jnp.array([[3, 10, 11, 4, 12, 4]], jnp.int32)
+    padded = jnp.concatenate([tokens, jnp.zeros((1, 5), jnp.int32)], axis=1)
+    a, aux_a = encoder(tokens)
+    b, aux_b = encoder(padded)
+    np.testing.assert_allclose(a, b[:, :6], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(aux_a["balance_loss"], aux_b["balance_loss"], rtol=1e-5)
+
+
+def test_relative_bias_depends_on_offsets_only(encoder):
+    bias = encoder.position_bias(6)[0]  # [H, T, S]
+    for h in range(bias.shape[0]):
+        for t in range(5):
+            for s in range(5):
+                assert bias[h, t, s] == bias[h, t + 1, s + 1]
+    assert not np.allclose(bias[:, 0, 1], bias[:, 1, 0])  # before / after are distinct buckets
+
+
+def test_dense_encoder_has_no_moe_metrics():
+    enc = Encoder(tiny_config(num_experts=0), vocab_size=50, rngs=nnx.Rngs(0))
+    hidden, aux = enc(jnp.array([[3, 9, 4]], jnp.int32))
+    assert aux["moe"] == {} and float(aux["balance_loss"]) == 0.0
+    assert hidden.shape == (1, 3, 16)
+
+
+def test_dropout_only_when_not_deterministic(encoder):
+    tokens = jnp.array([[3, 10, 11, 4]], jnp.int32)
+    a, _ = encoder(tokens, deterministic=True)
+    b, _ = encoder(tokens, deterministic=True)
+    c, _ = encoder(tokens, deterministic=False)
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, c)
