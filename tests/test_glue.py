@@ -2,7 +2,9 @@
 batches, and (below) fine-tuning end to end on a tiny encoder."""
 
 import gzip
+import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -207,3 +209,197 @@ def test_encode_and_batches():
     assert sum(int(b["weights"].sum()) for b in epoch) == 11
     in_order = list(glue.batches(data, 4, length_step=12))
     assert np.array_equal(in_order[0]["labels"], data.labels[:4])
+
+
+# ----- fine-tuning ------------------------------------------------------------------------------
+WORDS = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "big", "small", "red", "blue"]
+
+
+def synthetic_rows(rng, n, regression=False):
+    """SST-2-like rows whose first word decides the label (STS-B-like: a score in [0, 5] that is
+    the number of "good" words); a tiny encoder learns the classification in a few steps."""
+    rows = []
+    for _ in range(n):
+        body = " ".join(rng.choice(WORDS, rng.integers(3, 8)))
+        if regression:
+            k = int(rng.integers(0, 6))
+            rows.append(f"{' '.join(['good'] * k)} {body}\t{body}\t{k:.1f}")
+        else:
+            label = int(rng.integers(2))
+            rows.append(f"{'good' if label else 'bad'} {body}\t{label}")
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A SentencePiece vocabulary with the pretraining pieces, a tiny random MoE encoder, a GLUE
+    directory with a synthetic SST-2 and STS-B, and the smoke config pointed at it."""
+    from flax import nnx
+
+    from configs import electra_base, glue_smoke
+    from sparsemixer_jax.data.text import SPECIAL_PIECES
+    from sparsemixer_jax.data.tokenizer import Tokenizer, train_tokenizer
+    from sparsemixer_jax.encoder import Encoder
+
+    root = tmp_path_factory.mktemp("glue_finetune")
+    rng = np.random.default_rng(0)
+    stsb_header = FIXTURES["STS-B"][0]
+    for split, n in (("train", 128), ("dev", 64)):
+        write_tsv(root / "glue" / "SST-2" / f"{split}.tsv",
+                  ["sentence\tlabel", *synthetic_rows(rng, n)])
+        write_tsv(root / "glue" / "STS-B" / f"{split}.tsv",
+                  [stsb_header] + ["0\tm\tf\t2012\t0\tn\tn\t" + r
+                                   for r in synthetic_rows(rng, n // 2, regression=True)])
+    text = [r.split("\t")[0] for r in synthetic_rows(rng, 300)]
+    train_tokenizer(text, str(root / "spm.model"), 36, seed=0,
+                    user_defined_symbols=SPECIAL_PIECES)
+    tokenizer = Tokenizer(str(root / "spm.model"))
+
+    pretrain_config = electra_base.get_config()
+    m = pretrain_config.model
+    m.num_layers, m.emb_dim, m.mlp_dim, m.num_heads, m.num_experts = 2, 32, 64, 2, 4
+    m.relative_buckets, m.relative_max_distance, m.compute_dtype = 8, 16, "float32"
+    encoder = Encoder(pretrain_config, tokenizer.vocab_size,
+                      rngs=nnx.Rngs(params=0, dropout=1, router=2))
+
+    config = glue_smoke.get_config()
+    config.glue_dir = str(root / "glue")
+    config.eval_batch_size = 32
+    config.grid.epochs = (2,)
+    return types.SimpleNamespace(
+        root=str(root), config=config, tokenizer=tokenizer, encoder=encoder,
+        pretrain_config=pretrain_config,
+        settings=finetune.settings_record(config, str(root), "best"),
+    )
+
+
+from sparsemixer_jax import finetune  # noqa: E402  (after the loader tests, which need no JAX)
+
+
+@pytest.fixture(scope="module")
+def sst2_run(tiny):
+    task = finetune.load_task_data(tiny.config, "sst2", tiny.tokenizer)
+    workdir = os.path.join(tiny.root, "out")
+    summary = finetune.run_task(tiny.config, task, tiny.encoder, tiny.pretrain_config, workdir,
+                                tiny.settings)
+    return workdir, task, summary
+
+
+def test_finetune_learns_and_writes_results(sst2_run):
+    workdir, _, summary = sst2_run
+    # 64 dev rows, chance 0.5 (standard error 0.0625): 0.9 is 6 standard errors above it.
+    assert summary["dev"]["dev"]["accuracy"] >= 0.9
+    assert summary["score"] == summary["dev"]["dev"]["accuracy"]
+    assert summary["task"] == "SST-2" and summary["grid_size"] == 1
+    assert summary["train_examples"] == 128 and summary["dev_examples"] == {"dev": 64}
+    point = summary["points"][0]["name"]
+    with open(os.path.join(workdir, "SST-2", "points", point + ".json")) as f:
+        record = json.load(f)
+    assert [e["epoch"] for e in record["epochs"]] == [1, 2]
+    assert record["steps"] == 2 * 128 // 16
+    assert record["epochs"][1]["train_loss"] < record["epochs"][0]["train_loss"]
+    assert record["epochs"][0]["balance_loss"] > 0  # the MoE layer's loss is part of training
+    best = max(record["epochs"], key=lambda e: e["score"])
+    assert record["best_epoch"] == best["epoch"] and record["score"] == best["score"]
+    with open(os.path.join(workdir, "SST-2", "results.json")) as f:
+        assert json.load(f)["best"]["point"]["learning_rate"] == 1e-3
+
+
+def test_rerun_skips_finished_points_and_refuses_other_settings(tiny, sst2_run, monkeypatch):
+    config, encoder, pretrain_config, settings = (
+        tiny.config, tiny.encoder, tiny.pretrain_config, tiny.settings)
+    workdir, task, summary = sst2_run
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a finished grid point was fine-tuned again")
+
+    monkeypatch.setattr(finetune, "finetune_point", must_not_run)
+    again = finetune.run_task(config, task, encoder, pretrain_config, workdir, settings)
+    assert again["score"] == summary["score"] and again["points"] == summary["points"]
+    other = {**settings, "max_len": settings["max_len"] + 1}
+    with pytest.raises(ValueError, match="max_len=64, this run has 65"):
+        finetune.run_task(config, task, encoder, pretrain_config, workdir, other)
+    # A new grid point is run; the finished one is kept.
+    bigger = config.copy_and_resolve_references()
+    bigger.grid.learning_rate = (1e-3, 2e-3)
+    with pytest.raises(AssertionError, match="fine-tuned again"):
+        finetune.run_task(bigger, task, encoder, pretrain_config, workdir, settings)
+
+
+def test_regression_task_and_summary_over_tasks(tiny, sst2_run):
+    from experiments.glue_table import comparison_table, row_from_results, summary_table
+
+    workdir, _, _ = sst2_run
+    stsb = finetune.load_task_data(tiny.config, "STS-B", tiny.tokenizer)
+    assert stsb.train.labels.dtype == np.float32
+    config = tiny.config.copy_and_resolve_references()
+    config.grid.epochs = (1,)
+    result = finetune.run_task(config, stsb, tiny.encoder, tiny.pretrain_config, workdir,
+                               tiny.settings)
+    assert set(result["dev"]["dev"]) == {"pearson", "spearman"}
+    assert np.isfinite(result["dev"]["dev"]["pearson"])
+    summary = finetune.collect_results(workdir)
+    assert list(summary["tasks"]) == ["SST-2", "STS-B"]
+    table = summary_table(summary)
+    assert "| SST-2 | accuracy " in table and "| STS-B | pearson " in table
+    row = row_from_results(summary)
+    assert row["STS-B"] == pytest.approx(100 * result["dev"]["dev"]["spearman"])
+    _, data = comparison_table({"ours": row})
+    assert data["average_over"] == ["SST-2", "STS-B"]
+    assert data["rows"]["ours"]["AVG"] == pytest.approx((row["SST-2"] + row["STS-B"]) / 2)
+
+
+def test_grid_is_the_papers():
+    from configs import glue as glue_config
+    from configs import glue_smoke
+
+    config = glue_config.get_config()
+    # The paper's Appendix table "fine-tune".
+    assert tuple(config.grid.learning_rate) == (5e-5, 1e-4, 3e-4)
+    assert tuple(config.grid.epochs) == (2, 3, 5, 10)
+    assert tuple(config.grid.batch_size) == (16, 32)
+    assert tuple(config.grid.weight_decay) == (0.0, 0.01)
+    assert tuple(config.grid.warmup) == (0.06, 0.1)
+    assert (config.max_len, config.optim.eps, config.optim.clip_norm) == (256, 1e-6, 1.0)
+    assert (config.optim.b1, config.optim.b2) == (0.9, 0.98)
+    points = finetune.grid_points(config.grid)
+    assert len(points) == 96 and len({p.name for p in points}) == 96
+    assert len(finetune.grid_points(glue_smoke.get_config().grid)) == 1
+    bad = glue_config.get_config()
+    bad.grid.warmup = (1.5,)
+    with pytest.raises(ValueError, match="invalid point"):
+        finetune.check_config(bad)
+
+
+def test_schedule_losses_and_decay_mask(tiny):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    schedule = finetune.learning_rate_schedule(1e-4, total_steps=100, warmup=0.1)
+    values = [float(schedule(s)) for s in (0, 5, 10, 55, 100)]
+    assert values == pytest.approx([0.0, 5e-5, 1e-4, 5e-5, 0.0], rel=1e-6, abs=1e-12)  # float32
+
+    logits = jnp.asarray([[2.0, 0.0], [0.0, 1.0]])
+    expected = [np.log1p(np.exp(-2.0)), np.log1p(np.exp(-1.0))]
+    np.testing.assert_allclose(finetune.example_losses(logits, jnp.asarray([0, 1]), False),
+                               expected, rtol=1e-6)
+    np.testing.assert_allclose(
+        finetune.example_losses(jnp.asarray([[1.5], [0.0]]), jnp.asarray([1.0, 2.0]), True),
+        [0.25, 4.0])
+
+    model = finetune.Classifier(tiny.encoder, 2, dropout=0.1, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    flat = {"/".join(map(str, k)): v for k, v in
+            jax_flatten(finetune.weight_decay_mask(params)).items()}
+    assert flat["dense/kernel"] and not flat["dense/bias"]
+    decayed = {k.rsplit("/", 1)[-1] for k, v in flat.items() if v}
+    kept = {k.rsplit("/", 1)[-1] for k, v in flat.items() if not v}
+    assert decayed == {"kernel", "embedding", "wi", "wo"}
+    assert kept == {"bias", "scale", "bi", "bo", "omega"}
+
+
+def jax_flatten(tree):
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {tuple(getattr(k, "key", k) for k in path): v for path, v in leaves}
