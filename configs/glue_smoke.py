@@ -11,7 +11,7 @@ from configs import glue
 def get_config():
     c = glue.get_config()
     c.max_len = 64
-    c.length_step = 16
+    c.length_step = 64  # one padded length: one compilation per step function
     c.train_limit = 256
     c.dev_limit = 128
     c.grid.learning_rate = (1e-3,)

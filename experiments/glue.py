@@ -28,12 +28,22 @@ flags.DEFINE_enum("checkpoint", "best", ["best", "last"], "Which pretraining che
 flags.mark_flags_as_required(["config", "pretrained", "task"])
 
 
+def _enable_compilation_cache() -> None:
+    """The persistent compilation cache of experiments.wmt (whose import would also define its
+    required --workdir flag): ``~/.cache/sparsemixer_jax/xla`` unless JAX_COMPILATION_CACHE_DIR."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.join(os.path.expanduser("~"), ".cache", "sparsemixer_jax", "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from experiments.wmt import enable_compilation_cache
-
-    enable_compilation_cache()
+    _enable_compilation_cache()
     from experiments.glue_table import summary_table
     from sparsemixer_jax import finetune
 

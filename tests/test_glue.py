@@ -9,6 +9,7 @@ import types
 import numpy as np
 import pytest
 
+from sparsemixer_jax import finetune
 from sparsemixer_jax.data import glue
 from sparsemixer_jax.data.text import CLS_ID, SEP_ID
 
@@ -232,14 +233,11 @@ def synthetic_rows(rng, n, regression=False):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A SentencePiece vocabulary with the pretraining pieces, a tiny random MoE encoder, a GLUE
-    directory with a synthetic SST-2 and STS-B, and the smoke config pointed at it."""
-    from flax import nnx
-
-    from configs import electra_base, glue_smoke
-    from sparsemixer_jax.data.text import SPECIAL_PIECES
-    from sparsemixer_jax.data.tokenizer import Tokenizer, train_tokenizer
-    from sparsemixer_jax.encoder import Encoder
+    """Pretrain -> fine-tune end to end: a tiny ELECTRA (2-layer MoE discriminator) pretrained
+    for 4 steps on a generated corpus, loaded back with ``pretrain.load_discriminator``; a GLUE
+    directory with a synthetic SST-2 and STS-B; the smoke config pointed at it."""
+    from configs import electra_smoke, glue_smoke
+    from sparsemixer_jax import pretrain
 
     root = tmp_path_factory.mktemp("glue_finetune")
     rng = np.random.default_rng(0)
@@ -250,39 +248,42 @@ def tiny(tmp_path_factory):
         write_tsv(root / "glue" / "STS-B" / f"{split}.tsv",
                   [stsb_header] + ["0\tm\tf\t2012\t0\tn\tn\t" + r
                                    for r in synthetic_rows(rng, n // 2, regression=True)])
-    text = [r.split("\t")[0] for r in synthetic_rows(rng, 300)]
-    train_tokenizer(text, str(root / "spm.model"), 36, seed=0,
-                    user_defined_symbols=SPECIAL_PIECES)
-    tokenizer = Tokenizer(str(root / "spm.model"))
+    corpus = [r.split("\t")[0].capitalize() + "." for r in synthetic_rows(rng, 400)]
+    write_tsv(root / "corpus" / "train.txt", corpus[:300])
+    write_tsv(root / "corpus" / "valid.txt", corpus[300:])
 
-    pretrain_config = electra_base.get_config()
-    m = pretrain_config.model
+    p = electra_smoke.get_config()
+    p.data.train, p.data.valid = str(root / "corpus" / "train.txt"), str(root / "corpus" /
+                                                                        "valid.txt")
+    p.data.valid_sequences, p.data.vocab_size, p.data.seq_len, p.data.batch_size = 4, 36, 32, 8
+    m = p.model
     m.num_layers, m.emb_dim, m.mlp_dim, m.num_heads, m.num_experts = 2, 32, 64, 2, 4
-    m.relative_buckets, m.relative_max_distance, m.compute_dtype = 8, 16, "float32"
-    encoder = Encoder(pretrain_config, tokenizer.vocab_size,
-                      rngs=nnx.Rngs(params=0, dropout=1, router=2))
+    m.relative_buckets, m.relative_max_distance = 8, 16
+    p.generator.num_layers = 1
+    p.optim.warmup_steps, p.optim.decay_steps = 2, 4
+    p.train_steps, p.eval_every, p.checkpoint_every, p.log_every = 4, 4, 4, 2
+    pretrained = str(root / "pretrained")
+    pretrain.pretrain(p, pretrained)
+    encoder, tokenizer, pretrain_config = pretrain.load_discriminator(pretrained)
 
     config = glue_smoke.get_config()
     config.glue_dir = str(root / "glue")
     config.eval_batch_size = 32
     config.grid.epochs = (2,)
     return types.SimpleNamespace(
-        root=str(root), config=config, tokenizer=tokenizer, encoder=encoder,
-        pretrain_config=pretrain_config,
-        settings=finetune.settings_record(config, str(root), "best"),
+        root=str(root), pretrained=pretrained, config=config, tokenizer=tokenizer,
+        encoder=encoder, pretrain_config=pretrain_config,
+        settings=finetune.settings_record(config, pretrained, "best"),
     )
-
-
-from sparsemixer_jax import finetune  # noqa: E402  (after the loader tests, which need no JAX)
 
 
 @pytest.fixture(scope="module")
 def sst2_run(tiny):
-    task = finetune.load_task_data(tiny.config, "sst2", tiny.tokenizer)
+    """``run_tasks``, the experiment's entry point: load the pretrained run, fine-tune SST-2."""
     workdir = os.path.join(tiny.root, "out")
-    summary = finetune.run_task(tiny.config, task, tiny.encoder, tiny.pretrain_config, workdir,
-                                tiny.settings)
-    return workdir, task, summary
+    summary = finetune.run_tasks(tiny.config, tiny.pretrained, ["sst2"], workdir)
+    task = finetune.load_task_data(tiny.config, "sst2", tiny.tokenizer)
+    return workdir, task, summary["tasks"]["SST-2"]
 
 
 def test_finetune_learns_and_writes_results(sst2_run):
