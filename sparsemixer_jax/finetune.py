@@ -257,7 +257,7 @@ def finetune_point(encoder_graphdef, encoder_state, task: TaskData, point: GridP
     step = 0
     history = []
     for epoch in range(1, point.epochs + 1):
-        sums = {"loss": 0.0, "balance_loss": 0.0}
+        epoch_metrics = []  # kept on the device: no host sync per step
         # Shuffles and dropout depend on (seed, epoch, step) only: a rerun redoes the same point.
         rng = np.random.default_rng([seed, epoch])
         for batch in glue.batches(task.train, point.batch_size, length_step=int(config.length_step),
@@ -266,10 +266,11 @@ def finetune_point(encoder_graphdef, encoder_state, task: TaskData, point: GridP
             params, opt_state, metrics = _train_step(
                 graphdef, settings, params, rest, opt_state, batch, key,
                 jnp.float32(schedule(step)), jnp.float32(point.weight_decay))
-            for name in sums:
-                sums[name] += float(metrics[name])
+            epoch_metrics.append(metrics)
             step += 1
-        train_loss = sums["loss"] / steps_per_epoch
+        means = {k: float(np.mean(v)) for k, v in
+                 jax.device_get(jax.tree.map(lambda *x: jnp.stack(x), *epoch_metrics)).items()}
+        train_loss = means["loss"]
         if not np.isfinite(train_loss):
             logger.warning("%s %s: training loss is %s at epoch %d; stopping this point",
                            task.spec.name, point.name, train_loss, epoch)
@@ -278,7 +279,8 @@ def finetune_point(encoder_graphdef, encoder_state, task: TaskData, point: GridP
             break
         dev = evaluate(graphdef, params, rest, task, config)
         history.append({"epoch": epoch, "train_loss": train_loss,
-                        "balance_loss": sums["balance_loss"] / steps_per_epoch,
+                        "balance_loss": means["balance_loss"],
+                        "grad_norm": means["grad_norm"],
                         "dev": dev, "score": task_score(task.spec, dev)})
         logger.info("%s %s epoch %d: train loss %.4f, dev %s", task.spec.name, point.name, epoch,
                     train_loss, dev)
