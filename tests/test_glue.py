@@ -458,3 +458,17 @@ def test_comparison_and_summary_tables():
     assert ("| MRPC | accuracy 80.00, f1 80.00 | lr 0.0001, 3 ep, bs 32, wd 0.01, warm-up 0.06 "
             "| 2 | 3/96 |") in table
     assert "| STS-B | pearson 50.00, spearman 50.00 |" in table
+
+
+def test_task_selection_names_missing_tasks(tmp_path, caplog):
+    from configs import glue_smoke
+
+    config = glue_smoke.get_config()
+    config.glue_dir = write_glue(tmp_path / "glue", ("RTE", "CoLA"))
+    with caplog.at_level("WARNING"):
+        assert finetune.resolve_tasks(config, ["all", "rte"]) == ["CoLA", "RTE"]
+    assert "skipped: SST-2, MRPC, STS-B, QQP, MNLI, QNLI" in caplog.text
+    # A named task that is not there stops the run before the pretrained model is loaded.
+    with pytest.raises(FileNotFoundError, match=r"GLUE task MNLI: no train split.*has: CoLA, RTE"):
+        finetune.run_tasks(config, str(tmp_path / "no_pretraining"), ["cola", "mnli"],
+                           str(tmp_path / "out"))
