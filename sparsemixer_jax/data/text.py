@@ -13,9 +13,10 @@ Vocabulary: SentencePiece trained on the text, ``pad = 0``, ``eos = 1``, ``unk =
 user-defined pieces ``[CLS] = 3``, ``[SEP] = 4``, ``[MASK] = 5``.
 
 Packing: the paragraphs' token ids are laid end to end (across documents, like RoBERTa's
-FULL-SENTENCES) and cut into sequences that are all full except the last; a sequence is
+FULL-SENTENCES) and cut into sequences of ``seq_len - 3`` text tokens (all but the last); one is
 ``[CLS] a [SEP]`` or, with probability ``pair_prob`` when it holds pieces of at least two
-paragraphs, ``[CLS] a [SEP] b [SEP]`` split at a random paragraph boundary. Segment ids are 0
+paragraphs, ``[CLS] a [SEP] b [SEP]`` split at a random paragraph boundary (a single segment
+leaves the last position as padding). Segment ids are 0
 for ``[CLS] a [SEP]`` and 1 for ``b [SEP]``: the layout GLUE's sentence pairs use.
 """
 
@@ -230,8 +231,8 @@ def pack_sequences(
         into two segments at one of their boundaries (drawn from ``rng``).
 
     Returns:
-      ``tokens`` and ``segments``, int32 ``[N, seq_len]``, 0-padded (only the last sequence is
-      not full). Empty paragraphs are skipped; ``N = 0`` if there is no text.
+      ``tokens`` and ``segments``, int32 ``[N, seq_len]``, 0-padded (every sequence but the last
+      holds ``seq_len - 3`` text tokens). Empty paragraphs are skipped; ``N = 0`` if no text.
     """
     if seq_len < 5:
         raise ValueError(f"seq_len must be >= 5 ([CLS] a [SEP] b [SEP]), got {seq_len}")

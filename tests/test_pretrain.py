@@ -1,0 +1,244 @@
+"""End-to-end tests of ELECTRA pretraining: metrics, exact resume (extended and interrupted),
+non-finite stop, config and data errors, loading the discriminator, the README command.
+
+All runs use ``tests/tiny_electra_config.py`` on a generated corpus (one sequence shape, so each
+step function compiles once and the in-process runs share the compilations).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparsemixer_jax import pretrain
+from sparsemixer_jax.checkpoint import RunCheckpoints
+from sparsemixer_jax.data import text
+from sparsemixer_jax.encoder import Encoder
+from tests import tiny_electra_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return tiny_electra_config.write_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+def tiny(corpus, **overrides):
+    config = tiny_electra_config.get_config(corpus)
+    for key, value in overrides.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return config
+
+
+def last_state(workdir, config):
+    """Parameters (numpy) and meta of the last checkpoint in ``workdir``."""
+    vocab = text.Tokenizer(os.path.join(workdir, "spm.model")).vocab_size
+    steps = pretrain.Steps(pretrain.build_model(config, vocab), config)
+    template = {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
+    checkpoints = RunCheckpoints(workdir)
+    state, meta = checkpoints.restore(checkpoints.last, template)
+    checkpoints.close()
+    return jax.tree.map(np.asarray, state["params"]), meta
+
+
+def read_metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def straight_run(corpus, tmp_path_factory):
+    """An uninterrupted 6-step run: the reference for the resume tests."""
+    workdir = str(tmp_path_factory.mktemp("straight"))
+    return workdir, pretrain.pretrain(tiny(corpus), workdir)
+
+
+def test_straight_run_logs_the_electra_metrics(straight_run):
+    workdir, results = straight_run
+    assert results["steps"] == 6
+    with open(os.path.join(workdir, "results.json")) as f:
+        assert json.load(f)["valid_loss"] == results["valid_loss"]
+    records = read_metrics(workdir)
+    steps = [r for r in records if "loss" in r and "error" not in r]
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    for key in ("mlm_loss", "mlm_accuracy", "disc_loss", "disc_accuracy", "replaced_fraction",
+                "balance_loss", "lr", "grad_norm"):
+        assert all(np.isfinite(r[key]) for r in steps), key
+    # The objective is the generator's loss plus 50 times the discriminator's (+ balance).
+    for r in steps:
+        assert r["loss"] == pytest.approx(r["mlm_loss"] + 50 * r["disc_loss"]
+                                          + 0.01 * r["balance_loss"], rel=2e-3)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    moe = [r["moe"] for r in steps if "moe" in r]
+    assert moe and set(moe[0]) == {"discriminator"}  # the generator is dense here
+    assert len(moe[0]["discriminator"]["layer_0"]["expert_fraction"]) == 2
+    valid = [r for r in records if "valid_loss" in r]
+    assert [r["step"] for r in valid] == [3, 6]
+    for key in ("valid_mlm_loss", "valid_mlm_accuracy", "valid_disc_loss", "valid_disc_accuracy"):
+        assert 0 <= valid[-1][key] < 10
+    assert results["num_params_discriminator"] < results["num_params"]
+
+
+def test_extending_a_run_equals_the_uninterrupted_run(corpus, straight_run, tmp_path):
+    workdir = str(tmp_path / "extended")
+    pretrain.pretrain(tiny(corpus, train_steps=3), workdir)
+    resumed = pretrain.pretrain(tiny(corpus), workdir)
+    reference_dir, reference = straight_run
+    assert resumed["valid_loss"] == reference["valid_loss"]
+    params, meta = last_state(workdir, tiny(corpus))
+    expected, expected_meta = last_state(reference_dir, tiny(corpus))
+    assert meta["step"] == expected_meta["step"] == 6
+    assert meta["data"] == expected_meta["data"]
+    jax.tree.map(np.testing.assert_array_equal, params, expected)
+    assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == list(range(1, 7))
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_run_resumes_to_the_uninterrupted_result(
+    corpus, straight_run, tmp_path, monkeypatch
+):
+    """A run that dies in step 5 (after the checkpoint of step 4, the best of step 3, and log
+    lines of step 4) and is started again ends where the straight run does."""
+    workdir = str(tmp_path / "interrupted")
+    config = tiny(corpus, checkpoint_every=2)
+    calls = {"n": 0}
+    original_next = text.PretrainBatches.__next__
+
+    def dying_next(self):
+        calls["n"] += 1
+        if calls["n"] == 9:  # two micro-batches per step: the first one of step 5
+            raise Interrupted
+        return original_next(self)
+
+    monkeypatch.setattr(text.PretrainBatches, "__next__", dying_next)
+    with pytest.raises(Interrupted):
+        pretrain.pretrain(config, workdir)
+    monkeypatch.undo()
+    _, meta = last_state(workdir, config)
+    assert meta["step"] == 4
+    pretrain.pretrain(config, workdir)
+    params, meta = last_state(workdir, config)
+    expected, _ = last_state(straight_run[0], config)
+    assert meta["step"] == 6
+    jax.tree.map(np.testing.assert_array_equal, params, expected)
+    assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == list(range(1, 7))
+
+
+def test_load_discriminator_returns_the_trained_encoder(straight_run):
+    workdir, _ = straight_run
+    encoder, tokenizer, config = pretrain.load_discriminator(workdir, "last")
+    assert isinstance(encoder, Encoder)
+    assert tokenizer.vocab_size == config.data.vocab_size == encoder.vocab_size
+    params, _ = last_state(workdir, config)
+    loaded = nnx.to_pure_dict(nnx.state(encoder, nnx.Param))
+    jax.tree.map(np.testing.assert_array_equal, loaded, params["discriminator"])
+    ids = [text.CLS_ID, *tokenizer.encode("the king walked"), text.SEP_ID]
+    hidden, aux = encoder(np.array([ids], np.int32))
+    assert hidden.shape == (1, len(ids), config.model.emb_dim)
+    assert "layer_0" in aux["moe"]
+    best, _, _ = pretrain.load_discriminator(workdir)  # the best checkpoint by validation loss
+    assert isinstance(best, Encoder)
+    with pytest.raises(ValueError, match="'best' or 'last'"):
+        pretrain.load_discriminator(workdir, "first")
+    with pytest.raises(FileNotFoundError, match="pretraining workdir"):
+        pretrain.load_discriminator(os.path.dirname(workdir))
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
+    workdir = str(tmp_path / "diverged")
+    config = tiny(corpus, **{"optim.peak_lr": 1e30, "optim.warmup_steps": 0,
+                             "optim.clip_norm": 0.0, "checkpoint_every": 1, "eval_every": 100})
+    with pytest.raises(pretrain.TrainingDiverged, match="not finite"):
+        pretrain.pretrain(config, workdir)
+    bad_step = next(r["step"] for r in read_metrics(workdir) if "error" in r)
+    params, meta = last_state(workdir, config)
+    assert meta["step"] < bad_step
+    assert all(np.all(np.isfinite(p)) for p in jax.tree.leaves(params))
+    assert not os.path.exists(os.path.join(workdir, "results.json"))
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"router.name": "top2"}, "router.name"),
+    ({"model.emb_dim": 17}, "not divisible by num_heads"),
+    ({"data.micro_batch_size": 3}, "micro_batch_size"),
+    ({"data.mask_prob": 0.0}, "mask_prob"),
+    ({"optim.warmup_steps": 6}, "warmup_steps"),
+    ({"data.seq_len": 4}, "seq_len"),
+    ({"data.train": "/nonexistent/text"}, "/nonexistent/text"),
+    ({"data.batch_size": 4096, "data.micro_batch_size": 0}, "fewer than one batch"),
+])
+def test_config_and_data_errors_are_clear(corpus, tmp_path, override, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        pretrain.pretrain(tiny(corpus, **override), str(tmp_path / "bad"))
+
+
+def test_generator_fields_are_checked(corpus, tmp_path):
+    config = tiny(corpus)
+    config.generator.emb_dim = 8
+    with pytest.raises(ValueError, match="emb_dim is tied"):
+        pretrain.pretrain(config, str(tmp_path / "bad"))
+
+
+def test_learning_rate_warms_up_then_decays_linearly():
+    optim = pretrain.OptimSettings(peak_lr=1.0, warmup_steps=4, decay_steps=12, b1=0.9, b2=0.98,
+                                   eps=1e-6, weight_decay=0.01, clip_norm=1.0)
+    schedule = pretrain.learning_rate_schedule(optim)
+    # Update u (counted from 1) has lr u/4 up to 4, then (12 - u) / 8.
+    got = [float(schedule(count)) for count in range(13)]
+    np.testing.assert_allclose(got, [0.25, 0.5, 0.75, 1.0, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8,
+                                     2 / 8, 1 / 8, 0.0, 0.0])
+
+
+def test_weight_decay_spares_vectors():
+    params = {"w": np.ones((2, 2)), "b": np.ones(2), "experts": np.ones((2, 2, 2))}
+    assert pretrain._decay_mask(params) == {"w": True, "b": False, "experts": True}
+
+
+def test_readme_command_runs_a_few_steps(corpus, tmp_path):
+    """``python -m experiments.pretrain --config configs/electra_smoke.py`` from the README, on the
+    generated corpus and tiny shapes."""
+    workdir = str(tmp_path / "cli")
+    overrides = [
+        f"--config.data.train={corpus}/train.txt", f"--config.data.valid={corpus}/valid.txt",
+        "--config.data.vocab_size=120", "--config.data.seq_len=16", "--config.data.batch_size=4",
+        "--config.data.valid_sequences=4", "--config.model.emb_dim=16",
+        "--config.model.mlp_dim=32", "--config.train_steps=2", "--config.eval_every=2",
+        "--config.optim.warmup_steps=1", "--config.optim.decay_steps=10",
+    ]
+    command = [sys.executable, "-m", "experiments.pretrain", "--config",
+               "configs/electra_smoke.py", "--workdir", workdir, *overrides]
+    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "results:" in run.stdout
+    with open(os.path.join(workdir, "results.json")) as f:
+        results = json.load(f)
+    assert results["steps"] == 2 and np.isfinite(results["valid_loss"])
+    assert os.path.exists(os.path.join(workdir, "spm.model"))
+
+
+@pytest.mark.slow  # its own compilation of every step: minutes on 2 shared cores
+def test_pretraining_on_an_expert_mesh_matches_one_device(corpus, straight_run, tmp_path):
+    """Two simulated devices, experts split over them: the same run as on one device (float32
+    on CPU; the tolerance covers the different order of the cross-device sums)."""
+    workdir = str(tmp_path / "mesh")
+    config = tiny(corpus, **{"mesh.expert": 2, "mesh.data": 1})
+    results = pretrain.pretrain(config, workdir)
+    reference = straight_run[1]
+    np.testing.assert_allclose(results["valid_loss"], reference["valid_loss"], rtol=1e-4)
+    params, _ = last_state(workdir, tiny(corpus))
+    expected, _ = last_state(straight_run[0], tiny(corpus))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+                 params, expected)
