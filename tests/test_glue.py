@@ -233,7 +233,7 @@ def synthetic_rows(rng, n, regression=False):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """Pretrain -> fine-tune end to end: a tiny ELECTRA (2-layer MoE discriminator) pretrained
+    """Pretrain -> fine-tune end to end: a tiny ELECTRA (2 layers, the first MoE) pretrained
     for 4 steps on a generated corpus, loaded back with ``pretrain.load_discriminator``; a GLUE
     directory with a synthetic SST-2 and STS-B; the smoke config pointed at it."""
     from configs import electra_smoke, glue_smoke
