@@ -395,7 +395,10 @@ def run_task(config: Any, task: TaskData, encoder: nnx.Module, pretrain_config: 
         records.append(record)
     scored = [r for r in records if np.isfinite(r["score"])]
     if not scored:
-        raise RuntimeError(f"{task.spec.name}: every grid point diverged; see {task_dir}/points")
+        raise RuntimeError(
+            f"{task.spec.name}: no grid point has a finite dev score (a diverged loss, or "
+            f"constant predictions under a correlation metric); see {task_dir}/points"
+        )
     best = max(scored, key=lambda r: r["score"])
     summary = {
         "task": task.spec.name,
