@@ -45,6 +45,12 @@ def test_relative_position_bucket_rejects_bad_settings():
         relative_position_bucket(jnp.zeros(3, jnp.int32), num_buckets=32, max_distance=8)
 
 
+@nnx.jit(static_argnames=("deterministic",))
+def encode(encoder, tokens, segments=None, deterministic=True):
+    # Compiled: op-by-op execution of even a tiny encoder takes tens of seconds on 2 cores.
+    return encoder(tokens, segments=segments, deterministic=deterministic)
+
+
 @pytest.fixture(scope="module")
 def encoder():
     return Encoder(tiny_config(), vocab_size=50, rngs=nnx.Rngs(params=0, dropout=1, router=2))
@@ -53,13 +59,13 @@ def encoder():
 def test_shapes_and_moe_aux(encoder):
     tokens = jnp.array([[3, 10, 11, 4, 12, 4, 0, 0], [3, 7, 8, 9, 4, 0, 0, 0]], jnp.int32)
     segments = jnp.array([[0, 0, 0, 0, 1, 1, 0, 0], [0] * 8], jnp.int32)
-    hidden, aux = encoder(tokens, segments=segments)
+    hidden, aux = encode(encoder, tokens, segments)
     assert hidden.shape == (2, 8, 16) and hidden.dtype == jnp.float32
     assert set(aux["moe"]) == {"layer_0"}  # moe_every=2, 2 layers: layer 0 is MoE
     np.testing.assert_allclose(aux["balance_loss"], aux["moe"]["layer_0"]["balance_loss"])
     assert aux["moe"]["layer_0"]["expert_fraction"].shape == (2,)
     # The segment ids change the hidden states of every position.
-    other, _ = encoder(tokens, segments=jnp.zeros_like(segments))
+    other, _ = encode(encoder, tokens, jnp.zeros_like(segments))
     assert not np.allclose(hidden[0, :6], other[0, :6])
 
 
@@ -68,14 +74,14 @@ def test_padding_is_invisible(encoder):
     (relative positions do not depend on the length), and the routing metrics too."""
     tokens = jnp.array([[3, 10, 11, 4, 12, 4]], jnp.int32)
     padded = jnp.concatenate([tokens, jnp.zeros((1, 5), jnp.int32)], axis=1)
-    a, aux_a = encoder(tokens)
-    b, aux_b = encoder(padded)
+    a, aux_a = encode(encoder, tokens)
+    b, aux_b = encode(encoder, padded)
     np.testing.assert_allclose(a, b[:, :6], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(aux_a["balance_loss"], aux_b["balance_loss"], rtol=1e-5)
 
 
 def test_relative_bias_depends_on_offsets_only(encoder):
-    bias = encoder.position_bias(6)[0]  # [H, T, S]
+    bias = np.asarray(encoder.position_bias(6)[0])  # [H, T, S]
     for h in range(bias.shape[0]):
         for t in range(5):
             for s in range(5):
@@ -85,15 +91,15 @@ def test_relative_bias_depends_on_offsets_only(encoder):
 
 def test_dense_encoder_has_no_moe_metrics():
     enc = Encoder(tiny_config(num_experts=0), vocab_size=50, rngs=nnx.Rngs(0))
-    hidden, aux = enc(jnp.array([[3, 9, 4]], jnp.int32))
+    hidden, aux = encode(enc, jnp.array([[3, 9, 4]], jnp.int32))
     assert aux["moe"] == {} and float(aux["balance_loss"]) == 0.0
     assert hidden.shape == (1, 3, 16)
 
 
 def test_dropout_only_when_not_deterministic(encoder):
     tokens = jnp.array([[3, 10, 11, 4]], jnp.int32)
-    a, _ = encoder(tokens, deterministic=True)
-    b, _ = encoder(tokens, deterministic=True)
-    c, _ = encoder(tokens, deterministic=False)
+    a, _ = encode(encoder, tokens, deterministic=True)
+    b, _ = encode(encoder, tokens, deterministic=True)
+    c, _ = encode(encoder, tokens, deterministic=False)
     np.testing.assert_array_equal(a, b)
     assert not np.allclose(a, c)

@@ -5,6 +5,8 @@
 * :mod:`.tokenizer`   -- the joint SentencePiece vocabulary;
 * :mod:`.batching`    -- tokenized pairs, length buckets, training and evaluation batches;
 * :mod:`.translation` -- all of the above together (:func:`translation.load_datasets`).
+* :mod:`.text`        -- pretraining text: readers, vocabulary with [CLS]/[SEP]/[MASK], packing,
+                         MLM-masked batches.
 """
 
 Pair = tuple[str, str]  # a (source, target) sentence pair
