@@ -7,6 +7,7 @@
 * :mod:`.translation` -- all of the above together (:func:`translation.load_datasets`).
 * :mod:`.text`        -- pretraining text: readers, vocabulary with [CLS]/[SEP]/[MASK], packing,
                          MLM-masked batches.
+* :mod:`.glue`        -- GLUE tasks from a GLUE-layout directory, [CLS] a [SEP] b [SEP] inputs.
 """
 
 Pair = tuple[str, str]  # a (source, target) sentence pair

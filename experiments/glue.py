@@ -1,0 +1,61 @@
+"""Fine-tune a pretrained (ELECTRA-style) discriminator on GLUE tasks with the paper's grid search.
+
+    python -m experiments.glue --config configs/glue.py --pretrained runs/electra_n4 --task rte
+    python -m experiments.glue --config configs/glue.py --pretrained runs/electra_n4 --task all
+    python -m experiments.glue --config configs/glue_smoke.py --pretrained runs/electra_smoke \
+        --task rte,mrpc --workdir runs/electra_smoke/glue_smoke
+
+``--task`` takes task names (any case; ``sst2`` or ``SST-2``), comma-separated, or ``all`` for
+every task in ``config.glue_dir``. Results go to ``--workdir`` (default
+``{pretrained}/glue``): ``{task}/points/*.json`` per grid point as it finishes,
+``{task}/results.json`` (the best point), ``results.json`` (every task there). Rerunning the
+command skips finished grid points. Tables: ``python -m experiments.glue_table``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from absl import app, flags
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
+flags.DEFINE_string("pretrained", None, "Workdir of a pretraining run (experiments.pretrain).")
+flags.DEFINE_list("task", None, "GLUE task name(s), comma-separated, or 'all'.")
+flags.DEFINE_string("workdir", None, "Where results go; default {pretrained}/glue.")
+flags.DEFINE_enum("checkpoint", "best", ["best", "last"], "Which pretraining checkpoint.")
+flags.mark_flags_as_required(["config", "pretrained", "task"])
+
+
+def _enable_compilation_cache() -> None:
+    """The persistent compilation cache of experiments.wmt (whose import would also define its
+    required --workdir flag): ``~/.cache/sparsemixer_jax/xla`` unless JAX_COMPILATION_CACHE_DIR."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.join(os.path.expanduser("~"), ".cache", "sparsemixer_jax", "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    _enable_compilation_cache()
+    from experiments.glue_table import summary_table
+    from sparsemixer_jax import finetune
+
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    fl = flags.FLAGS
+    workdir = fl.workdir or os.path.join(fl.pretrained, "glue")
+    summary = finetune.run_tasks(fl.config, fl.pretrained, fl.task, workdir,
+                                 checkpoint=fl.checkpoint)
+    print(summary_table(summary))
+    print(f"results: {os.path.join(workdir, 'results.json')}")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    app.run(main)

@@ -1,0 +1,469 @@
+"""Fine-tuning a pretrained encoder on GLUE tasks, with the paper's best-of-grid search.
+
+``run_tasks(config, pretrained_dir, tasks, workdir)`` is the experiment (schema:
+``configs/glue.py``): for every task and every point of ``config.grid`` (peak learning rate,
+epochs, batch size, weight decay, warm-up proportion; the paper's Appendix table "fine-tune"),
+fine-tune a copy of the pretrained discriminator with a classification (or, for STS-B,
+regression) head on its ``[CLS]`` state, evaluate on the dev split(s) after every epoch, and
+report per task the best dev score over the grid with the hyper-parameters and epoch that gave it.
+A grid point's score is its best epoch's (the paper's "max epochs"); the score metric is the one
+of the paper's Table 2 (``glue.TaskSpec.score_metric``).
+
+Every finished grid point is written at once to ``{workdir}/{task}/points/{point}.json``; a rerun
+skips the points already there (if they were made with the same settings), so a killed search
+resumes where it stopped. No fine-tuning checkpoints are kept: a point is short and is redone.
+
+The optimizer is AdamW (Adam with decoupled weight decay, not on biases and LayerNorm scales)
+after clipping the global gradient norm, on a linear warm-up then linear decay to 0 at the last
+step; the loss adds the MoE balance (and z-) loss with the pretraining's weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+
+from sparsemixer_jax import glue_metrics
+from sparsemixer_jax.data import glue
+
+logger = logging.getLogger(__name__)
+
+# Fields of a grid-point result that must match for a rerun to reuse it.
+_SETTINGS_FIELDS = ("pretrained", "checkpoint", "glue_dir", "max_len", "head_dropout", "seed",
+                    "train_limit", "dev_limit", "optim")
+
+
+# -------------------------------------------------------------------------------- the grid
+
+
+@dataclasses.dataclass(frozen=True)
+class GridPoint:
+    """One fine-tuning setting of the search space."""
+
+    learning_rate: float
+    epochs: int
+    batch_size: int
+    weight_decay: float
+    warmup: float  # share of the training steps spent warming up
+
+    @property
+    def name(self) -> str:
+        return (f"lr{self.learning_rate:g}_ep{self.epochs}_bs{self.batch_size}"
+                f"_wd{self.weight_decay:g}_wu{self.warmup:g}")
+
+
+def grid_points(grid: Any) -> list[GridPoint]:
+    """Every combination of ``grid``'s lists, in a fixed order (learning rate outermost)."""
+    fields = [f.name for f in dataclasses.fields(GridPoint)]
+    values = []
+    for name in fields:
+        options = list(grid[name])
+        if not options:
+            raise ValueError(f"config.grid.{name} is empty")
+        values.append(options)
+    points = [GridPoint(float(lr), int(ep), int(bs), float(wd), float(wu))
+              for lr, ep, bs, wd, wu in itertools.product(*values)]
+    for p in points:
+        if not (p.learning_rate > 0 and p.epochs > 0 and p.batch_size > 0
+                and p.weight_decay >= 0 and 0 <= p.warmup < 1):
+            raise ValueError(f"config.grid gives an invalid point {p}")
+    return points
+
+
+# ------------------------------------------------------------------------------- the model
+
+
+class Classifier(nnx.Module):
+    """An encoder with ELECTRA's classification head on the ``[CLS]`` (first) position:
+    dropout, dense + GELU, dropout, dense to ``num_outputs`` (classes, or 1 for regression).
+
+    The head computes in float32 whatever the encoder's compute dtype.
+    """
+
+    def __init__(self, encoder: nnx.Module, num_outputs: int, *, dropout: float,
+                 rngs: nnx.Rngs):
+        self.encoder = encoder
+        width = int(encoder.emb_dim)
+        init = nnx.initializers.normal(stddev=0.02)  # BERT / ELECTRA's initialiser
+        self.dense = nnx.Linear(width, width, kernel_init=init, rngs=rngs)
+        self.out = nnx.Linear(width, num_outputs, kernel_init=init, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, segments: jax.Array, *, deterministic: bool
+                 ) -> tuple[jax.Array, dict[str, Any]]:
+        """``tokens``, ``segments`` int ``[B, L]`` -> float32 ``[B, num_outputs]``, encoder aux."""
+        hidden, aux = self.encoder(tokens, segments=segments, deterministic=deterministic)
+        x = self.dropout(hidden[:, 0].astype(jnp.float32), deterministic=deterministic)
+        x = self.dropout(jax.nn.gelu(self.dense(x)), deterministic=deterministic)
+        return self.out(x), aux
+
+
+def weight_decay_mask(params: Any) -> Any:
+    """True for the weights that decay: matrices and embedding tables, not biases, LayerNorm
+    scales or other vectors (BERT / ELECTRA), nor MoE expert biases ``[E, F]``."""
+    def decays(path, leaf) -> bool:
+        name = str(getattr(path[-1], "key", path[-1])) if path else ""
+        return leaf.ndim >= 2 and "bias" not in name and name not in ("bi", "bo")
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+# ----------------------------------------------------------------------------- compiled steps
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """What the compiled steps depend on besides shapes (hashable: a static argument)."""
+
+    regression: bool
+    balance_weight: float
+    z_loss_weight: float
+    b1: float
+    b2: float
+    eps: float
+    clip_norm: float
+
+
+def _optimizer(settings: StepSettings, learning_rate, weight_decay) -> optax.GradientTransformation:
+    """Clipping then AdamW; ``learning_rate`` and ``weight_decay`` may be traced scalars, so one
+    compilation serves every grid point of a batch shape."""
+    adamw = optax.adamw(learning_rate, b1=settings.b1, b2=settings.b2, eps=settings.eps,
+                        weight_decay=weight_decay, mask=weight_decay_mask)
+    if settings.clip_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(settings.clip_norm), adamw)
+    return adamw
+
+
+def example_losses(outputs: jax.Array, labels: jax.Array, regression: bool) -> jax.Array:
+    """Cross entropy of ``outputs [B, K]`` against class ids ``[B]``, or the squared error of
+    ``outputs[:, 0]`` against float targets ``[B]`` (regression); float32 ``[B]``."""
+    if regression:
+        return jnp.square(outputs[:, 0] - labels)
+    return optax.softmax_cross_entropy_with_integer_labels(outputs, labels)
+
+
+def _loss(graphdef, settings: StepSettings, params, rest, batch, key):
+    rest = jax.tree.map(lambda x: x, rest)  # reseed a copy, not the caller's RNG state
+    model = nnx.merge(graphdef, nnx.State(params), rest)
+    dropout_key, router_key = jax.random.split(key)
+    nnx.reseed(model, dropout=dropout_key, router=router_key)
+    outputs, aux = model(batch["tokens"], batch["segments"], deterministic=False)
+    weights = batch["weights"]
+    task_loss = jnp.sum(example_losses(outputs, batch["labels"], settings.regression) * weights)
+    task_loss = task_loss / jnp.maximum(jnp.sum(weights), 1.0)
+    loss = (task_loss + settings.balance_weight * aux["balance_loss"]
+            + settings.z_loss_weight * aux["z_loss"])
+    return loss, {"loss": task_loss, "balance_loss": aux["balance_loss"]}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
+def _train_step(graphdef, settings, params, rest, opt_state, batch, key, learning_rate,
+                weight_decay):
+    grads, metrics = jax.grad(_loss, argnums=2, has_aux=True)(
+        graphdef, settings, params, rest, batch, key)
+    updates, opt_state = _optimizer(settings, learning_rate, weight_decay).update(
+        grads, opt_state, params)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    return optax.apply_updates(params, updates), opt_state, metrics
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _predict(graphdef, params, rest, batch):
+    model = nnx.merge(graphdef, nnx.State(params), rest)
+    outputs, _ = model(batch["tokens"], batch["segments"], deterministic=True)
+    return outputs
+
+
+def learning_rate_schedule(peak: float, total_steps: int, warmup: float) -> optax.Schedule:
+    """Linear warm-up from 0 over ``round(warmup * total_steps)`` steps, then linear decay to 0
+    at ``total_steps``."""
+    warmup_steps = round(warmup * total_steps)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, peak, max(warmup_steps, 1)),
+         optax.linear_schedule(peak, 0.0, max(total_steps - warmup_steps, 1))],
+        [warmup_steps],
+    )
+
+
+# --------------------------------------------------------------------------- one grid point
+
+
+@dataclasses.dataclass
+class TaskData:
+    spec: glue.TaskSpec
+    train: glue.Encoded
+    dev: dict[str, glue.Encoded]
+
+
+def predict(graphdef, params, rest, data: glue.Encoded, batch_size: int, length_step: int,
+            regression: bool) -> np.ndarray:
+    """Class ids (or scores, for regression) of every row of ``data``, in order."""
+    out = []
+    for batch in glue.batches(data, batch_size, length_step=length_step):
+        outputs = np.asarray(_predict(graphdef, params, rest, batch))
+        outputs = outputs[:, 0] if regression else outputs.argmax(-1)
+        out.append(outputs[batch["weights"] > 0])
+    return np.concatenate(out)
+
+
+def evaluate(graphdef, params, rest, task: TaskData, config: Any) -> dict[str, dict[str, float]]:
+    """``{dev split: {metric: value}}`` of the task's standard metrics."""
+    results = {}
+    for split, data in task.dev.items():
+        predictions = predict(graphdef, params, rest, data, int(config.eval_batch_size),
+                              int(config.length_step), task.spec.is_regression)
+        results[split] = glue_metrics.compute(task.spec.metrics, predictions, data.labels)
+    return results
+
+
+def task_score(spec: glue.TaskSpec, dev: dict[str, dict[str, float]]) -> float:
+    """The paper's Table 2 number: ``score_metric``, averaged over dev splits (MNLI m/mm)."""
+    return float(np.mean([dev[split][spec.score_metric] for split in spec.dev_splits]))
+
+
+def finetune_point(encoder_graphdef, encoder_state, task: TaskData, point: GridPoint,
+                   config: Any, settings: StepSettings) -> dict[str, Any]:
+    """Fine-tunes a fresh copy of the encoder with a new head at ``point``; dev after each epoch.
+
+    Returns ``{"epochs": [{"epoch", "train_loss", "balance_loss", "dev", "score"}], "best_epoch",
+    "score", "dev", "steps", "seconds"}`` (``dev`` and ``score`` of the best epoch).
+    """
+    start = time.time()
+    seed = int(config.seed)
+    encoder = nnx.merge(encoder_graphdef, encoder_state)
+    model = Classifier(encoder, task.spec.num_outputs, dropout=float(config.head_dropout),
+                       rngs=nnx.Rngs(params=seed, dropout=seed + 1))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = nnx.to_pure_dict(params)
+    opt_state = _optimizer(settings, 0.0, 0.0).init(params)
+    steps_per_epoch = math.ceil(len(task.train) / point.batch_size)
+    total = steps_per_epoch * point.epochs
+    schedule = learning_rate_schedule(point.learning_rate, total, point.warmup)
+    step = 0
+    history = []
+    for epoch in range(1, point.epochs + 1):
+        epoch_metrics = []  # kept on the device: no host sync per step
+        # Shuffles and dropout depend on (seed, epoch, step) only: a rerun redoes the same point.
+        rng = np.random.default_rng([seed, epoch])
+        for batch in glue.batches(task.train, point.batch_size, length_step=int(config.length_step),
+                                  rng=rng):
+            key = jax.random.fold_in(jax.random.key(seed), step)
+            params, opt_state, metrics = _train_step(
+                graphdef, settings, params, rest, opt_state, batch, key,
+                jnp.float32(schedule(step)), jnp.float32(point.weight_decay))
+            epoch_metrics.append(metrics)
+            step += 1
+        means = {k: float(np.mean(v)) for k, v in
+                 jax.device_get(jax.tree.map(lambda *x: jnp.stack(x), *epoch_metrics)).items()}
+        train_loss = means["loss"]
+        if not np.isfinite(train_loss):
+            logger.warning("%s %s: training loss is %s at epoch %d; stopping this point",
+                           task.spec.name, point.name, train_loss, epoch)
+            history.append({"epoch": epoch, "train_loss": train_loss, "dev": None,
+                            "score": float("nan")})
+            break
+        dev = evaluate(graphdef, params, rest, task, config)
+        history.append({"epoch": epoch, "train_loss": train_loss,
+                        "balance_loss": means["balance_loss"],
+                        "grad_norm": means["grad_norm"],
+                        "dev": dev, "score": task_score(task.spec, dev)})
+        logger.info("%s %s epoch %d: train loss %.4f, dev %s", task.spec.name, point.name, epoch,
+                    train_loss, dev)
+    scored = [h for h in history if np.isfinite(h["score"])]
+    best = max(scored, key=lambda h: h["score"]) if scored else history[-1]
+    return {"epochs": history, "best_epoch": best["epoch"], "score": best["score"],
+            "dev": best["dev"], "steps": step, "seconds": round(time.time() - start, 1)}
+
+
+# ------------------------------------------------------------------------------ the search
+
+
+def _write_json(path: str, record: Any) -> None:
+    """Atomically: a reader (or a resumed run) sees the old file or the new one."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1, allow_nan=True)
+    os.replace(tmp, path)
+
+
+def settings_record(config: Any, pretrained_dir: str, checkpoint: str) -> dict[str, Any]:
+    return {
+        "pretrained": os.path.abspath(pretrained_dir),
+        "checkpoint": checkpoint,
+        "glue_dir": os.path.abspath(glue_dir(config)),
+        "max_len": int(config.max_len),
+        "head_dropout": float(config.head_dropout),
+        "seed": int(config.seed),
+        "train_limit": int(config.train_limit),
+        "dev_limit": int(config.dev_limit),
+        "optim": config.optim.to_dict(),
+    }
+
+
+def _load_point(path: str, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """A finished point's record, or None if there is none; ``ValueError`` if it was made with
+    other settings (the search would mix two experiments)."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        record = json.load(f)
+    for field in _SETTINGS_FIELDS:
+        if record["settings"].get(field) != settings[field]:
+            raise ValueError(
+                f"{path} was fine-tuned with {field}={record['settings'].get(field)!r}, this run "
+                f"has {settings[field]!r}: use another --workdir, or delete that task's points/"
+            )
+    return record
+
+
+def glue_dir(config: Any) -> str:
+    from sparsemixer_jax.data.sources import resolve_data_dir
+
+    return resolve_data_dir(config.glue_dir)
+
+
+def check_config(config: Any) -> None:
+    """Raises ``ValueError`` naming the first field that makes no sense, before anything loads."""
+    for name in ("max_len", "eval_batch_size", "length_step"):
+        if not int(config[name]) > 0:
+            raise ValueError(f"config.{name} must be > 0, got {config[name]}")
+    for name in ("train_limit", "dev_limit"):
+        if int(config[name]) < 0:
+            raise ValueError(f"config.{name} must be >= 0 (0 = all), got {config[name]}")
+    if not 0 <= float(config.head_dropout) < 1:
+        raise ValueError(f"config.head_dropout must be in [0, 1), got {config.head_dropout}")
+    grid_points(config.grid)
+
+
+def load_task_data(config: Any, name: str, tokenizer) -> TaskData:
+    """Reads and encodes a task, keeping the first ``train_limit`` / ``dev_limit`` rows if set."""
+    task = glue.load_task(glue_dir(config), name)
+    regression = task.spec.is_regression
+    train_limit, dev_limit = int(config.train_limit), int(config.dev_limit)
+    train = task.train[:train_limit] if train_limit else task.train
+    return TaskData(
+        task.spec,
+        glue.encode(train, tokenizer, int(config.max_len), regression=regression),
+        {split: glue.encode(rows[:dev_limit] if dev_limit else rows, tokenizer,
+                            int(config.max_len), regression=regression)
+         for split, rows in task.dev.items()},
+    )
+
+
+def run_task(config: Any, task: TaskData, encoder: nnx.Module, pretrain_config: Any,
+             workdir: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """The grid search on one task; writes each point, then ``{workdir}/{task}/results.json``."""
+    task_dir = os.path.join(workdir, task.spec.name)
+    encoder_graphdef, encoder_state = nnx.split(encoder)
+    step_settings = StepSettings(
+        regression=task.spec.is_regression,
+        balance_weight=float(pretrain_config.router.balance_weight),
+        z_loss_weight=float(pretrain_config.router.get("z_loss_weight", 0.0)),
+        b1=float(config.optim.b1), b2=float(config.optim.b2), eps=float(config.optim.eps),
+        clip_norm=float(config.optim.clip_norm),
+    )
+    points = grid_points(config.grid)
+    records = []
+    for i, point in enumerate(points, start=1):
+        path = os.path.join(task_dir, "points", point.name + ".json")
+        record = _load_point(path, settings)
+        if record is None:
+            logger.info("%s: grid point %d/%d %s", task.spec.name, i, len(points), point.name)
+            result = finetune_point(encoder_graphdef, encoder_state, task, point, config,
+                                    step_settings)
+            record = {"point": dataclasses.asdict(point), "name": point.name,
+                      "settings": settings, **result}
+            _write_json(path, record)
+        else:
+            logger.info("%s: grid point %s done before, skipped", task.spec.name, point.name)
+        records.append(record)
+    scored = [r for r in records if np.isfinite(r["score"])]
+    if not scored:
+        raise RuntimeError(
+            f"{task.spec.name}: no grid point has a finite dev score (a diverged loss, or "
+            f"constant predictions under a correlation metric); see {task_dir}/points"
+        )
+    best = max(scored, key=lambda r: r["score"])
+    summary = {
+        "task": task.spec.name,
+        "score_metric": task.spec.score_metric,
+        "score": best["score"],
+        "dev": best["dev"],
+        "best": {"point": best["point"], "epoch": best["best_epoch"]},
+        "train_examples": len(task.train),
+        "dev_examples": {split: len(d) for split, d in task.dev.items()},
+        "grid_size": len(points),
+        "points": [{"name": r["name"], "score": r["score"], "best_epoch": r["best_epoch"],
+                    "seconds": r["seconds"]} for r in records],
+        "settings": settings,
+    }
+    _write_json(os.path.join(task_dir, "results.json"), summary)
+    return summary
+
+
+def resolve_tasks(config: Any, tasks: Sequence[str]) -> list[str]:
+    """Task names from ``--task`` values: names, or ``all`` for every task the GLUE directory
+    has (the missing ones are logged with where they were looked for)."""
+    names: list[str] = []
+    for t in tasks:
+        if t.lower() == "all":
+            present = glue.available_tasks(glue_dir(config))
+            missing = [n for n in glue.TASKS if n not in present]
+            if missing:
+                logger.warning("GLUE tasks not in %s, skipped: %s", glue_dir(config),
+                               ", ".join(missing))
+            if not present:
+                raise FileNotFoundError(f"no GLUE task in {glue_dir(config)}")
+            names += present
+        else:
+            names.append(glue.task_spec(t).name)
+    return list(dict.fromkeys(names))
+
+
+def run_tasks(config: ml_collections.ConfigDict, pretrained_dir: str, tasks: Sequence[str],
+              workdir: str, *, checkpoint: str = "best") -> dict[str, Any]:
+    """Fine-tunes the discriminator pretrained in ``pretrained_dir`` on each task; writes every
+    task's results and ``{workdir}/results.json`` (all tasks with results in ``workdir``)."""
+    from sparsemixer_jax import pretrain
+
+    check_config(config)
+    names = resolve_tasks(config, tasks)
+    for name in names:  # fail on a missing file before any fine-tuning
+        for split in ("train", *glue.TASKS[name].dev_splits):
+            glue.split_path(glue_dir(config), glue.TASKS[name], split)
+    encoder, tokenizer, pretrain_config = pretrain.load_discriminator(pretrained_dir, checkpoint)
+    settings = settings_record(config, pretrained_dir, checkpoint)
+    os.makedirs(workdir, exist_ok=True)
+    for name in names:
+        task = load_task_data(config, name, tokenizer)
+        run_task(config, task, encoder, pretrain_config, workdir, settings)
+    summary = collect_results(workdir)
+    _write_json(os.path.join(workdir, "results.json"), summary)
+    return summary
+
+
+def collect_results(workdir: str) -> dict[str, Any]:
+    """``{"tasks": {task: its results.json}}`` for every task with results in ``workdir``."""
+    tasks = {}
+    for name in glue.TASKS:
+        path = os.path.join(workdir, name, "results.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                tasks[name] = json.load(f)
+    return {"workdir": os.path.abspath(workdir), "tasks": tasks}
