@@ -387,11 +387,6 @@ def evaluate(steps: Steps, params, batches, place: BatchPlacer, disc_weight: flo
 # --------------------------------------------------------------------------------- the loop
 
 
-def restore_last(checkpoints: RunCheckpoints, template: dict):
-    """``(state, meta)`` of the newest ``last`` checkpoint, or None (the one resume call)."""
-    return checkpoints.restore(checkpoints.last, template)
-
-
 def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Pretrains (resuming from ``workdir`` if it holds a checkpoint); writes results.json.
 
@@ -419,20 +414,15 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 
     checkpoints = RunCheckpoints(workdir)
     start_step, best_loss, best_step = 0, math.inf, -1
-    restored = restore_last(checkpoints, {"params": params, "opt_state": opt_state})
+    restored = train.resume_from_newest_intact(
+        checkpoints, {"params": params, "opt_state": opt_state}, workdir, int(config.train_steps)
+    )
     if restored is not None:
-        state, meta = restored
-        params, opt_state = state["params"], state["opt_state"]
-        start_step = int(meta["step"])
+        params, opt_state = restored.state["params"], restored.state["opt_state"]
+        start_step = restored.step
+        meta = restored.meta
         best_loss, best_step = float(meta["best_valid_loss"]), int(meta["best_step"])
-        if start_step > int(config.train_steps):
-            raise ValueError(
-                f"config.train_steps={config.train_steps} but {workdir} holds a checkpoint of step "
-                f"{start_step}: set config.train_steps >= {start_step}, or use a fresh --workdir"
-            )
         data.train.restore(meta["data"])
-        logger.info("resumed from step %d", start_step)
-    checkpoints.discard_best_after(start_step)
     log = train.MetricLog(workdir, start_step)
     key = jax.random.key(int(config.seed) + 3)
     train_steps = int(config.train_steps)
@@ -572,11 +562,10 @@ def load_discriminator(
                                             steps.params)}
     checkpoints = RunCheckpoints(workdir)
     try:
-        manager = checkpoints.best if checkpoint == "best" else checkpoints.last
-        restored = checkpoints.restore(manager, template)
+        step = checkpoints.manager(checkpoint).latest_step()
+        if step is None:
+            raise FileNotFoundError(f"{workdir}/checkpoints/{checkpoint} holds no checkpoint")
+        restored = checkpoints.restore_checked(checkpoint, step, template)
     finally:
         checkpoints.close()
-    if restored is None:
-        raise FileNotFoundError(f"{workdir}/checkpoints/{checkpoint} holds no checkpoint")
-    state, _ = restored
-    return steps.model(state["params"]).discriminator, tokenizer, config
+    return steps.model(restored.state["params"]).discriminator, tokenizer, config

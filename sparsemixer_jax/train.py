@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 
 from sparsemixer_jax import bleu, decode, routing, runtime, sharding
-from sparsemixer_jax.checkpoint import CheckpointError, RunCheckpoints, has_checkpoint
+from sparsemixer_jax.checkpoint import CheckpointError, Restored, RunCheckpoints, has_checkpoint
 from sparsemixer_jax.data.batching import restore_order
 from sparsemixer_jax.data.sources import read_split
 from sparsemixer_jax.data.tokenizer import Tokenizer, get_tokenizer
@@ -589,6 +589,35 @@ def _test_bleu(config, workdir, steps, params, opt_state, checkpoints, best_step
     return results
 
 
+def resume_from_newest_intact(
+    checkpoints: RunCheckpoints, template: dict, workdir: str, train_steps: int
+) -> Restored | None:
+    """The newest intact checkpoint (``last`` or ``best``) to resume from, or None for a new run.
+
+    Raises :class:`ResumeError` (one line) when checkpoints exist but none can be read, or when
+    the run is already past ``train_steps``. A ``best`` checkpoint resumed from is copied to
+    ``last``: its full training state is nowhere else once later best checkpoints replace it.
+    Shared by the translation and the pretraining loops.
+    """
+    try:
+        restored = checkpoints.restore_newest_intact(template)
+    except CheckpointError as e:
+        checkpoints.close()
+        raise ResumeError(str(e)) from None
+    if restored is None:
+        return None
+    if restored.step > train_steps:
+        checkpoints.close()
+        raise ResumeError(
+            f"config.train_steps={train_steps} but {workdir} holds a checkpoint of step "
+            f"{restored.step}: set config.train_steps >= {restored.step}, or use a fresh --workdir"
+        )
+    if restored.kind == "best" and restored.step not in checkpoints.last.all_steps():
+        checkpoints.save_last(restored.step, restored.state, restored.meta)
+    logger.info("resumed from %s (step %d)", restored.directory, restored.step)
+    return restored
+
+
 def _check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> None:
     """Refuses to resume a workdir whose saved config differs in anything but RESUMABLE_CHANGES.
 
@@ -732,31 +761,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     checkpoints = RunCheckpoints(workdir)
     start_step, best_loss, best_step = 0, math.inf, -1
-    try:
-        restored = checkpoints.restore_newest_intact({"params": params, "opt_state": opt_state})
-    except CheckpointError as e:
-        checkpoints.close()
-        raise ResumeError(str(e)) from None
+    restored = resume_from_newest_intact(
+        checkpoints, {"params": params, "opt_state": opt_state}, workdir, int(config.train_steps)
+    )
     if restored is not None:
         params, opt_state = restored.state["params"], restored.state["opt_state"]
-        meta = restored.meta
         start_step = restored.step
+        meta = restored.meta
         best_loss, best_step = float(meta["best_valid_loss"]), int(meta["best_step"])
-        if start_step > int(config.train_steps):
-            checkpoints.close()
-            raise ResumeError(
-                f"config.train_steps={config.train_steps} but {workdir} holds a checkpoint of step "
-                f"{start_step}: set config.train_steps >= {start_step}, or use a fresh --workdir"
-            )
         data.train.restore(meta["data"])
-        if restored.kind == "best" and start_step not in checkpoints.last.all_steps():
-            # The full training state of this step is only in `best`: a copy in `last` keeps
-            # the run resumable when later best checkpoints replace this one.
-            checkpoints.save_last(start_step, restored.state, meta)
-        logger.info(
-            "resumed from %s (step %d; best valid loss %.4f at %d)", restored.directory,
-            start_step, best_loss, best_step,
-        )
     log = MetricLog(workdir, start_step)
     key = jax.random.key(int(config.seed) + 3)
     train_steps = int(config.train_steps)
