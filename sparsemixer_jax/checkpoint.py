@@ -174,13 +174,20 @@ class RunCheckpoints:
 
     def __init__(self, workdir: str, keep_last: int = KEEP_LAST, keep_best: int = KEEP_BEST):
         self.root = os.path.join(os.path.abspath(workdir), "checkpoints")
-        self.last = ocp.CheckpointManager(
-            os.path.join(self.root, "last"),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep_last),
-        )
-        self.best = ocp.CheckpointManager(
-            os.path.join(self.root, "best"),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep_best),
+        # Each manager names its multi-host barriers with its own prefix: orbax names them by
+        # step, so saving `best` and `last` of the same step at once would share a barrier name
+        # and fail ("Barrier _async_write_complete.N is already ongoing") on several hosts.
+        self.last, self.best = (
+            ocp.CheckpointManager(
+                os.path.join(self.root, kind),
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=keep,
+                    multiprocessing_options=ocp.options.MultiprocessingOptions(
+                        barrier_sync_key_prefix=kind
+                    ),
+                ),
+            )
+            for kind, keep in (("last", keep_last), ("best", keep_best))
         )
 
     def manager(self, kind: str) -> ocp.CheckpointManager:

@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sparsemixer_jax import glue_metrics
+from sparsemixer_jax import glue_metrics, pretrain
 from sparsemixer_jax.data import glue
 
 logger = logging.getLogger(__name__)
@@ -113,16 +113,6 @@ class Classifier(nnx.Module):
         return self.out(x), aux
 
 
-def weight_decay_mask(params: Any) -> Any:
-    """True for the weights that decay: matrices and embedding tables, not biases, LayerNorm
-    scales or other vectors (BERT / ELECTRA), nor MoE expert biases ``[E, F]``."""
-    def decays(path, leaf) -> bool:
-        name = str(getattr(path[-1], "key", path[-1])) if path else ""
-        return leaf.ndim >= 2 and "bias" not in name and name not in ("bi", "bo")
-
-    return jax.tree_util.tree_map_with_path(decays, params)
-
-
 # ----------------------------------------------------------------------------- compiled steps
 
 
@@ -143,7 +133,7 @@ def _optimizer(settings: StepSettings, learning_rate, weight_decay) -> optax.Gra
     """Clipping then AdamW; ``learning_rate`` and ``weight_decay`` may be traced scalars, so one
     compilation serves every grid point of a batch shape."""
     adamw = optax.adamw(learning_rate, b1=settings.b1, b2=settings.b2, eps=settings.eps,
-                        weight_decay=weight_decay, mask=weight_decay_mask)
+                        weight_decay=weight_decay, mask=pretrain.weight_decay_mask)
     if settings.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(settings.clip_norm), adamw)
     return adamw
@@ -440,7 +430,6 @@ def run_tasks(config: ml_collections.ConfigDict, pretrained_dir: str, tasks: Seq
               workdir: str, *, checkpoint: str = "best") -> dict[str, Any]:
     """Fine-tunes the discriminator pretrained in ``pretrained_dir`` on each task; writes every
     task's results and ``{workdir}/results.json`` (all tasks with results in ``workdir``)."""
-    from sparsemixer_jax import pretrain
 
     check_config(config)
     names = resolve_tasks(config, tasks)

@@ -231,10 +231,16 @@ def learning_rate_schedule(optim: OptimSettings):
     return schedule
 
 
-def _decay_mask(params):
-    # Weight decay on matrices (kernels, embedding tables, stacked experts) only, not on biases,
-    # LayerNorm scales or SparseMixer's omega, as BERT / ELECTRA.
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+def weight_decay_mask(params: Any) -> Any:
+    """True for the weights that decay: matrices and embedding tables (kernels, stacked experts),
+    not biases, LayerNorm scales, SparseMixer's omega, nor MoE expert biases ``bi``/``bo``
+    (``[E, F]``: matrices by shape, biases by role), as BERT / ELECTRA. Fine-tuning uses it too."""
+
+    def decays(path, leaf) -> bool:
+        name = str(getattr(path[-1], "key", path[-1])) if path else ""
+        return leaf.ndim >= 2 and "bias" not in name and name not in ("bi", "bo")
+
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_optimizer(optim: OptimSettings) -> optax.GradientTransformation:
@@ -243,7 +249,7 @@ def make_optimizer(optim: OptimSettings) -> optax.GradientTransformation:
         parts.append(optax.clip_by_global_norm(optim.clip_norm))
     parts.append(optax.adamw(learning_rate=learning_rate_schedule(optim), b1=optim.b1,
                              b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay,
-                             mask=_decay_mask))
+                             mask=weight_decay_mask))
     return optax.chain(*parts)
 
 

@@ -395,9 +395,10 @@ def test_vocab_too_small_says_larger_and_the_minimum(tmp_path):
     minimum = int(str(error.value).rsplit(">= ", 1)[1])
     assert "vocab_size=10 is too small" in str(error.value) and "larger" in str(error.value)
     # The minimum is exact: one piece fewer fails, the minimum trains.
-    tokenization.train_tokenizer(pairs, str(tmp_path / "ok.model"), minimum, seed=0)
+    sentences = [side for pair in pairs for side in pair]
+    tokenization.train_tokenizer(sentences, str(tmp_path / "ok.model"), minimum, seed=0)
     with pytest.raises(ValueError, match="too small"):
-        tokenization.train_tokenizer(pairs, str(tmp_path / "no.model"), minimum - 1, seed=0)
+        tokenization.train_tokenizer(sentences, str(tmp_path / "no.model"), minimum - 1, seed=0)
 
 
 def test_empty_training_text_is_named_before_sentencepiece(tmp_path):

@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from sparsemixer_jax import finetune
+from sparsemixer_jax import finetune, pretrain
 from sparsemixer_jax.data import glue
 from sparsemixer_jax.data.text import CLS_ID, SEP_ID
 
@@ -392,7 +392,7 @@ def test_schedule_losses_and_decay_mask(tiny):
     model = finetune.Classifier(tiny.encoder, 2, dropout=0.1, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     flat = {"/".join(map(str, k)): v for k, v in
-            jax_flatten(finetune.weight_decay_mask(params)).items()}
+            jax_flatten(pretrain.weight_decay_mask(params)).items()}
     assert flat["dense/kernel"] and not flat["dense/bias"]
     decayed = {k.rsplit("/", 1)[-1] for k, v in flat.items() if v}
     kept = {k.rsplit("/", 1)[-1] for k, v in flat.items() if not v}

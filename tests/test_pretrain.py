@@ -205,8 +205,10 @@ def test_learning_rate_warms_up_then_decays_linearly():
 
 
 def test_weight_decay_spares_vectors():
-    params = {"w": np.ones((2, 2)), "b": np.ones(2), "experts": np.ones((2, 2, 2))}
-    assert pretrain._decay_mask(params) == {"w": True, "b": False, "experts": True}
+    params = {"w": np.ones((2, 2)), "b": np.ones(2), "wi": np.ones((2, 2, 2)),
+              "bi": np.ones((2, 2)), "omega": np.ones(())}
+    assert pretrain.weight_decay_mask(params) == {"w": True, "b": False, "wi": True, "bi": False,
+                                                  "omega": False}
 
 
 def test_readme_command_runs_a_few_steps(corpus, tmp_path):
