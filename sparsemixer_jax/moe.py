@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax import routing
+from sparsemixer_jax import router_diagnostics, routing
 
 DISPATCHES = ("auto", "ragged", "padded")
 
@@ -329,8 +329,9 @@ class MoEFeedForward(nnx.Module):
 
         Returns ``y [B, T, emb]`` (dtype of ``x``) and a dict of float32 metrics:
         ``balance_loss``, ``z_loss``, ``num_unmasked``, ``entropy``, ``dropped_fraction``
-        (scalars) and ``expert_fraction`` ``[N]``. Padding outputs zeros and is left out of
-        every metric.
+        (scalars), ``expert_fraction`` ``[N]`` and the diagnostics of
+        :func:`sparsemixer_jax.router_diagnostics.router_diagnostics`. Padding outputs zeros
+        and is left out of every metric.
         """
         if x.ndim != 3 or x.shape[-1] != self.emb_dim:
             raise ValueError(f"x must be [B, T, {self.emb_dim}], got shape {x.shape}")
@@ -348,6 +349,8 @@ class MoEFeedForward(nnx.Module):
         key = self.router_rng() if training else None
         routed = routing.get_router(self.router_name, self.jitter_eps)(logits, key, training)
         metrics = routing.routing_metrics(logits, routed, token_mask)
+        metrics.update(router_diagnostics.router_diagnostics(
+            logits, routed, token_mask, jitter_eps=self.jitter_eps))
 
         active = jnp.ones((batch, length), bool) if token_mask is None else token_mask.astype(bool)
         capacity = None
