@@ -158,7 +158,7 @@ def plot_diagnostics(runs: dict[str, list[dict]], out: str) -> None:
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(out, dpi=80)
+    fig.savefig(out, dpi=64)  # nine panels: small enough to keep in docs/
     plt.close(fig)
 
 
