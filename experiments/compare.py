@@ -1,83 +1,99 @@
-"""Convergence study: Switch, Switch+SparseMixer and the dense baseline, several seeds, one budget.
+"""Convergence study: Switch, SparseMixer, their ablations and the dense baseline, several seeds.
 
     python -m experiments.compare --root /tmp/compare --experts 4 --seeds 0 1 2 \
         --out-json docs/compare.json --out-md docs/compare.md --plot docs/convergence.png
 
 Every run is ``sparsemixer_jax.train.train_and_evaluate(config, workdir)`` on
-``configs/multi30k_compare.py`` (override with ``--config``), with ``router.name``,
-``model.num_experts`` and ``seed`` set per arm, sequentially in this process (runs of one model
-structure share their compilations). Runs are interleaved seed by seed (switch, sparsemixer,
-dense for seed 0, then seed 1, ...) so that a study cut short still compares the arms on the same
-seeds.
+``configs/multi30k_compare.py`` (override with ``--config``) with the arm's fields and the seed
+set (arm names and target arms: :mod:`experiments.study`). The arms are ``--arms`` if given,
+else those of ``--study`` (``main`` by default: Switch and SparseMixer for each of
+``--experts``, and dense). Runs are ordered seed by seed (all arms of seed 0, then seed 1, ...)
+so that a study cut short still compares the arms on the same seeds.
 
-Resuming: a run whose workdir holds ``results.json`` is skipped; a partial one resumes from its
-last checkpoint (the training loop does that). A run whose loss became non-finite gets a
-``diverged.json`` and is not retried (from its last checkpoint it would diverge again); the tables
-count it per arm. ``--summarize-only`` reads what is there and writes the tables and the plot
-without training. The tables and the plot go to ``--root`` unless ``--out-json``, ``--out-md``
-and ``--plot`` say otherwise.
+Several runs on one accelerator: ``--parallel K`` trains K runs at once, each in its own
+process (``python -m experiments.compare --run-one ARM SEED ...``, output in the run's
+``train.log``) with ``XLA_PYTHON_CLIENT_MEM_FRACTION`` set to ``0.9 / K`` unless already set.
+Without it, runs go one after another in this process (runs of one model structure share their
+compilations).
 
-Summary (JSON, markdown, PNG), mean ± std over seeds (sample std, ``ddof=1``) for each arm:
-validation loss at fixed update counts, updates needed to reach Switch's final validation loss
-(linear interpolation between evaluations; the target is the mean over seeds of Switch's final
-validation loss), BLEU of the last and of the best checkpoint, training tokens per second.
+A study over several stints on fresh machines: a finished run leaves ``results.json`` and the
+compact ``curves.json`` (curves and router diagnostics), which is all the summary needs;
+``--delete-checkpoints`` removes its checkpoints (and ``metrics.jsonl``/TensorBoard with
+``--compact``) once it is done. ``--pack FILE.tar.gz`` writes the small files of every
+finished or diverged run into one archive; unpacking it into the root of the next stint
+(``tar xzf FILE -C ROOT``) makes those runs count as done. Rerunning skips finished and diverged
+runs and resumes unfinished ones from their last checkpoint, where it is still there.
+``--stop-launching-after MIN`` starts no new run after MIN minutes (runs under way finish).
+
+A run whose loss became non-finite gets ``diverged.json`` and is not retried; the tables count
+it per arm. ``--summarize-only`` writes the tables (JSON, markdown), the loss curves and the
+router-diagnostics figure (``--plot-router``) without training; they go to ``--root`` unless
+``--out-json``, ``--out-md``, ``--plot`` say otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
-import math
 import os
+import shutil
+import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from experiments.plot import read_run, smooth
+from experiments.plot import CURVES, write_curves
+from experiments.study import (  # noqa: F401  (re-exported: the study's public names)
+    DIVERGED,
+    STUDIES,
+    arm_names,
+    arm_settings,
+    loss_at,
+    markdown,
+    parse_arm,
+    plot,
+    plot_router,
+    read_results,
+    run_dir,
+    run_state,
+    study_arms,
+    summarize,
+    target_arm,
+    updates_to_reach,
+)
 
 logger = logging.getLogger(__name__)
 
-
-# ------------------------------------------------------------------------------------- arms
-
-
-def arm_names(experts: Sequence[int], dense: bool = True) -> list[str]:
-    """``switch_n4``, ``sparsemixer_n4``, ... for each N, then ``dense`` (N does not apply)."""
-    names = [f"{router}_n{n}" for n in experts for router in ("switch", "sparsemixer")]
-    return [*names, "dense"] if dense else names
-
-
-def arm_settings(arm: str) -> tuple[str, int]:
-    """``(router.name, model.num_experts)`` of an arm name."""
-    if arm == "dense":
-        return "switch", 0  # the router is unused without experts
-    router, n = arm.rsplit("_n", 1)
-    return router, int(n)
-
-
-DIVERGED = "diverged.json"
-
-
-def run_dir(root: str, arm: str, seed: int) -> str:
-    return os.path.join(root, f"{arm}_s{seed}")
-
-
 ARM_FIELDS = ("router.name", "model.num_experts", "seed")  # set per run by the study itself
+SMALL_FILES = ("results.json", CURVES, "config.json", DIVERGED)  # what a finished run keeps
+
+
+def _set_field(config, key: str, value) -> None:
+    node = config
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node[part]
+    if isinstance(value, str):  # from the command line: the field's own type
+        current = node[leaf]
+        value = (value.lower() in ("1", "true", "yes")) if isinstance(current, bool) \
+            else type(current)(value)
+    node[leaf] = value
 
 
 def make_config(config_path: str, arm: str, seed: int, steps: int | None,
                 overrides: Sequence[str] = ()) -> Any:
-    """The config of one run: ``config_path``'s ``get_config()`` with the arm, seed and budget."""
+    """The config of one run: ``config_path``'s ``get_config()`` with the arm's fields, the seed,
+    the budget and ``overrides`` (``FIELD=VALUE``, the syntax of ``--config.FIELD=VALUE``)."""
+    arm_fields = parse_arm(arm)
     for item in overrides:
-        if item.split("=", 1)[0] in ARM_FIELDS:
+        key = item.split("=", 1)[0]
+        if key in ARM_FIELDS or key in arm_fields:
             raise ValueError(
-                f"--override {item}: {', '.join(ARM_FIELDS)} are set per run by the study; use "
-                "--experts and --seeds"
+                f"--override {item}: {key} is set per run by the study (by the arm name or "
+                "--seeds); use an arm modifier, --experts or --seeds"
             )
     import importlib.util
 
@@ -85,299 +101,160 @@ def make_config(config_path: str, arm: str, seed: int, steps: int | None,
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config()
-    router, n = arm_settings(arm)
-    config.router.name = router
-    config.model.num_experts = n
+    for key, value in arm_fields.items():
+        _set_field(config, key, value)
     config.seed = seed
     if steps is not None:
         config.train_steps = steps
-    for item in overrides:  # "model.emb_dim=64": same syntax as --config.FIELD=VALUE
+    for item in overrides:
         key, value = item.split("=", 1)
-        node = config
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else (
-            value.lower() in ("1", "true", "yes"))
+        _set_field(config, key, value)
     return config
 
 
-def run_all(args: argparse.Namespace) -> None:
-    """Trains every (seed, arm) run that has no ``results.json`` yet, in interleaved order."""
+# ------------------------------------------------------------------------------- running
+
+
+def finish_run(workdir: str, delete_checkpoints: bool = False, compact: bool = False) -> None:
+    """After a run ends (finished or diverged): write ``curves.json``; optionally delete what
+    only a resumed run would need."""
+    if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+        write_curves(workdir)
+    if delete_checkpoints or compact:
+        shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
+    if compact:
+        shutil.rmtree(os.path.join(workdir, "tensorboard"), ignore_errors=True)
+        for name in ("metrics.jsonl", "spm.model", "spm.vocab"):
+            if os.path.exists(os.path.join(workdir, name)):
+                os.remove(os.path.join(workdir, name))
+
+
+def train_one(args: argparse.Namespace, arm: str, seed: int) -> str:
+    """Trains (or resumes) one run in this process; returns its final state."""
     from sparsemixer_jax import train
 
-    arms = arm_names(args.experts, dense=not args.no_dense)
+    workdir = run_dir(args.root, arm, seed)
+    config = make_config(args.config, arm, seed, args.steps, args.override)
+    logger.info("%s: training (%s)", workdir, "resuming" if os.path.isdir(workdir) else "fresh")
+    started = time.time()
+    try:
+        train.train_and_evaluate(config, workdir)
+    except train.TrainingDiverged as err:  # the study goes on without this run
+        logger.error("%s diverged: %s", workdir, err)
+        with open(os.path.join(workdir, DIVERGED), "w") as f:
+            json.dump({"error": str(err)}, f)
+    finish_run(workdir, args.delete_checkpoints, args.compact)
+    logger.info("%s: %.0f s", workdir, time.time() - started)
+    return run_state(workdir)
+
+
+def pending(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(arm, seed) of every run not finished or diverged, seed by seed."""
+    todo = []
     for seed in args.seeds:
-        for arm in arms:
-            workdir = run_dir(args.root, arm, seed)
-            if os.path.exists(os.path.join(workdir, "results.json")):
-                logger.info("%s: finished, skipped", workdir)
-                continue
-            if os.path.exists(os.path.join(workdir, DIVERGED)):
-                logger.info("%s: diverged earlier, skipped (delete it to retry)", workdir)
-                continue
-            config = make_config(args.config, arm, seed, args.steps, args.override)
-            logger.info("%s: training (%s)", workdir,
-                        "resuming" if os.path.isdir(workdir) else "fresh")
-            started = time.time()
-            try:
-                train.train_and_evaluate(config, workdir)
-            except train.TrainingDiverged as err:  # the study goes on without this run
-                logger.error("%s diverged: %s", workdir, err)
-                with open(os.path.join(workdir, DIVERGED), "w") as f:
-                    json.dump({"error": str(err)}, f)
-            logger.info("%s: %.0f s", workdir, time.time() - started)
-            # Rewrite the summary after every run, so a study cut short still has its tables.
-            summarize_and_write(args)
+        for arm in args.arms:
+            state = run_state(run_dir(args.root, arm, seed))
+            if state in ("finished", "diverged"):
+                logger.info("%s: %s, skipped", run_dir(args.root, arm, seed), state)
+            else:
+                todo.append((arm, seed))
+    return todo
+
+
+def _child_argv(args: argparse.Namespace, arm: str, seed: int) -> list[str]:
+    argv = [sys.executable, "-m", "experiments.compare", "--run-one", arm, str(seed),
+            "--config", args.config, "--root", args.root]
+    if args.steps is not None:
+        argv += ["--steps", str(args.steps)]
+    for item in args.override:
+        argv += ["--override", item]
+    if args.delete_checkpoints:
+        argv.append("--delete-checkpoints")
+    if args.compact:
+        argv.append("--compact")
+    return argv
+
+
+def run_pool(jobs: Sequence[tuple[str, list[str]]], parallel: int, env: dict[str, str],
+             stop_after_s: float | None = None, poll_s: float = 5.0) -> dict[str, int]:
+    """Runs ``jobs`` (``(log_path, argv)``) as subprocesses, at most ``parallel`` at a time, with
+    ``env`` added to the environment; starts none after ``stop_after_s``. Returns the exit code
+    of each started job by log path."""
+    queue, running, codes = list(jobs), {}, {}
+    started = time.monotonic()
+    while queue or running:
+        too_late = stop_after_s is not None and time.monotonic() - started > stop_after_s
+        while queue and len(running) < parallel and not too_late:
+            log_path, argv = queue.pop(0)
+            os.makedirs(os.path.dirname(log_path), exist_ok=True)
+            log = open(log_path, "a")  # noqa: SIM115 (closed when the process ends)
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **env})
+            running[log_path] = (proc, log)
+            logger.info("started %s (pid %d)", log_path, proc.pid)
+        if too_late and queue:
+            logger.info("stop-launching time reached: %d run(s) left for a later stint",
+                        len(queue))
+            queue.clear()
+        for log_path, (proc, log) in list(running.items()):
+            if proc.poll() is not None:
+                log.close()
+                codes[log_path] = proc.returncode
+                del running[log_path]
+                logger.info("%s: exit code %d", log_path, proc.returncode)
+        if running:
+            time.sleep(poll_s)
+    return codes
+
+
+def run_all(args: argparse.Namespace) -> None:
+    """Trains every pending run, sequentially in this process or ``--parallel`` at a time."""
+    todo = pending(args)
+    stop_after_s = None if args.stop_launching_after is None else 60 * args.stop_launching_after
+    if args.parallel <= 1:
+        started = time.monotonic()
+        for arm, seed in todo:
+            if stop_after_s is not None and time.monotonic() - started > stop_after_s:
+                logger.info("stop-launching time reached: runs left for a later stint")
+                break
+            train_one(args, arm, seed)
+            summarize_and_write(args)  # a study cut short still has its tables
+        return
+    env = {} if "XLA_PYTHON_CLIENT_MEM_FRACTION" in os.environ else {
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.9 / args.parallel:.3f}"}
+    jobs = [(os.path.join(run_dir(args.root, arm, seed), "train.log"),
+             _child_argv(args, arm, seed)) for arm, seed in todo]
+    codes = run_pool(jobs, args.parallel, env, stop_after_s)
+    failed = [path for path, code in codes.items() if code != 0]
+    if failed:
+        logger.error("runs that failed (see their train.log): %s", failed)
+
+
+def pack(root: str, arms: Sequence[str], seeds: Sequence[int], out: str) -> list[str]:
+    """Writes the small files of every finished or diverged run into the tar.gz ``out``
+    (paths relative to ``root``); returns the run directories packed."""
+    packed = []
+    with tarfile.open(out, "w:gz") as tar:
+        for seed in seeds:
+            for arm in arms:
+                workdir = run_dir(root, arm, seed)
+                if run_state(workdir) not in ("finished", "diverged"):
+                    continue
+                if not os.path.exists(os.path.join(workdir, CURVES)):
+                    finish_run(workdir)  # runs finished by an older driver
+                for name in SMALL_FILES:
+                    path = os.path.join(workdir, name)
+                    if os.path.exists(path):
+                        tar.add(path, arcname=os.path.relpath(path, root))
+                packed.append(os.path.basename(workdir))
+    return packed
 
 
 # ---------------------------------------------------------------------------------- summary
 
 
-def _mean_std(values: Sequence[float | None]) -> dict[str, Any]:
-    """Mean and sample std (ddof=1) of the values that exist; n counts them."""
-    xs = np.asarray([v for v in values if v is not None and math.isfinite(v)], float)
-    if xs.size == 0:
-        return {"mean": None, "std": None, "n": 0, "values": list(values)}
-    std = float(xs.std(ddof=1)) if xs.size > 1 else None
-    return {"mean": float(xs.mean()), "std": std, "n": int(xs.size), "values": list(values)}
-
-
-def updates_to_reach(steps: np.ndarray, losses: np.ndarray, target: float) -> float | None:
-    """First update count at which the validation curve reaches ``target`` (linear interpolation
-    between evaluations; the curve starts at update 0 only if it was evaluated there), or None
-    if it never does within the run."""
-    below = np.flatnonzero(losses <= target)
-    if below.size == 0:
-        return None
-    i = int(below[0])
-    if i == 0:
-        return float(steps[0])
-    s0, s1, l0, l1 = steps[i - 1], steps[i], losses[i - 1], losses[i]
-    return float(s0 + (s1 - s0) * (l0 - target) / (l0 - l1)) if l0 != l1 else float(s1)
-
-
-def loss_at(steps: np.ndarray, losses: np.ndarray, step: int) -> float | None:
-    """Validation loss evaluated exactly at ``step`` (None if the run was not evaluated there)."""
-    hit = np.flatnonzero(steps == step)
-    return float(losses[hit[0]]) if hit.size else None
-
-
-def read_results(workdir: str) -> dict[str, Any] | None:
-    path = os.path.join(workdir, "results.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
-              checkpoints: Sequence[int] | None = None) -> dict[str, Any]:
-    """The study's numbers from the finished runs (``results.json`` present) under ``root``;
-    unfinished ones are listed per arm and left out, so every figure is at the full budget.
-
-    ``checkpoints``: update counts at which validation losses are tabulated; default: every
-    evaluation step that all runs present share.
-    """
-    runs: dict[str, dict[int, dict[str, Any]]] = {}
-    partial: dict[str, list[int]] = {}
-    diverged: dict[str, list[int]] = {}
-    for arm in arms:
-        for seed in seeds:
-            workdir = run_dir(root, arm, seed)
-            if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
-                continue
-            if os.path.exists(os.path.join(workdir, DIVERGED)):
-                diverged.setdefault(arm, []).append(seed)
-                continue
-            results = read_results(workdir)
-            if results is None:  # unfinished: counted, left out of every statistic
-                partial.setdefault(arm, []).append(seed)
-                continue
-            runs.setdefault(arm, {})[seed] = {"curves": read_run(workdir), "results": results}
-    if checkpoints is None:
-        shared = None
-        for per_seed in runs.values():
-            for run in per_seed.values():
-                steps = set(run["curves"]["valid"][0].tolist())
-                shared = steps if shared is None else shared & steps
-        checkpoints = sorted(shared or [])
-
-    # Target: mean over seeds of the final validation loss of the Switch arm of the same N.
-    summary: dict[str, Any] = {"root": root, "seeds": list(seeds), "checkpoints": list(checkpoints),
-                               "arms": {}}
-    for arm in arms:
-        per_seed = runs.get(arm, {})
-        router, n = arm_settings(arm)
-        entry: dict[str, Any] = {"router": router if n else "dense", "num_experts": n,
-                                 "finished": len(per_seed),
-                                 "unfinished_seeds": partial.get(arm, []),
-                                 "diverged_seeds": diverged.get(arm, [])}
-        entry["valid_loss_at"] = {
-            str(c): _mean_std([loss_at(*r["curves"]["valid"], c) for r in per_seed.values()])
-            for c in checkpoints
-        }
-        finals = [float(r["curves"]["valid"][1][-1]) if len(r["curves"]["valid"][1]) else None
-                  for r in per_seed.values()]
-        entry["final_valid_loss"] = _mean_std(finals)
-        entry["final_step"] = _mean_std([float(r["curves"]["valid"][0][-1])
-                                         if len(r["curves"]["valid"][0]) else None
-                                         for r in per_seed.values()])
-        for key in ("bleu", "bleu_best", "best_valid_loss", "tokens_per_second"):
-            entry[key] = _mean_std([r["results"].get(key) if r["results"] else None
-                                    for r in per_seed.values()])
-        summary["arms"][arm] = entry
-
-    for arm in arms:
-        entry = summary["arms"][arm]
-        n = entry["num_experts"]
-        moe_sizes = sorted(a["num_experts"] for a in summary["arms"].values() if a["num_experts"])
-        # The dense arm is measured against the Switch arm of the smallest N in the study.
-        reference = f"switch_n{n or (moe_sizes[0] if moe_sizes else 0)}"
-        target = summary["arms"].get(reference, {}).get("final_valid_loss", {}).get("mean")
-        entry["target_arm"] = reference
-        entry["target_valid_loss"] = target
-        if target is None:
-            entry["updates_to_target"] = _mean_std([])
-            continue
-        reached = [updates_to_reach(*r["curves"]["valid"], target)
-                   for r in runs.get(arm, {}).values()]
-        entry["updates_to_target"] = _mean_std(reached)
-        entry["updates_to_target"]["not_reached"] = sum(v is None for v in reached)
-
-    # Paired by seed against Switch of the same N (same data order and initial weights, so the
-    # seed-to-seed variation partly cancels): arm minus Switch, mean ± std over seeds.
-    for arm in arms:
-        entry = summary["arms"][arm]
-        reference = entry["target_arm"]
-        if arm == reference or reference not in runs:
-            continue
-        diffs: dict[str, list[float | None]] = {"final_valid_loss": [], "bleu": [],
-                                                "bleu_best": []}
-        for seed, run in runs.get(arm, {}).items():
-            other = runs[reference].get(seed)
-            if other is None or run["results"] is None or other["results"] is None:
-                continue
-            diffs["final_valid_loss"].append(float(run["curves"]["valid"][1][-1])
-                                             - float(other["curves"]["valid"][1][-1]))
-            for key in ("bleu", "bleu_best"):
-                a, b = run["results"].get(key), other["results"].get(key)
-                diffs[key].append(None if a is None or b is None else a - b)
-        entry["paired_minus_target_arm"] = {k: _mean_std(v) for k, v in diffs.items()}
-    return summary
-
-
-def _fmt(stat: dict[str, Any], digits: int = 3, seeds: int = 3) -> str:
-    if stat.get("mean") is None:
-        return "–"
-    text = f"{stat['mean']:.{digits}f}"
-    if stat.get("std") is not None:
-        text += f" ± {stat['std']:.{digits}f}"
-    return text + (f" (n={stat['n']})" if stat["n"] != seeds else "")
-
-
-def markdown(summary: dict[str, Any]) -> str:
-    """Two markdown tables: validation loss at fixed update counts; the final figures."""
-    arms = list(summary["arms"])
-    fmt = functools.partial(_fmt, seeds=len(summary["seeds"]))
-    checkpoints = summary["checkpoints"]
-    stride = max(1, -(-len(checkpoints) // 6))  # at most 6 columns, evenly spaced, last kept
-    shown = checkpoints[::-1][::stride][::-1]
-    lines = ["| arm | " + " | ".join(f"valid loss @ {c}" for c in shown) + " |",
-             "| --- |" + " --- |" * len(shown)]
-    for arm in arms:
-        e = summary["arms"][arm]
-        lines.append(f"| {arm} | " + " | ".join(fmt(e["valid_loss_at"][str(c)]) for c in shown)
-                     + " |")
-    lines += ["", "| arm | runs finished | final valid loss | updates to Switch's final loss "
-                  "| BLEU last | BLEU best | train tokens/s |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
-    for arm in arms:
-        e = summary["arms"][arm]
-        reach = fmt(e["updates_to_target"], 0)
-        missed = e["updates_to_target"].get("not_reached", 0)
-        if missed:
-            reach += f"; {missed} run(s) never reached it"
-        diverged = f" ({len(e['diverged_seeds'])} diverged)" if e["diverged_seeds"] else ""
-        if e["target_valid_loss"] is not None:
-            reach += f" (target {e['target_valid_loss']:.3f})"
-        lines.append(
-            f"| {arm} | {e['finished']}{diverged} | {fmt(e['final_valid_loss'])} | {reach} | "
-            f"{fmt(e['bleu'], 2)} | {fmt(e['bleu_best'], 2)} | "
-            f"{fmt(e['tokens_per_second'], 0)} |")
-    paired = [a for a in arms if "paired_minus_target_arm" in summary["arms"][a]]
-    if paired:
-        lines += ["", "| arm minus its Switch arm, same seed | final valid loss | BLEU last "
-                      "| BLEU best |", "| --- | --- | --- | --- |"]
-        for arm in paired:
-            e = summary["arms"][arm]
-            d = e["paired_minus_target_arm"]
-            lines.append(f"| {arm} − {e['target_arm']} | {fmt(d['final_valid_loss'])} | "
-                         f"{fmt(d['bleu'], 2)} | {fmt(d['bleu_best'], 2)} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(root: str, summary: dict[str, Any], out: str, window: int = 20) -> None:
-    """Training (moving average) and validation loss against updates: mean over seeds, band
-    from min to max."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_train, ax_valid, ax_diff) = plt.subplots(1, 3, figsize=(16, 4.2))
-    for i, arm in enumerate(summary["arms"]):
-        color = f"C{i}"
-        curves = [read_run(run_dir(root, arm, s)) for s in summary["seeds"]
-                  if read_results(run_dir(root, arm, s)) is not None]
-        for ax, kind in ((ax_train, "train"), (ax_valid, "valid")):
-            pairs = [c[kind] for c in curves if len(c[kind][0])]
-            if not pairs:
-                continue
-            length = min(len(p[0]) for p in pairs)  # partial runs: the common prefix
-            steps = pairs[0][0][:length]
-            values = np.stack([p[1][:length] for p in pairs])
-            if kind == "train":
-                values = np.stack([smooth(v, window) for v in values])
-            ax.plot(steps, values.mean(0), color=color, label=f"{arm} (n={len(pairs)})",
-                    marker="o" if kind == "valid" else None, ms=3)
-            ax.fill_between(steps, values.min(0), values.max(0), color=color, alpha=0.2)
-        # Paired by seed: validation loss minus the Switch arm's of the same seed.
-        reference = summary["arms"][arm].get("target_arm")
-        diffs = []
-        for seed in summary["seeds"]:
-            mine, other = run_dir(root, arm, seed), run_dir(root, reference or "", seed)
-            if arm == reference or read_results(mine) is None or read_results(other) is None:
-                continue
-            (s_a, v_a), (s_b, v_b) = read_run(mine)["valid"], read_run(other)["valid"]
-            common = np.intersect1d(s_a, s_b)
-            diffs.append((common, v_a[np.isin(s_a, common)] - v_b[np.isin(s_b, common)]))
-        if diffs:
-            length = min(len(d[0]) for d in diffs)
-            values = np.stack([d[1][:length] for d in diffs])
-            ax_diff.plot(diffs[0][0][:length], values.mean(0), color=color, marker="o", ms=3,
-                         label=f"{arm} − {reference} (n={len(diffs)})")
-            ax_diff.fill_between(diffs[0][0][:length], values.min(0), values.max(0),
-                                 color=color, alpha=0.2)
-    ax_diff.axhline(0.0, color="k", lw=0.8)
-    ax_diff.set_title("validation loss minus Switch's, same seed")
-    ax_train.set_title(f"training loss (moving average, {window} updates)")
-    ax_valid.set_title("validation loss (mean over seeds, band = min..max)")
-    for ax in (ax_train, ax_valid, ax_diff):
-        ax.set_xlabel("updates")
-        ax.set_ylabel("label-smoothed cross entropy (nats)")
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    ax_valid.set_ylim(top=min(ax_valid.get_ylim()[1], 7.0))
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-
-
 def summarize_and_write(args: argparse.Namespace) -> dict[str, Any]:
-    arms = arm_names(args.experts, dense=not args.no_dense)
-    summary = summarize(args.root, arms, args.seeds)
+    summary = summarize(args.root, args.arms, args.seeds)
     table = markdown(summary)
     print(table, flush=True)
     if args.out_json:
@@ -388,6 +265,8 @@ def summarize_and_write(args: argparse.Namespace) -> dict[str, Any]:
             f.write(table)
     if args.plot:
         plot(args.root, summary, args.plot)
+    if args.plot_router:
+        plot_router(args.root, summary, args.plot_router)
     return summary
 
 
@@ -396,18 +275,43 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", default="configs/multi30k_compare.py")
     parser.add_argument("--root", default="/tmp/compare", help="one workdir per run under it")
     parser.add_argument("--experts", type=int, nargs="+", default=[4])
+    parser.add_argument("--study", nargs="+", default=["main"], choices=sorted(STUDIES),
+                        help="named groups of arms (experiments.study.STUDIES)")
+    parser.add_argument("--arms", nargs="+", help="explicit arm names (instead of --study)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=None, help="train_steps (default: config)")
     parser.add_argument("--no-dense", action="store_true", help="leave out the dense arm")
     parser.add_argument("--override", action="append", default=[],
                         help="FIELD=VALUE applied to every run's config, e.g. model.emb_dim=64")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once (subprocesses)")
+    parser.add_argument("--stop-launching-after", type=float, metavar="MIN",
+                        help="start no run after this many minutes")
+    parser.add_argument("--delete-checkpoints", action="store_true",
+                        help="delete a run's checkpoints once it is done")
+    parser.add_argument("--compact", action="store_true",
+                        help="keep only the small files of a finished run (implies "
+                             "--delete-checkpoints)")
+    parser.add_argument("--pack", metavar="FILE.tar.gz",
+                        help="after training, pack the small files of the finished runs")
+    parser.add_argument("--run-one", nargs=2, metavar=("ARM", "SEED"),
+                        help="train one run in this process (what --parallel launches)")
     parser.add_argument("--out-json", help="summary JSON (default: ROOT/compare.json)")
     parser.add_argument("--out-md", help="markdown tables (default: ROOT/compare.md)")
     parser.add_argument("--plot", help="curves PNG (default: ROOT/convergence.png)")
+    parser.add_argument("--plot-router", help="router diagnostics PNG (default: ROOT/router.png)")
     parser.add_argument("--summarize-only", action="store_true")
     args = parser.parse_args(argv)
+    if args.parallel < 1:
+        parser.error(f"--parallel must be >= 1, got {args.parallel}")
+    try:
+        arms = args.arms or study_arms(args.study, args.experts, dense=not args.no_dense)
+        for arm in arms:
+            parse_arm(arm)
+    except ValueError as err:
+        parser.error(str(err))
+    args.arms = arms
     for field, name in (("out_json", "compare.json"), ("out_md", "compare.md"),
-                        ("plot", "convergence.png")):
+                        ("plot", "convergence.png"), ("plot_router", "router.png")):
         if getattr(args, field) is None:
             setattr(args, field, os.path.join(args.root, name))
     return args
@@ -417,12 +321,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
+    if args.run_one:
+        from experiments.wmt import enable_compilation_cache
+
+        enable_compilation_cache()
+        arm, seed = args.run_one
+        train_one(args, arm, int(seed))
+        return
     if not args.summarize_only:
         from experiments.wmt import enable_compilation_cache
 
         enable_compilation_cache()
         run_all(args)
+    os.makedirs(args.root, exist_ok=True)
     summarize_and_write(args)
+    if args.pack:
+        packed = pack(args.root, args.arms, args.seeds, args.pack)
+        logger.info("packed %d run(s) into %s", len(packed), args.pack)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""Overlay training and validation loss curves of several runs against updates.
+"""Overlay loss curves and router diagnostics of several runs against updates.
 
-    python -m experiments.plot runs/switch runs/sparsemixer --out curves.png
+    python -m experiments.plot runs/switch runs/sparsemixer --out curves.png \
+        --diagnostics router.png
 
-Reads each run's ``metrics.jsonl``; the label is the directory name and the router.
+Reads each run's ``metrics.jsonl`` (or, for a run of ``experiments.compare`` whose log was not
+kept, its compact ``curves.json``); the label is the directory name and the router. The
+diagnostics figure shows, per run, the mean over its MoE layers (band: the layers' min to max) of
+the router diagnostics logged at ``log_every`` (:mod:`sparsemixer_jax.router_diagnostics`).
 """
 
 from __future__ import annotations
@@ -11,16 +15,15 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 
+CURVES = "curves.json"  # the compact copy of a run's curves that a study keeps
 
-def read_run(workdir: str) -> dict:
-    """``{"label", "train": (steps, losses), "valid": (steps, losses)}`` of one workdir."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        raise SystemExit(f"{path} not found: is {workdir} a workdir of experiments.wmt?")
-    train, valid = [], []
+
+def _read_metrics_log(path: str) -> tuple[list, list, dict]:
+    train, valid, moe = [], [], {}
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -33,6 +36,25 @@ def read_run(workdir: str) -> dict:
                 valid.append((record["step"], record["valid_loss"]))
             elif "loss" in record and "error" not in record:
                 train.append((record["step"], record["loss"]))
+                if "moe" in record:
+                    moe[record["step"]] = record["moe"]
+    return train, valid, moe
+
+
+def read_run(workdir: str) -> dict:
+    """``{"label", "train": (steps, losses), "valid": (steps, losses), "moe": {step: {layer:
+    {metric: value}}}}`` of one workdir, from ``metrics.jsonl`` or else ``curves.json``."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    compact = os.path.join(workdir, CURVES)
+    if os.path.exists(path):
+        train, valid, moe = _read_metrics_log(path)
+    elif os.path.exists(compact):
+        with open(compact) as f:
+            data = json.load(f)
+        train, valid = data["train"], data["valid"]
+        moe = {int(step): layers for step, layers in data["moe"].items()}
+    else:
+        raise SystemExit(f"{path} not found: is {workdir} a workdir of experiments.wmt?")
     label = os.path.basename(os.path.normpath(workdir))
     config_path = os.path.join(workdir, "config.json")
     if os.path.exists(config_path):
@@ -40,13 +62,27 @@ def read_run(workdir: str) -> dict:
             config = json.load(f)
         experts = config["model"]["num_experts"]
         label += f" ({config['router']['name']}, N={experts})" if experts else " (dense)"
-    return {"label": label, "train": _columns(train), "valid": _columns(valid)}
+    return {"label": label, "train": _columns(train), "valid": _columns(valid), "moe": moe}
 
 
-def _columns(pairs: list[tuple[int, float]]) -> tuple[np.ndarray, np.ndarray]:
-    if not pairs:
+def write_curves(workdir: str) -> str:
+    """Writes ``curves.json``: the training and validation curves and the MoE metrics at the
+    logged steps, all a study's summary needs once checkpoints and logs are gone."""
+    run = read_run(workdir)
+    data = {"train": np.column_stack(run["train"]).tolist() if len(run["train"][0]) else [],
+            "valid": np.column_stack(run["valid"]).tolist() if len(run["valid"][0]) else [],
+            "moe": {str(step): layers for step, layers in sorted(run["moe"].items())}}
+    path = os.path.join(workdir, CURVES)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, separators=(",", ":"))
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def _columns(pairs: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
+    if not len(pairs):
         return np.zeros(0), np.zeros(0)
-    steps, values = zip(*sorted(pairs), strict=True)
+    steps, values = zip(*sorted((int(s), v) for s, v in pairs), strict=True)
     return np.asarray(steps), np.asarray(values)
 
 
@@ -59,10 +95,78 @@ def smooth(values: np.ndarray, window: int) -> np.ndarray:
     return (cumulative[1:] - cumulative[np.arange(1, len(values) + 1) - counts]) / counts
 
 
+# ------------------------------------------------------------------------- router diagnostics
+
+#: (title, function of one layer's logged metrics -> float), one panel each.
+DIAGNOSTICS = (
+    ("share of tokens with 1 eligible expert", lambda m: m["eligible_fraction"][0]),
+    ("mean eligible experts (num_unmasked)", lambda m: m["num_unmasked"]),
+    ("eligible under the reference mask", lambda m: m["ref_mask_eligible"]),
+    ("mean max router logit", lambda m: m["max_logit"]),
+    ("mean router logit (the common shift)", lambda m: m["logit_mean"]),
+    ("router z-loss", lambda m: m["z_loss"]),
+    ("largest expert share", lambda m: m["load_max"]),
+    ("smallest expert share", lambda m: m["load_min"]),
+    ("share routed to a non-argmax expert", lambda m: m["non_argmax_share"]),
+)
+
+
+def diagnostic_series(moe: dict, metric) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, values [steps, layers])`` of ``metric(layer_metrics)`` over a run's logged
+    steps; steps without the metric (older runs) are left out."""
+    steps, rows = [], []
+    for step in sorted(moe):
+        try:
+            rows.append([float(metric(m)) for _, m in sorted(moe[step].items())])
+        except (KeyError, IndexError, TypeError):
+            continue
+        steps.append(step)
+    if not rows:
+        return np.zeros(0), np.zeros((0, 0))
+    return np.asarray(steps), np.asarray(rows)
+
+
+def plot_diagnostics(runs: dict[str, list[dict]], out: str) -> None:
+    """One panel per diagnostic; one line per label: the mean over its runs and MoE layers, band
+    from the smallest to the largest layer value (of any of its runs)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = 3
+    rows = -(-len(DIAGNOSTICS) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.2 * rows))
+    for ax, (title, metric) in zip(axes.flat, DIAGNOSTICS, strict=False):
+        for i, (label, group) in enumerate(runs.items()):
+            series = [diagnostic_series(run["moe"], metric) for run in group]
+            series = [s for s in series if len(s[0])]
+            if not series:
+                continue
+            length = min(len(s[0]) for s in series)
+            steps = series[0][0][:length]
+            values = np.concatenate([s[1][:length] for s in series], axis=1)  # [steps, layers]
+            ax.plot(steps, values.mean(1), color=f"C{i}", label=label)
+            ax.fill_between(steps, values.min(1), values.max(1), color=f"C{i}", alpha=0.15)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("updates", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(DIAGNOSTICS):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(out, dpi=64)  # nine panels: small enough to keep in docs/
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("workdirs", nargs="+")
     parser.add_argument("--out", default="curves.png")
+    parser.add_argument("--diagnostics", help="also draw the router diagnostics to this PNG")
     parser.add_argument("--smooth", type=int, default=20, help="moving-average window (steps)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     runs = [read_run(w) for w in args.workdirs]
@@ -88,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
+    if args.diagnostics:
+        plot_diagnostics({run["label"]: [run] for run in runs}, args.diagnostics)
+        print(f"wrote {args.diagnostics}")
 
 
 if __name__ == "__main__":

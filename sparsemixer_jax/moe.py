@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax import routing
+from sparsemixer_jax import router_diagnostics, routing
 
 DISPATCHES = ("auto", "ragged", "padded")
 
@@ -365,8 +365,9 @@ class MoEFeedForward(nnx.Module):
 
         Returns ``y [B, T, emb]`` (dtype of ``x``) and a dict of float32 metrics:
         ``balance_loss``, ``z_loss``, ``num_unmasked``, ``entropy``, ``dropped_fraction`` (of
-        rows) (scalars) and ``expert_fraction`` ``[N]`` (share of rows). Padding outputs zeros and
-        is left out of every metric.
+        rows) (scalars), ``expert_fraction`` ``[N]`` (share of rows) and the diagnostics of
+        :func:`sparsemixer_jax.router_diagnostics.router_diagnostics`. Padding outputs zeros
+        and is left out of every metric.
         """
         if x.ndim != 3 or x.shape[-1] != self.emb_dim:
             raise ValueError(f"x must be [B, T, {self.emb_dim}], got shape {x.shape}")
@@ -385,6 +386,8 @@ class MoEFeedForward(nnx.Module):
         routed = routing.get_router(self.router_name, self.jitter_eps, self.top_k)(
             logits, key, training)
         metrics = routing.routing_metrics(logits, routed, token_mask)
+        metrics.update(router_diagnostics.router_diagnostics(
+            logits, routed, token_mask, jitter_eps=self.jitter_eps))
 
         # One row per token and chosen expert: [B, T, k], row id token * k + t.
         k = self.top_k

@@ -1,0 +1,113 @@
+"""Router diagnostics: why a router trains (or does not), from what the router already computed.
+
+Pure functions of the router logits ``z [..., N]``, the router's
+:class:`~sparsemixer_jax.routing.RouterOutput` (chosen expert, gate, probabilities) and the padding
+mask. :class:`~sparsemixer_jax.moe.MoEFeedForward` merges :func:`router_diagnostics` into its
+per-layer metrics, so every run logs them per MoE layer at ``log_every`` (``metrics.jsonl``, key
+``moe``) and ``python -m experiments.plot --diagnostics`` draws them.
+
+What they answer (issue 9, "does SparseMixer train faster than Switch?"):
+
+* ``eligible_fraction [N]``: share of tokens with exactly 1, 2, ..., N experts of nonzero
+  probability. Under SparseMixer's mask a token with one eligible expert has ``pi_D = 1``: its
+  gate is constant, so it gives the router no gradient at all (not even the balance loss's, which
+  uses the same masked probabilities). ``eligible_fraction[0]`` is the share of such tokens.
+* ``ref_mask_eligible``: mean number of experts the reference mask (``jitter_eps``, rule
+  ``"reference"``) would leave on these logits, whatever the router; for Switch it says what
+  SparseMixer's mask would make of Switch's logits.
+* ``max_logit``, ``logit_mean``, ``logit_std``: the logits' scale (mean over tokens of the max,
+  the mean over experts and the std over experts). ``logit_mean`` is the common shift that the
+  softmax ignores but the relative mask does not (docs/science.md).
+* ``load_max``, ``load_min``: largest and smallest share of tokens routed to one expert (of
+  rows, for top-k: each of a token's ``k`` rows counts ``1/k``).
+* ``non_argmax_share``: share of tokens whose (first) expert is not ``argmax(z)``: sampling
+  (SparseMixer) or jitter (Switch) at work. Zero at evaluation.
+
+All are float32, means over the non-padding tokens of the call. The training loop averages
+metrics over micro-batches weighted by tokens, so ``load_max`` is the mean of per-micro-batch
+maxima, which can exceed the max of the update's mean ``expert_fraction``.
+
+Not here: the norm of the router gradient from each term. With the reference's
+``backward_scale = 2`` the realised per-token gradient of SparseMixer is exactly twice the plain
+gate gradient of the sampled output, half of it ``nabla_1`` and half the estimate of
+``nabla_0``; their norms are equal by construction, so that split says nothing. The informative
+split (task loss through the gate vs. the balance loss) needs separate backward passes of the
+whole model, which the forward pass of a layer cannot provide; see docs/science.md.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sparsemixer_jax import routing
+
+
+def _token_mean(values: jax.Array, token_mask: jax.Array) -> jax.Array:
+    """Mean of ``values`` ``[...]`` or ``[..., K]`` over the token axes ``[...]`` of the bool
+    ``token_mask``, padding (False) left out: a scalar or ``[K]``."""
+    weights = token_mask.astype(jnp.float32)
+    weights = weights.reshape(weights.shape + (1,) * (values.ndim - weights.ndim))
+    token_axes = tuple(range(token_mask.ndim))
+    return jnp.sum(values * weights, axis=token_axes) / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def _all_tokens(logits: jax.Array, token_mask: jax.Array | None) -> jax.Array:
+    return jnp.ones(logits.shape[:-1], bool) if token_mask is None else token_mask
+
+
+def eligible_counts(probs: jax.Array) -> jax.Array:
+    """Number of experts with nonzero probability per token: int32 ``[...]`` from ``[..., N]``.
+
+    A masked expert has probability exactly 0. An eligible one could underflow to 0 only if its
+    logit lay about 100 below the max in float32 (``exp(-104)``), far outside what routers reach.
+    """
+    return jnp.sum(probs > 0, axis=-1).astype(jnp.int32)
+
+
+def eligible_fraction(probs: jax.Array, token_mask: jax.Array | None = None) -> jax.Array:
+    """Share of tokens with exactly ``k + 1`` eligible experts: float32 ``[N]``, sums to 1."""
+    num_experts = probs.shape[-1]
+    one_hot = jax.nn.one_hot(eligible_counts(probs) - 1, num_experts, dtype=jnp.float32)
+    return _token_mean(one_hot, _all_tokens(probs, token_mask))
+
+
+def router_diagnostics(
+    logits: jax.Array,
+    routed: routing.RouterOutput,
+    token_mask: jax.Array | None = None,
+    *,
+    jitter_eps: float = 0.1,
+) -> dict[str, jax.Array]:
+    """The per-layer diagnostics of the module docstring.
+
+    Args:
+      logits: router logits ``z`` ``[..., N]`` (before any jitter), any float dtype.
+      routed: the router's output for these logits.
+      token_mask: bool ``[...]``, False on padding (left out), or None.
+      jitter_eps: the router's ``jitter_eps``, for ``ref_mask_eligible``.
+
+    Returns: dict of float32 arrays, scalars except ``eligible_fraction`` ``[N]``.
+    """
+    z = jax.lax.stop_gradient(logits).astype(jnp.float32)
+    probs = jax.lax.stop_gradient(routed.probs)
+    num_experts = z.shape[-1]
+    token_mask = _all_tokens(z, token_mask)
+    rows = jax.nn.one_hot(routed.expert, num_experts, dtype=jnp.float32)
+    top_k = routed.expert.ndim == z.ndim  # expert [..., k]: a token's k rows share its weight
+    load = _token_mean(jnp.mean(rows, axis=-2) if top_k else rows, token_mask)
+    first = routed.expert[..., 0] if top_k else routed.expert
+    ref_mask = routing.routing_mask(z, jitter_eps, "reference")
+    argmax = jnp.argmax(z, axis=-1)
+    return {
+        "max_logit": _token_mean(jnp.max(z, axis=-1), token_mask),
+        "logit_mean": _token_mean(jnp.mean(z, axis=-1), token_mask),
+        "logit_std": _token_mean(jnp.std(z, axis=-1), token_mask),
+        "eligible_fraction": eligible_fraction(probs, token_mask),
+        "ref_mask_eligible": _token_mean(jnp.sum(ref_mask, axis=-1).astype(jnp.float32),
+                                         token_mask),
+        "load_max": jnp.max(load),
+        "load_min": jnp.min(load),
+        "non_argmax_share": _token_mean((first != argmax).astype(jnp.float32),
+                                        token_mask),
+    }
