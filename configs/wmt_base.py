@@ -48,6 +48,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.router.jitter_eps = 0.1
     c.router.top_k = 1  # experts per token (the one place top-k is set; GRIN uses 2)
     c.router.balance_weight = 0.01
+    # "per_token": objective = mean cross entropy + balance_weight * balance loss (Switch
+    # Transformer's convention). "per_batch": balance_weight * loss is added once per micro-batch
+    # to the token-summed cross entropy, as the reference code (fairseq) does, i.e. a weight of
+    # balance_weight / (tokens per micro-batch) per token, ~1e-6 in the paper's runs.
+    c.router.balance_normalization = "per_token"
     c.router.z_loss_weight = 0.0
 
     c.optim = ml_collections.ConfigDict()

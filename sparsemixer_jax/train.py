@@ -55,7 +55,11 @@ RESUMABLE_CHANGES = (
 )
 # Fields added after runs were saved without them, with the value that reproduces the old behaviour:
 # a saved config that lacks one is read as having this value.
-ADDED_FIELD_DEFAULTS = {"router.top_k": 1, "runtime.rng_impl": "threefry2x32"}
+ADDED_FIELD_DEFAULTS = {
+    "router.top_k": 1,
+    "router.balance_normalization": "per_token",
+    "runtime.rng_impl": "threefry2x32",
+}
 
 
 class TrainingDiverged(RuntimeError):
@@ -97,6 +101,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.model.num_experts must be >= 0 (0 = dense), got {m.num_experts}")
     if r.name not in routing.ROUTERS:
         raise ValueError(f"config.router.name={r.name!r}; choose one of {sorted(routing.ROUTERS)}")
+    if r.get("balance_normalization", "per_token") not in ("per_token", "per_batch"):
+        raise ValueError(f"config.router.balance_normalization={r.balance_normalization!r}; "
+                         "choose 'per_token' or 'per_batch'")
     for name in ("dropout", "attention_dropout", "activation_dropout"):
         if not 0.0 <= m[name] < 1.0:
             raise ValueError(f"config.model.{name} must lie in [0, 1), got {m[name]}")
@@ -241,6 +248,7 @@ class LossSettings:
     label_smoothing: float
     balance_weight: float
     z_loss_weight: float
+    balance_normalization: str = "per_token"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,11 +284,14 @@ def _loss(graphdef, settings: LossSettings, params, rest, batch, key):
     nnx.reseed(model, dropout=dropout_key, router=router_key)
     logits, aux = model(batch["inputs"], batch["targets"], deterministic=False)
     smoothed, nll, tokens = token_losses(logits, batch["targets"], settings.label_smoothing)
-    # The auxiliary losses are means over the micro-batch; weighting them by its tokens makes
-    # the update's objective a token-weighted mean over micro-batches.
+    # The auxiliary losses are means over the micro-batch. "per_token" weights them by its tokens,
+    # so the update's objective is mean cross entropy + weight * loss. "per_batch" adds them once
+    # per micro-batch to the token-summed cross entropy, as the reference (fairseq) does, so their
+    # weight per token is weight / tokens per micro-batch (about 0.01 / 8192 in the paper's runs).
     aux_loss = (
         settings.balance_weight * aux["balance_loss"] + settings.z_loss_weight * aux["z_loss"]
     )
+    aux_scale = tokens if settings.balance_normalization == "per_token" else 1.0
     metrics = {
         "smoothed": smoothed,
         "nll": nll,
@@ -289,7 +300,7 @@ def _loss(graphdef, settings: LossSettings, params, rest, batch, key):
         "z_loss": aux["z_loss"] * tokens,
         "moe": jax.tree.map(lambda v: v * tokens, aux["moe"]),
     }
-    return smoothed + aux_loss * tokens, metrics
+    return smoothed + aux_loss * aux_scale, metrics
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -387,6 +398,7 @@ class Steps:
             label_smoothing=float(config.optim.label_smoothing),
             balance_weight=float(config.router.balance_weight),
             z_loss_weight=float(config.router.z_loss_weight),
+            balance_normalization=str(config.router.get("balance_normalization", "per_token")),
         )
 
     def init_opt(self, params):

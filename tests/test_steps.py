@@ -167,3 +167,33 @@ def test_runtime_configure_sets_prng_and_xla_flags(monkeypatch):
     finally:
         jax.config.update("jax_default_prng_impl", before)
         jax.config.update("jax_default_matmul_precision", precision)
+
+
+def test_balance_normalization_per_batch_is_the_reference_weight(steps):
+    """``per_batch`` adds ``weight * balance`` once per micro-batch to the token-summed loss (the
+    reference, fairseq); ``per_token`` adds it once per token. So ``per_batch`` with weight ``w``
+    is ``per_token`` with weight ``w / tokens``: equal gradients (float32 rounding: 1e-5), and
+    clearly not those of ``per_token`` with weight ``w``."""
+    b = batch(seed=3)
+    tokens = float(jnp.sum(b["targets"] != 0))
+    key = jax.random.key(7)
+
+    def grad(weight, normalization):
+        settings = train.LossSettings(label_smoothing=0.1, balance_weight=weight,
+                                      z_loss_weight=0.0, balance_normalization=normalization)
+        return jax.grad(lambda p: train._loss(steps.graphdef, settings, p, steps.rest, b, key)[0])(
+            steps.params)
+
+    per_batch = grad(1.0, "per_batch")
+    jax.tree.map(lambda t, u: np.testing.assert_allclose(u, t, rtol=1e-5, atol=1e-7),
+                 grad(1.0 / tokens, "per_token"), per_batch)
+    gap = jax.tree.map(lambda t, u: float(jnp.max(jnp.abs(t - u))), grad(1.0, "per_token"),
+                       per_batch)
+    assert max(jax.tree.leaves(gap)) > 1e-3
+
+
+def test_balance_normalization_is_checked():
+    config = tiny_config()
+    config.router.balance_normalization = "per_sentence"
+    with pytest.raises(ValueError, match="balance_normalization='per_sentence'"):
+        train.check_config(config)
