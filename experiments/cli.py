@@ -1,4 +1,5 @@
-"""What the command-line entry points share: quiet library logging, config-flag errors, hints.
+"""What the command-line entry points share: multi-process start-up, the compilation cache, quiet
+library logging, config-flag errors, hints.
 
 Library INFO logs (orbax announces every save and restore, TFDS every file) are off unless
 ``--verbosity`` is given (absl's flag: ``--verbosity=0`` brings back INFO, ``1`` adds DEBUG);
@@ -11,6 +12,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import logging
+import os
 import sys
 from typing import Any
 
@@ -18,6 +20,51 @@ from absl import app, flags
 
 # Loggers of the libraries whose INFO lines are noise to a user (orbax logs through absl).
 LIBRARY_LOGGERS = ("absl", "orbax", "jax", "tensorflow", "tensorflow_datasets")
+
+
+def _multi_process_environment() -> bool:
+    env = os.environ
+    return (
+        "JAX_COORDINATOR_ADDRESS" in env
+        or int(env.get("SLURM_NTASKS", "1")) > 1
+        or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+        or "," in env.get("TPU_WORKER_HOSTNAMES", "")
+    )
+
+
+def initialize_distributed() -> None:
+    """``jax.distributed.initialize()`` when launched as one of several processes."""
+    if not _multi_process_environment():
+        return
+    import jax
+
+    # CPU hosts need a collectives implementation to talk to each other; GPUs/TPUs ignore this.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    env = os.environ
+    if "JAX_COORDINATOR_ADDRESS" in env and "JAX_NUM_PROCESSES" in env:
+        jax.distributed.initialize(
+            coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(env["JAX_NUM_PROCESSES"]),
+            process_id=int(env["JAX_PROCESS_ID"]),
+        )
+    else:
+        jax.distributed.initialize()
+
+
+def enable_compilation_cache() -> None:
+    """JAX's persistent compilation cache in ``~/.cache/sparsemixer_jax/xla``, unless the user
+    set ``JAX_COMPILATION_CACHE_DIR`` (which JAX reads itself).
+
+    Every length bucket compiles its own step (tens of seconds each on a CPU); the cache lets
+    resumed runs, other seeds and later runs with the same shapes skip that.
+    """
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    import jax
+
+    cache = os.path.join(os.path.expanduser("~"), ".cache", "sparsemixer_jax", "xla")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def quiet_libraries() -> None:

@@ -322,14 +322,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
     if args.run_one:
-        from experiments.wmt import enable_compilation_cache
+        from experiments.cli import enable_compilation_cache
 
         enable_compilation_cache()
         arm, seed = args.run_one
         train_one(args, arm, int(seed))
         return
     if not args.summarize_only:
-        from experiments.wmt import enable_compilation_cache
+        from experiments.cli import enable_compilation_cache
 
         enable_compilation_cache()
         run_all(args)

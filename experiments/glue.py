@@ -20,6 +20,8 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
+from experiments import cli
+
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
 flags.DEFINE_string("pretrained", None, "Workdir of a pretraining run (experiments.pretrain).")
 flags.DEFINE_list("task", None, "GLUE task name(s), comma-separated, or 'all'.")
@@ -28,26 +30,14 @@ flags.DEFINE_enum("checkpoint", "best", ["best", "last"], "Which pretraining che
 flags.mark_flags_as_required(["config", "pretrained", "task"])
 
 
-def _enable_compilation_cache() -> None:
-    """The persistent compilation cache of experiments.wmt (whose import would also define its
-    required --workdir flag): ``~/.cache/sparsemixer_jax/xla`` unless JAX_COMPILATION_CACHE_DIR."""
-    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
-        return
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir",
-                      os.path.join(os.path.expanduser("~"), ".cache", "sparsemixer_jax", "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    _enable_compilation_cache()
+    cli.enable_compilation_cache()
     from experiments.glue_table import summary_table
     from sparsemixer_jax import finetune
 
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    cli.quiet_libraries()
     fl = flags.FLAGS
     workdir = fl.workdir or os.path.join(fl.pretrained, "glue")
     summary = finetune.run_tasks(fl.config, fl.pretrained, fl.task, workdir,
@@ -58,4 +48,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -15,23 +15,27 @@ import logging
 import sys
 
 from absl import app, flags
+from ml_collections import config_flags
 
-# Importing the translation experiment also defines the --config and --workdir flags (a config
-# file, required; a directory, required): this entry point takes the same two.
-from experiments.wmt import enable_compilation_cache, initialize_distributed
+from experiments import cli
+
+config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and results.")
+flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    initialize_distributed()
+    cli.initialize_distributed()
     import jax
 
-    enable_compilation_cache()
+    cli.enable_compilation_cache()
 
     from sparsemixer_jax import pretrain
+    from sparsemixer_jax.checkpoint import CheckpointError
 
-    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
+    cli.quiet_libraries()
     if jax.process_index() != 0:
         logging.getLogger().setLevel(logging.WARNING)
     try:
@@ -39,6 +43,12 @@ def main(argv: list[str]) -> None:
     except pretrain.TrainingDiverged as err:
         print(f"training stopped: {err}", file=sys.stderr)
         sys.exit(1)
+    except (ValueError, FileNotFoundError, CheckpointError) as err:
+        # Config, data and resume errors name the field and the fix (--verbosity=1: traceback).
+        if flags.FLAGS.verbosity >= 1:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     if jax.process_index() == 0:
         keys = ("steps", "valid_loss", "valid_mlm_loss", "valid_mlm_accuracy", "valid_disc_loss",
                 "valid_disc_accuracy", "best_valid_loss", "tokens_per_second")
@@ -47,4 +57,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    app.run(main)
+    app.run(main, flags_parser=cli.parse_flags)

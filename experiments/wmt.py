@@ -15,7 +15,6 @@ every host calls ``jax.distributed.initialize()`` first; process 0 writes logs a
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 from absl import app, flags
@@ -28,61 +27,16 @@ flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and result
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _multi_process_environment() -> bool:
-    env = os.environ
-    return (
-        "JAX_COORDINATOR_ADDRESS" in env
-        or int(env.get("SLURM_NTASKS", "1")) > 1
-        or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
-        or "," in env.get("TPU_WORKER_HOSTNAMES", "")
-    )
-
-
-def initialize_distributed() -> None:
-    """``jax.distributed.initialize()`` when launched as one of several processes."""
-    if not _multi_process_environment():
-        return
-    import jax
-
-    # CPU hosts need a collectives implementation to talk to each other; GPUs/TPUs ignore this.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    env = os.environ
-    if "JAX_COORDINATOR_ADDRESS" in env and "JAX_NUM_PROCESSES" in env:
-        jax.distributed.initialize(
-            coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
-            num_processes=int(env["JAX_NUM_PROCESSES"]),
-            process_id=int(env["JAX_PROCESS_ID"]),
-        )
-    else:
-        jax.distributed.initialize()
-
-
-def enable_compilation_cache() -> None:
-    """JAX's persistent compilation cache in ``~/.cache/sparsemixer_jax/xla``, unless the user
-    set ``JAX_COMPILATION_CACHE_DIR`` (which JAX reads itself).
-
-    Every length bucket compiles its own step (tens of seconds each on a CPU); the cache lets
-    resumed runs, other seeds and later runs with the same shapes skip that.
-    """
-    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
-        return
-    import jax
-
-    cache = os.path.join(os.path.expanduser("~"), ".cache", "sparsemixer_jax", "xla")
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from sparsemixer_jax import runtime
 
     runtime.configure(flags.FLAGS.config)  # XLA flags must be set before JAX starts its backend
-    initialize_distributed()
+    cli.initialize_distributed()
     import jax
 
-    enable_compilation_cache()
+    cli.enable_compilation_cache()
 
     from sparsemixer_jax import train
     from sparsemixer_jax.checkpoint import CheckpointError
