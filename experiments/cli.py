@@ -126,6 +126,25 @@ def parse_flags(argv: list[str]) -> list[str]:
         sys.exit(2)
 
 
+def train_or_exit(train_fn, config, workdir: str) -> dict:
+    """``train_fn(config, workdir)``; a divergence exits with code 1, a config, data or resume
+    error with code 2, each as one line on stderr (they name the field and the fix, so a
+    traceback adds nothing; ``--verbosity=1`` shows it)."""
+    from sparsemixer_jax.checkpoint import CheckpointError
+    from sparsemixer_jax.train import TrainingDiverged
+
+    try:
+        return train_fn(config, workdir)
+    except TrainingDiverged as err:
+        print(f"training stopped: {err}", file=sys.stderr)
+        sys.exit(1)
+    except (ValueError, FileNotFoundError, CheckpointError) as err:
+        if flags.FLAGS.verbosity >= 1:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
 def try_it_hint(config, workdir: str) -> str | None:
     """For a run on the generated language: what the model translates and a command to try it."""
     if config.data.source != "synthetic":

@@ -12,7 +12,6 @@ launches work as for experiments/wmt.py.
 from __future__ import annotations
 
 import logging
-import sys
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -33,22 +32,11 @@ def main(argv: list[str]) -> None:
     cli.enable_compilation_cache()
 
     from sparsemixer_jax import pretrain
-    from sparsemixer_jax.checkpoint import CheckpointError
 
     cli.quiet_libraries()
     if jax.process_index() != 0:
         logging.getLogger().setLevel(logging.WARNING)
-    try:
-        results = pretrain.pretrain(flags.FLAGS.config, flags.FLAGS.workdir)
-    except pretrain.TrainingDiverged as err:
-        print(f"training stopped: {err}", file=sys.stderr)
-        sys.exit(1)
-    except (ValueError, FileNotFoundError, CheckpointError) as err:
-        # Config, data and resume errors name the field and the fix (--verbosity=1: traceback).
-        if flags.FLAGS.verbosity >= 1:
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    results = cli.train_or_exit(pretrain.pretrain, flags.FLAGS.config, flags.FLAGS.workdir)
     if jax.process_index() == 0:
         keys = ("steps", "valid_loss", "valid_mlm_loss", "valid_mlm_accuracy", "valid_disc_loss",
                 "valid_disc_accuracy", "best_valid_loss", "tokens_per_second")

@@ -15,7 +15,6 @@ every host calls ``jax.distributed.initialize()`` first; process 0 writes logs a
 from __future__ import annotations
 
 import logging
-import sys
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -39,24 +38,12 @@ def main(argv: list[str]) -> None:
     cli.enable_compilation_cache()
 
     from sparsemixer_jax import train
-    from sparsemixer_jax.checkpoint import CheckpointError
 
     cli.quiet_libraries()
     if jax.process_index() != 0:
         logging.getLogger().setLevel(logging.WARNING)
     config = flags.FLAGS.config
-    try:
-        results = train.train_and_evaluate(config, flags.FLAGS.workdir)
-    except train.TrainingDiverged as err:
-        print(f"training stopped: {err}", file=sys.stderr)
-        sys.exit(1)
-    except (ValueError, FileNotFoundError, CheckpointError) as err:
-        # Config, data and resume errors name the field and the fix; a traceback adds nothing
-        # (--verbosity=1 shows it).
-        if flags.FLAGS.verbosity >= 1:
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    results = cli.train_or_exit(train.train_and_evaluate, config, flags.FLAGS.workdir)
     if jax.process_index() == 0:
         summary = {k: results.get(k) for k in
                    ("steps", "valid_loss", "best_valid_loss", "bleu", "bleu_best",

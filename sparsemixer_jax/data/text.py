@@ -38,6 +38,7 @@ from sparsemixer_jax.data.tokenizer import (  # noqa: F401  (every special id in
     UNK_ID,
     Tokenizer,
     train_tokenizer,
+    vocabulary_sample,
 )
 
 logger = logging.getLogger(__name__)
@@ -169,15 +170,8 @@ def get_text_tokenizer(config: Any, workdir: str, paragraphs: Sequence[str]) -> 
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "spm.model")
     if not os.path.exists(path):
-        sample = list(paragraphs)
-        limit = int(data.vocab_sample_sentences)
-        if len(sample) > limit:
-            rows = np.sort(
-                np.random.default_rng([int(config.seed), 17]).choice(
-                    len(sample), limit, replace=False
-                )
-            )
-            sample = [sample[i] for i in rows]
+        sample = vocabulary_sample(list(paragraphs), int(data.vocab_sample_sentences),
+                                   int(config.seed))
         logger.info(
             "training a %d-piece SentencePiece model on %d paragraphs -> %s",
             data.vocab_size, len(sample), path,

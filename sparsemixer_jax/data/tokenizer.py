@@ -139,6 +139,15 @@ def train_tokenizer(
             os.remove(tmp_path)
 
 
+def vocabulary_sample(items: Sequence[Any], limit: int, seed: int) -> list[Any]:
+    """At most ``limit`` of ``items`` in their order: a seeded random sample, not the head (WMT's
+    train split is ordered by sub-corpus, a text corpus by document)."""
+    if len(items) <= limit:
+        return list(items)
+    rows = np.sort(np.random.default_rng([seed, 17]).choice(len(items), limit, replace=False))
+    return [items[i] for i in rows]
+
+
 def get_tokenizer(config: Any, workdir: str, train_pairs: Sequence[Pair]) -> Tokenizer:
     """Loads ``{workdir}/spm.model`` or trains it on (a seeded sample of) ``train_pairs``.
 
@@ -148,16 +157,7 @@ def get_tokenizer(config: Any, workdir: str, train_pairs: Sequence[Pair]) -> Tok
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "spm.model")
     if not os.path.exists(path):
-        pairs = train_pairs
-        limit = int(data.vocab_sample_sentences)
-        if len(pairs) > limit:
-            # A seeded random sample, not the head: WMT's train split is ordered by sub-corpus.
-            rows = np.sort(
-                np.random.default_rng([int(config.seed), 17]).choice(
-                    len(pairs), limit, replace=False
-                )
-            )
-            pairs = [pairs[i] for i in rows]
+        pairs = vocabulary_sample(train_pairs, int(data.vocab_sample_sentences), int(config.seed))
         pairs = [p for p in pairs if p[0].strip() and p[1].strip()]
         logger.info(
             "training a %d-piece SentencePiece model on %d pairs -> %s",
