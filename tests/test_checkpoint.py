@@ -38,12 +38,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def tiny(**overrides):
     config = tiny_wmt_config.get_config()
     config.decode.test_bleu = False  # BLEU is not what these tests check
-    for key, value in overrides.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    config.update_from_flattened_dict(overrides)  # keys are dotted paths, e.g. "model.emb_dim"
     return config
 
 

@@ -33,12 +33,7 @@ def corpus(tmp_path_factory):
 
 def tiny(corpus, **overrides):
     config = tiny_electra_config.get_config(corpus)
-    for key, value in overrides.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    config.update_from_flattened_dict(overrides)  # keys are dotted paths, e.g. "model.emb_dim"
     return config
 
 

@@ -28,12 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def tiny(**overrides):
     config = tiny_wmt_config.get_config()
-    for key, value in overrides.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
+    config.update_from_flattened_dict(overrides)  # keys are dotted paths, e.g. "model.emb_dim"
     return config
 
 
