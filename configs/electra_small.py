@@ -9,11 +9,11 @@ with ``--config.train_steps=N --config.optim.decay_steps=N``; the Switch baselin
 ``--config.router.name=switch``, the dense one with ``--config.model.num_experts=0``.
 """
 
-from configs import electra_base
+from configs import electra
 
 
 def get_config():
-    c = electra_base.get_config()
+    c = electra.get_config()
     c.data.vocab_size = 16000
     c.data.seq_len = 128
     c.data.batch_size = 128

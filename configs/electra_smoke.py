@@ -4,11 +4,11 @@ Pretrains a tiny SparseMixer encoder on WikiText-2's validation text and validat
 sequences of its test text; the losses fall, nothing more is claimed.
 """
 
-from configs import electra_base
+from configs import electra
 
 
 def get_config():
-    c = electra_base.get_config()
+    c = electra.get_config()
     c.data.train = "../shared/data/wikitext/wikitext-2-raw/wiki.valid.raw.gz"
     c.data.valid = "../shared/data/wikitext/wikitext-2-raw/wiki.test.raw.gz"
     c.data.valid_sequences = 64

@@ -14,6 +14,7 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
+    c.task = "finetuning"
     c.glue_dir = "../shared/data/glue"  # any directory in the GLUE download layout
     c.max_len = 256  # tokens per example, [CLS] and [SEP]s included; longer pairs are truncated
     c.length_step = 32  # batches are padded to a multiple of this (fewer shapes, fewer compiles)

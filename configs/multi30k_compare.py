@@ -7,11 +7,11 @@ short beam search (beam 4, at most 10 tokens past the source length) on the 1000
 set.
 """
 
-from configs import multi30k_n4
+from configs import multi30k
 
 
 def get_config():
-    c = multi30k_n4.get_config()
+    c = multi30k.get_config()
     c.data.vocab_size = 2000
     c.data.max_len = 64  # Multi30k pairs are short; fewer buckets, fewer compilations
     c.data.max_tokens = 2048  # more updates per second of CPU: the study counts updates

@@ -6,11 +6,11 @@ English or German): the run ends by printing an ``experiments.translate`` comman
 of its test split.
 """
 
-from configs import wmt_base
+from configs import wmt
 
 
 def get_config():
-    c = wmt_base.get_config()
+    c = wmt.get_config()
     c.data.source = "synthetic"
     c.data.synthetic_size = 20000
     c.data.vocab_size = 256

@@ -125,11 +125,11 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: in
 
 def model_config(sizes: dict[str, int], num_experts: int, router: str, dtype: str,
                  dispatch: str = "auto", attention_impl: str = "einsum") -> Any:
-    """``configs/wmt_base.py`` with the benchmark's sizes (dropout and optimizer unchanged, except
+    """``configs/wmt.py`` with the benchmark's sizes (dropout and optimizer unchanged, except
     attention dropout 0 with a fused ``attention_impl``, which has none)."""
-    from configs import wmt_base
+    from configs import wmt
 
-    c = wmt_base.get_config()
+    c = wmt.get_config()
     c.model.attention_impl = attention_impl
     if attention_impl != "einsum":
         c.model.attention_dropout = 0.0
@@ -172,16 +172,17 @@ class TrainStep:
     def __init__(self, config: Any, vocab: int, batch: dict[str, Any], fused: bool = True):
         import jax
 
-        from sparsemixer_jax import train
+        from sparsemixer_jax.tasks import translation
+        from sparsemixer_jax.training.steps import count_params
 
-        model = train.build_model(config, vocab, mesh=None)
-        self.steps = train.Steps(model, config)
+        model = translation.TranslationTask().build_model(config, vocab, None)
+        self.steps = translation.make_steps(model, config)
         del model
         self.params = self.steps.params
         self.opt_state = self.steps.init_opt(self.params)
         self.batch = batch
         self.key = jax.random.key(0)
-        self.num_params = train.count_params(self.params)
+        self.num_params = count_params(self.params)
         self.fused = fused
         self.calls = 0
 
@@ -493,13 +494,14 @@ def bench_decode(sizes, experts, dtype, warmup, repeats, beam_size=4, max_extra_
     import jax
     import numpy as np
 
-    from sparsemixer_jax import decode, train
+    from sparsemixer_jax import decode
+    from sparsemixer_jax.tasks import translation
 
     shapes = shapes or DECODE_SHAPES
     out: dict[str, Any] = {"beam_size": beam_size, "max_extra_len": max_extra_len}
     for n in [0, *experts]:
         config = model_config(sizes, n, "sparsemixer", dtype)
-        model = train.build_model(config, sizes["vocab"], mesh=None)
+        model = translation.TranslationTask().build_model(config, sizes["vocab"], None)
         name = "dense" if n == 0 else f"n{n}"
         for shape_name, (rows, length) in shapes.items():
             rng = np.random.default_rng(0)

@@ -131,7 +131,7 @@ def train_or_exit(train_fn, config, workdir: str) -> dict:
     error with code 2, each as one line on stderr (they name the field and the fix, so a
     traceback adds nothing; ``--verbosity=1`` shows it)."""
     from sparsemixer_jax.checkpoint import CheckpointError
-    from sparsemixer_jax.train import TrainingDiverged
+    from sparsemixer_jax.training import TrainingDiverged
 
     try:
         return train_fn(config, workdir)

@@ -131,15 +131,16 @@ def finish_run(workdir: str, delete_checkpoints: bool = False, compact: bool = F
 
 def train_one(args: argparse.Namespace, arm: str, seed: int) -> str:
     """Trains (or resumes) one run in this process; returns its final state."""
-    from sparsemixer_jax import train
+    from sparsemixer_jax.tasks import translation
+    from sparsemixer_jax.training import TrainingDiverged
 
     workdir = run_dir(args.root, arm, seed)
     config = make_config(args.config, arm, seed, args.steps, args.override)
     logger.info("%s: training (%s)", workdir, "resuming" if os.path.isdir(workdir) else "fresh")
     started = time.time()
     try:
-        train.train_and_evaluate(config, workdir)
-    except train.TrainingDiverged as err:  # the study goes on without this run
+        translation.train_and_evaluate(config, workdir)
+    except TrainingDiverged as err:  # the study goes on without this run
         logger.error("%s diverged: %s", workdir, err)
         with open(os.path.join(workdir, DIVERGED), "w") as f:
             json.dump({"error": str(err)}, f)

@@ -35,12 +35,12 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     cli.enable_compilation_cache()
     from experiments.glue_table import summary_table
-    from sparsemixer_jax import finetune
+    from sparsemixer_jax.tasks import finetuning
 
     cli.quiet_libraries()
     fl = flags.FLAGS
     workdir = fl.workdir or os.path.join(fl.pretrained, "glue")
-    summary = finetune.run_tasks(fl.config, fl.pretrained, fl.task, workdir,
+    summary = finetuning.run_tasks(fl.config, fl.pretrained, fl.task, workdir,
                                  checkpoint=fl.checkpoint)
     print(summary_table(summary))
     print(f"results: {os.path.join(workdir, 'results.json')}")

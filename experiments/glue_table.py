@@ -21,7 +21,7 @@ from typing import Any
 from absl import app, flags
 
 from sparsemixer_jax.data import glue
-from sparsemixer_jax.finetune import collect_results
+from sparsemixer_jax.tasks.finetuning import collect_results
 
 # The paper's Table 2 column order.
 COLUMNS = ("MNLI", "QQP", "QNLI", "SST-2", "CoLA", "RTE", "MRPC", "STS-B")

@@ -14,7 +14,7 @@ import math
 import jax
 from flax import nnx
 
-from configs.wmt_base import get_config
+from configs.wmt import get_config
 from sparsemixer_jax.models import Transformer
 from sparsemixer_jax.moe import MoEFeedForward
 

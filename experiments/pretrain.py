@@ -1,7 +1,7 @@
 """ELECTRA-style pretraining of a (Switch / Switch+SparseMixer / dense) encoder.
 
     python -m experiments.pretrain --config configs/electra_smoke.py --workdir runs/electra_smoke
-    python -m experiments.pretrain --config configs/electra_n4.py --workdir runs/electra_n4
+    python -m experiments.pretrain --config configs/electra.py:n4 --workdir runs/electra_n4
     python -m experiments.pretrain --config configs/electra_small.py \
         --config.router.name=switch --workdir runs/electra_small_switch
 
@@ -31,12 +31,12 @@ def main(argv: list[str]) -> None:
 
     cli.enable_compilation_cache()
 
-    from sparsemixer_jax import pretrain
+    from sparsemixer_jax.tasks import pretraining
 
     cli.quiet_libraries()
     if jax.process_index() != 0:
         logging.getLogger().setLevel(logging.WARNING)
-    results = cli.train_or_exit(pretrain.pretrain, flags.FLAGS.config, flags.FLAGS.workdir)
+    results = cli.train_or_exit(pretraining.pretrain, flags.FLAGS.config, flags.FLAGS.workdir)
     if jax.process_index() == 0:
         keys = ("steps", "valid_loss", "valid_mlm_loss", "valid_mlm_accuracy", "valid_disc_loss",
                 "valid_disc_accuracy", "best_valid_loss", "tokens_per_second")

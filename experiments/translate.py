@@ -30,12 +30,13 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
                     beam_size: int | None = None, length_penalty: float | None = None,
                     batch_size: int = 64) -> list[str]:
     """Translations of ``lines`` (in order) with the run in ``workdir``."""
-    import ml_collections
     import numpy as np
 
-    from sparsemixer_jax import decode, train
+    from sparsemixer_jax import config as config_schema
+    from sparsemixer_jax import decode
     from sparsemixer_jax.checkpoint import CheckpointError, RunCheckpoints
     from sparsemixer_jax.data.tokenizer import Tokenizer
+    from sparsemixer_jax.tasks import translation
 
     if batch_size < 1:
         raise ValueError(f"--batch_size must be >= 1, got {batch_size}")
@@ -63,9 +64,13 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
             f"{workdir} ...)"
         )
     with open(config_path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
+        config = config_schema.with_defaults(json.load(f))
+    if config_schema.task_of(config) != "translation":
+        raise ValueError(f"{workdir} holds a {config_schema.task_of(config)} run, not a "
+                         "translation run (experiments.wmt)")
     tokenizer = Tokenizer(vocabulary)
-    steps = train.Steps(train.build_model(config, tokenizer.vocab_size, None), config)
+    task = translation.TranslationTask()
+    steps = translation.make_steps(task.build_model(config, tokenizer.vocab_size, None), config)
     template = {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
     restored, failures = None, []
     for step in steps_on_disk:  # newest first; an unreadable one is named and skipped

@@ -1,6 +1,6 @@
 """Train and evaluate a Switch / Switch+SparseMixer Transformer on a translation task.
 
-    python -m experiments.wmt --config configs/wmt_n4.py --workdir runs/wmt_n4
+    python -m experiments.wmt --config configs/wmt.py:n4 --workdir runs/wmt_n4
     python -m experiments.wmt --config configs/quickstart.py --config.router.name=switch \
         --workdir runs/quickstart_switch
 
@@ -37,13 +37,13 @@ def main(argv: list[str]) -> None:
 
     cli.enable_compilation_cache()
 
-    from sparsemixer_jax import train
+    from sparsemixer_jax.tasks import translation
 
     cli.quiet_libraries()
     if jax.process_index() != 0:
         logging.getLogger().setLevel(logging.WARNING)
     config = flags.FLAGS.config
-    results = cli.train_or_exit(train.train_and_evaluate, config, flags.FLAGS.workdir)
+    results = cli.train_or_exit(translation.train_and_evaluate, config, flags.FLAGS.workdir)
     if jax.process_index() == 0:
         summary = {k: results.get(k) for k in
                    ("steps", "valid_loss", "best_valid_loss", "bleu", "bleu_best",

@@ -26,7 +26,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from sparsemixer_jax import models
+from sparsemixer_jax import layers
 from sparsemixer_jax.data.text import FIRST_WORD_ID, PAD_ID
 from sparsemixer_jax.encoder import Encoder
 
@@ -56,7 +56,7 @@ class GeneratorHead(nnx.Module):
 
     def __init__(self, emb_dim: int, vocab_size: int, *, dtype, rngs: nnx.Rngs):
         self.dense = nnx.Linear(emb_dim, emb_dim, dtype=dtype, rngs=rngs)
-        self.norm = models._layer_norm(emb_dim, dtype, rngs)
+        self.norm = layers.layer_norm(emb_dim, dtype, rngs)
         self.bias = nnx.Param(jnp.zeros((vocab_size,), jnp.float32))
 
     def __call__(self, hidden: jax.Array, embeddings) -> jax.Array:
@@ -85,7 +85,7 @@ class Electra(nnx.Module):
     """
 
     def __init__(self, config: Any, vocab_size: int, *, mesh=None, rngs: nnx.Rngs):
-        dtype = models._dtype(config.model.compute_dtype)
+        dtype = layers.compute_dtype(config.model.compute_dtype)
         emb = int(config.model.emb_dim)
         self.discriminator = Encoder(config, vocab_size, mesh=mesh, rngs=rngs)
         self.generator = Encoder(generator_config(config), vocab_size, mesh=mesh, rngs=rngs,

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax import models
+from sparsemixer_jax import layers
+from sparsemixer_jax.data.tokenizer import PAD_ID
 
-PAD_ID = models.PAD_ID
 NUM_SEGMENTS = 2
 
 # BERT / ELECTRA initialise embeddings with N(0, 0.02).
@@ -94,7 +94,7 @@ class Embeddings(nnx.Module):
         self.segment = nnx.Embed(
             NUM_SEGMENTS, emb_dim, embedding_init=_embedding_init, dtype=dtype, rngs=rngs
         )
-        self.norm = models._layer_norm(emb_dim, dtype, rngs)
+        self.norm = layers.layer_norm(emb_dim, dtype, rngs)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, segments: jax.Array, *, deterministic: bool):
@@ -112,25 +112,25 @@ class EncoderLayer(nnx.Module):
 
     def __init__(self, model_cfg, router_cfg, layer: int, *, dtype, mesh, rngs: nnx.Rngs):
         emb = int(model_cfg.emb_dim)
-        self.self_attn = models.Attention(
+        self.self_attn = layers.Attention(
             emb,
             int(model_cfg.num_heads),
             attention_dropout=float(model_cfg.attention_dropout),
             dtype=dtype,
             rngs=rngs,
         )
-        self.self_attn_norm = models._layer_norm(emb, dtype, rngs)
-        self.ffn = models._make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
-        self.ffn_norm = models._layer_norm(emb, dtype, rngs)
+        self.self_attn_norm = layers.layer_norm(emb, dtype, rngs)
+        self.ffn = layers.make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
+        self.ffn_norm = layers.layer_norm(emb, dtype, rngs)
         self.dropout = nnx.Dropout(float(model_cfg.dropout), rngs=rngs)
 
     def _attend(self, x, bias, mask, deterministic):
-        # models.Attention.attend plus an additive bias on the logits (T5's position bias).
+        # layers.Attention.attend plus an additive bias on the logits (T5's position bias).
         attn = self.self_attn
         q = attn._heads(attn.query(x)) * (attn.head_dim**-0.5)
         k, v = attn.project_kv(x)
         logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
-        logits = jnp.where(mask, logits + bias, models._MASK_VALUE)
+        logits = jnp.where(mask, logits + bias, layers.MASK_VALUE)
         weights = jax.nn.softmax(logits, axis=-1)
         weights = attn.dropout(weights, deterministic=deterministic).astype(attn.dtype)
         heads = jnp.einsum("bhts,bshd->bthd", weights, v)
@@ -146,7 +146,7 @@ class EncoderLayer(nnx.Module):
 
 
 class Encoder(nnx.Module):
-    """The encoder of ``config.model`` / ``config.router`` (schema: ``configs/electra_base.py``).
+    """The encoder of ``config.model`` / ``config.router`` (schema: ``configs/electra.py``).
 
     Args:
       config: reads ``config.model`` (``emb_dim, num_layers, num_heads, mlp_dim, dropout,
@@ -173,7 +173,7 @@ class Encoder(nnx.Module):
         self.vocab_size = int(vocab_size)
         self.emb_dim = int(m.emb_dim)
         self.num_experts = int(m.num_experts)
-        self.dtype = models._dtype(m.compute_dtype)
+        self.dtype = layers.compute_dtype(m.compute_dtype)
         if embeddings is None:
             embeddings = Embeddings(
                 self.vocab_size, self.emb_dim, dropout=float(m.dropout), dtype=self.dtype,
@@ -210,7 +210,7 @@ class Encoder(nnx.Module):
         Returns:
           ``hidden [B, L, emb]`` in the compute dtype and ``aux``:
           ``{"moe": {"layer_0": metrics, ...}, "balance_loss": ..., "z_loss": ...}`` (sums over
-          MoE layers, float32 scalars, 0 for a dense encoder), as :class:`models.Transformer`.
+          MoE layers, float32 scalars, 0 for a dense encoder), as the translation Transformer.
         """
         if segments is None:
             segments = jnp.zeros_like(tokens)
@@ -223,4 +223,4 @@ class Encoder(nnx.Module):
             x, layer_metrics = layer(x, bias, attn_mask, token_mask, deterministic=deterministic)
             if layer_metrics is not None:
                 metrics[f"layer_{i}"] = layer_metrics
-        return x, models._aux(metrics)
+        return x, layers.collect_moe_metrics(metrics)

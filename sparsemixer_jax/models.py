@@ -28,23 +28,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparsemixer_jax.layers import (
+    Attention,
+    attention_impl,
+    collect_moe_metrics,
+    compute_dtype,
+    layer_norm,
+    make_ffn,
+)
+
 PAD_ID = 0
-
-# Large negative logit for masked attention entries; finite so that a fully masked row gives a
-# uniform distribution instead of NaN.
-_MASK_VALUE = -1e9
-
-# fairseq initialisation: xavier-uniform everywhere, with gain 1/sqrt(2) (variance scale 1/2) on
-# the query/key/value projections.
-_xavier = nnx.initializers.xavier_uniform()
-_xavier_qkv = nnx.initializers.variance_scaling(0.5, "fan_avg", "uniform")
-
-
-def _dtype(name: str) -> jnp.dtype:
-    if name not in ("float32", "bfloat16"):
-        raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {name!r}")
-    return jnp.dtype(name)
-
 
 def shift_right(targets: jax.Array) -> jax.Array:
     """Decoder inputs: ``[B, T]`` targets shifted one step right with ``PAD_ID`` as start token."""
@@ -66,197 +59,6 @@ def sinusoidal_positions(positions: jax.Array, dim: int) -> jax.Array:
     return emb
 
 
-# -- attention ------------------------------------------------------------------------------------
-
-
-# model.attention_impl -> jax.nn.dot_product_attention's ``implementation`` ("einsum" is this
-# module's own attention, the only one with dropout on the attention weights: the paper's setting).
-# "xla" and "auto" (jax picks; XLA in jax 0.10) take the boolean mask as it is. "cudnn" is cuDNN's
-# fused flash attention (NVIDIA GPUs, bf16): a general mask would become an additive bias that the
-# kernel reads in full, so it gets the masks as sequence lengths and a causal flag instead
-# (:func:`mask_as_lengths`).
-ATTENTION_IMPLS = {"einsum": None, "xla": "xla", "cudnn": "cudnn", "auto": None}
-_LENGTH_MASKED = ("cudnn",)
-
-
-def mask_as_lengths(mask: jax.Array, batch: int, queries: int) -> tuple[jax.Array, bool]:
-    """The model's attention masks as ``(key lengths int32 [B], causal)``.
-
-    Every mask this model builds keeps the keys before a per-row length (padding is on the right)
-    and, when it has a query axis longer than one (decoder self-attention in training), is also
-    causal. A row without any key gets length 1 instead of 0 (only all-padding filler rows have
-    none; their outputs are never used), so no kernel sees an empty row.
-    """
-    causal = mask.shape[-2] > 1
-    last_row = jnp.broadcast_to(mask, (batch, 1, queries, mask.shape[-1]))[:, 0, -1, :]
-    return jnp.maximum(jnp.sum(last_row, axis=-1, dtype=jnp.int32), 1), causal
-
-
-def check_attention_impl(implementation: str, attention_dropout: float) -> None:
-    """Raises ValueError if ``implementation`` is unknown or cannot apply ``attention_dropout``."""
-    if implementation not in ATTENTION_IMPLS:
-        raise ValueError(f"attention implementation {implementation!r}; expected one of "
-                         f"{sorted(ATTENTION_IMPLS)}")
-    if implementation != "einsum" and attention_dropout > 0:
-        raise ValueError(
-            f"attention implementation {implementation!r} has no dropout on the attention "
-            f"weights, but attention_dropout={attention_dropout}: set it to 0 or use 'einsum'"
-        )
-
-
-class Attention(nnx.Module):
-    """Multi-head attention with separate q/k/v/out projections (with biases), as in fairseq.
-
-    Split into :meth:`project_kv` and :meth:`attend` so that the decoder can cache keys/values.
-    """
-
-    def __init__(
-        self,
-        emb_dim: int,
-        num_heads: int,
-        *,
-        attention_dropout: float,
-        dtype: jnp.dtype,
-        implementation: str = "einsum",
-        rngs: nnx.Rngs,
-    ):
-        if emb_dim % num_heads:
-            raise ValueError(f"emb_dim {emb_dim} is not divisible by num_heads {num_heads}")
-        check_attention_impl(implementation, attention_dropout)
-        self.num_heads = num_heads
-        self.head_dim = emb_dim // num_heads
-        self.dtype = dtype
-        self.implementation = implementation
-
-        def linear(init):
-            return nnx.Linear(emb_dim, emb_dim, kernel_init=init, dtype=dtype, rngs=rngs)
-
-        self.query = linear(_xavier_qkv)
-        self.key = linear(_xavier_qkv)
-        self.value = linear(_xavier_qkv)
-        self.out = linear(_xavier)
-        self.dropout = nnx.Dropout(attention_dropout, rngs=rngs)
-
-    def _heads(self, x: jax.Array) -> jax.Array:
-        return x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
-
-    def project_kv(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Keys and values of ``x [B, S, emb]``: each ``[B, S, H, Dh]`` in the compute dtype."""
-        return self._heads(self.key(x)), self._heads(self.value(x))
-
-    def attend(
-        self,
-        x: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
-        mask: jax.Array,
-        *,
-        deterministic: bool,
-    ) -> jax.Array:
-        """Queries from ``x [B, T, emb]`` attend to ``k, v [B, S, H, Dh]``.
-
-        ``mask`` is bool, broadcastable to ``[B, H, T, S]``. Returns ``[B, T, emb]``.
-        """
-        if self.implementation != "einsum":
-            # Fused attention: no dropout on the weights (check_attention_impl), softmax in
-            # float32 inside the kernel / XLA's reference, the same scale and mask.
-            q = self._heads(self.query(x))
-            kwargs = {"mask": jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[1], k.shape[1]))}
-            if self.implementation in _LENGTH_MASKED:
-                lengths, causal = mask_as_lengths(mask, q.shape[0], q.shape[1])
-                kwargs = {"key_value_seq_lengths": lengths, "is_causal": causal}
-            heads = jax.nn.dot_product_attention(
-                q, k.astype(q.dtype), v.astype(q.dtype), scale=self.head_dim**-0.5,
-                implementation=ATTENTION_IMPLS[self.implementation], **kwargs)
-            return self.out(heads.reshape(*heads.shape[:2], -1))
-        q = self._heads(self.query(x)) * (self.head_dim**-0.5)
-        logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
-        logits = jnp.where(mask, logits, _MASK_VALUE)
-        weights = jax.nn.softmax(logits, axis=-1)
-        weights = self.dropout(weights, deterministic=deterministic).astype(self.dtype)
-        heads = jnp.einsum("bhts,bshd->bthd", weights, v)
-        return self.out(heads.reshape(*heads.shape[:2], -1))
-
-    def __call__(
-        self, x: jax.Array, memory: jax.Array, mask: jax.Array, *, deterministic: bool
-    ) -> jax.Array:
-        k, v = self.project_kv(memory)
-        return self.attend(x, k, v, mask, deterministic=deterministic)
-
-
-# -- feed-forward ---------------------------------------------------------------------------------
-
-
-class FeedForward(nnx.Module):
-    """Dense FFN ``Linear -> ReLU -> Dropout -> Linear`` (fairseq ``fc1``/``fc2``)."""
-
-    def __init__(
-        self,
-        emb_dim: int,
-        mlp_dim: int,
-        *,
-        activation_dropout: float,
-        dtype: jnp.dtype,
-        rngs: nnx.Rngs,
-    ):
-        self.wi = nnx.Linear(emb_dim, mlp_dim, kernel_init=_xavier, dtype=dtype, rngs=rngs)
-        self.wo = nnx.Linear(mlp_dim, emb_dim, kernel_init=_xavier, dtype=dtype, rngs=rngs)
-        self.dropout = nnx.Dropout(activation_dropout, rngs=rngs)
-
-    def __call__(
-        self,
-        x: jax.Array,
-        token_mask: jax.Array | None = None,
-        *,
-        deterministic: bool = False,
-        dropless: bool = False,
-    ) -> tuple[jax.Array, None]:
-        del token_mask, dropless  # only the MoE layer needs them
-        h = self.dropout(jax.nn.relu(self.wi(x)), deterministic=deterministic)
-        return self.wo(h), None
-
-
-def _make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx.Rngs):
-    """The feed-forward sublayer of ``layer``: MoE on every ``moe_every``-th layer, else dense."""
-    num_experts = int(model_cfg.num_experts)
-    if num_experts > 0 and layer % int(model_cfg.moe_every) == 0:
-        # Imported here so that the dense model does not depend on the MoE module.
-        from sparsemixer_jax.moe import MoEFeedForward
-
-        return MoEFeedForward(
-            model_cfg.emb_dim,
-            model_cfg.mlp_dim,
-            num_experts,
-            router=router_cfg.name,
-            jitter_eps=float(router_cfg.jitter_eps),
-            # Configs written before top-k (e.g. a resumed run's config.json) have no top_k.
-            top_k=int(getattr(router_cfg, "top_k", 1)),
-            activation_dropout=float(model_cfg.activation_dropout),
-            dispatch=model_cfg.dispatch,
-            capacity_factor=float(model_cfg.capacity_factor),
-            dtype=dtype,
-            mesh=mesh,
-            rngs=rngs,
-        )
-    return FeedForward(
-        model_cfg.emb_dim,
-        model_cfg.mlp_dim,
-        activation_dropout=float(model_cfg.activation_dropout),
-        dtype=dtype,
-        rngs=rngs,
-    )
-
-
-def _attention_impl(model_cfg: Any) -> str:
-    # Configs written before the field existed mean the paper's attention.
-    return getattr(model_cfg, "attention_impl", "einsum")
-
-
-def _layer_norm(emb_dim: int, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    # fairseq's LayerNorm epsilon; flax computes the statistics in float32 whatever ``dtype``.
-    return nnx.LayerNorm(emb_dim, epsilon=1e-5, dtype=dtype, rngs=rngs)
-
-
 # -- layers ---------------------------------------------------------------------------------------
 
 
@@ -270,12 +72,12 @@ class EncoderLayer(nnx.Module):
             model_cfg.num_heads,
             attention_dropout=float(model_cfg.attention_dropout),
             dtype=dtype,
-            implementation=_attention_impl(model_cfg),
+            implementation=attention_impl(model_cfg),
             rngs=rngs,
         )
-        self.self_attn_norm = _layer_norm(emb, dtype, rngs)
-        self.ffn = _make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
-        self.ffn_norm = _layer_norm(emb, dtype, rngs)
+        self.self_attn_norm = layer_norm(emb, dtype, rngs)
+        self.ffn = make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
+        self.ffn_norm = layer_norm(emb, dtype, rngs)
         self.dropout = nnx.Dropout(float(model_cfg.dropout), rngs=rngs)
 
     def __call__(
@@ -301,15 +103,15 @@ class DecoderLayer(nnx.Module):
     def __init__(self, model_cfg, router_cfg, layer: int, *, dtype, mesh, rngs: nnx.Rngs):
         emb, heads = model_cfg.emb_dim, model_cfg.num_heads
         att_drop = float(model_cfg.attention_dropout)
-        impl = _attention_impl(model_cfg)
+        impl = attention_impl(model_cfg)
         self.self_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype,
                                    implementation=impl, rngs=rngs)
-        self.self_attn_norm = _layer_norm(emb, dtype, rngs)
+        self.self_attn_norm = layer_norm(emb, dtype, rngs)
         self.cross_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype,
                                     implementation=impl, rngs=rngs)
-        self.cross_attn_norm = _layer_norm(emb, dtype, rngs)
-        self.ffn = _make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
-        self.ffn_norm = _layer_norm(emb, dtype, rngs)
+        self.cross_attn_norm = layer_norm(emb, dtype, rngs)
+        self.ffn = make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
+        self.ffn_norm = layer_norm(emb, dtype, rngs)
         self.dropout = nnx.Dropout(float(model_cfg.dropout), rngs=rngs)
 
     def _residual(self, norm, x, h, deterministic):
@@ -386,7 +188,7 @@ class Transformer(nnx.Module):
 
     Args:
       config: the experiment config (``config.model.*`` and ``config.router.*`` are read; see
-        ``configs/wmt_base.py``), or any object with ``model`` and ``router`` attributes.
+        ``configs/wmt.py``), or any object with ``model`` and ``router`` attributes.
       vocab_size: size of the shared vocabulary (id 0 is padding / decoder start).
       mesh: optional ``jax.sharding.Mesh`` handed to the MoE layers.
       rngs: ``nnx.Rngs``; ``params`` for initialisation, ``dropout`` (and whatever the MoE layer
@@ -399,7 +201,7 @@ class Transformer(nnx.Module):
         self.emb_dim = int(m.emb_dim)
         self.num_heads = int(m.num_heads)
         self.num_experts = int(m.num_experts)
-        self.dtype = _dtype(m.compute_dtype)
+        self.dtype = compute_dtype(m.compute_dtype)
         dtype = self.dtype
         self.embed = nnx.Embed(
             self.vocab_size,
@@ -499,7 +301,7 @@ class Transformer(nnx.Module):
             )
             if layer_metrics is not None:
                 metrics[f"decoder/layer_{i}"] = layer_metrics
-        return self._logits(x), _aux(metrics)
+        return self._logits(x), collect_moe_metrics(metrics)
 
     # -- incremental decoding --------------------------------------------------------------------
 
@@ -566,14 +368,6 @@ class Transformer(nnx.Module):
             )
         new_cache = DecodeCache(index=index + 1, k=tuple(new_k), v=tuple(new_v))
         return self._logits(x[:, 0]), new_cache
-
-
-def _aux(metrics: dict[str, dict]) -> dict[str, Any]:
-    """Collects per-layer MoE metrics and sums the auxiliary losses over layers."""
-    zero = jnp.zeros((), jnp.float32)
-    balance = sum((m["balance_loss"] for m in metrics.values()), zero)
-    z_loss = sum((m["z_loss"] for m in metrics.values()), zero)
-    return {"moe": metrics, "balance_loss": balance, "z_loss": z_loss}
 
 
 # -- after training -------------------------------------------------------------------------------

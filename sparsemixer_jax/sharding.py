@@ -1,27 +1,8 @@
-"""Expert parallelism for :class:`sparsemixer_jax.moe.MoEFeedForward` on a ``("data", "expert")``
-mesh.
+"""The ``("data", "expert")`` device mesh and how model state and batches are placed on it.
 
-Layout:
-
-* Expert weights ``[N, ...]`` are split over ``"expert"``: each device of an expert group holds
-  ``N / E`` consecutive experts (``E`` = size of the expert axis). Everything else (router,
-  ``omega``, the rest of the model) is replicated, and the batch is split over ``"data"``.
-* The router runs outside :func:`jax.shard_map`, under plain ``jit`` partitioning, on the full
-  logits with one key: routing decisions and random draws do not depend on the mesh (threefry is
-  partitionable), and the router's custom VJP stays in ordinary autodiff.
-* Only the expert FFN runs inside :func:`jax.shard_map`. The tokens of a data shard are split
-  into ``E`` equal chunks, one per device of the expert group. Each device sends every token of
-  its chunk to the device owning its expert with :func:`jax.lax.all_to_all` (fixed slots: ``c``
-  per destination, ``c`` = chunk size, so nothing is ever dropped), runs its local experts on
-  what it received, and sends the outputs back with a second ``all_to_all``.
-* Gradients: the transpose of ``shard_map`` sums the gradient of the expert weights over
-  ``"data"`` (they are unvarying there) and ``jit`` reduces the replicated params; no manual
-  ``psum`` is written here.
-
-Cost note: buffers are sized for the worst case (all tokens of a chunk to one device), so each
-device runs its local experts over ``E * c`` rows, i.e. the whole data shard, padded. Capacity
-mode decides drops globally before the exchange (so results equal one device) but does not shrink
-these buffers; a ``ragged_all_to_all`` exchange would.
+Expert weights ``[N, ...]`` are split over ``"expert"``; everything else is replicated; batches
+are split over every device (:func:`batch_sharding`). The exchange of tokens between expert
+devices is :mod:`sparsemixer_jax.moe.expert_parallel`.
 """
 
 from __future__ import annotations
@@ -30,12 +11,11 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from sparsemixer_jax.moe import expert_ffn
 
 AXES = ("data", "expert")
 
@@ -130,89 +110,6 @@ def _place(value: jax.Array, target: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(data.shape, target, lambda index: data[index])
 
 
-def expert_parallel_ffn(
-    x: jax.Array,
-    group: jax.Array,
-    token_ids: jax.Array,
-    params: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
-    *,
-    mesh: Mesh,
-    dispatch: str,
-    dropout_key: jax.Array | None = None,
-    dropout_rate: float = 0.0,
-) -> jax.Array:
-    """:func:`sparsemixer_jax.moe.expert_ffn` with experts split over the mesh's expert axis.
-
-    Args:
-      x: ``[B, T, emb]`` in the compute dtype, ``B`` divisible by the data axis. ``T`` counts
-        rows: for top-k the layer passes ``T * k`` rows per sequence (each token repeated once
-        per chosen expert), and nothing here depends on which.
-      group: int32 ``[B, T]`` global expert per row, ``N`` (= number of experts) for none.
-      token_ids: int32 ``[B, T]`` global row ids (seed the dropout masks).
-      params: ``(wi [N, emb, mlp], bi [N, mlp], wo [N, mlp, emb], bo [N, emb])``.
-
-    Returns: ``[B, T, emb]``, equal to the single-device ``expert_ffn`` (dropless).
-    """
-    check_batch(mesh, x.shape[0])
-    num_experts = params[0].shape[0]
-    check_mesh(mesh, num_experts)
-    data, n_exp_dev = mesh.shape["data"], mesh.shape["expert"]
-    local_experts = num_experts // n_exp_dev
-    batch, length, emb = x.shape
-    per_shard = batch // data * length  # tokens of one data shard
-    chunk = -(-per_shard // n_exp_dev)  # tokens per device after splitting over "expert"
-    pad = chunk * n_exp_dev - per_shard
-
-    def to_chunks(a: jax.Array, fill) -> jax.Array:
-        # [B, T, ...] -> [data * E * chunk, ...]: data shard d, chunk e sits at block d * E + e,
-        # which is exactly how P(("data", "expert")) splits the leading axis.
-        a = a.reshape(data, per_shard, *a.shape[2:])
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
-        return a.reshape(data * n_exp_dev * chunk, *a.shape[2:])
-
-    xs = to_chunks(x, 0)
-    gs = to_chunks(group.astype(jnp.int32), num_experts)  # padding rows: no expert
-    ids = to_chunks(token_ids.astype(jnp.int32), 0)
-    has_key = dropout_key is not None and dropout_rate > 0
-
-    def local(xc, gc, ic, wi, bi, wo, bo, *key):
-        # xc [chunk, emb], gc/ic [chunk]; wi.. hold this device's local experts.
-        dest = gc // local_experts  # owning device on the expert axis; n_exp_dev = none
-        rank = jnp.sum(
-            (jnp.cumsum(jax.nn.one_hot(dest, n_exp_dev, dtype=jnp.int32), axis=0) - 1)
-            * jax.nn.one_hot(dest, n_exp_dev, dtype=jnp.int32),
-            axis=-1,
-        )  # position among this chunk's tokens bound to the same device
-        slot = jnp.where(dest < n_exp_dev, dest * chunk + rank, n_exp_dev * chunk)
-        size = n_exp_dev * chunk
-        send_x = jnp.zeros((size, emb), xc.dtype).at[slot].set(xc, mode="drop")
-        send_g = jnp.full((size,), local_experts, jnp.int32).at[slot].set(
-            gc - dest * local_experts, mode="drop")
-        send_i = jnp.zeros((size,), jnp.int32).at[slot].set(ic, mode="drop")
-
-        def exchange(a):
-            a = a.reshape(n_exp_dev, chunk, *a.shape[1:])
-            a = jax.lax.all_to_all(a, "expert", 0, 0, tiled=True)
-            return a.reshape(size, *a.shape[2:])
-
-        recv_x, recv_g, recv_i = exchange(send_x), exchange(send_g), exchange(send_i)
-        out = expert_ffn(recv_x, recv_g, recv_i, (wi, bi, wo, bo), dispatch=dispatch,
-                         dropout_key=key[0] if key else None, dropout_rate=dropout_rate)
-        back = exchange(out)  # back[slot] = output for the token sent into that slot
-        return back.at[slot].get(mode="fill", fill_value=0)
-
-    tokens = P(("data", "expert"))
-    experts = P("expert")
-    in_specs = (tokens, tokens, tokens, experts, experts, experts, experts)
-    args = (xs, gs, ids, *params)
-    if has_key:
-        in_specs += (P(),)
-        args += (dropout_key,)
-    out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens)(*args)
-    out = out.reshape(data, n_exp_dev * chunk, emb)[:, :per_shard]
-    return out.reshape(batch, length, emb)
-
-
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of ``[B, ...]`` inputs: batch over every device, ``("data", "expert")``.
 
@@ -221,3 +118,36 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     where :func:`expert_parallel_ffn` wants them (``B`` a multiple of the mesh size).
     """
     return NamedSharding(mesh, P(("data", "expert")))
+
+
+def mesh_from_config(config: ml_collections.ConfigDict) -> Mesh | None:
+    """The mesh of ``config.mesh``, or None for a single device.
+
+    ``mesh.data = -1`` takes every device the expert axis leaves. A single process may ask for
+    fewer devices than it has (the first ones are used); several processes must use them all.
+    """
+    available = jax.device_count()
+    expert = int(config.mesh.expert)
+    data = int(config.mesh.data)
+    if expert < 1 or (data < 1 and data != -1):
+        raise ValueError(
+            f"config.mesh: expert must be >= 1 and data >= 1 or -1, got {config.mesh.to_dict()}"
+        )
+    if data == -1:
+        if available % expert:
+            raise ValueError(f"config.mesh.expert={expert} does not divide the {available} devices")
+        data = available // expert
+    wanted = data * expert
+    if wanted > available or (wanted < available and jax.process_count() > 1):
+        raise ValueError(
+            f"config.mesh asks for data={data} x expert={expert} = {wanted} devices but "
+            f"{available} are visible"
+        )
+    if config.model.num_experts and int(config.model.num_experts) % expert:
+        raise ValueError(
+            f"config.model.num_experts={config.model.num_experts} is not divisible by "
+            f"config.mesh.expert={expert}"
+        )
+    if wanted == 1:
+        return None
+    return make_mesh(data, expert, jax.devices()[:wanted])

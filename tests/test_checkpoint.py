@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from sparsemixer_jax import train
+from sparsemixer_jax import training
 from sparsemixer_jax.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -26,6 +26,7 @@ from sparsemixer_jax.checkpoint import (
     check_manifest,
     write_manifest,
 )
+from sparsemixer_jax.tasks import translation
 from tests import tiny_wmt_config
 
 # Reading a damaged checkpoint, orbax abandons its other shard-reading coroutines; Python reports
@@ -62,14 +63,14 @@ def largest_data_file(step_dir):
 def finished(tmp_path_factory):
     """A finished 6-step run: last and best checkpoints at 3 and 6, eight metrics lines."""
     workdir = str(tmp_path_factory.mktemp("finished"))
-    results = train.train_and_evaluate(tiny(), workdir)
+    results = translation.train_and_evaluate(tiny(), workdir)
     assert steps_on_disk(workdir, "last") == [3, 6] and steps_on_disk(workdir, "best") == [3, 6]
     return workdir, results
 
 
 @pytest.fixture(scope="module")
 def template():
-    steps = train.Steps(train.build_model(tiny(), tiny().data.vocab_size, None), tiny())
+    steps = translation.build_steps(tiny(), tiny().data.vocab_size)
     return {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
 
 
@@ -146,10 +147,10 @@ def test_deleting_the_last_checkpoint_resumes_from_best_and_keeps_everything(fin
     lines = read_lines(copy)
     shutil.rmtree(os.path.join(copy, "checkpoints", "last", "6"))
     # The issue's command asked for fewer steps than the workdir holds: refused, nothing touched.
-    with pytest.raises(train.ResumeError, match=r"train_steps=3 but .* step 6: set"):
-        train.train_and_evaluate(tiny(train_steps=3), copy)
+    with pytest.raises(training.ResumeError, match=r"train_steps=3 but .* step 6: set"):
+        translation.train_and_evaluate(tiny(train_steps=3), copy)
     assert read_lines(copy) == lines and steps_on_disk(copy, "best") == [3, 6]
-    results = train.train_and_evaluate(tiny(), copy)
+    results = translation.train_and_evaluate(tiny(), copy)
     assert results["valid_loss"] == finished[1]["valid_loss"]
     assert read_lines(copy) == lines
     assert steps_on_disk(copy, "best") == [3, 6]
@@ -159,7 +160,7 @@ def test_deleting_the_last_checkpoint_resumes_from_best_and_keeps_everything(fin
 def test_without_any_last_checkpoint_the_run_resumes_from_best(finished, copy):
     lines = read_lines(copy)
     shutil.rmtree(os.path.join(copy, "checkpoints", "last"))
-    results = train.train_and_evaluate(tiny(train_steps=7), copy)
+    results = translation.train_and_evaluate(tiny(train_steps=7), copy)
     records = [json.loads(line) for line in read_lines(copy)]
     assert [json.loads(line) for line in lines] == records[: len(lines)]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 8))
@@ -174,7 +175,7 @@ def test_corrupt_newest_checkpoints_fall_back_one_interval_and_end_like_the_stra
     parameters of the uninterrupted run (KEEP_LAST = 2 is what keeps step 3)."""
     _truncate_data(os.path.join(copy, "checkpoints", "last", "6"))
     os.remove(os.path.join(copy, "checkpoints", "best", "6", "meta", "metadata"))
-    results = train.train_and_evaluate(tiny(), copy)
+    results = translation.train_and_evaluate(tiny(), copy)
     assert results["valid_loss"] == finished[1]["valid_loss"]
     assert steps_on_disk(copy, "best") == [3, 6]  # 6 recomputed; the bad one kept aside
     assert sorted(os.listdir(os.path.join(copy, "checkpoints", "unreadable"))) == [
@@ -194,8 +195,8 @@ def test_when_no_checkpoint_is_readable_the_run_refuses_and_loses_nothing(copy):
     for kind in ("last", "best"):
         for step in (3, 6):
             os.remove(os.path.join(copy, "checkpoints", kind, str(step), "state", "_METADATA"))
-    with pytest.raises(train.ResumeError) as error:
-        train.train_and_evaluate(tiny(), copy)
+    with pytest.raises(training.ResumeError) as error:
+        translation.train_and_evaluate(tiny(), copy)
     message = str(error.value)
     assert "\n" not in message and "fresh --workdir" in message
     assert os.path.join(copy, "checkpoints", "last", "6") in message
@@ -223,7 +224,8 @@ def test_manifest_detects_missing_and_changed_files(tmp_path):
 
 _KILL_DURING_SAVE = """
 import os, signal, sys
-from sparsemixer_jax import checkpoint, train
+from sparsemixer_jax import checkpoint
+from sparsemixer_jax.tasks import translation
 from tests import tiny_wmt_config
 
 save = checkpoint.RunCheckpoints._save
@@ -236,7 +238,7 @@ def save_then_die(self, kind, step, state, meta):
 checkpoint.RunCheckpoints._save = save_then_die
 config = tiny_wmt_config.get_config()
 config.decode.test_bleu = False
-train.train_and_evaluate(config, sys.argv[1])
+translation.train_and_evaluate(config, sys.argv[1])
 """
 
 
@@ -246,7 +248,7 @@ def test_sigkill_during_a_checkpoint_save_then_rerun_resumes(finished, tmp_path,
     killed = subprocess.run([sys.executable, "-c", _KILL_DURING_SAVE, workdir], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    results = train.train_and_evaluate(tiny(), workdir)
+    results = translation.train_and_evaluate(tiny(), workdir)
     assert results["valid_loss"] == finished[1]["valid_loss"]
     records = [json.loads(line) for line in read_lines(workdir)]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 7))

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from configs.wmt_base import get_config
+from configs.wmt import get_config
 from sparsemixer_jax.data import batching, sources, synthetic, translation
 from sparsemixer_jax.data import tokenizer as tokenization
 

@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from configs.wmt_base import get_config
+from configs.wmt import get_config
 from sparsemixer_jax import decode
 from sparsemixer_jax.models import PAD_ID, Transformer
 

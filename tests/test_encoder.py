@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sparsemixer_jax.config import router_config
 from sparsemixer_jax.encoder import Encoder, relative_position_bucket
 
 
@@ -15,9 +16,9 @@ def tiny_config(num_experts=2, num_layers=2):
         num_layers=num_layers, emb_dim=16, mlp_dim=32, num_heads=2, dropout=0.1,
         attention_dropout=0.1, activation_dropout=0.1, relative_buckets=32,
         relative_max_distance=128, num_experts=num_experts, moe_every=2, dispatch="auto",
-        capacity_factor=0.0, compute_dtype="float32",
+        capacity_factor=0.0, compute_dtype="float32", attention_impl="einsum",
     ))
-    c.router = ml_collections.ConfigDict(dict(name="sparsemixer", jitter_eps=0.1))
+    c.router = router_config()
     return c
 
 

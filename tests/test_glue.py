@@ -9,9 +9,10 @@ import types
 import numpy as np
 import pytest
 
-from sparsemixer_jax import finetune, pretrain
 from sparsemixer_jax.data import glue
 from sparsemixer_jax.data.text import CLS_ID, SEP_ID
+from sparsemixer_jax.tasks import finetuning, pretraining
+from sparsemixer_jax.training.optim import weight_decay_mask
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_GLUE = os.environ.get(
@@ -237,7 +238,6 @@ def tiny(tmp_path_factory):
     for 4 steps on a generated corpus, loaded back with ``pretrain.load_discriminator``; a GLUE
     directory with a synthetic SST-2 and STS-B; the smoke config pointed at it."""
     from configs import electra_smoke, glue_smoke
-    from sparsemixer_jax import pretrain
 
     root = tmp_path_factory.mktemp("glue_finetune")
     rng = np.random.default_rng(0)
@@ -263,8 +263,8 @@ def tiny(tmp_path_factory):
     p.optim.warmup_steps, p.optim.decay_steps = 2, 4
     p.train_steps, p.eval_every, p.checkpoint_every, p.log_every = 4, 4, 4, 2
     pretrained = str(root / "pretrained")
-    pretrain.pretrain(p, pretrained)
-    encoder, tokenizer, pretrain_config = pretrain.load_discriminator(pretrained)
+    pretraining.pretrain(p, pretrained)
+    encoder, tokenizer, pretrain_config = pretraining.load_discriminator(pretrained)
 
     config = glue_smoke.get_config()
     config.glue_dir = str(root / "glue")
@@ -273,7 +273,7 @@ def tiny(tmp_path_factory):
     return types.SimpleNamespace(
         root=str(root), pretrained=pretrained, config=config, tokenizer=tokenizer,
         encoder=encoder, pretrain_config=pretrain_config,
-        settings=finetune.settings_record(config, pretrained, "best"),
+        settings=finetuning.settings_record(config, pretrained, "best"),
     )
 
 
@@ -281,8 +281,8 @@ def tiny(tmp_path_factory):
 def sst2_run(tiny):
     """``run_tasks``, the experiment's entry point: load the pretrained run, fine-tune SST-2."""
     workdir = os.path.join(tiny.root, "out")
-    summary = finetune.run_tasks(tiny.config, tiny.pretrained, ["sst2"], workdir)
-    task = finetune.load_task_data(tiny.config, "sst2", tiny.tokenizer)
+    summary = finetuning.run_tasks(tiny.config, tiny.pretrained, ["sst2"], workdir)
+    task = finetuning.load_task_data(tiny.config, "sst2", tiny.tokenizer)
     return workdir, task, summary["tasks"]["SST-2"]
 
 
@@ -314,17 +314,17 @@ def test_rerun_skips_finished_points_and_refuses_other_settings(tiny, sst2_run, 
     def must_not_run(*args, **kwargs):
         raise AssertionError("a finished grid point was fine-tuned again")
 
-    monkeypatch.setattr(finetune, "finetune_point", must_not_run)
-    again = finetune.run_task(config, task, encoder, pretrain_config, workdir, settings)
+    monkeypatch.setattr(finetuning, "finetune_point", must_not_run)
+    again = finetuning.run_task(config, task, encoder, pretrain_config, workdir, settings)
     assert again["score"] == summary["score"] and again["points"] == summary["points"]
     other = {**settings, "max_len": settings["max_len"] + 1}
     with pytest.raises(ValueError, match="max_len=64, this run has 65"):
-        finetune.run_task(config, task, encoder, pretrain_config, workdir, other)
+        finetuning.run_task(config, task, encoder, pretrain_config, workdir, other)
     # A new grid point is run; the finished one is kept.
     bigger = config.copy_and_resolve_references()
     bigger.grid.learning_rate = (1e-3, 2e-3)
     with pytest.raises(AssertionError, match="fine-tuned again"):
-        finetune.run_task(bigger, task, encoder, pretrain_config, workdir, settings)
+        finetuning.run_task(bigger, task, encoder, pretrain_config, workdir, settings)
 
 
 @pytest.mark.slow  # a second compilation of the training step (regression head and loss)
@@ -332,15 +332,15 @@ def test_regression_task_and_summary_over_tasks(tiny, sst2_run):
     from experiments.glue_table import comparison_table, row_from_results, summary_table
 
     workdir, _, _ = sst2_run
-    stsb = finetune.load_task_data(tiny.config, "STS-B", tiny.tokenizer)
+    stsb = finetuning.load_task_data(tiny.config, "STS-B", tiny.tokenizer)
     assert stsb.train.labels.dtype == np.float32
     config = tiny.config.copy_and_resolve_references()
     config.grid.epochs = (1,)
-    result = finetune.run_task(config, stsb, tiny.encoder, tiny.pretrain_config, workdir,
+    result = finetuning.run_task(config, stsb, tiny.encoder, tiny.pretrain_config, workdir,
                                tiny.settings)
     assert set(result["dev"]["dev"]) == {"pearson", "spearman"}
     assert np.isfinite(result["dev"]["dev"]["pearson"])
-    summary = finetune.collect_results(workdir)
+    summary = finetuning.collect_results(workdir)
     assert list(summary["tasks"]) == ["SST-2", "STS-B"]
     table = summary_table(summary)
     assert "| SST-2 | accuracy " in table and "| STS-B | pearson " in table
@@ -364,35 +364,35 @@ def test_grid_is_the_papers():
     assert tuple(config.grid.warmup) == (0.06, 0.1)
     assert (config.max_len, config.optim.eps, config.optim.clip_norm) == (256, 1e-6, 1.0)
     assert (config.optim.b1, config.optim.b2) == (0.9, 0.98)
-    points = finetune.grid_points(config.grid)
+    points = finetuning.grid_points(config.grid)
     assert len(points) == 96 and len({p.name for p in points}) == 96
-    assert len(finetune.grid_points(glue_smoke.get_config().grid)) == 1
+    assert len(finetuning.grid_points(glue_smoke.get_config().grid)) == 1
     bad = glue_config.get_config()
     bad.grid.warmup = (1.5,)
     with pytest.raises(ValueError, match="invalid point"):
-        finetune.check_config(bad)
+        finetuning.check_config(bad)
 
 
 def test_schedule_losses_and_decay_mask(tiny):
     import jax.numpy as jnp
     from flax import nnx
 
-    schedule = finetune.learning_rate_schedule(1e-4, total_steps=100, warmup=0.1)
+    schedule = finetuning.learning_rate_schedule(1e-4, total_steps=100, warmup=0.1)
     values = [float(schedule(s)) for s in (0, 5, 10, 55, 100)]
     assert values == pytest.approx([0.0, 5e-5, 1e-4, 5e-5, 0.0], rel=1e-6, abs=1e-12)  # float32
 
     logits = jnp.asarray([[2.0, 0.0], [0.0, 1.0]])
     expected = [np.log1p(np.exp(-2.0)), np.log1p(np.exp(-1.0))]
-    np.testing.assert_allclose(finetune.example_losses(logits, jnp.asarray([0, 1]), False),
+    np.testing.assert_allclose(finetuning.example_losses(logits, jnp.asarray([0, 1]), False),
                                expected, rtol=1e-6)
     np.testing.assert_allclose(
-        finetune.example_losses(jnp.asarray([[1.5], [0.0]]), jnp.asarray([1.0, 2.0]), True),
+        finetuning.example_losses(jnp.asarray([[1.5], [0.0]]), jnp.asarray([1.0, 2.0]), True),
         [0.25, 4.0])
 
-    model = finetune.Classifier(tiny.encoder, 2, dropout=0.1, rngs=nnx.Rngs(0))
+    model = finetuning.Classifier(tiny.encoder, 2, dropout=0.1, rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     flat = {"/".join(map(str, k)): v for k, v in
-            jax_flatten(pretrain.weight_decay_mask(params)).items()}
+            jax_flatten(weight_decay_mask(params)).items()}
     assert flat["dense/kernel"] and not flat["dense/bias"]
     decayed = {k.rsplit("/", 1)[-1] for k, v in flat.items() if v}
     kept = {k.rsplit("/", 1)[-1] for k, v in flat.items() if not v}
@@ -466,9 +466,9 @@ def test_task_selection_names_missing_tasks(tmp_path, caplog):
     config = glue_smoke.get_config()
     config.glue_dir = write_glue(tmp_path / "glue", ("RTE", "CoLA"))
     with caplog.at_level("WARNING"):
-        assert finetune.resolve_tasks(config, ["all", "rte"]) == ["CoLA", "RTE"]
+        assert finetuning.resolve_tasks(config, ["all", "rte"]) == ["CoLA", "RTE"]
     assert "skipped: SST-2, MRPC, STS-B, QQP, MNLI, QNLI" in caplog.text
     # A named task that is not there stops the run before the pretrained model is loaded.
     with pytest.raises(FileNotFoundError, match=r"GLUE task MNLI: no train split.*has: CoLA, RTE"):
-        finetune.run_tasks(config, str(tmp_path / "no_pretraining"), ["cola", "mnli"],
+        finetuning.run_tasks(config, str(tmp_path / "no_pretraining"), ["cola", "mnli"],
                            str(tmp_path / "out"))

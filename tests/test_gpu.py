@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda"), re
 _SCRIPT = """
 import json, sys
 import jax, numpy as np
-from sparsemixer_jax import train
+from sparsemixer_jax.tasks import translation
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from tests import tiny_wmt_config
 
@@ -39,7 +39,7 @@ def tiny(steps):
     return c
 
 def last_params(workdir, config):
-    steps = train.Steps(train.build_model(config, config.data.vocab_size, None), config)
+    steps = translation.build_steps(config, config.data.vocab_size)
     template = {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
     ckpt = RunCheckpoints(workdir)
     state, _ = ckpt.restore(ckpt.last, template)
@@ -47,9 +47,9 @@ def last_params(workdir, config):
     return jax.tree.leaves(jax.tree.map(np.asarray, state["params"]))
 
 root = sys.argv[1]
-straight = train.train_and_evaluate(tiny(6), root + "/straight")
-train.train_and_evaluate(tiny(3), root + "/resumed")
-resumed = train.train_and_evaluate(tiny(6), root + "/resumed")
+straight = translation.train_and_evaluate(tiny(6), root + "/straight")
+translation.train_and_evaluate(tiny(3), root + "/resumed")
+resumed = translation.train_and_evaluate(tiny(6), root + "/resumed")
 same = all(np.array_equal(a, b) for a, b in zip(last_params(root + "/straight", tiny(6)),
                                                  last_params(root + "/resumed", tiny(6))))
 print(json.dumps({"straight": straight["valid_loss"], "resumed": resumed["valid_loss"],

@@ -13,10 +13,10 @@ import optax
 import pytest
 from flax import nnx
 
-from configs.wmt_base import get_config
+from configs.wmt import get_config
+from sparsemixer_jax.layers import FeedForward
 from sparsemixer_jax.models import (
     PAD_ID,
-    FeedForward,
     Transformer,
     fold_omega,
     shift_right,

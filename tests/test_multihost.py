@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from sparsemixer_jax import train
+from sparsemixer_jax.tasks import translation
 from tests import tiny_wmt_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +59,7 @@ def test_two_processes_match_one_process(tmp_path):
         section, _, field = key.rpartition(".")
         (config[section] if section else config)[field] = value
     single = str(tmp_path / "single")
-    train.train_and_evaluate(config, single)
+    translation.train_and_evaluate(config, single)
 
     command = [sys.executable, "-m", "experiments.wmt"]
     multi = str(tmp_path / "multi")

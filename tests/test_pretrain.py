@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax import pretrain
+from sparsemixer_jax import training
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.data import text
 from sparsemixer_jax.encoder import Encoder
+from sparsemixer_jax.tasks import pretraining
+from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule, weight_decay_mask
 from tests import tiny_electra_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +42,7 @@ def tiny(corpus, **overrides):
 def last_state(workdir, config):
     """Parameters (numpy) and meta of the last checkpoint in ``workdir``."""
     vocab = text.Tokenizer(os.path.join(workdir, "spm.model")).vocab_size
-    steps = pretrain.Steps(pretrain.build_model(config, vocab), config)
+    steps = pretraining.build_steps(config, vocab)
     template = {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
     checkpoints = RunCheckpoints(workdir)
     state, meta = checkpoints.restore(checkpoints.last, template)
@@ -57,7 +59,7 @@ def read_metrics(workdir):
 def straight_run(corpus, tmp_path_factory):
     """An uninterrupted 6-step run: the reference for the resume tests."""
     workdir = str(tmp_path_factory.mktemp("straight"))
-    return workdir, pretrain.pretrain(tiny(corpus), workdir)
+    return workdir, pretraining.pretrain(tiny(corpus), workdir)
 
 
 def test_straight_run_logs_the_electra_metrics(straight_run):
@@ -88,8 +90,8 @@ def test_straight_run_logs_the_electra_metrics(straight_run):
 
 def test_extending_a_run_equals_the_uninterrupted_run(corpus, straight_run, tmp_path):
     workdir = str(tmp_path / "extended")
-    pretrain.pretrain(tiny(corpus, train_steps=3), workdir)
-    resumed = pretrain.pretrain(tiny(corpus), workdir)
+    pretraining.pretrain(tiny(corpus, train_steps=3), workdir)
+    resumed = pretraining.pretrain(tiny(corpus), workdir)
     reference_dir, reference = straight_run
     assert resumed["valid_loss"] == reference["valid_loss"]
     params, meta = last_state(workdir, tiny(corpus))
@@ -122,11 +124,11 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(
 
     monkeypatch.setattr(text.PretrainBatches, "__next__", dying_next)
     with pytest.raises(Interrupted):
-        pretrain.pretrain(config, workdir)
+        pretraining.pretrain(config, workdir)
     monkeypatch.undo()
     _, meta = last_state(workdir, config)
     assert meta["step"] == 4
-    pretrain.pretrain(config, workdir)
+    pretraining.pretrain(config, workdir)
     params, meta = last_state(workdir, config)
     expected, _ = last_state(straight_run[0], config)
     assert meta["step"] == 6
@@ -136,7 +138,7 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(
 
 def test_load_discriminator_returns_the_trained_encoder(straight_run):
     workdir, _ = straight_run
-    encoder, tokenizer, config = pretrain.load_discriminator(workdir, "last")
+    encoder, tokenizer, config = pretraining.load_discriminator(workdir, "last")
     assert isinstance(encoder, Encoder)
     assert tokenizer.vocab_size == config.data.vocab_size == encoder.vocab_size
     params, _ = last_state(workdir, config)
@@ -146,20 +148,20 @@ def test_load_discriminator_returns_the_trained_encoder(straight_run):
     hidden, aux = encoder(np.array([ids], np.int32))
     assert hidden.shape == (1, len(ids), config.model.emb_dim)
     assert "layer_0" in aux["moe"]
-    best, _, _ = pretrain.load_discriminator(workdir)  # the best checkpoint by validation loss
+    best, _, _ = pretraining.load_discriminator(workdir)  # the best checkpoint by validation loss
     assert isinstance(best, Encoder)
     with pytest.raises(ValueError, match="'best' or 'last'"):
-        pretrain.load_discriminator(workdir, "first")
+        pretraining.load_discriminator(workdir, "first")
     with pytest.raises(FileNotFoundError, match="pretraining workdir"):
-        pretrain.load_discriminator(os.path.dirname(workdir))
+        pretraining.load_discriminator(os.path.dirname(workdir))
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
     workdir = str(tmp_path / "diverged")
     config = tiny(corpus, **{"optim.peak_lr": 1e30, "optim.warmup_steps": 0,
                              "optim.clip_norm": 0.0, "checkpoint_every": 1, "eval_every": 100})
-    with pytest.raises(pretrain.TrainingDiverged, match="not finite"):
-        pretrain.pretrain(config, workdir)
+    with pytest.raises(training.TrainingDiverged, match="not finite"):
+        pretraining.pretrain(config, workdir)
     bad_step = next(r["step"] for r in read_metrics(workdir) if "error" in r)
     params, meta = last_state(workdir, config)
     assert meta["step"] < bad_step
@@ -179,20 +181,20 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pa
 ])
 def test_config_and_data_errors_are_clear(corpus, tmp_path, override, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
-        pretrain.pretrain(tiny(corpus, **override), str(tmp_path / "bad"))
+        pretraining.pretrain(tiny(corpus, **override), str(tmp_path / "bad"))
 
 
 def test_generator_fields_are_checked(corpus, tmp_path):
     config = tiny(corpus)
     config.generator.emb_dim = 8
     with pytest.raises(ValueError, match="emb_dim is tied"):
-        pretrain.pretrain(config, str(tmp_path / "bad"))
+        pretraining.pretrain(config, str(tmp_path / "bad"))
 
 
 def test_learning_rate_warms_up_then_decays_linearly():
-    optim = pretrain.OptimSettings(peak_lr=1.0, warmup_steps=4, decay_steps=12, b1=0.9, b2=0.98,
-                                   eps=1e-6, weight_decay=0.01, clip_norm=1.0)
-    schedule = pretrain.learning_rate_schedule(optim)
+    optim = OptimSettings(schedule="linear", peak_lr=1.0, warmup_steps=4, decay_steps=12,
+                          b1=0.9, b2=0.98, eps=1e-6, weight_decay=0.01, clip_norm=1.0)
+    schedule = learning_rate_schedule(optim)
     # Update u (counted from 1) has lr u/4 up to 4, then (12 - u) / 8.
     got = [float(schedule(count)) for count in range(13)]
     np.testing.assert_allclose(got, [0.25, 0.5, 0.75, 1.0, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8,
@@ -202,7 +204,7 @@ def test_learning_rate_warms_up_then_decays_linearly():
 def test_weight_decay_spares_vectors():
     params = {"w": np.ones((2, 2)), "b": np.ones(2), "wi": np.ones((2, 2, 2)),
               "bi": np.ones((2, 2)), "omega": np.ones(())}
-    assert pretrain.weight_decay_mask(params) == {"w": True, "b": False, "wi": True, "bi": False,
+    assert weight_decay_mask(params) == {"w": True, "b": False, "wi": True, "bi": False,
                                                   "omega": False}
 
 
@@ -234,7 +236,7 @@ def test_pretraining_on_an_expert_mesh_matches_one_device(corpus, straight_run, 
     on CPU; the tolerance covers the different order of the cross-device sums)."""
     workdir = str(tmp_path / "mesh")
     config = tiny(corpus, **{"mesh.expert": 2, "mesh.data": 1})
-    results = pretrain.pretrain(config, workdir)
+    results = pretraining.pretrain(config, workdir)
     reference = straight_run[1]
     np.testing.assert_allclose(results["valid_loss"], reference["valid_loss"], rtol=1e-4)
     params, _ = last_state(workdir, tiny(corpus))

@@ -1,4 +1,4 @@
-"""Tests of sparsemixer_jax/router_diagnostics.py: cases by hand and the MoE layer's metrics."""
+"""Tests of sparsemixer_jax/moe/diagnostics.py: cases by hand and the MoE layer's metrics."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax import moe, routing
-from sparsemixer_jax.router_diagnostics import eligible_fraction, router_diagnostics
+from sparsemixer_jax.moe.diagnostics import eligible_fraction, router_diagnostics
 
 # Reference mask at jitter_eps = 0.1 keeps expert i when max(z) - z_i <= 0.2 * max(|z_i|, max z).
 LOGITS = jnp.array([

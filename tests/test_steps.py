@@ -14,8 +14,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax import runtime, train
-from sparsemixer_jax.models import Attention, Transformer
+from sparsemixer_jax import config as config_schema
+from sparsemixer_jax import runtime
+from sparsemixer_jax.layers import Attention
+from sparsemixer_jax.models import Transformer
+from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.training import steps as training_steps
 from tests import tiny_wmt_config
 
 VOCAB = 40
@@ -39,7 +43,7 @@ def batch(seed=0, rows=4, length=8):
 @pytest.fixture(scope="module")
 def steps():
     config = tiny_config()
-    return train.Steps(train.build_model(config, VOCAB, mesh=None), config)
+    return translation.build_steps(config, VOCAB)
 
 
 def copy(tree):
@@ -101,9 +105,9 @@ def test_transformer_with_fused_attention_equals_the_paper_attention(monkeypatch
     """Whole model in training mode (dropout elsewhere on), attention dropout 0: "xla" (boolean
     masks) and the "cudnn" path (masks as key lengths + causal flag, run by XLA here: cuDNN
     itself needs a GPU) equal the einsum attention; so does incremental decoding via "cudnn"."""
-    from sparsemixer_jax import models
+    from sparsemixer_jax import layers
 
-    monkeypatch.setitem(models.ATTENTION_IMPLS, "cudnn", "xla")
+    monkeypatch.setitem(layers.ATTENTION_IMPLS, "cudnn", "xla")
     b = batch()
     outs, steps = {}, {}
     for impl in ("einsum", "xla", "cudnn"):
@@ -122,7 +126,7 @@ def test_transformer_with_fused_attention_equals_the_paper_attention(monkeypatch
 
 
 def test_mask_as_lengths():
-    from sparsemixer_jax.models import mask_as_lengths
+    from sparsemixer_jax.layers import mask_as_lengths
 
     pad = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], bool)[:, None, None, :]
     lengths, causal = mask_as_lengths(pad, 3, 5)
@@ -134,17 +138,17 @@ def test_mask_as_lengths():
 
 def test_attention_impl_config_errors():
     with pytest.raises(ValueError, match=r"attention_impl.*no dropout.*attention_dropout=0\.1"):
-        train.check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.1))
+        config_schema.validate(tiny_config(attention_impl="cudnn", attention_dropout=0.1))
     with pytest.raises(ValueError, match="'cudnn' needs compute_dtype='bfloat16'"):
-        train.check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.0))
-    train.check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.0,
+        config_schema.validate(tiny_config(attention_impl="cudnn", attention_dropout=0.0))
+    config_schema.validate(tiny_config(attention_impl="cudnn", attention_dropout=0.0,
                                    compute_dtype="bfloat16"))
     with pytest.raises(ValueError, match="attention implementation 'flash'"):
-        train.check_config(tiny_config(attention_impl="flash", attention_dropout=0.0))
+        config_schema.validate(tiny_config(attention_impl="flash", attention_dropout=0.0))
     c = tiny_config()
     c.runtime.rng_impl = "philox"
     with pytest.raises(ValueError, match=r"runtime\.rng_impl='philox'"):
-        train.check_config(c)
+        config_schema.validate(c)
 
 
 def test_runtime_configure_sets_prng_and_xla_flags(monkeypatch):
@@ -179,10 +183,11 @@ def test_balance_normalization_per_batch_is_the_reference_weight(steps):
     key = jax.random.key(7)
 
     def grad(weight, normalization):
-        settings = train.LossSettings(label_smoothing=0.1, balance_weight=weight,
-                                      z_loss_weight=0.0, balance_normalization=normalization)
-        return jax.grad(lambda p: train._loss(steps.graphdef, settings, p, steps.rest, b, key)[0])(
-            steps.params)
+        objective = translation.TranslationObjective(
+            label_smoothing=0.1, balance_weight=weight, z_loss_weight=0.0,
+            balance_normalization=normalization)
+        return jax.grad(lambda p: training_steps._loss(steps.graphdef, objective, p, steps.rest,
+                                                       b, key)[0])(steps.params)
 
     per_batch = grad(1.0, "per_batch")
     jax.tree.map(lambda t, u: np.testing.assert_allclose(u, t, rtol=1e-5, atol=1e-7),
@@ -196,4 +201,4 @@ def test_balance_normalization_is_checked():
     config = tiny_config()
     config.router.balance_normalization = "per_sentence"
     with pytest.raises(ValueError, match="balance_normalization='per_sentence'"):
-        train.check_config(config)
+        config_schema.validate(config)

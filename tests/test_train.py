@@ -17,10 +17,16 @@ import numpy as np
 import pytest
 
 from experiments import plot, translate
-from sparsemixer_jax import train
+from sparsemixer_jax import config as config_schema
+from sparsemixer_jax import sharding, training
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.data.sources import read_split
 from sparsemixer_jax.data.translation import load_datasets
+from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.training.hosts import BatchPlacer
+from sparsemixer_jax.training.logs import Progress
+from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule
+from sparsemixer_jax.training.resume import check_resume_config
 from tests import tiny_wmt_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +40,7 @@ def tiny(**overrides):
 
 def last_params(workdir, config):
     """Parameters of the last checkpoint in ``workdir``, as numpy."""
-    steps = train.Steps(train.build_model(config, config.data.vocab_size, None), config)
+    steps = translation.build_steps(config, config.data.vocab_size)
     template = {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
     checkpoints = RunCheckpoints(workdir)
     state, meta = checkpoints.restore(checkpoints.last, template)
@@ -51,7 +57,7 @@ def read_metrics(workdir):
 def straight_run(tmp_path_factory):
     """An uninterrupted 6-step run: the reference for the resume tests."""
     workdir = str(tmp_path_factory.mktemp("straight"))
-    results = train.train_and_evaluate(tiny(), workdir)
+    results = translation.train_and_evaluate(tiny(), workdir)
     return workdir, results
 
 
@@ -82,8 +88,8 @@ def test_straight_run_learns_and_writes_results(straight_run):
 
 def test_extending_a_run_equals_the_uninterrupted_run(straight_run, tmp_path):
     workdir = str(tmp_path / "resumed")
-    train.train_and_evaluate(tiny(train_steps=3), workdir)
-    resumed = train.train_and_evaluate(tiny(train_steps=6), workdir)
+    translation.train_and_evaluate(tiny(train_steps=3), workdir)
+    resumed = translation.train_and_evaluate(tiny(train_steps=6), workdir)
     reference_dir, reference = straight_run
     assert resumed["valid_loss"] == reference["valid_loss"]
     params, meta = last_params(workdir, tiny())
@@ -135,8 +141,8 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     # lr 1e30: the first update makes the weights ~1e30, the next forward overflows.
     config = tiny(**{"optim.peak_lr": 1e30, "optim.warmup_steps": 0, "checkpoint_every": 1,
                      "eval_every": 100})
-    with pytest.raises(train.TrainingDiverged, match="not finite"):
-        train.train_and_evaluate(config, workdir)
+    with pytest.raises(training.TrainingDiverged, match="not finite"):
+        translation.train_and_evaluate(config, workdir)
     records = read_metrics(workdir)
     bad_step = next(r["step"] for r in records if "error" in r)
     checkpoints = RunCheckpoints(workdir)
@@ -158,16 +164,17 @@ def test_config_errors_are_caught_before_compiling(tmp_path):
     ]
     for overrides, message in cases:
         with pytest.raises(ValueError, match=message):
-            train.check_config(tiny(**overrides))
+            config_schema.validate(tiny(**overrides))
     with pytest.raises(ValueError, match=r"not divisible by config\.mesh\.expert"):
-        train.make_mesh(tiny(**{"mesh.data": 1, "mesh.expert": 4, "model.num_experts": 6}))
+        config_schema.validate(tiny(**{"mesh.data": 1, "mesh.expert": 4,
+                                        "model.num_experts": 6}))
     with pytest.raises(ValueError, match="devices"):
-        train.make_mesh(tiny(**{"mesh.data": 16, "mesh.expert": 1}))
+        sharding.mesh_from_config(tiny(**{"mesh.data": 16, "mesh.expert": 1}))
 
 
 def test_resuming_with_a_different_model_is_refused(straight_run):
     with pytest.raises(ValueError, match=r"different config\.model"):
-        train.train_and_evaluate(tiny(**{"model.emb_dim": 32}), straight_run[0])
+        translation.train_and_evaluate(tiny(**{"model.emb_dim": 32}), straight_run[0])
 
 
 def test_resume_after_a_kill_between_the_best_and_the_last_save(straight_run, tmp_path):
@@ -179,7 +186,7 @@ def test_resume_after_a_kill_between_the_best_and_the_last_save(straight_run, tm
     assert checkpoints.best.all_steps() == [3, 6] and checkpoints.last.all_steps() == [3, 6]
     checkpoints.close()
     shutil.rmtree(os.path.join(workdir, "checkpoints", "last", "6"))
-    results = train.train_and_evaluate(tiny(), workdir)
+    results = translation.train_and_evaluate(tiny(), workdir)
     assert results["valid_loss"] == straight_run[1]["valid_loss"]
     assert results["bleu_best"] == straight_run[1]["bleu_best"]
     params, meta = last_params(workdir, tiny())
@@ -190,11 +197,11 @@ def test_resume_after_a_kill_between_the_best_and_the_last_save(straight_run, tm
 def test_rerun_after_a_config_error_is_not_refused_and_shrinking_a_run_is(straight_run, tmp_path):
     workdir = str(tmp_path / "fixed")
     with pytest.raises(ValueError, match="vocab_size"):
-        train.train_and_evaluate(tiny(**{"data.vocab_size": 100_000}), workdir)
+        translation.train_and_evaluate(tiny(**{"data.vocab_size": 100_000}), workdir)
     # Nothing was trained, so the corrected config is a fresh start, not a "different config".
-    train.train_and_evaluate(tiny(**{"train_steps": 3, "decode.test_bleu": False}), workdir)
+    translation.train_and_evaluate(tiny(**{"train_steps": 3, "decode.test_bleu": False}), workdir)
     with pytest.raises(ValueError, match=r"train_steps=2 but .* step 3"):
-        train.train_and_evaluate(tiny(train_steps=2), workdir)
+        translation.train_and_evaluate(tiny(train_steps=2), workdir)
 
 
 def test_vocabulary_of_an_untrained_workdir_is_retrained_when_the_data_settings_change(tmp_path):
@@ -203,15 +210,15 @@ def test_vocabulary_of_an_untrained_workdir_is_retrained_when_the_data_settings_
     with open(tmp_path / "config.json", "w") as f:
         f.write(tiny().to_json())
     vocabulary.write_text("cached")
-    train._check_resume_config(workdir, tiny(**{"train_steps": 9}))  # data unchanged: kept
+    check_resume_config(workdir, tiny(**{"train_steps": 9}))  # data unchanged: kept
     assert vocabulary.exists()
-    train._check_resume_config(workdir, tiny(**{"data.vocab_size": 100}))
+    check_resume_config(workdir, tiny(**{"data.vocab_size": 100}))
     assert not vocabulary.exists()
 
 
 def test_learning_rate_schedule_is_inverse_sqrt():
     config = tiny(**{"optim.warmup_steps": 100, "optim.peak_lr": 1e-3, "optim.init_lr": 1e-7})
-    lr = train.learning_rate_schedule(config.optim)
+    lr = learning_rate_schedule(OptimSettings.from_config(config.optim))
     np.testing.assert_allclose(lr(0), 1e-7, rtol=1e-5)
     np.testing.assert_allclose(lr(50), 1e-7 + (1e-3 - 1e-7) / 2, rtol=1e-5)
     np.testing.assert_allclose(lr(100), 1e-3, rtol=1e-5)
@@ -221,7 +228,7 @@ def test_learning_rate_schedule_is_inverse_sqrt():
 def test_label_smoothed_loss_hand_computed():
     logits = np.log(np.array([[[0.5, 0.25, 0.25], [0.2, 0.2, 0.6]]], np.float32))
     targets = np.array([[1, 0]])  # second position is padding
-    smoothed, nll, tokens = train.token_losses(logits, targets, 0.1)
+    smoothed, nll, tokens = translation.token_losses(logits, targets, 0.1)
     expected_smooth = -np.mean(np.log([0.5, 0.25, 0.25]))
     np.testing.assert_allclose(nll, -np.log(0.25), rtol=1e-6)
     np.testing.assert_allclose(smoothed, 0.9 * -np.log(0.25) + 0.1 * expected_smooth, rtol=1e-6)
@@ -251,17 +258,17 @@ def test_training_on_an_expert_mesh_matches_one_device(straight_run, tmp_path):
     workdir = str(tmp_path / "mesh")
     config = tiny(**{"mesh.data": 2, "mesh.expert": 2, "train_steps": 3, "eval_every": 3,
                      "checkpoint_every": 3})
-    train.train_and_evaluate(config, workdir)
+    translation.train_and_evaluate(config, workdir)
     mesh_losses = [r["loss"] for r in read_metrics(workdir) if "loss" in r]
     one_device = [r["loss"] for r in read_metrics(straight_run[0]) if "loss" in r][:3]
     np.testing.assert_allclose(mesh_losses, one_device, rtol=1e-5)
 
     params, _ = last_params(workdir, tiny())
-    steps = train.Steps(train.build_model(tiny(), config.data.vocab_size, None), tiny())
+    steps = translation.build_steps(tiny(), config.data.vocab_size)
     data = load_datasets(config, workdir, batch_multiple=4)  # the mesh's batches
-    texts = train.translate_batches(
+    texts = translation.translate_batches(
         steps.model(jax.tree.map(jax.numpy.asarray, params)), data.test, data.tokenizer,
-        len(data.test_sources), config.decode, train.DevicePlacer(None),
+        len(data.test_sources), config.decode, BatchPlacer(None, ("inputs", "targets")),
     )
     with open(os.path.join(workdir, "translations_last.txt")) as f:
         assert f.read().splitlines() == texts
@@ -274,12 +281,12 @@ def test_resume_refusal_names_every_changed_field_and_accepts_equivalent_meshes(
     with open(tmp_path / "config.json", "w") as f:
         f.write(saved.to_json())
     # mesh.data = -1 means every device: the same mesh as the saved explicit count.
-    train._check_resume_config(workdir, tiny(**{"mesh.data": -1, "mesh.expert": 1,
+    check_resume_config(workdir, tiny(**{"mesh.data": -1, "mesh.expert": 1,
                                                 "train_steps": 9}))
     changed = tiny(**{"mesh.data": -1, "mesh.expert": 1, "model.emb_dim": 32,
                       "optim.peak_lr": 1.0})
-    with pytest.raises(train.ResumeError) as error:
-        train._check_resume_config(workdir, changed)
+    with pytest.raises(training.ResumeError) as error:
+        check_resume_config(workdir, changed)
     message = str(error.value)
     assert "config.model.emb_dim (saved 16, now 32)" in message
     assert "config.optim.peak_lr (saved 0.003, now 1.0)" in message
@@ -296,12 +303,12 @@ def test_resume_accepts_a_config_saved_before_later_fields_existed(tmp_path):
     saved["model"].pop("attention_impl")
     with open(tmp_path / "config.json", "w") as f:
         json.dump(saved, f)
-    train._check_resume_config(str(tmp_path), tiny(**{"runtime.deterministic": True,
+    check_resume_config(str(tmp_path), tiny(**{"runtime.deterministic": True,
                                                        "runtime.matmul_precision": "highest"}))
-    with pytest.raises(train.ResumeError, match=r"config\.router\.top_k \(saved 1, now 2\)"):
-        train._check_resume_config(str(tmp_path), tiny(**{"router.top_k": 2}))
-    with pytest.raises(train.ResumeError, match=r"config\.runtime\.rng_impl"):
-        train._check_resume_config(str(tmp_path), tiny(**{"runtime.rng_impl": "rbg"}))
+    with pytest.raises(training.ResumeError, match=r"config\.router\.top_k \(saved 1, now 2\)"):
+        check_resume_config(str(tmp_path), tiny(**{"router.top_k": 2}))
+    with pytest.raises(training.ResumeError, match=r"config\.runtime\.rng_impl"):
+        check_resume_config(str(tmp_path), tiny(**{"runtime.rng_impl": "rbg"}))
 
 
 def test_translate_errors_name_the_missing_file_or_the_bad_flag(straight_run, tmp_path):
@@ -330,21 +337,24 @@ def test_translate_cli_prints_translations_without_library_info_logs(straight_ru
     assert not info, info[:5]  # orbax announced its restore in ~30 INFO lines
 
 
-def test_progress_eta_leaves_out_compilation():
-    """A 60 s compilation then steps of 0.5 s: the rate shown is about 2 steps/s, not the
-    1/60 step/s that tqdm's smoothed rate would carry for many refreshes."""
-    bar = train._progress(total=200, initial=0)
+def test_progress_eta_leaves_out_compilation_and_elapsed_time_never_runs_backwards():
+    """A 60 s compilation then steps of 0.5 s: the rate shown is 2 steps/s, not the 1/60 step/s
+    a smoothed rate would carry for many refreshes; the elapsed time is the wall time. Resumed at
+    step 100 of 200, the steps before this process count for neither rate nor elapsed time."""
     clock = [0.0]
-    bar._time = lambda: clock[0]
-    bar.start_t = bar.last_print_t = 0.0
+    progress = Progress(total=200, initial=100, clock=lambda: clock[0], enabled=False)
     clock[0] = 60.0  # the first step compiles
-    train._advance(bar, compiled=True)
+    progress.advance(compiled=True)
+    assert progress.rate is None and progress.postfix == "01:00"
+    shown = []
     for _ in range(20):
         clock[0] += 0.5
-        train._advance(bar, compiled=False)
-    rate = bar.format_dict["rate"] or bar._ema_dn() / bar._ema_dt()
-    bar.close()
-    assert 1.5 < rate < 2.5, rate
+        progress.advance(compiled=False)
+        shown.append(progress.postfix.split(",")[0])
+    assert progress.rate == pytest.approx(2.0)
+    assert shown == sorted(shown) and shown[-1] == "01:10"  # 60 s + 20 x 0.5 s, never back
+    assert progress.postfix == "01:10, 2.00 step/s, 00:39 left"  # 79 steps to go at 2 step/s
+    progress.close()
 
 
 def test_quickstart_hint_names_the_generated_language_and_a_test_line(tmp_path):

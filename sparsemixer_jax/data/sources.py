@@ -1,6 +1,6 @@
 """Translation sources: raw (source, target) text pairs from TFDS, text files or the synthetic pair.
 
-Chosen by ``config.data.source`` (schema: ``configs/wmt_base.py``):
+Chosen by ``config.data.source`` (schema: ``configs/wmt.py``):
 
 * ``tfds``      -- a TFDS translation dataset (``wmt14_translate/de-en``); the fields named by
                    ``config.data.src`` / ``config.data.tgt`` are read, so the direction never
@@ -47,7 +47,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 def check_config(config: Any) -> None:
     """Raises ``ValueError`` naming every missing ``config.data`` field, or an unknown source."""
     if "data" not in config:
-        raise ValueError("config has no `data` section (see configs/wmt_base.py for the schema)")
+        raise ValueError("config has no `data` section (see configs/wmt.py for the schema)")
     data = config.data
     if "source" not in data:
         raise ValueError("config.data is missing field 'source' (one of tfds, text, synthetic)")
@@ -62,7 +62,7 @@ def check_config(config: Any) -> None:
     if missing:
         raise ValueError(
             f"config.data is missing fields for source {data.source!r}: {missing} "
-            "(see configs/wmt_base.py for the schema)"
+            "(see configs/wmt.py for the schema)"
         )
     if data.max_len < 2:
         raise ValueError(f"config.data.max_len must be >= 2 (text + EOS), got {data.max_len}")

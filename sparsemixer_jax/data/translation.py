@@ -115,7 +115,7 @@ def load_datasets(
     """Reads, tokenizes and batches the train/valid/test splits that ``config.data`` names.
 
     Args:
-      config: the experiment config (``config.data.*`` and ``config.seed``; configs/wmt_base.py).
+      config: the experiment config (``config.data.*`` and ``config.seed``; configs/wmt.py).
       workdir: where the SentencePiece model is cached (``{workdir}/spm.model``).
       batch_multiple: global batch sizes are multiples of this (the data-parallel mesh size).
       process_index, process_count: this host and the number of hosts (default: from JAX). Each

@@ -1,5 +1,10 @@
 """ELECTRA-style pretraining, Base setting, the paper's settings (its Appendix, "Pre-training").
 
+    python -m experiments.pretrain --config configs/electra.py:n4 --workdir runs/electra_n4
+
+The part after ``:`` picks the discriminator: ``dense`` or ``n2``, ``n4`` (default), ``n8``
+experts per MoE layer.
+
 Discriminator: BERT-base (12 layers, 768 wide, 12 heads, FFN 3072), T5 relative position buckets
 (32), dropout 0.1, MoE on every other FFN (jitter 0.1, balance loss 0.01). Generator: 4 layers
 (the paper: "the size of the auxiliary model (generator) to be 4 layers", following ELECTRA and
@@ -11,18 +16,29 @@ Not reproduced: the paper's corpus (Wikipedia + BookCorpus, 16 GB) and its 128K 
 trained on it (here: the 10M-word Wikipedia sample in ../shared/data/wikipedia, 128K is too many
 pieces for it, so 32K), and Admin initialisation (Liu et al., 2020), which the paper uses to
 stabilise post-norm training; the paper's FFN width "3076" is read as BERT-base's 3072.
-Every other electra config starts from this one and changes a few fields.
+Every other pretraining config starts from this one.
 """
 
 import ml_collections
 
+from sparsemixer_jax.config import (
+    mesh_config,
+    moe_model_fields,
+    optim_config,
+    router_config,
+    runtime_config,
+)
 
-def get_config() -> ml_collections.ConfigDict:
+EXPERTS = {"dense": 0, "n2": 2, "n4": 4, "n8": 8}
+
+
+def get_config(variant: str = "n4") -> ml_collections.ConfigDict:
+    if variant not in EXPERTS:
+        raise ValueError(f"configs/electra.py:{variant}: choose one of {', '.join(EXPERTS)}")
     c = ml_collections.ConfigDict()
+    c.task = "pretraining"
 
     c.data = ml_collections.ConfigDict()
-    # Pretraining text: a file or a directory of files (.txt / .gz, plain text, WikiExtractor or
-    # WikiText format; see sparsemixer_jax/data/text.py).
     c.data.train = "../shared/data/wikipedia"
     c.data.valid = "../shared/data/wikitext/wikitext-2-raw/wiki.valid.raw.gz"
     c.data.valid_sequences = 512  # packed validation sequences evaluated (0 = all)
@@ -42,36 +58,21 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.emb_dim = 768
     c.model.mlp_dim = 3072
     c.model.num_heads = 12
-    c.model.dropout = 0.1
-    c.model.attention_dropout = 0.1
-    c.model.activation_dropout = 0.1
     c.model.relative_buckets = 32
     c.model.relative_max_distance = 128
-    c.model.num_experts = 4  # 0 = dense
-    c.model.moe_every = 2  # MoE replaces the FFN of layers 0, 2, 4, ...
-    c.model.dispatch = "auto"
-    c.model.capacity_factor = 0.0  # 0 = dropless
+    moe_model_fields(c.model)
+    c.model.num_experts = EXPERTS[variant]
     c.model.compute_dtype = "bfloat16"
 
     c.generator = ml_collections.ConfigDict()  # overrides of c.model for the generator
     c.generator.num_layers = 4
     c.generator.num_experts = 0  # the generator stays dense: MoE is studied in the discriminator
 
-    c.router = ml_collections.ConfigDict()
-    c.router.name = "sparsemixer"
-    c.router.jitter_eps = 0.1
-    c.router.balance_weight = 0.01
-    c.router.z_loss_weight = 0.0
+    c.router = router_config()
 
-    c.optim = ml_collections.ConfigDict()
-    c.optim.peak_lr = 5e-4
-    c.optim.warmup_steps = 10_000
-    c.optim.decay_steps = 125_000  # linear decay to 0 at this step (kept when a run is extended)
-    c.optim.b1 = 0.9
-    c.optim.b2 = 0.98
-    c.optim.eps = 1e-6
-    c.optim.weight_decay = 0.01  # not on biases, LayerNorm and omega (BERT / ELECTRA)
-    c.optim.clip_norm = 1.0  # 0 = no clipping (ELECTRA clips at 1.0)
+    c.optim = optim_config("linear", peak_lr=5e-4, warmup_steps=10_000, decay_steps=125_000,
+                           eps=1e-6, weight_decay=0.01, weight_decay_mask="matrices",
+                           clip_norm=1.0)  # ELECTRA clips at 1.0
     c.optim.disc_weight = 50.0  # loss = generator MLM loss + disc_weight * discriminator loss
 
     c.train_steps = 125_000
@@ -80,7 +81,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.log_every = 100
     c.seed = 0
 
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # -1 = all devices not used by the expert axis
-    c.mesh.expert = 1
+    c.runtime = runtime_config()
+    c.mesh = mesh_config()
     return c

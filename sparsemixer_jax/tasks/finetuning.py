@@ -38,8 +38,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sparsemixer_jax import glue_metrics, pretrain
+from sparsemixer_jax import glue_metrics
 from sparsemixer_jax.data import glue
+from sparsemixer_jax.tasks.pretraining import load_discriminator
+from sparsemixer_jax.training.optim import weight_decay_mask
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +135,7 @@ def _optimizer(settings: StepSettings, learning_rate, weight_decay) -> optax.Gra
     """Clipping then AdamW; ``learning_rate`` and ``weight_decay`` may be traced scalars, so one
     compilation serves every grid point of a batch shape."""
     adamw = optax.adamw(learning_rate, b1=settings.b1, b2=settings.b2, eps=settings.eps,
-                        weight_decay=weight_decay, mask=pretrain.weight_decay_mask)
+                        weight_decay=weight_decay, mask=weight_decay_mask)
     if settings.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(settings.clip_norm), adamw)
     return adamw
@@ -436,7 +438,7 @@ def run_tasks(config: ml_collections.ConfigDict, pretrained_dir: str, tasks: Seq
     for name in names:  # fail on a missing file before any fine-tuning
         for split in ("train", *glue.TASKS[name].dev_splits):
             glue.split_path(glue_dir(config), glue.TASKS[name], split)
-    encoder, tokenizer, pretrain_config = pretrain.load_discriminator(pretrained_dir, checkpoint)
+    encoder, tokenizer, pretrain_config = load_discriminator(pretrained_dir, checkpoint)
     settings = settings_record(config, pretrained_dir, checkpoint)
     os.makedirs(workdir, exist_ok=True)
     for name in names:

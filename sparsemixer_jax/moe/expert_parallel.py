@@ -1,0 +1,116 @@
+"""Expert parallelism: the expert FFN with experts split over a ``("data", "expert")`` mesh.
+
+* Expert weights ``[N, ...]`` are split over ``"expert"``: each device of an expert group holds
+  ``N / E`` consecutive experts (``E`` = size of the expert axis). Everything else (router,
+  ``omega``, the rest of the model) is replicated, and the batch is split over ``"data"``.
+* The router runs outside :func:`jax.shard_map`, under plain ``jit`` partitioning, on the full
+  logits with one key: routing decisions and random draws do not depend on the mesh (threefry is
+  partitionable), and the router's custom VJP stays in ordinary autodiff.
+* Only the expert FFN runs inside :func:`jax.shard_map`. The tokens of a data shard are split
+  into ``E`` equal chunks, one per device of the expert group. Each device sends every token of
+  its chunk to the device owning its expert with :func:`jax.lax.all_to_all` (fixed slots: ``c``
+  per destination, ``c`` = chunk size, so nothing is ever dropped), runs its local experts on
+  what it received (any dispatch of :func:`sparsemixer_jax.moe.dispatch.expert_ffn`), and sends
+  the outputs back with a second ``all_to_all``.
+* Gradients: the transpose of ``shard_map`` sums the gradient of the expert weights over
+  ``"data"`` (they are unvarying there) and ``jit`` reduces the replicated params; no manual
+  ``psum`` is written here.
+
+Cost note: buffers are sized for the worst case (all tokens of a chunk to one device), so each
+device runs its local experts over ``E * c`` rows, i.e. the whole data shard, padded. Capacity
+mode decides drops globally before the exchange (so results equal one device) but does not shrink
+these buffers; a ``ragged_all_to_all`` exchange would.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from sparsemixer_jax.moe.dispatch import expert_ffn
+from sparsemixer_jax.sharding import check_batch, check_mesh
+
+
+def expert_parallel_ffn(
+    x: jax.Array,
+    group: jax.Array,
+    token_ids: jax.Array,
+    params: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    *,
+    mesh: Mesh,
+    dispatch: str,
+    dropout_key: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+) -> jax.Array:
+    """:func:`sparsemixer_jax.moe.expert_ffn` with experts split over the mesh's expert axis.
+
+    Args:
+      x: ``[B, T, emb]`` in the compute dtype, ``B`` divisible by the data axis. ``T`` counts
+        rows: for top-k the layer passes ``T * k`` rows per sequence (each token repeated once
+        per chosen expert), and nothing here depends on which.
+      group: int32 ``[B, T]`` global expert per row, ``N`` (= number of experts) for none.
+      token_ids: int32 ``[B, T]`` global row ids (seed the dropout masks).
+      params: ``(wi [N, emb, mlp], bi [N, mlp], wo [N, mlp, emb], bo [N, emb])``.
+
+    Returns: ``[B, T, emb]``, equal to the single-device ``expert_ffn`` (dropless).
+    """
+    check_batch(mesh, x.shape[0])
+    num_experts = params[0].shape[0]
+    check_mesh(mesh, num_experts)
+    data, n_exp_dev = mesh.shape["data"], mesh.shape["expert"]
+    local_experts = num_experts // n_exp_dev
+    batch, length, emb = x.shape
+    per_shard = batch // data * length  # tokens of one data shard
+    chunk = -(-per_shard // n_exp_dev)  # tokens per device after splitting over "expert"
+    pad = chunk * n_exp_dev - per_shard
+
+    def to_chunks(a: jax.Array, fill) -> jax.Array:
+        # [B, T, ...] -> [data * E * chunk, ...]: data shard d, chunk e sits at block d * E + e,
+        # which is exactly how P(("data", "expert")) splits the leading axis.
+        a = a.reshape(data, per_shard, *a.shape[2:])
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+        return a.reshape(data * n_exp_dev * chunk, *a.shape[2:])
+
+    xs = to_chunks(x, 0)
+    gs = to_chunks(group.astype(jnp.int32), num_experts)  # padding rows: no expert
+    ids = to_chunks(token_ids.astype(jnp.int32), 0)
+    has_key = dropout_key is not None and dropout_rate > 0
+
+    def local(xc, gc, ic, wi, bi, wo, bo, *key):
+        # xc [chunk, emb], gc/ic [chunk]; wi.. hold this device's local experts.
+        dest = gc // local_experts  # owning device on the expert axis; n_exp_dev = none
+        rank = jnp.sum(
+            (jnp.cumsum(jax.nn.one_hot(dest, n_exp_dev, dtype=jnp.int32), axis=0) - 1)
+            * jax.nn.one_hot(dest, n_exp_dev, dtype=jnp.int32),
+            axis=-1,
+        )  # position among this chunk's tokens bound to the same device
+        slot = jnp.where(dest < n_exp_dev, dest * chunk + rank, n_exp_dev * chunk)
+        size = n_exp_dev * chunk
+        send_x = jnp.zeros((size, emb), xc.dtype).at[slot].set(xc, mode="drop")
+        send_g = jnp.full((size,), local_experts, jnp.int32).at[slot].set(
+            gc - dest * local_experts, mode="drop")
+        send_i = jnp.zeros((size,), jnp.int32).at[slot].set(ic, mode="drop")
+
+        def exchange(a):
+            a = a.reshape(n_exp_dev, chunk, *a.shape[1:])
+            a = jax.lax.all_to_all(a, "expert", 0, 0, tiled=True)
+            return a.reshape(size, *a.shape[2:])
+
+        recv_x, recv_g, recv_i = exchange(send_x), exchange(send_g), exchange(send_i)
+        out = expert_ffn(recv_x, recv_g, recv_i, (wi, bi, wo, bo), dispatch=dispatch,
+                         dropout_key=key[0] if key else None, dropout_rate=dropout_rate)
+        back = exchange(out)  # back[slot] = output for the token sent into that slot
+        return back.at[slot].get(mode="fill", fill_value=0)
+
+    tokens = P(("data", "expert"))
+    experts = P("expert")
+    in_specs = (tokens, tokens, tokens, experts, experts, experts, experts)
+    args = (xs, gs, ids, *params)
+    if has_key:
+        in_specs += (P(),)
+        args += (dropout_key,)
+    out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens)(*args)
+    out = out.reshape(data, n_exp_dev * chunk, emb)[:, :per_shard]
+    return out.reshape(batch, length, emb)

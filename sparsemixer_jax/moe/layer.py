@@ -1,0 +1,220 @@
+"""The routed feed-forward layer: ``y = omega * sum_t gate_t * f_{D_t}(x)`` over ``top_k`` experts.
+
+The router (:mod:`sparsemixer_jax.routing`) runs in float32 on the full logits; the chosen rows go
+through the expert FFN of :mod:`sparsemixer_jax.moe.dispatch` on one device, or through
+:mod:`sparsemixer_jax.moe.expert_parallel` when the layer holds a mesh.
+
+Randomness: the router key and the dropout key come from the module's own ``router`` and
+``dropout`` RNG streams; dropout masks are drawn per row
+(:func:`sparsemixer_jax.moe.dispatch.row_dropout`), so every dispatch and mesh gives the same
+result.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sparsemixer_jax import routing, sharding
+from sparsemixer_jax.moe.diagnostics import router_diagnostics
+from sparsemixer_jax.moe.dispatch import (
+    capacity_keep,
+    expert_capacity,
+    expert_ffn,
+    resolve_dispatch,
+)
+from sparsemixer_jax.moe.expert_parallel import expert_parallel_ffn
+
+
+def _stream(rngs: nnx.Rngs, name: str, fallback: str) -> nnx.RngStream:
+    """``rngs[name]`` (Rngs itself falls back to ``default``), else ``rngs[fallback]``."""
+    try:
+        return rngs[name]
+    except KeyError:
+        try:
+            return rngs[fallback]
+        except KeyError:
+            raise ValueError(
+                f"MoEFeedForward needs an RNG stream {name!r} (or {fallback!r}, or a default "
+                f"seed) in rngs; got streams {sorted(rngs)}"
+            ) from None
+
+
+class MoEFeedForward(nnx.Module):
+    """MoE feed-forward block: ``y = omega * sum_t gate_t * f_{D_t}(x)`` over ``top_k`` experts.
+
+    Args:
+      emb_dim, mlp_dim: model and expert hidden widths.
+      num_experts: ``N >= 1``.
+      router: a name in :data:`sparsemixer_jax.routing.ROUTERS`.
+      jitter_eps: the router's jitter / mask threshold.
+      top_k: experts per token, ``1 <= top_k <= N`` (distinct; see ``routing.sparsemixer_route``).
+      activation_dropout: dropout rate after the expert ReLU.
+      dispatch: ``"auto"``, ``"ragged"`` or ``"padded"`` (module docstring).
+      capacity_factor: 0 for dropless; ``> 0`` caps every expert at
+        ``ceil(capacity_factor * rows / N)`` rows (rows = ``B * T * top_k``: every position of
+        the call and each of its experts). Rows are served first choices first (all tokens'
+        first expert, in token order, then all second experts, ...), as in GShard; a dropped row
+        outputs zeros, the token's other experts still count.
+      dtype: compute dtype of the experts (params stay float32; the router runs in float32).
+      mesh: optional mesh with axes ``("data", "expert")`` for expert parallelism
+        (:mod:`sparsemixer_jax.moe.expert_parallel`); ``num_experts`` must divide by its
+        expert axis.
+      rngs: params init plus the ``router`` and ``dropout`` streams (``router`` falls back to
+        ``default`` then ``dropout``).
+
+    Params: ``router`` (``Linear(emb -> N)``), ``wi [N, emb, mlp]``, ``bi [N, mlp]``,
+    ``wo [N, mlp, emb]``, ``bo [N, emb]``, and ``omega [emb]`` (SparseMixer routers only).
+    """
+
+    def __init__(
+        self,
+        emb_dim: int,
+        mlp_dim: int,
+        num_experts: int,
+        *,
+        router: str = "sparsemixer",
+        jitter_eps: float = 0.1,
+        top_k: int = 1,
+        activation_dropout: float = 0.1,
+        dispatch: str = "auto",
+        capacity_factor: float = 0.0,
+        dtype=jnp.float32,
+        mesh: jax.sharding.Mesh | None = None,
+        rngs: nnx.Rngs,
+    ):
+        if num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        if not 0.0 <= activation_dropout < 1.0:
+            raise ValueError(f"activation_dropout must lie in [0, 1), got {activation_dropout}")
+        if capacity_factor < 0:
+            raise ValueError(f"capacity_factor must be >= 0 (0 = dropless), got {capacity_factor}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+            raise ValueError(
+                f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
+            )
+        resolve_dispatch(dispatch)  # validates the name
+        routing.get_router(router, jitter_eps, top_k)  # validates the name and jitter_eps
+        if mesh is not None:
+            sharding.check_mesh(mesh, num_experts)
+
+        self.emb_dim, self.mlp_dim, self.num_experts = emb_dim, mlp_dim, num_experts
+        # Names, not the router function: a per-instance lambda would make every layer's graph
+        # definition distinct and defeat nnx.jit's compilation cache.
+        self.router_name = router
+        self.jitter_eps = jitter_eps
+        self.top_k = top_k
+        self.activation_dropout = activation_dropout
+        self.dispatch = dispatch
+        self.capacity_factor = capacity_factor
+        self.dtype = dtype
+        self.mesh = mesh
+
+        self.router = nnx.Linear(emb_dim, num_experts, use_bias=True, dtype=jnp.float32,
+                                 param_dtype=jnp.float32, rngs=rngs)
+
+        def sharded(value, spec):
+            # Expert-stacked params are split over the mesh's "expert" axis.
+            if mesh is None:
+                return nnx.Param(value)
+            return nnx.Param(value, out_sharding=spec, mesh=mesh)
+
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        n = num_experts
+        self.wi = sharded(init(rngs.params(), (n, emb_dim, mlp_dim), jnp.float32),
+                          ("expert", None, None))
+        self.bi = sharded(jnp.zeros((n, mlp_dim), jnp.float32), ("expert", None))
+        self.wo = sharded(init(rngs.params(), (n, mlp_dim, emb_dim), jnp.float32),
+                          ("expert", None, None))
+        self.bo = sharded(jnp.zeros((n, emb_dim), jnp.float32), ("expert", None))
+        self.omega = nnx.Param(jnp.ones((emb_dim,), jnp.float32)) if routing.uses_omega(
+            router) else None
+        self.router_rng = _stream(rngs, "router", "dropout").fork()
+        self.dropout_rng = _stream(rngs, "dropout", "router").fork() if activation_dropout > 0 \
+            else None
+
+    def __call__(
+        self,
+        x: jax.Array,
+        token_mask: jax.Array | None = None,
+        *,
+        deterministic: bool = False,
+        dropless: bool = False,
+    ) -> tuple[jax.Array, dict]:
+        """x: ``[B, T, emb]``; token_mask: bool ``[B, T]`` (False = padding) or None;
+        ``dropless`` ignores ``capacity_factor`` for this call (decoding uses it).
+
+        Returns ``y [B, T, emb]`` (dtype of ``x``) and a dict of float32 metrics:
+        ``balance_loss``, ``z_loss``, ``num_unmasked``, ``entropy``, ``dropped_fraction`` (of
+        rows) (scalars), ``expert_fraction`` ``[N]`` (share of rows) and the diagnostics of
+        :func:`sparsemixer_jax.moe.diagnostics.router_diagnostics`. Padding outputs zeros
+        and is left out of every metric.
+        """
+        if x.ndim != 3 or x.shape[-1] != self.emb_dim:
+            raise ValueError(f"x must be [B, T, {self.emb_dim}], got shape {x.shape}")
+        batch, length, _ = x.shape
+        n = self.num_experts
+        if self.mesh is not None:
+            sharding.check_batch(self.mesh, batch)
+
+        # Router in float32, on the full logits, before any sharding: decisions and random
+        # draws are the same on every mesh.
+        logits = self.router(x.astype(jnp.float32))
+        training = not deterministic
+        key = self.router_rng() if training else None
+        routed = routing.get_router(self.router_name, self.jitter_eps, self.top_k)(
+            logits, key, training)
+        metrics = routing.routing_metrics(logits, routed, token_mask)
+        metrics.update(router_diagnostics(
+            logits, routed, token_mask, jitter_eps=self.jitter_eps))
+
+        # One row per token and chosen expert: [B, T, k], row id token * k + t.
+        k = self.top_k
+        expert = routed.expert if k > 1 else routed.expert[..., None]
+        gate = routed.gate if k > 1 else routed.gate[..., None]
+        active = jnp.ones((batch, length), bool) if token_mask is None else token_mask.astype(bool)
+        active = jnp.broadcast_to(active[..., None], (batch, length, k))
+        capacity = None
+        if self.capacity_factor > 0 and not dropless:
+            capacity = expert_capacity(self.capacity_factor, batch * length * k, n)
+            # Slot-major order: every token's first choice is served before any second choice.
+            kept = jnp.moveaxis(capacity_keep(jnp.moveaxis(expert, -1, 0),
+                                              jnp.moveaxis(active, -1, 0), n, capacity), 0, -1)
+            num_active = jnp.maximum(jnp.sum(active), 1).astype(jnp.float32)
+            metrics["dropped_fraction"] = jnp.sum(active & ~kept).astype(jnp.float32) / num_active
+            active = kept
+        else:
+            metrics["dropped_fraction"] = jnp.zeros((), jnp.float32)
+
+        group = jnp.where(active, expert, n).astype(jnp.int32)
+        row_ids = jnp.arange(batch * length * k, dtype=jnp.int32).reshape(batch, length, k)
+        drop_key = None
+        if training and self.dropout_rng is not None:
+            drop_key = self.dropout_rng()
+        params = tuple(p[...].astype(self.dtype) for p in (self.wi, self.bi, self.wo, self.bo))
+        dispatch = resolve_dispatch(self.dispatch)
+        xc = x.astype(self.dtype)
+        xr = jnp.repeat(xc, k, axis=1) if k > 1 else xc  # [B, T * k, emb], row t*k+s = token t
+
+        if self.mesh is None:
+            f = expert_ffn(xr.reshape(batch * length * k, -1), group.reshape(-1),
+                           row_ids.reshape(-1), params, dispatch=dispatch,
+                           dropout_key=drop_key, dropout_rate=self.activation_dropout,
+                           capacity=capacity if dispatch == "padded" else None)
+        else:
+            f = expert_parallel_ffn(xr, group.reshape(batch, length * k),
+                                    row_ids.reshape(batch, length * k), params, mesh=self.mesh,
+                                    dispatch=dispatch, dropout_key=drop_key,
+                                    dropout_rate=self.activation_dropout)
+        f = f.reshape(batch, length, k, -1)
+        if k == 1:  # drop the k axis: the same ops (and float rounding) as the top-1 layer
+            f, gate = f[:, :, 0], gate[..., 0]
+
+        scale = gate[..., None]
+        if self.omega is not None:
+            scale = scale * self.omega[...]
+        y = f.astype(jnp.float32) * scale
+        if k > 1:
+            y = jnp.sum(y, axis=2)
+        return y.astype(x.dtype), {name: v.astype(jnp.float32) for name, v in metrics.items()}

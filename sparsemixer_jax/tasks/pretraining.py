@@ -1,0 +1,218 @@
+"""ELECTRA-style pretraining of the MoE encoder (the paper's second experiment).
+
+``pretrain(config, workdir)`` is the whole run: text, vocabulary, packing, the generator +
+discriminator (:mod:`sparsemixer_jax.electra`) trained by the loop of
+:mod:`sparsemixer_jax.training`, validation on held-out text, checkpoints and ``results.json``.
+``load_discriminator(workdir)`` gives the pretrained discriminator to fine-tune.
+
+Exact resumption as for every task; in addition a batch's masking comes from
+``(seed, epoch, index)``, and the learning rate decays linearly to ``optim.decay_steps``, not to
+``train_steps``, so a run can be extended without changing its past.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from sparsemixer_jax import config as config_schema
+from sparsemixer_jax.checkpoint import RunCheckpoints
+from sparsemixer_jax.data import text
+from sparsemixer_jax.data.tokenizer import Tokenizer
+from sparsemixer_jax.electra import Electra, LossSettings, electra_loss
+from sparsemixer_jax.encoder import Encoder
+from sparsemixer_jax.training import Run, TaskData, train
+from sparsemixer_jax.training.hosts import is_main_process, wait_for_all_processes
+from sparsemixer_jax.training.loop import build_model
+from sparsemixer_jax.training.optim import OptimSettings
+from sparsemixer_jax.training.steps import Steps, count_params
+
+_EVAL_SUMS = ("mlm_nll", "mlm_correct", "mlm_count", "disc_nll", "disc_correct", "disc_count",
+              "replaced", "replaced_correct")
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainingObjective:
+    """Generator MLM loss + ``disc_weight`` x discriminator loss + auxiliary losses (hashable)."""
+
+    settings: LossSettings
+
+    def loss(self, model: Electra, batch, key):
+        dropout_key, router_key, sample_key = jax.random.split(key, 3)
+        nnx.reseed(model, dropout=dropout_key, router=router_key)
+        loss, metrics = electra_loss(model, batch, sample_key, self.settings)
+        del metrics["corrupted"]
+        metrics["loss"] = loss
+        metrics["micro_batches"] = jnp.ones((), jnp.float32)
+        return loss, metrics
+
+    def summarize(self, m):
+        """Per-update metrics: token-weighted rates, losses averaged over micro-batches (the
+        gradient too)."""
+        n = m["micro_batches"]
+        safe = lambda x: jnp.maximum(x, 1.0)
+        return n, {
+            "loss": m["loss"] / n,
+            "mlm_loss": m["mlm_nll"] / safe(m["mlm_count"]),
+            "mlm_accuracy": m["mlm_correct"] / safe(m["mlm_count"]),
+            "disc_loss": m["disc_nll"] / safe(m["disc_count"]),
+            "disc_accuracy": m["disc_correct"] / safe(m["disc_count"]),
+            "replaced_fraction": m["replaced"] / safe(m["disc_count"]),
+            "replaced_recall": m["replaced_correct"] / safe(m["replaced"]),
+            "balance_loss": m["balance_loss"] / n,
+            "z_loss": m["z_loss"] / n,
+            "tokens": m["disc_count"],
+            "moe": jax.tree.map(lambda v: v / n, m["moe"]),
+        }
+
+    def evaluate(self, model: Electra, batch, key):
+        """Metric sums of the deterministic forward (replacements still sampled, from ``key``)."""
+        _, metrics = electra_loss(model, batch, key, self.settings, deterministic=True)
+        return {k: metrics[k] for k in _EVAL_SUMS}
+
+
+def objective(config: ml_collections.ConfigDict) -> PretrainingObjective:
+    return PretrainingObjective(LossSettings(
+        disc_weight=float(config.optim.disc_weight),
+        balance_weight=float(config.router.balance_weight),
+        z_loss_weight=float(config.router.z_loss_weight),
+        mask_prob=float(config.data.mask_prob),
+    ))
+
+
+def build_steps(config: ml_collections.ConfigDict, vocab_size: int,
+                mesh: jax.sharding.Mesh | None = None) -> Steps:
+    """A fresh generator + discriminator of ``config`` with its compiled steps."""
+    return Steps(build_model(config, Electra, vocab_size, mesh), objective(config),
+                 OptimSettings.from_config(config.optim))
+
+
+def _packed(config, tokenizer: Tokenizer, paragraphs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return text.tokenize_and_pack(tokenizer, paragraphs, int(config.data.seq_len),
+                                  pair_prob=float(config.data.pair_prob), seed=int(config.seed))
+
+
+def _stats(documents, paragraphs, tokens) -> dict[str, Any]:
+    return {"documents": len(documents), "paragraphs": len(paragraphs),
+            "sequences": len(tokens), "fill": float(np.mean(tokens != text.PAD_ID))}
+
+
+class PretrainingTask:
+    """The pretraining task of the training loop (:class:`sparsemixer_jax.training.Task`)."""
+
+    batch_keys = ("tokens", "segments", "inputs", "selected")
+    progress_keys = ("loss", "mlm_loss", "disc_loss")
+
+    def __init__(self, disc_weight: float):
+        self.disc_weight = disc_weight  # the validation objective weighs the losses alike
+
+    def load_data(self, config, workdir: str, batch_multiple: int) -> TaskData:
+        """Reads, tokenizes (training the vocabulary if needed) and packs; the batch streams."""
+        del batch_multiple  # data.batch_size is checked against the mesh by the MoE layer
+        d = config.data
+        documents = text.read_documents(d.train)
+        paragraphs = [p for doc in documents for p in doc]
+        if not is_main_process():  # process 0 trains the vocabulary, the others then read it
+            wait_for_all_processes("vocabulary ready")
+        tokenizer = text.get_text_tokenizer(config, workdir, paragraphs)
+        if is_main_process():
+            wait_for_all_processes("vocabulary ready")
+        tokens, segments = _packed(config, tokenizer, paragraphs)
+        stats = {"train": _stats(documents, paragraphs, tokens)}
+        micro = int(d.micro_batch_size) or int(d.batch_size)
+        mask = {"mask_prob": float(d.mask_prob), "mask_token_prob": float(d.mask_token_prob)}
+        processes = {"process_index": jax.process_index(), "process_count": jax.process_count()}
+        batches = text.PretrainBatches(tokens, segments, micro, seed=int(config.seed), **mask,
+                                       **processes)
+        v_documents = text.read_documents(d.valid)
+        v_paragraphs = [p for doc in v_documents for p in doc]
+        v_tokens, v_segments = _packed(config, tokenizer, v_paragraphs)
+        stats["valid"] = _stats(v_documents, v_paragraphs, v_tokens)
+        if int(d.valid_sequences) > 0:
+            v_tokens, v_segments = v_tokens[: d.valid_sequences], v_segments[: d.valid_sequences]
+        stats["valid"]["evaluated_sequences"] = len(v_tokens)
+        valid = text.eval_batches(v_tokens, v_segments, micro, seed=int(config.seed), **mask,
+                                  **processes)
+        return TaskData(train=batches, valid=valid, vocab_size=tokenizer.vocab_size, stats=stats,
+                        extra=tokenizer)
+
+    def build_model(self, config, vocab_size: int, mesh) -> Electra:
+        return build_model(config, Electra, vocab_size, mesh)
+
+    def objective(self, config) -> PretrainingObjective:
+        return objective(config)
+
+    def micro_batches(self, config) -> int:
+        micro = int(config.data.micro_batch_size) or int(config.data.batch_size)
+        return int(config.data.batch_size) // micro
+
+    def validation_metrics(self, total) -> dict[str, float]:
+        safe = lambda x: max(float(x), 1.0)
+        mlm = float(total["mlm_nll"]) / safe(total["mlm_count"])
+        disc = float(total["disc_nll"]) / safe(total["disc_count"])
+        return {
+            "valid_loss": mlm + self.disc_weight * disc,
+            "valid_mlm_loss": mlm,
+            "valid_mlm_accuracy": float(total["mlm_correct"]) / safe(total["mlm_count"]),
+            "valid_disc_loss": disc,
+            "valid_disc_accuracy": float(total["disc_correct"]) / safe(total["disc_count"]),
+            "valid_replaced_fraction": float(total["replaced"]) / safe(total["disc_count"]),
+            "valid_replaced_recall": float(total["replaced_correct"]) / safe(total["replaced"]),
+        }
+
+    def finish(self, run: Run) -> dict[str, Any]:
+        discriminator = run.steps.model(run.params).discriminator
+        return {"num_params_discriminator": count_params(nnx.state(discriminator, nnx.Param))}
+
+
+def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Pretrains (resuming from ``workdir`` if it holds a checkpoint); writes results.json.
+
+    Raises :class:`sparsemixer_jax.training.TrainingDiverged` if the loss or gradient becomes
+    non-finite.
+    """
+    return train(PretrainingTask(float(config.optim.disc_weight)), config, workdir)
+
+
+def load_discriminator(
+    workdir: str, checkpoint: str = "best", *, mesh: jax.sharding.Mesh | None = None
+) -> tuple[Encoder, Tokenizer, ml_collections.ConfigDict]:
+    """The pretrained discriminator of ``workdir``, its vocabulary and the run's config.
+
+    ``checkpoint`` is ``"best"`` (lowest validation loss) or ``"last"`` (the final model).
+    The encoder's RNG streams are those of a fresh model: reseed them (``nnx.reseed``) for
+    fine-tuning.
+    """
+    if checkpoint not in ("best", "last"):
+        raise ValueError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
+    config_path = os.path.join(workdir, "config.json")
+    vocab_path = os.path.join(workdir, "spm.model")
+    for path in (config_path, vocab_path):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} not found: is {workdir} a pretraining workdir?")
+    with open(config_path) as f:
+        config = config_schema.with_defaults(json.load(f))
+    if config_schema.task_of(config) != "pretraining":
+        raise ValueError(f"{workdir} holds a {config_schema.task_of(config)} run, not a "
+                         "pretraining run (experiments.pretrain)")
+    tokenizer = Tokenizer(vocab_path)
+    text.check_special_pieces(tokenizer)
+    steps = build_steps(config, tokenizer.vocab_size, mesh)
+    template = {"params": steps.params, "opt_state": steps.opt_state_shapes(steps.params)}
+    checkpoints = RunCheckpoints(workdir)
+    try:
+        step = checkpoints.manager(checkpoint).latest_step()
+        if step is None:
+            raise FileNotFoundError(f"{workdir}/checkpoints/{checkpoint} holds no checkpoint")
+        restored = checkpoints.restore_checked(checkpoint, step, template)
+    finally:
+        checkpoints.close()
+    return steps.model(restored.state["params"]).discriminator, tokenizer, config

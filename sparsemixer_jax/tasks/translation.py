@@ -1,0 +1,246 @@
+"""Translation: the Switch Transformer trained on a language pair, then beam search and BLEU.
+
+``train_and_evaluate(config, workdir)`` is the whole experiment: data, model, the training loop
+of :mod:`sparsemixer_jax.training` (accumulation, validation, checkpoints, resumption), and at
+the end beam search and BLEU on the test split for the last and the best checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from sparsemixer_jax import bleu, decode
+from sparsemixer_jax.checkpoint import CheckpointError
+from sparsemixer_jax.data.batching import restore_order
+from sparsemixer_jax.data.sources import read_split
+from sparsemixer_jax.data.tokenizer import Tokenizer, get_tokenizer
+from sparsemixer_jax.data.translation import load_datasets
+from sparsemixer_jax.models import PAD_ID, Transformer
+from sparsemixer_jax.training import Run, TaskData, train
+from sparsemixer_jax.training.hosts import (
+    BatchPlacer,
+    is_main_process,
+    wait_for_all_processes,
+)
+from sparsemixer_jax.training.loop import build_model
+from sparsemixer_jax.training.optim import OptimSettings
+from sparsemixer_jax.training.steps import Steps
+
+logger = logging.getLogger(__name__)
+
+
+def token_losses(
+    logits: jax.Array, targets: jax.Array, label_smoothing: float
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sums over non-padding target tokens.
+
+    Args:
+      logits: float32 ``[B, T, V]``; targets: int ``[B, T]`` (0 = padding).
+
+    Returns:
+      ``(smoothed, nll, tokens)``: label-smoothed cross entropy (uniform smoothing over the
+      vocabulary, as fairseq's ``label_smoothed_cross_entropy``), plain negative log-likelihood,
+      and the number of target tokens; float32 scalars.
+    """
+    weights = (targets != PAD_ID).astype(jnp.float32)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    smooth = -jnp.mean(log_probs, axis=-1)
+    smoothed = (1.0 - label_smoothing) * nll + label_smoothing * smooth
+    return jnp.sum(smoothed * weights), jnp.sum(nll * weights), jnp.sum(weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class TranslationObjective:
+    """Label-smoothed cross entropy plus the routers' auxiliary losses (hashable)."""
+
+    label_smoothing: float
+    balance_weight: float
+    z_loss_weight: float
+    balance_normalization: str = "per_token"
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> TranslationObjective:
+        return cls(label_smoothing=float(config.optim.label_smoothing),
+                   balance_weight=float(config.router.balance_weight),
+                   z_loss_weight=float(config.router.z_loss_weight),
+                   balance_normalization=str(config.router.balance_normalization))
+
+    def loss(self, model: Transformer, batch, key):
+        """Objective of one micro-batch summed over its target tokens, and metric sums."""
+        dropout_key, router_key = jax.random.split(key)
+        nnx.reseed(model, dropout=dropout_key, router=router_key)
+        logits, aux = model(batch["inputs"], batch["targets"], deterministic=False)
+        smoothed, nll, tokens = token_losses(logits, batch["targets"], self.label_smoothing)
+        # The auxiliary losses are means over the micro-batch. "per_token" weights them by its
+        # tokens, so the update's objective is mean cross entropy + weight * loss. "per_batch"
+        # adds them once per micro-batch to the token-summed cross entropy, as the reference
+        # (fairseq) does: their weight per token is weight / tokens per micro-batch.
+        aux_loss = self.balance_weight * aux["balance_loss"] + self.z_loss_weight * aux["z_loss"]
+        aux_scale = tokens if self.balance_normalization == "per_token" else 1.0
+        metrics = {
+            "smoothed": smoothed,
+            "nll": nll,
+            "tokens": tokens,
+            "balance_loss": aux["balance_loss"] * tokens,
+            "z_loss": aux["z_loss"] * tokens,
+            "moe": jax.tree.map(lambda v: v * tokens, aux["moe"]),
+        }
+        return smoothed + aux_loss * aux_scale, metrics
+
+    def summarize(self, m):
+        """Token-weighted means of the update; the gradient is divided by its tokens."""
+        tokens = jnp.maximum(m["tokens"], 1.0)
+        return tokens, {
+            "loss": m["smoothed"] / tokens,
+            "nll": m["nll"] / tokens,
+            "balance_loss": m["balance_loss"] / tokens,
+            "z_loss": m["z_loss"] / tokens,
+            "tokens": m["tokens"],
+            "moe": jax.tree.map(lambda v: v / tokens, m["moe"]),
+        }
+
+    def evaluate(self, model: Transformer, batch, key):
+        """``[smoothed, nll, tokens]`` sums of the deterministic forward on one batch."""
+        del key  # the deterministic forward draws nothing
+        logits, _ = model(batch["inputs"], batch["targets"], deterministic=True)
+        return jnp.stack(token_losses(logits, batch["targets"], self.label_smoothing))
+
+
+def accumulation_steps(config: ml_collections.ConfigDict) -> int:
+    """Micro-batches per update so that an update sees about ``optim.tokens_per_update`` tokens."""
+    per_update = int(config.optim.tokens_per_update)
+    return max(1, math.ceil(per_update / int(config.data.max_tokens))) if per_update > 0 else 1
+
+
+def translate_batches(
+    model: Transformer,
+    batches: list[dict[str, np.ndarray]],
+    tokenizer: Tokenizer,
+    num_sentences: int,
+    decode_config: ml_collections.ConfigDict,
+    place: BatchPlacer,
+) -> list[str]:
+    """Beam search over eval ``batches``; detokenized hypotheses in file order."""
+    from jax.experimental import multihost_utils
+
+    rows, outputs = [], []
+    for batch in batches:
+        inputs = place(batch)["inputs"]
+        seqs, _ = decode.beam_search_model(
+            model,
+            inputs,
+            eos_id=tokenizer.eos_id,
+            beam_size=int(decode_config.beam_size),
+            alpha=float(decode_config.length_penalty),
+            max_extra_len=int(decode_config.max_extra_len),
+        )
+        best = seqs[:, 0]
+        index = batch["index"]
+        if jax.process_count() > 1:
+            # Both as global arrays placed alike, so their rows line up whatever the device order.
+            index = jax.make_array_from_process_local_data(place.sharding, index)
+            best = multihost_utils.process_allgather(best, tiled=True)
+            index = multihost_utils.process_allgather(index, tiled=True)
+        rows.append({"index": np.asarray(index)})
+        outputs.append([tokenizer.decode(row.tolist()) for row in np.asarray(best)])
+    return restore_order(rows, outputs, num_sentences)
+
+
+def make_steps(model: Transformer, config: ml_collections.ConfigDict) -> Steps:
+    """The compiled training and evaluation steps of ``model`` under ``config``."""
+    return Steps(model, TranslationObjective.from_config(config),
+                 OptimSettings.from_config(config.optim))
+
+
+def build_steps(config: ml_collections.ConfigDict, vocab_size: int,
+                mesh: jax.sharding.Mesh | None = None) -> Steps:
+    """A fresh model of ``config`` (seeded from ``config.seed``) with its compiled steps."""
+    return make_steps(build_model(config, Transformer, vocab_size, mesh), config)
+
+
+class TranslationTask:
+    """The translation task of the training loop (:class:`sparsemixer_jax.training.Task`)."""
+
+    batch_keys = ("inputs", "targets")
+    progress_keys = ("loss",)
+
+    def load_data(self, config, workdir: str, batch_multiple: int) -> TaskData:
+        raw_train = None
+        if jax.process_count() > 1:
+            # Process 0 trains the vocabulary; then every host loads its data at the same time.
+            if is_main_process():
+                raw_train = read_split(config, "train")
+                get_tokenizer(config, workdir, raw_train)
+            wait_for_all_processes("vocabulary ready")
+        data = load_datasets(config, workdir, batch_multiple=batch_multiple, raw_train=raw_train)
+        del raw_train
+        wait_for_all_processes("data ready")
+        return TaskData(train=data.train, valid=data.valid, vocab_size=data.tokenizer.vocab_size,
+                        stats=data.stats, extra=data)
+
+    def build_model(self, config, vocab_size: int, mesh) -> Transformer:
+        return build_model(config, Transformer, vocab_size, mesh)
+
+    def objective(self, config) -> TranslationObjective:
+        return TranslationObjective.from_config(config)
+
+    def micro_batches(self, config) -> int:
+        return accumulation_steps(config)
+
+    def validation_metrics(self, sums) -> dict[str, float]:
+        smoothed, nll, tokens = (float(x) for x in sums)
+        tokens = max(tokens, 1.0)
+        return {"valid_loss": smoothed / tokens, "valid_nll": nll / tokens,
+                "valid_ppl": float(np.exp(min(nll / tokens, 50.0)))}
+
+    def finish(self, run: Run) -> dict[str, Any]:
+        """Beam search on the test split with the last and the best checkpoint; BLEU of each."""
+        config = run.config
+        if not config.decode.test_bleu:
+            return {}
+        data = run.data.extra
+
+        def translate(params) -> list[str]:
+            return translate_batches(run.steps.model(params), data.test, data.tokenizer,
+                                     len(data.test_sources), config.decode, run.place)
+
+        hyps = {"last": translate(run.params)}
+        if run.best_step == int(config.train_steps):  # the best is the last: decode once
+            hyps["best"] = hyps["last"]
+        elif run.best_step > 0:
+            template = {"params": run.params, "opt_state": run.opt_state}
+            try:
+                best = run.checkpoints.restore_checked("best", run.best_step, template).state
+            except CheckpointError as e:  # the run's result stands; only its best BLEU is missing
+                logger.warning("no test BLEU of the best checkpoint: %s", e)
+            else:
+                hyps["best"] = translate(best["params"])
+        results = {}
+        for name, texts in hyps.items():
+            suffix = "" if name == "last" else "_best"
+            results[f"bleu{suffix}"] = bleu.sacre_bleu(texts, data.test_references)
+            results[f"tokenized_bleu{suffix}"] = bleu.tokenized_bleu(
+                texts, data.test_references, lang=config.data.tgt)
+            if is_main_process():
+                with open(os.path.join(run.workdir, f"translations_{name}.txt"), "w") as f:
+                    f.writelines(h + "\n" for h in texts)
+        return results
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Trains the translation model of ``config`` in ``workdir`` (resuming), then test BLEU.
+
+    Returns the results also written to ``{workdir}/results.json``.
+    """
+    return train(TranslationTask(), config, workdir)

@@ -1,0 +1,14 @@
+"""One training loop for every task, and the pieces it is made of.
+
+* :mod:`~sparsemixer_jax.training.loop`: :func:`train` and the :class:`Task` interface.
+* :mod:`~sparsemixer_jax.training.steps`: the compiled gradient, update and evaluation steps.
+* :mod:`~sparsemixer_jax.training.optim`: AdamW and the learning-rate schedules.
+* :mod:`~sparsemixer_jax.training.resume`: config checks on resumption, the checkpoint fallback.
+* :mod:`~sparsemixer_jax.training.logs`: ``metrics.jsonl``, TensorBoard, the progress line.
+* :mod:`~sparsemixer_jax.training.hosts`: several processes, batches as global arrays.
+"""
+
+from sparsemixer_jax.training.loop import Run, Task, TaskData, TrainingDiverged, train
+from sparsemixer_jax.training.resume import ResumeError
+
+__all__ = ["ResumeError", "Run", "Task", "TaskData", "TrainingDiverged", "train"]

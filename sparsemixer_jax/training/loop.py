@@ -1,0 +1,290 @@
+"""The training loop every task runs: ``train(task, config, workdir)``.
+
+A task (:class:`Task`) says what its data, model, objective and final evaluation are; the loop
+owns everything else: the config check, the mesh, gradient accumulation, validation every
+``eval_every`` steps, ``best`` and ``last`` checkpoints (resumed automatically from the newest
+intact one), ``metrics.jsonl`` and TensorBoard, the progress line, the stop on a non-finite loss,
+several hosts, and ``results.json``. Read top to bottom, :func:`train` is the whole run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from sparsemixer_jax import config as config_schema
+from sparsemixer_jax import runtime, sharding
+from sparsemixer_jax.checkpoint import RunCheckpoints
+from sparsemixer_jax.training.hosts import BatchPlacer, is_main_process, write_atomically
+from sparsemixer_jax.training.logs import MetricLog, Progress, to_python
+from sparsemixer_jax.training.optim import OptimSettings
+from sparsemixer_jax.training.resume import check_resume_config, resume_from_newest_intact
+from sparsemixer_jax.training.steps import Steps, count_params
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient became non-finite; the update was not applied."""
+
+
+class TrainingStream(Protocol):
+    """The training batches: an endless iterator whose position can be saved and restored."""
+
+    def __next__(self) -> dict[str, np.ndarray]: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+    def restore(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclasses.dataclass
+class TaskData:
+    """What a task's data gives the loop: ``train`` (this host's rows of every micro-batch),
+    ``valid`` (a list of batches), the vocabulary size, statistics for ``results.json``, and
+    anything else the task keeps for itself (``extra``: e.g. the test split)."""
+
+    train: TrainingStream
+    valid: list[dict[str, np.ndarray]]
+    vocab_size: int
+    stats: dict[str, Any]
+    extra: Any = None
+
+
+@dataclasses.dataclass
+class Run:
+    """A trained run as the task's :meth:`Task.finish` sees it."""
+
+    config: ml_collections.ConfigDict
+    workdir: str
+    steps: Steps
+    params: Any
+    opt_state: Any
+    checkpoints: RunCheckpoints
+    best_step: int
+    data: TaskData
+    place: BatchPlacer
+
+
+class Task(Protocol):
+    """What a task gives the loop. ``batch_keys`` are the fields of a batch placed on devices;
+    ``progress_keys`` the update metrics shown on the progress line."""
+
+    batch_keys: tuple[str, ...]
+    progress_keys: tuple[str, ...]
+
+    def load_data(self, config: ml_collections.ConfigDict, workdir: str,
+                  batch_multiple: int) -> TaskData:
+        """Reads and batches the data (training the vocabulary on first use); micro-batches
+        have a multiple of ``batch_multiple`` rows."""
+
+    def build_model(self, config: ml_collections.ConfigDict, vocab_size: int,
+                    mesh: jax.sharding.Mesh | None) -> nnx.Module:
+        """The model, initialised from ``config.seed`` and placed on ``mesh``."""
+
+    def objective(self, config: ml_collections.ConfigDict) -> Any:
+        """The hashable objective of :mod:`sparsemixer_jax.training.steps`."""
+
+    def micro_batches(self, config: ml_collections.ConfigDict) -> int:
+        """Micro-batches per update (gradient accumulation)."""
+
+    def validation_metrics(self, sums: Any) -> dict[str, float]:
+        """``valid_*`` metrics from the objective's evaluation sums over the whole set; must
+        hold ``valid_loss`` (the ``best`` checkpoint is the lowest)."""
+
+    def finish(self, run: Run) -> dict[str, Any]:
+        """Results computed once at the end (e.g. test BLEU), merged into ``results.json``."""
+
+
+def build_model(config: ml_collections.ConfigDict, model_class: type, vocab_size: int,
+                mesh: jax.sharding.Mesh | None) -> nnx.Module:
+    """``model_class(config, vocab_size, mesh=..., rngs=...)`` seeded from ``config.seed``."""
+    seed = int(config.seed)
+    rngs = nnx.Rngs(params=seed, dropout=seed + 1, router=seed + 2)
+    model = model_class(config, vocab_size, mesh=mesh, rngs=rngs)
+    if mesh is not None:
+        sharding.shard_state(model, mesh)
+    return model
+
+
+def evaluate(steps: Steps, params: Any, batches: list, place: BatchPlacer, task: Task,
+             key: jax.Array) -> dict[str, float]:
+    """The task's validation metrics over ``batches`` (sums accumulated in float64)."""
+    total = None
+    for batch in batches:
+        sums = jax.tree.map(lambda x: np.asarray(x, np.float64),
+                            jax.device_get(steps.evaluate(params, place(batch), key)))
+        total = sums if total is None else jax.tree.map(np.add, total, sums)
+    return task.validation_metrics(total)
+
+
+def _finished_results(workdir: str, train_steps: int) -> dict[str, Any] | None:
+    """The results of a run that already reached ``train_steps``, if it wrote them."""
+    path = os.path.join(workdir, "results.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        results = json.load(f)
+    return results if results.get("steps") == train_steps else None
+
+
+def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Trains ``task`` (resuming from ``workdir`` if it holds a checkpoint), evaluates, and
+    writes ``{workdir}/results.json``, which it also returns.
+
+    Rerunning a finished run returns its results as they were. Raises ValueError for a bad
+    config before anything is written, :class:`~sparsemixer_jax.training.resume.ResumeError` for
+    a workdir that cannot be resumed, :class:`TrainingDiverged` if the loss becomes non-finite.
+    """
+    config_schema.validate(config)
+    runtime.configure(config)  # before any key is made (the entry points call it earlier still)
+    os.makedirs(workdir, exist_ok=True)
+    check_resume_config(workdir, config)
+    if is_main_process():  # atomically: the other processes may be reading it just now
+        write_atomically(os.path.join(workdir, "config.json"), config.to_json(indent=1))
+
+    mesh = sharding.mesh_from_config(config)
+    data = task.load_data(config, workdir, 1 if mesh is None else mesh.size)
+    model = task.build_model(config, data.vocab_size, mesh)
+    steps = Steps(model, task.objective(config), OptimSettings.from_config(config.optim))
+    del model
+    place = BatchPlacer(mesh, task.batch_keys)
+    params = steps.params
+    opt_state = steps.init_opt(params)
+    accum = task.micro_batches(config)
+    logger.info("model: %s parameters; %d micro-batches per update; mesh %s; data %s",
+                f"{count_params(params):,}", accum,
+                None if mesh is None else dict(mesh.shape), data.stats)
+
+    train_steps = int(config.train_steps)
+    checkpoints = RunCheckpoints(workdir)
+    start_step, best_loss, best_step = 0, math.inf, -1
+    restored = resume_from_newest_intact(
+        checkpoints, {"params": params, "opt_state": opt_state}, workdir, train_steps)
+    if restored is not None:
+        if restored.step == train_steps:
+            finished = _finished_results(workdir, train_steps)
+            if finished is not None:
+                checkpoints.close()
+                logger.info("%s already finished %d steps: results.json kept", workdir,
+                            train_steps)
+                return finished
+        params, opt_state = restored.state["params"], restored.state["opt_state"]
+        start_step = restored.step
+        best_loss = float(restored.meta["best_valid_loss"])
+        best_step = int(restored.meta["best_step"])
+        data.train.restore(restored.meta["data"])
+    log = MetricLog(workdir, start_step)
+    key = jax.random.key(int(config.seed) + 3)
+    eval_key = jax.random.key(int(config.seed) + 5)
+    train_iter: Iterator = data.train
+    progress = Progress(train_steps, start_step)
+
+    def meta_for(step: int) -> dict:
+        return {"step": step, "data": data.train.state(), "best_valid_loss": best_loss,
+                "best_step": best_step}
+
+    train_time, train_tokens = 0.0, 0.0
+    step_rates = []  # tokens/s of each step: their median leaves out the compilation stalls
+    pending = None  # metrics of the last step, read one step late so the host never waits idle
+    seen_shapes = set()  # batch shapes the step functions were compiled for
+    valid: dict[str, float] = {}
+
+    def finish_step(record) -> None:
+        nonlocal train_tokens
+        step, metrics, started, moe_due = record
+        metrics = jax.device_get(metrics)
+        elapsed = time.perf_counter() - started
+        if not bool(metrics["finite"]):
+            log.write({"step": step, "error": "non-finite loss or gradient",
+                       "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])})
+            raise TrainingDiverged(
+                f"step {step}: loss {float(metrics['loss'])} / gradient norm "
+                f"{float(metrics['grad_norm'])} is not finite; the update was not applied and no "
+                f"checkpoint was written after step {checkpoints.last.latest_step()} "
+                f"(the last good one, in {workdir}/checkpoints/last). Lower optim.peak_lr, set "
+                "optim.clip_norm, or use float32 compute."
+            )
+        train_tokens += float(metrics["tokens"])
+        entry = {"step": step, "lr": float(steps.schedule(step - 1)),
+                 **{k: float(v) for k, v in metrics.items() if k not in ("moe", "finite")},
+                 "tokens_per_s": float(metrics["tokens"]) / max(elapsed, 1e-9)}
+        step_rates.append(entry["tokens_per_s"])
+        if moe_due and metrics.get("moe"):
+            entry["moe"] = to_python(metrics["moe"])
+        log.write(entry)
+        progress.note(**{k: f"{entry[k]:.3f}" for k in task.progress_keys},
+                      lr=f"{entry['lr']:.2e}")
+
+    def flush() -> None:
+        nonlocal pending
+        if pending is not None:
+            finish_step(pending)
+            pending = None
+
+    try:
+        for step in range(start_step + 1, train_steps + 1):
+            started = time.perf_counter()
+            micro = [next(train_iter) for _ in range(accum)]
+            shapes = {tuple(b[k].shape for k in task.batch_keys) for b in micro}
+            new_shapes = shapes - seen_shapes
+            seen_shapes |= new_shapes
+            params, opt_state, metrics = steps.train_step(
+                params, opt_state, [place(batch) for batch in micro],
+                jax.random.fold_in(key, step))
+            flush()
+            pending = (step, metrics, started, step % int(config.log_every) == 0)
+            train_time += time.perf_counter() - started
+            progress.advance(compiled=bool(new_shapes))
+
+            is_last = step == train_steps
+            if step % int(config.eval_every) == 0 or is_last:
+                flush()
+                valid = evaluate(steps, params, data.valid, place, task, eval_key)
+                log.write({"step": step, **valid})
+                if valid["valid_loss"] < best_loss:
+                    best_loss, best_step = valid["valid_loss"], step
+                    checkpoints.save_best(step, {"params": params, "opt_state": opt_state},
+                                          meta_for(step))
+                logger.info("step %d: %s", step, valid)
+            if step % int(config.checkpoint_every) == 0 or is_last:
+                flush()
+                checkpoints.save_last(step, {"params": params, "opt_state": opt_state},
+                                      meta_for(step))
+        flush()
+    finally:
+        checkpoints.wait()
+        progress.close()
+
+    if not valid:  # resumed a finished run that wrote no results: evaluate what is there
+        valid = evaluate(steps, params, data.valid, place, task, eval_key)
+    results = {
+        "steps": train_steps,
+        **valid,
+        "best_valid_loss": best_loss,
+        "best_step": best_step,
+        "tokens_per_second": train_tokens / train_time if train_time > 0 else None,
+        "tokens_per_second_median_step": float(np.median(step_rates)) if step_rates else None,
+        "train_time_s": train_time,
+        "num_params": count_params(params),
+        "data_stats": data.stats,
+    }
+    results.update(task.finish(Run(config, workdir, steps, params, opt_state, checkpoints,
+                                   best_step, data, place)))
+    results["config"] = json.loads(config.to_json())
+    if is_main_process():
+        write_atomically(os.path.join(workdir, "results.json"), json.dumps(results, indent=1))
+    log.close()
+    checkpoints.close()
+    return results
