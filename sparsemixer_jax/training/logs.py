@@ -110,8 +110,8 @@ class Progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                            mininterval=2.0, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} "
-                            "[{postfix}]")
+                            mininterval=2.0,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}")
 
     @property
     def rate(self) -> float | None:

@@ -118,6 +118,18 @@ class Steps:
         """The optimizer state's shapes, without computing it (a restore template)."""
         return jax.eval_shape(lambda p: make_optimizer(self.optim).init(p), params)
 
+    def zeros(self, params, batch):
+        """A zero accumulator of gradients and metric sums for batches shaped like ``batch``."""
+        return _zero_accumulator(self.graphdef, self.objective, params, self.rest, batch)
+
+    def accumulate(self, params, acc, batch, key):
+        """``acc`` plus the gradient and metric sums of ``batch`` (``acc`` is donated)."""
+        return _accumulate(self.graphdef, self.objective, params, self.rest, acc, batch, key)
+
+    def update(self, params, opt_state, acc):
+        """The optimizer update from an accumulator: ``(params, opt_state, metrics)``."""
+        return _update(self.objective, self.optim, params, opt_state, acc)
+
     def train_step(self, params, opt_state, micro_batches, step_key):
         """One update from ``micro_batches`` (device batches); micro-batch ``j`` draws its
         randomness from ``fold_in(step_key, j)``. Returns ``(params, opt_state, metrics)``.
@@ -128,12 +140,10 @@ class Steps:
         if len(micro_batches) == 1:
             return _train_step(self.graphdef, self.objective, self.optim, params, self.rest,
                                opt_state, micro_batches[0], jax.random.fold_in(step_key, 0))
-        acc = _zero_accumulator(self.graphdef, self.objective, params, self.rest,
-                                micro_batches[0])
+        acc = self.zeros(params, micro_batches[0])
         for j, batch in enumerate(micro_batches):
-            acc = _accumulate(self.graphdef, self.objective, params, self.rest, acc, batch,
-                              jax.random.fold_in(step_key, j))
-        return _update(self.objective, self.optim, params, opt_state, acc)
+            acc = self.accumulate(params, acc, batch, jax.random.fold_in(step_key, j))
+        return self.update(params, opt_state, acc)
 
     def evaluate(self, params, batch, key):
         return _evaluate(self.graphdef, self.objective, params, self.rest, batch, key)
