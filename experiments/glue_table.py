@@ -7,7 +7,9 @@
 
 Each ``--run`` is ``[LABEL=]DIR`` with ``DIR`` a fine-tuning workdir (its ``results.json``, or the
 ``{task}/results.json`` files in it). ``--out PREFIX`` writes ``PREFIX.md`` and ``PREFIX.json``.
-Scores and averages: :mod:`sparsemixer_jax.studies.glue_table`.
+Scores are percentages of the dev metric the paper reports (Table 2); AVG is the mean over the
+tasks every row has (MNLI counts once, as the mean of -m and -mm, which reproduces the paper's
+averages), so rows with different task sets are still compared on equal terms.
 """
 
 from __future__ import annotations
