@@ -4,7 +4,7 @@ batched matmul), forward + backward of the expert FFN, on the default JAX backen
     python -m experiments.bench_dispatch [--tokens 4096 --emb 512 --mlp 2048 --experts 2 4 8 16]
 
 Prints a table of median milliseconds per forward+backward; the result sets the CPU default of
-``dispatch="auto"`` in ``sparsemixer_jax/moe.py`` (``moe.AUTO_DISPATCH``). On a GPU
+``dispatch="auto"`` in ``sparsemixer_jax/moe/dispatch.py`` (``moe.AUTO_DISPATCH``). On a GPU
 (``JAX_PLATFORMS=cuda``), ``--triton-ragged-dot`` times ``ragged`` with ragged_dot's grouped
 Pallas/Triton lowering where the installed jax has it (it says so when it has not).
 """
@@ -12,46 +12,11 @@ Pallas/Triton lowering where the installed jax has it (it says so when it has no
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
-from sparsemixer_jax.moe import expert_ffn
-
-
-def bench(dispatch: str, tokens: int, emb: int, mlp: int, n: int, repeats: int,
-          dtype) -> float:
-    """Median seconds of one jitted forward+backward of ``expert_ffn``."""
-    kx, kg, kw = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(kx, (tokens, emb), dtype)
-    group = jax.random.randint(kg, (tokens,), 0, n)  # roughly balanced routing
-    ids = jnp.arange(tokens, dtype=jnp.int32)
-    k1, k2 = jax.random.split(kw)
-    params = (
-        jax.random.normal(k1, (n, emb, mlp), dtype) / emb**0.5,
-        jnp.zeros((n, mlp), dtype),
-        jax.random.normal(k2, (n, mlp, emb), dtype) / mlp**0.5,
-        jnp.zeros((n, emb), dtype),
-    )
-
-    def loss(params, x):
-        if dispatch == "dense":  # one FFN on every token: the cost floor of any dispatch
-            wi, bi, wo, bo = (p[0] for p in params)
-            y = jax.nn.relu(x @ wi + bi) @ wo + bo
-        else:
-            y = expert_ffn(x, group, ids, params, dispatch=dispatch)
-        return jnp.sum(y.astype(jnp.float32) ** 2)
-
-    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    jax.block_until_ready(step(params, x))  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(step(params, x))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from sparsemixer_jax.benchmarks.layers import time_expert_ffn
 
 
 def main() -> None:
@@ -74,12 +39,12 @@ def main() -> None:
     print(f"backend={jax.default_backend()} devices={jax.devices()[0].device_kind} "
           f"tokens={args.tokens} emb={args.emb} mlp={args.mlp} dtype={args.dtype} "
           f"median of {args.repeats}, fwd+bwd")
-    dense = bench("dense", args.tokens, args.emb, args.mlp, 1, args.repeats, dtype) * 1e3
+    dense = time_expert_ffn("dense", args.tokens, args.emb, args.mlp, 1, args.repeats, dtype) * 1e3
     print(f"dense FFN (one expert, all tokens): {dense:.1f} ms")
     print(f"{'N':>4} {'ragged ms':>10} {'padded ms':>10} {'faster':>8}")
     for n in args.experts:
-        r = bench("ragged", args.tokens, args.emb, args.mlp, n, args.repeats, dtype) * 1e3
-        p = bench("padded", args.tokens, args.emb, args.mlp, n, args.repeats, dtype) * 1e3
+        r = time_expert_ffn("ragged", args.tokens, args.emb, args.mlp, n, args.repeats, dtype) * 1e3
+        p = time_expert_ffn("padded", args.tokens, args.emb, args.mlp, n, args.repeats, dtype) * 1e3
         print(f"{n:>4} {r:>10.1f} {p:>10.1f} {'ragged' if r < p else 'padded':>8}", flush=True)
 
 

@@ -20,7 +20,7 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from experiments import cli
+from sparsemixer_jax import cli
 
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
 flags.DEFINE_string("pretrained", None, "Workdir of a pretraining run (experiments.pretrain).")
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     cli.enable_compilation_cache()
-    from experiments.glue_table import summary_table
+    from sparsemixer_jax.studies.glue_table import summary_table
     from sparsemixer_jax.tasks import finetuning
 
     cli.quiet_libraries()

@@ -124,7 +124,7 @@ for part in "${PARTS[@]}"; do
       log "tests: JAX_PLATFORMS=$PLATFORM pytest (GPU subset)"
       timeout "$RUN_LIMIT" python -m pytest -q -n 0 -p no:cacheprovider \
         tests/test_routing.py tests/test_moe.py tests/test_models.py tests/test_decode.py \
-        tests/test_analysis.py tests/test_steps.py tests/test_grouped_matmul.py \
+        tests/test_exact_gradient.py tests/test_steps.py tests/test_grouped_matmul.py \
         tests/test_gpu.py tests/test_train.py >"$OUT/tests.txt" 2>&1
       log "tests: exit $? ($(tail -n 1 "$OUT/tests.txt"))"
       ;;

@@ -1,4 +1,5 @@
-"""Smoke tests of experiments/benchmark.py and of the summarising code of experiments/compare.py.
+"""Smoke tests of the benchmarks (sparsemixer_jax.benchmarks, run by experiments/benchmark.py) and
+of the summarising code of the convergence study (sparsemixer_jax.studies).
 
 Tiny sizes, one repeat: they check that the scripts run and write what docs/benchmarks.md reads,
 never how fast anything is (timings on shared CPU cores are no test material).
@@ -13,21 +14,27 @@ import os
 import numpy as np
 import pytest
 
-from experiments import benchmark, compare
+from sparsemixer_jax.benchmarks import decoding, flops, report, runner, trace, training_step
+from sparsemixer_jax.studies.arms import DIVERGED, arm_names, arm_settings, run_dir
+from sparsemixer_jax.studies.figures import plot_convergence
+from sparsemixer_jax.studies.runner import StudyOptions, make_config
+from sparsemixer_jax.studies.summary import markdown, summarize, updates_to_reach
 
-TINY = ["--emb", "16", "--mlp", "32", "--heads", "2", "--layers", "1", "--vocab", "64",
-        "--tokens", "64", "--length", "8", "--warmup", "1", "--repeats", "1"]
+TINY = {"emb": 16, "mlp": 32, "heads": 2, "layers": 1, "vocab": 64, "tokens": 64, "length": 8,
+        "warmup": 1, "repeats": 1}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_benchmark_layer_and_router_sections(tmp_path):
     out = tmp_path / "bench.json"
-    result = benchmark.main(["--out", str(out), "--experts", "2", "--step-seconds", "1.0",
-                             "--sections", "router", "moe_vs_dense", *TINY])
+    result = runner.run(runner.BenchmarkSettings(
+        out=str(out), experts=[2], step_seconds=1.0, sections=["router", "moe_vs_dense"], **TINY),
+        command="test")
     saved = json.loads(out.read_text())
     assert set(saved["moe_vs_dense"]["2"]) == {"ragged", "padded", "auto"}
     assert saved["router"]["2"]["extra_fraction_of_step"] is not None
     assert saved["machine"]["backend"] == result["machine"]["backend"]
-    assert "| N |" in benchmark.markdown_tables(saved)
+    assert "| N |" in report.markdown_tables(saved)
 
 
 def test_overhead_section_json(monkeypatch):
@@ -40,10 +47,10 @@ def test_overhead_section_json(monkeypatch):
         def __call__(self):
             return np.zeros(())
 
-    monkeypatch.setattr(benchmark, "TrainStep", FakeStep)
+    monkeypatch.setattr(training_step, "TrainStep", FakeStep)
     sizes = {"emb": 16, "mlp": 32, "heads": 2, "layers": 1, "vocab": 64, "tokens": 64,
              "length": 8}
-    out = benchmark.bench_overhead(sizes, [2, 4], "float32", warmup=1, repeats=3)
+    out = training_step.bench_overhead(sizes, [2, 4], "float32", warmup=1, repeats=3)
     assert set(out) == {"2", "4"}
     assert out["4"].keys() >= {"switch_s", "sparsemixer_s", "ratio", "paired_ratio"}
     assert out["4"]["paired_ratio"]["n"] == 3
@@ -61,32 +68,43 @@ def test_fusion_section_json(monkeypatch):
         def __call__(self):
             return np.zeros(())
 
-    monkeypatch.setattr(benchmark, "TrainStep", FakeStep)
+    monkeypatch.setattr(training_step, "TrainStep", FakeStep)
     sizes = {"emb": 16, "mlp": 32, "heads": 2, "layers": 1, "vocab": 64, "tokens": 64,
              "length": 8}
-    out = benchmark.bench_fusion(sizes, [4], "float32", warmup=1, repeats=2,
-                                 attention_impl="xla")
+    out = training_step.bench_fusion(sizes, [4], "float32", warmup=1, repeats=2,
+                                     attention_impl="xla")
     assert set(out) == {"dense", "4"} and out["4"]["fused"]["n"] == 2
     assert built == [(0, True, "xla", 0.0), (0, False, "xla", 0.0), (4, True, "xla", 0.0),
                      (4, False, "xla", 0.0)]
-    assert "| dense |" in benchmark.markdown_tables({"fusion": out})
+    assert "| dense |" in report.markdown_tables({"fusion": out})
 
 
 def test_decode_section_runs(tmp_path):
     """Beam search of the dense model on one tiny batch (one compilation, a few seconds)."""
     sizes = {"emb": 16, "mlp": 32, "heads": 2, "layers": 1, "vocab": 64, "tokens": 64,
              "length": 8}
-    out = benchmark.bench_decode(sizes, [], "float32", warmup=1, repeats=1, beam_size=2,
-                                 max_extra_len=3, shapes={"tiny": (3, 6)})
+    out = decoding.bench_decode(sizes, [], "float32", warmup=1, repeats=1, beam_size=2,
+                                max_extra_len=3, shapes={"tiny": (3, 6)})
     r = out["dense/tiny"]
     assert r["sentences"] == 3 and r["sentences_per_s"] > 0 and r["compile_s"] >= 0
-    assert "| dense/tiny | 3 x 6 |" in benchmark.markdown_tables({"decode": out})
+    assert "| dense/tiny | 3 x 6 |" in report.markdown_tables({"decode": out})
 
 
-def test_backend_gpu_means_cuda():
+def test_backend_gpu_means_cuda(tmp_path):
     # jax 0.11: JAX_PLATFORMS=gpu tries ROCm on a CUDA machine; the CUDA plugin is "cuda".
-    assert benchmark.PLATFORMS["gpu"] == benchmark.PLATFORMS["cuda"] == "cuda"
-    assert benchmark.parse_args(["--backend", "gpu"]).backend == "gpu"
+    assert runner.PLATFORMS["gpu"] == runner.PLATFORMS["cuda"] == "cuda"
+    # The command line takes --backend gpu (--report prints a result file and starts nothing).
+    import subprocess
+    import sys
+
+    result = tmp_path / "bench.json"
+    result.write_text(json.dumps({"router": {"2": {
+        "switch": {"median": 1e-4}, "sparsemixer": {"median": 2e-4},
+        "extra_fraction_of_step": None}}}))
+    command = [sys.executable, "-m", "experiments.benchmark", "--backend", "gpu", "--report",
+               str(result)]
+    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "| N |" in run.stdout, run.stderr[-2000:]
 
 
 def test_gpu_campaign_script_parses_and_names_real_files():
@@ -113,18 +131,19 @@ def test_benchmark_whole_training_step(tmp_path):
     """The real thing at tiny sizes: two compiled training steps (about 20 s on an idle 2-core
     CPU, most of it compilation)."""
     out = tmp_path / "bench.json"
-    benchmark.main(["--out", str(out), "--experts", "2", "--sections", "overhead", *TINY])
+    runner.run(runner.BenchmarkSettings(out=str(out), experts=[2], sections=["overhead"], **TINY),
+               command="test")
     saved = json.loads(out.read_text())
     assert saved["overhead"]["2"]["ratio"] > 0
 
 
 def test_model_flops_counts_the_output_projection():
     sizes = {"emb": 8, "mlp": 16, "layers": 1, "vocab": 10, "tokens": 4, "length": 4}
-    with_vocab = benchmark.model_flops_per_step({**sizes, "vocab": 20}, 0)
+    with_vocab = flops.model_flops_per_step({**sizes, "vocab": 20}, 0)
     # 2 e V forward per target token, times 3 for forward + backward, 4 tokens.
-    assert with_vocab - benchmark.model_flops_per_step(sizes, 0) == 3 * 4 * 2 * 8 * 10
+    assert with_vocab - flops.model_flops_per_step(sizes, 0) == 3 * 4 * 2 * 8 * 10
     # Top-1 MoE adds only the router's FLOPs.
-    assert benchmark.model_flops_per_step(sizes, 4) > benchmark.model_flops_per_step(sizes, 0)
+    assert flops.model_flops_per_step(sizes, 4) > flops.model_flops_per_step(sizes, 0)
 
 
 def test_summarize_trace_self_times(tmp_path):
@@ -139,7 +158,7 @@ def test_summarize_trace_self_times(tmp_path):
     path = tmp_path / "t.trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    summary = benchmark.summarize_trace(str(path), steps=2)
+    summary = trace.summarize_trace(str(path), steps=2)
     cats = summary["categories"]
     assert math.isclose(cats["matmul"]["s_per_step"], 3e-6)  # 6 us over 2 steps
     assert math.isclose(cats["while"]["s_per_step"], 2e-6)  # 10 - 6 us nested, over 2 steps
@@ -152,7 +171,7 @@ def test_summarize_gpu_trace_counts_stream_kernels_only():
     of kernels and summary threads ``XLA Ops``/``XLA Modules``/``Steps``, a ``/host:CPU`` process
     with the ``python`` thread), with made-up durations in microseconds."""
     path = os.path.join(os.path.dirname(__file__), "data", "gpu_trace.trace.json.gz")
-    summary = benchmark.summarize_trace(path, steps=2)
+    summary = trace.summarize_trace(path, steps=2)
     assert summary["device_kind"] == "accelerator streams"
     assert summary["streams"] == ["/device:GPU:0 Stream #14(Compute)",
                                   "/device:GPU:0 Stream #15(MemcpyH2D)"]
@@ -170,9 +189,9 @@ def test_summarize_gpu_trace_counts_stream_kernels_only():
 
 
 def _fake_run(root, arm, seed, valid, final=True, bleu=10.0):
-    workdir = compare.run_dir(str(root), arm, seed)
+    workdir = run_dir(str(root), arm, seed)
     os.makedirs(workdir)
-    router, n = compare.arm_settings(arm)
+    router, n = arm_settings(arm)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         json.dump({"model": {"num_experts": n}, "router": {"name": router}}, f)
     with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
@@ -193,10 +212,10 @@ def test_compare_summary_tables_and_plot(tmp_path):
         _fake_run(root, "sparsemixer_n4", seed, [4.5, 3.0, 2.5], bleu=12.0)
         _fake_run(root, "dense", seed, [5.0, 4.5, 4.0], final=seed < 2)
     _fake_run(root, "switch_n8", 0, [5.0, 9.0], final=False)
-    with open(os.path.join(compare.run_dir(str(root), "switch_n8", 0), compare.DIVERGED), "w") as f:
+    with open(os.path.join(run_dir(str(root), "switch_n8", 0), DIVERGED), "w") as f:
         f.write("{}")
-    arms = compare.arm_names([4])
-    summary = compare.summarize(str(root), arms, [0, 1, 2])
+    arms = arm_names([4])
+    summary = summarize(str(root), arms, [0, 1, 2])
     assert summary["checkpoints"] == [10, 20, 30]
     sm = summary["arms"]["sparsemixer_n4"]
     assert sm["valid_loss_at"]["20"]["mean"] == pytest.approx(3.0)
@@ -213,38 +232,39 @@ def test_compare_summary_tables_and_plot(tmp_path):
     assert dense["updates_to_target"]["not_reached"] == 2
     assert dense["final_valid_loss"]["n"] == 2
     assert dense["paired_minus_target_arm"]["final_valid_loss"]["n"] == 2
-    table = compare.markdown(summary)
+    table = markdown(summary)
     assert "sparsemixer_n4" in table and "never reached" in table
     # A diverged run is counted apart, not as unfinished, and left out of the figures.
-    n8 = compare.summarize(str(root), ["switch_n8"], [0])["arms"]["switch_n8"]
+    n8 = summarize(str(root), ["switch_n8"], [0])["arms"]["switch_n8"]
     assert n8["diverged_seeds"] == [0] and n8["unfinished_seeds"] == [] and n8["finished"] == 0
-    assert "| switch_n8 | 0 (1 diverged) |" in compare.markdown(
-        compare.summarize(str(root), ["switch_n8"], [0]))
-    compare.plot(str(root), summary, str(tmp_path / "curves.png"))
+    assert "| switch_n8 | 0 (1 diverged) |" in markdown(
+        summarize(str(root), ["switch_n8"], [0]))
+    plot_convergence(str(root), summary, str(tmp_path / "curves.png"))
     assert (tmp_path / "curves.png").stat().st_size > 0
 
 
 def test_updates_to_reach_interpolates():
     steps, losses = np.array([10, 20, 30]), np.array([5.0, 4.0, 3.0])
-    assert compare.updates_to_reach(steps, losses, 3.5) == pytest.approx(25.0)
-    assert compare.updates_to_reach(steps, losses, 6.0) == 10.0
-    assert compare.updates_to_reach(steps, losses, 2.0) is None
+    assert updates_to_reach(steps, losses, 3.5) == pytest.approx(25.0)
+    assert updates_to_reach(steps, losses, 6.0) == 10.0
+    assert updates_to_reach(steps, losses, 2.0) is None
 
 
 def test_make_config_sets_arm_and_overrides():
-    config = compare.make_config("configs/multi30k_compare.py", "switch_n8", 2, 7,
+    config = make_config("configs/multi30k_compare.py", "switch_n8", 2, 7,
                                  ["model.emb_dim=64", "decode.beam_size=2"])
     assert (config.router.name, config.model.num_experts, config.seed) == ("switch", 8, 2)
     assert config.train_steps == 7 and config.model.emb_dim == 64
     assert config.decode.beam_size == 2
-    assert compare.make_config("configs/multi30k_compare.py", "dense", 0, None).model \
+    assert make_config("configs/multi30k_compare.py", "dense", 0, None).model \
         .num_experts == 0
     with pytest.raises(ValueError, match="set per run by the study"):
-        compare.make_config("configs/multi30k_compare.py", "dense", 0, None,
+        make_config("configs/multi30k_compare.py", "dense", 0, None,
                             ["model.num_experts=8"])
 
 
 def test_compare_writes_its_tables_under_root_by_default(tmp_path):
-    args = compare.parse_args(["--root", str(tmp_path), "--summarize-only"])
+    args = StudyOptions(config="configs/multi30k_compare.py", root=str(tmp_path),
+                                     arms=["switch_n4"], seeds=[0])
     assert args.out_json == str(tmp_path / "compare.json")
     assert args.plot == str(tmp_path / "convergence.png")

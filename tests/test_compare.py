@@ -1,54 +1,60 @@
-"""Tests of the study driver (experiments/compare.py, experiments/study.py) that train nothing:
-arm names, target arms, the compact result files, packing, resuming and the process pool."""
+"""Tests of the convergence study (sparsemixer_jax.studies, driven by experiments/compare.py) that
+train nothing: arm names, target arms, the compact result files, packing, resuming and the
+process pool."""
 
 import json
 import os
+import subprocess
 import sys
 import tarfile
 
 import numpy as np
 import pytest
 
-from experiments import compare, plot, study
+from sparsemixer_jax.studies import runner
+from sparsemixer_jax.studies.arms import arm_settings, parse_arm, run_dir, study_arms, target_arm
+from sparsemixer_jax.studies.curves import diagnostic_series
+from sparsemixer_jax.studies.figures import plot_convergence, plot_router
+from sparsemixer_jax.studies.summary import markdown, summarize
 
 
 def test_arm_names_parse_into_config_fields():
-    assert study.parse_arm("sparsemixer_nomask_n8") == {
+    assert parse_arm("sparsemixer_nomask_n8") == {
         "router.name": "sparsemixer_nomask", "model.num_experts": 8}
-    assert study.parse_arm("sparsemixer_n4_lr2e-3_eps0.5") == {
+    assert parse_arm("sparsemixer_n4_lr2e-3_eps0.5") == {
         "router.name": "sparsemixer", "model.num_experts": 4, "optim.peak_lr": 2e-3,
         "router.jitter_eps": 0.5}
-    assert study.parse_arm("dense")["model.num_experts"] == 0
+    assert parse_arm("dense")["model.num_experts"] == 0
     for bad in ("switch", "switch_n4_foo3", "switch_n4_lrx", "Switch_n4"):
         with pytest.raises(ValueError, match="arm"):
-            study.parse_arm(bad)
+            parse_arm(bad)
 
 
 def test_target_arm_prefers_switch_with_the_same_modifiers():
-    arms = study.study_arms(["main", "lr", "ablations"], [4, 8])
-    assert study.target_arm("sparsemixer_n4_lr2e-3", arms) == "switch_n4_lr2e-3"
-    assert study.target_arm("sparsemixer_n8_eps0.5", arms) == "switch_n8"  # no Switch at 0.5
-    assert study.target_arm("dense", arms) == "switch_n4"
+    arms = study_arms(["main", "lr", "ablations"], [4, 8])
+    assert target_arm("sparsemixer_n4_lr2e-3", arms) == "switch_n4_lr2e-3"
+    assert target_arm("sparsemixer_n8_eps0.5", arms) == "switch_n8"  # no Switch at 0.5
+    assert target_arm("dense", arms) == "switch_n4"
     assert len(arms) == len(set(arms))
     with pytest.raises(ValueError, match="unknown study"):
-        study.study_arms(["nope"], [4])
+        study_arms(["nope"], [4])
 
 
 def test_make_config_applies_arm_modifiers_and_refuses_overriding_them():
-    config = compare.make_config("configs/multi30k_compare.py", "sparsemixer_1st_n8_lr5e-4", 1,
+    config = runner.make_config("configs/multi30k_compare.py", "sparsemixer_1st_n8_lr5e-4", 1,
                                  None, ["model.emb_dim=64"])
     assert (config.router.name, config.model.num_experts) == ("sparsemixer_1st", 8)
     assert config.optim.peak_lr == 5e-4 and config.model.emb_dim == 64 and config.seed == 1
     with pytest.raises(ValueError, match="set per run by the study"):
-        compare.make_config("configs/multi30k_compare.py", "switch_n4_lr5e-4", 0, None,
+        runner.make_config("configs/multi30k_compare.py", "switch_n4_lr5e-4", 0, None,
                             ["optim.peak_lr=1e-3"])
 
 
 def _run(root, arm, seed, valid, finished=True, moe=True):
     """A run directory as train.py leaves it: config, metrics (with router metrics), results."""
-    workdir = study.run_dir(str(root), arm, seed)
+    workdir = run_dir(str(root), arm, seed)
     os.makedirs(os.path.join(workdir, "checkpoints", "last"))
-    router, n = study.arm_settings(arm)
+    router, n = arm_settings(arm)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         json.dump({"model": {"num_experts": n}, "router": {"name": router}}, f)
     with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
@@ -74,7 +80,7 @@ def test_summary_from_compact_files_equals_summary_from_logs(tmp_path):
         _run(root, "sparsemixer_n2", seed, [4.8, 3.5, 3.2])
     _run(root, "sparsemixer_n2", 2, [4.8], finished=False)
     arms = ["switch_n2", "sparsemixer_n2"]
-    before = study.summarize(str(root), arms, [0, 1, 2])
+    before = summarize(str(root), arms, [0, 1, 2])
     sm = before["arms"]["sparsemixer_n2"]
     assert sm["unfinished_seeds"] == [2] and sm["finished"] == 2
     assert sm["paired_minus_target_arm"]["final_valid_loss"]["values"] == pytest.approx(
@@ -82,17 +88,17 @@ def test_summary_from_compact_files_equals_summary_from_logs(tmp_path):
     # Diagnostics at the last logged step (step 30: i = 3).
     assert sm["final_router"]["num_unmasked"]["mean"] == pytest.approx(4.0)
     assert sm["final_router"]["one_eligible_share"]["mean"] == pytest.approx(0.5 / 3)
-    assert "one_eligible_share" in study.markdown(before)
+    assert "one_eligible_share" in markdown(before)
 
     for seed in (0, 1):
         for arm in arms:
-            compare.finish_run(study.run_dir(str(root), arm, seed), compact=True)
-    workdir = study.run_dir(str(root), "switch_n2", 0)
+            runner.finish_run(run_dir(str(root), arm, seed), compact=True)
+    workdir = run_dir(str(root), "switch_n2", 0)
     assert sorted(os.listdir(workdir)) == ["config.json", "curves.json", "results.json"]
-    after = study.summarize(str(root), arms, [0, 1, 2])
+    after = summarize(str(root), arms, [0, 1, 2])
     assert json.dumps(after, sort_keys=True) == json.dumps(before, sort_keys=True)
-    study.plot(str(root), after, str(tmp_path / "curves.png"))
-    study.plot_router(str(root), after, str(tmp_path / "router.png"))
+    plot_convergence(str(root), after, str(tmp_path / "curves.png"))
+    plot_router(str(root), after, str(tmp_path / "router.png"))
     assert (tmp_path / "router.png").stat().st_size > 0
 
 
@@ -101,7 +107,7 @@ def test_pack_then_unpack_makes_runs_count_as_done(tmp_path):
     _run(root, "switch_n2", 0, [5.0, 4.0])
     _run(root, "sparsemixer_n2", 0, [5.0], finished=False)  # partial: not packed
     archive = str(tmp_path / "results.tar.gz")
-    packed = compare.pack(str(root), ["switch_n2", "sparsemixer_n2"], [0], archive)
+    packed = runner.pack(str(root), ["switch_n2", "sparsemixer_n2"], [0], archive)
     assert packed == ["switch_n2_s0"]
     with tarfile.open(archive) as tar:
         names = sorted(tar.getnames())
@@ -109,10 +115,10 @@ def test_pack_then_unpack_makes_runs_count_as_done(tmp_path):
                          "switch_n2_s0/results.json"]
         fresh = tmp_path / "stint2"
         tar.extractall(fresh, filter="data")
-    args = compare.parse_args(["--root", str(fresh), "--arms", "switch_n2", "sparsemixer_n2",
-                               "--seeds", "0"])
-    assert compare.pending(args) == [("sparsemixer_n2", 0)]
-    summary = study.summarize(str(fresh), args.arms, [0])
+    args = runner.StudyOptions(config="configs/multi30k_compare.py", root=str(fresh),
+                               arms=["switch_n2", "sparsemixer_n2"], seeds=[0])
+    assert runner.pending(args) == [("sparsemixer_n2", 0)]
+    summary = summarize(str(fresh), args.arms, [0])
     assert summary["arms"]["switch_n2"]["final_valid_loss"]["mean"] == pytest.approx(4.0)
 
 
@@ -122,28 +128,35 @@ def test_run_pool_runs_every_job_with_the_memory_fraction(tmp_path):
     jobs = [(str(tmp_path / f"job{i}" / "train.log"),
              [sys.executable, "-c", script, str(tmp_path / f"out{i}"), str(i % 2)])
             for i in range(3)]
-    codes = compare.run_pool(jobs, parallel=2, env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.450"},
+    codes = runner.run_pool(jobs, parallel=2, env={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.450"},
                              poll_s=0.01)
     assert sorted(codes.values()) == [0, 0, 1]
     assert [(tmp_path / f"out{i}").read_text() for i in range(3)] == ["0.450"] * 3
     # Past the launch deadline nothing starts.
-    assert compare.run_pool(jobs, parallel=2, env={}, stop_after_s=-1.0, poll_s=0.01) == {}
+    assert runner.run_pool(jobs, parallel=2, env={}, stop_after_s=-1.0, poll_s=0.01) == {}
 
 
 def test_child_command_carries_the_run_settings(tmp_path):
-    args = compare.parse_args(["--root", str(tmp_path), "--study", "lr", "--steps", "7",
-                               "--override", "model.emb_dim=64", "--parallel", "2",
-                               "--compact"])
-    assert args.arms == ["switch_n4_lr5e-4", "sparsemixer_n4_lr5e-4", "switch_n4_lr2e-3",
-                         "sparsemixer_n4_lr2e-3"]
-    argv = compare._child_argv(args, "switch_n4_lr5e-4", 1)
-    child = compare.parse_args(argv[3:])
-    assert child.run_one == ["switch_n4_lr5e-4", "1"]
-    assert (child.steps, child.override, child.compact, child.root) == (
-        7, ["model.emb_dim=64"], True, str(tmp_path))
+    arms = study_arms(["lr"], [4])
+    assert arms == ["switch_n4_lr5e-4", "sparsemixer_n4_lr5e-4", "switch_n4_lr2e-3",
+                    "sparsemixer_n4_lr2e-3"]
+    options = runner.StudyOptions(config="configs/multi30k_compare.py", root=str(tmp_path),
+                                  arms=arms, seeds=[0, 1, 2], steps=7,
+                                  override=["model.emb_dim=64"], parallel=2, compact=True)
+    argv = runner.child_argv(options, "switch_n4_lr5e-4", 1)
+    assert argv == [sys.executable, "-m", "experiments.compare", "--run-one", "switch_n4_lr5e-4",
+                    "1", "--config", "configs/multi30k_compare.py", "--root", str(tmp_path),
+                    "--steps", "7", "--override", "model.emb_dim=64", "--compact"]
+    # The entry point the child runs takes each of these options.
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    usage = subprocess.run([sys.executable, "-m", "experiments.compare", "--help"], cwd=repo,
+                           capture_output=True, text=True, timeout=300)
+    assert usage.returncode == 0, usage.stderr[-2000:]
+    for flag in (a for a in argv if a.startswith("--")):
+        assert flag in usage.stdout, flag
 
 
 def test_diagnostic_series_skips_steps_without_the_metric():
     moe = {10: {"a": {"max_logit": 1.0}, "b": {"max_logit": 3.0}}, 20: {"a": {}}}
-    steps, values = plot.diagnostic_series(moe, lambda m: m["max_logit"])
+    steps, values = diagnostic_series(moe, lambda m: m["max_logit"])
     assert steps.tolist() == [10] and np.asarray(values).tolist() == [[1.0, 3.0]]

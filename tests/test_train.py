@@ -16,12 +16,12 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import plot, translate
+from sparsemixer_jax import cli, sharding, training, translate
 from sparsemixer_jax import config as config_schema
-from sparsemixer_jax import sharding, training
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.data.sources import read_split
 from sparsemixer_jax.data.translation import load_datasets
+from sparsemixer_jax.studies.curves import plot_losses, read_run
 from sparsemixer_jax.tasks import translation
 from sparsemixer_jax.training.hosts import BatchPlacer
 from sparsemixer_jax.training.logs import Progress
@@ -247,7 +247,7 @@ def test_translate_and_plot(straight_run, tmp_path):
         "a\rb", "c\u2028d", "", "e"]
     assert translate.split_lines(b"") == [] and translate.split_lines(b"x") == ["x"]
     png = tmp_path / "curves.png"
-    plot.main([workdir, workdir, "--out", str(png)])
+    plot_losses([read_run(workdir), read_run(workdir)], str(png))
     assert png.stat().st_size > 10_000
 
 
@@ -358,8 +358,6 @@ def test_progress_eta_leaves_out_compilation_and_elapsed_time_never_runs_backwar
 
 
 def test_quickstart_hint_names_the_generated_language_and_a_test_line(tmp_path):
-    from experiments import cli
-
     config = tiny()
     hint = cli.try_it_hint(config, str(tmp_path))
     first_test_source = read_split(config, "test")[0][0]
@@ -370,8 +368,6 @@ def test_quickstart_hint_names_the_generated_language_and_a_test_line(tmp_path):
 
 
 def test_unknown_config_field_is_one_line_with_close_matches():
-    from experiments import cli
-
     argv = ["wmt", "--config", "configs/quickstart.py", "--workdir", "/tmp/unused"]
     assert cli.unknown_config_field([*argv, "--config.model.emb_dim=8"]) is None
     message = cli.unknown_config_field([*argv, "--config.model.emb_dimm=8"])

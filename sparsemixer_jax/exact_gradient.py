@@ -26,11 +26,19 @@ probability ``pi^(t)_{D_t}`` (not renormalised). Enumerating every ordered tuple
 ``(D_1, ..., D_k)`` (``N! / (N - k)!`` of them) gives the loss
 ``L = sum P(tuple) g(sum_t pi^(t)_{D_t} f_{D_t})`` with ``P(tuple) = prod_t pi^(t)_{D_t}``, and
 every estimator's expectation by also enumerating its ``2^k`` coin outcomes.
+
+The accuracy experiment (:func:`accuracy_experiment`, ``python -m
+experiments.gradient_accuracy``) scales the expert outputs by ``s`` from 1 down to
+``min_scale`` on random problems: the slope of log(relative error) against log(s) is an
+estimator's order of accuracy (the paper claims 1 for forward Euler and 2 for the mid-point
+rule); top-k, the norm ratio, cosine and bias against the exact top-k gradient.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -387,3 +395,112 @@ def accuracy_sweep(
         name: {metric: [float(r[name][metric]) for r in rows] for metric in rows[0][name]}
         for name in rows[0]
     }
+
+
+# ------------------------------------------------------- the accuracy experiment over problems
+
+ESTIMATOR_NOTES = {
+    "switch": "backprop only (nabla_0 dropped)",
+    "euler": "SparseMixer-1st (forward Euler)",
+    "midpoint": "mid-point rule for nabla_0 + exact nabla_1",
+    "sparsemixer_2nd": "router estimator='midpoint' (mid-point on both terms)",
+    "sparsemixer": "router default: reference mix, fair coin",
+    "sparsemixer_paper": "router midpoint_prob=1 (paper's text)",
+}
+METRICS = ("relerr_nabla0", "cos_nabla0", "relerr_full", "cos_full")
+
+
+@dataclasses.dataclass
+class SweepSettings:
+    """The problems and scales of :func:`accuracy_experiment`: ``num_problems`` random problems
+    of ``num_experts`` experts with outputs of dimension ``dim``, router probabilities under
+    ``mask`` with ``jitter_eps``; ``num_scales`` output scales from 1 down to ``min_scale``,
+    slopes fitted on the scales <= ``fit_below`` (the asymptotic regime); top-k sweeps for each
+    ``top_k`` (empty: none)."""
+
+    num_problems: int = 16
+    num_experts: int = 8
+    dim: int = 16
+    mask: str = "none"
+    jitter_eps: float = 0.1
+    min_scale: float = 1e-3
+    num_scales: int = 13
+    fit_below: float = 0.1
+    seed: int = 0
+    top_k: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
+
+    def __post_init__(self) -> None:
+        if self.num_problems < 1 or self.num_experts < 2 or self.dim < 1:
+            raise ValueError("need --num-problems >= 1, --num-experts >= 2 and --dim >= 1")
+        if not 0 < self.min_scale < 1 or self.num_scales < 3:
+            raise ValueError("need 0 < --min-scale < 1 and --num-scales >= 3")
+        if any(not 1 <= k <= self.num_experts for k in self.top_k):
+            raise ValueError(f"--top-k values must lie in [1, --num-experts={self.num_experts}]")
+        if (self.scales() <= self.fit_below * (1 + 1e-9)).sum() < 2:
+            raise ValueError(f"--fit-below {self.fit_below} leaves fewer than 2 scales to fit")
+
+    def scales(self) -> np.ndarray:
+        return np.logspace(0.0, math.log10(self.min_scale), self.num_scales)
+
+
+def accuracy_experiment(settings: SweepSettings) -> dict:
+    """Every estimator's accuracy on ``settings.num_problems`` random problems as the expert
+    outputs shrink (:func:`accuracy_sweep`), and on the same problems routed top-k
+    (:func:`topk_accuracy_sweep`) for each ``settings.top_k``; summarised with geometric means
+    and per-problem slopes. Computed in float64: errors reach 1e-9, where float32 would hide the
+    mid-point's order."""
+    with jax.enable_x64(True):
+        return _accuracy_experiment(settings)
+
+
+def _accuracy_experiment(settings: SweepSettings) -> dict:
+    scales = settings.scales()
+    fit = scales <= settings.fit_below * (1 + 1e-9)
+
+    def probs_fn(z):
+        return router_probs(z, settings.jitter_eps, settings.mask)
+
+    keys = jax.random.split(jax.random.key(settings.seed), settings.num_problems)
+    problems = [random_problem(k, settings.num_experts, settings.dim) for k in keys]
+    sweeps = [accuracy_sweep(problem, scales, probs_fn) for problem in problems]
+    summary = {}
+    for name in sweeps[0]:
+        entry = {"note": ESTIMATOR_NOTES.get(name, "")}
+        for metric in METRICS:
+            values = np.array([s[name][metric] for s in sweeps])  # [problems, scales]
+            if metric.startswith("relerr"):
+                entry[metric] = np.exp(np.log(values).mean(0)).tolist()  # geometric mean
+                slopes = [loglog_slope(scales[fit], v[fit]) for v in values]
+                term = metric.removeprefix("relerr_")
+                entry[f"slope_{term}"] = float(np.mean(slopes))
+                entry[f"slope_{term}_std"] = float(np.std(slopes))
+            else:
+                entry[metric] = values.mean(0).tolist()
+        summary[name] = entry
+    return {
+        "scales": scales.tolist(),
+        "fit_scales": scales[fit].tolist(),
+        "settings": dataclasses.asdict(settings),
+        "estimators": summary,
+        "topk": {str(k): _topk_summary(problems, scales, fit, probs_fn, k) for k in settings.top_k},
+    }
+
+
+def _topk_summary(problems, scales, fit, probs_fn, top_k: int) -> dict:
+    """Per estimator: mean norm ratio and cosine, geometric-mean bias and its slope."""
+    sweeps = [topk_accuracy_sweep(p, scales, probs_fn, top_k) for p in problems]
+    summary = {}
+    for name in sweeps[0]:
+        norm = np.array([s[name]["norm_ratio"] for s in sweeps])  # [problems, scales]
+        cos = np.array([s[name]["cos"] for s in sweeps])
+        err = np.array([s[name]["relerr"] for s in sweeps])
+        slopes = [loglog_slope(scales[fit], e[fit]) for e in err]
+        summary[name] = {
+            "norm_ratio": norm.mean(0).tolist(),
+            "norm_ratio_std": norm.std(0).tolist(),
+            "cos": cos.mean(0).tolist(),
+            "relerr": np.exp(np.log(err).mean(0)).tolist(),
+            "slope": float(np.mean(slopes)),
+            "slope_std": float(np.std(slopes)),
+        }
+    return summary

@@ -1,23 +1,12 @@
-"""The arms of a convergence study and the summary of its finished runs (no training here).
-
-Arm names say what they change, so a run directory names its own config:
-
-* ``{router}_n{N}``: ``router.name`` (a key of ``sparsemixer_jax.routing.ROUTERS``) with
-  ``model.num_experts = N``, e.g. ``switch_n4``, ``sparsemixer_1st_n8``;
-* ``dense``: no experts;
-* either, followed by modifiers ``_lr{peak_lr}``, ``_eps{jitter_eps}``, ``_bal{balance_weight}``,
-  ``_z{z_loss_weight}``, e.g. ``sparsemixer_n4_lr2e-3``, ``sparsemixer_n4_eps0.5``.
-
-Each arm is compared with its *target arm*: the Switch arm of the same N and the same
-modifiers if the study has it (so a learning-rate arm meets Switch at that rate), else the
-plain ``switch_n{N}``; the dense arm meets the Switch arm of the smallest N.
+"""The summary of a convergence study's finished runs: statistics over seeds and markdown tables.
 
 The summary reads, per finished run (``results.json`` present), ``metrics.jsonl`` or, once only
-the small files are kept, ``curves.json`` (:func:`experiments.plot.write_curves`). Mean ± std
-over seeds (sample std, ``ddof=1``); paired differences by seed against the target arm (same
-seed: same initial weights where shapes agree, same data order, so seed-to-seed variation partly
-cancels); updates to reach the target arm's final validation loss (linear interpolation between
-evaluations; the target is the mean over seeds of that arm's final validation loss).
+the small files are kept, ``curves.json`` (:func:`sparsemixer_jax.studies.curves.write_curves`).
+Mean ± std over seeds (sample std, ``ddof=1``); paired differences by seed against the target
+arm (:func:`sparsemixer_jax.studies.arms.target_arm`; same seed: same initial weights where
+shapes agree, same data order, so seed-to-seed variation partly cancels); updates to reach the
+target arm's final validation loss (linear interpolation between evaluations; the target is the
+mean over seeds of that arm's final validation loss).
 """
 
 from __future__ import annotations
@@ -25,111 +14,13 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from experiments.plot import read_run, smooth
-
-DIVERGED = "diverged.json"
-
-#: Arm-name modifier -> the config field it sets.
-MODIFIERS = {"lr": "optim.peak_lr", "eps": "router.jitter_eps", "bal": "router.balance_weight",
-             "z": "router.z_loss_weight"}
-_ARM = re.compile(
-    r"^(?:(?P<router>[a-z0-9_]+?)_n(?P<n>\d+)|dense)(?P<mods>(?:_[a-z]+[-+.e0-9]+)*)$")
-_MOD = re.compile(r"_([a-z]+)([-+.e0-9]+)")
-
-#: Named groups of arms for ``--study`` (N from ``--experts`` where it says ``{n}``).
-STUDIES = {
-    "main": ["switch_n{n}", "sparsemixer_n{n}", "dense"],
-    "ablations": ["switch_n{n}", "sparsemixer_1st_n{n}", "sparsemixer_2nd_n{n}",
-                  "sparsemixer_nomask_n{n}", "sparsemixer_n{n}_eps0.5"],
-    # multi30k_n4's peak rate is 1e-3: half and double it.
-    "lr": ["switch_n{n}_lr5e-4", "sparsemixer_n{n}_lr5e-4", "switch_n{n}_lr2e-3",
-           "sparsemixer_n{n}_lr2e-3"],
-    # The reference adds alpha * balance loss to a loss *summed* over tokens (docs/science.md):
-    # per token that is about alpha / (tokens per batch), 0.01 / 6.5k at 8192 padded tokens.
-    "refbalance": ["switch_n{n}_bal1.5e-6", "sparsemixer_n{n}_bal1.5e-6"],
-}
-
-
-def arm_names(experts: Sequence[int], dense: bool = True) -> list[str]:
-    """``switch_n4``, ``sparsemixer_n4``, ... for each N, then ``dense`` (N does not apply)."""
-    names = [f"{router}_n{n}" for n in experts for router in ("switch", "sparsemixer")]
-    return [*names, "dense"] if dense else names
-
-
-def study_arms(studies: Sequence[str], experts: Sequence[int], dense: bool = True) -> list[str]:
-    """The arms of the named ``STUDIES`` for each N, in order, without repeats."""
-    arms: list[str] = []
-    for study in studies:
-        if study not in STUDIES:
-            raise ValueError(f"unknown study {study!r}; choose from {sorted(STUDIES)}")
-        for n in experts:
-            for template in STUDIES[study]:
-                arm = template.format(n=n)
-                if arm not in arms and (dense or arm != "dense"):
-                    arms.append(arm)
-    return arms
-
-
-def parse_arm(arm: str) -> dict[str, Any]:
-    """The config fields an arm sets: ``{"router.name", "model.num_experts", ...modifiers}``."""
-    match = _ARM.match(arm)
-    if match is None:
-        raise ValueError(f"arm {arm!r} is not '{{router}}_n{{N}}' or 'dense' followed by "
-                         f"modifiers _{{{','.join(MODIFIERS)}}}VALUE")
-    fields: dict[str, Any] = {"router.name": match["router"] or "switch",
-                              "model.num_experts": int(match["n"] or 0)}
-    for key, value in _MOD.findall(match["mods"]):
-        if key not in MODIFIERS:
-            raise ValueError(f"arm {arm!r}: unknown modifier {key!r}; known: {sorted(MODIFIERS)}")
-        try:
-            fields[MODIFIERS[key]] = float(value)
-        except ValueError:
-            raise ValueError(f"arm {arm!r}: modifier {key!r} needs a number, got {value!r}") \
-                from None
-    return fields
-
-
-def arm_settings(arm: str) -> tuple[str, int]:
-    """``(router.name, model.num_experts)`` of an arm name (dense: ``("switch", 0)``)."""
-    fields = parse_arm(arm)
-    return fields["router.name"], fields["model.num_experts"]
-
-
-def _modifiers(arm: str) -> str:
-    match = _ARM.match(arm)
-    return match["mods"] if match else ""
-
-
-def target_arm(arm: str, arms: Sequence[str]) -> str:
-    """The Switch arm ``arm`` is measured against (module docstring)."""
-    n = arm_settings(arm)[1]
-    if n == 0:
-        sizes = sorted(arm_settings(a)[1] for a in arms if arm_settings(a)[1])
-        n = sizes[0] if sizes else 0
-    same_mods = f"switch_n{n}{_modifiers(arm)}"
-    return same_mods if same_mods in arms else f"switch_n{n}"
-
-
-def run_dir(root: str, arm: str, seed: int) -> str:
-    return os.path.join(root, f"{arm}_s{seed}")
-
-
-def run_state(workdir: str) -> str:
-    """``"finished"``, ``"diverged"``, ``"partial"`` (started) or ``"new"``."""
-    if os.path.exists(os.path.join(workdir, "results.json")):
-        return "finished"
-    if os.path.exists(os.path.join(workdir, DIVERGED)):
-        return "diverged"
-    return "partial" if os.path.isdir(workdir) else "new"
-
-
-# ---------------------------------------------------------------------------------- summary
+from sparsemixer_jax.studies.arms import arm_settings, parse_arm, run_dir, run_state, target_arm
+from sparsemixer_jax.studies.curves import read_run
 
 
 def _mean_std(values: Sequence[float | None]) -> dict[str, Any]:
@@ -337,79 +228,3 @@ def markdown(summary: dict[str, Any]) -> str:
             r = summary["arms"][arm]["final_router"]
             lines.append(f"| {arm} | " + " | ".join(fmt(r.get(k, {}), 2) for k in keys) + " |")
     return "\n".join(lines) + "\n"
-
-
-def plot(root: str, summary: dict[str, Any], out: str, window: int = 20) -> None:
-    """Training (moving average) and validation loss against updates: mean over seeds, band
-    from min to max; and the validation loss minus the target arm's, same seed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_train, ax_valid, ax_diff) = plt.subplots(1, 3, figsize=(16, 4.2))
-    for i, arm in enumerate(summary["arms"]):
-        color = f"C{i % 10}"
-        style = "-" if i < 10 else "--"
-        curves = [read_run(run_dir(root, arm, s)) for s in summary["seeds"]
-                  if run_state(run_dir(root, arm, s)) == "finished"]
-        for ax, kind in ((ax_train, "train"), (ax_valid, "valid")):
-            pairs = [c[kind] for c in curves if len(c[kind][0])]
-            if not pairs:
-                continue
-            length = min(len(p[0]) for p in pairs)  # the common prefix
-            steps = pairs[0][0][:length]
-            values = np.stack([p[1][:length] for p in pairs])
-            if kind == "train":
-                values = np.stack([smooth(v, window) for v in values])
-            ax.plot(steps, values.mean(0), color=color, ls=style,
-                    label=f"{arm} (n={len(pairs)})", marker="o" if kind == "valid" else None,
-                    ms=3)
-            ax.fill_between(steps, values.min(0), values.max(0), color=color, alpha=0.2)
-        reference = summary["arms"][arm].get("target_arm")
-        diffs = []
-        for seed in summary["seeds"]:
-            mine, other = run_dir(root, arm, seed), run_dir(root, reference or "", seed)
-            if arm == reference or run_state(mine) != "finished" or \
-                    run_state(other) != "finished":
-                continue
-            (s_a, v_a), (s_b, v_b) = read_run(mine)["valid"], read_run(other)["valid"]
-            common = np.intersect1d(s_a, s_b)
-            diffs.append((common, v_a[np.isin(s_a, common)] - v_b[np.isin(s_b, common)]))
-        if diffs:
-            length = min(len(d[0]) for d in diffs)
-            values = np.stack([d[1][:length] for d in diffs])
-            ax_diff.plot(diffs[0][0][:length], values.mean(0), color=color, ls=style,
-                         marker="o", ms=3, label=f"{arm} − {reference} (n={len(diffs)})")
-            ax_diff.fill_between(diffs[0][0][:length], values.min(0), values.max(0),
-                                 color=color, alpha=0.2)
-    ax_diff.axhline(0.0, color="k", lw=0.8)
-    ax_diff.set_title("validation loss minus the target Switch arm's, same seed")
-    ax_train.set_title(f"training loss (moving average, {window} updates)")
-    ax_valid.set_title("validation loss (mean over seeds, band = min..max)")
-    for ax in (ax_train, ax_valid, ax_diff):
-        ax.set_xlabel("updates")
-        ax.set_ylabel("label-smoothed cross entropy (nats)")
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    ax_valid.set_ylim(top=min(ax_valid.get_ylim()[1], 7.0))
-    fig.tight_layout()
-    fig.savefig(out, dpi=80)
-    plt.close(fig)
-
-
-def plot_router(root: str, summary: dict[str, Any], out: str) -> None:
-    """The router diagnostics of every MoE arm (mean over seeds and layers)."""
-    from experiments.plot import plot_diagnostics
-
-    groups = {}
-    for arm, entry in summary["arms"].items():
-        if not entry["num_experts"]:
-            continue
-        runs = [read_run(run_dir(root, arm, s)) for s in summary["seeds"]
-                if run_state(run_dir(root, arm, s)) == "finished"]
-        if runs:
-            groups[arm] = runs
-    if groups:
-        plot_diagnostics(groups, out)

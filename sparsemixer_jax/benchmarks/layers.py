@@ -1,0 +1,193 @@
+"""Benchmarks of single layers: the routers alone, one MoE layer against the dense feed-forward
+layer of the same per-token FLOPs, the ``padded`` dispatch's block sizes, and the expert
+dispatches on their own (``expert_ffn``: ``ragged`` against ``padded``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sparsemixer_jax.benchmarks.harness import load_average, stats, time_interleaved
+
+
+def bench_router(tokens: int, experts: Sequence[int], warmup: int, repeats: int,
+                 step_s: float | None = None) -> dict[str, Any]:
+    """The routers alone: forward + backward of ``sum(gate * g) + load_balancing_loss`` on
+    float32 logits ``[tokens, N]``, Switch against SparseMixer, interleaved. Their difference,
+    divided by the whole step's time (``step_s``), bounds SparseMixer's share of the step far
+    below the noise of timing whole steps on a shared machine."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparsemixer_jax import routing
+
+    out: dict[str, Any] = {}
+    for n in experts:
+        logits = jax.random.normal(jax.random.key(2), (tokens, n), jnp.float32)
+        cotangent = jax.random.normal(jax.random.key(3), (tokens,), jnp.float32)
+        fns = {}
+        for name in ("switch", "sparsemixer"):
+            route = routing.get_router(name, 0.1)
+
+            def loss(logits, route=route, cotangent=cotangent):
+                r = route(logits, jax.random.key(4), True)
+                return jnp.sum(r.gate * cotangent) + routing.load_balancing_loss(r.probs,
+                                                                                 r.expert)
+
+            step = jax.jit(jax.grad(loss))
+            fns[name] = lambda step=step, logits=logits: step(logits)
+        times = time_interleaved(fns, warmup, repeats)
+        sw, sm = stats(times["switch"]), stats(times["sparsemixer"])
+        extra = sm["median"] - sw["median"]
+        out[str(n)] = {"switch": sw, "sparsemixer": sm, "extra_s": extra,
+                       "extra_fraction_of_step": extra / step_s if step_s else None,
+                       "load_average": load_average()}
+        print(f"router N={n}: switch {sw['median']*1e6:.0f} us, sparsemixer "
+              f"{sm['median']*1e6:.0f} us" + (f", extra = {extra / step_s:.2%} of a step"
+                                                if step_s else ""), flush=True)
+    return out
+
+
+def layer_step(layer: Any, x: Any) -> Callable[[], Any]:
+    """Jitted forward + backward (params and input) of ``sum(y^2)`` through ``layer``, as a
+    zero-argument call; dropout active (training mode), the same RNG state every call."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    @jax.jit
+    def grads(params, rest, x):
+        def loss(params, x):
+            # A copy of the RNG-stream state at this trace level (as train._loss does), so the
+            # dropout stream can advance inside the traced function.
+            layer = nnx.merge(graphdef, params, jax.tree.map(lambda v: v, rest))
+            y, _ = layer(x, deterministic=False)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1))(params, x)
+
+    return lambda: grads(params, rest, x)
+
+
+def bench_moe_vs_dense(sizes, experts, dtype, warmup, repeats, impls=("ragged", "padded"),
+                       dropout: float = 0.1) -> tuple[dict, dict]:
+    """One MoE layer (each dispatch) against the dense FFN of width ``mlp``, fwd + bwd, both
+    with activation dropout ``dropout`` (the MoE layer draws its masks per token, the dense
+    layer one mask for the whole batch)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sparsemixer_jax.layers import FeedForward
+    from sparsemixer_jax.moe import MoEFeedForward, resolve_dispatch
+
+    compute = jnp.dtype(dtype)
+    rows = max(1, sizes["tokens"] // sizes["length"])
+    x = jax.random.normal(jax.random.key(1), (rows, sizes["length"], sizes["emb"]), compute)
+    dense = FeedForward(sizes["emb"], sizes["mlp"], activation_dropout=dropout, dtype=compute,
+                        rngs=nnx.Rngs(0))
+    ratios, seconds = {}, {}
+    for n in experts:
+        fns = {"dense": layer_step(dense, x)}
+        for impl in impls:
+            moe = MoEFeedForward(sizes["emb"], sizes["mlp"], n, router="sparsemixer",
+                                 activation_dropout=dropout, dispatch=impl, dtype=compute,
+                                 rngs=nnx.Rngs(0))
+            fns[impl] = layer_step(moe, x)
+        load_before = load_average()
+        times = time_interleaved(fns, warmup, repeats)
+        per = {name: stats(t) for name, t in times.items()}
+        ratios[str(n)] = {impl: per[impl]["median"] / per["dense"]["median"] for impl in impls}
+        if resolve_dispatch("auto") in impls:
+            ratios[str(n)]["auto"] = ratios[str(n)][resolve_dispatch("auto")]
+        seconds[str(n)] = {**per, "load_average": [load_before, load_average()]}
+        print(f"moe_vs_dense N={n}: dense {per['dense']['median']*1e3:.1f} ms; " + ", ".join(
+            f"{impl} {per[impl]['median']*1e3:.1f} ms ({ratios[str(n)][impl]:.2f}x)"
+            for impl in impls) + f" (load {seconds[str(n)]['load_average']})", flush=True)
+    return ratios, seconds
+
+
+def bench_padded_blocks(sizes, experts, dtype, warmup, repeats, dropout: float = 0.1,
+                        divisors: Sequence[int] = (1, 2, 4, 8)) -> dict[str, Any]:
+    """The ``padded`` MoE layer with blocks of about ``R / (d * N)`` rows for each divisor
+    ``d`` (``d = 1`` is ``moe.dispatch._block_rows``' current rule), as a ratio to the dense layer.
+
+    A diagnostic for the dispatch's owner: ``moe.dispatch._block_rows`` is swapped for the
+    duration of each compilation and restored (the library itself is not changed)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sparsemixer_jax.layers import FeedForward
+    from sparsemixer_jax.moe import MoEFeedForward
+    from sparsemixer_jax.moe import dispatch as moe_dispatch
+
+    compute = jnp.dtype(dtype)
+    rows = max(1, sizes["tokens"] // sizes["length"])
+    x = jax.random.normal(jax.random.key(1), (rows, sizes["length"], sizes["emb"]), compute)
+    dense = FeedForward(sizes["emb"], sizes["mlp"], activation_dropout=dropout, dtype=compute,
+                        rngs=nnx.Rngs(0))
+    out: dict[str, Any] = {}
+    original = moe_dispatch._block_rows
+    for n in experts:
+        fns = {"dense": layer_step(dense, x)}
+        for d in divisors:
+            def block_rows(r: int, g: int, d: int = d) -> int:
+                target = max(1, r // (max(g, 1) * d))
+                return int(min(512, max(8, 1 << (target.bit_length() - 1))))
+
+            moe_dispatch._block_rows = block_rows
+            try:
+                layer = MoEFeedForward(sizes["emb"], sizes["mlp"], n, dispatch="padded",
+                                       activation_dropout=dropout, dtype=compute,
+                                       rngs=nnx.Rngs(0))
+                fn = layer_step(layer, x)
+                jax.block_until_ready(fn())  # compile now, while the block rule is swapped
+            finally:
+                moe_dispatch._block_rows = original
+            fns[f"R/{d}N"] = fn
+        times = time_interleaved(fns, warmup, repeats)
+        dense_s = stats(times["dense"])["median"]
+        out[str(n)] = {k: stats(v)["median"] / dense_s for k, v in times.items() if k != "dense"}
+        out[str(n)]["dense_s"] = dense_s
+        out[str(n)]["load_average"] = load_average()
+        print(f"padded blocks N={n}: " + ", ".join(
+            f"{k} {v:.2f}x" for k, v in out[str(n)].items() if k.startswith("R/")), flush=True)
+    return out
+
+
+def time_expert_ffn(dispatch: str, tokens: int, emb: int, mlp: int, n: int, repeats: int,
+                    dtype) -> float:
+    """Median seconds of one jitted forward+backward of ``expert_ffn`` with ``dispatch``
+    (``"dense"``: one FFN on every token, the cost floor of any dispatch), tokens routed to
+    ``n`` experts uniformly at random; one untimed call compiles."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparsemixer_jax.moe import expert_ffn
+
+    kx, kg, kw = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (tokens, emb), dtype)
+    group = jax.random.randint(kg, (tokens,), 0, n)  # roughly balanced routing
+    ids = jnp.arange(tokens, dtype=jnp.int32)
+    k1, k2 = jax.random.split(kw)
+    params = (
+        jax.random.normal(k1, (n, emb, mlp), dtype) / emb**0.5,
+        jnp.zeros((n, mlp), dtype),
+        jax.random.normal(k2, (n, mlp, emb), dtype) / mlp**0.5,
+        jnp.zeros((n, emb), dtype),
+    )
+
+    def loss(params, x):
+        if dispatch == "dense":  # one FFN on every token: the cost floor of any dispatch
+            wi, bi, wo, bo = (p[0] for p in params)
+            y = jax.nn.relu(x @ wi + bi) @ wo + bo
+        else:
+            y = expert_ffn(x, group, ids, params, dispatch=dispatch)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    times = time_interleaved({"step": lambda: step(params, x)}, 1, repeats)["step"]
+    return stats(times)["median"]

@@ -1,0 +1,193 @@
+"""Router overhead, MoE layer against dense, training throughput and decoding, side by side: the
+runs of ``python -m experiments.benchmark``, one JSON result.
+
+Sections (``sections`` picks some):
+
+* ``overhead``: seconds per update of the whole training step (``train.Steps.train_step``: one
+  compiled call per update, as ``train.py`` runs without gradient accumulation), Switch against
+  Switch+SparseMixer on the same model sizes, the same seed and the same batch, for each N.
+  Repeats are interleaved in ABBA order so that a change of machine load hits both routers
+  alike. JSON: ``overhead[N] = {"switch_s", "sparsemixer_s", "ratio", ...}``.
+* ``router``: the two routers alone (forward + backward on ``[tokens, N]`` logits), and the
+  difference as a share of the whole step: a bound on SparseMixer's overhead that is not
+  drowned by the load noise of whole-step timings.
+* ``moe_vs_dense``: forward + backward of one MoE layer (``MoEFeedForward``, top-1, dropless,
+  each dispatch of ``layer_dispatches``; with ``triton_ragged_dot`` "ragged" is the grouped
+  Pallas/Triton lowering where jax has it) against a dense feed-forward layer of width ``mlp``
+  (the same per-token FLOPs: top-1 runs one expert of width ``mlp`` per token), interleaved.
+  JSON: ``moe_vs_dense[N][impl] = ratio`` (MoE / dense seconds); times in ``moe_vs_dense_s``.
+* ``padded_blocks`` (not run by default): the ``padded`` layer with smaller blocks than
+  ``moe.dispatch._block_rows`` picks, against dense: the evidence for a change of that rule.
+* ``throughput``: target tokens per second of the whole training step, dense against N=4
+  (SparseMixer), and model FLOPs utilisation against the device's peak on an accelerator.
+* ``fusion`` (not run by default): the one-call update against the three calls of an
+  accumulating update (zero, accumulate, update), dense and each N.
+* ``decode`` (not run by default): beam search (beam 4) in sentences per second on Multi30k-test
+  and newstest-like batches, dense and each N, compile time apart.
+* ``profile`` (not run by default): a ``jax.profiler`` trace of a few whole training steps
+  (N=4, SparseMixer) and the device time per op or kernel category (matmul, fused attention,
+  fusions, scatter, collectives, memcpy, ...): on a GPU from the kernels on the device's
+  streams, on CPU from the XLA ops' self times; the trace itself stays in ``profile_dir`` for
+  TensorBoard or Perfetto.
+
+Whole-step sections take ``dispatch``, ``attention_impl`` and, for the whole run,
+``rng_impl``, ``deterministic``, ``triton_ragged_dot``; the JSON records them.
+
+Every timing: ``warmup`` untimed calls (the first compiles), then ``repeats`` timed calls,
+each ended by ``jax.block_until_ready``; reported as median, min and max seconds. The load
+average of the machine is recorded before and after each section (other jobs share CPU cores).
+
+Default sizes: on CPU a reduced model (emb 256, mlp 1024, 2+2 layers, 4k vocabulary, 2048 tokens
+per step, length 32) that finishes in minutes; on GPU/TPU Transformer-base (emb 512, mlp 2048,
+6+6 layers, 32k vocabulary) at 2^15 tokens per step. Settings override each size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from sparsemixer_jax.benchmarks.decoding import bench_decode
+from sparsemixer_jax.benchmarks.harness import load_average, machine
+from sparsemixer_jax.benchmarks.layers import (
+    bench_moe_vs_dense,
+    bench_padded_blocks,
+    bench_router,
+)
+from sparsemixer_jax.benchmarks.report import markdown_tables
+from sparsemixer_jax.benchmarks.training_step import (
+    bench_fusion,
+    bench_overhead,
+    bench_profile,
+    bench_throughput,
+)
+
+# --backend -> jax_platforms. jax 0.11 reads "gpu" as "any GPU plugin" and then fails to start
+# ROCm on a CUDA machine ("Unable to initialize backend 'rocm'"); the plugin's name is "cuda".
+PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
+
+DISPATCH_CHOICES = ("auto", "ragged", "padded")
+
+CPU_SIZES = {"emb": 256, "mlp": 1024, "heads": 4, "layers": 2, "vocab": 4000, "tokens": 2048,
+             "length": 32}
+ACCEL_SIZES = {"emb": 512, "mlp": 2048, "heads": 8, "layers": 6, "vocab": 32000,
+               "tokens": 2**15, "length": 128}
+
+SECTIONS = ("overhead", "router", "moe_vs_dense", "throughput", "profile", "padded_blocks",
+            "fusion", "decode")
+
+
+@dataclasses.dataclass
+class BenchmarkSettings:
+    """What one benchmark run measures, and how (the options of ``experiments.benchmark``).
+
+    A size left None takes its value from ``CPU_SIZES`` on CPU and ``ACCEL_SIZES`` elsewhere;
+    ``dtype`` None is float32 on CPU and bfloat16 elsewhere; ``step_seconds`` None relates the
+    routers' cost to the fastest Switch step of this run's overhead section; ``decode_shapes``
+    None times ``DECODE_SHAPES``.
+    """
+
+    out: str | None = "bench.json"
+    backend: str | None = None
+    sections: list[str] = dataclasses.field(
+        default_factory=lambda: ["overhead", "router", "moe_vs_dense", "throughput"])
+    dispatch: str = "auto"
+    layer_dispatches: list[str] = dataclasses.field(default_factory=lambda: ["ragged", "padded"])
+    attention_impl: str = "einsum"
+    rng_impl: str | None = None
+    triton_ragged_dot: bool = False
+    deterministic: bool = False
+    decode_beam: int = 4
+    decode_extra_len: int = 50
+    decode_shapes: dict[str, tuple[int, int]] | None = None
+    experts: list[int] = dataclasses.field(default_factory=lambda: [2, 4, 8, 16])
+    dtype: str | None = None
+    profile_dir: str = "/tmp/sparsemixer_profile"
+    profile_steps: int = 3
+    step_seconds: float | None = None
+    layer_dropout: float = 0.1
+    warmup: int = 2
+    repeats: int = 6
+    emb: int | None = None
+    mlp: int | None = None
+    heads: int | None = None
+    layers: int | None = None
+    vocab: int | None = None
+    tokens: int | None = None
+    length: int | None = None
+
+
+def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
+    """Runs the sections of ``settings`` in their fixed order and returns the result JSON
+    (``command``: the command line it records); writes it to ``settings.out`` if set, and prints
+    each section's lines as it finishes and the markdown tables at the end."""
+    s = settings
+    import jax
+
+    from sparsemixer_jax import grouped_matmul, runtime
+
+    # Both before JAX starts its backend (JAX read JAX_PLATFORMS when it was imported).
+    if s.backend:
+        jax.config.update("jax_platforms", PLATFORMS[s.backend])
+    if s.deterministic:
+        runtime.set_deterministic_gpu_ops()
+    if s.rng_impl:
+        jax.config.update("jax_default_prng_impl", s.rng_impl)
+    triton = grouped_matmul.enable_triton_ragged_dot() if s.triton_ragged_dot else False
+
+    backend = jax.default_backend()
+    defaults = CPU_SIZES if backend == "cpu" else ACCEL_SIZES
+    sizes = {k: getattr(s, k) if getattr(s, k) is not None else v for k, v in defaults.items()}
+    dtype = s.dtype or ("float32" if backend == "cpu" else "bfloat16")
+    result: dict[str, Any] = {
+        "command": command,
+        "machine": machine(), "sizes": sizes, "dtype": dtype,
+        "warmup": s.warmup, "repeats": s.repeats, "layer_dropout": s.layer_dropout,
+        "load_average_start": load_average(),
+        "dispatch": s.dispatch, "attention_impl": s.attention_impl,
+        "rng_impl": jax.config.values["jax_default_prng_impl"],
+        "triton_ragged_dot": {"requested": s.triton_ragged_dot,
+                              "available": grouped_matmul.triton_ragged_dot_available(),
+                              "enabled": triton},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    model_options = {"dispatch": s.dispatch, "attention_impl": s.attention_impl}
+    print(json.dumps({k: result[k] for k in ("machine", "sizes", "dtype")}), flush=True)
+    if "overhead" in s.sections:
+        result["overhead"] = bench_overhead(sizes, s.experts, dtype, s.warmup, s.repeats,
+                                            **model_options)
+    if "router" in s.sections:
+        overhead = result.get("overhead", {})
+        step_s = min((o["switch_s"] for o in overhead.values()), default=None)
+        result["router"] = bench_router(sizes["tokens"], s.experts, s.warmup,
+                                        max(s.repeats, 20), s.step_seconds or step_s)
+    if "moe_vs_dense" in s.sections:
+        result["moe_vs_dense"], result["moe_vs_dense_s"] = bench_moe_vs_dense(
+            sizes, s.experts, dtype, s.warmup, s.repeats,
+            impls=tuple(s.layer_dispatches), dropout=s.layer_dropout)
+    if "padded_blocks" in s.sections:
+        result["padded_blocks"] = bench_padded_blocks(sizes, s.experts, dtype, s.warmup,
+                                                      s.repeats, dropout=s.layer_dropout)
+    if "throughput" in s.sections:
+        result["throughput"] = bench_throughput(sizes, dtype, s.warmup, s.repeats,
+                                                **model_options)
+    if "fusion" in s.sections:
+        result["fusion"] = bench_fusion(sizes, s.experts, dtype, s.warmup, s.repeats,
+                                        **model_options)
+    if "decode" in s.sections:
+        result["decode"] = bench_decode(sizes, s.experts, dtype, s.warmup, s.repeats,
+                                        beam_size=s.decode_beam,
+                                        max_extra_len=s.decode_extra_len,
+                                        shapes=s.decode_shapes)
+    if "profile" in s.sections:
+        result["profile"] = bench_profile(sizes, dtype, s.warmup, s.profile_steps,
+                                          s.profile_dir, **model_options)
+    result["load_average_end"] = load_average()
+    if s.out:
+        with open(s.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {s.out}")
+    print(markdown_tables(result))
+    return result

@@ -1,0 +1,217 @@
+"""The whole training step as a benchmark workload, and the sections that time it: Switch
+against SparseMixer (overhead), dense against N=4 (throughput and MFU), one compiled call
+against the three calls of an accumulating update (fusion), and a profile of where the device
+time goes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from sparsemixer_jax.benchmarks.flops import device_peak, model_flops_per_step
+from sparsemixer_jax.benchmarks.harness import load_average, stats, time_interleaved
+from sparsemixer_jax.benchmarks.trace import summarize_trace
+
+
+def model_config(sizes: dict[str, int], num_experts: int, router: str, dtype: str,
+                 dispatch: str = "auto", attention_impl: str = "einsum") -> Any:
+    """``configs/wmt.py`` with the benchmark's sizes (dropout and optimizer unchanged, except
+    attention dropout 0 with a fused ``attention_impl``, which has none)."""
+    from configs import wmt
+
+    c = wmt.get_config()
+    c.model.attention_impl = attention_impl
+    if attention_impl != "einsum":
+        c.model.attention_dropout = 0.0
+    c.model.encoder_layers = c.model.decoder_layers = sizes["layers"]
+    c.model.emb_dim, c.model.mlp_dim = sizes["emb"], sizes["mlp"]
+    c.model.num_heads = sizes["heads"]
+    c.model.num_experts = num_experts
+    c.model.dispatch = dispatch
+    c.model.compute_dtype = dtype
+    c.router.name = router
+    c.optim.tokens_per_update = 0
+    return c
+
+
+def synthetic_batch(sizes: dict[str, int], seed: int = 0) -> dict[str, Any]:
+    """``inputs``/``targets`` int32 ``[tokens / length, length]`` of random non-padding ids,
+    both ending with EOS (id 1): every position is a real token, so tokens = rows * length."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = max(1, sizes["tokens"] // sizes["length"])
+    shape = (rows, sizes["length"])
+    batch = {k: rng.integers(3, sizes["vocab"], shape, dtype=np.int32)
+             for k in ("inputs", "targets")}
+    for v in batch.values():
+        v[:, -1] = 1
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+class TrainStep:
+    """One update of ``train.py``'s training loop (one micro-batch), as a zero-argument call.
+
+    Owns the parameters and optimizer state, which the compiled update donates and returns.
+    ``fused``: ``train.Steps.train_step``, one compiled call per update (what ``train.py`` runs
+    without gradient accumulation); else the three calls of an accumulating update (zero the
+    accumulator, forward + backward, optimizer update).
+    """
+
+    def __init__(self, config: Any, vocab: int, batch: dict[str, Any], fused: bool = True):
+        import jax
+
+        from sparsemixer_jax.tasks import translation
+        from sparsemixer_jax.training.steps import count_params
+
+        self.steps = translation.build_steps(config, vocab)
+        self.params = self.steps.params
+        self.opt_state = self.steps.init_opt(self.params)
+        self.batch = batch
+        self.key = jax.random.key(0)
+        self.num_params = count_params(self.params)
+        self.fused = fused
+        self.calls = 0
+
+    def __call__(self) -> Any:
+        import jax
+
+        # The same key every call: the routers see the same jitter/mask draws each time.
+        if self.fused:
+            self.params, self.opt_state, metrics = self.steps.train_step(
+                self.params, self.opt_state, [self.batch], self.key)
+        else:
+            acc = self.steps.zeros(self.params, self.batch)
+            acc = self.steps.accumulate(self.params, acc, self.batch,
+                                        jax.random.fold_in(self.key, 0))
+            self.params, self.opt_state, metrics = self.steps.update(self.params,
+                                                                     self.opt_state, acc)
+        self.calls += 1
+        return jax.tree.leaves(self.params)[0], metrics
+
+
+def bench_overhead(sizes, experts, dtype, warmup, repeats, **model_options) -> dict[str, Any]:
+    """Whole training step, Switch vs SparseMixer, for each N (interleaved repeats).
+    ``model_options``: ``dispatch`` and ``attention_impl`` of :func:`model_config`."""
+    batch = synthetic_batch(sizes)
+    out = {}
+    for n in experts:
+        load_before = load_average()
+        fns = {router: TrainStep(model_config(sizes, n, router, dtype, **model_options),
+                                 sizes["vocab"], batch)
+               for router in ("switch", "sparsemixer")}
+        times = time_interleaved(fns, warmup, repeats)
+        s, m = stats(times["switch"]), stats(times["sparsemixer"])
+        # Each repeat times the two routers back to back, under nearly the same load: the
+        # spread of these paired ratios is the noise floor of "ratio".
+        paired = [b / a for a, b in zip(times["switch"], times["sparsemixer"], strict=True)]
+        out[str(n)] = {
+            "switch_s": s["median"], "sparsemixer_s": m["median"],
+            "ratio": m["median"] / s["median"],
+            "paired_ratio": stats(paired),
+            "switch": s, "sparsemixer": m,
+            "load_average": [load_before, load_average()],
+        }
+        print(f"overhead N={n}: switch {s['median']*1e3:.1f} ms [{s['min']*1e3:.1f}, "
+              f"{s['max']*1e3:.1f}], sparsemixer {m['median']*1e3:.1f} ms [{m['min']*1e3:.1f}, "
+              f"{m['max']*1e3:.1f}], ratio {out[str(n)]['ratio']:.3f} "
+              f"(load {out[str(n)]['load_average']})", flush=True)
+        del fns
+    return out
+
+
+def bench_throughput(sizes, dtype, warmup, repeats, **model_options) -> dict[str, Any]:
+    """Target tokens per second of the whole training step, dense vs N=4, and MFU."""
+    batch = synthetic_batch(sizes)
+    tokens = int(batch["targets"].size)
+    load_before = load_average()
+    arms = {"dense": 0, "n4": 4}
+    fns = {name: TrainStep(model_config(sizes, n, "sparsemixer", dtype, **model_options),
+                           sizes["vocab"], batch)
+           for name, n in arms.items()}
+    times = time_interleaved(fns, warmup, repeats)
+    kind, peak = device_peak(dtype)
+    out: dict[str, Any] = {"device_kind": kind, "peak_flops": peak,
+                           "tokens_per_step": tokens, "load_average": None}
+    for name, n in arms.items():
+        s = stats(times[name])
+        flops = model_flops_per_step(sizes, n)
+        out[name] = {
+            "num_experts": n,
+            "num_params": fns[name].num_params,
+            "step_s": s,
+            "tokens_per_s": tokens / s["median"],
+            "tokens_per_s_range": [tokens / s["max"], tokens / s["min"]],
+            "model_flops_per_step": flops,
+            "achieved_flops_per_s": flops / s["median"],
+            "mfu": flops / s["median"] / peak if peak else None,
+        }
+        print(f"throughput {name}: {out[name]['tokens_per_s']:.0f} tokens/s "
+              f"({s['median']*1e3:.1f} ms/step), {out[name]['achieved_flops_per_s']/1e9:.1f} "
+              f"GFLOP/s" + (f", MFU {out[name]['mfu']:.1%}" if peak else ""), flush=True)
+    out["load_average"] = [load_before, load_average()]
+    return out
+
+
+def bench_fusion(sizes, experts, dtype, warmup, repeats, **model_options) -> dict[str, Any]:
+    """The whole training step as one compiled call (``train.Steps.train_step``) against the
+    three calls of an accumulating update, dense and each N, interleaved: the cost of dispatch
+    and of materialising the gradient accumulator."""
+    batch = synthetic_batch(sizes)
+    out: dict[str, Any] = {}
+    for n in [0, *experts]:
+        config = model_config(sizes, n, "sparsemixer", dtype, **model_options)
+        fns = {"fused": TrainStep(config, sizes["vocab"], batch, fused=True),
+               "three_calls": TrainStep(config, sizes["vocab"], batch, fused=False)}
+        load_before = load_average()
+        cpu: dict[str, list[float]] = {}
+        times = time_interleaved(fns, warmup, repeats, cpu_times=cpu)
+        f, t = stats(times["fused"]), stats(times["three_calls"])
+        fc, tc = stats(cpu["fused"]), stats(cpu["three_calls"])
+        name = "dense" if n == 0 else str(n)
+        out[name] = {"fused": f, "three_calls": t, "ratio": f["median"] / t["median"],
+                     "fused_cpu": fc, "three_calls_cpu": tc,
+                     "cpu_ratio": fc["median"] / tc["median"],
+                     "load_average": [load_before, load_average()]}
+        print(f"fusion {name}: one call {f['median']*1e3:.1f} ms, three calls "
+              f"{t['median']*1e3:.1f} ms, ratio {out[name]['ratio']:.3f}; CPU time "
+              f"{fc['median']*1e3:.1f} vs {tc['median']*1e3:.1f} ms, ratio "
+              f"{out[name]['cpu_ratio']:.3f}", flush=True)
+        del fns
+    return out
+
+
+def bench_profile(sizes, dtype, warmup, steps, logdir, num_experts=4,
+                  **model_options) -> dict[str, Any]:
+    """``jax.profiler`` trace of ``steps`` whole training steps (SparseMixer, ``num_experts``)
+    and a summary of where the device time goes."""
+    import glob
+
+    import jax
+
+    step = TrainStep(model_config(sizes, num_experts, "sparsemixer", dtype, **model_options),
+                     sizes["vocab"],
+                     synthetic_batch(sizes))
+    for _ in range(warmup):
+        jax.block_until_ready(step())
+    start = time.perf_counter()
+    jax.profiler.start_trace(logdir)
+    for _ in range(steps):
+        jax.block_until_ready(step())
+    jax.profiler.stop_trace()
+    wall = (time.perf_counter() - start) / steps
+    traces = sorted(glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True),
+                    key=os.path.getmtime)
+    out: dict[str, Any] = {"logdir": logdir, "num_experts": num_experts, "steps": steps,
+                           "wall_s_per_step_traced": wall, "load_average": load_average()}
+    if traces:
+        out.update(summarize_trace(traces[-1], steps))
+        print(f"profile (N={num_experts}): device {out['device_s_per_step']*1e3:.1f} ms/step "
+              f"of {wall*1e3:.1f} ms wall; " + ", ".join(
+                  f"{k} {v['fraction']:.0%}" for k, v in out["categories"].items()), flush=True)
+        for op in out["top_ops"][:10]:
+            print(f"  {op['op'][:50]:<50} {op['s_per_step']*1e3:8.2f} ms  {op['fraction']:.1%}")
+    return out
