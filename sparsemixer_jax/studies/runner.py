@@ -96,7 +96,8 @@ def _set_field(config, key: str, value) -> None:
 def make_config(config_path: str, arm: str, seed: int, steps: int | None,
                 overrides: Sequence[str] = ()) -> Any:
     """The config of one run: ``config_path``'s ``get_config()`` with the arm's fields, the seed,
-    the budget and ``overrides`` (``FIELD=VALUE``, the syntax of ``--config.FIELD=VALUE``)."""
+    the budget and ``overrides`` (``FIELD=VALUE``, the syntax of ``--config.FIELD=VALUE``).
+    ``path.py:variant`` calls ``get_config("variant")``, as ``--config`` does."""
     arm_fields = parse_arm(arm)
     for item in overrides:
         key = item.split("=", 1)[0]
@@ -107,10 +108,11 @@ def make_config(config_path: str, arm: str, seed: int, steps: int | None,
             )
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("compare_config", config_path)
+    path, _, variant = config_path.partition(":")
+    spec = importlib.util.spec_from_file_location("compare_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    config = module.get_config()
+    config = module.get_config(variant) if variant else module.get_config()
     for key, value in arm_fields.items():
         _set_field(config, key, value)
     config.seed = seed
