@@ -1,4 +1,4 @@
-"""Multi30k En-De, the CPU-sized version of the issue-9 study (Switch vs SparseMixer, N = 4).
+"""Multi30k En-De, the CPU-sized router study (Switch vs SparseMixer, N = 4; docs/science.md).
 
 Smaller than ``configs/multi30k_compare.py`` so that a few arms x seeds finish in about half an
 hour on 2 shared CPU cores (docs/science.md): 2+2 layers, 64 wide, a 1k joint vocabulary, 2048

@@ -297,7 +297,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if task not in TASKS:
         raise ValueError(f"config.task={task!r}; choose one of {TASKS}")
     if task == "finetuning":
-        from sparsemixer_jax.tasks.finetuning import check_config as check_finetuning
+        from sparsemixer_jax.tasks.glue_grid import check_config as check_finetuning
 
         check_finetuning(config)
         return

@@ -3,11 +3,11 @@
 By default XLA:GPU may lower ``ragged_dot`` to a dense batched dot over all ``N`` groups with the
 rows of other groups zeroed: measured on one H100 (jax 0.11.2, bf16, 32,768 tokens, emb 512, mlp
 2048), one MoE layer forward + backward took 147-203 ms with ``dispatch="ragged"`` against
-4.3-4.9 ms with ``"padded"`` and 1.7 ms for the dense FFN (issue 8). jax has a config option,
-``jax_ragged_dot_use_gpu_pallas_triton_lowering``, that lowers ``ragged_dot`` and its two
-gradients to Pallas/Triton grouped kernels instead, but the kernels live in a module that some
-jax wheels lack (``jax._src.lax.pallas_lowerings``: absent from the CPU wheel of 0.10.2 and, per
-issue 8, from the CUDA wheel of 0.11.2, where turning the option on fails at compile time).
+4.3-4.9 ms with ``"padded"`` and 1.7 ms for the dense FFN (docs/benchmarks.md). jax has a
+config option, ``jax_ragged_dot_use_gpu_pallas_triton_lowering``, that lowers ``ragged_dot`` and
+its two gradients to Pallas/Triton grouped kernels instead, but the kernels live in a module that
+some jax wheels lack (``jax._src.lax.pallas_lowerings``: absent from the CPU wheel of 0.10.2 and
+from the CUDA wheel of 0.11.2, where turning the option on fails at compile time).
 
 :func:`triton_ragged_dot_available` says whether this jax can use that lowering;
 :func:`enable_triton_ragged_dot` turns it on only then, so ``moe.resolve_dispatch("auto")`` can

@@ -9,8 +9,8 @@
   (``experiments/gpu_campaign.sh``, docs/benchmarks.md).
 * ``runtime.rng_impl``: ``jax_default_prng_impl``, the PRNG of every key the run creates (router
   jitter, dropout). ``"threefry2x32"`` (jax's default, the same numbers on every backend) or
-  ``"rbg"`` / ``"unsafe_rbg"``, which are cheaper on accelerators (4-8% of an H100 step, issue
-  8) but draw other numbers, so a run's results change with it.
+  ``"rbg"`` / ``"unsafe_rbg"``, which are cheaper on accelerators (4-8% of an H100 step,
+  docs/benchmarks.md) but draw other numbers, so a run's results change with it.
 * ``runtime.matmul_precision``: ``jax_default_matmul_precision``. ``"default"`` leaves jax's
   choice (float32 matmuls run as TF32 on NVIDIA GPUs since Ampere, ~1e-3 relative error);
   ``"highest"`` computes them in full float32 (slower on GPUs; no effect on CPUs).

@@ -142,11 +142,11 @@ def test_a_corrupt_last_checkpoint_is_named_and_the_intact_best_of_its_step_rest
 
 
 def test_deleting_the_last_checkpoint_resumes_from_best_and_keeps_everything(finished, copy):
-    """The issue's data loss: `rm -rf checkpoints/last/<newest>` then a rerun must not start from
+    """A reported data loss: `rm -rf checkpoints/last/<newest>` then a rerun must not start from
     step 0, delete the best checkpoints and cut metrics.jsonl."""
     lines = read_lines(copy)
     shutil.rmtree(os.path.join(copy, "checkpoints", "last", "6"))
-    # The issue's command asked for fewer steps than the workdir holds: refused, nothing touched.
+    # The reported command asked for fewer steps than the workdir holds: refused, nothing touched.
     with pytest.raises(training.ResumeError, match=r"train_steps=3 but .* step 6: set"):
         translation.train_and_evaluate(tiny(train_steps=3), copy)
     assert read_lines(copy) == lines and steps_on_disk(copy, "best") == [3, 6]

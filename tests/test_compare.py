@@ -103,7 +103,7 @@ def test_summary_from_compact_files_equals_summary_from_logs(tmp_path):
 
 
 def test_pack_then_unpack_makes_runs_count_as_done(tmp_path):
-    root = tmp_path / "stint1"
+    root = tmp_path / "first_launch"
     _run(root, "switch_n2", 0, [5.0, 4.0])
     _run(root, "sparsemixer_n2", 0, [5.0], finished=False)  # partial: not packed
     archive = str(tmp_path / "results.tar.gz")
@@ -113,7 +113,7 @@ def test_pack_then_unpack_makes_runs_count_as_done(tmp_path):
         names = sorted(tar.getnames())
         assert names == ["switch_n2_s0/config.json", "switch_n2_s0/curves.json",
                          "switch_n2_s0/results.json"]
-        fresh = tmp_path / "stint2"
+        fresh = tmp_path / "second_launch"
         tar.extractall(fresh, filter="data")
     args = runner.StudyOptions(config="configs/multi30k_compare.py", root=str(fresh),
                                arms=["switch_n2", "sparsemixer_n2"], seeds=[0])

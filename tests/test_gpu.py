@@ -1,8 +1,8 @@
 """Tests that only mean something on a GPU (skipped elsewhere): deterministic mode.
 
 XLA:GPU's reductions and scatter-adds are not deterministic by default, so a resumed run can
-differ from the uninterrupted one in the last digits (issue 8 measured the 6th digit of the valid
-loss on an H100). ``config.runtime.deterministic`` sets ``--xla_gpu_deterministic_ops=true``
+differ from the uninterrupted one in the last digits (an H100 run measured the 6th digit of the
+valid loss). ``config.runtime.deterministic`` sets ``--xla_gpu_deterministic_ops=true``
 before JAX starts its backend, which a test process that already runs JAX on the GPU cannot do:
 the runs go in a fresh subprocess.
 """

@@ -80,7 +80,7 @@ def test_switch_reports_all_experts_eligible_and_what_the_mask_would_keep():
 
 
 def test_reference_mask_is_scale_invariant_but_not_shift_invariant():
-    """The observation of issue 9 (docs/science.md): zero-mean logits leave one expert on most
+    """The router study's observation (docs/science.md): zero-mean logits leave one expert on most
     tokens; a common shift, which the softmax ignores, changes the count. 4096 Gaussian tokens:
     the share of one-eligible tokens has a standard error below 0.008."""
     z = jax.random.normal(jax.random.key(0), (4096, 4))

@@ -6,7 +6,7 @@ mask. :class:`~sparsemixer_jax.moe.MoEFeedForward` merges :func:`router_diagnost
 per-layer metrics, so every run logs them per MoE layer at ``log_every`` (``metrics.jsonl``, key
 ``moe``) and ``python -m experiments.plot --diagnostics`` draws them.
 
-What they answer (issue 9, "does SparseMixer train faster than Switch?"):
+What they answer ("does SparseMixer train faster than Switch?", docs/science.md):
 
 * ``eligible_fraction [N]``: share of tokens with exactly 1, 2, ..., N experts of nonzero
   probability. Under SparseMixer's mask a token with one eligible expert has ``pi_D = 1``: its

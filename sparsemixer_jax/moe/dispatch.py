@@ -56,9 +56,10 @@ DISPATCHES = ("auto", "ragged", "padded")
 #   float32, 4096 tokens, emb 512, mlp 2048: ragged / padded = 1.8x, 2.5x, 3.8x, 6.3x (module
 #   docstring).
 # * gpu: "padded". ``python -m experiments.benchmark --backend cuda --sections moe_vs_dense`` on
-#   one H100 80GB, jax 0.11.2, CUDA 13, bf16, 32,768 tokens, emb 512, mlp 2048 (issue 8): ragged
-#   147-203 ms, padded 4.3-4.9 ms, dense 1.7 ms. XLA:GPU lowers ragged_dot to a dense dot over
-#   all groups; with the grouped Pallas/Triton lowering on ("ragged" below) it is unmeasured.
+#   one H100 80GB, jax 0.11.2, CUDA 13, bf16, 32,768 tokens, emb 512, mlp 2048
+#   (docs/benchmarks.md): ragged 147-203 ms, padded 4.3-4.9 ms, dense 1.7 ms. XLA:GPU lowers
+#   ragged_dot to a dense dot over all groups; with the grouped Pallas/Triton lowering on
+#   ("ragged" below) it is unmeasured.
 # * tpu: "ragged" (lowers to TPU's native ragged dot). NOT measured: no TPU was available.
 AUTO_DISPATCH = {"cpu": "padded", "gpu": "padded", "tpu": "ragged"}
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
