@@ -26,6 +26,9 @@ Implementations (``GroupedMatmulConfig.impl``):
 * ``"xla"``: the same custom VJP with :func:`jax.lax.ragged_dot` (and ``ragged_dot_general``
   for the weight gradient) as the three products, float32 accumulation, output rounded to the
   operand dtype: the reference formulation, runs on every backend.
+* ``"tokamax"``: ``tokamax.ragged_dot`` (its own kernels and VJP; the operands are cast as for
+  ``"mosaic"``). tokamax needs Python >= 3.12 and jax >= 0.11.1 and is imported only when
+  asked for; where it is missing the call raises an ImportError saying so.
 
 Shape rules of the kernels, met here: ``K`` a multiple of ``block_k`` (blocks shrink to a power
 of two dividing the width, at least 16, else a ValueError); the rows are padded to a multiple
@@ -47,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-IMPLS = ("mosaic", "xla")
+IMPLS = ("mosaic", "xla", "tokamax")
 WEIGHT_GRADS = ("auto", "kernel", "xla")
 _MIN_BLOCK = 16
 
@@ -57,7 +60,7 @@ class GroupedMatmulConfig:
     """Static settings of :func:`grouped_matmul` (hashable: one compiled VJP per config).
 
     Attributes:
-      impl: ``"mosaic"`` or ``"xla"`` (module docstring).
+      impl: ``"mosaic"``, ``"xla"`` or ``"tokamax"`` (module docstring).
       block_m: rows per kernel tile; rows are padded to a multiple of it.
       block_n, block_k: output-feature and contraction tiles, shrunk to a power of two that
         divides the width when they do not.
@@ -104,7 +107,7 @@ class GroupedMatmulConfig:
         return dtype if dtype in (jnp.float16, jnp.bfloat16) else jnp.dtype(jnp.bfloat16)
 
     def resolved_weight_grad(self) -> str:
-        if self.impl == "xla":
+        if self.impl != "mosaic":
             return "xla"
         if self.weight_grad == "auto":
             return "xla" if self.interpret else "kernel"
@@ -230,6 +233,17 @@ def _xla_weight_grad(lhs, dout, group_sizes) -> jax.Array:
     return out.astype(lhs.dtype)
 
 
+def _tokamax_matmul(lhs, rhs, group_sizes) -> jax.Array:
+    try:
+        import tokamax
+    except ImportError as err:
+        raise ImportError(
+            "grouped matmul impl='tokamax' needs the tokamax package (Python >= 3.12, jax >= "
+            f"0.11.1): pip install tokamax; or use impl='mosaic' or 'xla' ({err})") from err
+    out = tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    return out.astype(lhs.dtype)
+
+
 @functools.cache
 def _build(config: GroupedMatmulConfig) -> Callable:
     """The custom-VJP grouped matmul of ``config`` on operands already in the compute dtype."""
@@ -288,4 +302,6 @@ def grouped_matmul(
     if config.impl == "mosaic":
         check_grouped_supported(interpret=config.interpret)
     dtype = config.operand_dtype(jnp.result_type(lhs.dtype, rhs.dtype))
+    if config.impl == "tokamax":  # differentiated by tokamax's own VJP
+        return _tokamax_matmul(lhs.astype(dtype), rhs.astype(dtype), group_sizes.astype(jnp.int32))
     return _build(config)(lhs.astype(dtype), rhs.astype(dtype), group_sizes.astype(jnp.int32))
