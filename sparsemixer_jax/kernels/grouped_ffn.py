@@ -49,10 +49,10 @@ def grouped_ffn(
       wi, bi, wo, bo: ``[G, emb, mlp]``, ``[G, mlp]``, ``[G, mlp, emb]``, ``[G, emb]``.
       drop_key, rate: activation dropout key (None: no dropout) and rate.
       impl, block_m, block_n, block_k, max_concurrent_steps, grid_block_n, weight_grad,
-        interpret, compute_dtype: :class:`GroupedMatmulConfig`. With ``impl="mosaic"`` the
-        matmul operands (``x``, ``wi``, the hidden activations, ``wo``) are cast to bfloat16
-        unless they are float16 (or to ``compute_dtype``); biases, ReLU and dropout run in that
-        dtype too, as ``_ragged_ffn`` does in a bfloat16 model.
+        interpret, compute_dtype: :class:`GroupedMatmulConfig`. With ``impl="mosaic"`` (and
+        ``"tokamax"``) the matmul operands (``x``, ``wi``, the hidden activations, ``wo``) are
+        cast to bfloat16 unless they are float16 (or to ``compute_dtype``); biases, ReLU and
+        dropout run in that dtype too, as ``_ragged_ffn`` does in a bfloat16 model.
 
     Returns: ``[R, emb]`` in the dtype of ``x``, zeros on rows without expert.
     """
