@@ -31,7 +31,7 @@ def main() -> None:
                         help="ragged: the grouped Pallas/Triton GPU lowering, where available")
     args = parser.parse_args()
     if args.triton_ragged_dot:
-        from sparsemixer_jax.grouped_matmul import enable_triton_ragged_dot
+        from sparsemixer_jax.kernels.triton_ragged_dot import enable_triton_ragged_dot
 
         state = "on" if enable_triton_ragged_dot() else "not in this jax"
         print(f"triton ragged_dot lowering: {state}")

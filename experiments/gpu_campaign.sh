@@ -6,11 +6,15 @@
 #     OUT=gpu_out bash experiments/gpu_campaign.sh layer step   # some parts
 #
 # Parts (each meant to take <= ~8 min on one H100, so that a device lease with a 10-minute limit per command
-# runs them one or two at a time): env, layer, step, variants, flags, profile, decode, tests.
+# runs them one or two at a time): env, layer, grouped, step, variants, flags, profile, decode,
+# tests.
 # Results go to $OUT as each run finishes (at most 8 files: what a device lease brings back):
 #   campaign.txt     GPU, driver, jax/jaxlib/CUDA/cuDNN versions, then each run's start and exit
 #   layer.json       one MoE layer fwd+bwd vs dense FFN, N=2,4,8,16: ragged (XLA's lowering),
-#                    padded, and ragged with the Pallas/Triton grouped lowering where jax has it
+#                    padded, and ragged with the Pallas/Triton grouped lowering where jax has it;
+#                    part "grouped" adds run "grouped_ffn": the expert FFN alone (fwd+bwd, bf16,
+#                    32,768 rows, emb 512, mlp 2048, N=2,4,8,16): dense, padded, grouped (Mosaic
+#                    GPU kernels, sm90 only), capacity 1.0 and 1.25 (experiments/bench_grouped.py)
 #   step.json        whole training step: throughput + MFU (dense vs N=4), SparseMixer/Switch
 #                    overhead and the routers alone at N=2,4,8,16; default config (dispatch auto)
 #   variants.json    throughput with cuDNN flash attention, unsafe_rbg dropout PRNG, both,
@@ -33,8 +37,9 @@ REPEATS=${REPEATS:-10}
 RUN_LIMIT=${RUN_LIMIT:-560}  # seconds; one run past it is stopped and the campaign goes on
 PLATFORM=${PLATFORM:-cuda}  # PLATFORM=cpu BENCH_ARGS="--emb 16 ..." checks the script on a CPU
 BENCH_ARGS=${BENCH_ARGS:-}  # appended to every benchmark run (e.g. smaller sizes)
+GROUPED_ARGS=${GROUPED_ARGS:-}  # appended to the grouped part (on a CPU: "--interpret --tiny --experts 2")
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env layer step variants flags profile decode tests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env layer grouped step variants flags profile decode tests)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)
@@ -58,6 +63,12 @@ bench() {
   timeout "$RUN_LIMIT" python -m experiments.benchmark --backend "$PLATFORM" --repeats "$REPEATS" \
     --out "$WORK/$part.$name.json" "$@" $BENCH_ARGS 2>&1 | tail -n 40 >>"$WORK/$part.$name.log"
   log "$part/$name: exit ${PIPESTATUS[0]}"
+  merge "$part" "$name"
+}
+
+# merge PART NAME: $WORK/PART.NAME.json (or the tail of its log) into $OUT/PART.json under NAME.
+merge() {
+  local part=$1 name=$2
   python - "$OUT/$part.json" "$name" "$WORK/$part.$name.json" "$WORK/$part.$name.log" <<'EOF'
 import json, os, sys
 path, name, result, logfile = sys.argv[1:]
@@ -74,17 +85,28 @@ for part in "${PARTS[@]}"; do
   case $part in
     env)
       { nvidia-smi; python -c "import jax; jax.print_environment_info(); print(jax.devices())"
-        python -c "from sparsemixer_jax import grouped_matmul as g; print('triton ragged_dot kernels:', g.triton_ragged_dot_available())"
+        python -c "from sparsemixer_jax.kernels import triton_ragged_dot as g; print('triton ragged_dot kernels:', g.triton_ragged_dot_available())"
         pip list 2>/dev/null | grep -i -E "jax|nvidia|flax|optax|orbax"; } >>"$OUT/campaign.txt" 2>&1
       ;;
     layer)
       bench layer xla_lowering --sections moe_vs_dense --experts 2 4 8 16
-      if python -c "from sparsemixer_jax import grouped_matmul as g; exit(not g.triton_ragged_dot_available())"; then
+      if python -c "from sparsemixer_jax.kernels import triton_ragged_dot as g; exit(not g.triton_ragged_dot_available())"; then
         bench layer triton_ragged_dot --sections moe_vs_dense --experts 2 4 8 16 \
           --layer-dispatches ragged --triton-ragged-dot
       else
         log "layer/triton_ragged_dot: skipped, this jax lacks the Pallas/Triton ragged_dot kernels"
       fi
+      ;;
+    grouped)
+      # Its own script (not experiments.benchmark); merged into layer.json: a lease brings back
+      # at most 8 files.
+      log "layer/grouped_ffn: python -m experiments.bench_grouped"
+      # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
+      timeout "$RUN_LIMIT" python -m experiments.bench_grouped --repeats "$REPEATS" \
+        --json "$WORK/layer.grouped_ffn.json" $GROUPED_ARGS 2>&1 | tail -n 60 \
+        | tee "$WORK/layer.grouped_ffn.log" >>"$OUT/campaign.txt"
+      log "layer/grouped_ffn: exit ${PIPESTATUS[0]}"
+      merge layer grouped_ffn
       ;;
     step)
       bench step throughput --sections throughput
@@ -124,11 +146,11 @@ for part in "${PARTS[@]}"; do
       log "tests: JAX_PLATFORMS=$PLATFORM pytest (GPU subset)"
       timeout "$RUN_LIMIT" python -m pytest -q -n 0 -p no:cacheprovider \
         tests/test_routing.py tests/test_moe.py tests/test_models.py tests/test_decode.py \
-        tests/test_exact_gradient.py tests/test_steps.py tests/test_grouped_matmul.py \
-        tests/test_gpu.py tests/test_train.py >"$OUT/tests.txt" 2>&1
+        tests/test_exact_gradient.py tests/test_steps.py tests/test_triton_ragged_dot.py \
+        tests/test_gpu.py tests/test_train.py tests/test_grouped_ffn.py >"$OUT/tests.txt" 2>&1
       log "tests: exit $? ($(tail -n 1 "$OUT/tests.txt"))"
       ;;
-    *) log "unknown part $part (env layer step variants flags profile decode tests)" ;;
+    *) log "unknown part $part (env layer grouped step variants flags profile decode tests)" ;;
   esac
 done
 log "done: $OUT"

@@ -26,21 +26,12 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    cli.initialize_distributed()
-    import jax
-
-    cli.enable_compilation_cache()
-
     from sparsemixer_jax.tasks import pretraining
 
-    cli.quiet_libraries()
-    if jax.process_index() != 0:
-        logging.getLogger().setLevel(logging.WARNING)
-    results = cli.train_or_exit(pretraining.pretrain, flags.FLAGS.config, flags.FLAGS.workdir)
-    if jax.process_index() == 0:
-        keys = ("steps", "valid_loss", "valid_mlm_loss", "valid_mlm_accuracy", "valid_disc_loss",
-                "valid_disc_accuracy", "best_valid_loss", "tokens_per_second")
-        print("results:", {k: results.get(k) for k in keys})
+    cli.run_training(pretraining.pretrain, flags.FLAGS.config, flags.FLAGS.workdir,
+                     ("steps", "valid_loss", "valid_mlm_loss", "valid_mlm_accuracy",
+                      "valid_disc_loss", "valid_disc_accuracy", "best_valid_loss",
+                      "tokens_per_second"))
 
 
 if __name__ == "__main__":

@@ -29,29 +29,17 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from sparsemixer_jax import runtime
-
-    runtime.configure(flags.FLAGS.config)  # XLA flags must be set before JAX starts its backend
-    cli.initialize_distributed()
     import jax
-
-    cli.enable_compilation_cache()
 
     from sparsemixer_jax.tasks import translation
 
-    cli.quiet_libraries()
-    if jax.process_index() != 0:
-        logging.getLogger().setLevel(logging.WARNING)
-    config = flags.FLAGS.config
-    results = cli.train_or_exit(translation.train_and_evaluate, config, flags.FLAGS.workdir)
-    if jax.process_index() == 0:
-        summary = {k: results.get(k) for k in
-                   ("steps", "valid_loss", "best_valid_loss", "bleu", "bleu_best",
-                    "tokenized_bleu", "tokens_per_second")}
-        print("results:", summary)
-        hint = cli.try_it_hint(config, flags.FLAGS.workdir)
-        if hint:
-            print(hint)
+    config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
+    cli.run_training(translation.train_and_evaluate, config, workdir,
+                     ("steps", "valid_loss", "best_valid_loss", "bleu", "bleu_best",
+                      "tokenized_bleu", "tokens_per_second"))
+    hint = cli.try_it_hint(config, workdir) if jax.process_index() == 0 else None
+    if hint:
+        print(hint)
 
 
 if __name__ == "__main__":

@@ -145,6 +145,27 @@ def train_or_exit(train_fn, config, workdir: str) -> dict:
         sys.exit(2)
 
 
+def run_training(train_fn, config, workdir: str, summary_keys: tuple[str, ...]) -> dict:
+    """What a training entry point does once its flags are parsed: the config's runtime
+    settings (before JAX starts its backend: XLA reads its flags once), several hosts, the
+    compilation cache, quiet library logs, ``train_fn(config, workdir)`` through
+    :func:`train_or_exit`, and a one-line summary of the results on process 0."""
+    from sparsemixer_jax import runtime
+
+    runtime.configure(config)
+    initialize_distributed()
+    import jax
+
+    enable_compilation_cache()
+    quiet_libraries()
+    if jax.process_index() != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    results = train_or_exit(train_fn, config, workdir)
+    if jax.process_index() == 0:
+        print("results:", {k: results.get(k) for k in summary_keys})
+    return results
+
+
 def try_it_hint(config, workdir: str) -> str | None:
     """For a run on the generated language: what the model translates and a command to try it."""
     if config.data.source != "synthetic":

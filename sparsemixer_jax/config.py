@@ -26,6 +26,7 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     "router.top_k": 1,
     "router.balance_normalization": "per_token",
     "model.attention_impl": "einsum",
+    "model.grouped_impl": "mosaic",
     "runtime.deterministic": False,
     "runtime.rng_impl": "threefry2x32",
     "runtime.matmul_precision": "default",
@@ -96,6 +97,7 @@ def moe_model_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.num_experts = 4  # 0 = dense
     c.moe_every = 2  # MoE replaces the FFN of layers 0, k, 2k, ...
     c.dispatch = "auto"  # see sparsemixer_jax.moe.DISPATCHES
+    c.grouped_impl = "mosaic"  # dispatch "grouped": Hopper kernels ("mosaic") or "xla"
     c.capacity_factor = 0.0  # 0 = dropless; > 0 = Switch-style capacity with dropping
     c.compute_dtype = "float32"  # | "bfloat16" (params stay float32)
     c.attention_impl = "einsum"  # | "xla" | "cudnn" | "auto" (jax.nn.dot_product_attention)
@@ -160,7 +162,7 @@ def _check_sections(config: Any, sections: tuple[str, ...], schema: str) -> None
 def _check_model(m: Any, r: Any) -> None:
     from sparsemixer_jax import routing
     from sparsemixer_jax.layers import check_attention_impl
-    from sparsemixer_jax.moe import DISPATCHES
+    from sparsemixer_jax.moe import DISPATCHES, GROUPED_IMPLS
 
     _positive({"model": m}, ["model.emb_dim", "model.mlp_dim", "model.num_heads",
                              "model.moe_every"])
@@ -179,6 +181,9 @@ def _check_model(m: Any, r: Any) -> None:
         )
     if m.dispatch not in DISPATCHES:
         raise ValueError(f"config.model.dispatch={m.dispatch!r}; choose one of {DISPATCHES}")
+    if m.grouped_impl not in GROUPED_IMPLS:
+        raise ValueError(f"config.model.grouped_impl={m.grouped_impl!r}; choose one of "
+                         f"{GROUPED_IMPLS}")
     if m.capacity_factor < 0:
         raise ValueError(
             f"config.model.capacity_factor must be >= 0 (0 = dropless), got {m.capacity_factor}"

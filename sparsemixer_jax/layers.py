@@ -195,6 +195,7 @@ def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx
             top_k=int(router_cfg.top_k),
             activation_dropout=float(model_cfg.activation_dropout),
             dispatch=model_cfg.dispatch,
+            grouped_impl=str(model_cfg.grouped_impl),
             capacity_factor=float(model_cfg.capacity_factor),
             dtype=dtype,
             mesh=mesh,

@@ -15,7 +15,7 @@
   choice (float32 matmuls run as TF32 on NVIDIA GPUs since Ampere, ~1e-3 relative error);
   ``"highest"`` computes them in full float32 (slower on GPUs; no effect on CPUs).
 * ``runtime.triton_ragged_dot``: ``ragged_dot``'s grouped Pallas/Triton GPU lowering where this
-  jax has it (:mod:`sparsemixer_jax.grouped_matmul`); with it ``dispatch="auto"`` picks
+  jax has it (:mod:`sparsemixer_jax.kernels.triton_ragged_dot`); with it ``dispatch="auto"`` picks
   ``"ragged"`` on GPUs.
 """
 
@@ -82,7 +82,7 @@ def configure(config: Any) -> None:
     if precision != "default":
         jax.config.update("jax_default_matmul_precision", precision)
     if runtime.triton_ragged_dot:
-        from sparsemixer_jax.grouped_matmul import enable_triton_ragged_dot
+        from sparsemixer_jax.kernels.triton_ragged_dot import enable_triton_ragged_dot
 
         if not enable_triton_ragged_dot():
             logger.warning("config.runtime.triton_ragged_dot: this jax lacks the Pallas/Triton "

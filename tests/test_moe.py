@@ -249,7 +249,7 @@ def test_randomness_from_module_streams(data):
 
 def test_auto_dispatch_and_errors():
     assert resolve_dispatch("auto", "cpu") == "padded"
-    assert resolve_dispatch("auto", "gpu") == "padded"  # see test_grouped_matmul.py
+    assert resolve_dispatch("auto", "gpu") == "padded"  # see test_triton_ragged_dot.py
     with pytest.raises(ValueError, match="unknown dispatch 'fast'"):
         make_layer(dispatch="fast")
     with pytest.raises(ValueError, match="unknown router 'top2'"):

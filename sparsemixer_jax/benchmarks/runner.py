@@ -126,7 +126,8 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
     s = settings
     import jax
 
-    from sparsemixer_jax import grouped_matmul, runtime
+    from sparsemixer_jax import runtime
+    from sparsemixer_jax.kernels import triton_ragged_dot
 
     # Both before JAX starts its backend (JAX read JAX_PLATFORMS when it was imported).
     if s.backend:
@@ -135,7 +136,7 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
         runtime.set_deterministic_gpu_ops()
     if s.rng_impl:
         jax.config.update("jax_default_prng_impl", s.rng_impl)
-    triton = grouped_matmul.enable_triton_ragged_dot() if s.triton_ragged_dot else False
+    triton = triton_ragged_dot.enable_triton_ragged_dot() if s.triton_ragged_dot else False
 
     backend = jax.default_backend()
     defaults = CPU_SIZES if backend == "cpu" else ACCEL_SIZES
@@ -149,7 +150,7 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
         "dispatch": s.dispatch, "attention_impl": s.attention_impl,
         "rng_impl": jax.config.values["jax_default_prng_impl"],
         "triton_ragged_dot": {"requested": s.triton_ragged_dot,
-                              "available": grouped_matmul.triton_ragged_dot_available(),
+                              "available": triton_ragged_dot.triton_ragged_dot_available(),
                               "enabled": triton},
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }

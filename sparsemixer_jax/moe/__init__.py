@@ -10,6 +10,7 @@
 from sparsemixer_jax.moe.dispatch import (
     AUTO_DISPATCH,
     DISPATCHES,
+    GROUPED_IMPLS,
     capacity_keep,
     expert_capacity,
     expert_ffn,
@@ -21,6 +22,7 @@ from sparsemixer_jax.moe.layer import MoEFeedForward
 __all__ = [
     "AUTO_DISPATCH",
     "DISPATCHES",
+    "GROUPED_IMPLS",
     "MoEFeedForward",
     "capacity_keep",
     "expert_capacity",

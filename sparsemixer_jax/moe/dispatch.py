@@ -3,6 +3,11 @@
 One row per token and chosen expert goes through its expert MLP. Dispatch is chosen by name:
 
 * ``"ragged"``: tokens sorted by expert, grouped matmul with :func:`jax.lax.ragged_dot`.
+* ``"grouped"``: tokens sorted by expert, grouped matmuls with a custom VJP whose forward and
+  gradients run on JAX's Mosaic GPU kernels on Hopper GPUs (:mod:`sparsemixer_jax.kernels`;
+  ``grouped_impl="mosaic"``, the default) or on ``jax.lax.ragged_dot`` (``"xla"``). Padded only
+  at the end of the sorted rows, to a whole tile. ``auto`` does not pick it until an H100
+  measurement shows it faster than ``padded`` (:data:`AUTO_DISPATCH`).
 * ``"padded"``: tokens sorted by expert into a block-padded layout: each expert's group is padded
   to a multiple of a block of ``b`` rows, every block belongs to one expert, and one batched
   matmul multiplies each block by its expert's weights. Dropless with at most ``rows + N * b``
@@ -31,7 +36,7 @@ N     ragged ms   padded ms
 (dense FFN, one expert over all tokens: 1632 ms in the same run.)
 
 On GPU ``ragged_dot`` is as slow by default (:data:`AUTO_DISPATCH`), unless its grouped
-Pallas/Triton lowering is on (:mod:`sparsemixer_jax.grouped_matmul`).
+Pallas/Triton lowering is on (:mod:`sparsemixer_jax.kernels.triton_ragged_dot`).
 
 Randomness: the router key and the dropout key come from the module's own ``router`` and
 ``dropout`` RNG streams. Dropout masks are drawn per row from ``fold_in(key, row_id)`` with
@@ -47,7 +52,14 @@ import math
 import jax
 import jax.numpy as jnp
 
-DISPATCHES = ("auto", "ragged", "padded")
+from sparsemixer_jax.kernels.mosaic_grouped_matmul import (
+    GroupedMatmulConfig,
+    grouped_matmul,
+    interpret_mode_active,
+)
+
+DISPATCHES = ("auto", "ragged", "padded", "grouped")
+GROUPED_IMPLS = ("mosaic", "xla")
 
 
 # What ``dispatch="auto"`` runs on each backend, from measurements (forward + backward of one
@@ -72,7 +84,7 @@ def resolve_dispatch(dispatch: str, backend: str | None = None) -> str:
     ``"rocm"`` count as ``"gpu"``, unknown platforms get ``"padded"`` (dropless, at most about
     twice a dense FFN whatever the lowering). On a GPU ``auto`` picks ``"ragged"`` only while
     ``ragged_dot``'s grouped Pallas/Triton lowering is on
-    (:func:`sparsemixer_jax.grouped_matmul.enable_triton_ragged_dot`).
+    (:func:`sparsemixer_jax.kernels.triton_ragged_dot.enable_triton_ragged_dot`).
     """
     if dispatch not in DISPATCHES:
         raise ValueError(f"unknown dispatch {dispatch!r}; expected one of {DISPATCHES}")
@@ -80,7 +92,7 @@ def resolve_dispatch(dispatch: str, backend: str | None = None) -> str:
         return dispatch
     backend = backend or jax.default_backend()
     if backend in _GPU_PLATFORMS:
-        from sparsemixer_jax.grouped_matmul import triton_ragged_dot_enabled
+        from sparsemixer_jax.kernels.triton_ragged_dot import triton_ragged_dot_enabled
 
         return "ragged" if triton_ragged_dot_enabled() else AUTO_DISPATCH["gpu"]
     return AUTO_DISPATCH.get(backend, "padded")
@@ -187,6 +199,72 @@ def _padded_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, capacity):
     return jnp.where(valid[:, None], y, 0)
 
 
+def grouped_ffn(
+    x: jax.Array,
+    group: jax.Array,
+    token_ids: jax.Array,
+    wi: jax.Array,
+    bi: jax.Array,
+    wo: jax.Array,
+    bo: jax.Array,
+    drop_key: jax.Array | None,
+    rate: float,
+    *,
+    impl: str = "mosaic",
+    block_m: int = 128,
+    block_n: int = 128,
+    block_k: int = 64,
+    max_concurrent_steps: int = 4,
+    grid_block_n: int = 1,
+    weight_grad: str = "auto",
+    interpret: bool = False,
+    compute_dtype=None,
+) -> jax.Array:
+    """Each row through its expert with grouped matmuls.
+
+    Args:
+      x: ``[R, emb]`` rows.
+      group: int ``[R]``, expert of each row in ``[0, G)``; ``G`` or more: no expert (dropped by
+        capacity, padding), the row outputs zeros.
+      token_ids: int ``[R]``, global row ids that seed the dropout masks (:func:`row_dropout`).
+      wi, bi, wo, bo: ``[G, emb, mlp]``, ``[G, mlp]``, ``[G, mlp, emb]``, ``[G, emb]``.
+      drop_key, rate: activation dropout key (None: no dropout) and rate.
+      impl, block_m, block_n, block_k, max_concurrent_steps, grid_block_n, weight_grad,
+        interpret, compute_dtype: :class:`GroupedMatmulConfig`. With ``impl="mosaic"`` (and
+        ``"tokamax"``) the matmul operands (``x``, ``wi``, the hidden activations, ``wo``) are
+        cast to bfloat16 unless they are float16 (or to ``compute_dtype``); biases, ReLU and
+        dropout run in that dtype too, as ``_ragged_ffn`` does in a bfloat16 model.
+
+    Returns: ``[R, emb]`` in the dtype of ``x``, zeros on rows without expert.
+    """
+    config = GroupedMatmulConfig(
+        impl=impl, block_m=block_m, block_n=block_n, block_k=block_k,
+        max_concurrent_steps=max_concurrent_steps, grid_block_n=grid_block_n,
+        weight_grad=weight_grad, interpret=interpret, compute_dtype=compute_dtype)
+    rows = x.shape[0]
+    num_groups = wi.shape[0]
+    dtype = config.operand_dtype(jnp.result_type(x.dtype, wi.dtype))
+    group = group.astype(jnp.int32)
+    order = jnp.argsort(group, stable=True)  # rows without expert sort last
+    group_sizes = jnp.bincount(group, length=num_groups + 1)[:num_groups].astype(jnp.int32)
+    # Pad once here (gather the pad rows from row 0: they lie past the groups and are ignored)
+    # so the kernels get whole row tiles without copying the activations again.
+    padded_rows = -(-rows // block_m) * block_m if impl == "mosaic" else rows
+    gather = jnp.concatenate([order, jnp.zeros((padded_rows - rows,), order.dtype)])
+    sorted_group = jnp.concatenate(
+        [group[order], jnp.full((padded_rows - rows,), num_groups, jnp.int32)])
+    valid = (sorted_group < num_groups)[:, None]
+    safe = jnp.minimum(sorted_group, num_groups - 1)
+
+    h = grouped_matmul(x.astype(dtype)[gather], wi.astype(dtype), group_sizes, config)
+    h = h + bi.astype(dtype)[safe]
+    h = row_dropout(jax.nn.relu(h), token_ids[gather], drop_key, rate)
+    y = grouped_matmul(h, wo.astype(dtype), group_sizes, config) + bo.astype(dtype)[safe]
+    y = jnp.where(valid, y, 0)[:rows]
+    # Undo the sort with a scatter (its transpose is a gather, cheaper than a second argsort).
+    return jnp.zeros_like(y).at[order].set(y, unique_indices=True).astype(x.dtype)
+
+
 def expert_ffn(
     x: jax.Array,
     group: jax.Array,
@@ -197,6 +275,7 @@ def expert_ffn(
     dropout_key: jax.Array | None = None,
     dropout_rate: float = 0.0,
     capacity: int | None = None,
+    grouped_impl: str = "mosaic",
 ) -> jax.Array:
     """Each row through its expert: ``Dense -> ReLU -> dropout -> Dense``.
 
@@ -207,11 +286,13 @@ def expert_ffn(
       token_ids: int32 ``[R]``, a global id per row that seeds its dropout mask.
       params: ``(wi [G, emb, mlp], bi [G, mlp], wo [G, mlp, emb], bo [G, emb])`` in the compute
         dtype.
-      dispatch: ``"ragged"`` or ``"padded"``.
+      dispatch: ``"ragged"``, ``"padded"`` or ``"grouped"``.
       dropout_key: key of the activation dropout, or None for no dropout.
       capacity: ``"padded"`` only: the Switch layout with this many slots per group; rows past
         it (in row order) output zeros. The layer drops tokens before (``capacity_keep``), so
         its groups always fit.
+      grouped_impl: ``"grouped"`` only: ``"mosaic"`` (Hopper kernels; interpreted on any
+        backend inside ``force_gpu_interpret_mode()``) or ``"xla"``.
 
     Returns: ``[R, emb]`` in the dtype of ``x``, zeros on rows without expert.
     """
@@ -222,7 +303,12 @@ def expert_ffn(
     if dispatch == "padded":
         return _padded_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
                            capacity)
-    raise ValueError(f"expert_ffn: dispatch must be 'ragged' or 'padded', got {dispatch!r}")
+    if dispatch == "grouped":
+        return grouped_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
+                           impl=grouped_impl,
+                           interpret=grouped_impl == "mosaic" and interpret_mode_active())
+    raise ValueError(
+        f"expert_ffn: dispatch must be 'ragged', 'padded' or 'grouped', got {dispatch!r}")
 
 
 def capacity_keep(

@@ -43,6 +43,7 @@ def expert_parallel_ffn(
     dispatch: str,
     dropout_key: jax.Array | None = None,
     dropout_rate: float = 0.0,
+    grouped_impl: str = "mosaic",
 ) -> jax.Array:
     """:func:`sparsemixer_jax.moe.expert_ffn` with experts split over the mesh's expert axis.
 
@@ -100,7 +101,8 @@ def expert_parallel_ffn(
 
         recv_x, recv_g, recv_i = exchange(send_x), exchange(send_g), exchange(send_i)
         out = expert_ffn(recv_x, recv_g, recv_i, (wi, bi, wo, bo), dispatch=dispatch,
-                         dropout_key=key[0] if key else None, dropout_rate=dropout_rate)
+                         dropout_key=key[0] if key else None, dropout_rate=dropout_rate,
+                         grouped_impl=grouped_impl)
         back = exchange(out)  # back[slot] = output for the token sent into that slot
         return back.at[slot].get(mode="fill", fill_value=0)
 

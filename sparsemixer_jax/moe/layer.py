@@ -17,8 +17,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax import routing, sharding
+from sparsemixer_jax.kernels.mosaic_grouped_matmul import check_grouped_supported
 from sparsemixer_jax.moe.diagnostics import router_diagnostics
 from sparsemixer_jax.moe.dispatch import (
+    GROUPED_IMPLS,
     capacity_keep,
     expert_capacity,
     expert_ffn,
@@ -51,7 +53,10 @@ class MoEFeedForward(nnx.Module):
       jitter_eps: the router's jitter / mask threshold.
       top_k: experts per token, ``1 <= top_k <= N`` (distinct; see ``routing.sparsemixer_route``).
       activation_dropout: dropout rate after the expert ReLU.
-      dispatch: ``"auto"``, ``"ragged"`` or ``"padded"`` (module docstring).
+      dispatch: ``"auto"``, ``"ragged"``, ``"padded"`` or ``"grouped"``
+        (:mod:`sparsemixer_jax.moe.dispatch`).
+      grouped_impl: the kernels of ``"grouped"``: ``"mosaic"`` (Hopper GPUs, or interpreted
+        inside ``force_gpu_interpret_mode()``; checked when the layer is built) or ``"xla"``.
       capacity_factor: 0 for dropless; ``> 0`` caps every expert at
         ``ceil(capacity_factor * rows / N)`` rows (rows = ``B * T * top_k``: every position of
         the call and each of its experts). Rows are served first choices first (all tokens'
@@ -79,6 +84,7 @@ class MoEFeedForward(nnx.Module):
         top_k: int = 1,
         activation_dropout: float = 0.1,
         dispatch: str = "auto",
+        grouped_impl: str = "mosaic",
         capacity_factor: float = 0.0,
         dtype=jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
@@ -95,6 +101,10 @@ class MoEFeedForward(nnx.Module):
                 f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
             )
         resolve_dispatch(dispatch)  # validates the name
+        if grouped_impl not in GROUPED_IMPLS:
+            raise ValueError(f"grouped_impl must be one of {GROUPED_IMPLS}, got {grouped_impl!r}")
+        if dispatch == "grouped" and grouped_impl == "mosaic":
+            check_grouped_supported()  # one line naming the device if it is no Hopper GPU
         routing.get_router(router, jitter_eps, top_k)  # validates the name and jitter_eps
         if mesh is not None:
             sharding.check_mesh(mesh, num_experts)
@@ -107,6 +117,7 @@ class MoEFeedForward(nnx.Module):
         self.top_k = top_k
         self.activation_dropout = activation_dropout
         self.dispatch = dispatch
+        self.grouped_impl = grouped_impl
         self.capacity_factor = capacity_factor
         self.dtype = dtype
         self.mesh = mesh
@@ -201,12 +212,14 @@ class MoEFeedForward(nnx.Module):
             f = expert_ffn(xr.reshape(batch * length * k, -1), group.reshape(-1),
                            row_ids.reshape(-1), params, dispatch=dispatch,
                            dropout_key=drop_key, dropout_rate=self.activation_dropout,
-                           capacity=capacity if dispatch == "padded" else None)
+                           capacity=capacity if dispatch == "padded" else None,
+                           grouped_impl=self.grouped_impl)
         else:
             f = expert_parallel_ffn(xr, group.reshape(batch, length * k),
                                     row_ids.reshape(batch, length * k), params, mesh=self.mesh,
                                     dispatch=dispatch, dropout_key=drop_key,
-                                    dropout_rate=self.activation_dropout)
+                                    dropout_rate=self.activation_dropout,
+                                    grouped_impl=self.grouped_impl)
         f = f.reshape(batch, length, k, -1)
         if k == 1:  # drop the k axis: the same ops (and float rounding) as the top-1 layer
             f, gate = f[:, :, 0], gate[..., 0]

@@ -32,6 +32,8 @@ RESUMABLE_CHANGES = (
     "log_every",
     "decode",
     "model.attention_impl",
+    "model.dispatch",
+    "model.grouped_impl",
     "runtime.deterministic",
     "runtime.matmul_precision",
     "runtime.triton_ragged_dot",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import pytest
 
-from sparsemixer_jax import grouped_matmul, moe
+from sparsemixer_jax import moe
+from sparsemixer_jax.kernels import triton_ragged_dot
 
 
 def test_auto_dispatch_per_backend():
@@ -19,28 +20,28 @@ def test_auto_dispatch_per_backend():
 
 
 def test_gpu_auto_picks_ragged_only_with_grouped_kernels(monkeypatch):
-    monkeypatch.setattr(grouped_matmul, "triton_ragged_dot_enabled", lambda: True)
+    monkeypatch.setattr(triton_ragged_dot, "triton_ragged_dot_enabled", lambda: True)
     assert moe.resolve_dispatch("auto", "cuda") == "ragged"
     assert moe.resolve_dispatch("auto", "cpu") == "padded"
 
 
 def test_enable_triton_ragged_dot_falls_back_without_the_kernels(monkeypatch):
-    option = grouped_matmul.TRITON_RAGGED_DOT_OPTION
+    option = triton_ragged_dot.TRITON_RAGGED_DOT_OPTION
     before = jax.config.values[option]
-    monkeypatch.setattr(grouped_matmul, "_TRITON_RAGGED_DOT_MODULE", "jax._src.no_such.module")
-    assert not grouped_matmul.triton_ragged_dot_available()
-    assert grouped_matmul.enable_triton_ragged_dot() is False
+    monkeypatch.setattr(triton_ragged_dot, "_TRITON_RAGGED_DOT_MODULE", "jax._src.no_such.module")
+    assert not triton_ragged_dot.triton_ragged_dot_available()
+    assert triton_ragged_dot.enable_triton_ragged_dot() is False
     assert jax.config.values[option] == before  # untouched: turning it on would break compiles
-    assert not grouped_matmul.triton_ragged_dot_enabled()
+    assert not triton_ragged_dot.triton_ragged_dot_enabled()
 
 
 def test_enable_triton_ragged_dot_where_available(monkeypatch):
-    option = grouped_matmul.TRITON_RAGGED_DOT_OPTION
-    monkeypatch.setattr(grouped_matmul, "_TRITON_RAGGED_DOT_MODULE", "jax._src.lax.lax")
-    assert grouped_matmul.triton_ragged_dot_available()
+    option = triton_ragged_dot.TRITON_RAGGED_DOT_OPTION
+    monkeypatch.setattr(triton_ragged_dot, "_TRITON_RAGGED_DOT_MODULE", "jax._src.lax.lax")
+    assert triton_ragged_dot.triton_ragged_dot_available()
     try:
-        assert grouped_matmul.enable_triton_ragged_dot() is True
-        assert grouped_matmul.triton_ragged_dot_enabled()
+        assert triton_ragged_dot.enable_triton_ragged_dot() is True
+        assert triton_ragged_dot.triton_ragged_dot_enabled()
         assert moe.resolve_dispatch("auto", "gpu") == "ragged"
     finally:
         jax.config.update(option, False)
@@ -52,7 +53,7 @@ def test_triton_ragged_dot_matches_padded_on_gpu():
     import jax.numpy as jnp
     import numpy as np
 
-    if not grouped_matmul.enable_triton_ragged_dot():
+    if not triton_ragged_dot.enable_triton_ragged_dot():
         pytest.skip("this jax wheel lacks the Pallas/Triton ragged_dot kernels")
     try:
         kx, kg, kw = jax.random.split(jax.random.key(0), 3)
@@ -67,4 +68,4 @@ def test_triton_ragged_dot_matches_padded_on_gpu():
                     for d in ("ragged", "padded")]
         np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     finally:
-        jax.config.update(grouped_matmul.TRITON_RAGGED_DOT_OPTION, False)
+        jax.config.update(triton_ragged_dot.TRITON_RAGGED_DOT_OPTION, False)

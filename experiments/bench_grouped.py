@@ -1,0 +1,24 @@
+"""Grouped-GEMM expert FFN against the padded dispatch and the dense FFN (forward + backward).
+
+    python -m experiments.bench_grouped --json grouped.json            # N = 2, 4, 8, 16 on a GPU
+    python -m experiments.bench_grouped --interpret --tiny --experts 2  # the path, on a CPU
+
+The code lives in :mod:`sparsemixer_jax.benchmarks.grouped_ffn` (so tests can run it); options:
+``python -m experiments.bench_grouped --help``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from sparsemixer_jax.benchmarks import grouped_ffn as benchmark
+
+
+def main(argv: list[str] | None = None) -> int:
+    result = benchmark.main(argv)
+    failed = [row for row in result["rows"] if "error" in row]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

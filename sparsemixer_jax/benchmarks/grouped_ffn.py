@@ -1,0 +1,197 @@
+"""Micro-benchmark: forward + backward of the expert FFN per dispatch, against the dense FFN.
+
+For each number of experts ``N``: random routing of ``tokens`` rows, then the median time of one
+``jax.grad`` call (w.r.t. the rows and all four parameters, activation dropout 0.1) of
+
+* ``dense``: one FFN of the same width over every row (the cost a dropless MoE should approach);
+* ``padded``: ``moe.dispatch._padded_ffn`` dropless (block-padded batched matmul);
+* ``grouped``: :func:`sparsemixer_jax.moe.dispatch.grouped_ffn` (Mosaic GPU grouped matmuls);
+* ``padded_cap{c}`` / ``grouped_cap{c}``: Switch capacity ``c``: rows past their expert's
+  capacity get no expert (as the layer's ``capacity_keep`` does); padded uses the Switch
+  ``[N, capacity, emb]`` layout.
+
+``--interpret --tiny`` runs a few hundred rows with the kernels in the Mosaic GPU interpreter,
+so the whole path is checked on a CPU. Entry point: ``python -m experiments.bench_grouped``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sparsemixer_jax import moe
+from sparsemixer_jax.moe.dispatch import grouped_ffn
+
+FULL = dict(tokens=32768, emb=512, mlp=2048)
+TINY = dict(tokens=256, emb=64, mlp=128)
+DROPOUT = 0.1
+
+
+def environment() -> dict[str, Any]:
+    """Machine and library versions recorded with every result."""
+    device = jax.devices()[0]
+    out: dict[str, Any] = {
+        "backend": jax.default_backend(), "device_kind": device.device_kind,
+        "jax": jax.__version__, "python": platform.python_version(),
+        "command": " ".join(sys.argv),
+    }
+    try:
+        import jaxlib
+
+        out["jaxlib"] = jaxlib.__version__
+    except ImportError:
+        pass
+    if out["backend"] in ("gpu", "cuda"):
+        out["compute_capability"] = str(getattr(device, "compute_capability", "?"))
+        try:  # private module: record why instead of failing the benchmark
+            from jax._src.lib import cuda_versions
+
+            out["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
+            out["cudnn"] = cuda_versions.cudnn_get_version()
+        except Exception as err:
+            out["cuda_versions_error"] = repr(err)
+    return out
+
+
+def _dense_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate):
+    del group
+    h = jax.nn.relu(x @ wi[0] + bi[0])
+    return moe.dispatch.row_dropout(h, token_ids, drop_key, rate) @ wo[0] + bo[0]
+
+
+def _time(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _grad_step(ffn: Callable, token_ids: jax.Array, key: jax.Array) -> Callable:
+    """jit ``(group, x, wi, bi, wo, bo) -> grads``; the routing is an argument, so the dropless
+    and capacity runs of one dispatch share a compilation."""
+
+    def loss(x, wi, bi, wo, bo, group):
+        y = ffn(x, group, token_ids, wi, bi, wo, bo, key, DROPOUT)
+        return jnp.sum(y.astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+    return jax.jit(lambda group, *args: grad(*args, group))
+
+
+def run(
+    experts: Sequence[int], *, tokens: int, emb: int, mlp: int, dtype: str = "bfloat16",
+    capacities: Sequence[float] = (1.0, 1.25), warmup: int = 2, repeats: int = 10,
+    interpret: bool = False, grouped_options: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per (N, dispatch): median / min milliseconds and the ratio to ``dense``."""
+    grouped_options = dict(grouped_options or {})
+    dt = jnp.dtype(dtype)
+    rows: list[dict[str, Any]] = []
+    keys = jax.random.split(jax.random.key(0), 8)
+    x = jax.random.normal(keys[0], (tokens, emb), dt)
+    token_ids = jnp.arange(tokens, dtype=jnp.int32)
+
+    def grouped(*args):
+        return grouped_ffn(*args, interpret=interpret, **grouped_options)
+
+    for n in experts:
+        wi = (jax.random.normal(keys[1], (n, emb, mlp)) / emb ** 0.5).astype(dt)
+        wo = (jax.random.normal(keys[2], (n, mlp, emb)) / mlp ** 0.5).astype(dt)
+        bi, bo = jnp.zeros((n, mlp), dt), jnp.zeros((n, emb), dt)
+        params = (x, wi, bi, wo, bo)
+        group = jax.random.randint(keys[3], (tokens,), 0, n, jnp.int32)
+        cases: dict[str, tuple[Callable, jax.Array, tuple]] = {
+            "dense": (_dense_ffn, group, (x, wi[:1], bi[:1], wo[:1], bo[:1])),
+            "padded": (lambda *a: moe.dispatch._padded_ffn(*a, capacity=None), group, params),
+            "grouped": (grouped, group, params),
+        }
+        for c in capacities:
+            cap = moe.expert_capacity(c, tokens, n)
+            kept = moe.capacity_keep(group, jnp.ones((tokens,), bool), n, cap)
+            capped = jnp.where(kept, group, n)
+            cases[f"padded_cap{c}"] = (
+                lambda *a, cap=cap: moe.dispatch._padded_ffn(*a, capacity=cap), capped, params)
+            cases[f"grouped_cap{c}"] = (grouped, capped, params)
+        dense_ms = None
+        steps: dict[int, Callable] = {}
+        for name, (ffn, g, args) in cases.items():
+            row: dict[str, Any] = {"experts": n, "dispatch": name}
+            try:
+                if id(ffn) not in steps:
+                    steps[id(ffn)] = _grad_step(ffn, token_ids, keys[4])
+                step = steps[id(ffn)]
+                times = _time(lambda step=step, g=g, args=args: step(g, *args), warmup, repeats)
+            except ValueError as err:  # e.g. the Mosaic kernels on a GPU that is not sm90
+                row["error"] = str(err)
+            else:
+                row["ms"] = 1e3 * statistics.median(times)
+                row["ms_min"] = 1e3 * min(times)
+                if name == "dense":
+                    dense_ms = row["ms"]
+                row["vs_dense"] = row["ms"] / dense_ms if dense_ms else None
+            rows.append(row)
+            if "ms" not in row:
+                shown = f"error: {row['error']}"
+            else:
+                ratio = row["vs_dense"]
+                shown = f"{row['ms']:9.2f} ms" + (f"  x{ratio:.2f}" if ratio else "")
+            print(f"N={n:<3d} {name:<16s} {shown}", flush=True)
+    return rows
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--experts", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--emb", type=int, default=None)
+    parser.add_argument("--mlp", type=int, default=None)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--capacities", type=float, nargs="*", default=[1.0, 1.25])
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--impl", default="mosaic", choices=["mosaic", "xla"])
+    parser.add_argument("--block-m", type=int, default=None)
+    parser.add_argument("--block-n", type=int, default=None)
+    parser.add_argument("--weight-grad", default="auto", choices=["auto", "kernel", "xla"])
+    parser.add_argument("--interpret", action="store_true",
+                        help="run the Mosaic kernels in the interpreter (any backend)")
+    parser.add_argument("--tiny", action="store_true", help="a few hundred rows, one repeat")
+    parser.add_argument("--json", default=None, help="write the result here")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs the benchmark from command-line arguments; returns (and writes) its JSON."""
+    args = parse_args(argv)
+    sizes = dict(TINY if args.tiny else FULL)
+    for name in sizes:
+        if getattr(args, name) is not None:
+            sizes[name] = getattr(args, name)
+    block = 64 if args.tiny else 128
+    options = {"impl": args.impl, "weight_grad": args.weight_grad,
+               "block_m": args.block_m or block, "block_n": args.block_n or block}
+    warmup = args.warmup if args.warmup is not None else (0 if args.tiny else 2)
+    repeats = args.repeats if args.repeats is not None else (1 if args.tiny else 10)
+    rows = run(args.experts, dtype=args.dtype, capacities=args.capacities, warmup=warmup,
+               repeats=repeats, interpret=args.interpret, grouped_options=options, **sizes)
+    result = {"environment": environment(),
+              "config": {**sizes, "dtype": args.dtype, "dropout": DROPOUT, "warmup": warmup,
+                         "repeats": repeats, "interpret": args.interpret, "grouped": options},
+              "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result

@@ -1,0 +1,106 @@
+"""The ``"grouped"`` dispatch inside the MoE layer and a whole model: equal to ``padded``.
+
+The grouped matmul kernels themselves are tested in tests/test_grouped_ffn.py; here the layer's
+wiring: top-1 and top-2, capacity mode, dropout, the Mosaic kernels under the GPU interpreter,
+the refusal on a device that is not a Hopper GPU, and a whole Transformer's loss and gradients.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
+
+from sparsemixer_jax.moe import MoEFeedForward, resolve_dispatch
+from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.training import steps as training_steps
+from tests import tiny_wmt_config
+
+EMB, MLP, N, B, T = 16, 32, 4, 4, 8
+
+
+def layer(dispatch, **kw):
+    return MoEFeedForward(EMB, MLP, N, dispatch=dispatch, activation_dropout=0.2,
+                          rngs=nnx.Rngs(params=0, dropout=1, router=2), **kw)
+
+
+@nnx.jit
+def loss_and_grads(module, x, mask, head):
+    def loss_fn(module):
+        y, metrics = module(x, mask, deterministic=False)
+        return jnp.sum(y * head) + metrics["balance_loss"], y
+
+    (loss, y), grads = nnx.value_and_grad(loss_fn, has_aux=True)(module)
+    return loss, y, grads
+
+
+@pytest.fixture(scope="module")
+def data():
+    kx, kh = jax.random.split(jax.random.key(4))
+    x = jax.random.normal(kx, (B, T, EMB), jnp.float32)
+    mask = jnp.ones((B, T), bool).at[1, 5:].set(False)
+    return x, mask, jax.random.normal(kh, (B, T, EMB), jnp.float32)
+
+
+def assert_same(got, want, rtol, atol):
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(np.asarray(g), np.asarray(w),
+                                                         rtol=rtol, atol=atol), got, want)
+
+
+@pytest.mark.parametrize("top_k,capacity_factor", [(1, 0.0), (2, 0.0), (2, 1.0)])
+def test_xla_grouped_layer_equals_padded(data, top_k, capacity_factor):
+    """Float32, the XLA impl: the same rows, dropout masks and drops as ``padded``, so outputs
+    and every parameter gradient agree to float32 rounding (1e-5)."""
+    kw = dict(top_k=top_k, capacity_factor=capacity_factor)
+    want = loss_and_grads(layer("padded", **kw), *data)
+    got = loss_and_grads(layer("grouped", grouped_impl="xla", **kw), *data)
+    assert_same(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_mosaic_grouped_layer_in_the_gpu_interpreter_equals_padded(data):
+    """The Mosaic kernels (forward and input gradient; weight gradient by its reference
+    formulation, which the interpreter can run) compute in bfloat16: compared with ``padded`` in
+    bfloat16 within bfloat16 rounding (2e-2 of the values, several roundings deep)."""
+    kw = dict(top_k=2, dtype=jnp.bfloat16)
+    want = loss_and_grads(layer("padded", **kw), *data)
+    with interpret_params.force_gpu_interpret_mode():
+        got = loss_and_grads(layer("grouped", **kw), *data)
+    _, y_want, g_want = want
+    _, y_got, g_got = got
+    scale = float(jnp.max(jnp.abs(y_want.astype(jnp.float32))))
+    np.testing.assert_allclose(np.asarray(y_got, np.float32), np.asarray(y_want, np.float32),
+                               atol=2e-2 * scale)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(g_got), jax.tree.leaves(g_want),
+                            strict=True):
+        bound = 2e-2 * max(float(jnp.max(jnp.abs(w))), 1e-6)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   atol=bound, err_msg=jax.tree_util.keystr(path))
+
+
+def test_mosaic_grouped_is_refused_off_hopper_and_never_picked_by_auto():
+    with pytest.raises(ValueError, match=r"sm90 \(Hopper\) NVIDIA GPU, got platform 'cpu'"):
+        layer("grouped")
+    layer("grouped", grouped_impl="xla")  # the XLA impl runs anywhere
+    with pytest.raises(ValueError, match="grouped_impl"):
+        layer("grouped", grouped_impl="triton")
+    for backend in ("cpu", "gpu", "cuda", "tpu"):
+        assert resolve_dispatch("auto", backend) != "grouped"
+
+
+def test_whole_model_loss_and_gradients_equal_padded():
+    """A tiny Transformer trained one step with each dispatch (float32, XLA impl): the same
+    loss and parameter gradients to float32 rounding."""
+    config = tiny_wmt_config.get_config()
+    rng = np.random.default_rng(0)
+    batch = {k: jnp.asarray(rng.integers(3, 40, (8, 12), dtype=np.int32))
+             for k in ("inputs", "targets")}
+    grads = {}
+    for dispatch in ("padded", "grouped"):
+        config.model.dispatch = dispatch
+        config.model.grouped_impl = "xla"
+        steps = translation.build_steps(config, 40)
+        grads[dispatch] = jax.grad(training_steps._loss, argnums=2, has_aux=True)(
+            steps.graphdef, steps.objective, steps.params, steps.rest, batch,
+            jax.random.key(1))[0]
+    assert_same(grads["grouped"], grads["padded"], rtol=1e-4, atol=1e-6)
