@@ -263,7 +263,6 @@ def _check_translation(config: Any) -> None:
 
 def _check_pretraining(config: Any) -> None:
     from sparsemixer_jax.data.text import FIRST_WORD_ID
-    from sparsemixer_jax.electra import generator_config
 
     _check_sections(config, ("data", "model", "generator", "router", "optim", "runtime", "mesh"),
                     "configs/electra.py")
@@ -286,6 +285,11 @@ def _check_pretraining(config: Any) -> None:
         raise ValueError("config.data.mask_prob must be > 0: nothing would be replaced")
     if config.optim.disc_weight < 0:
         raise ValueError(f"config.optim.disc_weight must be >= 0, got {config.optim.disc_weight}")
+
+
+def _check_generator(config: Any) -> None:
+    from sparsemixer_jax.electra import generator_config
+
     g = generator_config(config).model  # validates config.generator's fields
     if g.emb_dim % g.num_heads:
         raise ValueError(f"config.generator.num_heads={g.num_heads} does not divide emb_dim")
@@ -312,6 +316,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
         _check_pretraining(config)
     _positive(config, ["train_steps", "eval_every", "checkpoint_every", "log_every"])
     _check_model(config.model, config.router)
+    if task == "pretraining":
+        _check_generator(config)  # after the discriminator, whose fields it inherits
     _check_optim(config.optim)
     _check_mesh(config)
     from sparsemixer_jax.runtime import check_runtime_config
