@@ -47,7 +47,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="whole-step sections (overhead, throughput, fusion, profile): the MoE layers' "
              "dispatch")
     add("--layer-dispatches", nargs="+", default=DEFAULT.layer_dispatches,
-        choices=["ragged", "padded"],
+        choices=["ragged", "padded", "grouped"],
         help="moe_vs_dense: the dispatch implementations timed against dense")
     add("--attention-impl", default=DEFAULT.attention_impl,
         choices=["einsum", "xla", "cudnn", "auto"],

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Every GPU figure of issue 8 in one command, from the repository root of a machine with an
-# NVIDIA GPU and jax[cuda] (docs/benchmarks.md, "GPU"):
+# Every GPU figure of docs/benchmarks.md ("GPU") in one command, from the repository root of a
+# machine with an NVIDIA GPU and jax[cuda]:
 #
 #     OUT=gpu_out bash experiments/gpu_campaign.sh              # all parts, ~25 min on an H100
 #     OUT=gpu_out bash experiments/gpu_campaign.sh layer step   # some parts
 #
-# Parts (each meant to take <= ~8 min on one H100, so that a device lease with a 10-minute limit per command
-# runs them one or two at a time): env, layer, grouped, step, variants, flags, profile, decode,
-# tests.
-# Results go to $OUT as each run finishes (at most 8 files: what a device lease brings back):
+# Parts (each meant to take <= ~8 min on one H100, so that a machine with a 10-minute limit per
+# command runs them one or two at a time): env, layer, grouped, step, variants, flags, profile,
+# decode, tests.
+# Results go to $OUT as each run finishes (at most 8 files, for machines that return few):
 #   campaign.txt     GPU, driver, jax/jaxlib/CUDA/cuDNN versions, then each run's start and exit
 #   layer.json       one MoE layer fwd+bwd vs dense FFN, N=2,4,8,16: ragged (XLA's lowering),
 #                    padded, and ragged with the Pallas/Triton grouped lowering where jax has it;
@@ -98,8 +98,7 @@ for part in "${PARTS[@]}"; do
       fi
       ;;
     grouped)
-      # Its own script (not experiments.benchmark); merged into layer.json: a lease brings back
-      # at most 8 files.
+      # Its own script (not experiments.benchmark); merged into layer.json to keep to 8 files.
       log "layer/grouped_ffn: python -m experiments.bench_grouped"
       # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
       timeout "$RUN_LIMIT" python -m experiments.bench_grouped --repeats "$REPEATS" \
@@ -107,6 +106,10 @@ for part in "${PARTS[@]}"; do
         | tee "$WORK/layer.grouped_ffn.log" >>"$OUT/campaign.txt"
       log "layer/grouped_ffn: exit ${PIPESTATUS[0]}"
       merge layer grouped_ffn
+      # The whole training step with the grouped dispatch (targets: N=4 >= 0.90x dense tokens/s,
+      # N=4 MFU >= 30%, SparseMixer / Switch <= 1.01); into step.json beside the default.
+      bench step throughput_grouped --sections throughput --dispatch grouped
+      bench step overhead_grouped --sections overhead --experts 4 --dispatch grouped
       ;;
     step)
       bench step throughput --sections throughput
@@ -133,7 +136,7 @@ for part in "${PARTS[@]}"; do
       bench profile cudnn_unsafe_rbg --sections profile --profile-dir "$WORK/trace_fast" \
         --attention-impl cudnn --rng-impl unsafe_rbg --repeats 1
       trace=$(find "$WORK/trace_default" -name "*.trace.json.gz" | head -n 1)
-      # A lease brings back files of at most 16 MiB.
+      # Some remote runners return files of at most 16 MiB.
       if [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt 16000000 ]; then
         cp "$trace" "$OUT/profile.trace.json.gz"
       fi

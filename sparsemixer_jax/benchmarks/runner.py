@@ -68,7 +68,7 @@ from sparsemixer_jax.benchmarks.training_step import (
 # ROCm on a CUDA machine ("Unable to initialize backend 'rocm'"); the plugin's name is "cuda".
 PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
 
-DISPATCH_CHOICES = ("auto", "ragged", "padded")
+DISPATCH_CHOICES = ("auto", "ragged", "padded", "grouped")
 
 CPU_SIZES = {"emb": 256, "mlp": 1024, "heads": 4, "layers": 2, "vocab": 4000, "tokens": 2048,
              "length": 32}
