@@ -172,6 +172,25 @@ def test_config_errors_are_caught_before_compiling(tmp_path):
         sharding.mesh_from_config(tiny(**{"mesh.data": 16, "mesh.expert": 1}))
 
 
+def test_rerunning_a_finished_run_keeps_its_results(straight_run):
+    """Nothing is trained, decoded or rewritten: the results are those the run measured."""
+    workdir, results = straight_run
+    paths = [os.path.join(workdir, name) for name in ("results.json", "translations_last.txt")]
+    before = [os.stat(p).st_mtime_ns for p in paths]
+    again = translation.train_and_evaluate(tiny(), workdir)
+    assert again == json.loads(json.dumps(results))
+    assert again["tokens_per_second"] and again["train_time_s"] > 0
+    assert [os.stat(p).st_mtime_ns for p in paths] == before
+
+
+def test_a_bad_config_writes_nothing(tmp_path):
+    """The validator runs before any data is read or file written."""
+    workdir = tmp_path / "never"
+    with pytest.raises(ValueError, match=r"router\.top_k=9 is larger than .*num_experts=2"):
+        translation.train_and_evaluate(tiny(**{"router.top_k": 9}), str(workdir))
+    assert not workdir.exists()
+
+
 def test_resuming_with_a_different_model_is_refused(straight_run):
     with pytest.raises(ValueError, match=r"different config\.model"):
         translation.train_and_evaluate(tiny(**{"model.emb_dim": 32}), straight_run[0])

@@ -13,6 +13,13 @@ Every finished grid point is written at once to ``{workdir}/{task}/points/{point
 skips the points already there (if they were made with the same settings), so a killed search
 resumes where it stopped. No fine-tuning checkpoints are kept: a point is short and is redone.
 
+Why fine-tuning has its own epoch loop rather than :func:`sparsemixer_jax.training.train`: a
+search is many short in-memory runs (96 points per task), scored on dev after every epoch, with
+no checkpoints. Its compiled step takes the learning rate and weight decay as traced values, so
+one compilation per batch shape serves every grid point; it shares the optimizer's weight-decay
+rule (:func:`sparsemixer_jax.training.optim.weight_decay_mask`) and the pretrained encoder
+(:func:`sparsemixer_jax.tasks.pretraining.load_discriminator`) with the other tasks.
+
 The optimizer is AdamW (Adam with decoupled weight decay, not on biases and LayerNorm scales)
 after clipping the global gradient norm, on a linear warm-up then linear decay to 0 at the last
 step; the loss adds the MoE balance (and z-) loss with the pretraining's weights.
