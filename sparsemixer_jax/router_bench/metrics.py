@@ -19,7 +19,7 @@ from sparsemixer_jax.routing import ROUTERS, router_probs
 
 
 def confusion(student: jax.Array, teacher: jax.Array, n: int, k: int) -> jax.Array:
-    """Counts ``[N, K]`` of (student expert, teacher expert) over tokens ``student, teacher [B]``."""
+    """Counts ``[N, K]`` of (student, teacher) expert pairs over tokens ``student, teacher [B]``."""
     return jax.nn.one_hot(student, n, dtype=jnp.float32).T @ jax.nn.one_hot(
         teacher, k, dtype=jnp.float32)
 

@@ -75,5 +75,5 @@ def set_oracle_router(model: Student, router_w: jax.Array, router_b: jax.Array) 
     """Give every layer the teacher's router (``router_w [L, d, K]``, ``router_b [L, K]``),
     scaled by :data:`ORACLE_ROUTER_SCALE` so that its softmax is one-hot on the data."""
     for i, layer in enumerate(model.layers):
-        layer.router.kernel.value = ORACLE_ROUTER_SCALE * router_w[i]
-        layer.router.bias.value = ORACLE_ROUTER_SCALE * router_b[i]
+        layer.router.kernel[...] = ORACLE_ROUTER_SCALE * router_w[i]
+        layer.router.bias[...] = ORACLE_ROUTER_SCALE * router_b[i]

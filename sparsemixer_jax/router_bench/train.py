@@ -100,7 +100,8 @@ def prepare_data(arm: Arm, cfg: TrainConfig, seeds: list[int]):
 
 
 def _measures_gradient(arm: Arm, cfg: TrainConfig) -> bool:
-    return cfg.measure_gradient and arm.depth == 1 and arm.top_k == 1 and arm.dense is None
+    return (cfg.measure_gradient and arm.measure_gradient and arm.depth == 1
+            and arm.top_k == 1 and arm.dense is None)
 
 
 def _router_grad(grads) -> jax.Array:
@@ -108,7 +109,7 @@ def _router_grad(grads) -> jax.Array:
     return router["kernel"][...], router["bias"][...]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(arm: Arm, cfg: TrainConfig):
     """The jitted, seed-vmapped init and run functions of ``arm`` (cached per arm)."""
     graphdef = nnx.split(_student(arm, cfg, jax.random.key(0), None, None), nnx.Param, ...)[0]
@@ -183,7 +184,7 @@ def _compiled(arm: Arm, cfg: TrainConfig):
         first = evaluate(params, rest, data)
         _, (logged, mse, cos, ratio, conf) = jax.lax.scan(
             chunk, (params, rest, opt_state), jax.random.split(key, num_logs))
-        head = lambda a, b: jnp.concatenate([a[None], b])  # noqa: E731
+        head = lambda a, b: jnp.concatenate([a[None], b])
         train0 = jnp.stack([first[0], jnp.nan, jnp.nan, jnp.nan])
         return (head(train0, logged), head(first[0], mse), head(first[1], cos),
                 head(first[2], ratio), head(first[3], conf))
@@ -195,7 +196,7 @@ def _student(arm: Arm, cfg: TrainConfig, key: jax.Array, router_w, router_b) -> 
     k_params, k_router = jax.random.split(key)
     model = Student(arm, cfg.dim, cfg.hidden, rngs=nnx.Rngs(params=k_params, router=k_router),
                     dispatch=cfg.dispatch)
-    if arm.oracle_router:
+    if arm.oracle_router and router_w is not None:
         set_oracle_router(model, router_w, router_b)
     return model
 
