@@ -5,6 +5,7 @@ trained on all seeds at once and compared with Switch seed by seed (docs/router_
 
     python -m experiments.router_bench                   # main table, 20 seeds
     python -m experiments.router_bench --table depth     # 3 stacked residual MoE layers
+    python -m experiments.router_bench --table gate      # a soft-gated (Switch-family) teacher
     python -m experiments.router_bench --quick           # 3 arms, 4 seeds, 200 steps
     python -m experiments.router_bench --report-only     # tables and plot from the JSON
 
@@ -28,6 +29,8 @@ PLOT_ARMS = {
              "switch_eps0.5", "dense_params", "dense_flops"],
     "depth": ["switch_depth3", "sparsemixer_depth3", "sparsemixer_nomask_depth3",
               "sparsemixer_depth3_eps0.5", "dense_params_depth3"],
+    "gate": ["switch_softgate", "sparsemixer_softgate", "sparsemixer_1st_softgate",
+             "sparsemixer_nomask_softgate"],
     "quick": ["switch", "sparsemixer", "dense_flops"],
 }
 

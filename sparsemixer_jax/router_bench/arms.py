@@ -35,6 +35,7 @@ class Arm:
     dense: str | None = None
     oracle_router: bool = False
     measure_gradient: bool = True
+    teacher_gate_scale: float = 0.0
 
     @property
     def k_teacher(self) -> int:
@@ -42,7 +43,7 @@ class Arm:
 
     def setting(self) -> tuple:
         """What pairs arms: the same teacher and the same data stream per seed."""
-        return (self.k_teacher, self.depth, self.margin)
+        return (self.k_teacher, self.depth, self.margin, self.teacher_gate_scale)
 
 
 def _arm(name: str, **kw) -> Arm:
@@ -105,6 +106,13 @@ def depth_table() -> list[Arm]:
     return arms
 
 
+def gate_table() -> list[Arm]:
+    """The soft teacher (gate ``softmax(2 z)_D``, Switch's own family) at N = K = 8: does
+    SparseMixer's edge come from its gate being exactly 1 where the mask leaves one expert?"""
+    return [_arm(f"{router}_softgate", router=router, teacher_gate_scale=2.0)
+            for router in ("switch", "sparsemixer", "sparsemixer_1st", "sparsemixer_nomask")]
+
+
 def quick_table() -> list[Arm]:
     """A handful of arms for ``--quick`` and the tests."""
     return [_arm("switch", router="switch", num_experts=4),
@@ -112,4 +120,4 @@ def quick_table() -> list[Arm]:
             _arm("dense_flops", dense="flops", num_experts=4)]
 
 
-TABLES = {"main": main_table, "depth": depth_table, "quick": quick_table}
+TABLES = {"main": main_table, "depth": depth_table, "gate": gate_table, "quick": quick_table}

@@ -36,6 +36,7 @@ class TeacherConfig(NamedTuple):
     noise: float = 0.1
     train_size: int = 16384
     eval_size: int = 2048
+    gate_scale: float = 0.0
 
 
 class Teacher(NamedTuple):
@@ -80,10 +81,12 @@ def _top_two_gap(logits: jax.Array) -> jax.Array:
     return top2[..., 0] - top2[..., 1]
 
 
-def teacher_forward(teacher: Teacher, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def teacher_forward(teacher: Teacher, x: jax.Array, gate_scale: float = 0.0
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Label ``x [B, d]``: ``(y [B, d], experts int32 [L, B], gaps [L, B])``.
 
-    ``gaps`` is the top-1 minus top-2 logit per layer (inf with one expert).
+    ``gaps`` is the top-1 minus top-2 logit per layer (inf with one expert). ``gate_scale``:
+    0 for gate 1, else the gate is ``softmax(gate_scale * logits)`` at the chosen expert.
     """
     h = x
     experts, gaps = [], []
@@ -91,7 +94,10 @@ def teacher_forward(teacher: Teacher, x: jax.Array) -> tuple[jax.Array, jax.Arra
         logits = h @ teacher.router_w[layer] + teacher.router_b[layer]
         chosen = jnp.argmax(logits, axis=-1)
         outputs = _experts_all(teacher, layer, h)
-        h = h + jnp.take_along_axis(outputs, chosen[None, :, None], axis=0)[0]
+        gate = 1.0
+        if gate_scale > 0:
+            gate = jnp.max(jax.nn.softmax(gate_scale * logits, axis=-1), axis=-1)[:, None]
+        h = h + gate * jnp.take_along_axis(outputs, chosen[None, :, None], axis=0)[0]
         experts.append(chosen.astype(jnp.int32))
         gaps.append(_top_two_gap(logits))
     return h - x, jnp.stack(experts), jnp.stack(gaps)
@@ -126,7 +132,7 @@ def make_teacher(key: jax.Array, cfg: TeacherConfig) -> Teacher:
     return teacher._replace(router_w=jnp.stack(router_w), w2=jnp.stack(w2), b2=jnp.stack(b2))
 
 
-_forward_jit = jax.jit(teacher_forward)
+_forward_jit = jax.jit(teacher_forward, static_argnums=2)
 
 
 def make_data(teacher: Teacher, key: jax.Array, cfg: TeacherConfig,
@@ -139,7 +145,7 @@ def make_data(teacher: Teacher, key: jax.Array, cfg: TeacherConfig,
     xs, ys, es, drawn, kept = [], [], [], 0, 0
     for i in range(max_chunks):
         x = jax.random.normal(jax.random.fold_in(key, i), (chunk, cfg.dim))
-        y, experts, gaps = _forward_jit(teacher, x)
+        y, experts, gaps = _forward_jit(teacher, x, cfg.gate_scale)
         keep = np.asarray(jnp.all(gaps >= cfg.margin, axis=0))
         drawn += chunk
         kept += int(keep.sum())

@@ -54,7 +54,8 @@ class TrainConfig(NamedTuple):
     def teacher(self, arm: Arm) -> TeacherConfig:
         return TeacherConfig(dim=self.dim, num_experts=arm.k_teacher, hidden=self.teacher_hidden,
                              depth=arm.depth, margin=arm.margin, noise=self.noise,
-                             train_size=self.train_size, eval_size=self.eval_size)
+                             train_size=self.train_size, eval_size=self.eval_size,
+                             gate_scale=arm.teacher_gate_scale)
 
 
 class History(NamedTuple):
