@@ -27,8 +27,8 @@ from sparsemixer_jax.router_bench.train import TrainConfig, train_arm
 PLOT_ARMS = {
     "main": ["switch", "sparsemixer", "sparsemixer_nomask", "sparsemixer_eps0.5",
              "switch_eps0.5", "dense_params", "dense_flops"],
-    "depth": ["switch_depth3", "sparsemixer_depth3", "sparsemixer_nomask_depth3",
-              "sparsemixer_depth3_eps0.5", "dense_params_depth3"],
+    "depth": ["switch_depth3", "sparsemixer_depth3", "sparsemixer_1st_depth3",
+              "dense_params_depth3"],
     "gate": ["switch_softgate", "sparsemixer_softgate", "sparsemixer_1st_softgate",
              "sparsemixer_nomask_softgate"],
     "quick": ["switch", "sparsemixer", "dense_flops"],

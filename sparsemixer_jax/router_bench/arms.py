@@ -97,11 +97,8 @@ def main_table() -> list[Arm]:
 
 def depth_table() -> list[Arm]:
     """The stacked setting: 3 residual MoE layers, N = K = 8, margin 0.25 per layer."""
-    arms = []
-    for router in ("switch", "sparsemixer", "sparsemixer_1st", "sparsemixer_nomask"):
-        arms.append(_arm(f"{router}_depth3", router=router, depth=3, margin=0.25))
-    arms.append(_arm("sparsemixer_depth3_eps0.5", router="sparsemixer", jitter_eps=0.5,
-                     depth=3, margin=0.25))
+    arms = [_arm(f"{router}_depth3", router=router, depth=3, margin=0.25)
+            for router in ("switch", "sparsemixer", "sparsemixer_1st")]
     arms.append(_arm("dense_params_depth3", dense="params", depth=3, margin=0.25))
     return arms
 
