@@ -46,6 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", help="JSON (default docs/results/router_bench_<table>.json)")
     p.add_argument("--plot", help="PNG (default: the JSON's name with .png)")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--versus", help="compare every arm of its setting with this arm instead")
     p.add_argument("--merge", nargs="*", default=[],
                    help="JSONs of other runs whose arms join the report (same config)")
     args = p.parse_args(argv)
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     for path in args.merge:
         with open(path) as f:
             results = {**json.load(f)["arms"], **results}
-    print(report.markdown_table(results))
+    print(report.markdown_table(results, args.versus))
     report.plot(results, PLOT_ARMS[args.table], args.plot, title=f"{args.table}: mean ± SE "
                 f"over {args.seeds} seeds")
     return results

@@ -73,8 +73,10 @@ def _arms(results: dict) -> dict[str, Arm]:
     return {name: Arm(**r["arm"]) for name, r in results.items()}
 
 
-def paired_rows(results: dict) -> list[dict]:
-    """One row per arm: its own means ± SE and the paired differences against its baseline.
+def paired_rows(results: dict, versus: str | None = None) -> list[dict]:
+    """One row per arm: its own means ± SE and the paired differences against its baseline
+    (:func:`~sparsemixer_jax.router_bench.arms.baseline_of`, or the arm ``versus`` for every
+    arm with the same teacher setting).
 
     ``dlog_mse``: mean over seeds of ``ln(final eval MSE) - ln(baseline's)`` (negative: the arm
     is better; ``exp`` of it is the geometric-mean ratio). ``d_agree``: difference of final
@@ -87,6 +89,9 @@ def paired_rows(results: dict) -> list[dict]:
     for name, r in results.items():
         ps = r["per_seed"]
         base = baseline_of(arms[name], arms)
+        if versus is not None:
+            same = versus in arms and arms[versus].setting() == arms[name].setting()
+            base = versus if same and name != versus else None
         row = {"arm": name, "baseline": base, "seeds": len(ps["final_eval_mse"])}
         for key in ("final_eval_mse", "final_agreement", "final_purity", "final_zero_grad",
                     "final_non_argmax", "mean_grad_cos", "mean_grad_norm_ratio"):
@@ -119,13 +124,13 @@ def _ms(pair, digits: int = 3) -> str:
     return "–" if not math.isfinite(mean) else f"{mean:.{digits}f} ± {se:.{digits}f}"
 
 
-def markdown_table(results: dict) -> str:
+def markdown_table(results: dict, versus: str | None = None) -> str:
     """The paired table as Markdown (means ± standard errors over seeds)."""
     head = ("| arm | vs | final eval MSE | Δ ln MSE (paired) | better seeds | Δ ln MSE, "
             "mean over run | agreement | Δ agreement | zero-grad share | off-argmax share | "
             "grad cos | grad norm ratio | steps to thr (arm / base, seeds reaching) |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
-    for row in paired_rows(results):
+    for row in paired_rows(results, versus):
         paired_cols = ["–", "–", "–", "–", "–"]
         if "dlog_mse" in row:
             d = row["dlog_mse"]
