@@ -104,10 +104,14 @@ def depth_table() -> list[Arm]:
 
 
 def gate_table() -> list[Arm]:
-    """The soft teacher (gate ``softmax(2 z)_D``, Switch's own family) at N = K = 8: does
+    """The soft teacher (gate ``softmax(2 z)_D``, Switch's own family) at N = K = 8 and 16: does
     SparseMixer's edge come from its gate being exactly 1 where the mask leaves one expert?"""
-    return [_arm(f"{router}_softgate", router=router, teacher_gate_scale=2.0)
+    arms = [_arm(f"{router}_softgate", router=router, teacher_gate_scale=2.0)
             for router in ("switch", "sparsemixer", "sparsemixer_1st", "sparsemixer_nomask")]
+    arms += [_arm(f"{router}_n16_softgate", router=router, num_experts=16,
+                  teacher_gate_scale=2.0, measure_gradient=False)
+             for router in ("switch", "sparsemixer")]
+    return arms
 
 
 def quick_table() -> list[Arm]:
