@@ -49,9 +49,10 @@ class MSEProblem(oracle.RoutingProblem):
         return jnp.mean(jnp.square(self.weight @ y - self.bias))
 
 
-def oracle_probs_fn(router: str, jitter_eps: float):
-    """The distribution the arm's objective samples from: the masked softmax with the arm's mask
-    for SparseMixer, the plain softmax for Switch (whose jittered argmax has no closed form)."""
+def oracle_probs_fn(router: str, jitter_eps: float) -> oracle.ProbsFn:
+    """The distribution the arm's objective samples from, ``logits [N] -> probs [N]``: the masked
+    softmax with the arm's mask for SparseMixer, the plain softmax for Switch (whose jittered
+    argmax has no closed form)."""
     mask = "none" if router == "switch" else ROUTERS[router][1].get("mask", "reference")
     return lambda z: router_probs(z, jitter_eps, mask)
 
