@@ -1,0 +1,98 @@
+"""Router-learning benchmark: where does SparseMixer's router gradient pay off against Switch?
+
+A student MoE (the project's ``MoEFeedForward``) learns a teacher MoE's labels; every arm is
+trained on all seeds at once and compared with Switch seed by seed (docs/router_bench.md).
+
+    python -m experiments.router_bench                   # main table, 20 seeds
+    python -m experiments.router_bench --table depth     # 3 stacked residual MoE layers
+    python -m experiments.router_bench --table gate      # a soft-gated (Switch-family) teacher
+    python -m experiments.router_bench --quick           # 3 arms, 4 seeds, 200 steps
+    python -m experiments.router_bench --report-only     # tables and plot from the JSON
+
+Results are written to the JSON after every arm; a rerun skips arms already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from sparsemixer_jax.router_bench import report
+from sparsemixer_jax.router_bench.arms import TABLES
+from sparsemixer_jax.router_bench.train import TrainConfig, train_arm
+
+PLOT_ARMS = {
+    "main": ["switch", "sparsemixer", "sparsemixer_nomask", "sparsemixer_eps0.5",
+             "switch_eps0.5", "dense_params", "dense_flops"],
+    "depth": ["switch_depth3", "sparsemixer_depth3", "sparsemixer_1st_depth3",
+              "dense_params_depth3"],
+    "gate": ["switch_softgate", "sparsemixer_softgate", "sparsemixer_1st_softgate",
+             "sparsemixer_nomask_softgate"],
+    "quick": ["switch", "sparsemixer", "dense_flops"],
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--table", choices=sorted(TABLES), default="main")
+    p.add_argument("--quick", action="store_true", help="quick table, 4 seeds, 200 steps")
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--arms", nargs="*", help="only these arms of the table")
+    p.add_argument("--out", help="JSON (default docs/results/router_bench_<table>.json)")
+    p.add_argument("--plot", help="PNG (default: the JSON's name with .png)")
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--versus", help="compare every arm of its setting with this arm instead")
+    p.add_argument("--merge", nargs="*", default=[],
+                   help="JSONs of other runs whose arms join the report (same config)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.table, args.seeds, args.steps = "quick", min(args.seeds, 4), min(args.steps, 200)
+    args.out = args.out or f"docs/results/router_bench_{args.table}.json"
+    args.plot = args.plot or args.out.rsplit(".", 1)[0] + ".png"
+    if args.steps % args.eval_every:
+        p.error("--steps must be a multiple of --eval-every")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = TrainConfig(steps=args.steps, eval_every=args.eval_every)
+    if args.quick:
+        cfg = cfg._replace(train_size=2048, eval_size=512, grad_tokens=128)
+    results = {}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            saved = json.load(f)
+        if saved.get("config") == cfg._asdict():
+            results = saved["arms"]
+    arms = [a for a in TABLES[args.table]() if not args.arms or a.name in args.arms]
+    seeds = list(range(args.seeds))
+    cache: dict = {}
+    for arm in arms if not args.report_only else []:
+        if arm.name in results and len(results[arm.name]["per_seed"]["final_eval_mse"]) == len(
+                seeds):
+            continue
+        t0 = time.perf_counter()
+        history, timings = train_arm(arm, cfg, seeds, cache)
+        timings["total_s"] = time.perf_counter() - t0
+        results[arm.name] = report.summarise(arm, history, timings)
+        print(f"{arm.name}: {timings['total_s']:.0f} s", flush=True)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"config": cfg._asdict(), "arms": results}, f)
+    for path in args.merge:
+        with open(path) as f:
+            results = {**json.load(f)["arms"], **results}
+    print(report.markdown_table(results, args.versus))
+    report.plot(results, PLOT_ARMS[args.table], args.plot, title=f"{args.table}: mean ± SE "
+                f"over {args.seeds} seeds")
+    return results
+
+
+if __name__ == "__main__":
+    main()

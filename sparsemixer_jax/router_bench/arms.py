@@ -1,0 +1,124 @@
+"""Arms of the benchmark: one frozen record per trained configuration, and the tables.
+
+An arm fixes the student (router, ``jitter_eps``, top-k, number of experts, depth, dense
+baselines), the teacher it learns from (experts ``K``, margin, depth) and the learning-rate
+multiplier. Each arm is compared, seed by seed, with its *baseline*: the Switch arm of the same
+setting (see :func:`baseline_of`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One trained configuration (hashable: it is a static argument of the compiled run).
+
+    ``teacher_experts`` defaults to ``num_experts``. ``dense``: ``"params"`` (one expert as
+    wide as all ``N``) or ``"flops"`` (one expert of the MoE's width, the active compute of
+    top-1). ``oracle_router``: the student's router is the teacher's (scaled by 20, so the
+    softmax is one-hot) and frozen; only the experts learn. ``measure_gradient``: log the
+    cosine with the exact router gradient (one layer, top-1 only; it doubles compile time).
+    """
+
+    name: str
+    router: str = "switch"
+    jitter_eps: float = 0.1
+    top_k: int = 1
+    num_experts: int = 8
+    teacher_experts: int | None = None
+    depth: int = 1
+    margin: float = 0.5
+    lr_mult: float = 1.0
+    dense: str | None = None
+    oracle_router: bool = False
+    measure_gradient: bool = True
+    teacher_gate_scale: float = 0.0
+
+    @property
+    def k_teacher(self) -> int:
+        return self.num_experts if self.teacher_experts is None else self.teacher_experts
+
+    def setting(self) -> tuple:
+        """What pairs arms: the same teacher and the same data stream per seed."""
+        return (self.k_teacher, self.depth, self.margin, self.teacher_gate_scale)
+
+
+def _arm(name: str, **kw) -> Arm:
+    return Arm(name=name, **kw)
+
+
+def baseline_of(arm: Arm, arms: dict[str, Arm]) -> str | None:
+    """Name of the Switch arm ``arm`` is compared with: the same setting, learning rate, N and
+    top-k, the same ``jitter_eps`` if such a Switch arm exists, else the default 0.1.
+    None for the Switch arm itself when nothing else matches."""
+    base = dataclasses.replace(arm, name="", router="switch", dense=None, oracle_router=False,
+                               measure_gradient=True)
+    candidates = [base, dataclasses.replace(base, jitter_eps=0.1)]
+    for cand in candidates:
+        for other in arms.values():
+            same = dataclasses.replace(other, name="", measure_gradient=True) == cand
+            if same and other.name != arm.name:
+                return other.name
+    return None
+
+
+def main_table() -> list[Arm]:
+    """The main table: one-layer setting at N = K = 8, margin 0.5, plus the sweeps."""
+    arms = []
+    for router in ("switch", "sparsemixer", "sparsemixer_1st", "sparsemixer_2nd",
+                   "sparsemixer_nomask"):
+        arms.append(_arm(router, router=router))
+    for eps in (0.05, 0.3, 0.5, 1.0):
+        arms.append(_arm(f"switch_eps{eps}", router="switch", jitter_eps=eps))
+        arms.append(_arm(f"sparsemixer_eps{eps}", router="sparsemixer", jitter_eps=eps))
+    for router in ("switch", "sparsemixer_v2", "sparsemixer_v2star"):
+        arms.append(_arm(f"{router}_top2", router=router, top_k=2))
+    for lr in (0.3, 3.0):
+        for router in ("switch", "sparsemixer"):
+            arms.append(_arm(f"{router}_lr{lr}", router=router, lr_mult=lr,
+                             measure_gradient=False))
+    for n in (4, 16):
+        for router in ("switch", "sparsemixer"):
+            arms.append(_arm(f"{router}_n{n}", router=router, num_experts=n,
+                             measure_gradient=n == 4))
+        arms.append(_arm(f"sparsemixer_n{n}_eps0.5", router="sparsemixer", num_experts=n,
+                         jitter_eps=0.5, measure_gradient=n == 4))
+    for margin in (0.0, 1.0):
+        for router in ("switch", "sparsemixer"):
+            arms.append(_arm(f"{router}_margin{margin}", router=router, margin=margin,
+                             measure_gradient=False))
+    arms.append(_arm("dense_params", dense="params"))
+    arms.append(_arm("dense_flops", dense="flops"))
+    return arms
+
+
+def depth_table() -> list[Arm]:
+    """The stacked setting: 3 residual MoE layers, N = K = 8, margin 0.25 per layer."""
+    arms = [_arm(f"{router}_depth3", router=router, depth=3, margin=0.25)
+            for router in ("switch", "sparsemixer", "sparsemixer_1st")]
+    arms.append(_arm("dense_params_depth3", dense="params", depth=3, margin=0.25))
+    return arms
+
+
+def gate_table() -> list[Arm]:
+    """The soft teacher (gate ``softmax(2 z)_D``, Switch's own family) at N = K = 8 and 16: does
+    SparseMixer's edge come from its gate being exactly 1 where the mask leaves one expert?"""
+    arms = [_arm(f"{router}_softgate", router=router, teacher_gate_scale=2.0)
+            for router in ("switch", "sparsemixer", "sparsemixer_1st", "sparsemixer_nomask")]
+    arms += [_arm(f"{router}_n16_softgate", router=router, num_experts=16,
+                  teacher_gate_scale=2.0, measure_gradient=False)
+             for router in ("switch", "sparsemixer")]
+    return arms
+
+
+def quick_table() -> list[Arm]:
+    """A handful of arms for ``--quick`` and the tests."""
+    return [_arm("switch", router="switch", num_experts=4),
+            _arm("sparsemixer", router="sparsemixer", num_experts=4),
+            _arm("dense_flops", dense="flops", num_experts=4)]
+
+
+TABLES = {"main": main_table, "depth": depth_table, "gate": gate_table, "quick": quick_table}

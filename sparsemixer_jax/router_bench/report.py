@@ -1,0 +1,181 @@
+"""From histories to results: per-arm JSON summaries, paired tables against Switch, and plots.
+
+Every summary keeps the per-seed values that the paired statistics need, so the tables can be
+rebuilt from the JSON alone (``python -m experiments.router_bench --report-only``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from sparsemixer_jax.router_bench import metrics
+from sparsemixer_jax.router_bench.arms import Arm, baseline_of
+from sparsemixer_jax.router_bench.train import History
+
+THRESHOLD_FACTOR = 1.5  # steps to reach 1.5x the baseline's geometric-mean final eval MSE
+
+
+def _agreement(confusion: np.ndarray, fn) -> np.ndarray:
+    """``[S, E]`` mean over layers of ``fn`` applied to ``confusion [S, E, L, N, K]``."""
+    s, e, layers = confusion.shape[:3]
+    out = np.empty((s, e))
+    for i in range(s):
+        for j in range(e):
+            out[i, j] = np.mean([fn(confusion[i, j, layer]) for layer in range(layers)])
+    return out
+
+
+def _rounded(a: np.ndarray, digits: int = 5) -> list:
+    return np.round(np.asarray(a, np.float64), digits).tolist()
+
+
+def summarise(arm: Arm, history: History, timings: dict) -> dict:
+    """JSON-able summary of one arm: config, per-seed finals, per-seed curves (eval MSE,
+    agreement) and mean curves of the other measures."""
+    agreement = _agreement(history.confusion, metrics.partition_agreement)
+    purity = _agreement(history.confusion, metrics.partition_purity)
+    nanmean = lambda a: np.nanmean(a[:, 1:], axis=1) if np.isfinite(a[:, 1:]).any() else (
+        np.full(a.shape[0], np.nan))
+    return {
+        "arm": dataclasses.asdict(arm),
+        "timings_s": {k: round(v, 2) for k, v in timings.items()},
+        "steps": history.steps.tolist(),
+        "acceptance": _rounded(history.acceptance, 4),
+        "per_seed": {
+            "final_eval_mse": _rounded(history.eval_mse[:, -1], 6),
+            "final_train_mse": _rounded(history.train_mse[:, -1], 6),
+            "mean_log_eval_mse": _rounded(np.mean(np.log(history.eval_mse[:, 1:]), axis=1)),
+            "final_agreement": _rounded(agreement[:, -1], 4),
+            "final_purity": _rounded(purity[:, -1], 4),
+            "final_zero_grad": _rounded(history.zero_grad[:, -1], 4),
+            "final_non_argmax": _rounded(history.non_argmax[:, -1], 4),
+            "final_load_max": _rounded(history.load_max[:, -1], 4),
+            "mean_grad_cos": _rounded(nanmean(history.grad_cos), 4),
+            "mean_grad_norm_ratio": _rounded(nanmean(history.grad_norm_ratio), 4),
+        },
+        "curves_per_seed": {
+            "eval_mse": _rounded(history.eval_mse, 6),
+            "agreement": _rounded(agreement, 4),
+        },
+        "curves_mean": {
+            name: _rounded(np.nanmean(getattr(history, name), axis=0), 4)
+            if np.isfinite(getattr(history, name)).any() else None
+            for name in ("train_mse", "zero_grad", "non_argmax", "load_max", "grad_cos",
+                         "grad_norm_ratio")
+        },
+    }
+
+
+def _arms(results: dict) -> dict[str, Arm]:
+    return {name: Arm(**r["arm"]) for name, r in results.items()}
+
+
+def paired_rows(results: dict, versus: str | None = None) -> list[dict]:
+    """One row per arm: its own means ± SE and the paired differences against its baseline
+    (:func:`~sparsemixer_jax.router_bench.arms.baseline_of`, or the arm ``versus`` for every
+    arm with the same teacher setting).
+
+    ``dlog_mse``: mean over seeds of ``ln(final eval MSE) - ln(baseline's)`` (negative: the arm
+    is better; ``exp`` of it is the geometric-mean ratio). ``d_agree``: difference of final
+    partition agreement. ``steps``: median over seeds of the first logged step with eval MSE
+    at or below ``THRESHOLD_FACTOR`` times the baseline's geometric-mean final MSE, and how many
+    seeds reach it.
+    """
+    arms = _arms(results)
+    rows = []
+    for name, r in results.items():
+        ps = r["per_seed"]
+        base = baseline_of(arms[name], arms)
+        if versus is not None:
+            same = versus in arms and arms[versus].setting() == arms[name].setting()
+            base = versus if same and name != versus else None
+        row = {"arm": name, "baseline": base, "seeds": len(ps["final_eval_mse"])}
+        for key in ("final_eval_mse", "final_agreement", "final_purity", "final_zero_grad",
+                    "final_non_argmax", "mean_grad_cos", "mean_grad_norm_ratio"):
+            row[key] = metrics.mean_se(np.asarray(ps[key], np.float64))
+        if base is not None:
+            bs = results[base]["per_seed"]
+            row["dlog_mse"] = metrics.paired(np.log(ps["final_eval_mse"]),
+                                             np.log(bs["final_eval_mse"]))
+            row["dlog_auc"] = metrics.paired(ps["mean_log_eval_mse"], bs["mean_log_eval_mse"])
+            row["d_agree"] = metrics.paired(ps["final_agreement"], bs["final_agreement"])
+            threshold = THRESHOLD_FACTOR * math.exp(np.mean(np.log(bs["final_eval_mse"])))
+            steps = np.asarray(r["steps"])
+            mine = metrics.steps_to_threshold(np.asarray(r["curves_per_seed"]["eval_mse"]),
+                                              steps, threshold)
+            theirs = metrics.steps_to_threshold(
+                np.asarray(results[base]["curves_per_seed"]["eval_mse"]), steps, threshold)
+            row["steps_to_thr"] = (_median(mine), int(np.isfinite(mine).sum()),
+                                   _median(theirs), int(np.isfinite(theirs).sum()))
+        rows.append(row)
+    return rows
+
+
+def _median(a: np.ndarray) -> float:
+    a = a[np.isfinite(a)]
+    return float(np.median(a)) if a.size else math.nan
+
+
+def _ms(pair, digits: int = 3) -> str:
+    mean, se = pair
+    return "–" if not math.isfinite(mean) else f"{mean:.{digits}f} ± {se:.{digits}f}"
+
+
+def markdown_table(results: dict, versus: str | None = None) -> str:
+    """The paired table as Markdown (means ± standard errors over seeds)."""
+    head = ("| arm | vs | final eval MSE | Δ ln MSE (paired) | better seeds | Δ ln MSE, "
+            "mean over run | agreement | Δ agreement | zero-grad share | off-argmax share | "
+            "grad cos | grad norm ratio | steps to thr (arm / base, seeds reaching) |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for row in paired_rows(results, versus):
+        paired_cols = ["–", "–", "–", "–", "–"]
+        if "dlog_mse" in row:
+            d = row["dlog_mse"]
+            st = row["steps_to_thr"]
+            paired_cols = [d.fmt(), f"{d.below}/{d.n}", row["dlog_auc"].fmt(),
+                           row["d_agree"].fmt(), f"{st[0]:.0f} / {st[2]:.0f} ({st[1]}, {st[3]})"]
+        lines.append(
+            f"| {row['arm']} | {row['baseline'] or '–'} | {_ms(row['final_eval_mse'], 4)} | "
+            f"{paired_cols[0]} | {paired_cols[1]} | {paired_cols[2]} | "
+            f"{_ms(row['final_agreement'])} | {paired_cols[3]} | {_ms(row['final_zero_grad'])} | "
+            f"{_ms(row['final_non_argmax'])} | {_ms(row['mean_grad_cos'])} | "
+            f"{_ms(row['mean_grad_norm_ratio'], 2)} | {paired_cols[4]} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, names: list[str], path: str, title: str = "") -> None:
+    """Curves with bands (mean ± SE over seeds): ln eval MSE, partition agreement and the
+    zero-gradient share, for the arms ``names``; a small PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for name in names:
+        if name not in results:
+            continue
+        r = results[name]
+        steps = np.asarray(r["steps"])
+        for ax, curves in ((axes[0], np.log(np.asarray(r["curves_per_seed"]["eval_mse"]))),
+                           (axes[1], np.asarray(r["curves_per_seed"]["agreement"]))):
+            mean = curves.mean(0)
+            se = curves.std(0, ddof=1) / np.sqrt(curves.shape[0])
+            (line,) = ax.plot(steps, mean, label=name, lw=1.2)
+            ax.fill_between(steps, mean - se, mean + se, color=line.get_color(), alpha=0.25)
+        zero = r["curves_mean"]["zero_grad"]
+        axes[2].plot(steps[1:], zero[1:], lw=1.2)
+    axes[0].set_ylabel("ln eval MSE (clean labels)")
+    axes[1].set_ylabel("partition agreement")
+    axes[2].set_ylabel("share of tokens without router gradient")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=70)
+    plt.close(fig)

@@ -1,0 +1,242 @@
+"""Training every seed of one arm at once: ``jax.vmap`` over the split state of the student,
+its optimizer state, its teacher's data and its keys, ``lax.scan`` over steps.
+
+Seed ``s`` fixes the teacher, the data stream (indices and label noise), the student's init and
+its router's random stream. The teacher, the data and the init do not depend on the arm (the
+init draws router, ``wi``, ``wo`` in the same order for every router; SparseMixer's ``omega``
+starts at 1), so two arms on the same seed differ only by what the arm changes: the
+differences are paired.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from sparsemixer_jax.router_bench import metrics
+from sparsemixer_jax.router_bench.arms import Arm
+from sparsemixer_jax.router_bench.student import Student, set_oracle_router
+from sparsemixer_jax.router_bench.teacher import (
+    Data,
+    TeacherConfig,
+    make_data,
+    make_teacher,
+)
+
+
+class TrainConfig(NamedTuple):
+    """Sizes shared by every arm. ``lr`` is Adam's base rate (times the arm's ``lr_mult``);
+    ``balance_weight`` multiplies the Switch balance loss (summed over layers); metrics are
+    logged every ``eval_every`` steps (``steps`` must be a multiple of it)."""
+
+    dim: int = 16
+    hidden: int = 32
+    teacher_hidden: int = 8
+    noise: float = 0.1
+    batch: int = 128
+    steps: int = 1500
+    eval_every: int = 50
+    lr: float = 3e-3
+    balance_weight: float = 0.01
+    grad_tokens: int = 256
+    train_size: int = 16384
+    eval_size: int = 2048
+    dispatch: str = "ragged"
+    measure_gradient: bool = True
+
+    def teacher(self, arm: Arm) -> TeacherConfig:
+        return TeacherConfig(dim=self.dim, num_experts=arm.k_teacher, hidden=self.teacher_hidden,
+                             depth=arm.depth, margin=arm.margin, noise=self.noise,
+                             train_size=self.train_size, eval_size=self.eval_size,
+                             gate_scale=arm.teacher_gate_scale)
+
+
+class History(NamedTuple):
+    """Per seed ``S`` and log point ``E`` (``steps / eval_every + 1``, step 0 first).
+
+    ``train_mse`` ``[S, E]`` (mean over the steps since the last log; at step 0 the eval MSE),
+    ``eval_mse`` (clean labels, argmax routing), ``zero_grad``, ``non_argmax``, ``load_max``
+    (training-mode routing, means since the last log), ``grad_cos``, ``grad_norm_ratio``
+    (realised / exact router gradient, NaN where not measured), ``confusion`` ``[S, E, L, N, K]``
+    on the evaluation set. ``acceptance [S]``: the margin's acceptance rate.
+    """
+
+    steps: np.ndarray
+    train_mse: np.ndarray
+    eval_mse: np.ndarray
+    zero_grad: np.ndarray
+    non_argmax: np.ndarray
+    load_max: np.ndarray
+    grad_cos: np.ndarray
+    grad_norm_ratio: np.ndarray
+    confusion: np.ndarray
+    acceptance: np.ndarray
+
+
+def seed_keys(seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Teacher, data and student keys of seed ``seed``; none depends on the arm."""
+    root = jax.random.key(seed)
+    return jax.random.fold_in(root, 0), jax.random.fold_in(root, 1), jax.random.fold_in(root, 2)
+
+
+def prepare_data(arm: Arm, cfg: TrainConfig, seeds: list[int]):
+    """Teachers and their data for ``seeds``, stacked: ``(router_w, router_b, Data)``."""
+    tcfg = cfg.teacher(arm)
+    routers_w, routers_b, datas = [], [], []
+    for seed in seeds:
+        k_teacher, k_data, _ = seed_keys(seed)
+        teacher = make_teacher(k_teacher, tcfg)
+        datas.append(make_data(teacher, k_data, tcfg))
+        routers_w.append(teacher.router_w)
+        routers_b.append(teacher.router_b)
+    stacked = Data(*(np.stack([getattr(d, f) for d in datas]) for f in Data._fields))
+    return jnp.stack(routers_w), jnp.stack(routers_b), stacked
+
+
+def _measures_gradient(arm: Arm, cfg: TrainConfig) -> bool:
+    return (cfg.measure_gradient and arm.measure_gradient and arm.depth == 1
+            and arm.top_k == 1 and arm.dense is None)
+
+
+def _router_grad(grads) -> jax.Array:
+    router = grads["layers"][0]["router"]
+    return router["kernel"][...], router["bias"][...]
+
+
+@functools.cache
+def _compiled(arm: Arm, cfg: TrainConfig):
+    """The jitted, seed-vmapped init and run functions of ``arm`` (cached per arm)."""
+    graphdef = nnx.split(_student(arm, cfg, jax.random.key(0), None, None), nnx.Param, ...)[0]
+    optimizer = optax.adam(cfg.lr * arm.lr_mult)
+    n, k = (1 if arm.dense else arm.num_experts), arm.k_teacher
+    probs_fn = metrics.oracle_probs_fn(arm.router, arm.jitter_eps)
+
+    def loss_fn(params, rest, x, y):
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        pred, aux = model(x)
+        mse = jnp.mean(jnp.square(pred - y))
+        loss = mse + cfg.balance_weight * aux["balance_loss"]
+        return loss, (mse, aux, nnx.state(model, nnx.Not(nnx.Param)))
+
+    def freeze_router(grads):
+        if not arm.oracle_router:
+            return grads
+        return jax.tree_util.tree_map_with_path(
+            lambda path, g: jnp.zeros_like(g) if "'router'" in jax.tree_util.keystr(path)
+            else g, grads)
+
+    def train_step(carry, key, data: Data):
+        params, rest, opt_state = carry
+        k_idx, k_noise = jax.random.split(key)
+        idx = jax.random.randint(k_idx, (cfg.batch,), 0, data.train_x.shape[0])
+        x = data.train_x[idx]
+        y = data.train_y[idx] + cfg.noise * jax.random.normal(k_noise, x.shape)
+        grads, (mse, aux, rest) = jax.grad(loss_fn, has_aux=True)(params, rest, x, y)
+        updates, opt_state = optimizer.update(freeze_router(grads), opt_state, params)
+        params = optax.apply_updates(params, updates)
+        logged = jnp.stack([mse, aux["zero_grad"], aux["non_argmax"], aux["load_max"]])
+        return (params, rest, opt_state), logged
+
+    def gradient_check(params, rest, data: Data):
+        if not _measures_gradient(arm, cfg):
+            return jnp.full((), jnp.nan), jnp.full((), jnp.nan)
+        x, y = data.eval_x[: cfg.grad_tokens], data.eval_y[: cfg.grad_tokens]
+
+        def task(params, rest):  # rest as an argument: the router stream is advanced inside
+            pred, _ = nnx.merge(graphdef, params, rest, copy=True)(x)
+            return jnp.mean(jnp.square(pred - y))
+
+        realised = _router_grad(jax.grad(task)(params, rest))
+        layer = nnx.merge(graphdef, params, rest, copy=True).layers[0]
+        logits = layer.router(x)
+        expert_params = tuple(p[...] for p in (layer.wi, layer.bi, layer.wo, layer.bo))
+        omega = None if layer.omega is None else layer.omega[...]
+        exact = metrics.exact_router_grad(logits, x, y, expert_params, omega, probs_fn)
+        flat_r = jnp.concatenate([g.reshape(-1) for g in realised])
+        flat_e = jnp.concatenate([g.reshape(-1) for g in exact])
+        ratio = jnp.linalg.norm(flat_r) / jnp.maximum(jnp.linalg.norm(flat_e), 1e-30)
+        return metrics.cosine(flat_r, flat_e), ratio
+
+    def evaluate(params, rest, data: Data):
+        pred, aux = nnx.merge(graphdef, params, rest, copy=True)(data.eval_x, deterministic=True)
+        mse = jnp.mean(jnp.square(pred - data.eval_y))
+        conf = jax.vmap(lambda s, t: metrics.confusion(s, t, n, k))(aux["choices"],
+                                                                   data.eval_experts)
+        cos, ratio = gradient_check(params, rest, data)
+        return mse, cos, ratio, conf
+
+    def run(params, rest, key, data: Data):
+        opt_state = optimizer.init(params)
+        num_logs = cfg.steps // cfg.eval_every
+
+        def chunk(carry, chunk_key):
+            keys = jax.random.split(chunk_key, cfg.eval_every)
+            carry, logged = jax.lax.scan(lambda c, kk: train_step(c, kk, data), carry, keys)
+            mse, cos, ratio, conf = evaluate(*carry[:2], data)
+            return carry, (jnp.mean(logged, axis=0), mse, cos, ratio, conf)
+
+        first = evaluate(params, rest, data)
+        _, (logged, mse, cos, ratio, conf) = jax.lax.scan(
+            chunk, (params, rest, opt_state), jax.random.split(key, num_logs))
+        head = lambda a, b: jnp.concatenate([a[None], b])
+        train0 = jnp.stack([first[0], jnp.nan, jnp.nan, jnp.nan])
+        return (head(train0, logged), head(first[0], mse), head(first[1], cos),
+                head(first[2], ratio), head(first[3], conf))
+
+    return jax.jit(jax.vmap(run))
+
+
+def _student(arm: Arm, cfg: TrainConfig, key: jax.Array, router_w, router_b) -> Student:
+    k_params, k_router = jax.random.split(key)
+    model = Student(arm, cfg.dim, cfg.hidden, rngs=nnx.Rngs(params=k_params, router=k_router),
+                    dispatch=cfg.dispatch)
+    if arm.oracle_router and router_w is not None:
+        set_oracle_router(model, router_w, router_b)
+    return model
+
+
+def init_students(arm: Arm, cfg: TrainConfig, seeds: list[int], router_w, router_b):
+    """Split states of the students of ``seeds``, stacked on a leading seed axis.
+
+    Built eagerly, one seed after another: compiling a vmapped constructor costs more than it
+    saves at this size.
+    """
+    states = [nnx.split(_student(arm, cfg, seed_keys(s)[2], router_w[i], router_b[i]),
+                        nnx.Param, ...)[1:] for i, s in enumerate(seeds)]
+    return jax.tree.map(lambda *a: jnp.stack(a), *states)
+
+
+def train_arm(arm: Arm, cfg: TrainConfig, seeds: list[int], data_cache: dict | None = None
+              ) -> tuple[History, dict]:
+    """Train ``arm`` on every seed at once. ``data_cache`` (by teacher setting) saves rebuilding
+    teachers shared by several arms. Returns the history and timings (seconds)."""
+    t0 = time.perf_counter()
+    cache_key = (cfg.teacher(arm), tuple(seeds))
+    if data_cache is not None and cache_key in data_cache:
+        router_w, router_b, data = data_cache[cache_key]
+    else:
+        router_w, router_b, data = prepare_data(arm, cfg, seeds)
+        if data_cache is not None:
+            data_cache[cache_key] = (router_w, router_b, data)
+    t_data = time.perf_counter() - t0
+    run = _compiled(arm, cfg)
+    run_keys = jnp.stack([jax.random.fold_in(seed_keys(s)[2], 1) for s in seeds])
+    params, rest = init_students(arm, cfg, seeds, router_w, router_b)
+    t1 = time.perf_counter()
+    run_data = Data(*(jnp.asarray(a) for a in data[:5]), acceptance=jnp.asarray(data[5]))
+    out = jax.device_get(run(params, rest, run_keys, run_data))
+    t_run = time.perf_counter() - t1
+    logged, mse, cos, ratio, conf = (np.asarray(a) for a in out)
+    steps = np.arange(cfg.steps // cfg.eval_every + 1) * cfg.eval_every
+    history = History(steps=steps, train_mse=logged[..., 0], eval_mse=mse,
+                      zero_grad=logged[..., 1], non_argmax=logged[..., 2],
+                      load_max=logged[..., 3], grad_cos=cos, grad_norm_ratio=ratio,
+                      confusion=conf, acceptance=np.asarray(data.acceptance))
+    return history, {"data_s": t_data, "compile_and_run_s": t_run}

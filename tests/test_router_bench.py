@@ -1,0 +1,251 @@
+"""Known answers for the router-learning benchmark (sparsemixer_jax.router_bench).
+
+The training tests share tiny configurations so that each compiled program is built once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparsemixer_jax.router_bench import metrics, report
+from sparsemixer_jax.router_bench.arms import TABLES, Arm, baseline_of
+from sparsemixer_jax.router_bench.student import Student
+from sparsemixer_jax.router_bench.teacher import (
+    TeacherConfig,
+    make_data,
+    make_teacher,
+    teacher_forward,
+)
+from sparsemixer_jax.router_bench.train import TrainConfig, train_arm
+from sparsemixer_jax.routing import ESTIMATORS, ROUTERS, router_probs
+
+TINY = TrainConfig(dim=8, hidden=16, teacher_hidden=4, batch=64, steps=300, eval_every=100,
+                   lr=1e-2, train_size=1024, eval_size=256, grad_tokens=64)
+
+
+# --------------------------------------------------------------------------- teacher
+
+
+def test_margin_keeps_only_inputs_far_from_boundaries():
+    cfg = TeacherConfig(dim=8, num_experts=4, hidden=4, depth=2, margin=0.5, train_size=512,
+                        eval_size=128)
+    teacher = make_teacher(jax.random.key(0), cfg)
+    data = make_data(teacher, jax.random.key(1), cfg)
+    _, experts, gaps = teacher_forward(teacher, jnp.asarray(data.train_x))
+    assert float(jnp.min(gaps)) >= 0.5
+    assert 0.0 < data.acceptance < 1.0  # the margin did reject some inputs
+    # The labels are the teacher's, and the evaluation experts are its choices.
+    y, e_eval, _ = teacher_forward(teacher, jnp.asarray(data.eval_x))
+    np.testing.assert_allclose(np.asarray(y), data.eval_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(e_eval), data.eval_experts)
+    assert len(np.unique(np.asarray(experts))) == 4  # every expert is used
+
+
+def test_teacher_experts_differ_and_are_unit_rms():
+    cfg = TeacherConfig(dim=8, num_experts=4, hidden=4)
+    teacher = make_teacher(jax.random.key(3), cfg)
+    x = jax.random.normal(jax.random.key(4), (2048, 8))
+    from sparsemixer_jax.router_bench.teacher import _experts_all
+
+    outputs = _experts_all(teacher, 0, x)
+    rms = jnp.sqrt(jnp.mean(outputs**2, axis=(1, 2)))
+    np.testing.assert_allclose(np.asarray(rms), 1.0, rtol=0.1)
+    gap = jnp.mean((outputs[0] - outputs[1]) ** 2)
+    assert float(gap) > 0.5  # two experts disagree by about their own scale
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def test_partition_agreement_is_invariant_to_relabelling():
+    rng = np.random.default_rng(0)
+    teacher = rng.integers(0, 4, 1000)
+    perm = np.array([2, 0, 3, 1])
+    counts = metrics.confusion(jnp.asarray(perm[teacher]), jnp.asarray(teacher), 4, 4)
+    assert metrics.partition_agreement(np.asarray(counts)) == 1.0
+    noisy = np.where(rng.random(1000) < 0.3, rng.integers(0, 4, 1000), perm[teacher])
+    counts = np.asarray(metrics.confusion(jnp.asarray(noisy), jnp.asarray(teacher), 4, 4))
+    expected = np.mean(noisy == perm[teacher])
+    assert metrics.partition_agreement(counts) == pytest.approx(expected)
+
+
+def test_purity_counts_split_regions_agreement_does_not():
+    teacher = np.repeat(np.arange(2), 100)
+    student = np.concatenate([np.zeros(100), np.repeat([1, 2], 50)]).astype(int)  # split
+    counts = np.asarray(metrics.confusion(jnp.asarray(student), jnp.asarray(teacher), 3, 2))
+    assert metrics.partition_purity(counts) == 1.0
+    assert metrics.partition_agreement(counts) == pytest.approx(0.75)
+
+
+def test_paired_statistics_state_the_standard_error():
+    base = np.array([10.0, 20.0, 30.0, 40.0])
+    arm = base + np.array([1.0, 2.0, 3.0, 2.0])
+    p = metrics.paired(arm, base)
+    assert p.mean == pytest.approx(2.0)
+    assert p.se == pytest.approx(np.std([1, 2, 3, 2], ddof=1) / 2.0)
+    assert (p.below, p.n) == (0, 4)
+    # Unpaired, the spread between seeds would swamp the difference; paired it does not.
+    assert p.se < np.std(arm, ddof=1) / 2.0 / 10
+
+
+def test_steps_to_threshold():
+    curves = np.array([[1.0, 0.5, 0.2], [1.0, 0.9, 0.8]])
+    got = metrics.steps_to_threshold(curves, np.array([0, 10, 20]), 0.5)
+    assert got[0] == 10 and math.isnan(got[1])
+
+
+@pytest.mark.parametrize("router", ["switch", "sparsemixer", "sparsemixer_nomask"])
+def test_exact_router_gradient_matches_direct_differentiation(router):
+    """The oracle-based gradient equals ``jax.grad`` of the enumerated expected loss."""
+    n, d, b = 4, 3, 5
+    keys = jax.random.split(jax.random.key(7), 6)
+    logits = 2.0 * jax.random.normal(keys[0], (b, n))
+    x = jax.random.normal(keys[1], (b, d))
+    target = jax.random.normal(keys[2], (b, d))
+    params = (jax.random.normal(keys[3], (n, d, 6)), jnp.zeros((n, 6)),
+              jax.random.normal(keys[4], (n, 6, d)), jnp.zeros((n, d)))
+    omega = 1.0 + 0.1 * jax.random.normal(keys[5], (d,))
+    probs_fn = metrics.oracle_probs_fn(router, 0.3)
+    kernel, bias = metrics.exact_router_grad(logits, x, target, params, omega, probs_fn)
+
+    f = jnp.einsum("bnh,nhd->bnd", jax.nn.relu(jnp.einsum("bd,ndh->bnh", x, params[0])),
+                   params[2])
+
+    def expected_loss(w, c):
+        z = logits + x @ w + c  # perturbation of the router's kernel and bias, at zero
+        pi = jax.vmap(probs_fn)(z)
+        per = jnp.mean(jnp.square(omega * pi[..., None] * f - target[:, None]), axis=-1)
+        return jnp.mean(jnp.sum(pi * per, axis=-1))
+
+    gw, gc = jax.grad(expected_loss, argnums=(0, 1))(jnp.zeros((d, n)), jnp.zeros(n))
+    np.testing.assert_allclose(np.asarray(kernel), np.asarray(gw), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(bias), np.asarray(gc), rtol=1e-4, atol=1e-6)
+    assert router != "switch" or probs_fn(logits[0]).min() > 0  # Switch's objective is unmasked
+    if router == "sparsemixer":
+        assert float(jnp.min(router_probs(logits, 0.3))) == 0.0  # the mask is in play
+
+
+# --------------------------------------------------------------------------- arms
+
+
+def test_every_arm_has_a_switch_baseline():
+    for table in TABLES.values():
+        arms = {a.name: a for a in table()}
+        for arm in arms.values():
+            base = baseline_of(arm, arms)
+            if arm.router == "switch" and arm.dense is None and arm.jitter_eps == 0.1:
+                continue
+            assert base is not None, arm.name
+            other = arms[base]
+            assert other.router == "switch" and other.setting() == arm.setting(), arm.name
+
+
+def test_one_expert_student_is_dense_for_every_router():
+    """N = 1: every router's gate is exactly 1, so each arm is the dense model of its width.
+
+    Except that SparseMixer-2nd halves its training output on the argmax too (its known gap
+    between training and inference), so there the dense model's output is halved."""
+    x = jax.random.normal(jax.random.key(0), (32, 8))
+    y = jax.random.normal(jax.random.key(1), (32, 8))
+    dense = Arm("dense", dense="flops", num_experts=1)
+
+    def loss_and_expert_grads(arm, scale=1.0):
+        model = Student(arm, 8, 16, rngs=nnx.Rngs(params=0, router=1))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(p):
+            pred, _ = nnx.merge(graphdef, p, rest, copy=True)(x)
+            pred = scale * pred
+            return jnp.mean(jnp.square(pred - y))
+
+        value, grads = jax.jit(jax.value_and_grad(loss))(params)
+        layer = grads["layers"][0]
+        router = layer["router"]
+        router_norm = float(jnp.abs(router["kernel"][...]).sum()
+                            + jnp.abs(router["bias"][...]).sum())
+        return float(value), np.asarray(layer["wi"][...]), router_norm
+
+    for name, (_, options) in ROUTERS.items():
+        rule = ESTIMATORS[options.get("estimator", "mix")]
+        ref_value, ref_wi, _ = loss_and_expert_grads(
+            dense, rule.reduced_weight if name != "switch" and rule.on_argmax else 1.0)
+        value, wi, router_norm = loss_and_expert_grads(
+            dataclasses.replace(dense, name=name, router=name, dense=None))
+        assert value == pytest.approx(ref_value, rel=1e-6), name
+        np.testing.assert_allclose(wi, ref_wi, rtol=1e-5, atol=1e-7, err_msg=name)
+        assert router_norm == 0.0, name
+
+
+# --------------------------------------------------------------------------- training
+
+
+ORACLE = Arm("oracle", num_experts=4, oracle_router=True, margin=0.5)
+ORACLE_CFG = TINY._replace(measure_gradient=False, steps=600)
+
+
+@pytest.fixture(scope="module")
+def oracle_run():
+    return train_arm(ORACLE, ORACLE_CFG, [0, 1])[0]
+
+
+def test_student_with_the_teachers_router_reaches_the_noise_floor(oracle_run):
+    floor = TINY.noise**2
+    final_train = oracle_run.train_mse[:, -1]
+    assert np.all(final_train < 1.5 * floor), final_train
+    assert np.all(final_train > 0.7 * floor), final_train  # cannot beat the label noise
+    assert np.all(oracle_run.eval_mse[:, -1] < floor), oracle_run.eval_mse[:, -1]
+    agreement = [metrics.partition_agreement(c[0]) for c in oracle_run.confusion[:, -1]]
+    assert min(agreement) == 1.0
+
+
+@pytest.fixture(scope="module")
+def one_expert_teacher_runs():  # three compiled programs: about a minute on 2 busy cores
+    cfg = TINY._replace(measure_gradient=False)
+    arms = [Arm("switch", num_experts=2, teacher_experts=1),
+            Arm("sparsemixer", router="sparsemixer", num_experts=2, teacher_experts=1),
+            Arm("dense", dense="flops", num_experts=2, teacher_experts=1)]
+    return {a.name: train_arm(a, cfg, [0, 1, 2])[0] for a in arms}
+
+
+@pytest.mark.slow
+def test_one_expert_teacher_every_arm_learns_like_the_dense_model(one_expert_teacher_runs):
+    runs = one_expert_teacher_runs
+    dense = runs["dense"].eval_mse[:, -1]
+    start = runs["dense"].eval_mse[:, 0]
+    for name in ("switch", "sparsemixer"):
+        final = runs[name].eval_mse[:, -1]
+        # Both reach a small fraction of where they started, within a factor of the dense model.
+        assert np.all(final < 0.2 * start), (name, final, start)
+        ratio = np.exp(np.mean(np.log(final / dense)))
+        assert 0.25 < ratio < 4.0, (name, ratio)
+
+
+def test_fixed_seed_reproduces_its_curve_exactly(oracle_run):
+    again = train_arm(ORACLE, ORACLE_CFG, [0, 1])[0]  # the same compiled program, rerun
+    first = oracle_run
+    np.testing.assert_array_equal(again.eval_mse, first.eval_mse)
+    np.testing.assert_array_equal(again.train_mse, first.train_mse)
+    other = train_arm(ORACLE, ORACLE_CFG, [5, 1])[0]
+    assert not np.array_equal(other.eval_mse[0], first.eval_mse[0])  # the seed matters
+    np.testing.assert_array_equal(other.eval_mse[1:], first.eval_mse[1:])  # seeds independent
+
+
+@pytest.mark.slow
+def test_report_rows_pair_by_seed(one_expert_teacher_runs):
+    arms = {"switch": Arm("switch", num_experts=2, teacher_experts=1),
+            "sparsemixer": Arm("sparsemixer", router="sparsemixer", num_experts=2,
+                               teacher_experts=1)}
+    results = {n: report.summarise(a, one_expert_teacher_runs[n], {}) for n, a in arms.items()}
+    rows = {r["arm"]: r for r in report.paired_rows(results)}
+    got = rows["sparsemixer"]["dlog_mse"]
+    want = metrics.paired(np.log(one_expert_teacher_runs["sparsemixer"].eval_mse[:, -1]),
+                          np.log(one_expert_teacher_runs["switch"].eval_mse[:, -1]))
+    assert got.mean == pytest.approx(want.mean, abs=1e-4) and got.n == 3
+    assert "sparsemixer" in report.markdown_table(results)
