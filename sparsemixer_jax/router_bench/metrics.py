@@ -13,7 +13,7 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 # The exact-gradient oracle. Imported here only, so that renaming the module is one line.
-from sparsemixer_jax import analysis as oracle
+from sparsemixer_jax import exact_gradient as oracle
 from sparsemixer_jax import expert_ffn
 from sparsemixer_jax.routing import ROUTERS, router_probs
 
