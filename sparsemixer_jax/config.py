@@ -34,6 +34,8 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     "optim.weight_decay_mask": {"translation": "all", "pretraining": "matrices"},
     "optim.init_lr": {"pretraining": 0.0},
     "optim.decay_steps": {"translation": 0},
+    "model.activation": "relu",
+    "model.absolute_positions": {"pretraining": 0},
 }
 
 
@@ -99,6 +101,7 @@ def moe_model_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.capacity_factor = 0.0  # 0 = dropless; > 0 = Switch-style capacity with dropping
     c.compute_dtype = "float32"  # | "bfloat16" (params stay float32)
     c.attention_impl = "einsum"  # | "xla" | "cudnn" | "auto" (jax.nn.dot_product_attention)
+    c.activation = "relu"  # FFN and experts: fairseq's Transformer; BERT / ELECTRA use "gelu"
     return c
 
 
@@ -173,6 +176,10 @@ def _check_model(m: Any, r: Any) -> None:
     for name in ("dropout", "attention_dropout", "activation_dropout"):
         if not 0.0 <= m[name] < 1.0:
             raise ValueError(f"config.model.{name} must lie in [0, 1), got {m[name]}")
+    from sparsemixer_jax.moe import ACTIVATIONS
+
+    if m.activation not in ACTIVATIONS:
+        raise ValueError(f"config.model.activation={m.activation!r}; choose one of {ACTIVATIONS}")
     if m.compute_dtype not in DTYPES:
         raise ValueError(
             f"config.model.compute_dtype must be float32 or bfloat16, got {m.compute_dtype!r}"
@@ -277,6 +284,13 @@ def _check_pretraining(config: Any) -> None:
     for name in ("mask_prob", "mask_token_prob", "pair_prob"):
         if not 0.0 <= d[name] <= 1.0:
             raise ValueError(f"config.data.{name} must lie in [0, 1], got {d[name]}")
+    positions = config.model.absolute_positions
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 0:
+        raise ValueError(f"config.model.absolute_positions must be an int >= 0 (0 = none), got "
+                         f"{positions!r}")
+    if positions and positions < d.seq_len:
+        raise ValueError(f"config.model.absolute_positions={positions} is shorter than "
+                         f"config.data.seq_len={d.seq_len}: every position needs an embedding")
     if not d.mask_prob > 0:
         raise ValueError("config.data.mask_prob must be > 0: nothing would be replaced")
     if config.optim.disc_weight < 0:

@@ -9,7 +9,7 @@ from flax import nnx
 
 from sparsemixer_jax import electra
 from sparsemixer_jax.data import text
-from sparsemixer_jax.pretrain import build_model
+from sparsemixer_jax.training.loop import build_model
 from tests import tiny_electra_config
 
 VOCAB = 40

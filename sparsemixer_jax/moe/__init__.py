@@ -8,8 +8,10 @@
 """
 
 from sparsemixer_jax.moe.dispatch import (
+    ACTIVATIONS,
     AUTO_DISPATCH,
     DISPATCHES,
+    activation_fn,
     capacity_keep,
     expert_capacity,
     expert_ffn,
@@ -19,9 +21,11 @@ from sparsemixer_jax.moe.expert_parallel import expert_parallel_ffn
 from sparsemixer_jax.moe.layer import MoEFeedForward
 
 __all__ = [
+    "ACTIVATIONS",
     "AUTO_DISPATCH",
     "DISPATCHES",
     "MoEFeedForward",
+    "activation_fn",
     "capacity_keep",
     "expert_capacity",
     "expert_ffn",

@@ -48,6 +48,19 @@ import jax
 import jax.numpy as jnp
 
 DISPATCHES = ("auto", "ragged", "padded")
+# The expert (and dense) FFN's nonlinearity: ReLU in the paper's fairseq translation Transformer,
+# GELU in BERT / ELECTRA / COCO-LM, whose setting the pretraining experiment follows.
+ACTIVATIONS = ("relu", "gelu")
+
+
+def activation_fn(name: str):
+    """The elementwise function ``name`` names: ``jax.nn.relu`` or exact (erf) ``jax.nn.gelu``
+    (BERT's GELU, not the tanh approximation)."""
+    if name == "relu":
+        return jax.nn.relu
+    if name == "gelu":
+        return lambda h: jax.nn.gelu(h, approximate=False)
+    raise ValueError(f"unknown activation {name!r}; expected one of {ACTIVATIONS}")
 
 
 # What ``dispatch="auto"`` runs on each backend, from measurements (forward + backward of one
@@ -117,7 +130,7 @@ def row_dropout(
     return jnp.where(keep, h / (1.0 - rate), 0.0).astype(h.dtype)
 
 
-def _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate):
+def _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, activation="relu"):
     """Sorted grouped matmul with ``ragged_dot``. See :func:`expert_ffn` for shapes."""
     num_groups = wi.shape[0]
     order = jnp.argsort(group, stable=True)  # sentinel rows (group == G) sort last
@@ -125,7 +138,7 @@ def _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate):
     group_sizes = jnp.bincount(group, length=num_groups + 1)[:num_groups].astype(jnp.int32)
     safe = jnp.minimum(sorted_group, num_groups - 1)
     h = jax.lax.ragged_dot(x[order], wi, group_sizes) + bi[safe]
-    h = row_dropout(jax.nn.relu(h), token_ids[order], drop_key, rate)
+    h = row_dropout(activation_fn(activation)(h), token_ids[order], drop_key, rate)
     y = jax.lax.ragged_dot(h, wo, group_sizes) + bo[safe]
     y = jnp.where((sorted_group < num_groups)[:, None], y, 0)
     # Undo the sort with a scatter (its transpose is a gather, cheaper than a second argsort).
@@ -143,7 +156,8 @@ def _block_rows(rows: int, num_groups: int) -> int:
     return int(min(512, max(8, 1 << (target.bit_length() - 1))))
 
 
-def _padded_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, capacity):
+def _padded_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, capacity,
+                activation="relu"):
     """Block-padded batched matmul. See :func:`expert_ffn` for shapes.
 
     With ``capacity``: one block of ``capacity`` rows per group, the Switch
@@ -181,7 +195,7 @@ def _padded_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, capacity):
     else:
         wi_b, bi_b, wo_b, bo_b = wi[block_group], bi[block_group], wo[block_group], bo[block_group]
     h = jnp.einsum("kbe,kem->kbm", xb, wi_b) + bi_b[:, None, :]
-    h = row_dropout(jax.nn.relu(h), ids.reshape(num_blocks, block), drop_key, rate)
+    h = row_dropout(activation_fn(activation)(h), ids.reshape(num_blocks, block), drop_key, rate)
     yb = jnp.einsum("kbm,kme->kbe", h, wo_b) + bo_b[:, None, :]
     y = yb.reshape(size, emb).at[slot].get(mode="fill", fill_value=0)
     return jnp.where(valid[:, None], y, 0)
@@ -197,8 +211,9 @@ def expert_ffn(
     dropout_key: jax.Array | None = None,
     dropout_rate: float = 0.0,
     capacity: int | None = None,
+    activation: str = "relu",
 ) -> jax.Array:
-    """Each row through its expert: ``Dense -> ReLU -> dropout -> Dense``.
+    """Each row through its expert: ``Dense -> activation -> dropout -> Dense``.
 
     Args:
       x: ``[R, emb]`` rows in the compute dtype.
@@ -212,16 +227,18 @@ def expert_ffn(
       capacity: ``"padded"`` only: the Switch layout with this many slots per group; rows past
         it (in row order) output zeros. The layer drops tokens before (``capacity_keep``), so
         its groups always fit.
+      activation: ``"relu"`` or ``"gelu"`` (:data:`ACTIVATIONS`).
 
     Returns: ``[R, emb]`` in the dtype of ``x``, zeros on rows without expert.
     """
     wi, bi, wo, bo = params
     group = group.astype(jnp.int32)
     if dispatch == "ragged":
-        return _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate)
+        return _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
+                           activation)
     if dispatch == "padded":
         return _padded_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
-                           capacity)
+                           capacity, activation)
     raise ValueError(f"expert_ffn: dispatch must be 'ragged' or 'padded', got {dispatch!r}")
 
 

@@ -19,6 +19,7 @@ from flax import nnx
 from sparsemixer_jax import routing, sharding
 from sparsemixer_jax.moe.diagnostics import router_diagnostics
 from sparsemixer_jax.moe.dispatch import (
+    activation_fn,
     capacity_keep,
     expert_capacity,
     expert_ffn,
@@ -50,13 +51,15 @@ class MoEFeedForward(nnx.Module):
       router: a name in :data:`sparsemixer_jax.routing.ROUTERS`.
       jitter_eps: the router's jitter / mask threshold.
       top_k: experts per token, ``1 <= top_k <= N`` (distinct; see ``routing.sparsemixer_route``).
-      activation_dropout: dropout rate after the expert ReLU.
+      activation_dropout: dropout rate after the expert nonlinearity.
       dispatch: ``"auto"``, ``"ragged"`` or ``"padded"`` (module docstring).
       capacity_factor: 0 for dropless; ``> 0`` caps every expert at
         ``ceil(capacity_factor * rows / N)`` rows (rows = ``B * T * top_k``: every position of
         the call and each of its experts). Rows are served first choices first (all tokens'
         first expert, in token order, then all second experts, ...), as in GShard; a dropped row
         outputs zeros, the token's other experts still count.
+      activation: the experts' nonlinearity, ``"relu"`` (fairseq's translation Transformer, the
+        default) or ``"gelu"`` (BERT / ELECTRA).
       dtype: compute dtype of the experts (params stay float32; the router runs in float32).
       mesh: optional mesh with axes ``("data", "expert")`` for expert parallelism
         (:mod:`sparsemixer_jax.moe.expert_parallel`); ``num_experts`` must divide by its
@@ -80,6 +83,7 @@ class MoEFeedForward(nnx.Module):
         activation_dropout: float = 0.1,
         dispatch: str = "auto",
         capacity_factor: float = 0.0,
+        activation: str = "relu",
         dtype=jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
         rngs: nnx.Rngs,
@@ -95,6 +99,7 @@ class MoEFeedForward(nnx.Module):
                 f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
             )
         resolve_dispatch(dispatch)  # validates the name
+        activation_fn(activation)  # validates the name
         routing.get_router(router, jitter_eps, top_k)  # validates the name and jitter_eps
         if mesh is not None:
             sharding.check_mesh(mesh, num_experts)
@@ -108,6 +113,7 @@ class MoEFeedForward(nnx.Module):
         self.activation_dropout = activation_dropout
         self.dispatch = dispatch
         self.capacity_factor = capacity_factor
+        self.activation = activation
         self.dtype = dtype
         self.mesh = mesh
 
@@ -201,12 +207,14 @@ class MoEFeedForward(nnx.Module):
             f = expert_ffn(xr.reshape(batch * length * k, -1), group.reshape(-1),
                            row_ids.reshape(-1), params, dispatch=dispatch,
                            dropout_key=drop_key, dropout_rate=self.activation_dropout,
-                           capacity=capacity if dispatch == "padded" else None)
+                           capacity=capacity if dispatch == "padded" else None,
+                           activation=self.activation)
         else:
             f = expert_parallel_ffn(xr, group.reshape(batch, length * k),
                                     row_ids.reshape(batch, length * k), params, mesh=self.mesh,
                                     dispatch=dispatch, dropout_key=drop_key,
-                                    dropout_rate=self.activation_dropout)
+                                    dropout_rate=self.activation_dropout,
+                                    activation=self.activation)
         f = f.reshape(batch, length, k, -1)
         if k == 1:  # drop the k axis: the same ops (and float rounding) as the top-1 layer
             f, gate = f[:, :, 0], gate[..., 0]

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from sparsemixer_jax import config as config_schema
-from sparsemixer_jax.checkpoint import RunCheckpoints
+from sparsemixer_jax.checkpoint import RunCheckpoints, checkpoint_digest
 from sparsemixer_jax.data import text
 from sparsemixer_jax.data.tokenizer import Tokenizer
 from sparsemixer_jax.electra import Electra, LossSettings, electra_loss
@@ -182,37 +182,73 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     return train(PretrainingTask(float(config.optim.disc_weight)), config, workdir)
 
 
-def load_discriminator(
-    workdir: str, checkpoint: str = "best", *, mesh: jax.sharding.Mesh | None = None
-) -> tuple[Encoder, Tokenizer, ml_collections.ConfigDict]:
-    """The pretrained discriminator of ``workdir``, its vocabulary and the run's config.
+@dataclasses.dataclass
+class Pretrained:
+    """A pretrained discriminator and where it came from.
 
-    ``checkpoint`` is ``"best"`` (lowest validation loss) or ``"last"`` (the final model).
-    The encoder's RNG streams are those of a fresh model: reseed them (``nnx.reseed``) for
-    fine-tuning.
+    ``step`` and ``digest`` (:func:`sparsemixer_jax.checkpoint.checkpoint_digest`) name the
+    checkpoint's content, so fine-tuning results can say what they started from."""
+
+    encoder: Encoder
+    tokenizer: Tokenizer
+    config: ml_collections.ConfigDict
+    checkpoint: str  # "last" or "best"
+    step: int
+    digest: str
+
+
+def load_pretrained(
+    workdir: str, checkpoint: str = "last", *, mesh: jax.sharding.Mesh | None = None
+) -> Pretrained:
+    """The pretrained discriminator of ``workdir`` with its vocabulary, config and checkpoint.
+
+    ``checkpoint`` is ``"last"`` (the final model, the default: what the paper fine-tunes) or
+    ``"best"`` (lowest validation loss). The encoder's RNG streams are those of a fresh model:
+    reseed them (``nnx.reseed``) for fine-tuning. Raises ``FileNotFoundError`` (one line) if
+    ``workdir`` is not a pretraining workdir or holds no such checkpoint.
     """
     if checkpoint not in ("best", "last"):
         raise ValueError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
+    if not os.path.isdir(workdir):
+        raise FileNotFoundError(f"pretrained directory {workdir} does not exist")
     config_path = os.path.join(workdir, "config.json")
     vocab_path = os.path.join(workdir, "spm.model")
     for path in (config_path, vocab_path):
         if not os.path.exists(path):
-            raise FileNotFoundError(f"{path} not found: is {workdir} a pretraining workdir?")
+            raise FileNotFoundError(f"{path} not found: is {workdir} a pretraining workdir "
+                                    "(experiments.pretrain)?")
     with open(config_path) as f:
         config = config_schema.with_defaults(json.load(f))
     if config_schema.task_of(config) != "pretraining":
         raise ValueError(f"{workdir} holds a {config_schema.task_of(config)} run, not a "
                          "pretraining run (experiments.pretrain)")
+    kind_dir = os.path.join(os.path.abspath(workdir), "checkpoints", checkpoint)
+    steps = sorted(int(n) for n in os.listdir(kind_dir) if n.isdigit()) \
+        if os.path.isdir(kind_dir) else []
+    if not steps:  # checked before orbax, which would create the directories
+        raise FileNotFoundError(f"{kind_dir} holds no checkpoint: has the pretraining run saved "
+                                "one yet?")
     tokenizer = Tokenizer(vocab_path)
     text.check_special_pieces(tokenizer)
-    steps = build_steps(config, tokenizer.vocab_size, mesh)
-    template = {"params": steps.params, "opt_state": steps.opt_state_shapes(steps.params)}
+    built = build_steps(config, tokenizer.vocab_size, mesh)
+    template = {"params": built.params, "opt_state": built.opt_state_shapes(built.params)}
     checkpoints = RunCheckpoints(workdir)
     try:
         step = checkpoints.manager(checkpoint).latest_step()
         if step is None:
-            raise FileNotFoundError(f"{workdir}/checkpoints/{checkpoint} holds no checkpoint")
+            raise FileNotFoundError(f"{kind_dir} holds no checkpoint")
         restored = checkpoints.restore_checked(checkpoint, step, template)
+        digest = checkpoint_digest(restored.directory)
     finally:
         checkpoints.close()
-    return steps.model(restored.state["params"]).discriminator, tokenizer, config
+    return Pretrained(built.model(restored.state["params"]).discriminator, tokenizer, config,
+                      checkpoint, int(step), digest)
+
+
+def load_discriminator(
+    workdir: str, checkpoint: str = "last", *, mesh: jax.sharding.Mesh | None = None
+) -> tuple[Encoder, Tokenizer, ml_collections.ConfigDict]:
+    """``(encoder, tokenizer, config)`` of :func:`load_pretrained` (default: the last
+    checkpoint)."""
+    p = load_pretrained(workdir, checkpoint, mesh=mesh)
+    return p.encoder, p.tokenizer, p.config
