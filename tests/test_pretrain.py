@@ -277,3 +277,81 @@ def test_sigkill_mid_run_then_resume(corpus, straight_run, tmp_path):
     expected, _ = last_state(straight_run[0], config)
     assert meta["step"] == 6
     jax.tree.map(np.testing.assert_array_equal, params, expected)
+
+
+def test_packed_data_is_cached_by_text_vocabulary_and_settings(straight_run, tmp_path,
+                                                               monkeypatch):
+    """A second ``load_data`` on the same workdir reads the packed arrays back without reading or
+    tokenizing the text; another ``seq_len`` packs again (and replaces the stale file); the key
+    changes with the text's and the vocabulary's contents."""
+    import shutil
+
+    workdir = str(tmp_path / "run")
+    shutil.copytree(straight_run[0], workdir)
+    config = tiny(os.path.dirname(read_config(workdir)["data"]["train"]))
+    first = sorted(os.listdir(os.path.join(workdir, pretraining.PACKED_DIR)))
+    assert [n.split("-")[0] for n in first] == ["train", "valid"]
+    tokenizer = text.Tokenizer(os.path.join(workdir, "spm.model"))
+    paragraphs = [p for doc in text.read_documents(config.data.train) for p in doc]
+    fresh_tokens, fresh_segments = pretraining._packed(config, tokenizer, paragraphs)
+
+    calls = []
+    real_pack = text.tokenize_and_pack
+
+    def counting_pack(*args, **kwargs):
+        calls.append(args[2])  # seq_len
+        return real_pack(*args, **kwargs)
+
+    def no_reading(path):
+        raise AssertionError(f"{path} was read again")
+
+    monkeypatch.setattr(text, "tokenize_and_pack", counting_pack)
+    with monkeypatch.context() as m:
+        m.setattr(text, "read_documents", no_reading)
+        data = pretraining.PretrainingTask(50.0).load_data(config, workdir, 1)
+    assert calls == []
+    np.testing.assert_array_equal(data.train.tokens, fresh_tokens)
+    np.testing.assert_array_equal(data.train.segments, fresh_segments)
+    assert data.stats["train"]["sequences"] == len(fresh_tokens)
+
+    config.data.seq_len = 12
+    data = pretraining.PretrainingTask(50.0).load_data(config, workdir, 1)
+    assert calls == [12, 12] and data.train.tokens.shape[1] == 12  # train and valid again
+    second = sorted(os.listdir(os.path.join(workdir, pretraining.PACKED_DIR)))
+    assert len(second) == 2 and not set(second) & set(first)
+
+    files = text.text_files(config.data.train)
+    vocab = os.path.join(workdir, "spm.model")
+    key = text.packing_key(files, vocab, seq_len=16, pair_prob=0.5, seed=0)
+    other_vocab = str(tmp_path / "other.model")
+    shutil.copy(vocab, other_vocab)
+    with open(other_vocab, "ab") as f:
+        f.write(b"\0")
+    other_text = str(tmp_path / "train.txt")
+    shutil.copy(files[0], other_text)
+    with open(other_text, "a") as f:
+        f.write("One more line.\n")
+    assert key == text.packing_key(files, vocab, seq_len=16, pair_prob=0.5, seed=0)
+    assert key != text.packing_key(files, other_vocab, seq_len=16, pair_prob=0.5, seed=0)
+    assert key != text.packing_key([other_text], vocab, seq_len=16, pair_prob=0.5, seed=0)
+    assert key != text.packing_key(files, vocab, seq_len=16, pair_prob=0.4, seed=0)
+
+
+def read_config(workdir):
+    with open(os.path.join(workdir, "config.json")) as f:
+        return json.load(f)
+
+
+def test_electra_flops_per_token_by_hand():
+    """The tiny config counted by hand: width 16, FFN 32, 16 tokens, 120 pieces; discriminator
+    2 layers both MoE (N = 2, moe_every 1), generator 1 dense layer, 3 predicted positions."""
+    from sparsemixer_jax.benchmarks.flops import electra_flops_per_token
+
+    layer = 8 * 16 * 16 + 4 * 16 * 32 + 4 * 16 * 16  # projections, FFN, attention (L = 16)
+    disc = 2 * layer + 2 * (2 * 16 * 2)  # plus two routers
+    gen = layer
+    heads = (2 * 16 * 16 + 2 * 16) + 3 / 16 * (2 * 16 * 16 + 2 * 16 * 120)
+    flops = electra_flops_per_token(tiny_electra_config.get_config())
+    assert flops["total"] == pytest.approx(3 * (disc + gen + heads))
+    assert flops["attention"] == pytest.approx(3 * 3 * 4 * 16 * 16)
+    assert flops["generator"] == pytest.approx(3 * gen)
