@@ -355,3 +355,43 @@ def test_electra_flops_per_token_by_hand():
     assert flops["total"] == pytest.approx(3 * (disc + gen + heads))
     assert flops["attention"] == pytest.approx(3 * 3 * 4 * 16 * 16)
     assert flops["generator"] == pytest.approx(3 * gen)
+
+
+def test_bad_inputs_are_one_line_errors(corpus, straight_run, tmp_path):
+    """An empty corpus, an all-short corpus, a vocabulary without ``[CLS] [SEP] [MASK]``, a
+    pretrained directory without a checkpoint, and a translation command on a pretraining
+    workdir: each a ValueError / FileNotFoundError naming the problem, nothing deleted."""
+    import shutil
+
+    from sparsemixer_jax import translate
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "train.txt").write_text("\n\n  \n")
+    (tmp_path / "empty" / "valid.txt").write_text("\n")
+    with pytest.raises(ValueError, match="holds no text"):
+        pretraining.pretrain(tiny(str(tmp_path / "empty")), str(tmp_path / "run_empty"))
+    (tmp_path / "short").mkdir()
+    for name in ("train.txt", "valid.txt"):
+        (tmp_path / "short" / name).write_text("Hi.\nOk.\n\nNo.\n")
+    with pytest.raises(ValueError, match=r"vocab_size=120 is too large for the training text"):
+        pretraining.pretrain(tiny(str(tmp_path / "short")), str(tmp_path / "run_short"))
+
+    workdir = tmp_path / "foreign_vocab"
+    workdir.mkdir()
+    paragraphs = [p for doc in text.read_documents(f"{corpus}/train.txt") for p in doc]
+    text.train_tokenizer(paragraphs, str(workdir / "spm.model"), 120, seed=0)  # no specials
+    with pytest.raises(ValueError, match=r"\[MASK\]'\) have ids .*not a pretraining vocabulary"):
+        pretraining.pretrain(tiny(corpus), str(workdir))
+    assert os.path.exists(workdir / "spm.model")  # reported, not replaced
+
+    untrained = tmp_path / "untrained"
+    untrained.mkdir()
+    for name in ("config.json", "spm.model"):
+        shutil.copy(os.path.join(straight_run[0], name), untrained)
+    with pytest.raises(FileNotFoundError, match=r"checkpoints/last holds no checkpoint"):
+        pretraining.load_pretrained(str(untrained))
+    assert sorted(os.listdir(untrained)) == ["config.json", "spm.model"]  # orbax made nothing
+    with pytest.raises(FileNotFoundError, match=r"config\.json not found"):
+        pretraining.load_pretrained(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="holds a pretraining run, not a translation run"):
+        translate.translate_lines(straight_run[0], ["a b c"])
