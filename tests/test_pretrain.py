@@ -178,6 +178,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pa
     ({"data.seq_len": 4}, "seq_len"),
     ({"data.train": "/nonexistent/text"}, "/nonexistent/text"),
     ({"data.batch_size": 4096, "data.micro_batch_size": 0}, "fewer than one batch"),
+    ({"model.activation": "swish"}, r"model\.activation='swish'"),
+    ({"model.absolute_positions": 8}, "absolute_positions=8 is shorter than .*seq_len=16"),
+    ({"model.absolute_positions": -1}, "absolute_positions must be an int >= 0"),
 ])
 def test_config_and_data_errors_are_clear(corpus, tmp_path, override, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
@@ -395,3 +398,25 @@ def test_bad_inputs_are_one_line_errors(corpus, straight_run, tmp_path):
         pretraining.load_pretrained(str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="holds a pretraining run, not a translation run"):
         translate.translate_lines(straight_run[0], ["a b c"])
+
+
+def test_configs_saved_before_activation_and_positions_read_as_relu_without_positions():
+    """A pretraining or translation config saved before ``model.activation`` and
+    ``model.absolute_positions`` existed reads as the model those runs had: ReLU, no learned
+    absolute positions; the ELECTRA configs state GELU and 512 positions."""
+    from configs import electra, wmt
+    from sparsemixer_jax import config as config_schema
+
+    for get in (electra.get_config, wmt.get_config):
+        saved = get().to_dict()
+        for field in ("activation", "absolute_positions"):
+            saved["model"].pop(field, None)
+        restored = config_schema.with_defaults(saved)
+        assert restored.model.activation == "relu"
+        if restored.task == "pretraining":
+            assert restored.model.absolute_positions == 0
+        else:
+            assert "absolute_positions" not in restored.model
+    assert (electra.get_config().model.activation, wmt.get_config().model.activation) == (
+        "gelu", "relu")
+    assert electra.get_config().model.absolute_positions == 512
