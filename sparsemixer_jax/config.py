@@ -35,6 +35,7 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     "optim.init_lr": {"pretraining": 0.0},
     "optim.decay_steps": {"translation": 0},
     "model.activation": "relu",
+    "router.init_scale": 1.0,
     "model.absolute_positions": {"pretraining": 0},
 }
 
@@ -51,6 +52,7 @@ def router_config(name: str = "sparsemixer", **overrides: Any) -> ml_collections
     c.balance_weight = 0.01
     c.balance_normalization = "per_token"  # | "per_batch": the reference's fairseq objective
     c.z_loss_weight = 0.0
+    c.init_scale = 1.0  # router kernel init variance scale: 1.0 = LeCun normal; Switch uses 0.1
     c.update(overrides)
     return c
 
@@ -200,6 +202,8 @@ def _check_model(m: Any, r: Any) -> None:
                          f"(cuDNN's fused attention takes 16-bit inputs), got {m.compute_dtype!r}")
     if r.name not in routing.ROUTERS:
         raise ValueError(f"config.router.name={r.name!r}; choose one of {sorted(routing.ROUTERS)}")
+    if not r.get("init_scale", 1.0) > 0:
+        raise ValueError(f"config.router.init_scale must be > 0, got {r.init_scale}")
     if r.jitter_eps < 0:
         raise ValueError(f"config.router.jitter_eps must be >= 0, got {r.jitter_eps}")
     top_k = r.top_k

@@ -205,6 +205,7 @@ def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx
             dispatch=model_cfg.dispatch,
             capacity_factor=float(model_cfg.capacity_factor),
             activation=model_activation(model_cfg),
+            router_init_scale=float(router_cfg.get("init_scale", 1.0)),
             dtype=dtype,
             mesh=mesh,
             rngs=rngs,

@@ -9,10 +9,15 @@ from flax import nnx
 
 from sparsemixer_jax import electra
 from sparsemixer_jax.data import text
-from sparsemixer_jax.training.loop import build_model
+from sparsemixer_jax.training import loop
 from tests import tiny_electra_config
 
 VOCAB = 40
+
+
+def build_model(config, vocab_size):
+    """A fresh ELECTRA (generator + discriminator) of ``config``, seeded from ``config.seed``."""
+    return loop.build_model(config, electra.Electra, vocab_size, None)
 SETTINGS = electra.LossSettings(disc_weight=50.0, balance_weight=0.01, z_loss_weight=0.0,
                                 mask_prob=0.15)
 

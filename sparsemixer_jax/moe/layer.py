@@ -60,6 +60,9 @@ class MoEFeedForward(nnx.Module):
         outputs zeros, the token's other experts still count.
       activation: the experts' nonlinearity, ``"relu"`` (fairseq's translation Transformer, the
         default) or ``"gelu"`` (BERT / ELECTRA).
+      router_init_scale: variance scale of the router's truncated-normal kernel init (fan-in):
+        1.0 is flax's default (LeCun normal, logits of std about 1 on LayerNorm'd inputs), 0.1
+        the Switch Transformer's smaller init (std about 0.3).
       dtype: compute dtype of the experts (params stay float32; the router runs in float32).
       mesh: optional mesh with axes ``("data", "expert")`` for expert parallelism
         (:mod:`sparsemixer_jax.moe.expert_parallel`); ``num_experts`` must divide by its
@@ -84,6 +87,7 @@ class MoEFeedForward(nnx.Module):
         dispatch: str = "auto",
         capacity_factor: float = 0.0,
         activation: str = "relu",
+        router_init_scale: float = 1.0,
         dtype=jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
         rngs: nnx.Rngs,
@@ -117,8 +121,14 @@ class MoEFeedForward(nnx.Module):
         self.dtype = dtype
         self.mesh = mesh
 
-        self.router = nnx.Linear(emb_dim, num_experts, use_bias=True, dtype=jnp.float32,
-                                 param_dtype=jnp.float32, rngs=rngs)
+        if not router_init_scale > 0:
+            raise ValueError(f"router_init_scale must be > 0, got {router_init_scale}")
+        # At scale 1.0 this is exactly nnx.Linear's default (lecun_normal): the same draws.
+        self.router = nnx.Linear(
+            emb_dim, num_experts, use_bias=True, dtype=jnp.float32, param_dtype=jnp.float32,
+            kernel_init=nnx.initializers.variance_scaling(router_init_scale, "fan_in",
+                                                          "truncated_normal"),
+            rngs=rngs)
 
         def sharded(value, spec):
             # Expert-stacked params are split over the mesh's "expert" axis.
