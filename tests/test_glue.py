@@ -543,7 +543,7 @@ def test_best_point_averages_mnli_matched_and_mismatched(tiny, tmp_path, monkeyp
     monkeypatch.setattr(finetuning, "evaluate", fake_evaluate)
     monkeypatch.setattr(finetuning, "_train_step", fake_step)
     config = tiny.config.copy_and_resolve_references()
-    config.grid.learning_rate = (1e-3, 2e-3)
+    config.grid.learning_rate, config.grid.epochs = (1e-3, 2e-3), (2,)
     summary = finetuning.run_task(config, task, tiny.encoder, tiny.pretrain_config,
                                   str(tmp_path), tiny.settings)
     assert summary["best"]["point"]["learning_rate"] == 2e-3 and summary["best"]["epoch"] == 1
