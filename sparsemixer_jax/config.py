@@ -274,6 +274,9 @@ def _check_pretraining(config: Any) -> None:
 
     _check_sections(config, ("data", "model", "generator", "router", "optim", "runtime", "mesh"),
                     "configs/electra.py")
+    # The discriminator's own fields first: a bad model.* is reported as such, not through the
+    # generator that inherits it.
+    _check_model(config.model, config.router)
     d = config.data
     _positive(config, ["data.vocab_size", "data.batch_size", "model.num_layers"])
     if d.seq_len < 8:
@@ -322,10 +325,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
         return
     if task == "translation":
         _check_translation(config)
+        _check_model(config.model, config.router)
     else:
-        _check_pretraining(config)
+        _check_pretraining(config)  # checks config.model too
     _positive(config, ["train_steps", "eval_every", "checkpoint_every", "log_every"])
-    _check_model(config.model, config.router)
     _check_optim(config.optim)
     _check_mesh(config)
     from sparsemixer_jax.runtime import check_runtime_config
