@@ -324,6 +324,9 @@ def test_rerun_skips_finished_points_and_refuses_other_settings(tiny, sst2_run, 
     other = {**settings, "max_len": settings["max_len"] + 1}
     with pytest.raises(ValueError, match="max_len=64, this run has 65"):
         finetuning.run_task(config, task, encoder, pretrain_config, workdir, other)
+    skipping = {**settings, "skip_bad_rows": True}  # other data: malformed rows left out
+    with pytest.raises(ValueError, match="skip_bad_rows=False, this run has True"):
+        finetuning.run_task(config, task, encoder, pretrain_config, workdir, skipping)
     # A new grid point is run; the finished one is kept.
     bigger = config.copy_and_resolve_references()
     bigger.grid.learning_rate = (1e-3, 2e-3)

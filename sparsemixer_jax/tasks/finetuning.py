@@ -55,7 +55,9 @@ logger = logging.getLogger(__name__)
 
 # Fields of a grid-point result that must match for a rerun to reuse it.
 _SETTINGS_FIELDS = ("pretrained", "checkpoint", "glue_dir", "max_len", "head_dropout", "seed",
-                    "train_limit", "dev_limit", "optim")
+                    "train_limit", "dev_limit", "optim", "skip_bad_rows")
+# The value a point written before a settings field existed had.
+_SETTINGS_DEFAULTS = {"skip_bad_rows": False}
 # What the points' pretrained model was: a rerun from other content refuses to mix them.
 _SOURCE_FIELDS = ("checkpoint_step", "checkpoint_digest")
 
@@ -273,9 +275,11 @@ def _write_json(path: str, record: Any) -> None:
 
 
 def settings_record(config: Any, pretrained_dir: str, checkpoint: str, *,
-                    step: int | None = None, digest: str | None = None) -> dict[str, Any]:
-    """What a grid point's result depends on besides its hyper-parameters: the settings, and the
-    ``step`` and content ``digest`` of the pretrained checkpoint it started from."""
+                    step: int | None = None, digest: str | None = None,
+                    skip_bad_rows: bool = False) -> dict[str, Any]:
+    """What a grid point's result depends on besides its hyper-parameters: the settings (with
+    whether malformed GLUE rows were skipped), and the ``step`` and content ``digest`` of the
+    pretrained checkpoint it started from."""
     return {
         "pretrained": os.path.abspath(pretrained_dir),
         "checkpoint": checkpoint,
@@ -288,6 +292,7 @@ def settings_record(config: Any, pretrained_dir: str, checkpoint: str, *,
         "train_limit": int(config.train_limit),
         "dev_limit": int(config.dev_limit),
         "optim": config.optim.to_dict(),
+        "skip_bad_rows": bool(skip_bad_rows),
     }
 
 
@@ -311,9 +316,9 @@ def _load_point(path: str, settings: dict[str, Any]) -> dict[str, Any] | None:
             "task's points/"
         )
     for field in _SETTINGS_FIELDS:
-        if record["settings"].get(field) != settings[field]:
+        if theirs.get(field, _SETTINGS_DEFAULTS.get(field)) != settings[field]:
             raise ValueError(
-                f"{path} was fine-tuned with {field}={record['settings'].get(field)!r}, this run "
+                f"{path} was fine-tuned with {field}={theirs.get(field)!r}, this run "
                 f"has {settings[field]!r}: use another --workdir, or delete that task's points/"
             )
     return record
@@ -439,7 +444,7 @@ def run_tasks(config: ml_collections.ConfigDict, pretrained_dir: str, tasks: Seq
         raise ValueError(f"config.max_len={config.max_len} exceeds the {positions} learned "
                          f"positions of the model in {pretrained_dir}")
     settings = settings_record(config, pretrained_dir, checkpoint, step=pretrained.step,
-                               digest=pretrained.digest)
+                               digest=pretrained.digest, skip_bad_rows=skip_bad_rows)
     for name in names:  # refuse to mix checkpoints before any fine-tuning
         for point in grid_points(config.grid):
             _load_point(os.path.join(workdir, name, "points", point.name + ".json"), settings)
