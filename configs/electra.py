@@ -5,10 +5,11 @@
 The part after ``:`` picks the discriminator: ``dense`` or ``n2``, ``n4`` (default), ``n8``
 experts per MoE layer.
 
-Discriminator: BERT-base (12 layers, 768 wide, 12 heads, FFN 3072), T5 relative position buckets
-(32), dropout 0.1, MoE on every other FFN (jitter 0.1, balance loss 0.01). Generator: 4 layers
-(the paper: "the size of the auxiliary model (generator) to be 4 layers", following ELECTRA and
-METRO; it says nothing about its width, and the tied embeddings fix it to the discriminator's).
+Discriminator: BERT-base (12 layers, 768 wide, 12 heads, FFN 3072, GELU), learned absolute
+positions "further enhanced" with T5 relative position buckets (32), dropout 0.1, MoE on every
+other FFN (jitter 0.1, balance loss 0.01). Generator: 4 layers (the paper: "the size of the
+auxiliary model (generator) to be 4 layers", following ELECTRA and METRO; it says nothing about
+its width, and the tied embeddings fix it to the discriminator's).
 Adam (0.9, 0.98), weight decay 0.01, peak lr 5e-4, 10k warm-up then linear decay, discriminator
 loss weight 50, 125k updates of 2,048 sequences of 512 tokens.
 
@@ -61,6 +62,13 @@ def get_config(variant: str = "n4") -> ml_collections.ConfigDict:
     c.model.relative_buckets = 32
     c.model.relative_max_distance = 128
     moe_model_fields(c.model)
+    # BERT / ELECTRA / COCO-LM use GELU in the FFN (the translation configs keep fairseq's ReLU).
+    c.model.activation = "gelu"
+    # BERT's 512 learned absolute positions, kept beside the relative bias: the paper "further
+    # enhanced" BERT-base with T5's relative positions (following METRO), and COCO-LM's encoder
+    # keeps its learned absolute positions too. 512 also covers GLUE's 256-token inputs when
+    # pretraining used shorter sequences (ELECTRA-Small pretrains at 128 with a 512 table).
+    c.model.absolute_positions = 512
     c.model.num_experts = EXPERTS[variant]
     c.model.compute_dtype = "bfloat16"
 

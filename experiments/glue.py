@@ -8,8 +8,11 @@
 ``--task`` takes task names (any case; ``sst2`` or ``SST-2``), comma-separated, or ``all`` for
 every task in ``config.glue_dir``. Results go to ``--workdir`` (default
 ``{pretrained}/glue``): ``{task}/points/*.json`` per grid point as it finishes,
-``{task}/results.json`` (the best point), ``results.json`` (every task there). Rerunning the
-command skips finished grid points. Tables: ``python -m experiments.glue_table``.
+``{task}/results.json`` (the best point), ``results.json`` (every task there). The final
+(``last``) pretraining checkpoint is fine-tuned unless ``--checkpoint best``. Rerunning the
+command skips finished grid points made from the same checkpoint and refuses to mix in another.
+``--skip-bad-rows`` leaves malformed GLUE rows out (counted per file) instead of stopping at the
+first. Tables: ``python -m experiments.glue_table``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_c
 flags.DEFINE_string("pretrained", None, "Workdir of a pretraining run (experiments.pretrain).")
 flags.DEFINE_list("task", None, "GLUE task name(s), comma-separated, or 'all'.")
 flags.DEFINE_string("workdir", None, "Where results go; default {pretrained}/glue.")
-flags.DEFINE_enum("checkpoint", "best", ["best", "last"], "Which pretraining checkpoint.")
+flags.DEFINE_enum("checkpoint", "last", ["last", "best"],
+                  "Which pretraining checkpoint: the final model (the paper's) or the lowest "
+                  "validation loss.")
+flags.DEFINE_bool("skip_bad_rows", False,
+                  "Leave malformed GLUE rows out (counted and reported per file) instead of "
+                  "stopping at the first one (file:line).")
 flags.mark_flags_as_required(["config", "pretrained", "task"])
 
 
@@ -40,8 +48,12 @@ def main(argv: list[str]) -> None:
     cli.quiet_libraries()
     fl = flags.FLAGS
     workdir = fl.workdir or os.path.join(fl.pretrained, "glue")
-    summary = finetuning.run_tasks(fl.config, fl.pretrained, fl.task, workdir,
-                                 checkpoint=fl.checkpoint)
+    # A bad --pretrained, --task or a refused rerun: one "error:" line, exit code 2.
+    summary = cli.train_or_exit(
+        lambda config, out: finetuning.run_tasks(config, fl.pretrained, fl.task, out,
+                                                 checkpoint=fl.checkpoint,
+                                                 skip_bad_rows=fl.skip_bad_rows),
+        fl.config, workdir)
     print(summary_table(summary))
     print(f"results: {os.path.join(workdir, 'results.json')}")
 

@@ -96,6 +96,31 @@ def write_manifest(step_dir: str) -> None:
     os.replace(tmp, os.path.join(step_dir, MANIFEST))
 
 
+def checkpoint_digest(step_dir: str) -> str:
+    """A SHA-256 of a checkpoint's content: of the sorted ``(file, size, SHA-256)`` list of its
+    manifest, or of its files when it has no manifest (the same value either way). Two
+    checkpoints with the same digest hold the same bytes; it names what a fine-tuning started
+    from."""
+    path = os.path.join(step_dir, MANIFEST)
+    files = None
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                files = json.load(f)["files"]
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{step_dir}: unreadable {MANIFEST} ({e})") from None
+    if files is None:
+        files = {}
+        for parent, _, names in os.walk(step_dir):
+            for name in names:
+                full = os.path.join(parent, name)
+                rel = os.path.relpath(full, step_dir)
+                if rel != MANIFEST and not name.startswith(f"{MANIFEST}.tmp"):
+                    files[rel] = [os.path.getsize(full), _sha256(full)]
+    listing = json.dumps(sorted([rel, int(size), digest] for rel, (size, digest) in files.items()))
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
 def check_manifest(step_dir: str) -> None:
     """Raises :class:`CheckpointError` if a required file or a file the manifest lists is missing,
     or a listed one has another size or another digest. A checkpoint without a manifest (killed

@@ -114,8 +114,25 @@ def unknown_config_field(argv: list[str]) -> str | None:
     return None
 
 
+def dashed_flags(argv: list[str]) -> list[str]:
+    """``argv`` with ``--some-flag`` (and ``--nosome-flag``) spelled ``--some_flag`` wherever that
+    names a defined flag: absl only knows the underscore spelling."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "-" in arg[2:].split("=", 1)[0]:
+            name, eq, value = arg[2:].partition("=")
+            fixed = name.replace("-", "_")
+            bare = fixed[2:] if fixed.startswith("no") and eq == "" else fixed
+            if bare in flags.FLAGS or fixed in flags.FLAGS:
+                arg = f"--{fixed}{eq}{value}"
+        out.append(arg)
+    return out
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, with an unknown ``--config.`` field reported on one line."""
+    """absl's flag parsing, with an unknown ``--config.`` field reported on one line and
+    ``--dashed-names`` read as ``--dashed_names``."""
+    argv = dashed_flags(argv)
     try:
         return app.parse_flags_with_usage(argv)
     except (AttributeError, KeyError, ValueError):

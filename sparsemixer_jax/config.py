@@ -35,6 +35,9 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     "optim.weight_decay_mask": {"translation": "all", "pretraining": "matrices"},
     "optim.init_lr": {"pretraining": 0.0},
     "optim.decay_steps": {"translation": 0},
+    "model.activation": "relu",
+    "router.init_scale": 1.0,
+    "model.absolute_positions": {"pretraining": 0},
 }
 
 
@@ -50,6 +53,7 @@ def router_config(name: str = "sparsemixer", **overrides: Any) -> ml_collections
     c.balance_weight = 0.01
     c.balance_normalization = "per_token"  # | "per_batch": the reference's fairseq objective
     c.z_loss_weight = 0.0
+    c.init_scale = 1.0  # router kernel init variance scale: 1.0 = LeCun normal; Switch uses 0.1
     c.update(overrides)
     return c
 
@@ -101,6 +105,7 @@ def moe_model_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.capacity_factor = 0.0  # 0 = dropless; > 0 = Switch-style capacity with dropping
     c.compute_dtype = "float32"  # | "bfloat16" (params stay float32)
     c.attention_impl = "einsum"  # | "xla" | "cudnn" | "auto" (jax.nn.dot_product_attention)
+    c.activation = "relu"  # FFN and experts: fairseq's Transformer; BERT / ELECTRA use "gelu"
     return c
 
 
@@ -175,6 +180,11 @@ def _check_model(m: Any, r: Any) -> None:
     for name in ("dropout", "attention_dropout", "activation_dropout"):
         if not 0.0 <= m[name] < 1.0:
             raise ValueError(f"config.model.{name} must lie in [0, 1), got {m[name]}")
+    from sparsemixer_jax.moe import ACTIVATIONS
+
+    activation = m.get("activation", added_field_default("model.activation", "translation"))
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"config.model.activation={activation!r}; choose one of {ACTIVATIONS}")
     if m.compute_dtype not in DTYPES:
         raise ValueError(
             f"config.model.compute_dtype must be float32 or bfloat16, got {m.compute_dtype!r}"
@@ -197,6 +207,8 @@ def _check_model(m: Any, r: Any) -> None:
                          f"(cuDNN's fused attention takes 16-bit inputs), got {m.compute_dtype!r}")
     if r.name not in routing.ROUTERS:
         raise ValueError(f"config.router.name={r.name!r}; choose one of {sorted(routing.ROUTERS)}")
+    if not r.get("init_scale", 1.0) > 0:
+        raise ValueError(f"config.router.init_scale must be > 0, got {r.init_scale}")
     if r.jitter_eps < 0:
         raise ValueError(f"config.router.jitter_eps must be >= 0, got {r.jitter_eps}")
     top_k = r.top_k
@@ -266,6 +278,9 @@ def _check_pretraining(config: Any) -> None:
 
     _check_sections(config, ("data", "model", "generator", "router", "optim", "runtime", "mesh"),
                     "configs/electra.py")
+    # The discriminator's own fields first: a bad model.* is reported as such, not through the
+    # generator that inherits it.
+    _check_model(config.model, config.router)
     d = config.data
     _positive(config, ["data.vocab_size", "data.batch_size", "model.num_layers"])
     if d.seq_len < 8:
@@ -281,6 +296,13 @@ def _check_pretraining(config: Any) -> None:
     for name in ("mask_prob", "mask_token_prob", "pair_prob"):
         if not 0.0 <= d[name] <= 1.0:
             raise ValueError(f"config.data.{name} must lie in [0, 1], got {d[name]}")
+    positions = config.model.get("absolute_positions", 0)
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 0:
+        raise ValueError(f"config.model.absolute_positions must be an int >= 0 (0 = none), got "
+                         f"{positions!r}")
+    if positions and positions < d.seq_len:
+        raise ValueError(f"config.model.absolute_positions={positions} is shorter than "
+                         f"config.data.seq_len={d.seq_len}: every position needs an embedding")
     if not d.mask_prob > 0:
         raise ValueError("config.data.mask_prob must be > 0: nothing would be replaced")
     if config.optim.disc_weight < 0:
@@ -312,12 +334,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
         return
     if task == "translation":
         _check_translation(config)
+        _check_model(config.model, config.router)
     else:
-        _check_pretraining(config)
-    _positive(config, ["train_steps", "eval_every", "checkpoint_every", "log_every"])
-    _check_model(config.model, config.router)
-    if task == "pretraining":
+        _check_pretraining(config)  # checks config.model too
         _check_generator(config)  # after the discriminator, whose fields it inherits
+    _positive(config, ["train_steps", "eval_every", "checkpoint_every", "log_every"])
     _check_optim(config.optim)
     _check_mesh(config)
     from sparsemixer_jax.runtime import check_runtime_config

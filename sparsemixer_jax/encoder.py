@@ -2,10 +2,19 @@
 
 BERT layout (post-norm layers ``x = LayerNorm(x + Dropout(sublayer(x)))``, an embedding
 LayerNorm, segment embeddings) with two changes the paper makes (its Appendix, "Pre-training"):
-no absolute positions but T5's relative position buckets (Raffel et al., 2020), a learned bias per
-(bucket, head) added to every layer's attention logits, and MoE feed-forward layers on every
-``moe_every``-th layer. The attention, the feed-forward / MoE sublayers and the LayerNorms are the
-translation model's own (:mod:`sparsemixer_jax.models`); there is one MoE implementation.
+T5's relative position buckets (Raffel et al., 2020), a learned bias per (bucket, head) added to
+every layer's attention logits, and MoE feed-forward layers on every ``moe_every``-th layer.
+
+Positions: the paper "further enhanced the model with the T5 relative position encoding" (32
+bins), following METRO and Dong et al. (2023); "enhanced" reads as on top of BERT's learned
+absolute position embeddings, and COCO-LM's code (the METRO line's public encoder) indeed keeps its
+learned absolute positions beside the relative bias. ``model.absolute_positions = P > 0`` adds a
+learned table of ``P`` positions to the token + segment embeddings before the embedding
+LayerNorm (BERT's place; ``P`` bounds the sequence length); ``0`` leaves the relative bias alone
+(configs saved before the field existed). The feed-forward nonlinearity is ``model.activation``
+(GELU in BERT / ELECTRA / COCO-LM). The attention, the feed-forward / MoE sublayers and the
+LayerNorms are the translation model's own (:mod:`sparsemixer_jax.models`); there is one MoE
+implementation.
 
 Conventions (shared with :mod:`sparsemixer_jax.data.text`): token id 0 is padding and is masked
 out of attention and of the MoE layers; segment ids are 0 for ``[CLS] a [SEP]`` and 1 for
@@ -80,14 +89,24 @@ class RelativePositionBias(nnx.Module):
 
 
 class Embeddings(nnx.Module):
-    """Token + segment embeddings, LayerNorm, dropout (BERT's embedding block, no positions).
+    """Token + segment (+ learned absolute position) embeddings, LayerNorm, dropout (BERT's
+    embedding block).
 
     ELECTRA ties this whole block between the generator and the discriminator; the token table
-    also serves as the generator's output projection.
+    also serves as the generator's output projection. ``absolute_positions = P > 0`` adds a
+    learned ``[P, emb]`` table (N(0, 0.02), as BERT) indexed by position; 0 adds none.
     """
 
-    def __init__(self, vocab_size: int, emb_dim: int, *, dropout: float, dtype, rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, emb_dim: int, *, dropout: float, dtype, rngs: nnx.Rngs,
+                 absolute_positions: int = 0):
+        if absolute_positions < 0:
+            raise ValueError(f"absolute_positions must be >= 0 (0 = none), got "
+                             f"{absolute_positions}")
         self.dtype = dtype
+        self.absolute_positions = int(absolute_positions)
+        self.position = nnx.Embed(
+            absolute_positions, emb_dim, embedding_init=_embedding_init, dtype=dtype, rngs=rngs
+        ) if absolute_positions else None
         self.token = nnx.Embed(
             vocab_size, emb_dim, embedding_init=_embedding_init, dtype=dtype, rngs=rngs
         )
@@ -98,7 +117,16 @@ class Embeddings(nnx.Module):
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, segments: jax.Array, *, deterministic: bool):
-        x = self.norm(self.token(tokens) + self.segment(segments))
+        """``tokens``, ``segments`` int ``[B, L]`` -> ``[B, L, emb]`` in the compute dtype."""
+        x = self.token(tokens) + self.segment(segments)
+        if self.position is not None:
+            length = tokens.shape[1]
+            if length > self.absolute_positions:
+                raise ValueError(f"sequence of {length} tokens, but the model has learned "
+                                 f"positions for {self.absolute_positions} "
+                                 "(model.absolute_positions)")
+            x = x + self.position(jnp.arange(length))[None]
+        x = self.norm(x)
         return self.dropout(x, deterministic=deterministic)
 
     def logits(self, x: jax.Array) -> jax.Array:
@@ -151,7 +179,8 @@ class Encoder(nnx.Module):
     Args:
       config: reads ``config.model`` (``emb_dim, num_layers, num_heads, mlp_dim, dropout,
         attention_dropout, activation_dropout, num_experts, moe_every, dispatch,
-        capacity_factor, compute_dtype, relative_buckets, relative_max_distance``) and
+        capacity_factor, compute_dtype, relative_buckets, relative_max_distance, activation,
+        absolute_positions``; the last two default to ``"relu"`` and 0 when absent) and
         ``config.router`` (``name, jitter_eps``).
       vocab_size: vocabulary size (id 0 is padding).
       mesh: optional ``("data", "expert")`` mesh handed to the MoE layers.
@@ -177,7 +206,7 @@ class Encoder(nnx.Module):
         if embeddings is None:
             embeddings = Embeddings(
                 self.vocab_size, self.emb_dim, dropout=float(m.dropout), dtype=self.dtype,
-                rngs=rngs,
+                rngs=rngs, absolute_positions=int(m.get("absolute_positions", 0)),
             )
         self.embeddings = embeddings
         self.position_bias = RelativePositionBias(

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax.moe import MoEFeedForward
+from sparsemixer_jax.moe import MoEFeedForward, activation_fn
 
 # Large negative logit for masked attention entries; finite so that a fully masked row gives a
 # uniform distribution instead of NaN.
@@ -154,7 +154,11 @@ class Attention(nnx.Module):
 
 
 class FeedForward(nnx.Module):
-    """Dense FFN ``Linear -> ReLU -> Dropout -> Linear`` (fairseq ``fc1``/``fc2``)."""
+    """Dense FFN ``Linear -> activation -> Dropout -> Linear`` (fairseq ``fc1``/``fc2``).
+
+    ``activation`` is ``"relu"`` (fairseq's translation Transformer, the default) or ``"gelu"``
+    (BERT / ELECTRA / COCO-LM); ``x [..., emb] -> [..., emb]``.
+    """
 
     def __init__(
         self,
@@ -164,7 +168,10 @@ class FeedForward(nnx.Module):
         activation_dropout: float,
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
+        activation: str = "relu",
     ):
+        activation_fn(activation)  # validates the name
+        self.activation = activation
         self.wi = nnx.Linear(emb_dim, mlp_dim, kernel_init=_xavier, dtype=dtype, rngs=rngs)
         self.wo = nnx.Linear(mlp_dim, emb_dim, kernel_init=_xavier, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(activation_dropout, rngs=rngs)
@@ -178,12 +185,13 @@ class FeedForward(nnx.Module):
         dropless: bool = False,
     ) -> tuple[jax.Array, None]:
         del token_mask, dropless  # only the MoE layer needs them
-        h = self.dropout(jax.nn.relu(self.wi(x)), deterministic=deterministic)
+        h = self.dropout(activation_fn(self.activation)(self.wi(x)), deterministic=deterministic)
         return self.wo(h), None
 
 
 def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx.Rngs):
-    """The feed-forward sublayer of ``layer``: MoE on every ``moe_every``-th layer, else dense."""
+    """The feed-forward sublayer of ``layer``: MoE on every ``moe_every``-th layer, else dense;
+    both with ``model_cfg.activation``."""
     num_experts = int(model_cfg.num_experts)
     if num_experts > 0 and layer % int(model_cfg.moe_every) == 0:
         return MoEFeedForward(
@@ -197,6 +205,8 @@ def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx
             dispatch=model_cfg.dispatch,
             grouped_impl=str(model_cfg.grouped_impl),
             capacity_factor=float(model_cfg.capacity_factor),
+            activation=model_activation(model_cfg),
+            router_init_scale=float(router_cfg.get("init_scale", 1.0)),
             dtype=dtype,
             mesh=mesh,
             rngs=rngs,
@@ -207,7 +217,13 @@ def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx
         activation_dropout=float(model_cfg.activation_dropout),
         dtype=dtype,
         rngs=rngs,
+        activation=model_activation(model_cfg),
     )
+
+
+def model_activation(model_cfg: Any) -> str:
+    """``model.activation``; ``"relu"`` for a config saved before the field existed."""
+    return str(model_cfg.get("activation", "relu"))
 
 
 def attention_impl(model_cfg: Any) -> str:

@@ -156,3 +156,32 @@ def test_generator_config_rules():
     config.generator.emb_dim = 8
     with pytest.raises(ValueError, match="emb_dim"):
         electra.generator_config(config)
+
+
+def test_moe_generator_adds_its_routers_to_the_objective():
+    """``generator.num_experts > 0``: the generator's MoE layers report their metrics beside the
+    discriminator's, their balance losses enter the objective, and the generator's routed layer
+    (its experts and SparseMixer's omega) gets a gradient from the MLM loss. (Its router kernel
+    may get none on a batch where the SparseMixer mask leaves every token one expert: then the
+    gate is 1 and the masked probabilities one-hot, constant in the logits.)"""
+    config = tiny_electra_config.get_config()
+    config.generator.num_experts = 2
+    config.model.activation = "gelu"
+    model = build_model(config, VOCAB)
+    assert model.generator.layers[0].ffn.num_experts == 2
+    batch = make_batch(1)
+
+    def loss_fn(model):
+        return electra.electra_loss(model, batch, jax.random.key(3), SETTINGS)
+
+    (loss, metrics), grads = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))(model)
+    assert set(metrics["moe"]) == {"generator", "discriminator"}
+    per_layer = [m["balance_loss"] for net in metrics["moe"].values() for m in net.values()]
+    assert len(per_layer) == 3  # generator layer 0, discriminator layers 0 and 1 (moe_every 1)
+    np.testing.assert_allclose(metrics["balance_loss"], sum(per_layer), rtol=1e-6)
+    np.testing.assert_allclose(
+        loss, metrics["mlm_loss"] + 50 * metrics["disc_loss"] + 0.01 * metrics["balance_loss"],
+        rtol=1e-5)
+    ffn = grads["generator"]["layers"][0]["ffn"]
+    for name in ("wi", "wo", "omega"):
+        assert float(jnp.abs(ffn[name][...]).sum()) > 0, name

@@ -104,3 +104,30 @@ def test_dropout_only_when_not_deterministic(encoder):
     c, _ = encode(encoder, tokens, deterministic=False)
     np.testing.assert_array_equal(a, b)
     assert not np.allclose(a, c)
+
+
+def test_absolute_positions_and_gelu_switches():
+    """``absolute_positions = P`` adds a learned ``[P, emb]`` table: the output keeps its shape,
+    the first ``L`` rows get a gradient and the rest none, a sequence longer than ``P`` is
+    refused; ``activation`` reaches the dense and the MoE feed-forwards."""
+    c = tiny_config()
+    c.model.absolute_positions, c.model.activation = 12, "gelu"
+    enc = Encoder(c, vocab_size=50, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+    assert enc.layers[0].ffn.activation == enc.layers[1].ffn.activation == "gelu"
+    assert enc.embeddings.position.embedding.shape == (12, 16)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(6, 50, (2, 7)), jnp.int32)
+
+    def loss(model):
+        hidden, _ = model(tokens)
+        return jnp.sum(hidden * jnp.arange(16.0))
+
+    grads = nnx.grad(loss)(enc)
+    table = np.asarray(grads["embeddings"]["position"]["embedding"][...])
+    assert np.abs(table[:7]).min(axis=1).all() and not table[7:].any()
+    hidden, _ = encode(enc, tokens)
+    assert hidden.shape == (2, 7, 16)
+    with pytest.raises(ValueError, match=r"sequence of 13 tokens.*positions for 12"):
+        enc(jnp.ones((1, 13), jnp.int32))
+    plain = Encoder(tiny_config(), vocab_size=50, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+    assert plain.embeddings.position is None  # a config without the fields: none, ReLU
+    assert plain.layers[0].ffn.activation == "relu"

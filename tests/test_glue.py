@@ -264,16 +264,20 @@ def tiny(tmp_path_factory):
     p.train_steps, p.eval_every, p.checkpoint_every, p.log_every = 4, 4, 4, 2
     pretrained = str(root / "pretrained")
     pretraining.pretrain(p, pretrained)
-    encoder, tokenizer, pretrain_config = pretraining.load_discriminator(pretrained)
+    loaded = pretraining.load_pretrained(pretrained)  # the last checkpoint, as run_tasks
+    encoder, tokenizer, pretrain_config = loaded.encoder, loaded.tokenizer, loaded.config
 
     config = glue_smoke.get_config()
     config.glue_dir = str(root / "glue")
     config.eval_batch_size = 32
-    config.grid.epochs = (2,)
+    # 4 epochs of 8 updates: with 2, whether the 4-step pretrained model reaches 0.9 flipped
+    # with a one-update shift of the schedule (0.98 or 0.61); 4 epochs leave a margin.
+    config.grid.epochs = (4,)
     return types.SimpleNamespace(
         root=str(root), pretrained=pretrained, config=config, tokenizer=tokenizer,
         encoder=encoder, pretrain_config=pretrain_config,
-        settings=finetuning.settings_record(config, pretrained, "best"),
+        settings=finetuning.settings_record(config, pretrained, "last", step=loaded.step,
+                                            digest=loaded.digest),
     )
 
 
@@ -296,8 +300,8 @@ def test_finetune_learns_and_writes_results(sst2_run):
     point = summary["points"][0]["name"]
     with open(os.path.join(workdir, "SST-2", "points", point + ".json")) as f:
         record = json.load(f)
-    assert [e["epoch"] for e in record["epochs"]] == [1, 2]
-    assert record["steps"] == 2 * 128 // 16
+    assert [e["epoch"] for e in record["epochs"]] == [1, 2, 3, 4]
+    assert record["steps"] == 4 * 128 // 16
     assert record["epochs"][1]["train_loss"] < record["epochs"][0]["train_loss"]
     assert record["epochs"][0]["balance_loss"] > 0  # the MoE layer's loss is part of training
     best = max(record["epochs"], key=lambda e: e["score"])
@@ -320,6 +324,9 @@ def test_rerun_skips_finished_points_and_refuses_other_settings(tiny, sst2_run, 
     other = {**settings, "max_len": settings["max_len"] + 1}
     with pytest.raises(ValueError, match="max_len=64, this run has 65"):
         finetuning.run_task(config, task, encoder, pretrain_config, workdir, other)
+    skipping = {**settings, "skip_bad_rows": True}  # other data: malformed rows left out
+    with pytest.raises(ValueError, match="skip_bad_rows=False, this run has True"):
+        finetuning.run_task(config, task, encoder, pretrain_config, workdir, skipping)
     # A new grid point is run; the finished one is kept.
     bigger = config.copy_and_resolve_references()
     bigger.grid.learning_rate = (1e-3, 2e-3)
@@ -327,7 +334,6 @@ def test_rerun_skips_finished_points_and_refuses_other_settings(tiny, sst2_run, 
         finetuning.run_task(bigger, task, encoder, pretrain_config, workdir, settings)
 
 
-@pytest.mark.slow  # a second compilation of the training step (regression head and loss)
 def test_regression_task_and_summary_over_tasks(tiny, sst2_run):
     from sparsemixer_jax.studies.glue_table import comparison_table, row_from_results, summary_table
 
@@ -377,9 +383,20 @@ def test_schedule_losses_and_decay_mask(tiny):
     import jax.numpy as jnp
     from flax import nnx
 
+    # The paper's schedule: linear warm-up over 10% of 100 updates, then linear decay to 0 at the
+    # last. Update n (optax's count n - 1) gets 1e-4 * n / 10 up to n = 10, then
+    # 1e-4 * (100 - n) / 90: the first update moves the weights, the peak is reached at the end
+    # of the warm-up, the last update has rate 0.
     schedule = finetuning.learning_rate_schedule(1e-4, total_steps=100, warmup=0.1)
-    values = [float(schedule(s)) for s in (0, 5, 10, 55, 100)]
-    assert values == pytest.approx([0.0, 5e-5, 1e-4, 5e-5, 0.0], rel=1e-6, abs=1e-12)  # float32
+    counts = np.arange(100)
+    values = np.asarray([float(schedule(c)) for c in counts])
+    n = counts + 1
+    want = np.where(n <= 10, 1e-4 * n / 10, 1e-4 * (100 - n) / 90)
+    np.testing.assert_allclose(values, want, rtol=1e-6, atol=1e-12)  # float32
+    assert values[0] == pytest.approx(1e-5) and values.argmax() == 9 and values[-1] == 0.0
+    assert (np.diff(values[:10]) > 0).all() and (np.diff(values[9:]) < 0).all()
+    no_warmup = finetuning.learning_rate_schedule(1e-4, total_steps=4, warmup=0.0)
+    assert [float(no_warmup(c)) for c in range(4)] == pytest.approx([7.5e-5, 5e-5, 2.5e-5, 0.0])
 
     logits = jnp.asarray([[2.0, 0.0], [0.0, 1.0]])
     expected = [np.log1p(np.exp(-2.0)), np.log1p(np.exp(-1.0))]
@@ -472,3 +489,132 @@ def test_task_selection_names_missing_tasks(tmp_path, caplog):
     with pytest.raises(FileNotFoundError, match=r"GLUE task MNLI: no train split.*has: CoLA, RTE"):
         finetuning.run_tasks(config, str(tmp_path / "no_pretraining"), ["cola", "mnli"],
                            str(tmp_path / "out"))
+
+
+def test_rerun_refuses_points_from_another_checkpoint(tiny, sst2_run, tmp_path):
+    """A grid point records the step and content digest of its pretrained checkpoint; points
+    from another checkpoint make ``run_task`` and ``run_tasks`` refuse (one line naming both)
+    before anything is fine-tuned."""
+    import shutil
+
+    workdir, task, _ = sst2_run
+    point = os.listdir(os.path.join(workdir, "SST-2", "points"))[0]
+    with open(os.path.join(workdir, "SST-2", "points", point)) as f:
+        record = json.load(f)
+    assert record["settings"]["checkpoint"] == "last"
+    assert record["settings"]["checkpoint_step"] == 4
+    digest = record["settings"]["checkpoint_digest"]
+    assert len(digest) == 64 and digest == tiny.settings["checkpoint_digest"]
+    other = {**tiny.settings, "checkpoint_step": 8, "checkpoint_digest": "ab" * 32}
+    with pytest.raises(ValueError, match=(
+            rf"fine-tuned from the last checkpoint step 4 \(sha256 {digest[:12]}\), this run "
+            r"loads the last checkpoint step 8 \(sha256 abababababab\)")):
+        finetuning.run_task(tiny.config, task, tiny.encoder, tiny.pretrain_config, workdir, other)
+    # The same refusal from the entry point, for points whose digest differs from the one on disk.
+    copy = str(tmp_path / "glue")
+    shutil.copytree(workdir, copy)
+    path = os.path.join(copy, "SST-2", "points", point)
+    record["settings"]["checkpoint_digest"] = "cd" * 32
+    with open(path, "w") as f:
+        json.dump(record, f)
+    with pytest.raises(ValueError, match=r"sha256 cdcdcdcdcdcd.*mix two pretrained models"):
+        finetuning.run_tasks(tiny.config, tiny.pretrained, ["sst2"], copy)
+
+
+def test_best_point_averages_mnli_matched_and_mismatched(tiny, tmp_path, monkeypatch):
+    """MNLI's score is the mean of -m and -mm accuracy, for the best epoch of a point and the
+    best point of the grid: scripted dev results where -m alone would pick another point and
+    epoch. Training is stubbed out (the pick is what is tested)."""
+    import jax.numpy as jnp
+
+    examples = [glue.Example("A cat sat.", "An animal sat.", 1),
+                glue.Example("It rains.", "It is dry.", 0)] * 4
+    encoded = glue.encode(examples, tiny.tokenizer, 16, regression=False)
+    task = finetuning.TaskData(glue.TASKS["MNLI"], encoded,
+                               {"dev_matched": encoded, "dev_mismatched": encoded})
+    # (matched, mismatched) per call: point lr 1e-3 epochs 1, 2; then point lr 2e-3 epochs 1, 2.
+    scripted = iter([(0.90, 0.40), (0.70, 0.68), (0.80, 0.70), (0.85, 0.50)])
+
+    def fake_evaluate(*args):
+        m, mm = next(scripted)
+        return {"dev_matched": {"accuracy": m}, "dev_mismatched": {"accuracy": mm}}
+
+    def fake_step(graphdef, settings, params, rest, opt_state, *args):
+        zero = jnp.zeros((), jnp.float32)
+        return params, opt_state, {"loss": zero, "balance_loss": zero, "grad_norm": zero}
+
+    monkeypatch.setattr(finetuning, "evaluate", fake_evaluate)
+    monkeypatch.setattr(finetuning, "_train_step", fake_step)
+    config = tiny.config.copy_and_resolve_references()
+    config.grid.learning_rate, config.grid.epochs = (1e-3, 2e-3), (2,)
+    summary = finetuning.run_task(config, task, tiny.encoder, tiny.pretrain_config,
+                                  str(tmp_path), tiny.settings)
+    assert summary["best"]["point"]["learning_rate"] == 2e-3 and summary["best"]["epoch"] == 1
+    assert summary["score"] == pytest.approx(0.75)
+    assert [p["score"] for p in summary["points"]] == pytest.approx([0.69, 0.75])
+    assert summary["dev"] == {"dev_matched": {"accuracy": 0.80},
+                              "dev_mismatched": {"accuracy": 0.70}}
+
+
+QQP_BAD = "3\t5\t6\tA question?\t1"  # a field short
+MNLI_BAD = FIXTURES["MNLI"][1][0].replace("\tentailment\tentailment", "\tentailment\tmaybe")
+
+
+def test_bad_rows_strict_by_default_and_skipped_on_request(tmp_path, caplog):
+    """QQP and MNLI files with one malformed row each: strict reading names file:line; with
+    ``skip_bad_rows`` the row is left out, counted per file and logged."""
+    root = tmp_path / "glue"
+    write_glue(root, ("QQP", "MNLI"))  # QQP gzipped, MNLI plain
+    qqp_header, qqp_rows = FIXTURES["QQP"]
+    write_tsv(root / "QQP" / "train.tsv", [qqp_header, qqp_rows[0], QQP_BAD, qqp_rows[1]],
+              compress=True)
+    mnli_header, mnli_rows = FIXTURES["MNLI"]
+    write_tsv(root / "MNLI" / "dev_mismatched.tsv", [mnli_header, *mnli_rows, MNLI_BAD],
+              compress=True)
+    qqp_train = str(root / "QQP" / "train.tsv.gz")
+    with pytest.raises(ValueError, match=rf"{qqp_train}:3: 5 tab-separated fields, header has 6"):
+        glue.load_task(str(root), "qqp")
+    mm = str(root / "MNLI" / "dev_mismatched.tsv.gz")
+    with pytest.raises(ValueError, match=rf"{mm}:4: label 'maybe' is not one of"):
+        glue.load_task(str(root), "mnli")
+    with caplog.at_level("WARNING"):
+        qqp = glue.load_task(str(root), "qqp", skip_bad_rows=True)
+        mnli = glue.load_task(str(root), "mnli", skip_bad_rows=True)
+    assert [e.label for e in qqp.train] == [1, 0]
+    assert qqp.skipped == {qqp_train: 1, str(root / "QQP" / "dev.tsv.gz"): 0}
+    assert len(mnli.dev["dev_mismatched"]) == 2 and len(mnli.dev["dev_matched"]) == 2
+    assert mnli.skipped[mm] == 1 and sum(mnli.skipped.values()) == 1
+    assert f"{qqp_train}: skipped 1 malformed row(s) of 3 (first: {qqp_train}:3:" in caplog.text
+    assert f"{mm}: skipped 1 malformed row(s) of 3" in caplog.text
+    write_tsv(root / "QQP" / "dev.tsv", [qqp_header, QQP_BAD], compress=True)  # none good left
+    with pytest.raises(ValueError, match=r"dev.tsv.gz: no examples \(1 malformed rows skipped"):
+        glue.load_task(str(root), "qqp", skip_bad_rows=True)
+
+
+def test_glue_command_errors_are_one_line(tiny, tmp_path):
+    """``experiments.glue`` answers an empty ``--pretrained`` directory, an unknown ``--task``
+    and a refused rerun with one ``error:`` line and exit code 2."""
+    import subprocess
+    import sys
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    workdir = str(tmp_path / "out")
+    os.makedirs(os.path.join(workdir, "SST-2", "points"), exist_ok=True)
+    with open(os.path.join(workdir, "SST-2", "points", "lr0.001_ep2_bs16_wd0.01_wu0.1.json"),
+              "w") as f:
+        json.dump({"settings": {**tiny.settings, "checkpoint_digest": "ef" * 32}}, f)
+    base = [sys.executable, "-m", "experiments.glue", "--config", "configs/glue_smoke.py",
+            f"--config.glue_dir={tiny.config.glue_dir}", "--workdir", workdir]
+    cases = [
+        (["--pretrained", str(empty), "--task", "sst2"], "config.json not found"),
+        (["--pretrained", str(empty), "--task", "wnli"], "unknown GLUE task 'wnli'"),
+        (["--pretrained", tiny.pretrained, "--task", "sst2", "--skip-bad-rows"],
+         "sha256 efefefefefef"),
+    ]
+    for args, message in cases:
+        done = subprocess.run(base + args, cwd=REPO, capture_output=True, text=True,
+                              timeout=300)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2, done.stderr
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines

@@ -48,11 +48,12 @@ def assert_same(got, want, rtol, atol):
                                                          rtol=rtol, atol=atol), got, want)
 
 
-@pytest.mark.parametrize("top_k,capacity_factor", [(1, 0.0), (2, 0.0), (2, 1.0)])
-def test_xla_grouped_layer_equals_padded(data, top_k, capacity_factor):
+@pytest.mark.parametrize("top_k,capacity_factor,activation",
+                         [(1, 0.0, "relu"), (2, 0.0, "relu"), (2, 1.0, "relu"), (1, 0.0, "gelu")])
+def test_xla_grouped_layer_equals_padded(data, top_k, capacity_factor, activation):
     """Float32, the XLA impl: the same rows, dropout masks and drops as ``padded``, so outputs
     and every parameter gradient agree to float32 rounding (1e-5)."""
-    kw = dict(top_k=top_k, capacity_factor=capacity_factor)
+    kw = dict(top_k=top_k, capacity_factor=capacity_factor, activation=activation)
     want = loss_and_grads(layer("padded", **kw), *data)
     got = loss_and_grads(layer("grouped", grouped_impl="xla", **kw), *data)
     assert_same(got, want, rtol=1e-5, atol=1e-6)

@@ -366,3 +366,41 @@ def test_top_k_errors():
         make_layer(top_k=5)
     with pytest.raises(ValueError, match=r"got 0"):
         make_layer(top_k=0)
+
+
+def test_gelu_experts_match_a_per_row_reference_with_gradients():
+    """``activation="gelu"``: every dispatch equals a per-row loop ``gelu(x wi + bi) wo + bo``
+    (exact erf GELU), in value and in the gradient of every parameter and of ``x``; ReLU gives
+    another value (so the switch is not ignored)."""
+    rows, g = 29, 3
+    k = jax.random.split(jax.random.key(5), 5)
+    x = jax.random.normal(k[0], (rows, EMB))
+    params = (jax.random.normal(k[1], (g, EMB, MLP)) / 4, jax.random.normal(k[2], (g, MLP)),
+              jax.random.normal(k[3], (g, MLP, EMB)) / 6, jax.random.normal(k[4], (g, EMB)))
+    groups = jnp.asarray(np.arange(rows) % (g + 1))  # every expert, and rows without one
+    ids = jnp.arange(rows, dtype=jnp.int32)
+    head = jax.random.normal(jax.random.key(6), (rows, EMB))
+
+    def reference(x, params):
+        wi, bi, wo, bo = params
+        safe = jnp.minimum(groups, g - 1)
+        h = jnp.einsum("re,rem->rm", x, wi[safe]) + bi[safe]
+        erf_gelu = 0.5 * h * (1.0 + jax.scipy.special.erf(h / jnp.sqrt(2.0)))
+        y = jnp.einsum("rm,rme->re", erf_gelu, wo[safe]) + bo[safe]
+        return jnp.where((groups < g)[:, None], y, 0.0)
+
+    def loss(fn):
+        return lambda x, params: jnp.sum(fn(x, params) * head)
+
+    want, want_grads = jax.value_and_grad(loss(reference), argnums=(0, 1))(x, params)
+    for dispatch in ("ragged", "padded"):
+        def ffn(x, params, dispatch=dispatch, activation="gelu"):
+            return expert_ffn(x, groups, ids, params, dispatch=dispatch, activation=activation)
+
+        got, grads = jax.jit(jax.value_and_grad(loss(ffn), argnums=(0, 1)))(x, params)
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=dispatch)
+        chex.assert_trees_all_close(grads, want_grads, rtol=1e-4, atol=1e-5)
+        relu = loss(lambda x, p, d=dispatch: ffn(x, p, d, "relu"))(x, params)
+        assert abs(float(relu) - float(want)) > 1e-2, dispatch
+    with pytest.raises(ValueError, match="unknown activation 'swish'"):
+        make_layer(activation="swish")

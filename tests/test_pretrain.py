@@ -178,6 +178,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pa
     ({"data.seq_len": 4}, "seq_len"),
     ({"data.train": "/nonexistent/text"}, "/nonexistent/text"),
     ({"data.batch_size": 4096, "data.micro_batch_size": 0}, "fewer than one batch"),
+    ({"model.activation": "swish"}, r"model\.activation='swish'"),
+    ({"model.absolute_positions": 8}, "absolute_positions=8 is shorter than .*seq_len=16"),
+    ({"model.absolute_positions": -1}, "absolute_positions must be an int >= 0"),
 ])
 def test_config_and_data_errors_are_clear(corpus, tmp_path, override, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
@@ -277,3 +280,143 @@ def test_sigkill_mid_run_then_resume(corpus, straight_run, tmp_path):
     expected, _ = last_state(straight_run[0], config)
     assert meta["step"] == 6
     jax.tree.map(np.testing.assert_array_equal, params, expected)
+
+
+def test_packed_data_is_cached_by_text_vocabulary_and_settings(straight_run, tmp_path,
+                                                               monkeypatch):
+    """A second ``load_data`` on the same workdir reads the packed arrays back without reading or
+    tokenizing the text; another ``seq_len`` packs again (and replaces the stale file); the key
+    changes with the text's and the vocabulary's contents."""
+    import shutil
+
+    workdir = str(tmp_path / "run")
+    shutil.copytree(straight_run[0], workdir)
+    config = tiny(os.path.dirname(read_config(workdir)["data"]["train"]))
+    first = sorted(os.listdir(os.path.join(workdir, pretraining.PACKED_DIR)))
+    assert [n.split("-")[0] for n in first] == ["train", "valid"]
+    tokenizer = text.Tokenizer(os.path.join(workdir, "spm.model"))
+    paragraphs = [p for doc in text.read_documents(config.data.train) for p in doc]
+    fresh_tokens, fresh_segments = pretraining._packed(config, tokenizer, paragraphs)
+
+    calls = []
+    real_pack = text.tokenize_and_pack
+
+    def counting_pack(*args, **kwargs):
+        calls.append(args[2])  # seq_len
+        return real_pack(*args, **kwargs)
+
+    def no_reading(path):
+        raise AssertionError(f"{path} was read again")
+
+    monkeypatch.setattr(text, "tokenize_and_pack", counting_pack)
+    with monkeypatch.context() as m:
+        m.setattr(text, "read_documents", no_reading)
+        data = pretraining.PretrainingTask(50.0).load_data(config, workdir, 1)
+    assert calls == []
+    np.testing.assert_array_equal(data.train.tokens, fresh_tokens)
+    np.testing.assert_array_equal(data.train.segments, fresh_segments)
+    assert data.stats["train"]["sequences"] == len(fresh_tokens)
+
+    config.data.seq_len = 12
+    data = pretraining.PretrainingTask(50.0).load_data(config, workdir, 1)
+    assert calls == [12, 12] and data.train.tokens.shape[1] == 12  # train and valid again
+    second = sorted(os.listdir(os.path.join(workdir, pretraining.PACKED_DIR)))
+    assert len(second) == 2 and not set(second) & set(first)
+
+    files = text.text_files(config.data.train)
+    vocab = os.path.join(workdir, "spm.model")
+    key = text.packing_key(files, vocab, seq_len=16, pair_prob=0.5, seed=0)
+    other_vocab = str(tmp_path / "other.model")
+    shutil.copy(vocab, other_vocab)
+    with open(other_vocab, "ab") as f:
+        f.write(b"\0")
+    other_text = str(tmp_path / "train.txt")
+    shutil.copy(files[0], other_text)
+    with open(other_text, "a") as f:
+        f.write("One more line.\n")
+    assert key == text.packing_key(files, vocab, seq_len=16, pair_prob=0.5, seed=0)
+    assert key != text.packing_key(files, other_vocab, seq_len=16, pair_prob=0.5, seed=0)
+    assert key != text.packing_key([other_text], vocab, seq_len=16, pair_prob=0.5, seed=0)
+    assert key != text.packing_key(files, vocab, seq_len=16, pair_prob=0.4, seed=0)
+
+
+def read_config(workdir):
+    with open(os.path.join(workdir, "config.json")) as f:
+        return json.load(f)
+
+
+def test_electra_flops_per_token_by_hand():
+    """The tiny config counted by hand: width 16, FFN 32, 16 tokens, 120 pieces; discriminator
+    2 layers both MoE (N = 2, moe_every 1), generator 1 dense layer, 3 predicted positions."""
+    from sparsemixer_jax.benchmarks.flops import electra_flops_per_token
+
+    layer = 8 * 16 * 16 + 4 * 16 * 32 + 4 * 16 * 16  # projections, FFN, attention (L = 16)
+    disc = 2 * layer + 2 * (2 * 16 * 2)  # plus two routers
+    gen = layer
+    heads = (2 * 16 * 16 + 2 * 16) + 3 / 16 * (2 * 16 * 16 + 2 * 16 * 120)
+    flops = electra_flops_per_token(tiny_electra_config.get_config())
+    assert flops["total"] == pytest.approx(3 * (disc + gen + heads))
+    assert flops["attention"] == pytest.approx(3 * 3 * 4 * 16 * 16)
+    assert flops["generator"] == pytest.approx(3 * gen)
+
+
+def test_bad_inputs_are_one_line_errors(corpus, straight_run, tmp_path):
+    """An empty corpus, an all-short corpus, a vocabulary without ``[CLS] [SEP] [MASK]``, a
+    pretrained directory without a checkpoint, and a translation command on a pretraining
+    workdir: each a ValueError / FileNotFoundError naming the problem, nothing deleted."""
+    import shutil
+
+    from sparsemixer_jax import translate
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "train.txt").write_text("\n\n  \n")
+    (tmp_path / "empty" / "valid.txt").write_text("\n")
+    with pytest.raises(ValueError, match="holds no text"):
+        pretraining.pretrain(tiny(str(tmp_path / "empty")), str(tmp_path / "run_empty"))
+    (tmp_path / "short").mkdir()
+    for name in ("train.txt", "valid.txt"):
+        (tmp_path / "short" / name).write_text("Hi.\nOk.\n\nNo.\n")
+    with pytest.raises(ValueError, match=r"vocab_size=120 is too large for the training text"):
+        pretraining.pretrain(tiny(str(tmp_path / "short")), str(tmp_path / "run_short"))
+
+    workdir = tmp_path / "foreign_vocab"
+    workdir.mkdir()
+    paragraphs = [p for doc in text.read_documents(f"{corpus}/train.txt") for p in doc]
+    text.train_tokenizer(paragraphs, str(workdir / "spm.model"), 120, seed=0)  # no specials
+    with pytest.raises(ValueError, match=r"\[MASK\]'\) have ids .*not a pretraining vocabulary"):
+        pretraining.pretrain(tiny(corpus), str(workdir))
+    assert os.path.exists(workdir / "spm.model")  # reported, not replaced
+
+    untrained = tmp_path / "untrained"
+    untrained.mkdir()
+    for name in ("config.json", "spm.model"):
+        shutil.copy(os.path.join(straight_run[0], name), untrained)
+    with pytest.raises(FileNotFoundError, match=r"checkpoints/last holds no checkpoint"):
+        pretraining.load_pretrained(str(untrained))
+    assert sorted(os.listdir(untrained)) == ["config.json", "spm.model"]  # orbax made nothing
+    with pytest.raises(FileNotFoundError, match=r"config\.json not found"):
+        pretraining.load_pretrained(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="holds a pretraining run, not a translation run"):
+        translate.translate_lines(straight_run[0], ["a b c"])
+
+
+def test_configs_saved_before_activation_and_positions_read_as_relu_without_positions():
+    """A pretraining or translation config saved before ``model.activation`` and
+    ``model.absolute_positions`` existed reads as the model those runs had: ReLU, no learned
+    absolute positions; the ELECTRA configs state GELU and 512 positions."""
+    from configs import electra, wmt
+    from sparsemixer_jax import config as config_schema
+
+    for get in (electra.get_config, wmt.get_config):
+        saved = get().to_dict()
+        for field in ("activation", "absolute_positions"):
+            saved["model"].pop(field, None)
+        restored = config_schema.with_defaults(saved)
+        assert restored.model.activation == "relu"
+        if restored.task == "pretraining":
+            assert restored.model.absolute_positions == 0
+        else:
+            assert "absolute_positions" not in restored.model
+    assert (electra.get_config().model.activation, wmt.get_config().model.activation) == (
+        "gelu", "relu")
+    assert electra.get_config().model.absolute_positions == 512

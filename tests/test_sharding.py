@@ -183,3 +183,14 @@ def test_mesh_errors():
     layer = make_layer(make_mesh(4, 2))
     with pytest.raises(ValueError, match=r"batch size 6 is not divisible by .* data axis \(4\)"):
         layer(jnp.zeros((6, T, EMB)))
+
+
+def test_gelu_experts_on_a_mesh_equal_one_device(data):
+    """``activation="gelu"`` reaches the expert-parallel path: a (2, 4) mesh gives the
+    single-device GELU layer's output, which differs from the ReLU layer's."""
+    x, mask, _ = data
+    y, _ = forward_eval(make_layer(make_mesh(2, 4), activation="gelu"), x, mask)
+    y0, _ = forward_eval(make_layer(activation="gelu"), x, mask)
+    chex.assert_trees_all_close(y, y0, rtol=1e-5, atol=1e-6)
+    y_relu, _ = forward_eval(make_layer(activation="relu"), x, mask)
+    assert float(jnp.max(jnp.abs(y0 - y_relu))) > 1e-3

@@ -45,3 +45,42 @@ def device_peak(dtype: str) -> tuple[str, float | None]:
         if name.lower() in kind.lower():
             return kind, peaks[dtype]
     return kind, None
+
+
+def electra_flops_per_token(config) -> dict[str, float]:
+    """Model FLOPs per packed token of one ELECTRA pretraining update (forward + backward =
+    3 x forward), by part, for ``config`` (schema: ``configs/electra.py``).
+
+    The count is ``6 x`` the matmul parameters a token passes through, plus attention's scores
+    and weighted sum, as :func:`model_flops_per_step`: per encoder layer and token, forward
+    ``8 e^2`` (q, k, v, out), ``4 L e`` (scores and weighted sum over ``L`` keys), ``4 e m``
+    (the FFN; a top-1 MoE layer runs one expert, the same, plus the router ``2 e N``). The
+    discriminator head is ``2 e^2 + 2 e`` per token; the generator head (``2 e^2`` dense plus the
+    tied ``2 e V`` output projection) runs on the ``ceil(mask_prob L)`` predicted positions only,
+    so it counts ``P / L`` of that per token. Embedding gathers, LayerNorm, softmax, sampling and
+    dispatch are left out (model FLOPs, not hardware FLOPs). Sequences are counted as full
+    (packing fills over 98% of the positions).
+
+    Returns float FLOPs per token: ``discriminator``, ``generator``, ``heads``, ``attention`` (the
+    ``4 L e`` part of both encoders, included in theirs) and ``total``.
+    """
+    from sparsemixer_jax.electra import generator_config, num_predictions
+
+    e, length = int(config.model.emb_dim), int(config.data.seq_len)
+    vocab = int(config.data.vocab_size)
+
+    def encoder(model) -> tuple[float, float]:
+        layers, m, n = int(model.num_layers), int(model.mlp_dim), int(model.num_experts)
+        moe_layers = len(range(0, layers, int(model.moe_every))) if n else 0
+        attention = layers * 4 * length * e
+        return layers * (8 * e * e + 4 * e * m) + attention + moe_layers * 2 * e * n, attention
+
+    disc, disc_attention = encoder(config.model)
+    gen, gen_attention = encoder(generator_config(config).model)
+    predicted = num_predictions(length, float(config.data.mask_prob)) / length
+    heads = (2 * e * e + 2 * e) + predicted * (2 * e * e + 2 * e * vocab)
+    parts = {"discriminator": disc, "generator": gen, "heads": heads,
+             "attention": disc_attention + gen_attention}
+    out = {k: 3.0 * v for k, v in parts.items()}
+    out["total"] = 3.0 * (disc + gen + heads)
+    return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import logging
 import os
 from collections.abc import Iterator, Sequence
 
@@ -22,6 +23,8 @@ import numpy as np
 
 from sparsemixer_jax.data.text import CLS_ID, SEP_ID
 from sparsemixer_jax.data.tokenizer import PAD_ID, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +114,8 @@ class GlueTask:
     spec: TaskSpec
     train: list[Example]
     dev: dict[str, list[Example]]  # split name -> examples, in file order
+    # file -> rows left out as malformed (only with skip_bad_rows; every file read is listed)
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -147,14 +152,27 @@ def _open_text(path: str):
     return open(path, encoding="utf-8", newline="\n")
 
 
-def read_split(path: str, spec: TaskSpec) -> list[Example]:
-    """Reads one TSV file of ``spec``'s task.
+class BadRow(ValueError):
+    """A malformed data row (not a header error): ``{file}:{line}: what is wrong``."""
 
-    Raises ``ValueError`` naming the file and line of the first malformed row: a wrong number of
-    fields, an empty sentence, an unknown label, a non-numeric or non-finite score, or a header
-    without the task's columns.
+
+def read_split(path: str, spec: TaskSpec, *, skip_bad_rows: bool = False) -> list[Example]:
+    """Reads one TSV file of ``spec``'s task (:func:`read_split_counted` without the count)."""
+    return read_split_counted(path, spec, skip_bad_rows=skip_bad_rows)[0]
+
+
+def read_split_counted(path: str, spec: TaskSpec, *, skip_bad_rows: bool = False
+                       ) -> tuple[list[Example], list[str]]:
+    """Reads one TSV file of ``spec``'s task: its examples and the messages of skipped rows.
+
+    Strict by default: raises ``ValueError`` naming the file and line of the first malformed
+    row (a wrong number of fields, an empty sentence, an unknown label, a non-numeric or
+    non-finite score). With ``skip_bad_rows`` such rows are left out and each is reported as
+    ``"{path}:{line}: ..."`` in the second return value. A header without the task's columns,
+    or a file without one good row, always raises.
     """
     examples: list[Example] = []
+    skipped: list[str] = []
     label_ids = {name: i for i, name in enumerate(spec.labels or ())}
     with _open_text(path) as f:
         width = None
@@ -177,44 +195,67 @@ def read_split(path: str, spec: TaskSpec) -> list[Example]:
             line = line.rstrip("\n")
             if not line:
                 continue
-            fields = line.split("\t")
-            where = f"{path}:{line_no}"
-            if width is not None and len(fields) != width:
-                raise ValueError(f"{where}: {len(fields)} tab-separated fields, header has {width}")
-            if width is None and len(fields) <= max(positions):
-                raise ValueError(
-                    f"{where}: {len(fields)} tab-separated fields, GLUE task {spec.name} needs "
-                    f"at least {max(positions) + 1}"
-                )
-            *texts, raw_label = (fields[p] for p in positions)
-            if not all(t.strip() for t in texts):
-                raise ValueError(f"{where}: empty sentence")
-            label: int | float
-            if spec.labels is None:
-                try:
-                    label = float(raw_label)
-                except ValueError:
-                    label = float("nan")
-                if not np.isfinite(label):
-                    raise ValueError(f"{where}: score {raw_label!r} is not a finite number")
-            elif raw_label in label_ids:
-                label = label_ids[raw_label]
-            else:
-                raise ValueError(
-                    f"{where}: label {raw_label!r} is not one of {list(spec.labels)}"
-                )
-            examples.append(Example(texts[0], texts[1] if len(texts) > 1 else None, label))
+            try:
+                examples.append(_parse_row(line, f"{path}:{line_no}", spec, width, positions,
+                                           label_ids))
+            except BadRow as err:
+                if not skip_bad_rows:
+                    raise
+                skipped.append(str(err))
     if not examples:
-        raise ValueError(f"{path}: no examples")
-    return examples
+        raise ValueError(f"{path}: no examples" + (f" ({len(skipped)} malformed rows skipped, "
+                                                   f"first: {skipped[0]})" if skipped else ""))
+    return examples, skipped
 
 
-def load_task(glue_dir: str, name: str) -> GlueTask:
-    """Reads the train split and every dev split of task ``name`` from ``glue_dir``."""
+def _parse_row(line: str, where: str, spec: TaskSpec, width: int | None,
+               positions: list[int], label_ids: dict[str, int]) -> Example:
+    """One data row as an :class:`Example`; :class:`BadRow` (``where`` first) if malformed."""
+    fields = line.split("\t")
+    if width is not None and len(fields) != width:
+        raise BadRow(f"{where}: {len(fields)} tab-separated fields, header has {width}")
+    if width is None and len(fields) <= max(positions):
+        raise BadRow(
+            f"{where}: {len(fields)} tab-separated fields, GLUE task {spec.name} needs "
+            f"at least {max(positions) + 1}"
+        )
+    *texts, raw_label = (fields[p] for p in positions)
+    if not all(t.strip() for t in texts):
+        raise BadRow(f"{where}: empty sentence")
+    label: int | float
+    if spec.labels is None:
+        try:
+            label = float(raw_label)
+        except ValueError:
+            label = float("nan")
+        if not np.isfinite(label):
+            raise BadRow(f"{where}: score {raw_label!r} is not a finite number")
+    elif raw_label in label_ids:
+        label = label_ids[raw_label]
+    else:
+        raise BadRow(
+            f"{where}: label {raw_label!r} is not one of {list(spec.labels)}"
+        )
+    return Example(texts[0], texts[1] if len(texts) > 1 else None, label)
+
+
+def load_task(glue_dir: str, name: str, *, skip_bad_rows: bool = False) -> GlueTask:
+    """Reads the train split and every dev split of task ``name`` from ``glue_dir``.
+
+    Strict unless ``skip_bad_rows`` (:func:`read_split_counted`); skipped rows are counted per
+    file in ``GlueTask.skipped`` and logged, with the first one's ``file:line``, as a warning.
+    """
     spec = task_spec(name)
     paths = {split: split_path(glue_dir, spec, split) for split in ("train", *spec.dev_splits)}
-    train = read_split(paths.pop("train"), spec)
-    return GlueTask(spec, train, {split: read_split(p, spec) for split, p in paths.items()})
+    read, skipped = {}, {}
+    for split, path in paths.items():
+        read[split], bad = read_split_counted(path, spec, skip_bad_rows=skip_bad_rows)
+        skipped[path] = len(bad)
+        if bad:
+            logger.warning("%s: skipped %d malformed row(s) of %d (first: %s)", path, len(bad),
+                           len(bad) + len(read[split]), bad[0])
+    train = read.pop("train")
+    return GlueTask(spec, train, read, skipped if skip_bad_rows else {})
 
 
 # -----------------------------------------------------------------------------------------------

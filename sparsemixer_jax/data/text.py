@@ -23,6 +23,8 @@ for ``[CLS] a [SEP]`` and 1 for ``b [SEP]``: the layout GLUE's sentence pairs us
 from __future__ import annotations
 
 import gzip
+import hashlib
+import json
 import logging
 import os
 import re
@@ -289,6 +291,66 @@ def tokenize_and_pack(
 
     return pack_sequences(encoded(), seq_len, pair_prob=pair_prob,
                           rng=np.random.default_rng([seed, 23]))
+
+
+# ------------------------------------------------------------------------------ packing cache
+
+# Bump when packing changes what it produces for the same text, settings and vocabulary.
+PACKING_VERSION = 1
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def packing_key(files: Sequence[str], vocabulary: str, *, seq_len: int, pair_prob: float,
+                seed: int) -> str:
+    """A SHA-256 naming packed sequences: of the text files' contents, the vocabulary file's
+    content and the packing settings. Anything that changes the packed arrays changes it."""
+    record = {
+        "version": PACKING_VERSION,
+        "files": [[os.path.basename(f), file_sha256(f)] for f in files],
+        "vocabulary": file_sha256(vocabulary),
+        "seq_len": int(seq_len), "pair_prob": float(pair_prob), "seed": int(seed),
+    }
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def load_packed(cache_dir: str, split: str, key: str) -> tuple[np.ndarray, np.ndarray,
+                                                              dict[str, Any]] | None:
+    """``(tokens, segments, stats)`` cached under ``key``, or None (absent or unreadable)."""
+    path = os.path.join(cache_dir, f"{split}-{key[:20]}.npz")
+    if not os.path.exists(path):
+        return None
+    try:
+        with np.load(path) as f:
+            stats = json.loads(str(f["stats"]))
+            if stats.get("key") != key:
+                return None
+            return f["tokens"], f["segments"], stats
+    except (OSError, ValueError, KeyError) as e:  # a truncated or foreign file: pack again
+        logger.warning("packed-data cache %s is unreadable (%s); packing again", path, e)
+        return None
+
+
+def save_packed(cache_dir: str, split: str, key: str, tokens: np.ndarray, segments: np.ndarray,
+                stats: dict[str, Any]) -> str:
+    """Writes the packed arrays atomically (a reader sees the old file or the new one); stale
+    files of ``split`` with another key are removed."""
+    os.makedirs(cache_dir, exist_ok=True)
+    path = os.path.join(cache_dir, f"{split}-{key[:20]}.npz")
+    tmp = f"{path}.tmp{os.getpid()}.npz"
+    np.savez(tmp, tokens=tokens, segments=segments, stats=json.dumps({**stats, "key": key}))
+    os.replace(tmp, path)
+    for name in os.listdir(cache_dir):
+        if name.startswith(f"{split}-") and name.endswith(".npz") and \
+                os.path.join(cache_dir, name) != path:
+            os.remove(os.path.join(cache_dir, name))
+    return path
 
 
 # ---------------------------------------------------------------------------------- masking

@@ -8,9 +8,11 @@
 """
 
 from sparsemixer_jax.moe.dispatch import (
+    ACTIVATIONS,
     AUTO_DISPATCH,
     DISPATCHES,
     GROUPED_IMPLS,
+    activation_fn,
     capacity_keep,
     expert_capacity,
     expert_ffn,
@@ -20,10 +22,12 @@ from sparsemixer_jax.moe.expert_parallel import expert_parallel_ffn
 from sparsemixer_jax.moe.layer import MoEFeedForward
 
 __all__ = [
+    "ACTIVATIONS",
     "AUTO_DISPATCH",
     "DISPATCHES",
     "GROUPED_IMPLS",
     "MoEFeedForward",
+    "activation_fn",
     "capacity_keep",
     "expert_capacity",
     "expert_ffn",

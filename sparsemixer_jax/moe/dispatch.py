@@ -60,6 +60,19 @@ from sparsemixer_jax.kernels.mosaic_grouped_matmul import (
 
 DISPATCHES = ("auto", "ragged", "padded", "grouped")
 GROUPED_IMPLS = ("mosaic", "xla")
+# The expert (and dense) FFN's nonlinearity: ReLU in the paper's fairseq translation Transformer,
+# GELU in BERT / ELECTRA / COCO-LM, whose setting the pretraining experiment follows.
+ACTIVATIONS = ("relu", "gelu")
+
+
+def activation_fn(name: str):
+    """The elementwise function ``name`` names: ``jax.nn.relu`` or exact (erf) ``jax.nn.gelu``
+    (BERT's GELU, not the tanh approximation)."""
+    if name == "relu":
+        return jax.nn.relu
+    if name == "gelu":
+        return lambda h: jax.nn.gelu(h, approximate=False)
+    raise ValueError(f"unknown activation {name!r}; expected one of {ACTIVATIONS}")
 
 
 # What ``dispatch="auto"`` runs on each backend, from measurements (forward + backward of one
@@ -129,7 +142,7 @@ def row_dropout(
     return jnp.where(keep, h / (1.0 - rate), 0.0).astype(h.dtype)
 
 
-def _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate):
+def _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, activation="relu"):
     """Sorted grouped matmul with ``ragged_dot``. See :func:`expert_ffn` for shapes."""
     num_groups = wi.shape[0]
     order = jnp.argsort(group, stable=True)  # sentinel rows (group == G) sort last
@@ -137,7 +150,7 @@ def _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate):
     group_sizes = jnp.bincount(group, length=num_groups + 1)[:num_groups].astype(jnp.int32)
     safe = jnp.minimum(sorted_group, num_groups - 1)
     h = jax.lax.ragged_dot(x[order], wi, group_sizes) + bi[safe]
-    h = row_dropout(jax.nn.relu(h), token_ids[order], drop_key, rate)
+    h = row_dropout(activation_fn(activation)(h), token_ids[order], drop_key, rate)
     y = jax.lax.ragged_dot(h, wo, group_sizes) + bo[safe]
     y = jnp.where((sorted_group < num_groups)[:, None], y, 0)
     # Undo the sort with a scatter (its transpose is a gather, cheaper than a second argsort).
@@ -155,7 +168,8 @@ def _block_rows(rows: int, num_groups: int) -> int:
     return int(min(512, max(8, 1 << (target.bit_length() - 1))))
 
 
-def _padded_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, capacity):
+def _padded_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, capacity,
+                activation="relu"):
     """Block-padded batched matmul. See :func:`expert_ffn` for shapes.
 
     With ``capacity``: one block of ``capacity`` rows per group, the Switch
@@ -193,7 +207,7 @@ def _padded_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, capacity):
     else:
         wi_b, bi_b, wo_b, bo_b = wi[block_group], bi[block_group], wo[block_group], bo[block_group]
     h = jnp.einsum("kbe,kem->kbm", xb, wi_b) + bi_b[:, None, :]
-    h = row_dropout(jax.nn.relu(h), ids.reshape(num_blocks, block), drop_key, rate)
+    h = row_dropout(activation_fn(activation)(h), ids.reshape(num_blocks, block), drop_key, rate)
     yb = jnp.einsum("kbm,kme->kbe", h, wo_b) + bo_b[:, None, :]
     y = yb.reshape(size, emb).at[slot].get(mode="fill", fill_value=0)
     return jnp.where(valid[:, None], y, 0)
@@ -211,6 +225,7 @@ def grouped_ffn(
     rate: float,
     *,
     impl: str = "mosaic",
+    activation: str = "relu",
     block_m: int = 128,
     block_n: int = 128,
     block_k: int = 64,
@@ -229,6 +244,7 @@ def grouped_ffn(
       token_ids: int ``[R]``, global row ids that seed the dropout masks (:func:`row_dropout`).
       wi, bi, wo, bo: ``[G, emb, mlp]``, ``[G, mlp]``, ``[G, mlp, emb]``, ``[G, emb]``.
       drop_key, rate: activation dropout key (None: no dropout) and rate.
+      activation: ``"relu"`` or ``"gelu"`` (:data:`ACTIVATIONS`).
       impl, block_m, block_n, block_k, max_concurrent_steps, grid_block_n, weight_grad,
         interpret, compute_dtype: :class:`GroupedMatmulConfig`. With ``impl="mosaic"`` (and
         ``"tokamax"``) the matmul operands (``x``, ``wi``, the hidden activations, ``wo``) are
@@ -258,7 +274,7 @@ def grouped_ffn(
 
     h = grouped_matmul(x.astype(dtype)[gather], wi.astype(dtype), group_sizes, config)
     h = h + bi.astype(dtype)[safe]
-    h = row_dropout(jax.nn.relu(h), token_ids[gather], drop_key, rate)
+    h = row_dropout(activation_fn(activation)(h), token_ids[gather], drop_key, rate)
     y = grouped_matmul(h, wo.astype(dtype), group_sizes, config) + bo.astype(dtype)[safe]
     y = jnp.where(valid, y, 0)[:rows]
     # Undo the sort with a scatter (its transpose is a gather, cheaper than a second argsort).
@@ -276,8 +292,9 @@ def expert_ffn(
     dropout_rate: float = 0.0,
     capacity: int | None = None,
     grouped_impl: str = "mosaic",
+    activation: str = "relu",
 ) -> jax.Array:
-    """Each row through its expert: ``Dense -> ReLU -> dropout -> Dense``.
+    """Each row through its expert: ``Dense -> activation -> dropout -> Dense``.
 
     Args:
       x: ``[R, emb]`` rows in the compute dtype.
@@ -293,19 +310,21 @@ def expert_ffn(
         its groups always fit.
       grouped_impl: ``"grouped"`` only: ``"mosaic"`` (Hopper kernels; interpreted on any
         backend inside ``force_gpu_interpret_mode()``) or ``"xla"``.
+      activation: ``"relu"`` or ``"gelu"`` (:data:`ACTIVATIONS`).
 
     Returns: ``[R, emb]`` in the dtype of ``x``, zeros on rows without expert.
     """
     wi, bi, wo, bo = params
     group = group.astype(jnp.int32)
     if dispatch == "ragged":
-        return _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate)
+        return _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
+                           activation)
     if dispatch == "padded":
         return _padded_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
-                           capacity)
+                           capacity, activation)
     if dispatch == "grouped":
         return grouped_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
-                           impl=grouped_impl,
+                           impl=grouped_impl, activation=activation,
                            interpret=grouped_impl == "mosaic" and interpret_mode_active())
     raise ValueError(
         f"expert_ffn: dispatch must be 'ragged', 'padded' or 'grouped', got {dispatch!r}")

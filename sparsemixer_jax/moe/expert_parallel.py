@@ -44,6 +44,7 @@ def expert_parallel_ffn(
     dropout_key: jax.Array | None = None,
     dropout_rate: float = 0.0,
     grouped_impl: str = "mosaic",
+    activation: str = "relu",
 ) -> jax.Array:
     """:func:`sparsemixer_jax.moe.expert_ffn` with experts split over the mesh's expert axis.
 
@@ -54,6 +55,7 @@ def expert_parallel_ffn(
       group: int32 ``[B, T]`` global expert per row, ``N`` (= number of experts) for none.
       token_ids: int32 ``[B, T]`` global row ids (seed the dropout masks).
       params: ``(wi [N, emb, mlp], bi [N, mlp], wo [N, mlp, emb], bo [N, emb])``.
+      activation: the experts' nonlinearity, ``"relu"`` or ``"gelu"``.
 
     Returns: ``[B, T, emb]``, equal to the single-device ``expert_ffn`` (dropless).
     """
@@ -102,7 +104,8 @@ def expert_parallel_ffn(
         recv_x, recv_g, recv_i = exchange(send_x), exchange(send_g), exchange(send_i)
         out = expert_ffn(recv_x, recv_g, recv_i, (wi, bi, wo, bo), dispatch=dispatch,
                          dropout_key=key[0] if key else None, dropout_rate=dropout_rate,
-                         grouped_impl=grouped_impl)
+                         grouped_impl=grouped_impl,
+                         activation=activation)
         back = exchange(out)  # back[slot] = output for the token sent into that slot
         return back.at[slot].get(mode="fill", fill_value=0)
 

@@ -21,6 +21,7 @@ from sparsemixer_jax.kernels.mosaic_grouped_matmul import check_grouped_supporte
 from sparsemixer_jax.moe.diagnostics import router_diagnostics
 from sparsemixer_jax.moe.dispatch import (
     GROUPED_IMPLS,
+    activation_fn,
     capacity_keep,
     expert_capacity,
     expert_ffn,
@@ -52,7 +53,7 @@ class MoEFeedForward(nnx.Module):
       router: a name in :data:`sparsemixer_jax.routing.ROUTERS`.
       jitter_eps: the router's jitter / mask threshold.
       top_k: experts per token, ``1 <= top_k <= N`` (distinct; see ``routing.sparsemixer_route``).
-      activation_dropout: dropout rate after the expert ReLU.
+      activation_dropout: dropout rate after the expert nonlinearity.
       dispatch: ``"auto"``, ``"ragged"``, ``"padded"`` or ``"grouped"``
         (:mod:`sparsemixer_jax.moe.dispatch`).
       grouped_impl: the kernels of ``"grouped"``: ``"mosaic"`` (Hopper GPUs, or interpreted
@@ -62,6 +63,11 @@ class MoEFeedForward(nnx.Module):
         the call and each of its experts). Rows are served first choices first (all tokens'
         first expert, in token order, then all second experts, ...), as in GShard; a dropped row
         outputs zeros, the token's other experts still count.
+      activation: the experts' nonlinearity, ``"relu"`` (fairseq's translation Transformer, the
+        default) or ``"gelu"`` (BERT / ELECTRA).
+      router_init_scale: variance scale of the router's truncated-normal kernel init (fan-in):
+        1.0 is flax's default (LeCun normal, logits of std about 1 on LayerNorm'd inputs), 0.1
+        the Switch Transformer's smaller init (std about 0.3).
       dtype: compute dtype of the experts (params stay float32; the router runs in float32).
       mesh: optional mesh with axes ``("data", "expert")`` for expert parallelism
         (:mod:`sparsemixer_jax.moe.expert_parallel`); ``num_experts`` must divide by its
@@ -86,6 +92,8 @@ class MoEFeedForward(nnx.Module):
         dispatch: str = "auto",
         grouped_impl: str = "mosaic",
         capacity_factor: float = 0.0,
+        activation: str = "relu",
+        router_init_scale: float = 1.0,
         dtype=jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
         rngs: nnx.Rngs,
@@ -105,6 +113,7 @@ class MoEFeedForward(nnx.Module):
             raise ValueError(f"grouped_impl must be one of {GROUPED_IMPLS}, got {grouped_impl!r}")
         if dispatch == "grouped" and grouped_impl == "mosaic":
             check_grouped_supported()  # one line naming the device if it is no Hopper GPU
+        activation_fn(activation)  # validates the name
         routing.get_router(router, jitter_eps, top_k)  # validates the name and jitter_eps
         if mesh is not None:
             sharding.check_mesh(mesh, num_experts)
@@ -119,11 +128,18 @@ class MoEFeedForward(nnx.Module):
         self.dispatch = dispatch
         self.grouped_impl = grouped_impl
         self.capacity_factor = capacity_factor
+        self.activation = activation
         self.dtype = dtype
         self.mesh = mesh
 
-        self.router = nnx.Linear(emb_dim, num_experts, use_bias=True, dtype=jnp.float32,
-                                 param_dtype=jnp.float32, rngs=rngs)
+        if not router_init_scale > 0:
+            raise ValueError(f"router_init_scale must be > 0, got {router_init_scale}")
+        # At scale 1.0 this is exactly nnx.Linear's default (lecun_normal): the same draws.
+        self.router = nnx.Linear(
+            emb_dim, num_experts, use_bias=True, dtype=jnp.float32, param_dtype=jnp.float32,
+            kernel_init=nnx.initializers.variance_scaling(router_init_scale, "fan_in",
+                                                          "truncated_normal"),
+            rngs=rngs)
 
         def sharded(value, spec):
             # Expert-stacked params are split over the mesh's "expert" axis.
@@ -213,13 +229,15 @@ class MoEFeedForward(nnx.Module):
                            row_ids.reshape(-1), params, dispatch=dispatch,
                            dropout_key=drop_key, dropout_rate=self.activation_dropout,
                            capacity=capacity if dispatch == "padded" else None,
-                           grouped_impl=self.grouped_impl)
+                           grouped_impl=self.grouped_impl,
+                           activation=self.activation)
         else:
             f = expert_parallel_ffn(xr, group.reshape(batch, length * k),
                                     row_ids.reshape(batch, length * k), params, mesh=self.mesh,
                                     dispatch=dispatch, dropout_key=drop_key,
                                     dropout_rate=self.activation_dropout,
-                                    grouped_impl=self.grouped_impl)
+                                    grouped_impl=self.grouped_impl,
+                                    activation=self.activation)
         f = f.reshape(batch, length, k, -1)
         if k == 1:  # drop the k axis: the same ops (and float rounding) as the top-1 layer
             f, gate = f[:, :, 0], gate[..., 0]

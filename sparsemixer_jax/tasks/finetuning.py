@@ -9,9 +9,15 @@ report per task the best dev score over the grid with the hyper-parameters and e
 A grid point's score is its best epoch's (the paper's "max epochs"); the score metric is the one
 of the paper's Table 2 (``glue.TaskSpec.score_metric``).
 
-Every finished grid point is written at once to ``{workdir}/{task}/points/{point}.json``; a rerun
-skips the points already there (if they were made with the same settings), so a killed search
-resumes where it stopped. No fine-tuning checkpoints are kept: a point is short and is redone.
+The pretrained model is the run's final (``last``) checkpoint by default, as the paper fine-tunes
+the model after its 125k updates; ``checkpoint="best"`` takes the lowest validation loss instead.
+
+Every finished grid point is written at once to ``{workdir}/{task}/points/{point}.json`` with the
+step and content digest of the checkpoint it started from; a rerun skips the points already there
+if they were made with the same settings and from the same checkpoint content, and refuses (one
+line naming both checkpoints) when they were not, so a search never mixes two pretrained models.
+A killed search resumes where it stopped. No fine-tuning checkpoints are kept: a point is short
+and is redone.
 
 Why fine-tuning has its own epoch loop rather than :func:`sparsemixer_jax.training.train`: a
 search is many short in-memory runs (96 points per task), scored on dev after every epoch, with
@@ -21,8 +27,10 @@ rule (:func:`sparsemixer_jax.training.optim.weight_decay_mask`) and the pretrain
 (:func:`sparsemixer_jax.tasks.pretraining.load_discriminator`) with the other tasks.
 
 The optimizer is AdamW (Adam with decoupled weight decay, not on biases and LayerNorm scales)
-after clipping the global gradient norm, on a linear warm-up then linear decay to 0 at the last
-step; the loss adds the MoE balance (and z-) loss with the pretraining's weights.
+after clipping the global gradient norm, on the paper's schedule: linear warm-up over the
+point's warm-up share of the steps, then linear decay to 0 at the last step
+(:func:`sparsemixer_jax.training.optim.linear_schedule`, so the first update already has a
+nonzero rate); the loss adds the MoE balance (and z-) loss with the pretraining's weights.
 """
 
 from __future__ import annotations
@@ -47,14 +55,18 @@ from flax import nnx
 from sparsemixer_jax import glue_metrics
 from sparsemixer_jax.data import glue
 from sparsemixer_jax.tasks.glue_grid import GridPoint, check_config, grid_points
-from sparsemixer_jax.tasks.pretraining import load_discriminator
-from sparsemixer_jax.training.optim import weight_decay_mask
+from sparsemixer_jax.tasks.pretraining import load_pretrained
+from sparsemixer_jax.training.optim import linear_schedule, weight_decay_mask
 
 logger = logging.getLogger(__name__)
 
 # Fields of a grid-point result that must match for a rerun to reuse it.
 _SETTINGS_FIELDS = ("pretrained", "checkpoint", "glue_dir", "max_len", "head_dropout", "seed",
-                    "train_limit", "dev_limit", "optim")
+                    "train_limit", "dev_limit", "optim", "skip_bad_rows")
+# The value a point written before a settings field existed had.
+_SETTINGS_DEFAULTS = {"skip_bad_rows": False}
+# What the points' pretrained model was: a rerun from other content refuses to mix them.
+_SOURCE_FIELDS = ("checkpoint_step", "checkpoint_digest")
 
 
 # -------------------------------------------------------------------------------- the grid
@@ -155,14 +167,15 @@ def _predict(graphdef, params, rest, batch):
 
 
 def learning_rate_schedule(peak: float, total_steps: int, warmup: float) -> optax.Schedule:
-    """Linear warm-up from 0 over ``round(warmup * total_steps)`` steps, then linear decay to 0
-    at ``total_steps``."""
+    """The rate of update ``count`` (optax counts from 0): linear warm-up to ``peak`` over
+    ``round(warmup * total_steps)`` updates, then linear decay to 0 at ``total_steps``.
+
+    The pretraining schedule (:func:`sparsemixer_jax.training.optim.linear_schedule`): update
+    ``count + 1`` gets ``peak * (count + 1) / warmup_steps`` while warming up, so the first
+    update moves the weights (optax's own linear schedules would give it a rate of 0).
+    """
     warmup_steps = round(warmup * total_steps)
-    return optax.join_schedules(
-        [optax.linear_schedule(0.0, peak, max(warmup_steps, 1)),
-         optax.linear_schedule(peak, 0.0, max(total_steps - warmup_steps, 1))],
-        [warmup_steps],
-    )
+    return linear_schedule(peak, warmup_steps, total_steps)
 
 
 # --------------------------------------------------------------------------- one grid point
@@ -173,6 +186,7 @@ class TaskData:
     spec: glue.TaskSpec
     train: glue.Encoded
     dev: dict[str, glue.Encoded]
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # file -> bad rows left out
 
 
 def predict(graphdef, params, rest, data: glue.Encoded, batch_size: int, length_step: int,
@@ -267,10 +281,17 @@ def _write_json(path: str, record: Any) -> None:
     os.replace(tmp, path)
 
 
-def settings_record(config: Any, pretrained_dir: str, checkpoint: str) -> dict[str, Any]:
+def settings_record(config: Any, pretrained_dir: str, checkpoint: str, *,
+                    step: int | None = None, digest: str | None = None,
+                    skip_bad_rows: bool = False) -> dict[str, Any]:
+    """What a grid point's result depends on besides its hyper-parameters: the settings (with
+    whether malformed GLUE rows were skipped), and the ``step`` and content ``digest`` of the
+    pretrained checkpoint it started from."""
     return {
         "pretrained": os.path.abspath(pretrained_dir),
         "checkpoint": checkpoint,
+        "checkpoint_step": step,
+        "checkpoint_digest": digest,
         "glue_dir": os.path.abspath(glue_dir(config)),
         "max_len": int(config.max_len),
         "head_dropout": float(config.head_dropout),
@@ -278,6 +299,7 @@ def settings_record(config: Any, pretrained_dir: str, checkpoint: str) -> dict[s
         "train_limit": int(config.train_limit),
         "dev_limit": int(config.dev_limit),
         "optim": config.optim.to_dict(),
+        "skip_bad_rows": bool(skip_bad_rows),
     }
 
 
@@ -288,10 +310,22 @@ def _load_point(path: str, settings: dict[str, Any]) -> dict[str, Any] | None:
         return None
     with open(path) as f:
         record = json.load(f)
+    theirs = record["settings"]
+    if any(theirs.get(f) != settings[f] for f in _SOURCE_FIELDS):
+        def name(s: dict[str, Any]) -> str:
+            digest = s.get("checkpoint_digest")
+            return (f"{s.get('checkpoint')} checkpoint step {s.get('checkpoint_step')} "
+                    f"(sha256 {digest[:12] if digest else 'not recorded'})")
+
+        raise ValueError(
+            f"{path} was fine-tuned from the {name(theirs)}, this run loads the {name(settings)}: "
+            "the search would mix two pretrained models; use another --workdir, or delete that "
+            "task's points/"
+        )
     for field in _SETTINGS_FIELDS:
-        if record["settings"].get(field) != settings[field]:
+        if theirs.get(field, _SETTINGS_DEFAULTS.get(field)) != settings[field]:
             raise ValueError(
-                f"{path} was fine-tuned with {field}={record['settings'].get(field)!r}, this run "
+                f"{path} was fine-tuned with {field}={theirs.get(field)!r}, this run "
                 f"has {settings[field]!r}: use another --workdir, or delete that task's points/"
             )
     return record
@@ -303,9 +337,11 @@ def glue_dir(config: Any) -> str:
     return resolve_data_dir(config.glue_dir)
 
 
-def load_task_data(config: Any, name: str, tokenizer) -> TaskData:
-    """Reads and encodes a task, keeping the first ``train_limit`` / ``dev_limit`` rows if set."""
-    task = glue.load_task(glue_dir(config), name)
+def load_task_data(config: Any, name: str, tokenizer, *, skip_bad_rows: bool = False
+                   ) -> TaskData:
+    """Reads and encodes a task, keeping the first ``train_limit`` / ``dev_limit`` rows if set;
+    ``skip_bad_rows`` leaves malformed rows out (counted per file in ``TaskData.skipped``)."""
+    task = glue.load_task(glue_dir(config), name, skip_bad_rows=skip_bad_rows)
     regression = task.spec.is_regression
     train_limit, dev_limit = int(config.train_limit), int(config.dev_limit)
     train = task.train[:train_limit] if train_limit else task.train
@@ -315,6 +351,7 @@ def load_task_data(config: Any, name: str, tokenizer) -> TaskData:
         {split: glue.encode(rows[:dev_limit] if dev_limit else rows, tokenizer,
                             int(config.max_len), regression=regression)
          for split, rows in task.dev.items()},
+        task.skipped,
     )
 
 
@@ -360,6 +397,7 @@ def run_task(config: Any, task: TaskData, encoder: nnx.Module, pretrain_config: 
         "best": {"point": best["point"], "epoch": best["best_epoch"]},
         "train_examples": len(task.train),
         "dev_examples": {split: len(d) for split, d in task.dev.items()},
+        "skipped_rows": task.skipped,
         "grid_size": len(points),
         "points": [{"name": r["name"], "score": r["score"], "best_epoch": r["best_epoch"],
                     "seconds": r["seconds"]} for r in records],
@@ -389,21 +427,40 @@ def resolve_tasks(config: Any, tasks: Sequence[str]) -> list[str]:
 
 
 def run_tasks(config: ml_collections.ConfigDict, pretrained_dir: str, tasks: Sequence[str],
-              workdir: str, *, checkpoint: str = "best") -> dict[str, Any]:
-    """Fine-tunes the discriminator pretrained in ``pretrained_dir`` on each task; writes every
-    task's results and ``{workdir}/results.json`` (all tasks with results in ``workdir``)."""
+              workdir: str, *, checkpoint: str = "last", skip_bad_rows: bool = False
+              ) -> dict[str, Any]:
+    """Fine-tunes the discriminator pretrained in ``pretrained_dir`` (its ``checkpoint``:
+    ``"last"``, the final model, or ``"best"``) on each task; writes every task's results and
+    ``{workdir}/results.json`` (all tasks with results in ``workdir``). ``skip_bad_rows``
+    leaves malformed GLUE rows out (counted per file in each task's ``skipped_rows``) instead of
+    stopping at the first.
+
+    Raises ``ValueError`` / ``FileNotFoundError`` with a one-line message for an unknown task, a
+    missing split, a directory without a pretraining checkpoint, or finished points of
+    ``workdir`` that started from another checkpoint.
+    """
 
     check_config(config)
     names = resolve_tasks(config, tasks)
     for name in names:  # fail on a missing file before any fine-tuning
         for split in ("train", *glue.TASKS[name].dev_splits):
             glue.split_path(glue_dir(config), glue.TASKS[name], split)
-    encoder, tokenizer, pretrain_config = load_discriminator(pretrained_dir, checkpoint)
-    settings = settings_record(config, pretrained_dir, checkpoint)
+    pretrained = load_pretrained(pretrained_dir, checkpoint)
+    positions = int(pretrained.config.model.get("absolute_positions", 0))
+    if positions and int(config.max_len) > positions:
+        raise ValueError(f"config.max_len={config.max_len} exceeds the {positions} learned "
+                         f"positions of the model in {pretrained_dir}")
+    settings = settings_record(config, pretrained_dir, checkpoint, step=pretrained.step,
+                               digest=pretrained.digest, skip_bad_rows=skip_bad_rows)
+    for name in names:  # refuse to mix checkpoints before any fine-tuning
+        for point in grid_points(config.grid):
+            _load_point(os.path.join(workdir, name, "points", point.name + ".json"), settings)
+    logger.info("fine-tuning the %s checkpoint of %s (step %d, sha256 %s)", checkpoint,
+                pretrained_dir, pretrained.step, pretrained.digest[:12])
     os.makedirs(workdir, exist_ok=True)
     for name in names:
-        task = load_task_data(config, name, tokenizer)
-        run_task(config, task, encoder, pretrain_config, workdir, settings)
+        task = load_task_data(config, name, pretrained.tokenizer, skip_bad_rows=skip_bad_rows)
+        run_task(config, task, pretrained.encoder, pretrained.config, workdir, settings)
     summary = collect_results(workdir)
     _write_json(os.path.join(workdir, "results.json"), summary)
     return summary

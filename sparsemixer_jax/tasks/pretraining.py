@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
@@ -24,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from sparsemixer_jax import config as config_schema
-from sparsemixer_jax.checkpoint import RunCheckpoints
+from sparsemixer_jax.checkpoint import RunCheckpoints, checkpoint_digest
 from sparsemixer_jax.data import text
 from sparsemixer_jax.data.tokenizer import Tokenizer
 from sparsemixer_jax.electra import Electra, LossSettings, electra_loss
@@ -34,6 +35,8 @@ from sparsemixer_jax.training.hosts import is_main_process, wait_for_all_process
 from sparsemixer_jax.training.loop import build_model
 from sparsemixer_jax.training.optim import OptimSettings
 from sparsemixer_jax.training.steps import Steps, count_params
+
+logger = logging.getLogger(__name__)
 
 _EVAL_SUMS = ("mlm_nll", "mlm_correct", "mlm_count", "disc_nll", "disc_correct", "disc_count",
               "replaced", "replaced_correct")
@@ -105,6 +108,43 @@ def _stats(documents, paragraphs, tokens) -> dict[str, Any]:
             "sequences": len(tokens), "fill": float(np.mean(tokens != text.PAD_ID))}
 
 
+PACKED_DIR = "packed"  # {workdir}/packed: the packing cache
+
+
+def packed_split(config, workdir: str, split: str, path: str, tokenizer: Tokenizer,
+                 documents: list[list[str]] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """``(tokens, segments, stats)`` of the text at ``path``, packed with ``tokenizer``.
+
+    Cached in ``{workdir}/packed/{split}-{key}.npz``, keyed by the text files' contents, the
+    vocabulary and the packing settings (:func:`sparsemixer_jax.data.text.packing_key`): a
+    resumed run reads the arrays back instead of tokenizing the corpus again (minutes for the
+    Wikipedia sample), and a changed setting, text or vocabulary packs anew. ``documents`` are
+    the already-read documents of ``path``, if the caller has them.
+    """
+    key = text.packing_key(text.text_files(path), tokenizer.path,
+                           seq_len=int(config.data.seq_len),
+                           pair_prob=float(config.data.pair_prob), seed=int(config.seed))
+    cache = os.path.join(workdir, PACKED_DIR)
+    cached = text.load_packed(cache, split, key)
+    if cached is not None:
+        tokens, segments, stats = cached
+        stats = {k: v for k, v in stats.items() if k != "key"}
+        logger.info("%s: %d packed sequences read from the cache (%s)", split, len(tokens), cache)
+        return tokens, segments, stats
+    if documents is None:
+        documents = text.read_documents(path)
+    paragraphs = [p for doc in documents for p in doc]
+    tokens, segments = _packed(config, tokenizer, paragraphs)
+    if not len(tokens):
+        raise ValueError(f"pretraining text {path!r} packs into no sequence: it holds no "
+                         "token the vocabulary knows")
+    stats = _stats(documents, paragraphs, tokens)
+    if is_main_process():
+        text.save_packed(cache, split, key, tokens, segments, stats)
+    return tokens, segments, stats
+
+
 class PretrainingTask:
     """The pretraining task of the training loop (:class:`sparsemixer_jax.training.Task`)."""
 
@@ -118,24 +158,25 @@ class PretrainingTask:
         """Reads, tokenizes (training the vocabulary if needed) and packs; the batch streams."""
         del batch_multiple  # data.batch_size is checked against the mesh by the MoE layer
         d = config.data
-        documents = text.read_documents(d.train)
-        paragraphs = [p for doc in documents for p in doc]
+        documents = None  # the training text is read only to train a vocabulary or to pack
+        if not os.path.exists(os.path.join(workdir, "spm.model")):
+            documents = text.read_documents(d.train)
         if not is_main_process():  # process 0 trains the vocabulary, the others then read it
             wait_for_all_processes("vocabulary ready")
-        tokenizer = text.get_text_tokenizer(config, workdir, paragraphs)
+        tokenizer = text.get_text_tokenizer(
+            config, workdir, [p for doc in documents or () for p in doc])
         if is_main_process():
             wait_for_all_processes("vocabulary ready")
-        tokens, segments = _packed(config, tokenizer, paragraphs)
-        stats = {"train": _stats(documents, paragraphs, tokens)}
+        tokens, segments, train_stats = packed_split(config, workdir, "train", d.train, tokenizer,
+                                                     documents)
+        stats = {"train": train_stats}
         micro = int(d.micro_batch_size) or int(d.batch_size)
         mask = {"mask_prob": float(d.mask_prob), "mask_token_prob": float(d.mask_token_prob)}
         processes = {"process_index": jax.process_index(), "process_count": jax.process_count()}
         batches = text.PretrainBatches(tokens, segments, micro, seed=int(config.seed), **mask,
                                        **processes)
-        v_documents = text.read_documents(d.valid)
-        v_paragraphs = [p for doc in v_documents for p in doc]
-        v_tokens, v_segments = _packed(config, tokenizer, v_paragraphs)
-        stats["valid"] = _stats(v_documents, v_paragraphs, v_tokens)
+        v_tokens, v_segments, stats["valid"] = packed_split(config, workdir, "valid", d.valid,
+                                                            tokenizer)
         if int(d.valid_sequences) > 0:
             v_tokens, v_segments = v_tokens[: d.valid_sequences], v_segments[: d.valid_sequences]
         stats["valid"]["evaluated_sequences"] = len(v_tokens)
@@ -182,37 +223,73 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     return train(PretrainingTask(float(config.optim.disc_weight)), config, workdir)
 
 
-def load_discriminator(
-    workdir: str, checkpoint: str = "best", *, mesh: jax.sharding.Mesh | None = None
-) -> tuple[Encoder, Tokenizer, ml_collections.ConfigDict]:
-    """The pretrained discriminator of ``workdir``, its vocabulary and the run's config.
+@dataclasses.dataclass
+class Pretrained:
+    """A pretrained discriminator and where it came from.
 
-    ``checkpoint`` is ``"best"`` (lowest validation loss) or ``"last"`` (the final model).
-    The encoder's RNG streams are those of a fresh model: reseed them (``nnx.reseed``) for
-    fine-tuning.
+    ``step`` and ``digest`` (:func:`sparsemixer_jax.checkpoint.checkpoint_digest`) name the
+    checkpoint's content, so fine-tuning results can say what they started from."""
+
+    encoder: Encoder
+    tokenizer: Tokenizer
+    config: ml_collections.ConfigDict
+    checkpoint: str  # "last" or "best"
+    step: int
+    digest: str
+
+
+def load_pretrained(
+    workdir: str, checkpoint: str = "last", *, mesh: jax.sharding.Mesh | None = None
+) -> Pretrained:
+    """The pretrained discriminator of ``workdir`` with its vocabulary, config and checkpoint.
+
+    ``checkpoint`` is ``"last"`` (the final model, the default: what the paper fine-tunes) or
+    ``"best"`` (lowest validation loss). The encoder's RNG streams are those of a fresh model:
+    reseed them (``nnx.reseed``) for fine-tuning. Raises ``FileNotFoundError`` (one line) if
+    ``workdir`` is not a pretraining workdir or holds no such checkpoint.
     """
     if checkpoint not in ("best", "last"):
         raise ValueError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
+    if not os.path.isdir(workdir):
+        raise FileNotFoundError(f"pretrained directory {workdir} does not exist")
     config_path = os.path.join(workdir, "config.json")
     vocab_path = os.path.join(workdir, "spm.model")
     for path in (config_path, vocab_path):
         if not os.path.exists(path):
-            raise FileNotFoundError(f"{path} not found: is {workdir} a pretraining workdir?")
+            raise FileNotFoundError(f"{path} not found: is {workdir} a pretraining workdir "
+                                    "(experiments.pretrain)?")
     with open(config_path) as f:
         config = config_schema.with_defaults(json.load(f))
     if config_schema.task_of(config) != "pretraining":
         raise ValueError(f"{workdir} holds a {config_schema.task_of(config)} run, not a "
                          "pretraining run (experiments.pretrain)")
+    kind_dir = os.path.join(os.path.abspath(workdir), "checkpoints", checkpoint)
+    steps = sorted(int(n) for n in os.listdir(kind_dir) if n.isdigit()) \
+        if os.path.isdir(kind_dir) else []
+    if not steps:  # checked before orbax, which would create the directories
+        raise FileNotFoundError(f"{kind_dir} holds no checkpoint: has the pretraining run saved "
+                                "one yet?")
     tokenizer = Tokenizer(vocab_path)
     text.check_special_pieces(tokenizer)
-    steps = build_steps(config, tokenizer.vocab_size, mesh)
-    template = {"params": steps.params, "opt_state": steps.opt_state_shapes(steps.params)}
+    built = build_steps(config, tokenizer.vocab_size, mesh)
+    template = {"params": built.params, "opt_state": built.opt_state_shapes(built.params)}
     checkpoints = RunCheckpoints(workdir)
     try:
         step = checkpoints.manager(checkpoint).latest_step()
         if step is None:
-            raise FileNotFoundError(f"{workdir}/checkpoints/{checkpoint} holds no checkpoint")
+            raise FileNotFoundError(f"{kind_dir} holds no checkpoint")
         restored = checkpoints.restore_checked(checkpoint, step, template)
+        digest = checkpoint_digest(restored.directory)
     finally:
         checkpoints.close()
-    return steps.model(restored.state["params"]).discriminator, tokenizer, config
+    return Pretrained(built.model(restored.state["params"]).discriminator, tokenizer, config,
+                      checkpoint, int(step), digest)
+
+
+def load_discriminator(
+    workdir: str, checkpoint: str = "last", *, mesh: jax.sharding.Mesh | None = None
+) -> tuple[Encoder, Tokenizer, ml_collections.ConfigDict]:
+    """``(encoder, tokenizer, config)`` of :func:`load_pretrained` (default: the last
+    checkpoint)."""
+    p = load_pretrained(workdir, checkpoint, mesh=mesh)
+    return p.encoder, p.tokenizer, p.config
