@@ -5,8 +5,9 @@ selected tokens of a masked sequence; a replacement for every selected position 
 its softmax (no gradient flows through the sample); the discriminator (the deep encoder that
 GLUE fine-tunes) reads the corrupted sequence and predicts, per token, whether it was replaced.
 A sampled token equal to the original counts as "original", so the labels are exactly
-``corrupted != original``. The embedding block (token and segment tables and their LayerNorm) is
-shared by both, and the token table is also the generator's output projection.
+``corrupted != original``. The embedding block (token, segment and, with
+``model.absolute_positions``, position tables and their LayerNorm) is shared by both, and the
+token table is also the generator's output projection.
 
 The objective is ``mlm_loss + disc_weight * disc_loss + balance_weight * balance_loss
 (+ z_loss_weight * z_loss)``: the generator's cross entropy averaged over the selected tokens,

@@ -121,7 +121,7 @@ def test_absolute_positions_and_gelu_switches():
         hidden, _ = model(tokens)
         return jnp.sum(hidden * jnp.arange(16.0))
 
-    grads = nnx.grad(loss)(enc)
+    grads = nnx.jit(nnx.grad(loss))(enc)  # compiled: op by op takes tens of seconds
     table = np.asarray(grads["embeddings"]["position"]["embedding"][...])
     assert np.abs(table[:7]).min(axis=1).all() and not table[7:].any()
     hidden, _ = encode(enc, tokens)
