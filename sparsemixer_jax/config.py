@@ -182,9 +182,8 @@ def _check_model(m: Any, r: Any) -> None:
             raise ValueError(f"config.model.{name} must lie in [0, 1), got {m[name]}")
     from sparsemixer_jax.moe import ACTIVATIONS
 
-    activation = m.get("activation", added_field_default("model.activation", "translation"))
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"config.model.activation={activation!r}; choose one of {ACTIVATIONS}")
+    if m.activation not in ACTIVATIONS:
+        raise ValueError(f"config.model.activation={m.activation!r}; choose one of {ACTIVATIONS}")
     if m.compute_dtype not in DTYPES:
         raise ValueError(
             f"config.model.compute_dtype must be float32 or bfloat16, got {m.compute_dtype!r}"
@@ -296,7 +295,7 @@ def _check_pretraining(config: Any) -> None:
     for name in ("mask_prob", "mask_token_prob", "pair_prob"):
         if not 0.0 <= d[name] <= 1.0:
             raise ValueError(f"config.data.{name} must lie in [0, 1], got {d[name]}")
-    positions = config.model.get("absolute_positions", 0)
+    positions = config.model.absolute_positions
     if isinstance(positions, bool) or not isinstance(positions, int) or positions < 0:
         raise ValueError(f"config.model.absolute_positions must be an int >= 0 (0 = none), got "
                          f"{positions!r}")

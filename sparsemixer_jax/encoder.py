@@ -206,7 +206,7 @@ class Encoder(nnx.Module):
         if embeddings is None:
             embeddings = Embeddings(
                 self.vocab_size, self.emb_dim, dropout=float(m.dropout), dtype=self.dtype,
-                rngs=rngs, absolute_positions=int(m.get("absolute_positions", 0)),
+                rngs=rngs, absolute_positions=int(m.absolute_positions),
             )
         self.embeddings = embeddings
         self.position_bias = RelativePositionBias(

@@ -205,7 +205,7 @@ def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx
             dispatch=model_cfg.dispatch,
             grouped_impl=str(model_cfg.grouped_impl),
             capacity_factor=float(model_cfg.capacity_factor),
-            activation=model_activation(model_cfg),
+            activation=str(model_cfg.activation),
             router_init_scale=float(router_cfg.get("init_scale", 1.0)),
             dtype=dtype,
             mesh=mesh,
@@ -217,13 +217,8 @@ def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx
         activation_dropout=float(model_cfg.activation_dropout),
         dtype=dtype,
         rngs=rngs,
-        activation=model_activation(model_cfg),
+        activation=str(model_cfg.activation),
     )
-
-
-def model_activation(model_cfg: Any) -> str:
-    """``model.activation``; ``"relu"`` for a config saved before the field existed."""
-    return str(model_cfg.get("activation", "relu"))
 
 
 def attention_impl(model_cfg: Any) -> str:

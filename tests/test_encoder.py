@@ -6,18 +6,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax.config import router_config
+from sparsemixer_jax.config import moe_model_fields, router_config
 from sparsemixer_jax.encoder import Encoder, relative_position_bucket
 
 
 def tiny_config(num_experts=2, num_layers=2):
     c = ml_collections.ConfigDict()
-    c.model = ml_collections.ConfigDict(dict(
-        num_layers=num_layers, emb_dim=16, mlp_dim=32, num_heads=2, dropout=0.1,
-        attention_dropout=0.1, activation_dropout=0.1, relative_buckets=32,
-        relative_max_distance=128, num_experts=num_experts, moe_every=2, dispatch="auto",
-        capacity_factor=0.0, compute_dtype="float32", attention_impl="einsum",
-    ))
+    c.model = moe_model_fields(ml_collections.ConfigDict(dict(
+        num_layers=num_layers, emb_dim=16, mlp_dim=32, num_heads=2, relative_buckets=32,
+        relative_max_distance=128, absolute_positions=0)))
+    c.model.num_experts = num_experts
     c.router = router_config()
     return c
 

@@ -446,7 +446,7 @@ def run_tasks(config: ml_collections.ConfigDict, pretrained_dir: str, tasks: Seq
         for split in ("train", *glue.TASKS[name].dev_splits):
             glue.split_path(glue_dir(config), glue.TASKS[name], split)
     pretrained = load_pretrained(pretrained_dir, checkpoint)
-    positions = int(pretrained.config.model.get("absolute_positions", 0))
+    positions = int(pretrained.config.model.absolute_positions)
     if positions and int(config.max_len) > positions:
         raise ValueError(f"config.max_len={config.max_len} exceeds the {positions} learned "
                          f"positions of the model in {pretrained_dir}")
