@@ -307,6 +307,7 @@ def test_inside_shard_map_with_local_experts():
     _assert_close(got.reshape(ROWS, EMB), want, REL_TOL["f32_xla"])
 
 
+@pytest.mark.slow  # kept out of the default run for time; python -m pytest -q -m slow
 def test_benchmark_runs_tiny_in_interpret_mode(tmp_path):
     from sparsemixer_jax.benchmarks import grouped_ffn as benchmark
 

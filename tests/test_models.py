@@ -296,6 +296,7 @@ def train_loss_and_grads(model, inputs, targets):
     return nnx.value_and_grad(_loss_fn)(model, inputs, targets)
 
 
+@pytest.mark.slow  # kept out of the default run for time; python -m pytest -q -m slow
 def test_transformer_base_forward_backward_on_cpu():
     """Full Transformer-base (6+6, emb 512, mlp 2048, N=4 SparseMixer), batch 2 x 8 tokens,
     training mode (dropout, sampled routing): one compile, two steps."""

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from sparsemixer_jax.tasks import translation
 from tests import tiny_wmt_config
@@ -53,6 +54,7 @@ def _losses(workdir: str) -> tuple[list[float], float]:
     return train, valid[-1]
 
 
+@pytest.mark.slow  # kept out of the default run for time; python -m pytest -q -m slow
 def test_two_processes_match_one_process(tmp_path):
     config = tiny_wmt_config.get_config()
     for key, value in OVERRIDES.items():

@@ -101,7 +101,8 @@ def test_steps_to_threshold():
     assert got[0] == 10 and math.isnan(got[1])
 
 
-@pytest.mark.parametrize("router", ["switch", "sparsemixer", "sparsemixer_nomask"])
+@pytest.mark.parametrize("router", [
+    pytest.param("switch", marks=pytest.mark.slow), "sparsemixer", "sparsemixer_nomask"])
 def test_exact_router_gradient_matches_direct_differentiation(router):
     """The oracle-based gradient equals ``jax.grad`` of the enumerated expected loss."""
     n, d, b = 4, 3, 5

@@ -101,6 +101,7 @@ def test_dot_product_attention_equals_the_einsum_attention(impl):
                                    ref(x, mem, mask, deterministic=False), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # kept out of the default run for time; python -m pytest -q -m slow
 def test_transformer_with_fused_attention_equals_the_paper_attention(monkeypatch):
     """Whole model in training mode (dropout elsewhere on), attention dropout 0: "xla" (boolean
     masks) and the "cudnn" path (masks as key lengths + causal flag, run by XLA here: cuDNN
@@ -173,6 +174,9 @@ def test_runtime_configure_sets_prng_and_xla_flags(monkeypatch):
         jax.config.update("jax_default_matmul_precision", precision)
 
 
+loss_grad = jax.jit(jax.grad(training_steps._loss, argnums=2, has_aux=True), static_argnums=(0, 1))
+
+
 def test_balance_normalization_per_batch_is_the_reference_weight(steps):
     """``per_batch`` adds ``weight * balance`` once per micro-batch to the token-summed loss (the
     reference, fairseq); ``per_token`` adds it once per token. So ``per_batch`` with weight ``w``
@@ -186,8 +190,7 @@ def test_balance_normalization_per_batch_is_the_reference_weight(steps):
         objective = translation.TranslationObjective(
             label_smoothing=0.1, balance_weight=weight, z_loss_weight=0.0,
             balance_normalization=normalization)
-        return jax.grad(lambda p: training_steps._loss(steps.graphdef, objective, p, steps.rest,
-                                                       b, key)[0])(steps.params)
+        return loss_grad(steps.graphdef, objective, steps.params, steps.rest, b, key)[0]
 
     per_batch = grad(1.0, "per_batch")
     jax.tree.map(lambda t, u: np.testing.assert_allclose(u, t, rtol=1e-5, atol=1e-7),

@@ -270,6 +270,7 @@ def test_translate_and_plot(straight_run, tmp_path):
     assert png.stat().st_size > 10_000
 
 
+@pytest.mark.slow  # kept out of the default run for time; python -m pytest -q -m slow
 def test_training_on_an_expert_mesh_matches_one_device(straight_run, tmp_path):
     """The whole model on a (data 2, expert 2) mesh: batch split over all four devices, experts
     over two, tokens exchanged with all_to_all; losses follow the one-device run, and the test-set
