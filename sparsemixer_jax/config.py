@@ -38,6 +38,7 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     "model.activation": "relu",
     "router.init_scale": 1.0,
     "model.absolute_positions": {"pretraining": 0},
+    "router.default_decay": 0.9,
 }
 
 
@@ -54,6 +55,7 @@ def router_config(name: str = "sparsemixer", **overrides: Any) -> ml_collections
     c.balance_normalization = "per_token"  # | "per_batch": the reference's fairseq objective
     c.z_loss_weight = 0.0
     c.init_scale = 1.0  # router kernel init variance scale: 1.0 = LeCun normal; Switch uses 0.1
+    c.default_decay = 0.9  # EMA decay of the default_moe routers' default vectors, in (0, 1)
     c.update(overrides)
     return c
 
@@ -210,6 +212,10 @@ def _check_model(m: Any, r: Any) -> None:
         raise ValueError(f"config.router.init_scale must be > 0, got {r.init_scale}")
     if r.jitter_eps < 0:
         raise ValueError(f"config.router.jitter_eps must be >= 0, got {r.jitter_eps}")
+    decay = r.get("default_decay", ADDED_FIELD_DEFAULTS["router.default_decay"])
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+        raise ValueError(f"config.router.default_decay must lie in (0, 1) (the EMA decay of "
+                         f"Default MoE's default vectors), got {decay!r}")
     top_k = r.top_k
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"config.router.top_k must be an int >= 1, got {top_k!r}")

@@ -207,6 +207,7 @@ def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx
             capacity_factor=float(model_cfg.capacity_factor),
             activation=str(model_cfg.activation),
             router_init_scale=float(router_cfg.get("init_scale", 1.0)),
+            default_decay=float(router_cfg.get("default_decay", 0.9)),
             dtype=dtype,
             mesh=mesh,
             rngs=rngs,

@@ -1,4 +1,5 @@
-"""Expert routing (top-1 and top-k): SparseMixer, GRIN's SparseMixer-v2 and the Switch baseline.
+"""Expert routing (top-1 and top-k): SparseMixer, GRIN's SparseMixer-v2, the Switch baseline, and
+the dense-backward routers DenseMixer and Default MoE.
 
 Every router here is a pure function of the router logits ``[..., N]`` (any number of leading
 token axes) and a PRNG key, and returns a :class:`RouterOutput`. The caller computes the layer
@@ -477,6 +478,76 @@ def routing_metrics(
     }
 
 
+class UnchosenExperts(NamedTuple):
+    """What a router's backward pass gives the experts a token did not choose
+    (see :func:`unchosen_expert_term`).
+
+    Attributes:
+      values: ``"outputs"``: every expert's output for this token, computed densely in training
+        (DenseMixer); ``"defaults"``: one default vector per expert, an exponential moving
+        average of its past outputs kept as layer state (Default MoE).
+      weight: ``"one"``: ``pi_j`` of an unchosen expert receives ``v_j . dL/dy``;
+        ``"prob"``: every expert (chosen ones too) receives ``pi_j v_j . dL/dy`` on top of the
+        gate's ordinary gradient (DenseMixer's blog formula, see :func:`unchosen_expert_term`).
+      in_forward: whether ``sum_j pi_j v_j`` over unchosen experts is part of the layer's output
+        (Default MoE as its paper writes it) or only of its backward pass (straight-through).
+    """
+
+    values: Literal["outputs", "defaults"]
+    weight: Literal["one", "prob"] = "one"
+    in_forward: bool = False
+
+
+def unchosen_expert_term(
+    probs: jax.Array,
+    expert: jax.Array,
+    values: jax.Array,
+    rule: UnchosenExperts,
+) -> jax.Array:
+    """The term DenseMixer and Default MoE add to the MoE output for the router's gradient.
+
+    Switch-style routing gives ``pi_j`` a gradient only for the experts a token chose.
+    DenseMixer and Default MoE also give it one for the others, from a vector ``v_j`` standing
+    for expert ``j``'s output: ``T = sum_j c_j pi_j v_j`` with ``v`` held constant (no gradient
+    flows into it) and ``c_j`` the rule's weight.
+
+    Args:
+      probs: float32 ``[..., N]``, the router probabilities the chosen experts' gates come from
+        (differentiable; ``RouterOutput.probs``).
+      expert: int ``[...]`` (top-1) or ``[..., k]``: the chosen experts.
+      values: ``[..., N, d]`` (every expert's output per token, DenseMixer) or ``[N, d]`` (one
+        default vector per expert, Default MoE).
+      rule: :class:`UnchosenExperts`.
+
+    Returns:
+      float32 ``[..., d]``, to be added to the layer's output. With ``rule.in_forward`` its value
+      is ``sum_{j unchosen} pi_j v_j`` (Default MoE as written in its paper). Otherwise its
+      value is exactly zero and only its gradient acts (straight-through): with
+      ``weight="one"``, ``dL/dpi_j = v_j . dL/dy`` for every unchosen ``j`` (DenseMixer's released
+      code); with ``weight="prob"``, ``dL/dpi_j = pi_j v_j . dL/dy`` for every ``j``, which
+      added to the gate's own gradient gives DenseMixer's blog formula
+      ``(pi_j + TopK(pi)_j) v_j . dL/dy``.
+    """
+    probs = probs.astype(jnp.float32)
+    num_experts = probs.shape[-1]
+    chosen = jax.nn.one_hot(expert, num_experts, dtype=jnp.float32)
+    if expert.ndim == probs.ndim:  # top-k: [..., k, N] -> [..., N]
+        chosen = jnp.sum(chosen, axis=-2)
+    if rule.weight == "one":
+        coeff = probs * (1.0 - chosen)
+    elif rule.weight == "prob":
+        coeff = probs * jax.lax.stop_gradient(probs)
+    else:
+        raise ValueError(f"unknown weight rule {rule.weight!r}; expected 'one' or 'prob'")
+    values = jax.lax.stop_gradient(values).astype(jnp.float32)
+    # values [N, d] are shared by every token; [..., N, d] are per token.
+    term = coeff @ values if values.ndim == 2 else jnp.einsum("...n,...nd->...d", coeff, values)
+    if rule.in_forward:
+        return term
+    # Zero in value (x - x is exactly 0 for finite x), the term's gradient in the backward.
+    return term - jax.lax.stop_gradient(term)
+
+
 RouterFn = Callable[[jax.Array, "jax.Array | None", bool], RouterOutput]
 
 #: Routers selectable by name from a config: keyword arguments of the routing function.
@@ -489,6 +560,35 @@ ROUTERS: dict[str, tuple[Callable[..., RouterOutput], dict]] = {
     "sparsemixer_nomask": (sparsemixer_route, {"mask": "none"}),
     "sparsemixer_v2": (sparsemixer_route, {"estimator": "v2"}),
     "sparsemixer_v2star": (sparsemixer_route, {"estimator": "v2star"}),
+    # Switch's forward; the layer adds unchosen_expert_term (UNCHOSEN_EXPERT_RULES) for the rest.
+    "densemixer": (switch_route, {}),
+    "densemixer_blog": (switch_route, {}),
+    "default_moe": (switch_route, {}),
+    "default_moe_st": (switch_route, {}),
+}
+
+#: Routers whose backward also reaches the experts a token did not choose.
+#:
+#: * ``densemixer`` (Yao et al., 2025, "DenseMixer: Improving MoE Post-Training with Precise
+#:   Router Gradient", github yaof20/DenseMixer): a straight-through estimate of the top-k
+#:   mask. Its blog derives ``dL/dpi_j = (pi_j + TopK(pi)_j) E_j(x) . dL/dy``; its released code
+#:   (``sparse.detach() + dense - dense.detach()`` with ``dense = sum_j pi_j E_j(x)``) gives
+#:   ``E_j(x) . dL/dy`` to every expert. The default follows the code: it is what every result
+#:   the authors report was trained with. ``densemixer_blog`` is the blog's formula.
+#:   In training every expert's output is computed for every token (a dense pass used only for
+#:   this gradient); the forward output and inference are Switch's.
+#: * ``default_moe`` (Panda et al., 2025, "Dense Backpropagation Improves Training for Sparse
+#:   Mixture-of-Experts", arXiv 2504.12463): each expert keeps a default vector, an exponential
+#:   moving average of its outputs over the tokens routed to it, and an unchosen expert
+#:   contributes ``pi_j * default_j`` to the output (so the router gets ``default_j . dL/dy``).
+#:   The paper adds the defaults to the forward, which is the default here; its code was not
+#:   available to check. ``default_moe_st`` keeps Switch's forward and uses the defaults in the
+#:   backward only.
+UNCHOSEN_EXPERT_RULES: dict[str, UnchosenExperts] = {
+    "densemixer": UnchosenExperts("outputs"),
+    "densemixer_blog": UnchosenExperts("outputs", weight="prob"),
+    "default_moe": UnchosenExperts("defaults", in_forward=True),
+    "default_moe_st": UnchosenExperts("defaults"),
 }
 
 

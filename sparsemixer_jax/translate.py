@@ -58,7 +58,7 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
                          "translation run of experiments.wmt")
     tokenizer = Tokenizer(vocabulary)
     steps = translation.build_steps(config, tokenizer.vocab_size)
-    template = {"params": steps.params, "opt_state": steps.opt_state_shapes(steps.params)}
+    template = steps.train_state(steps.params, steps.opt_state_shapes(steps.params))
     restored, failures = None, []
     for step in steps_on_disk:  # newest first; an unreadable one is named and skipped
         try:
@@ -70,7 +70,7 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
     checkpoints.close()
     if restored is None:
         raise CheckpointError(f"no readable {checkpoint} checkpoint: {'; '.join(failures)}")
-    model = steps.model(restored.state["params"])
+    model = steps.model(restored.state["params"], restored.state.get("batch_stats"))
 
     encoded = [[*tokenizer.encode(line.strip()), tokenizer.eos_id] for line in lines]
     order = sorted(range(len(lines)), key=lambda i: len(encoded[i]))  # similar lengths together

@@ -294,7 +294,7 @@ def test_router_registry():
     for name in ROUTERS:
         out = get_router(name, 0.1)(_logits((3, 4)), KEY, True)
         chex.assert_shape(out.probs, (3, 4))
-        assert uses_omega(name) == (name != "switch")
+        assert uses_omega(name) == name.startswith("sparsemixer")
     with pytest.raises(ValueError, match="unknown router"):
         get_router("top2")
     with pytest.raises(ValueError, match="jitter_eps"):

@@ -66,10 +66,11 @@ def test_fused_step_equals_zero_accumulate_update(steps):
     params = copy(steps.params)
     opt = steps.init_opt(params)
     b = batch()
-    acc = steps.zeros(params, b)
-    acc = steps.accumulate(params, acc, b, jax.random.fold_in(key, 0))
+    stats = steps.batch_stats
+    acc = steps.zeros(params, stats, b)
+    acc, _ = steps.accumulate(params, stats, acc, b, jax.random.fold_in(key, 0))
     ref_params, ref_opt, ref_metrics = steps.update(copy(params), copy(opt), acc)
-    new_params, new_opt, metrics = steps.train_step(copy(params), copy(opt), [b], key)
+    new_params, _, new_opt, metrics = steps.train_step(copy(params), stats, copy(opt), [b], key)
     assert_same_update((ref_params, ref_opt, ref_metrics), (new_params, new_opt, metrics))
     assert not np.allclose(jax.tree.leaves(new_params)[0], jax.tree.leaves(steps.params)[0])
 
@@ -79,12 +80,14 @@ def test_several_micro_batches_take_the_accumulating_path(steps):
     params = copy(steps.params)
     opt = steps.init_opt(params)
     b0, b1 = batch(0), batch(1)
-    acc = steps.zeros(params, b0)
+    stats = steps.batch_stats
+    acc = steps.zeros(params, stats, b0)
     for j, b in enumerate((b0, b1)):
-        acc = steps.accumulate(params, acc, b, jax.random.fold_in(key, j))
+        acc, stats = steps.accumulate(params, stats, acc, b, jax.random.fold_in(key, j))
     ref = steps.update(copy(params), copy(opt), acc)
-    new = steps.train_step(copy(params), copy(opt), [b0, b1], key)
-    assert_same_update(ref, new)
+    new_params, _, new_opt, metrics = steps.train_step(
+        copy(params), steps.batch_stats, copy(opt), [b0, b1], key)
+    assert_same_update(ref, (new_params, new_opt, metrics))
 
 
 @pytest.mark.parametrize("impl", ["xla", "auto"])

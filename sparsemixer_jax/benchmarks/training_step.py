@@ -68,7 +68,7 @@ class TrainStep:
         from sparsemixer_jax.training.steps import count_params
 
         self.steps = translation.build_steps(config, vocab)
-        self.params = self.steps.params
+        self.params, self.batch_stats = self.steps.params, self.steps.batch_stats
         self.opt_state = self.steps.init_opt(self.params)
         self.batch = batch
         self.key = jax.random.key(0)
@@ -81,12 +81,12 @@ class TrainStep:
 
         # The same key every call: the routers see the same jitter/mask draws each time.
         if self.fused:
-            self.params, self.opt_state, metrics = self.steps.train_step(
-                self.params, self.opt_state, [self.batch], self.key)
+            self.params, self.batch_stats, self.opt_state, metrics = self.steps.train_step(
+                self.params, self.batch_stats, self.opt_state, [self.batch], self.key)
         else:
-            acc = self.steps.zeros(self.params, self.batch)
-            acc = self.steps.accumulate(self.params, acc, self.batch,
-                                        jax.random.fold_in(self.key, 0))
+            acc = self.steps.zeros(self.params, self.batch_stats, self.batch)
+            acc, self.batch_stats = self.steps.accumulate(
+                self.params, self.batch_stats, acc, self.batch, jax.random.fold_in(self.key, 0))
             self.params, self.opt_state, metrics = self.steps.update(self.params,
                                                                      self.opt_state, acc)
         self.calls += 1

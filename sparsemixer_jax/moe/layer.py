@@ -28,6 +28,11 @@ from sparsemixer_jax.moe.dispatch import (
     resolve_dispatch,
 )
 from sparsemixer_jax.moe.expert_parallel import expert_parallel_ffn
+from sparsemixer_jax.moe.unchosen import (
+    all_expert_outputs,
+    check_default_decay,
+    update_expert_defaults,
+)
 
 
 def _stream(rngs: nnx.Rngs, name: str, fallback: str) -> nnx.RngStream:
@@ -65,6 +70,8 @@ class MoEFeedForward(nnx.Module):
         outputs zeros, the token's other experts still count.
       activation: the experts' nonlinearity, ``"relu"`` (fairseq's translation Transformer, the
         default) or ``"gelu"`` (BERT / ELECTRA).
+      default_decay: the EMA decay ``beta`` of the default vectors of the ``default_moe``
+        routers, in ``(0, 1)`` (0.9, the Default MoE paper's value for its 8-expert models).
       router_init_scale: variance scale of the router's truncated-normal kernel init (fan-in):
         1.0 is flax's default (LeCun normal, logits of std about 1 on LayerNorm'd inputs), 0.1
         the Switch Transformer's smaller init (std about 0.3).
@@ -77,6 +84,13 @@ class MoEFeedForward(nnx.Module):
 
     Params: ``router`` (``Linear(emb -> N)``), ``wi [N, emb, mlp]``, ``bi [N, mlp]``,
     ``wo [N, mlp, emb]``, ``bo [N, emb]``, and ``omega [emb]`` (SparseMixer routers only).
+    State (``nnx.BatchStat``, updated by every training call, not by the optimizer):
+    ``expert_defaults [N, emb]`` (``default_moe`` routers only, zeros at init).
+
+    Routers with an entry in :data:`sparsemixer_jax.routing.UNCHOSEN_EXPERT_RULES` also give
+    the router a gradient for the experts a token did not choose: DenseMixer from every
+    expert's output (a dense pass over all ``N`` experts in training), Default MoE from the
+    default vectors.
     """
 
     def __init__(
@@ -94,6 +108,7 @@ class MoEFeedForward(nnx.Module):
         capacity_factor: float = 0.0,
         activation: str = "relu",
         router_init_scale: float = 1.0,
+        default_decay: float = 0.9,
         dtype=jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
         rngs: nnx.Rngs,
@@ -115,6 +130,9 @@ class MoEFeedForward(nnx.Module):
             check_grouped_supported()  # one line naming the device if it is no Hopper GPU
         activation_fn(activation)  # validates the name
         routing.get_router(router, jitter_eps, top_k)  # validates the name and jitter_eps
+        self.unchosen = routing.UNCHOSEN_EXPERT_RULES.get(router)
+        if self.unchosen is not None and self.unchosen.values == "defaults":
+            check_default_decay(default_decay)
         if mesh is not None:
             sharding.check_mesh(mesh, num_experts)
 
@@ -157,6 +175,10 @@ class MoEFeedForward(nnx.Module):
         self.bo = sharded(jnp.zeros((n, emb_dim), jnp.float32), ("expert", None))
         self.omega = nnx.Param(jnp.ones((emb_dim,), jnp.float32)) if routing.uses_omega(
             router) else None
+        self.default_decay = float(default_decay)
+        keeps_defaults = self.unchosen is not None and self.unchosen.values == "defaults"
+        self.expert_defaults = nnx.BatchStat(
+            jnp.zeros((n, emb_dim), jnp.float32)) if keeps_defaults else None
         self.router_rng = _stream(rngs, "router", "dropout").fork()
         self.dropout_rng = _stream(rngs, "dropout", "router").fork() if activation_dropout > 0 \
             else None
@@ -248,4 +270,25 @@ class MoEFeedForward(nnx.Module):
         y = f.astype(jnp.float32) * scale
         if k > 1:
             y = jnp.sum(y, axis=2)
+        if self.unchosen is not None and (training or self.unchosen.in_forward):
+            y = y + self._unchosen_term(xc, routed, params, token_mask)
+            if training and self.expert_defaults is not None:
+                self.expert_defaults[...] = update_expert_defaults(
+                    self.expert_defaults[...], f.reshape(batch * length * k, -1),
+                    group.reshape(-1), self.default_decay)
         return y.astype(x.dtype), {name: v.astype(jnp.float32) for name, v in metrics.items()}
+
+    def _unchosen_term(self, xc, routed, params, token_mask) -> jax.Array:
+        """``[B, T, emb]`` float32: :func:`sparsemixer_jax.routing.unchosen_expert_term` with
+        every expert's output (DenseMixer) or the default vectors (Default MoE); zero on
+        padding."""
+        batch, length, _ = xc.shape
+        if self.unchosen.values == "outputs":
+            values = all_expert_outputs(xc.reshape(batch * length, -1), params, self.activation)
+            values = values.reshape(batch, length, self.num_experts, -1)
+        else:
+            values = self.expert_defaults[...]
+        term = routing.unchosen_expert_term(routed.probs, routed.expert, values, self.unchosen)
+        if token_mask is not None:
+            term = term * token_mask[..., None].astype(term.dtype)
+        return term

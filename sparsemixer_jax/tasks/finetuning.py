@@ -134,9 +134,9 @@ def example_losses(outputs: jax.Array, labels: jax.Array, regression: bool) -> j
     return optax.softmax_cross_entropy_with_integer_labels(outputs, labels)
 
 
-def _loss(graphdef, settings: StepSettings, params, rest, batch, key):
+def _loss(graphdef, settings: StepSettings, params, stats, rest, batch, key):
     rest = jax.tree.map(lambda x: x, rest)  # reseed a copy, not the caller's RNG state
-    model = nnx.merge(graphdef, nnx.State(params), rest)
+    model = nnx.merge(graphdef, nnx.State(params), nnx.State(stats), rest)
     dropout_key, router_key = jax.random.split(key)
     nnx.reseed(model, dropout=dropout_key, router=router_key)
     outputs, aux = model(batch["tokens"], batch["segments"], deterministic=False)
@@ -145,23 +145,25 @@ def _loss(graphdef, settings: StepSettings, params, rest, batch, key):
     task_loss = task_loss / jnp.maximum(jnp.sum(weights), 1.0)
     loss = (task_loss + settings.balance_weight * aux["balance_loss"]
             + settings.z_loss_weight * aux["z_loss"])
-    return loss, {"loss": task_loss, "balance_loss": aux["balance_loss"]}
+    metrics = {"loss": task_loss, "balance_loss": aux["balance_loss"]}
+    # Layer state the forward updated (Default MoE's default vectors keep adapting).
+    return loss, (metrics, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
-def _train_step(graphdef, settings, params, rest, opt_state, batch, key, learning_rate,
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
+def _train_step(graphdef, settings, params, stats, rest, opt_state, batch, key, learning_rate,
                 weight_decay):
-    grads, metrics = jax.grad(_loss, argnums=2, has_aux=True)(
-        graphdef, settings, params, rest, batch, key)
+    grads, (metrics, stats) = jax.grad(_loss, argnums=2, has_aux=True)(
+        graphdef, settings, params, stats, rest, batch, key)
     updates, opt_state = _optimizer(settings, learning_rate, weight_decay).update(
         grads, opt_state, params)
     metrics["grad_norm"] = optax.tree.norm(grads)
-    return optax.apply_updates(params, updates), opt_state, metrics
+    return optax.apply_updates(params, updates), stats, opt_state, metrics
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _predict(graphdef, params, rest, batch):
-    model = nnx.merge(graphdef, nnx.State(params), rest)
+def _predict(graphdef, params, stats, rest, batch):
+    model = nnx.merge(graphdef, nnx.State(params), nnx.State(stats), rest)
     outputs, _ = model(batch["tokens"], batch["segments"], deterministic=True)
     return outputs
 
@@ -189,22 +191,23 @@ class TaskData:
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # file -> bad rows left out
 
 
-def predict(graphdef, params, rest, data: glue.Encoded, batch_size: int, length_step: int,
+def predict(graphdef, params, stats, rest, data: glue.Encoded, batch_size: int, length_step: int,
             regression: bool) -> np.ndarray:
     """Class ids (or scores, for regression) of every row of ``data``, in order."""
     out = []
     for batch in glue.batches(data, batch_size, length_step=length_step):
-        outputs = np.asarray(_predict(graphdef, params, rest, batch))
+        outputs = np.asarray(_predict(graphdef, params, stats, rest, batch))
         outputs = outputs[:, 0] if regression else outputs.argmax(-1)
         out.append(outputs[batch["weights"] > 0])
     return np.concatenate(out)
 
 
-def evaluate(graphdef, params, rest, task: TaskData, config: Any) -> dict[str, dict[str, float]]:
+def evaluate(graphdef, params, stats, rest, task: TaskData,
+             config: Any) -> dict[str, dict[str, float]]:
     """``{dev split: {metric: value}}`` of the task's standard metrics."""
     results = {}
     for split, data in task.dev.items():
-        predictions = predict(graphdef, params, rest, data, int(config.eval_batch_size),
+        predictions = predict(graphdef, params, stats, rest, data, int(config.eval_batch_size),
                               int(config.length_step), task.spec.is_regression)
         results[split] = glue_metrics.compute(task.spec.metrics, predictions, data.labels)
     return results
@@ -227,8 +230,8 @@ def finetune_point(encoder_graphdef, encoder_state, task: TaskData, point: GridP
     encoder = nnx.merge(encoder_graphdef, encoder_state)
     model = Classifier(encoder, task.spec.num_outputs, dropout=float(config.head_dropout),
                        rngs=nnx.Rngs(params=seed, dropout=seed + 1))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    params = nnx.to_pure_dict(params)
+    graphdef, params, stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+    params, stats = nnx.to_pure_dict(params), nnx.to_pure_dict(stats)
     opt_state = _optimizer(settings, 0.0, 0.0).init(params)
     steps_per_epoch = math.ceil(len(task.train) / point.batch_size)
     total = steps_per_epoch * point.epochs
@@ -242,8 +245,8 @@ def finetune_point(encoder_graphdef, encoder_state, task: TaskData, point: GridP
         for batch in glue.batches(task.train, point.batch_size, length_step=int(config.length_step),
                                   rng=rng):
             key = jax.random.fold_in(jax.random.key(seed), step)
-            params, opt_state, metrics = _train_step(
-                graphdef, settings, params, rest, opt_state, batch, key,
+            params, stats, opt_state, metrics = _train_step(
+                graphdef, settings, params, stats, rest, opt_state, batch, key,
                 jnp.float32(schedule(step)), jnp.float32(point.weight_decay))
             epoch_metrics.append(metrics)
             step += 1
@@ -256,7 +259,7 @@ def finetune_point(encoder_graphdef, encoder_state, task: TaskData, point: GridP
             history.append({"epoch": epoch, "train_loss": train_loss, "dev": None,
                             "score": float("nan")})
             break
-        dev = evaluate(graphdef, params, rest, task, config)
+        dev = evaluate(graphdef, params, stats, rest, task, config)
         history.append({"epoch": epoch, "train_loss": train_loss,
                         "balance_loss": means["balance_loss"],
                         "grad_norm": means["grad_norm"],

@@ -210,7 +210,7 @@ class PretrainingTask:
         }
 
     def finish(self, run: Run) -> dict[str, Any]:
-        discriminator = run.steps.model(run.params).discriminator
+        discriminator = run.steps.model(run.params, run.batch_stats).discriminator
         return {"num_params_discriminator": count_params(nnx.state(discriminator, nnx.Param))}
 
 
@@ -272,7 +272,7 @@ def load_pretrained(
     tokenizer = Tokenizer(vocab_path)
     text.check_special_pieces(tokenizer)
     built = build_steps(config, tokenizer.vocab_size, mesh)
-    template = {"params": built.params, "opt_state": built.opt_state_shapes(built.params)}
+    template = built.train_state(built.params, built.opt_state_shapes(built.params))
     checkpoints = RunCheckpoints(workdir)
     try:
         step = checkpoints.manager(checkpoint).latest_step()
@@ -282,7 +282,8 @@ def load_pretrained(
         digest = checkpoint_digest(restored.directory)
     finally:
         checkpoints.close()
-    return Pretrained(built.model(restored.state["params"]).discriminator, tokenizer, config,
+    model = built.model(restored.state["params"], restored.state.get("batch_stats"))
+    return Pretrained(model.discriminator, tokenizer, config,
                       checkpoint, int(step), digest)
 
 

@@ -211,21 +211,22 @@ class TranslationTask:
             return {}
         data = run.data.extra
 
-        def translate(params) -> list[str]:
-            return translate_batches(run.steps.model(params), data.test, data.tokenizer,
-                                     len(data.test_sources), config.decode, run.place)
+        def translate(params, batch_stats) -> list[str]:
+            return translate_batches(run.steps.model(params, batch_stats), data.test,
+                                     data.tokenizer, len(data.test_sources), config.decode,
+                                     run.place)
 
-        hyps = {"last": translate(run.params)}
+        hyps = {"last": translate(run.params, run.batch_stats)}
         if run.best_step == int(config.train_steps):  # the best is the last: decode once
             hyps["best"] = hyps["last"]
         elif run.best_step > 0:
-            template = {"params": run.params, "opt_state": run.opt_state}
+            template = run.steps.train_state(run.params, run.opt_state, run.batch_stats)
             try:
                 best = run.checkpoints.restore_checked("best", run.best_step, template).state
             except CheckpointError as e:  # the run's result stands; only its best BLEU is missing
                 logger.warning("no test BLEU of the best checkpoint: %s", e)
             else:
-                hyps["best"] = translate(best["params"])
+                hyps["best"] = translate(best["params"], best.get("batch_stats"))
         results = {}
         for name, texts in hyps.items():
             suffix = "" if name == "last" else "_best"

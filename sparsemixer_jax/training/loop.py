@@ -70,6 +70,7 @@ class Run:
     workdir: str
     steps: Steps
     params: Any
+    batch_stats: Any
     opt_state: Any
     checkpoints: RunCheckpoints
     best_step: int
@@ -118,13 +119,13 @@ def build_model(config: ml_collections.ConfigDict, model_class: type, vocab_size
     return model
 
 
-def evaluate(steps: Steps, params: Any, batches: list, place: BatchPlacer, task: Task,
-             key: jax.Array) -> dict[str, float]:
+def evaluate(steps: Steps, params: Any, batch_stats: Any, batches: list, place: BatchPlacer,
+             task: Task, key: jax.Array) -> dict[str, float]:
     """The task's validation metrics over ``batches`` (sums accumulated in float64)."""
     total = None
     for batch in batches:
         sums = jax.tree.map(lambda x: np.asarray(x, np.float64),
-                            jax.device_get(steps.evaluate(params, place(batch), key)))
+                            jax.device_get(steps.evaluate(params, batch_stats, place(batch), key)))
         total = sums if total is None else jax.tree.map(np.add, total, sums)
     return task.validation_metrics(total)
 
@@ -160,8 +161,11 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
     steps = Steps(model, task.objective(config), OptimSettings.from_config(config.optim))
     del model
     place = BatchPlacer(mesh, task.batch_keys)
-    params = steps.params
+    params, batch_stats = steps.params, steps.batch_stats
     opt_state = steps.init_opt(params)
+
+    def train_state() -> dict[str, Any]:
+        return steps.train_state(params, opt_state, batch_stats)
     accum = task.micro_batches(config)
     logger.info("model: %s parameters; %d micro-batches per update; mesh %s; data %s",
                 f"{count_params(params):,}", accum,
@@ -170,8 +174,7 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
     train_steps = int(config.train_steps)
     checkpoints = RunCheckpoints(workdir)
     start_step, best_loss, best_step = 0, math.inf, -1
-    restored = resume_from_newest_intact(
-        checkpoints, {"params": params, "opt_state": opt_state}, workdir, train_steps)
+    restored = resume_from_newest_intact(checkpoints, train_state(), workdir, train_steps)
     if restored is not None:
         if restored.step == train_steps:
             finished = _finished_results(workdir, train_steps)
@@ -181,6 +184,7 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
                             train_steps)
                 return finished
         params, opt_state = restored.state["params"], restored.state["opt_state"]
+        batch_stats = restored.state.get("batch_stats", batch_stats)
         start_step = restored.step
         best_loss = float(restored.meta["best_valid_loss"])
         best_step = int(restored.meta["best_step"])
@@ -240,8 +244,8 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
             shapes = {tuple(b[k].shape for k in task.batch_keys) for b in micro}
             new_shapes = shapes - seen_shapes
             seen_shapes |= new_shapes
-            params, opt_state, metrics = steps.train_step(
-                params, opt_state, [place(batch) for batch in micro],
+            params, batch_stats, opt_state, metrics = steps.train_step(
+                params, batch_stats, opt_state, [place(batch) for batch in micro],
                 jax.random.fold_in(key, step))
             flush()
             pending = (step, metrics, started, step % int(config.log_every) == 0)
@@ -251,24 +255,22 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
             is_last = step == train_steps
             if step % int(config.eval_every) == 0 or is_last:
                 flush()
-                valid = evaluate(steps, params, data.valid, place, task, eval_key)
+                valid = evaluate(steps, params, batch_stats, data.valid, place, task, eval_key)
                 log.write({"step": step, **valid})
                 if valid["valid_loss"] < best_loss:
                     best_loss, best_step = valid["valid_loss"], step
-                    checkpoints.save_best(step, {"params": params, "opt_state": opt_state},
-                                          meta_for(step))
+                    checkpoints.save_best(step, train_state(), meta_for(step))
                 logger.info("step %d: %s", step, valid)
             if step % int(config.checkpoint_every) == 0 or is_last:
                 flush()
-                checkpoints.save_last(step, {"params": params, "opt_state": opt_state},
-                                      meta_for(step))
+                checkpoints.save_last(step, train_state(), meta_for(step))
         flush()
     finally:
         checkpoints.wait()
         progress.close()
 
     if not valid:  # resumed a finished run that wrote no results: evaluate what is there
-        valid = evaluate(steps, params, data.valid, place, task, eval_key)
+        valid = evaluate(steps, params, batch_stats, data.valid, place, task, eval_key)
     results = {
         "steps": train_steps,
         **valid,
@@ -280,8 +282,8 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
         "num_params": count_params(params),
         "data_stats": data.stats,
     }
-    results.update(task.finish(Run(config, workdir, steps, params, opt_state, checkpoints,
-                                   best_step, data, place)))
+    results.update(task.finish(Run(config, workdir, steps, params, batch_stats, opt_state,
+                                   checkpoints, best_step, data, place)))
     results["config"] = json.loads(config.to_json())
     if is_main_process():
         write_atomically(os.path.join(workdir, "results.json"), json.dumps(results, indent=1))

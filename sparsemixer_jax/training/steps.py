@@ -15,6 +15,11 @@ of the compiled functions) with three methods:
 The functions are module-level, keyed by (graph definition, objective, optimizer settings), so
 every model of the same structure and shapes in a process reuses one compilation. Parameters
 travel as a pure pytree (nested dict of arrays) so that optax and orbax see plain arrays.
+
+``stats`` is the model's state that training forwards update and the optimizer does not
+(``nnx.BatchStat`` variables: Default MoE's default vectors); a pure pytree too, empty for most
+models. It travels beside the parameters through every step (micro-batch after micro-batch), is
+kept unchanged when an update is skipped, and is saved in checkpoints.
 """
 
 from __future__ import annotations
@@ -31,31 +36,44 @@ from flax import nnx
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule, make_optimizer
 
 
-def _loss(graphdef, objective, params, rest, batch, key):
+def _merge(graphdef, params, stats, rest) -> nnx.Module:
     # A fresh copy of the RNG-stream variables at this trace level, so that reseeding them under
     # jax.grad does not mutate the caller's.
     rest = jax.tree.map(lambda x: x, rest)
-    model = nnx.merge(graphdef, nnx.State(params), rest)
-    return objective.loss(model, batch, key)
+    return nnx.merge(graphdef, nnx.State(params), nnx.State(stats), rest)
 
 
-def _gradient(graphdef, objective, params, rest, batch, key):
-    grads, metrics = jax.grad(_loss, argnums=2, has_aux=True)(
-        graphdef, objective, params, rest, batch, key)
-    return {"grads": grads, "metrics": metrics}
+def _loss(graphdef, objective, params, stats, rest, batch, key):
+    model = _merge(graphdef, params, stats, rest)
+    loss, metrics = objective.loss(model, batch, key)
+    return loss, (metrics, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+
+
+def _gradient(graphdef, objective, params, stats, rest, batch, key):
+    """``({"grads", "metrics"}, new stats)`` of one micro-batch."""
+    grads, (metrics, stats) = jax.grad(_loss, argnums=2, has_aux=True)(
+        graphdef, objective, params, stats, rest, batch, key)
+    return {"grads": grads, "metrics": metrics}, stats
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _zero_accumulator(graphdef, objective, params, rest, batch):
-    shapes = jax.eval_shape(lambda p, r, b: _loss(graphdef, objective, p, r, b,
-                                                  jax.random.key(0))[1], params, rest, batch)
+def _zero_accumulator(graphdef, objective, params, stats, rest, batch):
+    shapes = jax.eval_shape(
+        lambda p, s, r, b: _loss(graphdef, objective, p, s, r, b, jax.random.key(0))[1][0],
+        params, stats, rest, batch)
     return {"grads": jax.tree.map(jnp.zeros_like, params),
             "metrics": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
-def _accumulate(graphdef, objective, params, rest, acc, batch, key):
-    return jax.tree.map(jnp.add, acc, _gradient(graphdef, objective, params, rest, batch, key))
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
+def _accumulate(graphdef, objective, params, stats, rest, acc, batch, key):
+    summand, stats = _gradient(graphdef, objective, params, stats, rest, batch, key)
+    return jax.tree.map(jnp.add, acc, summand), stats
+
+
+@jax.jit
+def _keep_if_finite(finite, new, old):
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
 def _apply_update(objective, optim: OptimSettings, params, opt_state, acc):
@@ -78,22 +96,23 @@ def _apply_update(objective, optim: OptimSettings, params, opt_state, acc):
 _update = functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))(_apply_update)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 5))
-def _train_step(graphdef, objective, optim, params, rest, opt_state, batch, key):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 6))
+def _train_step(graphdef, objective, optim, params, stats, rest, opt_state, batch, key):
     """A whole update from one micro-batch in one compiled call: gradient, then optimizer.
 
     The same arithmetic as accumulating into zeros then updating, without materialising the
     accumulator, with one dispatch instead of three, and with XLA free to fuse the gradient's
     last ops into the optimizer's. Parameters and optimizer state are donated.
     """
-    return _apply_update(objective, optim, params, opt_state,
-                         _gradient(graphdef, objective, params, rest, batch, key))
+    summand, new_stats = _gradient(graphdef, objective, params, stats, rest, batch, key)
+    params, opt_state, metrics = _apply_update(objective, optim, params, opt_state, summand)
+    stats = jax.tree.map(lambda n, o: jnp.where(metrics["finite"], n, o), new_stats, stats)
+    return params, stats, opt_state, metrics
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _evaluate(graphdef, objective, params, rest, batch, key):
-    model = nnx.merge(graphdef, nnx.State(params), rest)
-    return objective.evaluate(model, batch, key)
+def _evaluate(graphdef, objective, params, stats, rest, batch, key):
+    return objective.evaluate(_merge(graphdef, params, stats, rest), batch, key)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -105,8 +124,9 @@ class Steps:
     """The compiled steps bound to one model, its objective and optimizer settings."""
 
     def __init__(self, model: nnx.Module, objective: Any, optim: OptimSettings):
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.graphdef, params, stats, self.rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
         self.params = nnx.to_pure_dict(params)
+        self.batch_stats = nnx.to_pure_dict(stats)  # the initial state; {} for most models
         self.objective = objective
         self.optim = optim
         self.schedule = learning_rate_schedule(optim)
@@ -118,39 +138,57 @@ class Steps:
         """The optimizer state's shapes, without computing it (a restore template)."""
         return jax.eval_shape(lambda p: make_optimizer(self.optim).init(p), params)
 
-    def zeros(self, params, batch):
+    def zeros(self, params, stats, batch):
         """A zero accumulator of gradients and metric sums for batches shaped like ``batch``."""
-        return _zero_accumulator(self.graphdef, self.objective, params, self.rest, batch)
+        return _zero_accumulator(self.graphdef, self.objective, params, stats, self.rest, batch)
 
-    def accumulate(self, params, acc, batch, key):
-        """``acc`` plus the gradient and metric sums of ``batch`` (``acc`` is donated)."""
-        return _accumulate(self.graphdef, self.objective, params, self.rest, acc, batch, key)
+    def accumulate(self, params, stats, acc, batch, key):
+        """``(acc + the gradient and metric sums of batch, stats after its forward)``; ``acc``
+        is donated."""
+        return _accumulate(self.graphdef, self.objective, params, stats, self.rest, acc, batch,
+                           key)
 
     def update(self, params, opt_state, acc):
         """The optimizer update from an accumulator: ``(params, opt_state, metrics)``."""
         return _update(self.objective, self.optim, params, opt_state, acc)
 
-    def train_step(self, params, opt_state, micro_batches, step_key):
+    def train_step(self, params, stats, opt_state, micro_batches, step_key):
         """One update from ``micro_batches`` (device batches); micro-batch ``j`` draws its
-        randomness from ``fold_in(step_key, j)``. Returns ``(params, opt_state, metrics)``.
+        randomness from ``fold_in(step_key, j)``. Returns ``(params, stats, opt_state,
+        metrics)``; ``stats`` has gone through every micro-batch's forward, in order, unless the
+        update was skipped (then it is returned unchanged).
 
         One micro-batch: a single compiled call. Several: zero, accumulate each, update. Both
         donate ``params`` and ``opt_state``.
         """
         if len(micro_batches) == 1:
-            return _train_step(self.graphdef, self.objective, self.optim, params, self.rest,
-                               opt_state, micro_batches[0], jax.random.fold_in(step_key, 0))
-        acc = self.zeros(params, micro_batches[0])
+            return _train_step(self.graphdef, self.objective, self.optim, params, stats,
+                               self.rest, opt_state, micro_batches[0],
+                               jax.random.fold_in(step_key, 0))
+        acc = self.zeros(params, stats, micro_batches[0])
+        new_stats = stats
         for j, batch in enumerate(micro_batches):
-            acc = self.accumulate(params, acc, batch, jax.random.fold_in(step_key, j))
-        return self.update(params, opt_state, acc)
+            acc, new_stats = self.accumulate(params, new_stats, acc, batch,
+                                             jax.random.fold_in(step_key, j))
+        params, opt_state, metrics = self.update(params, opt_state, acc)
+        return params, _keep_if_finite(metrics["finite"], new_stats, stats), opt_state, metrics
 
-    def evaluate(self, params, batch, key):
-        return _evaluate(self.graphdef, self.objective, params, self.rest, batch, key)
+    def evaluate(self, params, stats, batch, key):
+        return _evaluate(self.graphdef, self.objective, params, stats, self.rest, batch, key)
 
-    def model(self, params: Any) -> nnx.Module:
-        """The module holding ``params`` (for decoding, or to take a part of it)."""
-        return nnx.merge(self.graphdef, nnx.State(params), self.rest)
+    def train_state(self, params: Any, opt_state: Any, stats: Any = None) -> dict[str, Any]:
+        """What a checkpoint holds: ``params``, ``opt_state`` and, where the model has layer
+        state, ``batch_stats`` (the initial state if None). Models without layer state keep the
+        two-item layout of checkpoints written before layer state existed."""
+        stats = self.batch_stats if stats is None else stats
+        state = {"params": params, "opt_state": opt_state}
+        return {**state, "batch_stats": stats} if stats else state
+
+    def model(self, params: Any, stats: Any = None) -> nnx.Module:
+        """The module holding ``params`` and ``stats`` (the initial state if None), for decoding
+        or to take a part of it."""
+        stats = self.batch_stats if stats is None else stats
+        return nnx.merge(self.graphdef, nnx.State(params), nnx.State(stats), self.rest)
 
 
 def count_params(params: Any) -> int:

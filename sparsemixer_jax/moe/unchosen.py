@@ -1,0 +1,73 @@
+"""What DenseMixer and Default MoE need for the experts a token did not choose.
+
+Both give the router a gradient for every expert, not only the chosen ones
+(:func:`sparsemixer_jax.routing.unchosen_expert_term`); they differ in the vector that stands
+for an unchosen expert's output:
+
+* DenseMixer computes it: :func:`all_expert_outputs`, a dense pass of every token through every
+  expert, in training only. It costs about ``N / k`` times the routed experts' forward FLOPs,
+  and nothing in the backward beyond reading its result (no gradient flows into it).
+* Default MoE keeps one default vector per expert, an exponential moving average of the
+  expert's outputs: :func:`update_expert_defaults`, once per training forward.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sparsemixer_jax.moe.dispatch import activation_fn
+
+
+def all_expert_outputs(
+    x: jax.Array, params: tuple[jax.Array, ...], activation: str = "relu"
+) -> jax.Array:
+    """Every expert's output for every row: ``[rows, N, emb]`` in the dtype of ``x``.
+
+    Args:
+      x: ``[rows, emb]``.
+      params: ``(wi [N, emb, mlp], bi [N, mlp], wo [N, mlp, emb], bo [N, emb])``.
+      activation: the experts' nonlinearity.
+
+    No dropout: the result only stands for the expert's output in the router's gradient (the
+    released DenseMixer code calls the experts as they are, and the models it patches have no
+    dropout in their experts). Gradients are not taken through it.
+    """
+    wi, bi, wo, bo = params
+    hidden = activation_fn(activation)(jnp.einsum("re,nem->rnm", x, wi) + bi)
+    return jnp.einsum("rnm,nme->rne", hidden, wo) + bo
+
+
+def update_expert_defaults(
+    defaults: jax.Array, outputs: jax.Array, group: jax.Array, decay: float
+) -> jax.Array:
+    """One EMA step of the default vectors: ``[N, emb]`` float32.
+
+    For every expert ``i`` that served at least one row,
+    ``default_i <- decay * default_i + (1 - decay) * mean of its rows' outputs``; an expert
+    that served none keeps its vector (Default MoE, Panda et al., 2025, Section 3).
+
+    Args:
+      defaults: float32 ``[N, emb]``, the current vectors.
+      outputs: ``[rows, emb]``, each row's expert output (before the gate).
+      group: int ``[rows]``, the expert of each row; ``N`` (or more) for rows that reached no
+        expert (padding, dropped by capacity), which are left out.
+      decay: the EMA decay ``beta`` in ``(0, 1)``.
+    """
+    num_experts = defaults.shape[0]
+    outputs = jax.lax.stop_gradient(outputs).astype(jnp.float32)
+    sums = jax.ops.segment_sum(outputs, group, num_segments=num_experts + 1)[:num_experts]
+    counts = jax.ops.segment_sum(jnp.ones(group.shape, jnp.float32), group,
+                                 num_segments=num_experts + 1)[:num_experts]
+    means = sums / jnp.maximum(counts, 1.0)[:, None]
+    updated = decay * defaults + (1.0 - decay) * means
+    return jnp.where((counts > 0)[:, None], updated, defaults)
+
+
+def check_default_decay(decay: float) -> None:
+    """ValueError naming the value unless ``0 < decay < 1``."""
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
+        raise ValueError(
+            f"default_decay (the EMA decay of Default MoE's default vectors) must lie in "
+            f"(0, 1), got {decay!r}"
+        )
