@@ -14,6 +14,12 @@ exact expected gradient against the exact top-k gradient
 (``exact_gradient.topk_accuracy_sweep``). GRIN's Appendix A reports v2 at about 0.5x the exact
 norm and its correction at about 1.0x.
 
+Both tables also hold DenseMixer (as released and as its blog writes it) and Default MoE (the
+paper's forward, which adds the unchosen experts' defaults, and a straight-through variant),
+which also send the router a gradient for experts the token did not choose. Default MoE's
+default vectors are the expert outputs plus noise (``--default-noise``, relative to each
+output's norm); the ``*_oracle`` rows use the expert outputs themselves.
+
     python -m experiments.gradient_accuracy --out results.json --plot gradient_accuracy.png
 """
 
@@ -46,6 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
     add("--seed", type=int, default=default.seed)
     add("--top-k", type=int, nargs="*", default=default.top_k,
         help="also sweep top-k routing for these k (none: skip)")
+    add("--default-noise", type=float, default=default.default_noise,
+        help="noise of Default MoE's default vectors, relative to each expert output's norm")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         settings = SweepSettings(**{f.name: getattr(args, f.name)

@@ -27,6 +27,13 @@ probability ``pi^(t)_{D_t}`` (not renormalised). Enumerating every ordered tuple
 ``L = sum P(tuple) g(sum_t pi^(t)_{D_t} f_{D_t})`` with ``P(tuple) = prod_t pi^(t)_{D_t}``, and
 every estimator's expectation by also enumerating its ``2^k`` coin outcomes.
 
+Estimators that also send a gradient to experts the token did not choose (DenseMixer, Yao et
+al. 2025; Default MoE, Panda et al. 2025): :func:`densemixer_gradient`,
+:func:`densemixer_blog_gradient`, :func:`default_moe_gradient`, :func:`default_moe_st_gradient`
+(top-1) and :func:`topk_dense_expected_gradient` (top-k). They keep the sparse forward of the
+chosen experts; here that forward is sampled (``D ~ pi``), like every other estimator on this
+page, whereas the published methods route with the deterministic top-k (Switch-style) forward.
+
 The accuracy experiment (:func:`accuracy_experiment`, ``python -m
 experiments.gradient_accuracy``) scales the expert outputs by ``s`` from 1 down to
 ``min_scale`` on random problems: the slope of log(relative error) against log(s) is an
@@ -179,7 +186,7 @@ def midpoint_rule_gradient(problem: RoutingProblem, probs_fn: ProbsFn) -> jax.Ar
 
 
 def estimator_table(
-    problem: RoutingProblem, probs_fn: ProbsFn
+    problem: RoutingProblem, probs_fn: ProbsFn, defaults: jax.Array | None = None
 ) -> dict[str, jax.Array]:
     """Expected full router gradient ``[N]`` of each estimator, by name.
 
@@ -191,9 +198,16 @@ def estimator_table(
       doubled backward): ``2 J^T m``, the mid-point rule applied to both terms.
     * ``sparsemixer``: the router's default, the reference mix (fair coin).
     * ``sparsemixer_paper``: the paper's text, mid-point on every non-argmax token.
+    * ``densemixer``, ``densemixer_blog``: DenseMixer as released and as its blog writes it
+      (:func:`densemixer_gradient`, :func:`densemixer_blog_gradient`).
+    * ``default_moe``, ``default_moe_st``: Default MoE with the defaults ``defaults [N, d]``
+      (:func:`default_moe_gradient`, :func:`default_moe_st_gradient`); ``*_oracle``: the same
+      with oracle defaults ``v = f``. ``defaults=None`` means oracle defaults.
 
     The ``nabla_0`` part of each is its value minus ``nabla_1``.
     """
+    oracle = problem.expert_outputs
+    defaults = oracle if defaults is None else defaults
     nabla1 = exact_gradient(problem, probs_fn).nabla1
     return {
         "switch": nabla1,
@@ -204,7 +218,122 @@ def estimator_table(
         "sparsemixer_paper": router_expected_gradient(
             problem, probs_fn, estimator="mix", midpoint_prob=1.0
         ),
+        "densemixer": densemixer_gradient(problem, probs_fn),
+        "densemixer_blog": densemixer_blog_gradient(problem, probs_fn),
+        "default_moe": default_moe_gradient(problem, probs_fn, defaults),
+        "default_moe_st": default_moe_st_gradient(problem, probs_fn, defaults),
+        "default_moe_oracle": default_moe_gradient(problem, probs_fn, oracle),
+        "default_moe_st_oracle": default_moe_st_gradient(problem, probs_fn, oracle),
     }
+
+
+# ---------------------------------------- estimators that also reach experts not chosen
+
+
+def noisy_defaults(expert_outputs: jax.Array, key: jax.Array, noise_level: float) -> jax.Array:
+    """Default MoE's default vectors ``[N, d]`` as a real layer would have them.
+
+    ``v_j = f_j + noise_level * ||f_j|| * xi_j / sqrt(d)`` with ``xi_j ~ N(0, I)`` drawn from
+    ``key``. A real default is the running mean of the expert's outputs over many tokens, not
+    this token's output ``f_j``; the noise stands for that difference. ``noise_level = 0`` gives
+    the oracle defaults ``v = f``. Linear in ``expert_outputs`` for a fixed ``key``, so the
+    defaults of the problem scaled by ``s`` are ``s`` times these.
+    """
+    dim = expert_outputs.shape[-1]
+    xi = jax.random.normal(key, expert_outputs.shape, expert_outputs.dtype)
+    norms = jnp.linalg.norm(expert_outputs, axis=-1, keepdims=True)
+    return expert_outputs + noise_level * norms * xi / math.sqrt(dim)
+
+
+def _outcome_slopes(
+    problem: RoutingProblem, outputs: jax.Array, directions: jax.Array
+) -> jax.Array:
+    """``S [M, K]``, ``S[D, j] = g'(outputs_D) . directions_j``: ``outputs [M, d]`` are the MoE
+    outputs of the outcomes ``D``, ``directions [K, d]`` the vectors the router is sent."""
+    return jax.vmap(jax.grad(problem.downstream))(outputs) @ directions.T
+
+
+def densemixer_gradient(problem: RoutingProblem, probs_fn: ProbsFn) -> jax.Array:
+    """Exact expectation ``[N]`` of DenseMixer's router gradient as its released code computes it.
+
+    The code evaluates every expert and outputs ``sparse.detach() + dense - dense.detach()`` with
+    ``dense = sum_j pi_j E_j(x)``: the forward is the sparse output, and ``pi_j`` receives
+    ``g'(y) . f_j`` for every expert ``j``, chosen or not. With ``D ~ pi`` (top-1, sampled;
+    the released code uses the deterministic top-k forward) and ``y = pi_D f_D``:
+
+        c_j = sum_D pi_D g'(pi_D f_D) . f_j,   gradient J^T c.
+    """
+    probs, jac = _jacobian(problem, probs_fn)
+    f = problem.expert_outputs
+    slopes = _outcome_slopes(problem, probs[:, None] * f, f)  # [D, j]
+    return jac.T @ (probs @ slopes)
+
+
+def densemixer_blog_gradient(problem: RoutingProblem, probs_fn: ProbsFn) -> jax.Array:
+    """Exact expectation ``[N]`` of DenseMixer's router gradient as its blog writes it.
+
+    The blog's straight-through rule gives ``E_j(x)`` the coefficient ``pi_j + TopK_j`` on
+    ``dpi_j``: a chosen expert gets the ordinary ``g'(y) . f_j`` plus ``pi_j g'(y) . f_j``, an
+    unchosen one ``pi_j g'(y) . f_j``. With ``D ~ pi`` (top-1, sampled) and ``y = pi_D f_D``:
+
+        c_j = pi_j sum_D pi_D g'(pi_D f_D) . f_j + pi_j g'(pi_j f_j) . f_j,   gradient J^T c.
+    """
+    probs, jac = _jacobian(problem, probs_fn)
+    f = problem.expert_outputs
+    slopes = _outcome_slopes(problem, probs[:, None] * f, f)  # [D, j]
+    return jac.T @ (probs * (probs @ slopes) + probs * jnp.diagonal(slopes))
+
+
+def _default_moe_coefficients(
+    problem: RoutingProblem, probs: jax.Array, defaults: jax.Array, add_defaults: bool
+) -> jax.Array:
+    """Default MoE's expected coefficients ``c [N]`` (top-1, ``D ~ pi``); see
+    :func:`default_moe_gradient` and :func:`default_moe_st_gradient`."""
+    f = problem.expert_outputs
+    outputs = probs[:, None] * f  # [D, d]
+    if add_defaults:  # + sum_{i != D} pi_i v_i
+        outputs = outputs + (probs @ defaults)[None, :] - probs[:, None] * defaults
+    own = jnp.diagonal(_outcome_slopes(problem, outputs, f))  # g'(y_j) . f_j
+    to_defaults = _outcome_slopes(problem, outputs, defaults)  # [D, j]: g'(y_D) . v_j
+    unchosen = probs @ to_defaults - probs * jnp.diagonal(to_defaults)  # sum over D != j
+    return probs * own + unchosen
+
+
+def default_moe_gradient(
+    problem: RoutingProblem, probs_fn: ProbsFn, defaults: jax.Array
+) -> jax.Array:
+    """Exact expectation ``[N]`` of Default MoE's router gradient, forward as in the paper.
+
+    Each expert keeps a default vector ``v_j`` (``defaults [N, d]``, an EMA of its outputs);
+    the forward adds the defaults of the experts not chosen, ``y_D = pi_D f_D +
+    sum_{i != D} pi_i v_i``, so ``pi_j`` receives ``g'(y_D) . v_j`` for ``j != D`` and the
+    ordinary ``g'(y_D) . f_D`` for ``j = D``. With ``D ~ pi`` (top-1, sampled; the paper uses the
+    deterministic top-k forward):
+
+        c_j = pi_j g'(y_j) . f_j + sum_{D != j} pi_D g'(y_D) . v_j,   gradient J^T c.
+
+    The output ``y_D`` is not the problem's ``pi_D f_D``; the result is still compared with the
+    exact gradient of the problem's loss.
+    """
+    probs, jac = _jacobian(problem, probs_fn)
+    return jac.T @ _default_moe_coefficients(problem, probs, defaults, add_defaults=True)
+
+
+def default_moe_st_gradient(
+    problem: RoutingProblem, probs_fn: ProbsFn, defaults: jax.Array
+) -> jax.Array:
+    """Exact expectation ``[N]`` of straight-through Default MoE's router gradient.
+
+    The forward is the ordinary ``y = pi_D f_D``; ``pi_j`` receives ``g'(y) . v_j`` for every
+    unchosen ``j`` (``defaults [N, d]``) and the ordinary ``g'(y) . f_D`` for ``j = D``. With
+    ``D ~ pi`` (top-1, sampled):
+
+        c_j = pi_j g'(pi_j f_j) . f_j + sum_{D != j} pi_D g'(pi_D f_D) . v_j,   gradient J^T c.
+
+    With oracle defaults ``v = f`` this is :func:`densemixer_gradient`.
+    """
+    probs, jac = _jacobian(problem, probs_fn)
+    return jac.T @ _default_moe_coefficients(problem, probs, defaults, add_defaults=False)
 
 
 # ---------------------------------------------------------------------------------- top-k
@@ -307,20 +436,79 @@ def topk_expected_gradient(
     return jnp.sum(jax.vmap(one)(tuples), axis=0)
 
 
+DENSE_ESTIMATORS = ("densemixer", "densemixer_blog", "default_moe", "default_moe_st")
+
+
+def topk_dense_expected_gradient(
+    problem: RoutingProblem,
+    probs_fn: ProbsFn,
+    top_k: int,
+    estimator: str,
+    defaults: jax.Array | None = None,
+) -> jax.Array:
+    """Exact expectation ``[N]`` of the router gradient of an estimator of
+    :data:`DENSE_ESTIMATORS` under top-k sequential sampling.
+
+    For an ordered tuple ``D`` (probability ``P(D) = prod_t pi^(t)_{D_t}``) the forward is
+    ``y = sum_t pi^(t)_{D_t} f_{D_t}``, plus ``sum_{j not in D} pi_j v_j`` for ``default_moe``
+    (``pi`` the first-step distribution ``pi^(1)``, ``v = defaults [N, d]``, oracle ``v = f``
+    when ``None``). The backward sends the ordinary ``g'(y) . f_{D_t}`` to gate ``t`` (through
+    ``pi^(t)_{D_t}``, as :func:`topk_expected_gradient`) and in addition
+
+    * ``densemixer``: ``sum_{j not in D} g'(y) . f_j dpi_j``;
+    * ``densemixer_blog``: ``sum_{all j} pi_j g'(y) . f_j dpi_j``;
+    * ``default_moe``, ``default_moe_st``: ``sum_{j not in D} g'(y) . v_j dpi_j``.
+
+    Weighted by ``P(D)`` and summed over every tuple. ``top_k = 1`` gives the top-1 functions
+    (:func:`densemixer_gradient` and the others). The forward is sampled here; the published
+    methods use the deterministic top-k forward, and DenseMixer's code sends a chosen expert's
+    gradient to ``pi_j`` rather than to the sequential gate ``pi^(t)_{D_t}`` (the same at k=1).
+    """
+    if estimator not in DENSE_ESTIMATORS:
+        raise ValueError(f"unknown estimator {estimator!r}; expected one of {DENSE_ESTIMATORS}")
+    num_experts = problem.logits.shape[-1]
+    tuples = jnp.asarray(ordered_tuples(num_experts, top_k))
+    z = problem.logits
+    f = problem.expert_outputs
+    defaults = f if defaults is None else defaults
+    directions = f if estimator.startswith("densemixer") else defaults
+    probs, jac = _jacobian(problem, probs_fn)
+
+    def one(chosen):
+        gates = _tuple_gates(probs_fn, z, chosen)
+        gate_jac = jax.jacobian(_tuple_gates, argnums=1)(probs_fn, z, chosen)  # [k, N]
+        unchosen = ~jnp.any(jnp.arange(num_experts)[:, None] == chosen[None, :], axis=1)
+        y = gates @ f[chosen]
+        if estimator == "default_moe":
+            y = y + (unchosen * probs) @ defaults
+        slope = jax.grad(problem.downstream)(y)  # g'(y) [d]
+        ordinary = (f[chosen] @ slope) @ gate_jac
+        extra = directions @ slope  # [N]
+        extra = probs * extra if estimator == "densemixer_blog" else unchosen * extra
+        return jnp.prod(gates) * (ordinary + jac.T @ extra)
+
+    return jnp.sum(jax.vmap(one)(tuples), axis=0)
+
+
 TOPK_ESTIMATORS = ("backprop", "mix", "v2", "v2star")
+ORACLE_DEFAULT_ESTIMATORS = ("default_moe_oracle", "default_moe_st_oracle")
+TOPK_TABLE = TOPK_ESTIMATORS + DENSE_ESTIMATORS + ORACLE_DEFAULT_ESTIMATORS
 
 
 def topk_accuracy_sweep(
     problem: RoutingProblem, scales, probs_fn: ProbsFn, top_k: int,
-    estimators=TOPK_ESTIMATORS,
+    estimators=TOPK_TABLE, defaults: jax.Array | None = None,
 ) -> dict[str, dict[str, list[float]]]:
     """Norm ratio, cosine and relative error (the bias) of each estimator's expected gradient
     against the exact top-k gradient as the expert outputs shrink.
 
     ``backprop`` is plain backpropagation through the gates of the sampled experts (its
-    expectation is exactly ``nabla_1``). Returns ``{estimator: {metric: [one per scale]}}`` with
-    metrics ``norm_ratio`` (``|E| / |exact|``), ``cos`` and ``relerr`` (``|E - exact| / |exact|``).
+    expectation is exactly ``nabla_1``). The Default MoE rows use ``defaults [N, d]`` (at scale
+    1, scaled with the outputs; ``None``: oracle), their ``*_oracle`` rows ``v = f``. Returns
+    ``{estimator: {metric: [one per scale]}}`` with metrics ``norm_ratio`` (``|E| / |exact|``),
+    ``cos`` and ``relerr`` (``|E - exact| / |exact|``).
     """
+    defaults = problem.expert_outputs if defaults is None else defaults
 
     @jax.jit
     def measure(scale):
@@ -330,6 +518,12 @@ def topk_accuracy_sweep(
         for name in estimators:
             if name == "backprop":
                 estimate = exact.nabla1
+            elif name in ORACLE_DEFAULT_ESTIMATORS:
+                estimate = topk_dense_expected_gradient(
+                    scaled, probs_fn, top_k, name.removesuffix("_oracle"))
+            elif name in DENSE_ESTIMATORS:
+                estimate = topk_dense_expected_gradient(
+                    scaled, probs_fn, top_k, name, scale * defaults)
             else:
                 estimate = topk_expected_gradient(scaled, probs_fn, top_k, estimator=name)
             out[name] = {
@@ -366,21 +560,23 @@ def loglog_slope(scales, errors) -> float:
 
 
 def accuracy_sweep(
-    problem: RoutingProblem, scales, probs_fn: ProbsFn
+    problem: RoutingProblem, scales, probs_fn: ProbsFn, defaults: jax.Array | None = None
 ) -> dict[str, dict[str, list[float]]]:
     """Cosine similarity and relative error of every estimator as the expert outputs shrink.
 
     Returns ``{estimator: {metric: [one value per scale]}}`` for the metrics ``cos_nabla0``,
     ``relerr_nabla0``, ``cos_full`` and ``relerr_full``.
-    The ``nabla_0`` columns compare ``estimate - nabla_1`` with ``nabla_0``.
+    The ``nabla_0`` columns compare ``estimate - nabla_1`` with ``nabla_0``. Default MoE's
+    ``defaults [N, d]`` are given at scale 1 and scaled with the outputs (``None``: oracle).
     """
+    defaults = problem.expert_outputs if defaults is None else defaults
 
     @jax.jit
     def measure(scale):
         scaled = problem.scaled(scale)
         exact = exact_gradient(scaled, probs_fn)
         out = {}
-        for name, estimate in estimator_table(scaled, probs_fn).items():
+        for name, estimate in estimator_table(scaled, probs_fn, scale * defaults).items():
             part0 = estimate - exact.nabla1
             out[name] = {
                 "cos_nabla0": cosine_similarity(part0, exact.nabla0),
@@ -406,6 +602,12 @@ ESTIMATOR_NOTES = {
     "sparsemixer_2nd": "router estimator='midpoint' (mid-point on both terms)",
     "sparsemixer": "router default: reference mix, fair coin",
     "sparsemixer_paper": "router midpoint_prob=1 (paper's text)",
+    "densemixer": "DenseMixer as released: g'(y).f_j to every pi_j",
+    "densemixer_blog": "DenseMixer's blog: (pi_j + TopK_j) on f_j",
+    "default_moe": "Default MoE, defaults added to the output; noisy defaults",
+    "default_moe_st": "Default MoE straight-through; noisy defaults",
+    "default_moe_oracle": "default_moe with oracle defaults v = f",
+    "default_moe_st_oracle": "default_moe_st with oracle defaults (= densemixer)",
 }
 METRICS = ("relerr_nabla0", "cos_nabla0", "relerr_full", "cos_full")
 
@@ -416,7 +618,8 @@ class SweepSettings:
     of ``num_experts`` experts with outputs of dimension ``dim``, router probabilities under
     ``mask`` with ``jitter_eps``; ``num_scales`` output scales from 1 down to ``min_scale``,
     slopes fitted on the scales <= ``fit_below`` (the asymptotic regime); top-k sweeps for each
-    ``top_k`` (empty: none)."""
+    ``top_k`` (empty: none); Default MoE's defaults with noise ``default_noise``
+    (:func:`noisy_defaults`)."""
 
     num_problems: int = 16
     num_experts: int = 8
@@ -428,6 +631,7 @@ class SweepSettings:
     fit_below: float = 0.1
     seed: int = 0
     top_k: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
+    default_noise: float = 0.5
 
     def __post_init__(self) -> None:
         if self.num_problems < 1 or self.num_experts < 2 or self.dim < 1:
@@ -436,6 +640,8 @@ class SweepSettings:
             raise ValueError("need 0 < --min-scale < 1 and --num-scales >= 3")
         if any(not 1 <= k <= self.num_experts for k in self.top_k):
             raise ValueError(f"--top-k values must lie in [1, --num-experts={self.num_experts}]")
+        if not self.default_noise >= 0:
+            raise ValueError(f"--default-noise must be >= 0, got {self.default_noise}")
         if (self.scales() <= self.fit_below * (1 + 1e-9)).sum() < 2:
             raise ValueError(f"--fit-below {self.fit_below} leaves fewer than 2 scales to fit")
 
@@ -462,7 +668,12 @@ def _accuracy_experiment(settings: SweepSettings) -> dict:
 
     keys = jax.random.split(jax.random.key(settings.seed), settings.num_problems)
     problems = [random_problem(k, settings.num_experts, settings.dim) for k in keys]
-    sweeps = [accuracy_sweep(problem, scales, probs_fn) for problem in problems]
+    defaults = [
+        noisy_defaults(p.expert_outputs, jax.random.fold_in(k, 1), settings.default_noise)
+        for p, k in zip(problems, keys, strict=True)
+    ]
+    sweeps = [accuracy_sweep(p, scales, probs_fn, v) for p, v in zip(problems, defaults,
+                                                                      strict=True)]
     summary = {}
     for name in sweeps[0]:
         entry = {"note": ESTIMATOR_NOTES.get(name, "")}
@@ -482,13 +693,19 @@ def _accuracy_experiment(settings: SweepSettings) -> dict:
         "fit_scales": scales[fit].tolist(),
         "settings": dataclasses.asdict(settings),
         "estimators": summary,
-        "topk": {str(k): _topk_summary(problems, scales, fit, probs_fn, k) for k in settings.top_k},
+        "topk": {
+            str(k): _topk_summary(problems, defaults, scales, fit, probs_fn, k)
+            for k in settings.top_k
+        },
     }
 
 
-def _topk_summary(problems, scales, fit, probs_fn, top_k: int) -> dict:
+def _topk_summary(problems, defaults, scales, fit, probs_fn, top_k: int) -> dict:
     """Per estimator: mean norm ratio and cosine, geometric-mean bias and its slope."""
-    sweeps = [topk_accuracy_sweep(p, scales, probs_fn, top_k) for p in problems]
+    sweeps = [
+        topk_accuracy_sweep(p, scales, probs_fn, top_k, defaults=v)
+        for p, v in zip(problems, defaults, strict=True)
+    ]
     summary = {}
     for name in sweeps[0]:
         norm = np.array([s[name]["norm_ratio"] for s in sweeps])  # [problems, scales]

@@ -86,14 +86,22 @@ def test_experiment_writes_results(tmp_path):
     plot(results, str(png))
     results = json.loads(out.read_text())
     assert set(results["estimators"]) == {
-        "switch", "euler", "midpoint", "sparsemixer_2nd", "sparsemixer", "sparsemixer_paper"
+        "switch", "euler", "midpoint", "sparsemixer_2nd", "sparsemixer", "sparsemixer_paper",
+        "densemixer", "densemixer_blog", "default_moe", "default_moe_st", "default_moe_oracle",
+        "default_moe_st_oracle",
     }
+    assert results["settings"]["default_noise"] == 0.5
     for entry in results["estimators"].values():
         assert len(entry["relerr_full"]) == 5
         assert np.isfinite(entry["slope_full"])
     assert set(results["topk"]) == {"2"}
     for table in results["topk"].values():
-        assert set(table) == set(exact_gradient.TOPK_ESTIMATORS)
+        assert set(table) == set(exact_gradient.TOPK_TABLE)
+        # Noisy defaults move Default MoE away from its oracle row; the oracle
+        # straight-through row is DenseMixer's.
+        assert table["default_moe_st"]["cos"] != table["default_moe_st_oracle"]["cos"]
+        np.testing.assert_allclose(table["default_moe_st_oracle"]["relerr"],
+                                   table["densemixer"]["relerr"], rtol=1e-10)
         for entry in table.values():
             assert len(entry["norm_ratio"]) == len(entry["cos"]) == len(entry["relerr"]) == 5
     assert png.stat().st_size > 10_000
@@ -104,6 +112,8 @@ def test_experiment_rejects_bad_arguments():
         exact_gradient.SweepSettings(min_scale=2)
     with pytest.raises(ValueError, match="top-k"):
         exact_gradient.SweepSettings(num_experts=4, top_k=[5])
+    with pytest.raises(ValueError, match="default-noise"):
+        exact_gradient.SweepSettings(default_noise=-0.1)
 
 
 # ---------------------------------------------------------------- top-k oracle
@@ -161,3 +171,150 @@ def test_grin_appendix_a_norm_ratios(problems):
         top2 = exact_gradient.topk_accuracy_sweep(problems[0], [1e-2, 1e-3], _probs_fn, 2)
         assert min(top2["v2star"]["relerr"]) > 1e-2
         np.testing.assert_allclose(top2["v2"]["relerr"][0], top2["v2"]["relerr"][1], rtol=0.05)
+
+
+# ------------------------------------- DenseMixer and Default MoE: unchosen experts' gradient
+
+DENSE_TOP1 = {
+    "densemixer": lambda p, probs_fn, v: exact_gradient.densemixer_gradient(p, probs_fn),
+    "densemixer_blog": lambda p, probs_fn, v: exact_gradient.densemixer_blog_gradient(p, probs_fn),
+    "default_moe": exact_gradient.default_moe_gradient,
+    "default_moe_st": exact_gradient.default_moe_st_gradient,
+}
+
+
+def _three_expert_problem():
+    """Three experts, plain softmax router, noisy defaults; numpy copies for the hand loops."""
+    problem = exact_gradient.random_problem(jax.random.key(11), num_experts=3, dim=4)
+    defaults = exact_gradient.noisy_defaults(problem.expert_outputs, jax.random.key(12), 0.5)
+    z, f, a, b, v = (np.asarray(x, np.float64) for x in (
+        problem.logits, problem.expert_outputs, problem.weight, problem.bias, defaults))
+    return problem, defaults, z, f, a, b, v
+
+
+def _hand_softmax(z, keep):
+    e = np.where(keep, np.exp(z - z.max()), 0.0)
+    return e / e.sum()
+
+
+def _hand_softmax_jacobian(p):
+    """``d p_i / d z_m = p_i (delta_im - p_m)``; removed experts have ``p = 0``."""
+    return np.diag(p) - np.outer(p, p)
+
+
+def _hand_token_backward(name, gy, f, v, pi, chosen):
+    """The per-token coefficient ``[N]`` on ``dpi_j`` (first-step ``pi``) an estimator adds
+    beyond the ordinary gate gradient, written from the methods' descriptions."""
+    extra = np.zeros(len(pi))
+    for j in range(len(pi)):
+        if name == "densemixer" and j not in chosen:
+            extra[j] = gy @ f[j]
+        elif name == "densemixer_blog":
+            extra[j] = pi[j] * (gy @ f[j])
+        elif name in ("default_moe", "default_moe_st") and j not in chosen:
+            extra[j] = gy @ v[j]
+    return extra
+
+
+@pytest.mark.parametrize("name", list(DENSE_TOP1))
+def test_dense_estimators_top1_by_hand_on_three_experts(name):
+    """Each top-1 expectation against explicit loops over D with g'(y) = A^T cos(A y + b)."""
+    with jax.enable_x64(True):
+        problem, defaults, z, f, a, b, v = _three_expert_problem()
+        got = DENSE_TOP1[name](problem, jax.nn.softmax, defaults)
+        pi = _hand_softmax(z, np.ones(3, bool))
+        jac = _hand_softmax_jacobian(pi)
+        grad = np.zeros(3)
+        for d in range(3):
+            y = pi[d] * f[d]
+            if name == "default_moe":
+                y = y + sum(pi[i] * v[i] for i in range(3) if i != d)
+            gy = a.T @ np.cos(a @ y + b)
+            coef = _hand_token_backward(name, gy, f, v, pi, (d,))
+            coef[d] += gy @ f[d]  # the ordinary gate gradient of the chosen expert
+            grad += pi[d] * (jac.T @ coef)
+        np.testing.assert_allclose(got, grad, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", exact_gradient.DENSE_ESTIMATORS)
+def test_dense_estimators_top2_by_hand_on_three_experts(name):
+    """Top-2 sequential sampling: explicit loops over the six ordered pairs; the second gate is
+    ``pi_b / (1 - pi_a)`` with its softmax Jacobian over the experts left."""
+    with jax.enable_x64(True):
+        problem, defaults, z, f, a, b, v = _three_expert_problem()
+        got = exact_gradient.topk_dense_expected_gradient(
+            problem, jax.nn.softmax, 2, name, defaults)
+        pi = _hand_softmax(z, np.ones(3, bool))
+        jac = _hand_softmax_jacobian(pi)
+        grad = np.zeros(3)
+        for first in range(3):
+            for second in range(3):
+                if second == first:
+                    continue
+                pi2 = _hand_softmax(z, np.arange(3) != first)
+                gates = (pi[first], pi2[second])
+                y = gates[0] * f[first] + gates[1] * f[second]
+                if name == "default_moe":
+                    y = y + sum(pi[j] * v[j] for j in range(3) if j not in (first, second))
+                gy = a.T @ np.cos(a @ y + b)
+                backward = (gy @ f[first]) * jac[first] + (gy @ f[second]) * (
+                    _hand_softmax_jacobian(pi2)[second])
+                coef = _hand_token_backward(name, gy, f, v, pi, (first, second))
+                grad += gates[0] * gates[1] * (backward + jac.T @ coef)
+        np.testing.assert_allclose(got, grad, rtol=1e-12, atol=1e-14)
+
+
+def test_dense_estimators_topk_at_k1_equal_the_top1_formulas(problems):
+    with jax.enable_x64(True):
+        problem = problems[2]
+        defaults = exact_gradient.noisy_defaults(problem.expert_outputs, jax.random.key(3), 0.5)
+        for name, top1 in DENSE_TOP1.items():
+            topk = exact_gradient.topk_dense_expected_gradient(
+                problem, _probs_fn, 1, name, defaults)
+            np.testing.assert_allclose(topk, top1(problem, _probs_fn, defaults), rtol=1e-12,
+                                       atol=1e-14, err_msg=name)
+        with pytest.raises(ValueError, match="unknown estimator"):
+            exact_gradient.topk_dense_expected_gradient(problem, _probs_fn, 1, "mix")
+
+
+def test_oracle_default_moe_st_is_densemixer(problems):
+    """With defaults equal to the expert outputs, straight-through Default MoE sends exactly
+    DenseMixer's gradient (top-1 and top-2); noisy defaults do not."""
+    with jax.enable_x64(True):
+        problem = problems[0]
+        f = problem.expert_outputs
+        np.testing.assert_array_equal(exact_gradient.noisy_defaults(f, jax.random.key(1), 0.0), f)
+        np.testing.assert_allclose(
+            exact_gradient.default_moe_st_gradient(problem, _probs_fn, f),
+            exact_gradient.densemixer_gradient(problem, _probs_fn), rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(
+            exact_gradient.topk_dense_expected_gradient(problem, _probs_fn, 2, "default_moe_st"),
+            exact_gradient.topk_dense_expected_gradient(problem, _probs_fn, 2, "densemixer"),
+            rtol=1e-12, atol=1e-15)
+        noisy = exact_gradient.noisy_defaults(f, jax.random.key(1), 0.5)
+        assert not np.allclose(exact_gradient.default_moe_st_gradient(problem, _probs_fn, noisy),
+                               exact_gradient.densemixer_gradient(problem, _probs_fn), rtol=1e-3)
+        # The defaults scale with the outputs, as the sweeps assume.
+        np.testing.assert_allclose(exact_gradient.noisy_defaults(1e-3 * f, jax.random.key(1), 0.5),
+                                   1e-3 * noisy, rtol=1e-12)
+
+
+def test_densemixer_blog_tends_to_the_exact_gradient_and_the_code_does_not(problems):
+    """As s -> 0 the exact coefficient is ~ 2 pi_j a_j with a_j = g'(0) . f_j (nabla_0 and
+    nabla_1 each give pi_j a_j), the blog's rule gives pi_j a_j + pi_j a_j, the released code
+    a_j: the blog's norm ratio tends to 1, the code's to |J^T a| / |2 J^T (pi a)|."""
+    with jax.enable_x64(True):
+        for problem in problems:
+            small = problem.scaled(1e-4)
+            exact = exact_gradient.exact_gradient(small, _probs_fn).full
+            blog = exact_gradient.densemixer_blog_gradient(small, _probs_fn)
+            code = exact_gradient.densemixer_gradient(small, _probs_fn)
+            norm = np.linalg.norm
+            assert abs(norm(blog) / norm(exact) - 1) < 1e-3
+            assert exact_gradient.cosine_similarity(blog, exact) > 0.99999
+            probs, jac = _probs_fn(small.logits), jax.jacobian(_probs_fn)(small.logits)
+            slopes = small.expert_outputs @ jax.grad(small.downstream)(jnp.zeros(5))  # a_j
+            limit = norm(jac.T @ slopes) / norm(jac.T @ (2 * probs * slopes))
+            np.testing.assert_allclose(norm(code) / norm(exact), limit, rtol=1e-3)
+            assert abs(limit - 1) > 0.05, limit
+            assert exact_gradient.cosine_similarity(code, exact) < 0.99

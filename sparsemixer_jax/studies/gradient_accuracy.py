@@ -8,28 +8,29 @@ def print_table(results: dict) -> None:
     scales = results["scales"]
     shown = [0, len(scales) // 2, len(scales) - 1]
     head = "".join(f"  relerr0@{scales[i]:.0e}" for i in shown)
-    print(f"{'estimator':18s}{head}  slope(nabla0)  slope(full)  cos0@s=1  cosF@s=1")
+    print(f"{'estimator':22s}{head}  slope(nabla0)  slope(full)  cos0@s=1  cosF@s=1")
     for name, e in results["estimators"].items():
         errs = "".join(f"  {e['relerr_nabla0'][i]:>14.2e}" for i in shown)
         print(
-            f"{name:18s}{errs}  {e['slope_nabla0']:5.2f} ± {e['slope_nabla0_std']:.2f}"
+            f"{name:22s}{errs}  {e['slope_nabla0']:5.2f} ± {e['slope_nabla0_std']:.2f}"
             f"  {e['slope_full']:5.2f} ± {e['slope_full_std']:.2f}"
             f"  {e['cos_nabla0'][0]:8.5f}  {e['cos_full'][0]:8.5f}   {e['note']}"
         )
     print(
         f"(relative errors: geometric mean over {results['settings']['num_problems']} problems;"
         f" slopes: mean ± std over problems, fitted on scales {results['fit_scales'][0]:.0e}"
-        f"..{results['fit_scales'][-1]:.0e})"
+        f"..{results['fit_scales'][-1]:.0e}; Default MoE's noisy defaults: noise"
+        f" {results['settings'].get('default_noise', 0.0)})"
     )
     lo = scales[-1]
     for k, table in results.get("topk", {}).items():
         print(f"\ntop-{k}: against the exact top-{k} gradient (norm ratio, cosine: mean"
               f" [± std] over problems; bias = relative error, geometric mean)")
-        print(f"{'estimator':10s}  norm@s=1  norm@s={lo:.0e}        cos@s=1  cos@s={lo:.0e}"
+        print(f"{'estimator':22s}  norm@s=1  norm@s={lo:.0e}        cos@s=1  cos@s={lo:.0e}"
               f"  bias@s=1  bias@s={lo:.0e}  slope(bias)")
         for name, e in table.items():
             print(
-                f"{name:10s}  {e['norm_ratio'][0]:8.3f}  {e['norm_ratio'][-1]:6.3f} ± "
+                f"{name:22s}  {e['norm_ratio'][0]:8.3f}  {e['norm_ratio'][-1]:6.3f} ± "
                 f"{e['norm_ratio_std'][-1]:.3f}  {e['cos'][0]:8.4f}  {e['cos'][-1]:10.4f}"
                 f"  {e['relerr'][0]:8.2e}  {e['relerr'][-1]:10.2e}  {e['slope']:5.2f} ± "
                 f"{e['slope_std']:.2f}"
@@ -55,6 +56,7 @@ def plot(results: dict, path: str) -> None:
                 e[f"relerr_{term}"],
                 marker="o",
                 ms=3,
+                ls=":" if name.startswith(("densemixer", "default_moe")) else "-",
                 label=f"{name} (slope {e[f'slope_{term}']:.2f})",
             )
         ax.set_title(title)
