@@ -193,7 +193,8 @@ def test_balance_normalization_per_batch_is_the_reference_weight(steps):
         objective = translation.TranslationObjective(
             label_smoothing=0.1, balance_weight=weight, z_loss_weight=0.0,
             balance_normalization=normalization)
-        return loss_grad(steps.graphdef, objective, steps.params, steps.rest, b, key)[0]
+        return loss_grad(steps.graphdef, objective, steps.params, steps.batch_stats, steps.rest,
+                         b, key)[0]
 
     per_batch = grad(1.0, "per_batch")
     jax.tree.map(lambda t, u: np.testing.assert_allclose(u, t, rtol=1e-5, atol=1e-7),

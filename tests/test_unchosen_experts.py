@@ -128,6 +128,7 @@ def data():
     return x, mask, head
 
 
+@nnx.jit
 def train_call(layer, x, mask, head):
     """One training forward and backward: ``(y, param grads)``; the layer's state advances."""
     def loss_fn(layer):
@@ -272,13 +273,13 @@ def last_state(workdir, config):
 
 def test_default_vectors_are_checkpointed_and_resumed_exactly(tmp_path):
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    reference = translation.train_and_evaluate(tiny(train_steps=4), straight)
-    translation.train_and_evaluate(tiny(train_steps=2), resumed)
-    again = translation.train_and_evaluate(tiny(train_steps=4), resumed)
+    reference = translation.train_and_evaluate(tiny(train_steps=2), straight)
+    translation.train_and_evaluate(tiny(train_steps=1), resumed)
+    again = translation.train_and_evaluate(tiny(train_steps=2), resumed)
     assert again["valid_loss"] == reference["valid_loss"]
     state, meta = last_state(resumed, tiny())
     expected, _ = last_state(straight, tiny())
-    assert meta["step"] == 4
+    assert meta["step"] == 2
     defaults = jax.tree.leaves(state["batch_stats"])
     assert defaults and all(np.abs(d).sum() > 0 for d in defaults)  # trained, not the zero init
     jax.tree.map(np.testing.assert_array_equal, state, expected)

@@ -125,8 +125,10 @@ class Steps:
 
     def __init__(self, model: nnx.Module, objective: Any, optim: OptimSettings):
         self.graphdef, params, stats, self.rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-        self.params = nnx.to_pure_dict(params)
-        self.batch_stats = nnx.to_pure_dict(stats)  # the initial state; {} for most models
+        # Committed to their devices, as arrays restored from a checkpoint are: jit keys its
+        # cache on committedness, so a resumed run then reuses the compiled steps.
+        self.params = _committed(nnx.to_pure_dict(params))
+        self.batch_stats = _committed(nnx.to_pure_dict(stats))  # {} for most models
         self.objective = objective
         self.optim = optim
         self.schedule = learning_rate_schedule(optim)
@@ -189,6 +191,10 @@ class Steps:
         or to take a part of it."""
         stats = self.batch_stats if stats is None else stats
         return nnx.merge(self.graphdef, nnx.State(params), nnx.State(stats), self.rest)
+
+
+def _committed(tree: Any) -> Any:
+    return jax.tree.map(lambda a: a if a.committed else jax.device_put(a, a.sharding), tree)
 
 
 def count_params(params: Any) -> int:
