@@ -74,11 +74,8 @@ def has_checkpoint(workdir: str) -> bool:
 
 
 def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_manifest(step_dir: str) -> None:

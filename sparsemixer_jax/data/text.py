@@ -300,11 +300,8 @@ PACKING_VERSION = 1
 
 
 def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def packing_key(files: Sequence[str], vocabulary: str, *, seq_len: int, pair_prob: float,
