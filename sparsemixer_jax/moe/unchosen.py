@@ -6,7 +6,9 @@ for an unchosen expert's output:
 
 * DenseMixer computes it: :func:`all_expert_outputs`, a dense pass of every token through every
   expert, in training only. It costs about ``N / k`` times the routed experts' forward FLOPs,
-  and nothing in the backward beyond reading its result (no gradient flows into it).
+  and nothing in the backward beyond reading its result (no gradient flows into it); memory:
+  ``rows x N x mlp`` hidden activations while it runs, ``rows x N x emb`` outputs kept for the
+  backward.
 * Default MoE keeps one default vector per expert, an exponential moving average of the
   expert's outputs: :func:`update_expert_defaults`, once per training forward.
 """
