@@ -17,8 +17,8 @@
 #                    GPU kernels, sm90 only), capacity 1.0 and 1.25 (experiments/bench_grouped.py)
 #   step.json        whole training step: throughput + MFU (dense vs N=4), SparseMixer/Switch
 #                    overhead and the routers alone at N=2,4,8,16; default config (dispatch auto);
-#                    with ROUTERS set, also run "router_cost": those routers against Switch, one
-#                    MoE layer and the whole step, N=4 and 8
+#                    with ROUTERS set, also runs "router_cost_layer" and "router_cost": those
+#                    routers against Switch, one MoE layer and the whole step, N=4 and 8
 #   variants.json    throughput with cuDNN flash attention, unsafe_rbg dropout PRNG, both,
 #                    deterministic GPU ops (its cost), the one-call vs three-call update, and
 #                    (part "flags") two XLA:GPU flags
@@ -117,9 +117,11 @@ for part in "${PARTS[@]}"; do
     step)
       bench step throughput --sections throughput
       bench step overhead --sections overhead router --experts 2 4 8 16
-      if [ -n "$ROUTERS" ]; then
+      if [ -n "$ROUTERS" ]; then  # two runs, each within RUN_LIMIT (8 whole models compile)
         # shellcheck disable=SC2086  # ROUTERS is a list of words
-        bench step router_cost --sections layer_cost overhead --experts 4 8 --routers $ROUTERS
+        bench step router_cost_layer --sections layer_cost --experts 4 8 --routers $ROUTERS
+        # shellcheck disable=SC2086
+        bench step router_cost --sections overhead --experts 4 8 --routers $ROUTERS
       fi
       ;;
     variants)
