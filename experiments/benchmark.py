@@ -3,6 +3,8 @@
     python -m experiments.benchmark --out bench.json                 # sizes for this backend
     python -m experiments.benchmark --out bench.json --backend gpu --repeats 20
     python -m experiments.benchmark --emb 128 --mlp 256 --tokens 512 --experts 2 4 --repeats 2
+    python -m experiments.benchmark --sections layer_cost overhead --experts 4 8 \
+        --routers switch sparsemixer densemixer default_moe          # DenseMixer's cost
     bash experiments/gpu_campaign.sh                                  # every GPU figure
 
 The sections (``--sections``), their JSON and the default sizes:
@@ -44,8 +46,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="JAX platform (default: JAX's default); gpu = cuda (NVIDIA)")
     add("--sections", nargs="+", default=DEFAULT.sections, choices=SECTIONS)
     add("--dispatch", default=DEFAULT.dispatch, choices=DISPATCH_CHOICES,
-        help="whole-step sections (overhead, throughput, fusion, profile): the MoE layers' "
-             "dispatch")
+        help="whole-step sections (overhead, throughput, fusion, profile) and layer_cost: the "
+             "MoE layers' dispatch")
+    add("--routers", nargs="+", default=DEFAULT.routers, metavar="ROUTER",
+        help="overhead and layer_cost: the routers timed against Switch (always timed), e.g. "
+             "switch sparsemixer densemixer default_moe (names: sparsemixer_jax.routing.ROUTERS)")
     add("--layer-dispatches", nargs="+", default=DEFAULT.layer_dispatches,
         choices=["ragged", "padded", "grouped"],
         help="moe_vs_dense: the dispatch implementations timed against dense")

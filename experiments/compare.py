@@ -1,4 +1,5 @@
-"""Convergence study: Switch, SparseMixer, their ablations and the dense baseline, several seeds.
+"""Convergence study: Switch, SparseMixer, their ablations, DenseMixer, Default MoE and the dense
+baseline, several seeds.
 
     python -m experiments.compare --root /tmp/compare --experts 4 --seeds 0 1 2 \
         --out-json docs/compare.json --out-md docs/compare.md --plot docs/convergence.png

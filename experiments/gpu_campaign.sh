@@ -16,7 +16,9 @@
 #                    32,768 rows, emb 512, mlp 2048, N=2,4,8,16): dense, padded, grouped (Mosaic
 #                    GPU kernels, sm90 only), capacity 1.0 and 1.25 (experiments/bench_grouped.py)
 #   step.json        whole training step: throughput + MFU (dense vs N=4), SparseMixer/Switch
-#                    overhead and the routers alone at N=2,4,8,16; default config (dispatch auto)
+#                    overhead and the routers alone at N=2,4,8,16; default config (dispatch auto);
+#                    with ROUTERS set, also runs "router_cost_layer" and "router_cost": those
+#                    routers against Switch, one MoE layer and the whole step, N=4 and 8
 #   variants.json    throughput with cuDNN flash attention, unsafe_rbg dropout PRNG, both,
 #                    deterministic GPU ops (its cost), the one-call vs three-call update, and
 #                    (part "flags") two XLA:GPU flags
@@ -38,6 +40,7 @@ RUN_LIMIT=${RUN_LIMIT:-560}  # seconds; one run past it is stopped and the campa
 PLATFORM=${PLATFORM:-cuda}  # PLATFORM=cpu BENCH_ARGS="--emb 16 ..." checks the script on a CPU
 BENCH_ARGS=${BENCH_ARGS:-}  # appended to every benchmark run (e.g. smaller sizes)
 GROUPED_ARGS=${GROUPED_ARGS:-}  # appended to the grouped part (on a CPU: "--interpret --tiny --experts 2")
+ROUTERS=${ROUTERS:-}  # e.g. "sparsemixer densemixer default_moe": part "step" times them against Switch
 PARTS=("$@")
 [ ${#PARTS[@]} -eq 0 ] && PARTS=(env layer grouped step variants flags profile decode tests)
 mkdir -p "$OUT"
@@ -114,6 +117,12 @@ for part in "${PARTS[@]}"; do
     step)
       bench step throughput --sections throughput
       bench step overhead --sections overhead router --experts 2 4 8 16
+      if [ -n "$ROUTERS" ]; then  # two runs, each within RUN_LIMIT (8 whole models compile)
+        # shellcheck disable=SC2086  # ROUTERS is a list of words
+        bench step router_cost_layer --sections layer_cost --experts 4 8 --routers $ROUTERS
+        # shellcheck disable=SC2086
+        bench step router_cost --sections overhead --experts 4 8 --routers $ROUTERS
+      fi
       ;;
     variants)
       bench variants cudnn_attention --sections throughput --attention-impl cudnn

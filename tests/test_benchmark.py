@@ -56,6 +56,40 @@ def test_overhead_section_json(monkeypatch):
     assert out["4"]["paired_ratio"]["n"] == 3
 
 
+def test_overhead_section_times_any_router_against_switch(monkeypatch):
+    """``routers``: Switch first (added if missing), every other router with its paired wall and
+    CPU-time ratios and the FLOP ratio of the model FLOP count; SparseMixer's ``ratio`` kept."""
+    built = []
+
+    class FakeStep:
+        def __init__(self, config, vocab, batch):
+            built.append(config.router.name)
+
+        def __call__(self):
+            return np.zeros(())
+
+    monkeypatch.setattr(training_step, "TrainStep", FakeStep)
+    sizes = {"emb": 16, "mlp": 32, "heads": 2, "layers": 1, "vocab": 64, "tokens": 64,
+             "length": 8}
+    out = training_step.bench_overhead(sizes, [4], "float32", warmup=1, repeats=2,
+                                       routers=["densemixer", "default_moe", "sparsemixer"])
+    assert built == ["switch", "densemixer", "default_moe", "sparsemixer"]
+    row = out["4"]
+    assert list(row["to_switch"]) == built and "ratio" in row and "densemixer_s" in row
+    dm = row["to_switch"]["densemixer"]
+    assert dm["paired_ratio"]["n"] == 2 and dm["paired_cpu_ratio"]["n"] == 2
+    assert dm["flop_ratio"] == pytest.approx(flops.model_flops_per_step(sizes, 4, "densemixer")
+                                             / flops.model_flops_per_step(sizes, 4))
+    assert row["to_switch"]["sparsemixer"]["flop_ratio"] == 1.0
+    table = report.markdown_tables({"overhead": out})
+    assert "| 4 | densemixer |" in table and "| 4 | switch |" in table
+    # Without SparseMixer there is no SparseMixer ratio, and the table still prints.
+    out = training_step.bench_overhead(sizes, [4], "float32", warmup=1, repeats=1,
+                                       routers=["default_moe"])
+    assert "ratio" not in out["4"] and list(out["4"]["to_switch"]) == ["switch", "default_moe"]
+    assert "| 4 | default_moe |" in report.markdown_tables({"overhead": out})
+
+
 def test_fusion_section_json(monkeypatch):
     """The fusion section's bookkeeping, with a stand-in for the compiled training step."""
     built = []
@@ -128,13 +162,15 @@ def test_gpu_campaign_script_parses_and_names_real_files():
 
 @pytest.mark.slow
 def test_benchmark_whole_training_step(tmp_path):
-    """The real thing at tiny sizes: two compiled training steps (about 20 s on an idle 2-core
-    CPU, most of it compilation)."""
+    """The real thing at tiny sizes: four compiled training steps, Switch, SparseMixer,
+    DenseMixer and Default MoE (about a minute on 2 shared CPU cores, most of it compilation)."""
     out = tmp_path / "bench.json"
-    runner.run(runner.BenchmarkSettings(out=str(out), experts=[2], sections=["overhead"], **TINY),
-               command="test")
+    runner.run(runner.BenchmarkSettings(out=str(out), experts=[2], sections=["overhead"],
+                                        routers=["sparsemixer", "densemixer", "default_moe"],
+                                        **TINY), command="test")
     saved = json.loads(out.read_text())
     assert saved["overhead"]["2"]["ratio"] > 0
+    assert saved["overhead"]["2"]["to_switch"]["densemixer"]["flop_ratio"] > 1
 
 
 def test_model_flops_counts_the_output_projection():
@@ -144,6 +180,89 @@ def test_model_flops_counts_the_output_projection():
     assert with_vocab - flops.model_flops_per_step(sizes, 0) == 3 * 4 * 2 * 8 * 10
     # Top-1 MoE adds only the router's FLOPs.
     assert flops.model_flops_per_step(sizes, 4) > flops.model_flops_per_step(sizes, 0)
+
+
+def test_unchosen_expert_flops_by_hand():
+    """DenseMixer's dense pass (forward only) and the unchosen-expert term of DenseMixer and
+    Default MoE, counted by hand on emb 2, mlp 3, N = 4."""
+    e, m, n = 2, 3, 4
+    # All 4 experts, two matmuls each (2 e m + 2 m e), forward only: 4 * 24 = 96.
+    # sum_j c_j pi_j v_j ([4] x [4, 2]): 2 * 4 * 2 = 16 forward, 16 backward (coefficients only).
+    assert flops.unchosen_flops_per_token("densemixer", e, m, n) == {
+        "dense_pass": 96.0, "unchosen_term": 32.0, "total": 128.0}
+    assert flops.unchosen_flops_per_token("densemixer_blog", e, m, n)["total"] == 128.0
+    for router in ("default_moe", "default_moe_st"):
+        assert flops.unchosen_flops_per_token(router, e, m, n) == {
+            "dense_pass": 0.0, "unchosen_term": 32.0, "total": 32.0}
+    for router in ("switch", "sparsemixer", "sparsemixer_v2"):
+        assert flops.unchosen_flops_per_token(router, e, m, n)["total"] == 0.0
+    with pytest.raises(ValueError, match="unknown router"):
+        flops.unchosen_flops_per_token("nope", e, m, n)
+    # One layer, fwd + bwd: 3 * (router 2 e N = 16 + expert 4 e m = 24) = 120, plus the above.
+    assert flops.moe_layer_flops_per_token(e, m, n) == 120.0
+    assert flops.moe_layer_flops_per_token(e, m, n, "densemixer") == 248.0
+    assert flops.moe_layer_flops_per_token(e, m, n, "default_moe") == 152.0
+    # The whole step: one MoE layer in encoder and decoder (layers = 1), 4 tokens per side.
+    sizes = {"emb": 8, "mlp": 16, "layers": 1, "vocab": 10, "tokens": 4, "length": 4}
+    switch = flops.model_flops_per_step(sizes, 4)
+    assert flops.model_flops_per_step(sizes, 4, "sparsemixer") == switch
+    assert flops.model_flops_per_step(sizes, 4, "densemixer") - switch == \
+        4 * 2 * (4 * 4 * 8 * 16 + 4 * 4 * 8)
+    assert flops.model_flops_per_step(sizes, 4, "default_moe") - switch == 4 * 2 * (4 * 4 * 8)
+    assert flops.model_flops_per_step(sizes, 0, "densemixer") == flops.model_flops_per_step(
+        sizes, 0)
+
+
+def test_dense_pass_flops_match_xla_cost_analysis():
+    """XLA's own count of ``all_expert_outputs`` is the dense-pass term plus the bias adds and
+    the ReLU (``rows * N * (2 m + e)``), which the model-FLOP convention leaves out."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparsemixer_jax.moe.unchosen import all_expert_outputs
+
+    rows, n, e, m = 5, 4, 2, 3
+    params = (jnp.ones((n, e, m)), jnp.ones((n, m)), jnp.ones((n, m, e)), jnp.ones((n, e)))
+    cost = jax.jit(all_expert_outputs).lower(jnp.ones((rows, e)), params).compile() \
+        .cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    dense_pass = flops.unchosen_flops_per_token("densemixer", e, m, n)["dense_pass"]
+    assert cost["flops"] == rows * dense_pass + rows * n * (2 * m + e)
+
+
+def test_layer_cost_section_runs(tmp_path):
+    """One MoE layer with Switch, DenseMixer and Default MoE at tiny sizes (three compilations);
+    the Default MoE step computes the update of its default vectors."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sparsemixer_jax.benchmarks.layers import layer_step
+    from sparsemixer_jax.moe import MoEFeedForward
+
+    out = tmp_path / "bench.json"
+    runner.run(runner.BenchmarkSettings(
+        out=str(out), experts=[2], sections=["layer_cost"],
+        routers=["densemixer", "default_moe"], **TINY), command="test")
+    saved = json.loads(out.read_text())
+    assert saved["routers"] == ["switch", "densemixer", "default_moe"]
+    rows = saved["layer_cost"]["2"]["to_switch"]
+    assert list(rows) == saved["routers"]
+    e, m = TINY["emb"], TINY["mlp"]
+    assert rows["densemixer"]["flop_ratio"] == pytest.approx(
+        flops.moe_layer_flops_per_token(e, m, 2, "densemixer")
+        / flops.moe_layer_flops_per_token(e, m, 2))
+    assert rows["densemixer"]["time"]["median"] > 0
+    assert "| 2 | default_moe |" in report.markdown_tables(saved)
+
+    layer = MoEFeedForward(e, m, 2, router="default_moe", rngs=nnx.Rngs(0))
+    _, state = layer_step(layer, jnp.ones((2, 4, e)))()
+    defaults = jax.tree.leaves(state)
+    assert len(defaults) == 1 and float(jnp.abs(defaults[0]).sum()) > 0
+    assert float(jnp.abs(layer.expert_defaults[...]).sum()) == 0  # the layer is left unchanged
+    with pytest.raises(ValueError, match="unknown routers"):
+        runner.run(runner.BenchmarkSettings(out=None, sections=["layer_cost"],
+                                            routers=["nope"], **TINY), command="test")
 
 
 def test_summarize_trace_self_times(tmp_path):

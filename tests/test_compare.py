@@ -30,6 +30,62 @@ def test_arm_names_parse_into_config_fields():
             parse_arm(bad)
 
 
+@pytest.mark.parametrize("router", ["densemixer", "densemixer_blog", "default_moe",
+                                    "default_moe_st"])
+def test_unchosen_expert_router_arms_parse_with_modifiers(router):
+    """Router names with underscores: the router is everything before ``_n{N}`` (the regex is
+    non-greedy, so ``default_moe_st_n4`` must not stop at ``default``)."""
+    assert parse_arm(f"{router}_n4") == {"router.name": router, "model.num_experts": 4}
+    assert arm_settings(f"{router}_n16") == (router, 16)
+    assert parse_arm(f"{router}_n8_lr2e-3_eps0.5_bal1e-3_z1e-4") == {
+        "router.name": router, "model.num_experts": 8, "optim.peak_lr": 2e-3,
+        "router.jitter_eps": 0.5, "router.balance_weight": 1e-3, "router.z_loss_weight": 1e-4}
+    arms = ["switch_n4_lr2e-3", f"{router}_n4_lr2e-3", "switch_n4", f"{router}_n4_eps0.5"]
+    assert target_arm(f"{router}_n4_lr2e-3", arms) == "switch_n4_lr2e-3"
+    assert target_arm(f"{router}_n4_eps0.5", arms) == "switch_n4"
+
+
+def test_unknown_router_in_an_arm_is_refused():
+    for bad in ("densmixer_n4", "default_n4", "default_moe_s_n4"):
+        with pytest.raises(ValueError, match="unknown router"):
+            parse_arm(bad)
+
+
+def test_successors_study_arms_and_their_switch_target():
+    arms = study_arms(["successors"], [4, 8])
+    assert arms == ["switch_n4", "sparsemixer_n4", "densemixer_n4", "default_moe_n4",
+                    "switch_n8", "sparsemixer_n8", "densemixer_n8", "default_moe_n8"]
+    assert [arm_settings(a)[0] for a in arms[:4]] == ["switch", "sparsemixer", "densemixer",
+                                                      "default_moe"]
+    for arm in arms:
+        n = arm_settings(arm)[1]
+        assert target_arm(arm, arms) == f"switch_n{n}"
+    # With the lr study, a rate arm meets Switch at that rate.
+    assert target_arm("default_moe_n4_lr2e-3", [*arms, "switch_n4_lr2e-3"]) == "switch_n4_lr2e-3"
+
+
+def test_compare_command_line_takes_the_successors_study_and_default_decay(tmp_path):
+    """``--study successors`` and ``--override router.default_decay=0.99`` reach the config of a
+    Default MoE run, which the config validation accepts (an out-of-range decay it refuses)."""
+    from experiments import compare
+    from sparsemixer_jax import config as config_lib
+
+    args = compare.parse_args(["--root", str(tmp_path), "--study", "successors", "--experts",
+                               "4", "--override", "router.default_decay=0.99"])
+    assert args.arms == ["switch_n4", "sparsemixer_n4", "densemixer_n4", "default_moe_n4"]
+    config = runner.make_config("configs/multi30k_compare.py", "default_moe_st_n4_lr2e-3", 0,
+                                None, args.override)
+    assert (config.router.name, config.model.num_experts) == ("default_moe_st", 4)
+    assert config.router.default_decay == 0.99 and config.optim.peak_lr == 2e-3
+    config_lib.validate(config)
+    config = runner.make_config("configs/multi30k_compare.py", "default_moe_n4", 0, None,
+                                ["router.default_decay=1.0"])
+    with pytest.raises(ValueError, match="default_decay"):
+        config_lib.validate(config)
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--root", str(tmp_path), "--arms", "densmixer_n4"])
+
+
 def test_target_arm_prefers_switch_with_the_same_modifiers():
     arms = study_arms(["main", "lr", "ablations"], [4, 8])
     assert target_arm("sparsemixer_n4_lr2e-3", arms) == "switch_n4_lr2e-3"

@@ -13,7 +13,47 @@ PEAK_FLOPS = {
 }
 
 
-def model_flops_per_step(sizes: dict[str, int], num_experts: int) -> float:
+def unchosen_flops_per_token(router: str, emb: int, mlp: int, num_experts: int
+                             ) -> dict[str, float]:
+    """Extra model FLOPs per token and MoE layer of one training step (forward + backward) that
+    ``router`` adds to Switch's top-1 layer: what DenseMixer and Default MoE
+    (``routing.UNCHOSEN_EXPERT_RULES``) compute for the experts a token did not choose.
+
+    * ``dense_pass``: DenseMixer's pass of every token through all ``N`` experts,
+      ``N * 4 e m`` (two matmuls per expert), forward only: no gradient flows into it, so it has
+      no backward (``moe.unchosen.all_expert_outputs``). Zero for the other routers.
+    * ``unchosen_term``: the contraction ``sum_j c_j pi_j v_j`` of ``routing.unchosen_expert_term``
+      (``[N] x [N, e]`` per token), ``2 N e`` forward and ``2 N e`` backward (the gradient of the
+      coefficients only; ``v`` is held constant). DenseMixer and Default MoE alike.
+    * ``total``: their sum.
+
+    Left out, as LayerNorm and softmax are: the coefficients' elementwise products and Default
+    MoE's EMA update of its default vectors (a segment sum of the routed outputs, about ``e``
+    additions per token). Every other router (Switch, SparseMixer and its variants: the same
+    matmuls as Switch) adds nothing.
+    """
+    from sparsemixer_jax import routing
+
+    rule = routing.UNCHOSEN_EXPERT_RULES.get(router)
+    if router not in routing.ROUTERS:
+        raise ValueError(f"unknown router {router!r}; choose one of {sorted(routing.ROUTERS)}")
+    e, m, n = emb, mlp, num_experts
+    dense_pass = float(n * 4 * e * m) if rule is not None and rule.values == "outputs" else 0.0
+    term = float(4 * n * e) if rule is not None else 0.0
+    return {"dense_pass": dense_pass, "unchosen_term": term, "total": dense_pass + term}
+
+
+def moe_layer_flops_per_token(emb: int, mlp: int, num_experts: int, router: str = "switch"
+                              ) -> float:
+    """Model FLOPs per token of one top-1 MoE layer's forward + backward (gradients of the
+    parameters and the input, as ``benchmarks.layers.layer_step`` takes them): ``3 x`` the
+    forward's router ``2 e N`` and expert ``4 e m``, plus :func:`unchosen_flops_per_token`."""
+    e, m, n = emb, mlp, num_experts
+    return 3.0 * (2 * e * n + 4 * e * m) + unchosen_flops_per_token(router, e, m, n)["total"]
+
+
+def model_flops_per_step(sizes: dict[str, int], num_experts: int,
+                         router: str = "switch") -> float:
     """Model FLOPs of one training step (forward + backward = 3 x forward matmul FLOPs).
 
     Per token and layer, forward: attention projections ``8 e^2`` (q, k, v, out), scores and
@@ -22,19 +62,23 @@ def model_flops_per_step(sizes: dict[str, int], num_experts: int) -> float:
     ``4 e^2`` for k/v per source token, ``4 L e`` scores) and the output projection ``2 e V``.
     Causal self-attention is counted in full (it is computed in full). Embedding gathers,
     LayerNorm, softmax and dispatch are not counted (MFU convention: model FLOPs, not hardware
-    FLOPs).
+    FLOPs). ``router``: what it adds per token in every MoE layer of encoder and decoder
+    (:func:`unchosen_flops_per_token`: DenseMixer's forward-only dense pass, the unchosen-expert
+    term of DenseMixer and Default MoE), not multiplied by 3.
     """
     e, m, n_layers, v = sizes["emb"], sizes["mlp"], sizes["layers"], sizes["vocab"]
     length = sizes["length"]
     tokens = max(1, sizes["tokens"] // length) * length  # per side
     moe_layers = (n_layers + 1) // 2 if num_experts else 0  # moe_every = 2: layers 0, 2, ...
-    router = 2 * e * num_experts * moe_layers
+    router_matmul = 2 * e * num_experts * moe_layers
     ffn = 4 * e * m
-    encoder = n_layers * (8 * e * e + 4 * length * e + ffn) + router
-    decoder = n_layers * (8 * e * e + 4 * length * e + ffn + 4 * e * e + 4 * length * e) + router
+    encoder = n_layers * (8 * e * e + 4 * length * e + ffn) + router_matmul
+    decoder = (n_layers * (8 * e * e + 4 * length * e + ffn + 4 * e * e + 4 * length * e)
+               + router_matmul)
     cross_kv = n_layers * 4 * e * e  # per source token
     forward = tokens * (encoder + cross_kv + decoder + 2 * e * v)
-    return 3.0 * forward
+    extra = unchosen_flops_per_token(router, e, m, num_experts)["total"] if num_experts else 0.0
+    return 3.0 * forward + tokens * 2 * moe_layers * extra  # 2: encoder and decoder
 
 
 def device_peak(dtype: str) -> tuple[str, float | None]:

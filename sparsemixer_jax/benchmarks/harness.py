@@ -53,6 +53,39 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int, repeats: in
     return times
 
 
+def with_switch_first(routers: Sequence[str]) -> list[str]:
+    """``routers`` with ``switch`` (the reference every ratio is taken to) first, no repeats."""
+    return list(dict.fromkeys(["switch", *routers]))
+
+
+def ratios_to(times: dict[str, list[float]], reference: str,
+              cpu_times: dict[str, list[float]] | None = None,
+              flops: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
+    """Each timed function against ``reference``, from the times of :func:`time_interleaved`.
+
+    Per name: ``time`` (its :func:`stats`), ``ratio`` (median over the reference's median),
+    ``paired_ratio`` (stats of the ratios of the calls timed in the same repeat, under nearly
+    the same load: their spread is the noise floor of ``ratio``), with ``cpu_times`` also
+    ``cpu_time`` and ``paired_cpu_ratio`` (process CPU seconds, which waiting for a shared core
+    does not inflate), and with ``flops`` (model FLOPs per call) ``flops`` and ``flop_ratio``.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    ref = times[reference]
+    for name, t in times.items():
+        row: dict[str, Any] = {
+            "time": stats(t), "ratio": statistics.median(t) / statistics.median(ref),
+            "paired_ratio": stats([b / a for a, b in zip(ref, t, strict=True)])}
+        if cpu_times is not None:
+            cref, c = cpu_times[reference], cpu_times[name]
+            row["cpu_time"] = stats(c)
+            row["paired_cpu_ratio"] = stats([b / a for a, b in zip(cref, c, strict=True)])
+        if flops is not None:
+            row["flops"] = flops[name]
+            row["flop_ratio"] = flops[name] / flops[reference]
+        out[name] = row
+    return out
+
+
 def machine() -> dict[str, Any]:
     import jax
 

@@ -1,13 +1,20 @@
 """Benchmarks of single layers: the routers alone, one MoE layer against the dense feed-forward
-layer of the same per-token FLOPs, the ``padded`` dispatch's block sizes, and the expert
-dispatches on their own (``expert_ffn``: ``ragged`` against ``padded``)."""
+layer of the same per-token FLOPs, one MoE layer with each router against Switch's, the
+``padded`` dispatch's block sizes, and the expert dispatches on their own (``expert_ffn``:
+``ragged`` against ``padded``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sparsemixer_jax.benchmarks.harness import load_average, stats, time_interleaved
+from sparsemixer_jax.benchmarks.harness import (
+    load_average,
+    ratios_to,
+    stats,
+    time_interleaved,
+    with_switch_first,
+)
 
 
 def bench_router(tokens: int, experts: Sequence[int], warmup: int, repeats: int,
@@ -50,7 +57,11 @@ def bench_router(tokens: int, experts: Sequence[int], warmup: int, repeats: int,
 
 def layer_step(layer: Any, x: Any) -> Callable[[], Any]:
     """Jitted forward + backward (params and input) of ``sum(y^2)`` through ``layer``, as a
-    zero-argument call; dropout active (training mode), the same RNG state every call."""
+    zero-argument call; dropout active (training mode), the same RNG state every call.
+
+    The call also returns the layer's updated ``nnx.BatchStat`` state (Default MoE's default
+    vectors), so that the compiled step computes their update as a training step does; the
+    layer itself is left unchanged."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -64,11 +75,54 @@ def layer_step(layer: Any, x: Any) -> Callable[[], Any]:
             # dropout stream can advance inside the traced function.
             layer = nnx.merge(graphdef, params, jax.tree.map(lambda v: v, rest))
             y, _ = layer(x, deterministic=False)
-            return jnp.sum(y.astype(jnp.float32) ** 2)
+            return jnp.sum(y.astype(jnp.float32) ** 2), nnx.state(layer, nnx.BatchStat)
 
-        return jax.grad(loss, argnums=(0, 1))(params, x)
+        return jax.grad(loss, argnums=(0, 1), has_aux=True)(params, x)
 
     return lambda: grads(params, rest, x)
+
+
+def bench_layer_cost(sizes, experts, routers, dtype, warmup, repeats, dispatch: str = "auto",
+                     dropout: float = 0.1) -> dict[str, Any]:
+    """One top-1 MoE layer's forward + backward (:func:`layer_step`) with each router, Switch
+    first (the reference), interleaved, for each N: the cost of DenseMixer's dense pass and of
+    Default MoE's terms next to their FLOP ratio
+    (:func:`sparsemixer_jax.benchmarks.flops.moe_layer_flops_per_token`).
+
+    JSON per N: ``to_switch[router]`` (:func:`harness.ratios_to`: seconds, ratio of medians,
+    paired wall and CPU-time ratios, FLOPs per call and FLOP ratio) and ``load_average``."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sparsemixer_jax.benchmarks.flops import moe_layer_flops_per_token
+    from sparsemixer_jax.moe import MoEFeedForward
+
+    routers = with_switch_first(routers)
+    compute = jnp.dtype(dtype)
+    rows = max(1, sizes["tokens"] // sizes["length"])
+    x = jax.random.normal(jax.random.key(1), (rows, sizes["length"], sizes["emb"]), compute)
+    tokens = rows * sizes["length"]
+    out: dict[str, Any] = {}
+    for n in experts:
+        fns = {}
+        for router in routers:
+            layer = MoEFeedForward(sizes["emb"], sizes["mlp"], n, router=router,
+                                   activation_dropout=dropout, dispatch=dispatch, dtype=compute,
+                                   rngs=nnx.Rngs(0))
+            fns[router] = layer_step(layer, x)
+        flops = {r: tokens * moe_layer_flops_per_token(sizes["emb"], sizes["mlp"], n, r)
+                 for r in routers}
+        load_before = load_average()
+        cpu: dict[str, list[float]] = {}
+        times = time_interleaved(fns, warmup, repeats, cpu_times=cpu)
+        to_switch = ratios_to(times, "switch", cpu, flops)
+        out[str(n)] = {"to_switch": to_switch, "load_average": [load_before, load_average()]}
+        print(f"layer_cost N={n}: switch {to_switch['switch']['time']['median']*1e3:.1f} ms; "
+              + ", ".join(f"{r} {to_switch[r]['ratio']:.2f}x "
+                          f"(FLOPs {to_switch[r]['flop_ratio']:.2f}x)" for r in routers[1:])
+              + f" (load {out[str(n)]['load_average']})", flush=True)
+    return out
 
 
 def bench_moe_vs_dense(sizes, experts, dtype, warmup, repeats, impls=("ragged", "padded"),

@@ -18,11 +18,34 @@ def _load(pair: Sequence[float | None] | None) -> str:
     return "–" if not pair else " → ".join("?" if v is None else f"{v:.1f}" for v in pair)
 
 
+def _spread(stat: dict[str, Any] | None) -> str:
+    return "–" if stat is None else f"{stat['median']:.3f} [{stat['min']:.3f}, {stat['max']:.3f}]"
+
+
+def _to_switch_table(section: dict[str, Any], unit: str) -> list[str]:
+    """Rows ``N, router`` of a section with ``to_switch`` entries (``harness.ratios_to``)."""
+    lines = [f"| N | router | {unit} | ratio to Switch (medians) | paired ratios: median "
+             "[min, max] | paired CPU-time ratios | FLOP ratio | load avg |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for n, o in section.items():
+        for router, r in o["to_switch"].items():
+            ref = router == "switch"
+            flop = "–" if r.get("flop_ratio") is None else f"{r['flop_ratio']:.3f}"
+            lines.append(f"| {n} | {router} | {_ms(r['time'])} | {r['ratio']:.3f} | "
+                         f"{'–' if ref else _spread(r['paired_ratio'])} | "
+                         f"{'–' if ref else _spread(r.get('paired_cpu_ratio'))} | {flop} | "
+                         f"{_load(o['load_average'])} |")
+    return [*lines, ""]
+
+
 def markdown_tables(result: dict[str, Any]) -> str:
     """The sections of a benchmark JSON as markdown tables (what docs/benchmarks.md shows):
     medians with [min, max] in milliseconds, and the 1-minute load average before → after."""
     lines: list[str] = []
-    if "overhead" in result:
+    overhead = result.get("overhead", {})
+    if overhead and all("to_switch" in o for o in overhead.values()):
+        lines += _to_switch_table(overhead, "ms/update")
+    elif overhead:  # results written before the overhead section took any router
         lines += ["| N | Switch ms/update | SparseMixer ms/update | ratio of medians "
                   "| paired ratios: median [min, max] | load avg |",
                   "| --- | --- | --- | --- | --- | --- |"]
@@ -55,6 +78,8 @@ def markdown_tables(result: dict[str, Any]) -> str:
                          + " | ".join(f"{r[i]:.2f}" for i in impls)
                          + f" | {_load(t['load_average'])} |")
         lines.append("")
+    if "layer_cost" in result:
+        lines += _to_switch_table(result["layer_cost"], "ms (layer fwd+bwd)")
     if "fusion" in result:
         lines += ["| model | one call ms/update | three calls ms/update | ratio "
                   "| CPU ms: one call | CPU ms: three calls | CPU ratio | load avg |",

@@ -5,9 +5,12 @@ Sections (``sections`` picks some):
 
 * ``overhead``: seconds per update of the whole training step (``train.Steps.train_step``: one
   compiled call per update, as ``train.py`` runs without gradient accumulation), Switch against
-  Switch+SparseMixer on the same model sizes, the same seed and the same batch, for each N.
-  Repeats are interleaved in ABBA order so that a change of machine load hits both routers
-  alike. JSON: ``overhead[N] = {"switch_s", "sparsemixer_s", "ratio", ...}``.
+  each other router of ``routers`` (default SparseMixer; DenseMixer, Default MoE, ...) on the
+  same model sizes, the same seed and the same batch, for each N. Repeats are interleaved (ABBA
+  order, ABCDDCBA for four) so that a change of machine load hits every router alike; each
+  ratio to Switch comes with the spread of its paired ratios, the process's CPU-time ratio and
+  the FLOP ratio of ``flops.model_flops_per_step``. JSON: ``overhead[N] = {"switch_s",
+  "sparsemixer_s", "ratio", "to_switch": {router: ...}, ...}``.
 * ``router``: the two routers alone (forward + backward on ``[tokens, N]`` logits), and the
   difference as a share of the whole step: a bound on SparseMixer's overhead that is not
   drowned by the load noise of whole-step timings.
@@ -16,6 +19,11 @@ Sections (``sections`` picks some):
   Pallas/Triton lowering where jax has it) against a dense feed-forward layer of width ``mlp``
   (the same per-token FLOPs: top-1 runs one expert of width ``mlp`` per token), interleaved.
   JSON: ``moe_vs_dense[N][impl] = ratio`` (MoE / dense seconds); times in ``moe_vs_dense_s``.
+* ``layer_cost`` (not run by default): forward + backward of one MoE layer with each router of
+  ``routers`` against Switch's (dispatch ``dispatch``, activation dropout ``layer_dropout``),
+  interleaved, with the FLOP ratio of ``flops.moe_layer_flops_per_token``: what DenseMixer's
+  dense pass over all N experts and Default MoE's terms cost where they are. JSON:
+  ``layer_cost[N]["to_switch"][router]``.
 * ``padded_blocks`` (not run by default): the ``padded`` layer with smaller blocks than
   ``moe.dispatch._block_rows`` picks, against dense: the evidence for a change of that rule.
 * ``throughput``: target tokens per second of the whole training step, dense against N=4
@@ -30,8 +38,8 @@ Sections (``sections`` picks some):
   streams, on CPU from the XLA ops' self times; the trace itself stays in ``profile_dir`` for
   TensorBoard or Perfetto.
 
-Whole-step sections take ``dispatch``, ``attention_impl`` and, for the whole run,
-``rng_impl``, ``deterministic``, ``triton_ragged_dot``; the JSON records them.
+Whole-step sections take ``dispatch`` (so does ``layer_cost``), ``attention_impl`` and, for the
+whole run, ``rng_impl``, ``deterministic``, ``triton_ragged_dot``; the JSON records them.
 
 Every timing: ``warmup`` untimed calls (the first compiles), then ``repeats`` timed calls,
 each ended by ``jax.block_until_ready``; reported as median, min and max seconds. The load
@@ -50,8 +58,9 @@ import os
 from typing import Any
 
 from sparsemixer_jax.benchmarks.decoding import bench_decode
-from sparsemixer_jax.benchmarks.harness import load_average, machine
+from sparsemixer_jax.benchmarks.harness import load_average, machine, with_switch_first
 from sparsemixer_jax.benchmarks.layers import (
+    bench_layer_cost,
     bench_moe_vs_dense,
     bench_padded_blocks,
     bench_router,
@@ -75,8 +84,8 @@ CPU_SIZES = {"emb": 256, "mlp": 1024, "heads": 4, "layers": 2, "vocab": 4000, "t
 ACCEL_SIZES = {"emb": 512, "mlp": 2048, "heads": 8, "layers": 6, "vocab": 32000,
                "tokens": 2**15, "length": 128}
 
-SECTIONS = ("overhead", "router", "moe_vs_dense", "throughput", "profile", "padded_blocks",
-            "fusion", "decode")
+SECTIONS = ("overhead", "router", "moe_vs_dense", "layer_cost", "throughput", "profile",
+            "padded_blocks", "fusion", "decode")
 
 
 @dataclasses.dataclass
@@ -84,7 +93,9 @@ class BenchmarkSettings:
     """What one benchmark run measures, and how (the options of ``experiments.benchmark``).
 
     A size left None takes its value from ``CPU_SIZES`` on CPU and ``ACCEL_SIZES`` elsewhere;
-    ``dtype`` None is float32 on CPU and bfloat16 elsewhere; ``step_seconds`` None relates the
+    ``dtype`` None is float32 on CPU and bfloat16 elsewhere; ``routers`` are those the
+    ``overhead`` and ``layer_cost`` sections time (Switch is always timed, as the reference);
+    ``step_seconds`` None relates the
     routers' cost to the fastest Switch step of this run's overhead section; ``decode_shapes``
     None times ``DECODE_SHAPES``.
     """
@@ -94,6 +105,7 @@ class BenchmarkSettings:
     sections: list[str] = dataclasses.field(
         default_factory=lambda: ["overhead", "router", "moe_vs_dense", "throughput"])
     dispatch: str = "auto"
+    routers: list[str] = dataclasses.field(default_factory=lambda: ["switch", "sparsemixer"])
     layer_dispatches: list[str] = dataclasses.field(default_factory=lambda: ["ragged", "padded"])
     attention_impl: str = "einsum"
     rng_impl: str | None = None
@@ -126,7 +138,7 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
     s = settings
     import jax
 
-    from sparsemixer_jax import runtime
+    from sparsemixer_jax import routing, runtime
     from sparsemixer_jax.kernels import triton_ragged_dot
 
     # Both before JAX starts its backend (JAX read JAX_PLATFORMS when it was imported).
@@ -137,6 +149,10 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
     if s.rng_impl:
         jax.config.update("jax_default_prng_impl", s.rng_impl)
     triton = triton_ragged_dot.enable_triton_ragged_dot() if s.triton_ragged_dot else False
+    unknown = [r for r in s.routers if r not in routing.ROUTERS]
+    if unknown:
+        raise ValueError(f"unknown routers {unknown}; choose from {sorted(routing.ROUTERS)}")
+    routers = with_switch_first(s.routers)
 
     backend = jax.default_backend()
     defaults = CPU_SIZES if backend == "cpu" else ACCEL_SIZES
@@ -147,7 +163,7 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
         "machine": machine(), "sizes": sizes, "dtype": dtype,
         "warmup": s.warmup, "repeats": s.repeats, "layer_dropout": s.layer_dropout,
         "load_average_start": load_average(),
-        "dispatch": s.dispatch, "attention_impl": s.attention_impl,
+        "dispatch": s.dispatch, "attention_impl": s.attention_impl, "routers": routers,
         "rng_impl": jax.config.values["jax_default_prng_impl"],
         "triton_ragged_dot": {"requested": s.triton_ragged_dot,
                               "available": triton_ragged_dot.triton_ragged_dot_available(),
@@ -158,7 +174,7 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
     print(json.dumps({k: result[k] for k in ("machine", "sizes", "dtype")}), flush=True)
     if "overhead" in s.sections:
         result["overhead"] = bench_overhead(sizes, s.experts, dtype, s.warmup, s.repeats,
-                                            **model_options)
+                                            routers=routers, **model_options)
     if "router" in s.sections:
         overhead = result.get("overhead", {})
         step_s = min((o["switch_s"] for o in overhead.values()), default=None)
@@ -168,6 +184,10 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
         result["moe_vs_dense"], result["moe_vs_dense_s"] = bench_moe_vs_dense(
             sizes, s.experts, dtype, s.warmup, s.repeats,
             impls=tuple(s.layer_dispatches), dropout=s.layer_dropout)
+    if "layer_cost" in s.sections:
+        result["layer_cost"] = bench_layer_cost(sizes, s.experts, routers, dtype, s.warmup,
+                                                s.repeats, dispatch=s.dispatch,
+                                                dropout=s.layer_dropout)
     if "padded_blocks" in s.sections:
         result["padded_blocks"] = bench_padded_blocks(sizes, s.experts, dtype, s.warmup,
                                                       s.repeats, dropout=s.layer_dropout)

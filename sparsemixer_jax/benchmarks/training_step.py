@@ -1,7 +1,7 @@
 """The whole training step as a benchmark workload, and the sections that time it: Switch
-against SparseMixer (overhead), dense against N=4 (throughput and MFU), one compiled call
-against the three calls of an accumulating update (fusion), and a profile of where the device
-time goes.
+against SparseMixer, DenseMixer, Default MoE or any other router (overhead), dense against N=4
+(throughput and MFU), one compiled call against the three calls of an accumulating update
+(fusion), and a profile of where the device time goes.
 """
 
 from __future__ import annotations
@@ -11,7 +11,13 @@ import time
 from typing import Any
 
 from sparsemixer_jax.benchmarks.flops import device_peak, model_flops_per_step
-from sparsemixer_jax.benchmarks.harness import load_average, stats, time_interleaved
+from sparsemixer_jax.benchmarks.harness import (
+    load_average,
+    ratios_to,
+    stats,
+    time_interleaved,
+    with_switch_first,
+)
 from sparsemixer_jax.benchmarks.trace import summarize_trace
 
 
@@ -93,32 +99,46 @@ class TrainStep:
         return jax.tree.leaves(self.params)[0], metrics
 
 
-def bench_overhead(sizes, experts, dtype, warmup, repeats, **model_options) -> dict[str, Any]:
-    """Whole training step, Switch vs SparseMixer, for each N (interleaved repeats).
-    ``model_options``: ``dispatch`` and ``attention_impl`` of :func:`model_config`."""
+def bench_overhead(sizes, experts, dtype, warmup, repeats,
+                   routers=("switch", "sparsemixer"), **model_options) -> dict[str, Any]:
+    """Whole training step of each router (Switch first, the reference), for each N,
+    interleaved repeats. ``model_options``: ``dispatch`` and ``attention_impl`` of
+    :func:`model_config`.
+
+    JSON per N: ``{router}`` (stats of seconds per update) and ``{router}_s`` (median) for each
+    router, ``to_switch[router]`` (:func:`harness.ratios_to`: ratio of medians, paired wall and
+    CPU-time ratios, model FLOPs per step and FLOP ratio), ``load_average``; with SparseMixer
+    also ``ratio`` and ``paired_ratio``, SparseMixer's to Switch."""
+    routers = with_switch_first(routers)
     batch = synthetic_batch(sizes)
     out = {}
     for n in experts:
         load_before = load_average()
         fns = {router: TrainStep(model_config(sizes, n, router, dtype, **model_options),
                                  sizes["vocab"], batch)
-               for router in ("switch", "sparsemixer")}
-        times = time_interleaved(fns, warmup, repeats)
-        s, m = stats(times["switch"]), stats(times["sparsemixer"])
-        # Each repeat times the two routers back to back, under nearly the same load: the
-        # spread of these paired ratios is the noise floor of "ratio".
-        paired = [b / a for a, b in zip(times["switch"], times["sparsemixer"], strict=True)]
-        out[str(n)] = {
-            "switch_s": s["median"], "sparsemixer_s": m["median"],
-            "ratio": m["median"] / s["median"],
-            "paired_ratio": stats(paired),
-            "switch": s, "sparsemixer": m,
-            "load_average": [load_before, load_average()],
-        }
+               for router in routers}
+        cpu: dict[str, list[float]] = {}
+        times = time_interleaved(fns, warmup, repeats, cpu_times=cpu)
+        flops = {router: model_flops_per_step(sizes, n, router) for router in routers}
+        # Each repeat times the routers back to back, under nearly the same load: the spread
+        # of the paired ratios is the noise floor of each ratio of medians.
+        to_switch = ratios_to(times, "switch", cpu, flops)
+        row: dict[str, Any] = {}
+        for router in routers:
+            row[router] = to_switch[router]["time"]
+            row[f"{router}_s"] = row[router]["median"]
+        if "sparsemixer" in to_switch:
+            row["ratio"] = to_switch["sparsemixer"]["ratio"]
+            row["paired_ratio"] = to_switch["sparsemixer"]["paired_ratio"]
+        row["to_switch"] = to_switch
+        row["load_average"] = [load_before, load_average()]
+        out[str(n)] = row
+        s = row["switch"]
         print(f"overhead N={n}: switch {s['median']*1e3:.1f} ms [{s['min']*1e3:.1f}, "
-              f"{s['max']*1e3:.1f}], sparsemixer {m['median']*1e3:.1f} ms [{m['min']*1e3:.1f}, "
-              f"{m['max']*1e3:.1f}], ratio {out[str(n)]['ratio']:.3f} "
-              f"(load {out[str(n)]['load_average']})", flush=True)
+              f"{s['max']*1e3:.1f}]; " + ", ".join(
+                  f"{r} {row[r]['median']*1e3:.1f} ms (ratio {to_switch[r]['ratio']:.3f}, "
+                  f"FLOPs {to_switch[r]['flop_ratio']:.3f})" for r in routers[1:])
+              + f" (load {row['load_average']})", flush=True)
         del fns
     return out
 

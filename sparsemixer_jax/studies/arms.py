@@ -2,8 +2,9 @@
 
 Arm names say what they change, so a run directory names its own config:
 
-* ``{router}_n{N}``: ``router.name`` (a key of ``sparsemixer_jax.routing.ROUTERS``) with
-  ``model.num_experts = N``, e.g. ``switch_n4``, ``sparsemixer_1st_n8``;
+* ``{router}_n{N}``: ``router.name`` (a key of ``sparsemixer_jax.routing.ROUTERS``, checked) with
+  ``model.num_experts = N``, e.g. ``switch_n4``, ``sparsemixer_1st_n8``, ``default_moe_st_n4``
+  (router names contain underscores: the router is everything before the first ``_n{digits}``);
 * ``dense``: no experts;
 * either, followed by modifiers ``_lr{peak_lr}``, ``_eps{jitter_eps}``, ``_bal{balance_weight}``,
   ``_z{z_loss_weight}``, e.g. ``sparsemixer_n4_lr2e-3``, ``sparsemixer_n4_eps0.5``.
@@ -40,6 +41,8 @@ STUDIES = {
     # The reference adds alpha * balance loss to a loss *summed* over tokens (docs/science.md):
     # per token that is about alpha / (tokens per batch), 0.01 / 6.5k at 8192 padded tokens.
     "refbalance": ["switch_n{n}_bal1.5e-6", "sparsemixer_n{n}_bal1.5e-6"],
+    # The routers that give the router a gradient for unchosen experts (docs/routing.md).
+    "successors": ["switch_n{n}", "sparsemixer_n{n}", "densemixer_n{n}", "default_moe_n{n}"],
 }
 
 
@@ -69,6 +72,11 @@ def parse_arm(arm: str) -> dict[str, Any]:
     if match is None:
         raise ValueError(f"arm {arm!r} is not '{{router}}_n{{N}}' or 'dense' followed by "
                          f"modifiers _{{{','.join(MODIFIERS)}}}VALUE")
+    from sparsemixer_jax.routing import ROUTERS
+
+    if match["router"] is not None and match["router"] not in ROUTERS:
+        raise ValueError(f"arm {arm!r}: unknown router {match['router']!r}; known: "
+                         f"{sorted(ROUTERS)}")
     fields: dict[str, Any] = {"router.name": match["router"] or "switch",
                               "model.num_experts": int(match["n"] or 0)}
     for key, value in _MOD.findall(match["mods"]):
