@@ -358,6 +358,14 @@ def test_electra_flops_per_token_by_hand():
     assert flops["total"] == pytest.approx(3 * (disc + gen + heads))
     assert flops["attention"] == pytest.approx(3 * 3 * 4 * 16 * 16)
     assert flops["generator"] == pytest.approx(3 * gen)
+    # DenseMixer: every MoE layer also runs both experts forward (4 e m each) and the
+    # unchosen-expert term (2 N e forward, 2 N e backward); the generator has no MoE layer.
+    config = tiny_electra_config.get_config()
+    config.router.name = "densemixer"
+    dense = electra_flops_per_token(config)
+    extra = 2 * (2 * 4 * 16 * 32 + 4 * 2 * 16)
+    assert dense["discriminator"] == pytest.approx(flops["discriminator"] + extra)
+    assert dense["total"] == pytest.approx(flops["total"] + extra)
 
 
 def test_bad_inputs_are_one_line_errors(corpus, straight_run, tmp_path):

@@ -101,9 +101,11 @@ def electra_flops_per_token(config) -> dict[str, float]:
     (the FFN; a top-1 MoE layer runs one expert, the same, plus the router ``2 e N``). The
     discriminator head is ``2 e^2 + 2 e`` per token; the generator head (``2 e^2`` dense plus the
     tied ``2 e V`` output projection) runs on the ``ceil(mask_prob L)`` predicted positions only,
-    so it counts ``P / L`` of that per token. Embedding gathers, LayerNorm, softmax, sampling and
-    dispatch are left out (model FLOPs, not hardware FLOPs). Sequences are counted as full
-    (packing fills over 98% of the positions).
+    so it counts ``P / L`` of that per token. A DenseMixer or Default MoE router adds
+    :func:`unchosen_flops_per_token` in every MoE layer of both encoders (already a training
+    count: DenseMixer's dense pass has no backward). Embedding gathers, LayerNorm, softmax,
+    sampling and dispatch are left out (model FLOPs, not hardware FLOPs). Sequences are counted
+    as full (packing fills over 98% of the positions).
 
     Returns float FLOPs per token: ``discriminator``, ``generator``, ``heads``, ``attention`` (the
     ``4 L e`` part of both encoders, included in theirs) and ``total``.
@@ -113,18 +115,21 @@ def electra_flops_per_token(config) -> dict[str, float]:
     e, length = int(config.model.emb_dim), int(config.data.seq_len)
     vocab = int(config.data.vocab_size)
 
-    def encoder(model) -> tuple[float, float]:
+    def encoder(model) -> tuple[float, float, float]:
+        """Forward FLOPs, attention's share of them, and the router's extra training FLOPs."""
         layers, m, n = int(model.num_layers), int(model.mlp_dim), int(model.num_experts)
         moe_layers = len(range(0, layers, int(model.moe_every))) if n else 0
         attention = layers * 4 * length * e
-        return layers * (8 * e * e + 4 * e * m) + attention + moe_layers * 2 * e * n, attention
+        extra = moe_layers * unchosen_flops_per_token(config.router.name, e, m, n)["total"] \
+            if n else 0.0
+        return (layers * (8 * e * e + 4 * e * m) + attention + moe_layers * 2 * e * n,
+                attention, extra)
 
-    disc, disc_attention = encoder(config.model)
-    gen, gen_attention = encoder(generator_config(config).model)
+    disc, disc_attention, disc_extra = encoder(config.model)
+    gen, gen_attention, gen_extra = encoder(generator_config(config).model)
     predicted = num_predictions(length, float(config.data.mask_prob)) / length
     heads = (2 * e * e + 2 * e) + predicted * (2 * e * e + 2 * e * vocab)
-    parts = {"discriminator": disc, "generator": gen, "heads": heads,
-             "attention": disc_attention + gen_attention}
-    out = {k: 3.0 * v for k, v in parts.items()}
-    out["total"] = 3.0 * (disc + gen + heads)
+    out = {"discriminator": 3.0 * disc + disc_extra, "generator": 3.0 * gen + gen_extra,
+           "heads": 3.0 * heads, "attention": 3.0 * (disc_attention + gen_attention)}
+    out["total"] = out["discriminator"] + out["generator"] + out["heads"]
     return out
