@@ -6,6 +6,7 @@ trained on all seeds at once and compared with Switch seed by seed (docs/router_
     python -m experiments.router_bench                   # main table, 20 seeds
     python -m experiments.router_bench --table depth     # 3 stacked residual MoE layers
     python -m experiments.router_bench --table gate      # a soft-gated (Switch-family) teacher
+    python -m experiments.router_bench --table successors  # DenseMixer, Default MoE vs Switch
     python -m experiments.router_bench --quick           # 3 arms, 4 seeds, 200 steps
     python -m experiments.router_bench --report-only     # tables and plot from the JSON
 
@@ -31,6 +32,8 @@ PLOT_ARMS = {
               "dense_params_depth3"],
     "gate": ["switch_softgate", "sparsemixer_softgate", "sparsemixer_1st_softgate",
              "sparsemixer_nomask_softgate"],
+    "successors": ["switch", "sparsemixer", "densemixer", "densemixer_blog", "default_moe",
+                   "default_moe_st"],
     "quick": ["switch", "sparsemixer", "dense_flops"],
 }
 
