@@ -231,17 +231,9 @@ def init_students(arm: Arm, cfg: TrainConfig, seeds: list[int], router_w, router
     return jax.tree.map(lambda *a: jnp.stack(a), *states)
 
 
-def train_arm(arm: Arm, cfg: TrainConfig, seeds: list[int], data_cache: dict | None = None
-              ) -> tuple[History, dict]:
-    """Train ``arm`` on every seed at once. ``data_cache`` (by teacher setting) saves rebuilding
-    teachers shared by several arms.
-
-    Returns the history and timings: ``data_s`` (teachers, data and the students' init),
-    ``compile_s`` (XLA compilation; 0 when this process compiled the arm before), ``run_s``
-    (every step of every seed plus the logged evaluations, after compilation) and ``load_1m``
-    (the machine's 1-minute load average when the run ended; the wall times are only
-    comparable at similar load)."""
-    t0 = time.perf_counter()
+def _run_args(arm: Arm, cfg: TrainConfig, seeds: list[int], data_cache: dict | None):
+    """The arguments of the compiled run of ``arm`` (initial students, keys, data on the
+    device) and the host copy of the data. ``data_cache`` is keyed by teacher setting."""
     cache_key = (cfg.teacher(arm), tuple(seeds))
     if data_cache is not None and cache_key in data_cache:
         router_w, router_b, data = data_cache[cache_key]
@@ -254,6 +246,45 @@ def train_arm(arm: Arm, cfg: TrainConfig, seeds: list[int], data_cache: dict | N
     run_data = Data(*(jnp.asarray(a) for a in data[:5]), acceptance=jnp.asarray(data[5]))
     args = (params, rest, run_keys, run_data)
     jax.block_until_ready(args)
+    return args, data
+
+
+def time_steps(arms: list[Arm], cfg: TrainConfig, seeds: list[int], steps: int = 200,
+               rounds: int = 5, data_cache: dict | None = None) -> dict[str, list[float]]:
+    """Wall time of one training step of every seed at once, after compilation.
+
+    Each arm's run of ``steps`` steps (no gradient measurement; one evaluation before and one
+    after) is compiled first; then the arms run in turn, ``rounds`` times over, so that a change
+    in the machine's load falls on every arm alike. Returns, per arm name, the seconds per step
+    of each round (the run's time divided by ``steps``).
+    """
+    cfg = cfg._replace(steps=steps, eval_every=steps, measure_gradient=False)
+    prepared = {}
+    for arm in arms:
+        args, _ = _run_args(arm, cfg, seeds, data_cache)
+        prepared[arm.name] = (_executable(arm, cfg, args), args)
+    times: dict[str, list[float]] = {arm.name: [] for arm in arms}
+    for _ in range(rounds):
+        for arm in arms:
+            run, args = prepared[arm.name]
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(*args))
+            times[arm.name].append((time.perf_counter() - t0) / steps)
+    return times
+
+
+def train_arm(arm: Arm, cfg: TrainConfig, seeds: list[int], data_cache: dict | None = None
+              ) -> tuple[History, dict]:
+    """Train ``arm`` on every seed at once. ``data_cache`` (by teacher setting) saves rebuilding
+    teachers shared by several arms.
+
+    Returns the history and timings: ``data_s`` (teachers, data and the students' init),
+    ``compile_s`` (XLA compilation; 0 when this process compiled the arm before), ``run_s``
+    (every step of every seed plus the logged evaluations, after compilation) and ``load_1m``
+    (the machine's 1-minute load average when the run ended; the wall times are only
+    comparable at similar load)."""
+    t0 = time.perf_counter()
+    args, data = _run_args(arm, cfg, seeds, data_cache)
     t1 = time.perf_counter()
     run = _executable(arm, cfg, args)
     t2 = time.perf_counter()
