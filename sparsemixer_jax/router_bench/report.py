@@ -230,7 +230,9 @@ def cost_rows(results: dict, emb: int, mlp: int, versus: str | None = None) -> l
     from the interleaved timing (``--time-rounds``; the fastest round), and ``run_step_ms``,
     the training run's own time per step (its logged evaluations included; one run per arm, at
     whatever load the machine had then); NaN where not recorded. ``compile_s``: the arm's XLA
-    compilation."""
+    compilation. ``equal_flops``: ``(step, Paired)``, the arm's ln eval MSE at the last logged
+    step whose training FLOPs do not exceed the baseline's whole run, paired by seed against the
+    baseline's final ln eval MSE (absent without a baseline)."""
     arms = _arms(results)
     rows = paired_rows(results, versus)
     for row in rows:
@@ -247,6 +249,12 @@ def cost_rows(results: dict, emb: int, mlp: int, versus: str | None = None) -> l
             row["flops_ratio"] = row["flops"] / train_flops_per_token(arms[base], emb, mlp)
             row["step_ratio"] = _timed_step_s(r) / _timed_step_s(b)
             row["run_step_ratio"] = _run_step_s(r) / _run_step_s(b)
+            steps = np.asarray(r["steps"])
+            budget = b["steps"][-1] / row["flops_ratio"]
+            at = int(np.flatnonzero(steps <= budget + 1e-9)[-1])
+            mine = np.asarray(r["curves_per_seed"]["eval_mse"])[:, at]
+            row["equal_flops"] = (int(steps[at]), metrics.paired(
+                np.log(mine), np.log(b["per_seed"]["final_eval_mse"])))
     return rows
 
 
@@ -255,7 +263,8 @@ def markdown_cost_table(results: dict, emb: int, mlp: int, versus: str | None = 
     seed against the "vs" arm): :func:`cost_rows` as Markdown."""
     head = ("| arm | vs | final eval MSE | Δ ln MSE (paired) | better seeds | agreement | "
             "Δ agreement | grad cos | grad norm ratio | train FLOPs/token (× vs) | "
-            "step ms, timed (× vs) | step ms in the run (× vs) | compile s |")
+            "Δ ln MSE at equal FLOPs (arm's step) | step ms, timed (× vs) | "
+            "step ms in the run (× vs) | compile s |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for row in cost_rows(results, emb, mlp, versus):
         paired_cols = ["–", "–", "–"]
@@ -266,10 +275,14 @@ def markdown_cost_table(results: dict, emb: int, mlp: int, versus: str | None = 
             "–" if not math.isfinite(row[key]) else f"{row[key]:.1f} ({row[ratio]:.2f}×)"
             for key, ratio in (("step_ms", "step_ratio"), ("run_step_ms", "run_step_ratio")))
         compile_s = "–" if not math.isfinite(row["compile_s"]) else f"{row['compile_s']:.0f}"
+        equal = "–"
+        if "equal_flops" in row:
+            at, d = row["equal_flops"]
+            equal = f"{d.fmt()} ({at})"
         lines.append(
             f"| {row['arm']} | {row['baseline'] or '–'} | {_ms(row['final_eval_mse'], 4)} | "
             f"{paired_cols[0]} | {paired_cols[1]} | {_ms(row['final_agreement'])} | "
             f"{paired_cols[2]} | {_ms(row['mean_grad_cos'])} | "
             f"{_ms(row['mean_grad_norm_ratio'], 2)} | {row['flops']:,} "
-            f"({row['flops_ratio']:.2f}×) | {step} | {run_step} | {compile_s} |")
+            f"({row['flops_ratio']:.2f}×) | {equal} | {step} | {run_step} | {compile_s} |")
     return "\n".join(lines)
