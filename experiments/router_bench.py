@@ -6,10 +6,13 @@ trained on all seeds at once and compared with Switch seed by seed (docs/router_
     python -m experiments.router_bench                   # main table, 20 seeds
     python -m experiments.router_bench --table depth     # 3 stacked residual MoE layers
     python -m experiments.router_bench --table gate      # a soft-gated (Switch-family) teacher
+    python -m experiments.router_bench --table successors  # DenseMixer, Default MoE vs Switch
     python -m experiments.router_bench --quick           # 3 arms, 4 seeds, 200 steps
     python -m experiments.router_bench --report-only     # tables and plot from the JSON
 
 Results are written to the JSON after every arm; a rerun skips arms already there.
+``--time-rounds R`` then times one training step of every arm after compilation (R interleaved
+rounds of ``--time-steps`` steps); the cost table reports it beside the quality columns.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 
 from sparsemixer_jax.router_bench import report
 from sparsemixer_jax.router_bench.arms import TABLES
-from sparsemixer_jax.router_bench.train import TrainConfig, train_arm
+from sparsemixer_jax.router_bench.train import TrainConfig, time_steps, train_arm
 
 PLOT_ARMS = {
     "main": ["switch", "sparsemixer", "sparsemixer_nomask", "sparsemixer_eps0.5",
@@ -31,6 +34,8 @@ PLOT_ARMS = {
               "dense_params_depth3"],
     "gate": ["switch_softgate", "sparsemixer_softgate", "sparsemixer_1st_softgate",
              "sparsemixer_nomask_softgate"],
+    "successors": ["switch", "sparsemixer", "densemixer", "densemixer_blog", "default_moe",
+                   "default_moe_st"],
     "quick": ["switch", "sparsemixer", "dense_flops"],
 }
 
@@ -47,6 +52,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--plot", help="PNG (default: the JSON's name with .png)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--versus", help="compare every arm of its setting with this arm instead")
+    p.add_argument("--time-rounds", type=int, default=0,
+                   help="then time one training step of every arm after compilation, this many "
+                        "interleaved rounds (with --report-only: without training)")
+    p.add_argument("--time-steps", type=int, default=200, help="steps of each timed run")
     p.add_argument("--merge", nargs="*", default=[],
                    help="JSONs of other runs whose arms join the report (same config)")
     args = p.parse_args(argv)
@@ -85,10 +94,24 @@ def main(argv: list[str] | None = None) -> dict:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"config": cfg._asdict(), "arms": results}, f)
+    if args.time_rounds > 0:
+        timed = [a for a in arms if a.name in results]
+        load_before = os.getloadavg()[0]
+        times = time_steps(timed, cfg, seeds, args.time_steps, args.time_rounds, cache)
+        load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+        for name, per_round in times.items():
+            results[name]["step_time_s"] = {"steps": args.time_steps, "load_1m": load,
+                                            "rounds": [round(t, 6) for t in per_round]}
+            print(f"{name}: {1e3 * min(per_round):.2f} ms per step (min of "
+                  f"{len(per_round)} rounds)", flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"config": cfg._asdict(), "arms": results}, f)
     for path in args.merge:
         with open(path) as f:
             results = {**json.load(f)["arms"], **results}
     print(report.markdown_table(results, args.versus))
+    print()
+    print(report.markdown_cost_table(results, cfg.dim, cfg.hidden, args.versus))
     report.plot(results, PLOT_ARMS[args.table], args.plot, title=f"{args.table}: mean ± SE "
                 f"over {args.seeds} seeds")
     return results

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax.router_bench import metrics, report
-from sparsemixer_jax.router_bench.arms import TABLES, Arm, baseline_of
+from sparsemixer_jax.router_bench.arms import SUCCESSORS, TABLES, Arm, baseline_of
 from sparsemixer_jax.router_bench.student import Student
 from sparsemixer_jax.router_bench.teacher import (
     TeacherConfig,
@@ -250,3 +250,108 @@ def test_report_rows_pair_by_seed(one_expert_teacher_runs):
                           np.log(one_expert_teacher_runs["switch"].eval_mse[:, -1]))
     assert got.mean == pytest.approx(want.mean, abs=1e-4) and got.n == 3
     assert "sparsemixer" in report.markdown_table(results)
+
+
+# --------------------------------------------------------------------------- successors
+
+
+def test_successors_table_pairs_every_router_with_switch_of_its_setting():
+    arms = {a.name: a for a in TABLES["successors"]()}
+    settings = {"": (8, 0.5, 1), "_n16": (16, 0.5, 1), "_margin0.0": (8, 0.0, 1)}
+    for suffix, (n, margin, k) in settings.items():
+        for router in SUCCESSORS:
+            arm = arms[router + suffix]
+            assert (arm.router, arm.num_experts, arm.margin, arm.top_k) == (router, n, margin, k)
+            want = None if router == "switch" else "switch" + suffix
+            assert baseline_of(arm, arms) == want, arm.name
+            # The exact-gradient cosine only in the main setting (it doubles compile time).
+            assert arm.measure_gradient == (suffix == ""), arm.name
+    for router in ("densemixer", "default_moe"):
+        assert baseline_of(arms[f"{router}_top2"], arms) == "switch_top2"
+        assert arms[f"{router}_top2"].top_k == 2
+    assert len(arms) == 3 * len(SUCCESSORS) + 3
+
+
+@pytest.mark.parametrize("router", ["switch", "densemixer", "densemixer_blog", "default_moe",
+                                    "default_moe_st"])
+def test_oracle_probabilities_of_switch_forward_routers_are_the_plain_softmax(router):
+    """DenseMixer and Default MoE route as Switch does: their objective samples from the
+    unmasked softmax, not SparseMixer's masked one."""
+    logits = jnp.array([3.0, 2.9, 0.0, -2.0])  # the reference mask at eps 0.1 keeps two
+    assert float(jnp.min(router_probs(logits, 0.1))) == 0.0
+    np.testing.assert_allclose(np.asarray(metrics.oracle_probs_fn(router, 0.1)(logits)),
+                               np.asarray(jax.nn.softmax(logits)), rtol=1e-6)
+
+
+def test_training_flops_per_token_of_each_router():
+    emb, mlp, n = 16, 32, 8
+    expert = 2 * (2 * emb * mlp)
+    switch = 3 * (2 * emb * n + expert)
+    assert report.train_flops_per_token(Arm("s"), emb, mlp) == switch == 6912
+    assert report.train_flops_per_token(Arm("m", router="sparsemixer"), emb, mlp) == switch
+    for name in ("densemixer", "densemixer_blog"):  # + dense forward pass + the term
+        assert report.train_flops_per_token(Arm(name, router=name), emb, mlp) == (
+            switch + n * expert + 4 * n * emb)
+    for name in ("default_moe", "default_moe_st"):  # + the term + the EMA update
+        assert report.train_flops_per_token(Arm(name, router=name), emb, mlp) == (
+            switch + 4 * n * emb + emb)
+    top2 = report.train_flops_per_token(Arm("t", top_k=2), emb, mlp)
+    assert top2 == 3 * (2 * emb * n + 2 * expert)
+    assert report.train_flops_per_token(Arm("d", router="densemixer", top_k=2), emb, mlp) == (
+        top2 + n * expert + 4 * n * emb)
+
+
+DEFAULT_MOE = Arm("default_moe", router="default_moe", num_experts=4)
+SUCCESSOR_CFG = TINY._replace(measure_gradient=False)
+
+
+@pytest.fixture(scope="module")
+def default_moe_run():
+    return train_arm(DEFAULT_MOE, SUCCESSOR_CFG, [0, 1])[0]
+
+
+def test_default_moe_defaults_track_each_experts_mean_output(default_moe_run):
+    """The default vectors live in the scan's carry: after training each is the running mean of
+    its expert's outputs (zeros at init; one EMA step alone would give a tenth of it)."""
+    params, rest = default_moe_run.final_state
+    defaults = np.asarray(rest["layers"][0]["expert_defaults"][...])  # [S, N, d]
+    assert defaults.shape == (2, 4, SUCCESSOR_CFG.dim)
+    assert np.all(np.linalg.norm(defaults, axis=-1) > 0)
+    assert not np.allclose(defaults[0], defaults[1])  # each seed its own
+    graphdef = nnx.split(Student(DEFAULT_MOE, SUCCESSOR_CFG.dim, SUCCESSOR_CFG.hidden,
+                                 rngs=nnx.Rngs(0)), nnx.Param, ...)[0]
+    x = jax.random.normal(jax.random.key(3), (1024, SUCCESSOR_CFG.dim))
+    checked = 0
+    for s in range(2):
+        seed_state = jax.tree.map(lambda a, s=s: a[s], (params, rest))
+        layer = nnx.merge(graphdef, *seed_state).layers[0]
+        choice = jnp.argmax(layer.router(x), axis=-1)
+        wi, bi, wo, bo = (p[...] for p in (layer.wi, layer.bi, layer.wo, layer.bo))
+        outputs = jnp.einsum("bh,bhd->bd", jax.nn.relu(jnp.einsum("bd,bdh->bh", x, wi[choice])
+                                                       + bi[choice]), wo[choice]) + bo[choice]
+        for i in range(4):
+            if int(jnp.sum(choice == i)) < 50:
+                continue
+            mean = np.asarray(jnp.mean(outputs[choice == i], axis=0))
+            rel = np.linalg.norm(defaults[s, i] - mean) / np.linalg.norm(mean)
+            assert rel < 0.35, (s, i, rel)
+            checked += 1
+    assert checked >= 4
+
+
+def test_default_moe_run_is_reproducible(default_moe_run):
+    again = train_arm(DEFAULT_MOE, SUCCESSOR_CFG, [0, 1])[0]
+    np.testing.assert_array_equal(again.eval_mse, default_moe_run.eval_mse)
+    np.testing.assert_array_equal(
+        np.asarray(again.final_state[1]["layers"][0]["expert_defaults"][...]),
+        np.asarray(default_moe_run.final_state[1]["layers"][0]["expert_defaults"][...]))
+
+
+def test_densemixer_trains_with_finite_loss_and_measured_gradient():
+    arm = Arm("densemixer", router="densemixer", num_experts=4)
+    history, timings = train_arm(arm, TINY, [0, 1])
+    assert np.all(np.isfinite(history.train_mse[:, 1:]))
+    assert np.all(history.eval_mse[:, -1] < 0.5 * history.eval_mse[:, 0]), history.eval_mse
+    cos = history.grad_cos
+    assert np.all(np.isfinite(cos)) and np.all(np.abs(cos) <= 1.0 + 1e-6), cos
+    assert timings["compile_s"] > 0 and timings["run_s"] > 0

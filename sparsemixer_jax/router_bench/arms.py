@@ -114,6 +114,28 @@ def gate_table() -> list[Arm]:
     return arms
 
 
+SUCCESSORS = ("switch", "sparsemixer", "densemixer", "densemixer_blog", "default_moe",
+              "default_moe_st")
+"""The routers of :func:`successors_table`: Switch, SparseMixer and the routers that also give
+the router a gradient for the experts a token did not choose (DenseMixer, Default MoE)."""
+
+
+def successors_table() -> list[Arm]:
+    """Every estimator on the same seeds, in the settings where the main table found
+    differences: the main setting (N = K = 8, margin 0.5), N = K = 16, data packed up to the
+    routing boundaries (margin 0, N = 8), and top-2 at N = 8 for Switch, DenseMixer and Default
+    MoE. The names of the main table's arms are reused (the same configurations, so the same
+    runs)."""
+    arms = [_arm(router, router=router) for router in SUCCESSORS]
+    arms += [_arm(f"{router}_n16", router=router, num_experts=16, measure_gradient=False)
+             for router in SUCCESSORS]
+    arms += [_arm(f"{router}_margin0.0", router=router, margin=0.0, measure_gradient=False)
+             for router in SUCCESSORS]
+    arms += [_arm(f"{router}_top2", router=router, top_k=2)
+             for router in ("switch", "densemixer", "default_moe")]
+    return arms
+
+
 def quick_table() -> list[Arm]:
     """A handful of arms for ``--quick`` and the tests."""
     return [_arm("switch", router="switch", num_experts=4),
@@ -121,4 +143,5 @@ def quick_table() -> list[Arm]:
             _arm("dense_flops", dense="flops", num_experts=4)]
 
 
-TABLES = {"main": main_table, "depth": depth_table, "gate": gate_table, "quick": quick_table}
+TABLES = {"main": main_table, "depth": depth_table, "gate": gate_table,
+          "successors": successors_table, "quick": quick_table}

@@ -15,7 +15,7 @@ from scipy.optimize import linear_sum_assignment
 # The exact-gradient oracle. Imported here only, so that renaming the module is one line.
 from sparsemixer_jax import exact_gradient as oracle
 from sparsemixer_jax import expert_ffn
-from sparsemixer_jax.routing import ROUTERS, router_probs
+from sparsemixer_jax.routing import ROUTERS, router_probs, switch_route
 
 
 def confusion(student: jax.Array, teacher: jax.Array, n: int, k: int) -> jax.Array:
@@ -51,9 +51,11 @@ class MSEProblem(oracle.RoutingProblem):
 
 def oracle_probs_fn(router: str, jitter_eps: float) -> oracle.ProbsFn:
     """The distribution the arm's objective samples from, ``logits [N] -> probs [N]``: the masked
-    softmax with the arm's mask for SparseMixer, the plain softmax for Switch (whose jittered
-    argmax has no closed form)."""
-    mask = "none" if router == "switch" else ROUTERS[router][1].get("mask", "reference")
+    softmax with the arm's mask for SparseMixer; the plain softmax for every router with Switch's
+    forward (``switch_route``: Switch, DenseMixer, Default MoE), whose jittered argmax has no
+    closed form."""
+    route, options = ROUTERS[router]
+    mask = "none" if route is switch_route else options.get("mask", "reference")
     return lambda z: router_probs(z, jitter_eps, mask)
 
 

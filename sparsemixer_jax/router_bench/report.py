@@ -14,6 +14,7 @@ import numpy as np
 from sparsemixer_jax.router_bench import metrics
 from sparsemixer_jax.router_bench.arms import Arm, baseline_of
 from sparsemixer_jax.router_bench.train import History
+from sparsemixer_jax.routing import UNCHOSEN_EXPERT_RULES
 
 THRESHOLD_FACTOR = 1.5  # steps to reach 1.5x the baseline's geometric-mean final eval MSE
 
@@ -179,3 +180,109 @@ def plot(results: dict, names: list[str], path: str, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=70)
     plt.close(fig)
+
+
+def train_flops_per_token(arm: Arm, emb: int, mlp: int) -> int:
+    """Analytic training FLOPs per token of the arm's MoE layers (forward and backward).
+
+    A multiply-add counts 2; the backward of a matmul costs twice its forward. Per layer, with
+    ``E = 2 (2 emb mlp)`` the forward of one row through one expert:
+
+    * every router: ``3 (2 emb N + k E)`` (the router's linear map and the ``k`` chosen rows);
+    * DenseMixer adds the dense pass ``N E`` (forward only: no gradient flows into it) and the
+      unchosen-expert term ``sum_j c_j pi_j v_j``: ``2 N emb`` forward and ``2 N emb`` for its
+      backward to ``pi``;
+    * Default MoE adds the same term (``4 N emb``) and the EMA update of the defaults
+      (``k emb`` per token, a segment sum of the chosen rows).
+
+    Elementwise work (softmax, jitter, mask, gate, ``omega``, losses) is left out. Dense arms
+    are one expert of their width.
+    """
+    if arm.dense is not None:
+        n, k = 1, 1
+        mlp = mlp * (arm.num_experts if arm.dense == "params" else 1)
+    else:
+        n, k = arm.num_experts, arm.top_k
+    expert = 2 * (2 * emb * mlp)
+    flops = 3 * (2 * emb * n + k * expert)
+    rule = UNCHOSEN_EXPERT_RULES.get(arm.router) if arm.dense is None else None
+    if rule is not None:
+        flops += 2 * (2 * n * emb)
+        flops += n * expert if rule.values == "outputs" else k * emb
+    return flops * arm.depth
+
+
+def _timed_step_s(r: dict) -> float:
+    """Seconds per training step from the interleaved timing (the fastest round), else NaN."""
+    timed = r.get("step_time_s")
+    return min(timed["rounds"]) if timed else math.nan
+
+
+def _run_step_s(r: dict) -> float:
+    """Seconds per step of the training run itself (its logged evaluations included)."""
+    return r.get("timings_s", {}).get("run_s", math.nan) / r["steps"][-1]
+
+
+def cost_rows(results: dict, emb: int, mlp: int, versus: str | None = None) -> list[dict]:
+    """Quality and cost per arm: :func:`paired_rows` plus ``flops`` (training FLOPs per token,
+    :func:`train_flops_per_token`) and, each with its ratio to the baseline's (``*_ratio``):
+    ``step_ms``, the wall time of one training step of every seed at once after compilation
+    from the interleaved timing (``--time-rounds``; the fastest round), and ``run_step_ms``,
+    the training run's own time per step (its logged evaluations included; one run per arm, at
+    whatever load the machine had then); NaN where not recorded. ``compile_s``: the arm's XLA
+    compilation. ``equal_flops``: ``(step, Paired)``, the arm's ln eval MSE at the last logged
+    step whose training FLOPs do not exceed the baseline's whole run, paired by seed against the
+    baseline's final ln eval MSE (absent without a baseline)."""
+    arms = _arms(results)
+    rows = paired_rows(results, versus)
+    for row in rows:
+        r = results[row["arm"]]
+        row["flops"] = train_flops_per_token(arms[row["arm"]], emb, mlp)
+        row["step_ms"] = 1e3 * _timed_step_s(r)
+        row["run_step_ms"] = 1e3 * _run_step_s(r)
+        row["compile_s"] = r.get("timings_s", {}).get("compile_s", math.nan)
+        base = row["baseline"]
+        if base is None:
+            row["flops_ratio"] = row["step_ratio"] = row["run_step_ratio"] = 1.0
+        else:
+            b = results[base]
+            row["flops_ratio"] = row["flops"] / train_flops_per_token(arms[base], emb, mlp)
+            row["step_ratio"] = _timed_step_s(r) / _timed_step_s(b)
+            row["run_step_ratio"] = _run_step_s(r) / _run_step_s(b)
+            steps = np.asarray(r["steps"])
+            budget = b["steps"][-1] / row["flops_ratio"]
+            at = int(np.flatnonzero(steps <= budget + 1e-9)[-1])
+            mine = np.asarray(r["curves_per_seed"]["eval_mse"])[:, at]
+            row["equal_flops"] = (int(steps[at]), metrics.paired(
+                np.log(mine), np.log(b["per_seed"]["final_eval_mse"])))
+    return rows
+
+
+def markdown_cost_table(results: dict, emb: int, mlp: int, versus: str | None = None) -> str:
+    """Quality beside cost, one row per arm (means ± standard errors over seeds; Δ paired by
+    seed against the "vs" arm): :func:`cost_rows` as Markdown."""
+    head = ("| arm | vs | final eval MSE | Δ ln MSE (paired) | better seeds | agreement | "
+            "Δ agreement | grad cos | grad norm ratio | train FLOPs/token (× vs) | "
+            "Δ ln MSE at equal FLOPs (arm's step) | step ms, timed (× vs) | "
+            "step ms in the run (× vs) | compile s |")
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for row in cost_rows(results, emb, mlp, versus):
+        paired_cols = ["–", "–", "–"]
+        if "dlog_mse" in row:
+            d = row["dlog_mse"]
+            paired_cols = [d.fmt(), f"{d.below}/{d.n}", row["d_agree"].fmt()]
+        step, run_step = (
+            "–" if not math.isfinite(row[key]) else f"{row[key]:.1f} ({row[ratio]:.2f}×)"
+            for key, ratio in (("step_ms", "step_ratio"), ("run_step_ms", "run_step_ratio")))
+        compile_s = "–" if not math.isfinite(row["compile_s"]) else f"{row['compile_s']:.0f}"
+        equal = "–"
+        if "equal_flops" in row:
+            at, d = row["equal_flops"]
+            equal = f"{d.fmt()} ({at})"
+        lines.append(
+            f"| {row['arm']} | {row['baseline'] or '–'} | {_ms(row['final_eval_mse'], 4)} | "
+            f"{paired_cols[0]} | {paired_cols[1]} | {_ms(row['final_agreement'])} | "
+            f"{paired_cols[2]} | {_ms(row['mean_grad_cos'])} | "
+            f"{_ms(row['mean_grad_norm_ratio'], 2)} | {row['flops']:,} "
+            f"({row['flops_ratio']:.2f}×) | {equal} | {step} | {run_step} | {compile_s} |")
+    return "\n".join(lines)

@@ -11,6 +11,7 @@ differences are paired.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import NamedTuple
 
@@ -66,6 +67,9 @@ class History(NamedTuple):
     (training-mode routing, means since the last log), ``grad_cos``, ``grad_norm_ratio``
     (realised / exact router gradient, NaN where not measured), ``confusion`` ``[S, E, L, N, K]``
     on the evaluation set. ``acceptance [S]``: the margin's acceptance rate.
+    ``final_state``: the students' split state after the last step, ``(params, rest)`` with a
+    leading seed axis (``rest``: everything but ``nnx.Param``, e.g. the router's RNG counts and
+    Default MoE's ``expert_defaults``); None where not kept.
     """
 
     steps: np.ndarray
@@ -78,6 +82,7 @@ class History(NamedTuple):
     grad_norm_ratio: np.ndarray
     confusion: np.ndarray
     acceptance: np.ndarray
+    final_state: tuple | None = None
 
 
 def seed_keys(seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -183,14 +188,27 @@ def _compiled(arm: Arm, cfg: TrainConfig):
             return carry, (jnp.mean(logged, axis=0), mse, cos, ratio, conf)
 
         first = evaluate(params, rest, data)
-        _, (logged, mse, cos, ratio, conf) = jax.lax.scan(
+        final, (logged, mse, cos, ratio, conf) = jax.lax.scan(
             chunk, (params, rest, opt_state), jax.random.split(key, num_logs))
         head = lambda a, b: jnp.concatenate([a[None], b])
         train0 = jnp.stack([first[0], jnp.nan, jnp.nan, jnp.nan])
         return (head(train0, logged), head(first[0], mse), head(first[1], cos),
-                head(first[2], ratio), head(first[3], conf))
+                head(first[2], ratio), head(first[3], conf)), final[:2]
 
     return jax.jit(jax.vmap(run))
+
+
+_EXECUTABLES: dict = {}
+
+
+def _executable(arm: Arm, cfg: TrainConfig, args: tuple):
+    """The compiled run of ``arm`` for arguments shaped like ``args`` (cached), compiled ahead
+    of the call so that compilation and running are timed apart."""
+    leaves, treedef = jax.tree.flatten(args)
+    key = (arm, cfg, treedef, tuple((a.shape, str(a.dtype)) for a in leaves))
+    if key not in _EXECUTABLES:
+        _EXECUTABLES[key] = _compiled(arm, cfg).lower(*args).compile()
+    return _EXECUTABLES[key]
 
 
 def _student(arm: Arm, cfg: TrainConfig, key: jax.Array, router_w, router_b) -> Student:
@@ -213,11 +231,9 @@ def init_students(arm: Arm, cfg: TrainConfig, seeds: list[int], router_w, router
     return jax.tree.map(lambda *a: jnp.stack(a), *states)
 
 
-def train_arm(arm: Arm, cfg: TrainConfig, seeds: list[int], data_cache: dict | None = None
-              ) -> tuple[History, dict]:
-    """Train ``arm`` on every seed at once. ``data_cache`` (by teacher setting) saves rebuilding
-    teachers shared by several arms. Returns the history and timings (seconds)."""
-    t0 = time.perf_counter()
+def _run_args(arm: Arm, cfg: TrainConfig, seeds: list[int], data_cache: dict | None):
+    """The arguments of the compiled run of ``arm`` (initial students, keys, data on the
+    device) and the host copy of the data. ``data_cache`` is keyed by teacher setting."""
     cache_key = (cfg.teacher(arm), tuple(seeds))
     if data_cache is not None and cache_key in data_cache:
         router_w, router_b, data = data_cache[cache_key]
@@ -225,18 +241,61 @@ def train_arm(arm: Arm, cfg: TrainConfig, seeds: list[int], data_cache: dict | N
         router_w, router_b, data = prepare_data(arm, cfg, seeds)
         if data_cache is not None:
             data_cache[cache_key] = (router_w, router_b, data)
-    t_data = time.perf_counter() - t0
-    run = _compiled(arm, cfg)
     run_keys = jnp.stack([jax.random.fold_in(seed_keys(s)[2], 1) for s in seeds])
     params, rest = init_students(arm, cfg, seeds, router_w, router_b)
-    t1 = time.perf_counter()
     run_data = Data(*(jnp.asarray(a) for a in data[:5]), acceptance=jnp.asarray(data[5]))
-    out = jax.device_get(run(params, rest, run_keys, run_data))
-    t_run = time.perf_counter() - t1
+    args = (params, rest, run_keys, run_data)
+    jax.block_until_ready(args)
+    return args, data
+
+
+def time_steps(arms: list[Arm], cfg: TrainConfig, seeds: list[int], steps: int = 200,
+               rounds: int = 5, data_cache: dict | None = None) -> dict[str, list[float]]:
+    """Wall time of one training step of every seed at once, after compilation.
+
+    Each arm's run of ``steps`` steps (no gradient measurement; one evaluation before and one
+    after) is compiled first; then the arms run in turn, ``rounds`` times over, so that a change
+    in the machine's load falls on every arm alike. Returns, per arm name, the seconds per step
+    of each round (the run's time divided by ``steps``).
+    """
+    cfg = cfg._replace(steps=steps, eval_every=steps, measure_gradient=False)
+    prepared = {}
+    for arm in arms:
+        args, _ = _run_args(arm, cfg, seeds, data_cache)
+        prepared[arm.name] = (_executable(arm, cfg, args), args)
+    times: dict[str, list[float]] = {arm.name: [] for arm in arms}
+    for _ in range(rounds):
+        for arm in arms:
+            run, args = prepared[arm.name]
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(*args))
+            times[arm.name].append((time.perf_counter() - t0) / steps)
+    return times
+
+
+def train_arm(arm: Arm, cfg: TrainConfig, seeds: list[int], data_cache: dict | None = None
+              ) -> tuple[History, dict]:
+    """Train ``arm`` on every seed at once. ``data_cache`` (by teacher setting) saves rebuilding
+    teachers shared by several arms.
+
+    Returns the history and timings: ``data_s`` (teachers, data and the students' init),
+    ``compile_s`` (XLA compilation; 0 when this process compiled the arm before), ``run_s``
+    (every step of every seed plus the logged evaluations, after compilation) and ``load_1m``
+    (the machine's 1-minute load average when the run ended; the wall times are only
+    comparable at similar load)."""
+    t0 = time.perf_counter()
+    args, data = _run_args(arm, cfg, seeds, data_cache)
+    t1 = time.perf_counter()
+    run = _executable(arm, cfg, args)
+    t2 = time.perf_counter()
+    out, final_state = jax.device_get(run(*args))
+    t3 = time.perf_counter()
     logged, mse, cos, ratio, conf = (np.asarray(a) for a in out)
     steps = np.arange(cfg.steps // cfg.eval_every + 1) * cfg.eval_every
     history = History(steps=steps, train_mse=logged[..., 0], eval_mse=mse,
                       zero_grad=logged[..., 1], non_argmax=logged[..., 2],
                       load_max=logged[..., 3], grad_cos=cos, grad_norm_ratio=ratio,
-                      confusion=conf, acceptance=np.asarray(data.acceptance))
-    return history, {"data_s": t_data, "compile_and_run_s": t_run}
+                      confusion=conf, acceptance=np.asarray(data.acceptance),
+                      final_state=final_state)
+    return history, {"data_s": t1 - t0, "compile_s": t2 - t1, "run_s": t3 - t2,
+                     "load_1m": os.getloadavg()[0]}
