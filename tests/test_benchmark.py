@@ -230,6 +230,7 @@ def test_dense_pass_flops_match_xla_cost_analysis():
     assert cost["flops"] == rows * dense_pass + rows * n * (2 * m + e)
 
 
+@pytest.mark.slow  # fast counterparts: the FLOP model by hand and the layer/router sections
 def test_layer_cost_section_runs(tmp_path):
     """One MoE layer with Switch, DenseMixer and Default MoE at tiny sizes (three compilations);
     the Default MoE step computes the update of its default vectors."""

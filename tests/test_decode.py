@@ -143,6 +143,7 @@ def test_beam_scores_equal_teacher_forced_scores(model, inputs, beams):
     np.testing.assert_allclose(scores.reshape(-1), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # fast counterparts: beam 1 = greedy, cached = full decoding, test BLEU
 def test_beam_search_learns_copy_task(model, inputs):
     """~200 Adam steps on copying; beam search then reproduces held-out sources exactly."""
     optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)

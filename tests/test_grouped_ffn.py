@@ -152,6 +152,7 @@ def test_mosaic_bfloat16_forward_and_grads(case):
     _check_zero_rows(got[0], group, 4)
 
 
+@pytest.mark.slow  # fast counterparts: the same kernels at N = 2 and 4
 def test_mosaic_float16_eight_experts():
     x, *params = _params(jax.random.key(2), 8, jnp.float16)
     group = _groups("mixed", 8)

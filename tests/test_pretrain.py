@@ -136,6 +136,7 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(
     assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == list(range(1, 7))
 
 
+@pytest.mark.slow  # fast counterpart: the GLUE tests load the pretrained encoder the same way
 def test_load_discriminator_returns_the_trained_encoder(straight_run):
     workdir, _ = straight_run
     encoder, tokenizer, config = pretraining.load_discriminator(workdir, "last")

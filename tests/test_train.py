@@ -101,6 +101,7 @@ def test_extending_a_run_equals_the_uninterrupted_run(straight_run, tmp_path):
     assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == list(range(1, 7))
 
 
+@pytest.mark.slow  # fast counterparts: a SIGKILL during a save (test_checkpoint), exact resume
 def test_sigkill_mid_run_then_resume(straight_run, tmp_path):
     workdir = str(tmp_path / "killed")
     command = [sys.executable, "-m", "experiments.wmt", "--config", "tests/tiny_wmt_config.py",
