@@ -71,9 +71,12 @@ def _accumulate(graphdef, objective, params, stats, rest, acc, batch, key):
     return jax.tree.map(jnp.add, acc, summand), stats
 
 
-@jax.jit
 def _keep_if_finite(finite, new, old):
+    """``new`` where the update is finite, else ``old`` (a skipped update changes nothing)."""
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
+_keep_if_finite_jit = jax.jit(_keep_if_finite)
 
 
 def _apply_update(objective, optim: OptimSettings, params, opt_state, acc):
@@ -84,12 +87,8 @@ def _apply_update(objective, optim: OptimSettings, params, opt_state, acc):
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(out["loss"])
     updates, new_opt_state = make_optimizer(optim).update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-
-    def keep_if_finite(new, old):
-        return jnp.where(finite, new, old)
-
-    params = jax.tree.map(keep_if_finite, new_params, params)
-    opt_state = jax.tree.map(keep_if_finite, new_opt_state, opt_state)
+    params = _keep_if_finite(finite, new_params, params)
+    opt_state = _keep_if_finite(finite, new_opt_state, opt_state)
     return params, opt_state, {**out, "grad_norm": grad_norm, "finite": finite}
 
 
@@ -106,7 +105,7 @@ def _train_step(graphdef, objective, optim, params, stats, rest, opt_state, batc
     """
     summand, new_stats = _gradient(graphdef, objective, params, stats, rest, batch, key)
     params, opt_state, metrics = _apply_update(objective, optim, params, opt_state, summand)
-    stats = jax.tree.map(lambda n, o: jnp.where(metrics["finite"], n, o), new_stats, stats)
+    stats = _keep_if_finite(metrics["finite"], new_stats, stats)
     return params, stats, opt_state, metrics
 
 
@@ -173,7 +172,8 @@ class Steps:
             acc, new_stats = self.accumulate(params, new_stats, acc, batch,
                                              jax.random.fold_in(step_key, j))
         params, opt_state, metrics = self.update(params, opt_state, acc)
-        return params, _keep_if_finite(metrics["finite"], new_stats, stats), opt_state, metrics
+        return (params, _keep_if_finite_jit(metrics["finite"], new_stats, stats), opt_state,
+                metrics)
 
     def evaluate(self, params, stats, batch, key):
         return _evaluate(self.graphdef, self.objective, params, stats, self.rest, batch, key)
