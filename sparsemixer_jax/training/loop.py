@@ -166,6 +166,7 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
 
     def train_state() -> dict[str, Any]:
         return steps.train_state(params, opt_state, batch_stats)
+
     accum = task.micro_batches(config)
     logger.info("model: %s parameters; %d micro-batches per update; mesh %s; data %s",
                 f"{count_params(params):,}", accum,
