@@ -3,7 +3,8 @@
     python -m experiments.pretrain --config configs/electra.py:n4 --workdir runs/electra_n4
 
 The part after ``:`` picks the discriminator: ``dense`` or ``n2``, ``n4`` (default), ``n8``
-experts per MoE layer.
+experts per MoE layer; ``electra_dense.py``, ``electra_n2.py``, ``electra_n4.py``, ``electra_n8.py``
+name the same settings as files.
 
 Discriminator: BERT-base (12 layers, 768 wide, 12 heads, FFN 3072, GELU), learned absolute
 positions "further enhanced" with T5 relative position buckets (32), dropout 0.1, MoE on every
@@ -35,7 +36,7 @@ EXPERTS = {"dense": 0, "n2": 2, "n4": 4, "n8": 8}
 
 def get_config(variant: str = "n4") -> ml_collections.ConfigDict:
     if variant not in EXPERTS:
-        raise ValueError(f"configs/electra.py:{variant}: choose one of {', '.join(EXPERTS)}")
+        raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(EXPERTS)}")
     c = ml_collections.ConfigDict()
     c.task = "pretraining"
 

@@ -17,7 +17,7 @@ from configs import wmt
 
 def get_config(variant: str = "n4"):
     if variant not in ("n4", "study"):
-        raise ValueError(f"configs/multi30k.py:{variant}: choose n4 or study")
+        raise ValueError(f"unknown variant {variant!r}; choose one of n4, study")
     c = wmt.get_config()
     c.data.source = "text"
     c.data.dir = "../shared/data/multi30k"

@@ -1,10 +1,11 @@
 """WMT'14 En-De, Transformer-base Switch, the paper's settings (its Appendix, Table 5).
 
-    python -m experiments.wmt --config configs/wmt.py:n4 --workdir runs/wmt_n4
+    python -m experiments.wmt --config configs/wmt_n4.py --workdir runs/wmt_n4
 
 The part after ``:`` picks the model: ``dense`` (no experts) or ``n2``, ``n4`` (default), ``n6``,
-``n8``, ``n16`` experts per MoE layer. Every translation config starts from this one;
-docs/config.md documents each field.
+``n8``, ``n16`` experts per MoE layer; ``wmt_dense.py``, ``wmt_n2.py`` ... ``wmt_n16.py`` name
+the same settings as files (``configs/wmt_n4.py`` is ``configs/wmt.py:n4``). Every translation
+config starts from this one; docs/config.md documents each field.
 """
 
 import ml_collections
@@ -22,7 +23,7 @@ EXPERTS = {"dense": 0, "n2": 2, "n4": 4, "n6": 6, "n8": 8, "n16": 16}
 
 def get_config(variant: str = "n4") -> ml_collections.ConfigDict:
     if variant not in EXPERTS:
-        raise ValueError(f"configs/wmt.py:{variant}: choose one of {', '.join(EXPERTS)}")
+        raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(EXPERTS)}")
     c = ml_collections.ConfigDict()
     c.task = "translation"
 

@@ -1,6 +1,6 @@
 """Train and evaluate a Switch / Switch+SparseMixer Transformer on a translation task.
 
-    python -m experiments.wmt --config configs/wmt.py:n4 --workdir runs/wmt_n4
+    python -m experiments.wmt --config configs/wmt_n4.py --workdir runs/wmt_n4
     python -m experiments.wmt --config configs/quickstart.py --config.router.name=switch \
         --workdir runs/quickstart_switch
 

@@ -10,6 +10,7 @@ the field and its closest matches, not ml_collections' chain of tracebacks.
 from __future__ import annotations
 
 import difflib
+import glob
 import importlib.util
 import logging
 import os
@@ -75,7 +76,7 @@ def quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _load_config_file(spec: str) -> Any:
+def load_config_file(spec: str) -> Any:
     """``get_config()`` of a config file named as ``--config`` names it (``path[:arg]``)."""
     path, _, arg = spec.partition(":")
     module_spec = importlib.util.spec_from_file_location("_config_for_error", path)
@@ -84,17 +85,45 @@ def _load_config_file(spec: str) -> Any:
     return module.get_config(arg) if arg else module.get_config()
 
 
-def unknown_config_field(argv: list[str]) -> str | None:
-    """A one-line message for the first ``--config.a.b=...`` of ``argv`` that names no field of
-    the config file, with the closest field names; None if every override names a field."""
+def _config_spec(argv: list[str]) -> str | None:
+    """The value of ``--config`` in ``argv`` (``path[:arg]``), or None."""
     spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
     if spec is None and "--config" in argv[:-1]:
         spec = argv[argv.index("--config") + 1]
+    return spec
+
+
+def config_file_error(argv: list[str]) -> str | None:
+    """A one-line message if the ``--config`` file of ``argv`` is missing or its ``get_config``
+    refuses its argument (a wrong variant names the valid ones); None if it loads."""
+    spec = _config_spec(argv)
+    if spec is None:
+        return None
+    path = spec.partition(":")[0]
+    if not os.path.isfile(path):
+        near = sorted(glob.glob(os.path.join(os.path.dirname(path) or ".", "*.py")))
+        names = [os.path.basename(n) for n in near if not n.endswith("__init__.py")]
+        close = difflib.get_close_matches(os.path.basename(path), names, n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        return f"--config={spec}: no such config file {path!r}{hint}"
+    try:
+        load_config_file(spec)
+    except ValueError as err:
+        return f"--config={spec}: {err}"
+    except TypeError:  # a variant given to a get_config() that takes none
+        return f"--config={spec}: {path} has no variants; use --config={path}"
+    return None
+
+
+def unknown_config_field(argv: list[str]) -> str | None:
+    """A one-line message for the first ``--config.a.b=...`` of ``argv`` that names no field of
+    the config file, with the closest field names; None if every override names a field."""
+    spec = _config_spec(argv)
     if spec is None:
         return None
     try:
-        config = _load_config_file(spec)
-    except Exception:  # the config flag reports its own file's errors
+        config = load_config_file(spec)
+    except Exception:  # config_file_error reports the file's own errors
         return None
     for arg in argv:
         if not arg.startswith("--config."):
@@ -130,9 +159,14 @@ def dashed_flags(argv: list[str]) -> list[str]:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, with an unknown ``--config.`` field reported on one line and
+    """absl's flag parsing, with a missing config file, a wrong variant and an unknown
+    ``--config.`` field each reported on one line, and
     ``--dashed-names`` read as ``--dashed_names``."""
     argv = dashed_flags(argv)
+    message = config_file_error(argv)
+    if message is not None:
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
     try:
         return app.parse_flags_with_usage(argv)
     except (AttributeError, KeyError, ValueError):

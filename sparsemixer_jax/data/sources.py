@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import socket
 from typing import Any
 
 from sparsemixer_jax.data import Pair
@@ -120,6 +121,25 @@ def read_text(directory: str, prefix: str, src: str, tgt: str) -> list[Pair]:
     return list(zip(src_lines, tgt_lines, strict=True))
 
 
+def _download_hosts(name: str) -> list[tuple[str, int]]:
+    """Hosts a TFDS download of ``name`` needs: the Cloud Storage bucket where TFDS mirrors
+    datasets, and for WMT the statmt.org servers every WMT builder downloads from."""
+    hosts = [("storage.googleapis.com", 443)]
+    if name.startswith("wmt"):
+        hosts.append(("www.statmt.org", 80))
+    return hosts
+
+
+def _reachable(host: str, port: int, timeout: float = 5.0) -> bool:
+    """Whether a TCP connection to ``host:port`` opens within ``timeout`` seconds. Without it, an
+    offline machine spends minutes in TFDS's download retries before failing."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
 def read_tfds(name: str, split: str, src: str, tgt: str, data_dir: str = "") -> list[Pair]:
     """Reads a TFDS translation split as ``[(example[src], example[tgt])]``.
 
@@ -139,6 +159,13 @@ def read_tfds(name: str, split: str, src: str, tgt: str, data_dir: str = "") -> 
             raise ValueError(
                 f"TFDS dataset {name!r} has no feature {lang!r} (has {sorted(features)})"
             )
+    if not builder.is_prepared() and not any(_reachable(*host) for host in _download_hosts(name)):
+        raise FileNotFoundError(
+            f"TFDS dataset {name!r} is not prepared in {builder.data_dir} and its download "
+            "servers cannot be reached from this machine; prepare it on a machine with network "
+            "access and copy it over, then point config.data.dir (or TFDS_DATA_DIR) at the copy "
+            "(docs/translation.md, 'WMT'14 without network')"
+        )
     builder.download_and_prepare()
     ds = builder.as_dataset(split=split, shuffle_files=False)
     return [(ex[src].decode("utf-8"), ex[tgt].decode("utf-8")) for ex in tfds.as_numpy(ds)]

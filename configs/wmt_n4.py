@@ -1,0 +1,12 @@
+"""WMT'14 En-De, Transformer-base with 4 experts per MoE layer: ``configs/wmt.py:n4``.
+
+    python -m experiments.wmt --config configs/wmt_n4.py --workdir runs/wmt_n4
+
+Every field comes from configs/wmt.py; this file only names the variant.
+"""
+
+from configs import wmt
+
+
+def get_config():
+    return wmt.get_config("n4")
