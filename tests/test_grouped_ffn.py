@@ -210,6 +210,16 @@ def test_mosaic_float16_eight_experts_and_one_expert():
                   REL_TOL["bfloat16"])
 
 
+def test_mosaic_float32_params_cast_to_bfloat16_and_back():
+    # Traced only: float32 in, bfloat16 operands in every product, float32 out and gradients.
+    x, *params = _params(jax.random.key(3), 2, jnp.float32)
+    y, grads = jax.eval_shape(mosaic_grouped, x, _groups("capacity", 2), *params)
+    assert y.dtype == jnp.float32 and all(g.dtype == jnp.float32 for g in grads)
+    jaxpr = str(jax.make_jaxpr(mosaic_grouped)(x, _groups("capacity", 2), *params))
+    assert "bf16[" in jaxpr
+
+
+@pytest.mark.slow  # fast counterpart: the casts above; the kernels at bfloat16 above
 def test_mosaic_float32_params_two_experts_capacity():
     # float32 parameters run as bfloat16 operands: everything equals the reference run on the
     # bfloat16-cast inputs; the output also equals the float32 reference at bfloat16 tolerance
@@ -282,6 +292,11 @@ def test_device_check_asks_the_target_device():
         seen = []
         jax.jit(lambda v: seen.append(mgm.target_device()) or v)(1.0)
         assert seen[0].platform == "cpu" and not hasattr(seen[0], "id")  # the AbstractDevice
+    # Inside jit without a mesh in context: the mesh of the traced array's sharding.
+    sharded = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=jax.sharding.NamedSharding(
+        cpu_mesh, jax.sharding.PartitionSpec()))
+    jax.jit(lambda v: seen.append(mgm.target_device(array=v)) or v).lower(sharded)
+    assert seen[-1].device_kind == jax.devices()[2].device_kind and not hasattr(seen[-1], "id")
 
 
 def test_weight_grad_sm_count_from_device_or_config():
@@ -378,6 +393,24 @@ def _h100_lowering_error(kernel, config: dict, dtype=jnp.bfloat16) -> str | None
     except Exception as err:  # lowering raises ValueError, AssertionError, VerificationError
         return f"{type(err).__name__}: {(str(err).strip() or '-').splitlines()[0]}"
     return None
+
+
+def test_grouped_ffn_lowers_for_a_compile_only_h100_from_a_cpu_host():
+    # The expert FFN with all three kernels (weight_grad="auto" at these widths) lowered for an
+    # H100 whose devices exist only as a topology: the device check asks the mesh of the
+    # arguments' shardings (no jax.set_mesh), not the CPU host's first device.
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.sharding.Mesh(_h100_devices(), ("x",))
+    spec = functools.partial(jax.ShapeDtypeStruct, sharding=NamedSharding(mesh, PartitionSpec()))
+    ffn = _value_and_grads(functools.partial(grouped_ffn, impl="mosaic"))
+    args = [spec((ROWS, EMB), jnp.bfloat16), spec((ROWS,), jnp.int32)] + [
+        spec(s, jnp.bfloat16) for s in [(4, EMB, MLP), (4, MLP), (4, MLP, EMB), (4, EMB)]]
+    text = ffn.lower(*args).as_text()
+    # Two layers (wi, wo) x (forward, input gradient, weight gradient), all Mosaic kernels.
+    assert text.count("custom_call @mosaic_gpu") == 6
+    with pytest.raises(ValueError, match="platform 'cpu'"):
+        ffn.lower(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args))
 
 
 def _check_rules_against_lowering(kernel, config, dtype, accepted):

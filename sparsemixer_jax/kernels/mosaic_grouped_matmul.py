@@ -26,7 +26,9 @@ Implementations (``GroupedMatmulConfig.impl``):
   operand dtype: the reference formulation, runs on every backend.
 * ``"tokamax"``: ``tokamax.ragged_dot`` (its own kernels and VJP; the operands are cast as for
   ``"mosaic"``). Optional (``requirements-tokamax.txt``), imported only when asked for; where it
-  is missing the call raises an ImportError saying so.
+  is missing the call raises an ImportError saying so. tokamax picks its kernel by the default
+  device's GPU generation, so on a CPU host it runs its XLA path (tested); its Mosaic kernels
+  refuse the interpreter there ("Unsupported GPU architecture") and are untested here.
 
 Shape rules, met here: ``K`` and ``N`` multiples of 16 (tiles shrink to a power of two dividing
 the width, else a ValueError); the rows are padded to a multiple of ``block_m`` when they are not
@@ -202,8 +204,9 @@ def target_device(device: Any = None, mesh: jax.sharding.Mesh | None = None,
                   array: Any = None) -> Any:
     """The device a computation is built for, most specific first.
 
-    ``device``; else the first device of ``mesh``; else of ``array`` (a concrete array); else
-    of the mesh in context (``jax.set_mesh``: its devices outside ``jit``, its
+    ``device``; else the first device of ``mesh``; else of ``array`` (a concrete array's
+    device; a traced array's type names the ``AbstractDevice`` of the mesh its input shardings
+    lie on); else of the mesh in context (``jax.set_mesh``: its devices outside ``jit``, its
     ``AbstractDevice`` inside); else ``jax.config.jax_default_device``; else
     ``jax.devices()[0]``. A compile-only device (``jax.experimental.topologies``) named in any
     of these places is what is asked, so a CPU host can build for an H100 without one.
@@ -212,7 +215,11 @@ def target_device(device: Any = None, mesh: jax.sharding.Mesh | None = None,
         return device
     if mesh is not None:
         return mesh.devices.flat[0]
-    if isinstance(array, jax.Array) and not isinstance(array, jax.core.Tracer):
+    if isinstance(array, jax.core.Tracer):  # its type's mesh names the target's device kind
+        abstract = getattr(getattr(jax.typeof(array), "sharding", None), "mesh", None)
+        if getattr(abstract, "abstract_device", None) is not None:
+            return abstract.abstract_device
+    elif isinstance(array, jax.Array):
         return next(iter(array.devices()))
     try:
         context_mesh = jax.sharding.get_mesh()
@@ -385,7 +392,8 @@ def _mosaic_weight_grad(lhs, dout, group_sizes, config: GroupedMatmulConfig) -> 
             block_m=_fit_block(config.block_n, k, "weight-gradient rows", _WGMMA_ROWS),
             block_n=_fit_block(config.block_n, n, "weight-gradient columns", _WGMMA_ROWS),
             block_k=block_k, max_concurrent_steps=config.max_concurrent_steps,
-            grid_block_n=config.grid_block_n, num_sms=sm_count(config))
+            grid_block_n=config.grid_block_n,
+            num_sms=sm_count(config, target_device(array=lhs)))
 
 
 def _xla_matmul(lhs, rhs, group_sizes) -> jax.Array:
