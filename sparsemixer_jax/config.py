@@ -103,7 +103,7 @@ def moe_model_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.num_experts = 4  # 0 = dense
     c.moe_every = 2  # MoE replaces the FFN of layers 0, k, 2k, ...
     c.dispatch = "auto"  # see sparsemixer_jax.moe.DISPATCHES
-    c.grouped_impl = "mosaic"  # dispatch "grouped": Hopper kernels ("mosaic") or "xla"
+    c.grouped_impl = "mosaic"  # dispatch "grouped": Hopper kernels ("mosaic"), "tokamax", "xla"
     c.capacity_factor = 0.0  # 0 = dropless; > 0 = Switch-style capacity with dropping
     c.compute_dtype = "float32"  # | "bfloat16" (params stay float32)
     c.attention_impl = "einsum"  # | "xla" | "cudnn" | "auto" (jax.nn.dot_product_attention)

@@ -62,7 +62,8 @@ class MoEFeedForward(nnx.Module):
       dispatch: ``"auto"``, ``"ragged"``, ``"padded"`` or ``"grouped"``
         (:mod:`sparsemixer_jax.moe.dispatch`).
       grouped_impl: the kernels of ``"grouped"``: ``"mosaic"`` (Hopper GPUs, or interpreted
-        inside ``force_gpu_interpret_mode()``; checked when the layer is built) or ``"xla"``.
+        inside ``force_gpu_interpret_mode()``; checked against the target device, ``mesh``'s
+        or the default one, when the layer is built), ``"tokamax"`` or ``"xla"``.
       capacity_factor: 0 for dropless; ``> 0`` caps every expert at
         ``ceil(capacity_factor * rows / N)`` rows (rows = ``B * T * top_k``: every position of
         the call and each of its experts). Rows are served first choices first (all tokens'
