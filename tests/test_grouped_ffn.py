@@ -142,6 +142,21 @@ def test_dropout_masks_are_moe_masks():
     assert float(jnp.abs(y - y_off).max()) > 1e-2
 
 
+def test_padded_block_rows_is_an_argument():
+    # The padded layout's tiling is passed in (benchmarks sweep it); any block size gives the
+    # same rows through the same experts.
+    x, *params = _params(jax.random.key(9), 4, jnp.float32)
+    group = _groups("mixed", 4)
+    ffn = jax.jit(moe.expert_ffn, static_argnames=("dispatch", "block_rows"))
+    want = ffn(x, group, jnp.arange(ROWS), tuple(params), dispatch="ragged")
+    assert moe.dispatch.padded_block_rows(ROWS, 4) == 32
+    got = ffn(x, group, jnp.arange(ROWS), tuple(params), dispatch="padded", block_rows=8)
+    chex.assert_trees_all_close(got, want, atol=1e-5)  # 8-row blocks, the default: 32
+    with pytest.raises(ValueError, match="block_rows must be >= 1"):
+        moe.dispatch.padded_ffn(x, group, jnp.arange(ROWS), *params, None, 0.0, None,
+                                block_rows=0)
+
+
 # ---- Mosaic GPU kernels in the interpreter -------------------------------------------------
 
 
