@@ -251,7 +251,7 @@ def test_expert_mesh_equals_one_device(name, data):
 
 @pytest.mark.parametrize("decay", [0.0, 1.0, -0.1, 1.5])
 def test_decay_outside_the_open_interval_is_refused(decay):
-    with pytest.raises(ValueError, match=r"default_decay .* must lie in \(0, 1\)"):
+    with pytest.raises(ValueError, match=r"default_decay must lie in \(0, 1\)"):
         make_layer("default_moe", default_decay=decay)
     config = tiny_wmt_config.get_config()
     config.router.name = "default_moe"
