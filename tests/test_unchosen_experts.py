@@ -1,9 +1,10 @@
 """DenseMixer and Default MoE: the router gradient for the experts a token did not choose.
 
-Hand-computed backward passes on a 3-expert example, the MoE layer's wiring (DenseMixer's
-output is Switch's bit for bit; its expert gradients too), Default MoE's default vectors (EMA
-update, padding, evaluation, an expert mesh), their checkpointing with an exact resume, and the
-errors for a bad decay.
+Hand-computed backward passes on a 3-expert example (renormalised top-2 too), the MoE layer's
+wiring (DenseMixer's output is Switch's without jitter bit for bit, with Switch's jitter under
+successor_jitter; its expert gradients too), Default MoE's default vectors (EMA update, before
+or after use, gated or not, padding, evaluation, the forward variant, an expert mesh), their
+checkpointing with an exact resume, and the errors for bad or ignored router options.
 """
 
 import chex
