@@ -184,6 +184,8 @@ def test_densemixer_forward_is_switch_bit_for_bit_and_only_the_router_gradient_c
     for name in ("wi", "bi", "wo", "bo"):  # expert gradients come from the chosen rows only
         np.testing.assert_array_equal(g1[name], g0[name])
     assert not np.allclose(g1["router"]["kernel"], g0["router"]["kernel"])
+    if top_k == 2:
+        return  # the jitter's wiring is the same for both k
     (y2, _), (y3, _) = (train_call(layer, *data) for layer in (
         make_layer("switch", top_k=top_k, jitter_eps=0.5),
         make_layer("densemixer", top_k=top_k, jitter_eps=0.5,
