@@ -39,6 +39,11 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     "router.init_scale": 1.0,
     "model.absolute_positions": {"pretraining": 0},
     "router.default_decay": 0.9,
+    "router.normalize_top_k": False,
+    "router.successor_jitter": False,
+    "router.default_at_eval": True,
+    "router.default_mean": "ungated",
+    "router.default_update": "after",
 }
 
 
@@ -55,7 +60,14 @@ def router_config(name: str = "sparsemixer", **overrides: Any) -> ml_collections
     c.balance_normalization = "per_token"  # | "per_batch": the reference's fairseq objective
     c.z_loss_weight = 0.0
     c.init_scale = 1.0  # router kernel init variance scale: 1.0 = LeCun normal; Switch uses 0.1
-    c.default_decay = 0.9  # EMA decay of the default_moe routers' default vectors, in (0, 1)
+    # Options of the routers with Switch's forward (sparsemixer_jax.routing.RouterOptions);
+    # setting one that the chosen router ignores is an error.
+    c.normalize_top_k = False  # gates renormalised over the k chosen (Mixtral, norm_topk_prob)
+    c.successor_jitter = False  # densemixer / default_moe*: Switch's jitter (their code: none)
+    c.default_decay = 0.9  # default_moe*: EMA decay of the default vectors, in (0, 1)
+    c.default_at_eval = True  # default_moe_forward: the defaults in the output at inference too
+    c.default_mean = "ungated"  # default_moe*: EMA of expert outputs | "gated": of gate * output
+    c.default_update = "after"  # default_moe*: EMA step after the term reads it | "before"
     c.update(overrides)
     return c
 
@@ -206,22 +218,11 @@ def _check_model(m: Any, r: Any) -> None:
     if m.attention_impl == "cudnn" and m.compute_dtype != "bfloat16":
         raise ValueError("config.model.attention_impl='cudnn' needs compute_dtype='bfloat16' "
                          f"(cuDNN's fused attention takes 16-bit inputs), got {m.compute_dtype!r}")
-    if r.name not in routing.ROUTERS:
-        raise ValueError(f"config.router.name={r.name!r}; choose one of {sorted(routing.ROUTERS)}")
     if not r.get("init_scale", 1.0) > 0:
         raise ValueError(f"config.router.init_scale must be > 0, got {r.init_scale}")
-    if r.jitter_eps < 0:
-        raise ValueError(f"config.router.jitter_eps must be >= 0, got {r.jitter_eps}")
-    decay = r.get("default_decay", ADDED_FIELD_DEFAULTS["router.default_decay"])
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
-        raise ValueError(f"config.router.default_decay must lie in (0, 1) (the EMA decay of "
-                         f"Default MoE's default vectors), got {decay!r}")
-    top_k = r.top_k
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"config.router.top_k must be an int >= 1, got {top_k!r}")
-    if m.num_experts and top_k > m.num_experts:
-        raise ValueError(f"config.router.top_k={top_k} is larger than config.model.num_experts="
-                         f"{m.num_experts}: a token cannot pick more distinct experts than exist")
+    routing.check_router(r.name, top_k=r.top_k, jitter_eps=r.jitter_eps,
+                         num_experts=m.num_experts or None, where="config.router.",
+                         **routing.options_from_config(r))
     if r.balance_normalization not in BALANCE_NORMALIZATIONS:
         raise ValueError(f"config.router.balance_normalization={r.balance_normalization!r}; "
                          f"choose one of {BALANCE_NORMALIZATIONS}")

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax.moe import MoEFeedForward, activation_fn
+from sparsemixer_jax.routing import options_from_config
 
 # Large negative logit for masked attention entries; finite so that a fully masked row gives a
 # uniform distribution instead of NaN.
@@ -208,6 +209,7 @@ def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx
             activation=str(model_cfg.activation),
             router_init_scale=float(router_cfg.get("init_scale", 1.0)),
             default_decay=float(router_cfg.get("default_decay", 0.9)),
+            router_options=options_from_config(router_cfg),
             dtype=dtype,
             mesh=mesh,
             rngs=rngs,
