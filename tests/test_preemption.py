@@ -155,6 +155,14 @@ def test_train_or_exit_reports_a_stop_on_one_line(capsys):
     assert exit_.value.code == 143
     assert capsys.readouterr().err == "stopped at step 17, checkpoint saved; rerun to resume\n"
 
+    def interrupted(config, workdir):  # Ctrl-C while the data is read: no handler there
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.train_or_exit(interrupted, None, "unused")
+    assert exit_.value.code == 130
+    assert capsys.readouterr().err.startswith("interrupted outside the training steps; rerun")
+
 
 @pytest.mark.slow  # fast counterpart: the in-process signal above
 def test_sigterm_to_the_command_line_then_rerun(tmp_path):
