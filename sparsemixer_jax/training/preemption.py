@@ -28,8 +28,12 @@ import jax
 import orbax.checkpoint as ocp
 
 
-class Stopped(Exception):
-    """The run stopped on signal ``signum`` after saving a checkpoint of ``step``."""
+class Stopped(KeyboardInterrupt):
+    """The run stopped on signal ``signum`` after saving a checkpoint of ``step``.
+
+    A KeyboardInterrupt, as the Ctrl-C it often is: code that catches ``Exception`` around a
+    run (a study going on to its next run) does not swallow the request to stop.
+    """
 
     def __init__(self, step: int, signum: int):
         self.step, self.signum = step, signum
