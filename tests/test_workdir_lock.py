@@ -111,6 +111,10 @@ def test_a_workdir_that_is_a_file_is_one_line_before_anything_runs(tmp_path, cap
     err = capsys.readouterr().err
     assert err == f"error: --workdir {under_a_file}: cannot create it: {path} is a file\n"
     assert path.read_text() == "not a directory\n"
+    blocked = tmp_path / "blocked"
+    (blocked / LOCK_FILE).mkdir(parents=True)  # the lock file cannot be opened (as read-only would)
+    with pytest.raises(WorkdirError, match=r"blocked: cannot open .*lock for writing: Is a dir"):
+        WorkdirLock(str(blocked))
 
 
 @pytest.mark.slow  # fast counterparts: the two runs at once in-process, the SIGKILLed holder

@@ -84,7 +84,11 @@ class WorkdirLock:
         self.workdir = workdir
         self.path = os.path.join(workdir, LOCK_FILE)
         # "a+": opening must not truncate; the holder's record stays readable to a refused run.
-        self.file = open(self.path, "a+")  # noqa: SIM115  (held open for the whole run)
+        try:
+            self.file = open(self.path, "a+")  # noqa: SIM115  (held open for the whole run)
+        except OSError as e:  # a read-only workdir, no permission
+            raise WorkdirError(f"--workdir {workdir}: cannot open {self.path} for writing: "
+                               f"{e.strerror}") from None
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
