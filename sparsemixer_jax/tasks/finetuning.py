@@ -57,6 +57,7 @@ from sparsemixer_jax.data import glue
 from sparsemixer_jax.tasks.glue_grid import GridPoint, check_config, grid_points
 from sparsemixer_jax.tasks.pretraining import load_pretrained
 from sparsemixer_jax.training.optim import linear_schedule, weight_decay_mask
+from sparsemixer_jax.training.workdir_lock import hold_workdir
 
 logger = logging.getLogger(__name__)
 
@@ -460,12 +461,12 @@ def run_tasks(config: ml_collections.ConfigDict, pretrained_dir: str, tasks: Seq
             _load_point(os.path.join(workdir, name, "points", point.name + ".json"), settings)
     logger.info("fine-tuning the %s checkpoint of %s (step %d, sha256 %s)", checkpoint,
                 pretrained_dir, pretrained.step, pretrained.digest[:12])
-    os.makedirs(workdir, exist_ok=True)
-    for name in names:
-        task = load_task_data(config, name, pretrained.tokenizer, skip_bad_rows=skip_bad_rows)
-        run_task(config, task, pretrained.encoder, pretrained.config, workdir, settings)
-    summary = collect_results(workdir)
-    _write_json(os.path.join(workdir, "results.json"), summary)
+    with hold_workdir(workdir):  # one search per workdir: a second one is refused
+        for name in names:
+            task = load_task_data(config, name, pretrained.tokenizer, skip_bad_rows=skip_bad_rows)
+            run_task(config, task, pretrained.encoder, pretrained.config, workdir, settings)
+        summary = collect_results(workdir)
+        _write_json(os.path.join(workdir, "results.json"), summary)
     return summary
 
 

@@ -29,8 +29,10 @@ from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.training.hosts import BatchPlacer, is_main_process, write_atomically
 from sparsemixer_jax.training.logs import MetricLog, Progress, to_python
 from sparsemixer_jax.training.optim import OptimSettings
+from sparsemixer_jax.training.preemption import StopSignals
 from sparsemixer_jax.training.resume import check_resume_config, resume_from_newest_intact
 from sparsemixer_jax.training.steps import Steps, count_params
+from sparsemixer_jax.training.workdir_lock import hold_workdir
 
 logger = logging.getLogger(__name__)
 
@@ -146,11 +148,20 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
 
     Rerunning a finished run returns its results as they were. Raises ValueError for a bad
     config before anything is written, :class:`~sparsemixer_jax.training.resume.ResumeError` for
-    a workdir that cannot be resumed, :class:`TrainingDiverged` if the loss becomes non-finite.
+    a workdir that cannot be resumed, :class:`TrainingDiverged` if the loss becomes non-finite,
+    :class:`~sparsemixer_jax.training.workdir_lock.WorkdirError` for a workdir that is a file or
+    that another run holds (one run per workdir), and
+    :class:`~sparsemixer_jax.training.preemption.Stopped` after SIGTERM or SIGINT (the step in
+    flight is finished and checkpointed; rerunning resumes there).
     """
     config_schema.validate(config)
     runtime.configure(config)  # before any key is made (the entry points call it earlier still)
-    os.makedirs(workdir, exist_ok=True)
+    with hold_workdir(workdir):
+        return _train_in(task, config, workdir)
+
+
+def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """:func:`train` in a workdir this run holds."""
     check_resume_config(workdir, config)
     if is_main_process():  # atomically: the other processes may be reading it just now
         write_atomically(os.path.join(workdir, "config.json"), config.to_json(indent=1))
@@ -198,9 +209,12 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
 
     def meta_for(step: int) -> dict:
         return {"step": step, "data": data.train.state(), "best_valid_loss": best_loss,
-                "best_step": best_step}
+                "best_step": best_step, "train_time_s": train_time, "train_tokens": train_tokens}
 
-    train_time, train_tokens = 0.0, 0.0
+    # Time and tokens of the steps before the checkpoint resumed from: results cover the whole run.
+    earlier = restored.meta if restored is not None else {}
+    train_time = float(earlier.get("train_time_s", 0.0))
+    train_tokens = float(earlier.get("train_tokens", 0.0))
     step_rates = []  # tokens/s of each step: their median leaves out the compilation stalls
     pending = None  # metrics of the last step, read one step late so the host never waits idle
     seen_shapes = set()  # batch shapes the step functions were compiled for
@@ -238,6 +252,7 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
             finish_step(pending)
             pending = None
 
+    stop = StopSignals()
     try:
         for step in range(start_step + 1, train_steps + 1):
             started = time.perf_counter()
@@ -262,11 +277,15 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
                     best_loss, best_step = valid["valid_loss"], step
                     checkpoints.save_best(step, train_state(), meta_for(step))
                 logger.info("step %d: %s", step, valid)
-            if step % int(config.checkpoint_every) == 0 or is_last:
+            stopping = stop.requested(step)  # SIGTERM or SIGINT: checkpoint this step and stop
+            if step % int(config.checkpoint_every) == 0 or is_last or stopping:
                 flush()
                 checkpoints.save_last(step, train_state(), meta_for(step))
+            if stopping:
+                raise stop.stopped(step)
         flush()
     finally:
+        stop.close()
         checkpoints.wait()
         progress.close()
 
