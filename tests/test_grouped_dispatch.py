@@ -102,8 +102,8 @@ def test_whole_model_loss_and_gradients_equal_padded():
         config.model.dispatch = dispatch
         config.model.grouped_impl = "xla"
         steps = translation.build_steps(config, 40)
-        grads[dispatch] = jax.jit(jax.grad(training_steps._loss, argnums=2, has_aux=True),
-                                  static_argnums=(0, 1))(
+        loss_grad = jax.grad(training_steps.micro_batch_loss, argnums=2, has_aux=True)
+        grads[dispatch] = jax.jit(loss_grad, static_argnums=(0, 1))(
             steps.graphdef, steps.objective, steps.params, steps.batch_stats, steps.rest, batch,
             jax.random.key(1))[0]
     assert_same(grads["grouped"], grads["padded"], rtol=1e-4, atol=1e-6)

@@ -177,7 +177,8 @@ def test_runtime_configure_sets_prng_and_xla_flags(monkeypatch):
         jax.config.update("jax_default_matmul_precision", precision)
 
 
-loss_grad = jax.jit(jax.grad(training_steps._loss, argnums=2, has_aux=True), static_argnums=(0, 1))
+loss_grad = jax.jit(jax.grad(training_steps.micro_batch_loss, argnums=2, has_aux=True),
+                    static_argnums=(0, 1))
 
 
 def test_balance_normalization_per_batch_is_the_reference_weight(steps):

@@ -43,7 +43,15 @@ def _merge(graphdef, params, stats, rest) -> nnx.Module:
     return nnx.merge(graphdef, nnx.State(params), nnx.State(stats), rest)
 
 
-def _loss(graphdef, objective, params, stats, rest, batch, key):
+def micro_batch_loss(graphdef: nnx.GraphDef, objective: Any, params: Any, stats: Any, rest: Any,
+                     batch: dict[str, jax.Array], key: jax.Array) -> tuple[jax.Array, tuple]:
+    """The objective's loss of one micro-batch as a function of ``params`` (argument 2): what
+    the steps differentiate. Returns ``(loss, (metric sums, stats after the forward))``.
+
+    ``graphdef``, ``stats`` and ``rest`` are those of :class:`Steps` (``steps.graphdef``,
+    ``steps.batch_stats``, ``steps.rest``); ``objective`` may be another than the steps' own,
+    e.g. to compare the gradients of two objectives on one model.
+    """
     model = _merge(graphdef, params, stats, rest)
     loss, metrics = objective.loss(model, batch, key)
     return loss, (metrics, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
@@ -51,7 +59,7 @@ def _loss(graphdef, objective, params, stats, rest, batch, key):
 
 def _gradient(graphdef, objective, params, stats, rest, batch, key):
     """``({"grads", "metrics"}, new stats)`` of one micro-batch."""
-    grads, (metrics, stats) = jax.grad(_loss, argnums=2, has_aux=True)(
+    grads, (metrics, stats) = jax.grad(micro_batch_loss, argnums=2, has_aux=True)(
         graphdef, objective, params, stats, rest, batch, key)
     return {"grads": grads, "metrics": metrics}, stats
 
@@ -59,7 +67,8 @@ def _gradient(graphdef, objective, params, stats, rest, batch, key):
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _zero_accumulator(graphdef, objective, params, stats, rest, batch):
     shapes = jax.eval_shape(
-        lambda p, s, r, b: _loss(graphdef, objective, p, s, r, b, jax.random.key(0))[1][0],
+        lambda p, s, r, b: micro_batch_loss(graphdef, objective, p, s, r, b,
+                                            jax.random.key(0))[1][0],
         params, stats, rest, batch)
     return {"grads": jax.tree.map(jnp.zeros_like, params),
             "metrics": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)}
