@@ -200,8 +200,8 @@ class Encoder(nnx.Module):
         self.embeddings = embeddings
         self.position_bias = RelativePositionBias(
             int(m.num_heads),
-            num_buckets=int(m.get("relative_buckets", 32)),
-            max_distance=int(m.get("relative_max_distance", 128)),
+            num_buckets=int(m.relative_buckets),
+            max_distance=int(m.relative_max_distance),
             rngs=rngs,
         )
         self.layers = nnx.List(

@@ -214,8 +214,8 @@ def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx
             grouped_impl=str(model_cfg.grouped_impl),
             capacity_factor=float(model_cfg.capacity_factor),
             activation=str(model_cfg.activation),
-            router_init_scale=float(router_cfg.get("init_scale", 1.0)),
-            default_decay=float(router_cfg.get("default_decay", 0.9)),
+            router_init_scale=float(router_cfg.init_scale),
+            default_decay=float(router_cfg.default_decay),
             dtype=dtype,
             mesh=mesh,
             rngs=rngs,
@@ -228,10 +228,6 @@ def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx
         rngs=rngs,
         activation=str(model_cfg.activation),
     )
-
-
-def attention_impl(model_cfg: Any) -> str:
-    return str(model_cfg.attention_impl)
 
 
 def layer_norm(emb_dim: int, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:

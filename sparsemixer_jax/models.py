@@ -30,7 +30,6 @@ from flax import nnx
 
 from sparsemixer_jax.layers import (
     Attention,
-    attention_impl,
     collect_moe_metrics,
     compute_dtype,
     layer_norm,
@@ -72,7 +71,7 @@ class EncoderLayer(nnx.Module):
             model_cfg.num_heads,
             attention_dropout=float(model_cfg.attention_dropout),
             dtype=dtype,
-            implementation=attention_impl(model_cfg),
+            implementation=str(model_cfg.attention_impl),
             rngs=rngs,
         )
         self.self_attn_norm = layer_norm(emb, dtype, rngs)
@@ -103,7 +102,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, model_cfg, router_cfg, layer: int, *, dtype, mesh, rngs: nnx.Rngs):
         emb, heads = model_cfg.emb_dim, model_cfg.num_heads
         att_drop = float(model_cfg.attention_dropout)
-        impl = attention_impl(model_cfg)
+        impl = str(model_cfg.attention_impl)
         self.self_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype,
                                    implementation=impl, rngs=rngs)
         self.self_attn_norm = layer_norm(emb, dtype, rngs)

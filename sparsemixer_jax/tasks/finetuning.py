@@ -54,7 +54,7 @@ from flax import nnx
 
 from sparsemixer_jax import glue_metrics
 from sparsemixer_jax.data import glue
-from sparsemixer_jax.tasks.glue_grid import GridPoint, check_config, grid_points
+from sparsemixer_jax.glue_grid import GridPoint, check_config, grid_points
 from sparsemixer_jax.tasks.pretraining import load_pretrained
 from sparsemixer_jax.training.optim import linear_schedule, weight_decay_mask
 
@@ -366,7 +366,7 @@ def run_task(config: Any, task: TaskData, encoder: nnx.Module, pretrain_config: 
     step_settings = StepSettings(
         regression=task.spec.is_regression,
         balance_weight=float(pretrain_config.router.balance_weight),
-        z_loss_weight=float(pretrain_config.router.get("z_loss_weight", 0.0)),
+        z_loss_weight=float(pretrain_config.router.z_loss_weight),
         b1=float(config.optim.b1), b2=float(config.optim.b2), eps=float(config.optim.eps),
         clip_norm=float(config.optim.clip_norm),
     )
