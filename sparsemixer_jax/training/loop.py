@@ -27,7 +27,7 @@ from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import runtime, sharding
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.training.hosts import BatchPlacer, is_main_process, write_atomically
-from sparsemixer_jax.training.logs import MetricLog, Progress, to_python
+from sparsemixer_jax.training.logs import MetricLog, Progress, StepMetrics
 from sparsemixer_jax.training.optim import OptimSettings
 from sparsemixer_jax.training.resume import check_resume_config, resume_from_newest_intact
 from sparsemixer_jax.training.steps import Steps, count_params
@@ -200,43 +200,19 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
         return {"step": step, "data": data.train.state(), "best_valid_loss": best_loss,
                 "best_step": best_step}
 
-    train_time, train_tokens = 0.0, 0.0
-    step_rates = []  # tokens/s of each step: their median leaves out the compilation stalls
-    pending = None  # metrics of the last step, read one step late so the host never waits idle
     seen_shapes = set()  # batch shapes the step functions were compiled for
     valid: dict[str, float] = {}
 
-    def finish_step(record) -> None:
-        nonlocal train_tokens
-        step, metrics, started, moe_due = record
-        metrics = jax.device_get(metrics)
-        elapsed = time.perf_counter() - started
-        if not bool(metrics["finite"]):
-            log.write({"step": step, "error": "non-finite loss or gradient",
-                       "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])})
-            raise TrainingDiverged(
-                f"step {step}: loss {float(metrics['loss'])} / gradient norm "
-                f"{float(metrics['grad_norm'])} is not finite; the update was not applied and no "
-                f"checkpoint was written after step {checkpoints.last.latest_step()} "
-                f"(the last good one, in {workdir}/checkpoints/last). Lower optim.peak_lr, set "
-                "optim.clip_norm, or use float32 compute."
-            )
-        train_tokens += float(metrics["tokens"])
-        entry = {"step": step, "lr": float(steps.schedule(step - 1)),
-                 **{k: float(v) for k, v in metrics.items() if k not in ("moe", "finite")},
-                 "tokens_per_s": float(metrics["tokens"]) / max(elapsed, 1e-9)}
-        step_rates.append(entry["tokens_per_s"])
-        if moe_due and metrics.get("moe"):
-            entry["moe"] = to_python(metrics["moe"])
-        log.write(entry)
-        progress.note(**{k: f"{entry[k]:.3f}" for k in task.progress_keys},
-                      lr=f"{entry['lr']:.2e}")
+    def diverged(step: int, loss: float, grad_norm: float) -> None:
+        raise TrainingDiverged(
+            f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; the update was "
+            f"not applied and no checkpoint was written after step "
+            f"{checkpoints.last.latest_step()} (the last good one, in "
+            f"{workdir}/checkpoints/last). Lower optim.peak_lr, set optim.clip_norm, or use "
+            "float32 compute."
+        )
 
-    def flush() -> None:
-        nonlocal pending
-        if pending is not None:
-            finish_step(pending)
-            pending = None
+    step_metrics = StepMetrics(log, progress, steps.schedule, task.progress_keys, diverged)
 
     try:
         for step in range(start_step + 1, train_steps + 1):
@@ -248,14 +224,13 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
             params, batch_stats, opt_state, metrics = steps.train_step(
                 params, batch_stats, opt_state, [place(batch) for batch in micro],
                 jax.random.fold_in(key, step))
-            flush()
-            pending = (step, metrics, started, step % int(config.log_every) == 0)
-            train_time += time.perf_counter() - started
+            step_metrics.add(step, metrics, started,
+                             with_moe=step % int(config.log_every) == 0)
             progress.advance(compiled=bool(new_shapes))
 
             is_last = step == train_steps
             if step % int(config.eval_every) == 0 or is_last:
-                flush()
+                step_metrics.flush()
                 valid = evaluate(steps, params, batch_stats, data.valid, place, task, eval_key)
                 log.write({"step": step, **valid})
                 if valid["valid_loss"] < best_loss:
@@ -263,9 +238,9 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
                     checkpoints.save_best(step, train_state(), meta_for(step))
                 logger.info("step %d: %s", step, valid)
             if step % int(config.checkpoint_every) == 0 or is_last:
-                flush()
+                step_metrics.flush()
                 checkpoints.save_last(step, train_state(), meta_for(step))
-        flush()
+        step_metrics.flush()
     finally:
         checkpoints.wait()
         progress.close()
@@ -277,9 +252,7 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
         **valid,
         "best_valid_loss": best_loss,
         "best_step": best_step,
-        "tokens_per_second": train_tokens / train_time if train_time > 0 else None,
-        "tokens_per_second_median_step": float(np.median(step_rates)) if step_rates else None,
-        "train_time_s": train_time,
+        **step_metrics.results(),
         "num_params": count_params(params),
         "data_stats": data.stats,
     }
