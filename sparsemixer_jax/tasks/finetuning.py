@@ -168,7 +168,7 @@ def _predict(graphdef, params, stats, rest, batch):
     return outputs
 
 
-def learning_rate_schedule(peak: float, total_steps: int, warmup: float) -> optax.Schedule:
+def finetuning_schedule(peak: float, total_steps: int, warmup: float) -> optax.Schedule:
     """The rate of update ``count`` (optax counts from 0): linear warm-up to ``peak`` over
     ``round(warmup * total_steps)`` updates, then linear decay to 0 at ``total_steps``.
 
@@ -184,7 +184,9 @@ def learning_rate_schedule(peak: float, total_steps: int, warmup: float) -> opta
 
 
 @dataclasses.dataclass
-class TaskData:
+class GlueData:
+    """One GLUE task's encoded data: its spec, the train split and the dev split(s)."""
+
     spec: glue.TaskSpec
     train: glue.Encoded
     dev: dict[str, glue.Encoded]
@@ -202,7 +204,7 @@ def predict(graphdef, params, stats, rest, data: glue.Encoded, batch_size: int, 
     return np.concatenate(out)
 
 
-def evaluate(graphdef, params, stats, rest, task: TaskData,
+def evaluate_dev(graphdef, params, stats, rest, task: GlueData,
              config: Any) -> dict[str, dict[str, float]]:
     """``{dev split: {metric: value}}`` of the task's standard metrics."""
     results = {}
@@ -218,7 +220,7 @@ def task_score(spec: glue.TaskSpec, dev: dict[str, dict[str, float]]) -> float:
     return float(np.mean([dev[split][spec.score_metric] for split in spec.dev_splits]))
 
 
-def finetune_point(encoder_graphdef, encoder_state, task: TaskData, point: GridPoint,
+def finetune_point(encoder_graphdef, encoder_state, task: GlueData, point: GridPoint,
                    config: Any, settings: StepSettings) -> dict[str, Any]:
     """Fine-tunes a fresh copy of the encoder with a new head at ``point``; dev after each epoch.
 
@@ -235,7 +237,7 @@ def finetune_point(encoder_graphdef, encoder_state, task: TaskData, point: GridP
     opt_state = _optimizer(settings, 0.0, 0.0).init(params)
     steps_per_epoch = math.ceil(len(task.train) / point.batch_size)
     total = steps_per_epoch * point.epochs
-    schedule = learning_rate_schedule(point.learning_rate, total, point.warmup)
+    schedule = finetuning_schedule(point.learning_rate, total, point.warmup)
     step = 0
     history = []
     for epoch in range(1, point.epochs + 1):
@@ -259,7 +261,7 @@ def finetune_point(encoder_graphdef, encoder_state, task: TaskData, point: GridP
             history.append({"epoch": epoch, "train_loss": train_loss, "dev": None,
                             "score": float("nan")})
             break
-        dev = evaluate(graphdef, params, stats, rest, task, config)
+        dev = evaluate_dev(graphdef, params, stats, rest, task, config)
         history.append({"epoch": epoch, "train_loss": train_loss,
                         "balance_loss": means["balance_loss"],
                         "grad_norm": means["grad_norm"],
@@ -341,14 +343,14 @@ def glue_dir(config: Any) -> str:
 
 
 def load_task_data(config: Any, name: str, tokenizer, *, skip_bad_rows: bool = False
-                   ) -> TaskData:
+                   ) -> GlueData:
     """Reads and encodes a task, keeping the first ``train_limit`` / ``dev_limit`` rows if set;
-    ``skip_bad_rows`` leaves malformed rows out (counted per file in ``TaskData.skipped``)."""
+    ``skip_bad_rows`` leaves malformed rows out (counted per file in ``GlueData.skipped``)."""
     task = glue.load_task(glue_dir(config), name, skip_bad_rows=skip_bad_rows)
     regression = task.spec.is_regression
     train_limit, dev_limit = int(config.train_limit), int(config.dev_limit)
     train = task.train[:train_limit] if train_limit else task.train
-    return TaskData(
+    return GlueData(
         task.spec,
         glue.encode(train, tokenizer, int(config.max_len), regression=regression),
         {split: glue.encode(rows[:dev_limit] if dev_limit else rows, tokenizer,
@@ -358,7 +360,7 @@ def load_task_data(config: Any, name: str, tokenizer, *, skip_bad_rows: bool = F
     )
 
 
-def run_task(config: Any, task: TaskData, encoder: nnx.Module, pretrain_config: Any,
+def run_task(config: Any, task: GlueData, encoder: nnx.Module, pretrain_config: Any,
              workdir: str, settings: dict[str, Any]) -> dict[str, Any]:
     """The grid search on one task; writes each point, then ``{workdir}/{task}/results.json``."""
     task_dir = os.path.join(workdir, task.spec.name)
