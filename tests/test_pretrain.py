@@ -42,7 +42,7 @@ def tiny(corpus, **overrides):
 def last_state(workdir, config):
     """Parameters (numpy) and meta of the last checkpoint in ``workdir``."""
     vocab = text.Tokenizer(os.path.join(workdir, "spm.model")).vocab_size
-    steps = pretraining.build_steps(config, vocab)
+    steps = training.build_steps(pretraining.PretrainingTask.from_config(config), config, vocab)
     template = {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
     checkpoints = RunCheckpoints(workdir)
     state, meta = checkpoints.restore(checkpoints.last, template)
@@ -312,14 +312,14 @@ def test_packed_data_is_cached_by_text_vocabulary_and_settings(straight_run, tmp
     monkeypatch.setattr(text, "tokenize_and_pack", counting_pack)
     with monkeypatch.context() as m:
         m.setattr(text, "read_documents", no_reading)
-        data = pretraining.PretrainingTask(50.0).load_data(config, workdir, 1)
+        data = pretraining.PretrainingTask.from_config(config).load_data(config, workdir, 1)
     assert calls == []
     np.testing.assert_array_equal(data.train.tokens, fresh_tokens)
     np.testing.assert_array_equal(data.train.segments, fresh_segments)
     assert data.stats["train"]["sequences"] == len(fresh_tokens)
 
     config.data.seq_len = 12
-    data = pretraining.PretrainingTask(50.0).load_data(config, workdir, 1)
+    data = pretraining.PretrainingTask.from_config(config).load_data(config, workdir, 1)
     assert calls == [12, 12] and data.train.tokens.shape[1] == 12  # train and valid again
     second = sorted(os.listdir(os.path.join(workdir, pretraining.PACKED_DIR)))
     assert len(second) == 2 and not set(second) & set(first)

@@ -40,7 +40,8 @@ def tiny(**overrides):
 
 def last_params(workdir, config):
     """Parameters of the last checkpoint in ``workdir``, as numpy."""
-    steps = translation.build_steps(config, config.data.vocab_size)
+    steps = training.build_steps(translation.TranslationTask.from_config(config), config,
+                                 config.data.vocab_size)
     template = {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
     checkpoints = RunCheckpoints(workdir)
     state, meta = checkpoints.restore(checkpoints.last, template)
@@ -285,7 +286,8 @@ def test_training_on_an_expert_mesh_matches_one_device(straight_run, tmp_path):
     np.testing.assert_allclose(mesh_losses, one_device, rtol=1e-5)
 
     params, _ = last_params(workdir, tiny())
-    steps = translation.build_steps(tiny(), config.data.vocab_size)
+    steps = training.build_steps(translation.TranslationTask.from_config(tiny()), tiny(),
+                                 config.data.vocab_size)
     data = load_datasets(config, workdir, batch_multiple=4)  # the mesh's batches
     texts = translation.translate_batches(
         steps.model(jax.tree.map(jax.numpy.asarray, params)), data.test, data.tokenizer,

@@ -1,6 +1,6 @@
 """The training loop every task runs: ``train(task, config, workdir)``.
 
-A task (:class:`Task`) says what its data, model, objective and final evaluation are; the loop
+A task (:class:`Task`) says what its loss, evaluation, data, model and final results are; the loop
 owns everything else: the config check, the mesh, gradient accumulation, validation every
 ``eval_every`` steps, ``best`` and ``last`` checkpoints (resumed automatically from the newest
 intact one), ``metrics.jsonl`` and TensorBoard, the progress line, the stop on a non-finite loss,
@@ -52,13 +52,15 @@ class TrainingStream(Protocol):
 @dataclasses.dataclass
 class TaskData:
     """What a task's data gives the loop: ``train`` (this host's rows of every micro-batch),
-    ``valid`` (a list of batches), the vocabulary size, statistics for ``results.json``, and
-    anything else the task keeps for itself (``extra``: e.g. the test split)."""
+    ``valid`` (a list of batches), the vocabulary size, statistics for ``results.json``, the
+    micro-batches per update (gradient accumulation), and anything else the task keeps for
+    itself (``extra``: e.g. the test split)."""
 
     train: TrainingStream
     valid: list[dict[str, np.ndarray]]
     vocab_size: int
     stats: dict[str, Any]
+    micro_batches: int = 1
     extra: Any = None
 
 
@@ -79,11 +81,34 @@ class Run:
 
 
 class Task(Protocol):
-    """What a task gives the loop. ``batch_keys`` are the fields of a batch placed on devices;
-    ``progress_keys`` the update metrics shown on the progress line."""
+    """A task: what the compiled steps compute and what the loop needs around them.
+
+    One hashable object (a frozen dataclass: a static argument of the compiled steps), built
+    from the config by the task's ``from_config``. ``batch_keys`` are the fields of a batch
+    placed on devices; ``progress_keys`` the update metrics shown on the progress line.
+    """
 
     batch_keys: tuple[str, ...]
     progress_keys: tuple[str, ...]
+
+    # -- in the compiled steps (traced)
+
+    def loss(self, model: nnx.Module, batch: dict[str, jax.Array],
+             key: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        """``(loss, metric sums)`` of one micro-batch in training mode. The loss is what the
+        gradient is taken of; the metric sums add up over micro-batches. Reseeds the model's
+        RNG streams from ``key`` (``nnx.reseed``), so a step's randomness is the key's alone."""
+
+    def summarize(self, metric_sums: dict[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
+        """``(divisor, metrics)`` of an update: what the summed gradient is divided by (its
+        tokens, or its micro-batches) and the update's metrics, which hold ``"loss"`` (a
+        non-finite one skips the update) and ``"tokens"``, and may hold ``"moe"`` (per-layer
+        router metrics, logged every ``log_every`` steps)."""
+
+    def evaluate(self, model: nnx.Module, batch: dict[str, jax.Array], key: jax.Array) -> Any:
+        """The deterministic forward's metric sums on one validation batch."""
+
+    # -- on the host
 
     def load_data(self, config: ml_collections.ConfigDict, workdir: str,
                   batch_multiple: int) -> TaskData:
@@ -92,17 +117,12 @@ class Task(Protocol):
 
     def build_model(self, config: ml_collections.ConfigDict, vocab_size: int,
                     mesh: jax.sharding.Mesh | None) -> nnx.Module:
-        """The model, initialised from ``config.seed`` and placed on ``mesh``."""
-
-    def objective(self, config: ml_collections.ConfigDict) -> Any:
-        """The hashable objective of :mod:`sparsemixer_jax.training.steps`."""
-
-    def micro_batches(self, config: ml_collections.ConfigDict) -> int:
-        """Micro-batches per update (gradient accumulation)."""
+        """The model, initialised from ``config.seed`` and placed on ``mesh``
+        (:func:`build_model`)."""
 
     def validation_metrics(self, sums: Any) -> dict[str, float]:
-        """``valid_*`` metrics from the objective's evaluation sums over the whole set; must
-        hold ``valid_loss`` (the ``best`` checkpoint is the lowest)."""
+        """``valid_*`` metrics from :meth:`evaluate`'s sums over the whole set; must hold
+        ``valid_loss`` (the ``best`` checkpoint is the lowest)."""
 
     def finish(self, run: Run) -> dict[str, Any]:
         """Results computed once at the end (e.g. test BLEU), merged into ``results.json``."""
@@ -117,6 +137,14 @@ def build_model(config: ml_collections.ConfigDict, model_class: type, vocab_size
     if mesh is not None:
         sharding.shard_state(model, mesh)
     return model
+
+
+def build_steps(task: Task, config: ml_collections.ConfigDict, vocab_size: int,
+                mesh: jax.sharding.Mesh | None = None) -> Steps:
+    """A fresh model of ``task`` under ``config`` (seeded from ``config.seed``, placed on
+    ``mesh``) with its compiled training and evaluation steps."""
+    return Steps(task.build_model(config, vocab_size, mesh), task,
+                 OptimSettings.from_config(config.optim))
 
 
 def evaluate(steps: Steps, params: Any, batch_stats: Any, batches: list, place: BatchPlacer,
@@ -157,9 +185,7 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
 
     mesh = sharding.mesh_from_config(config)
     data = task.load_data(config, workdir, 1 if mesh is None else mesh.size)
-    model = task.build_model(config, data.vocab_size, mesh)
-    steps = Steps(model, task.objective(config), OptimSettings.from_config(config.optim))
-    del model
+    steps = build_steps(task, config, data.vocab_size, mesh)
     place = BatchPlacer(mesh, task.batch_keys)
     params, batch_stats = steps.params, steps.batch_stats
     opt_state = steps.init_opt(params)
@@ -167,7 +193,7 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
     def train_state() -> dict[str, Any]:
         return steps.train_state(params, opt_state, batch_stats)
 
-    accum = task.micro_batches(config)
+    accum = data.micro_batches
     logger.info("model: %s parameters; %d micro-batches per update; mesh %s; data %s",
                 f"{count_params(params):,}", accum,
                 None if mesh is None else dict(mesh.shape), data.stats)
