@@ -176,6 +176,7 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
     config before anything is written, :class:`~sparsemixer_jax.training.resume.ResumeError` for
     a workdir that cannot be resumed, :class:`TrainingDiverged` if the loss becomes non-finite.
     """
+    # Start: the config is checked before anything is written; then the data, model and steps.
     config_schema.validate(config)
     runtime.configure(config)  # before any key is made (the entry points call it earlier still)
     os.makedirs(workdir, exist_ok=True)
@@ -198,6 +199,7 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
                 f"{count_params(params):,}", accum,
                 None if mesh is None else dict(mesh.shape), data.stats)
 
+    # Resume from the newest intact checkpoint, if any (a finished run returns its results).
     train_steps = int(config.train_steps)
     checkpoints = RunCheckpoints(workdir)
     start_step, best_loss, best_step = 0, math.inf, -1
@@ -216,6 +218,8 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
         best_loss = float(restored.meta["best_valid_loss"])
         best_step = int(restored.meta["best_step"])
         data.train.restore(restored.meta["data"])
+
+    # The step loop: one update per step, validation and checkpoints on their intervals.
     log = MetricLog(workdir, start_step)
     key = jax.random.key(int(config.seed) + 3)
     eval_key = jax.random.key(int(config.seed) + 5)
@@ -271,6 +275,7 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
         checkpoints.wait()
         progress.close()
 
+    # Finish: results.json with the task's own final results.
     if not valid:  # resumed a finished run that wrote no results: evaluate what is there
         valid = evaluate(steps, params, batch_stats, data.valid, place, task, eval_key)
     results = {
