@@ -543,8 +543,8 @@ def test_best_point_averages_mnli_matched_and_mismatched(tiny, tmp_path, monkeyp
         zero = jnp.zeros((), jnp.float32)
         return params, stats, opt_state, {"loss": zero, "balance_loss": zero, "grad_norm": zero}
 
-    monkeypatch.setattr(finetuning, "evaluate", fake_evaluate)
-    monkeypatch.setattr(finetuning, "_train_step", fake_step)
+    monkeypatch.setattr(finetuning, "evaluate_dev", fake_evaluate)
+    monkeypatch.setattr(finetuning, "finetuning_step", fake_step)
     config = tiny.config.copy_and_resolve_references()
     config.grid.learning_rate, config.grid.epochs = (1e-3, 2e-3), (2,)
     summary = finetuning.run_task(config, task, tiny.encoder, tiny.pretrain_config,

@@ -151,8 +151,10 @@ def _loss(graphdef, settings: StepSettings, params, stats, rest, batch, key):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
-def _train_step(graphdef, settings, params, stats, rest, opt_state, batch, key, learning_rate,
-                weight_decay):
+def finetuning_step(graphdef, settings, params, stats, rest, opt_state, batch, key,
+                    learning_rate, weight_decay):
+    """One compiled fine-tuning update of a grid point: ``(params, stats, opt_state, metrics)``
+    (``opt_state`` is donated)."""
     grads, (metrics, stats) = jax.grad(_loss, argnums=2, has_aux=True)(
         graphdef, settings, params, stats, rest, batch, key)
     updates, opt_state = _optimizer(settings, learning_rate, weight_decay).update(
@@ -247,7 +249,7 @@ def finetune_point(encoder_graphdef, encoder_state, task: GlueData, point: GridP
         for batch in glue.batches(task.train, point.batch_size, length_step=int(config.length_step),
                                   rng=rng):
             key = jax.random.fold_in(jax.random.key(seed), step)
-            params, stats, opt_state, metrics = _train_step(
+            params, stats, opt_state, metrics = finetuning_step(
                 graphdef, settings, params, stats, rest, opt_state, batch, key,
                 jnp.float32(schedule(step)), jnp.float32(point.weight_decay))
             epoch_metrics.append(metrics)
