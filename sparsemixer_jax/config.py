@@ -16,9 +16,20 @@ from typing import Any
 
 import ml_collections
 
+from sparsemixer_jax.data.sources import check_config as check_translation_data
+from sparsemixer_jax.data.text import FIRST_WORD_ID
+from sparsemixer_jax.electra import generator_config
+from sparsemixer_jax.glue_grid import check_config as check_finetuning
+from sparsemixer_jax.layers import check_attention_impl
+from sparsemixer_jax.moe import ACTIVATIONS, DISPATCHES, GROUPED_IMPLS
+from sparsemixer_jax.runtime import check_runtime_config
+
 TASKS = ("translation", "pretraining", "finetuning")
 DTYPES = ("float32", "bfloat16")
 BALANCE_NORMALIZATIONS = ("per_token", "per_batch")
+# config.optim's choices (:mod:`sparsemixer_jax.training.optim` implements them).
+SCHEDULES = ("inverse_sqrt", "linear")
+WEIGHT_DECAY_MASKS = ("all", "matrices")
 
 # Fields added after runs were saved without them, with the value that reproduces the behaviour
 # those runs had; a value may depend on the saved run's task ({task: value}).
@@ -180,8 +191,6 @@ def _check_sections(config: Any, sections: tuple[str, ...], schema: str) -> None
 
 def _check_model(m: Any, r: Any) -> None:
     from sparsemixer_jax import routing
-    from sparsemixer_jax.layers import check_attention_impl
-    from sparsemixer_jax.moe import DISPATCHES, GROUPED_IMPLS
 
     _positive({"model": m}, ["model.emb_dim", "model.mlp_dim", "model.num_heads",
                              "model.moe_every"])
@@ -194,8 +203,6 @@ def _check_model(m: Any, r: Any) -> None:
     for name in ("dropout", "attention_dropout", "activation_dropout"):
         if not 0.0 <= m[name] < 1.0:
             raise ValueError(f"config.model.{name} must lie in [0, 1), got {m[name]}")
-    from sparsemixer_jax.moe import ACTIVATIONS
-
     if m.activation not in ACTIVATIONS:
         raise ValueError(f"config.model.activation={m.activation!r}; choose one of {ACTIVATIONS}")
     if m.compute_dtype not in DTYPES:
@@ -229,8 +236,6 @@ def _check_model(m: Any, r: Any) -> None:
 
 
 def _check_optim(o: Any) -> None:
-    from sparsemixer_jax.training.optim import SCHEDULES, WEIGHT_DECAY_MASKS
-
     if o.schedule not in SCHEDULES:
         raise ValueError(f"config.optim.schedule={o.schedule!r}; choose one of {SCHEDULES}")
     _positive({"optim": o}, ["optim.peak_lr"])
@@ -262,8 +267,6 @@ def _check_mesh(config: Any) -> None:
 
 
 def _check_translation(config: Any) -> None:
-    from sparsemixer_jax.data.sources import check_config as check_data
-
     _check_sections(config, ("data", "model", "router", "optim", "decode", "runtime", "mesh"),
                     "configs/wmt.py")
     _positive(config, ["model.encoder_layers", "model.decoder_layers", "decode.beam_size",
@@ -276,12 +279,10 @@ def _check_translation(config: Any) -> None:
     if o.tokens_per_update < 0:
         raise ValueError(f"config.optim.tokens_per_update must be >= 0 (0 = no accumulation), "
                          f"got {o.tokens_per_update}")
-    check_data(config)
+    check_translation_data(config)
 
 
 def _check_pretraining(config: Any) -> None:
-    from sparsemixer_jax.data.text import FIRST_WORD_ID
-
     _check_sections(config, ("data", "model", "generator", "router", "optim", "runtime", "mesh"),
                     "configs/electra.py")
     # The discriminator's own fields first: a bad model.* is reported as such, not through the
@@ -316,8 +317,6 @@ def _check_pretraining(config: Any) -> None:
 
 
 def _check_generator(config: Any) -> None:
-    from sparsemixer_jax.electra import generator_config
-
     g = generator_config(config).model  # validates config.generator's fields
     if g.emb_dim % g.num_heads:
         raise ValueError(f"config.generator.num_heads={g.num_heads} does not divide emb_dim")
@@ -334,8 +333,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if task not in TASKS:
         raise ValueError(f"config.task={task!r}; choose one of {TASKS}")
     if task == "finetuning":
-        from sparsemixer_jax.tasks.glue_grid import check_config as check_finetuning
-
         check_finetuning(config)
         return
     if task == "translation":
@@ -347,6 +344,4 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _positive(config, ["train_steps", "eval_every", "checkpoint_every", "log_every"])
     _check_optim(config.optim)
     _check_mesh(config)
-    from sparsemixer_jax.runtime import check_runtime_config
-
     check_runtime_config(config.runtime)

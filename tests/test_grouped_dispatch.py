@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
 
+from sparsemixer_jax import training
 from sparsemixer_jax.moe import GROUPED_IMPLS, MoEFeedForward, expert_ffn, resolve_dispatch
 from sparsemixer_jax.tasks import translation
 from sparsemixer_jax.training import steps as training_steps
@@ -127,9 +128,9 @@ def test_whole_model_loss_and_gradients_equal_padded():
     for dispatch in ("padded", "grouped"):
         config.model.dispatch = dispatch
         config.model.grouped_impl = "xla"
-        steps = translation.build_steps(config, 40)
-        grads[dispatch] = jax.jit(jax.grad(training_steps._loss, argnums=2, has_aux=True),
-                                  static_argnums=(0, 1))(
-            steps.graphdef, steps.objective, steps.params, steps.batch_stats, steps.rest, batch,
+        steps = training.build_steps(translation.TranslationTask.from_config(config), config, 40)
+        loss_grad = jax.grad(training_steps.micro_batch_loss, argnums=2, has_aux=True)
+        grads[dispatch] = jax.jit(loss_grad, static_argnums=(0, 1))(
+            steps.graphdef, steps.task, steps.params, steps.batch_stats, steps.rest, batch,
             jax.random.key(1))[0]
     assert_same(grads["grouped"], grads["padded"], rtol=1e-4, atol=1e-6)

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax import config as config_schema
-from sparsemixer_jax import routing
+from sparsemixer_jax import routing, training
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.moe.layer import MoEFeedForward
 from sparsemixer_jax.moe.unchosen import all_expert_outputs, update_expert_defaults
@@ -373,7 +373,8 @@ def tiny(**overrides):
 
 
 def last_state(workdir, config):
-    steps = translation.build_steps(config, config.data.vocab_size)
+    steps = training.build_steps(translation.TranslationTask.from_config(config), config,
+                                 config.data.vocab_size)
     template = steps.train_state(steps.params, steps.init_opt(steps.params))
     checkpoints = RunCheckpoints(workdir)
     state, meta = checkpoints.restore(checkpoints.last, template)
