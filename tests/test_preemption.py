@@ -22,9 +22,8 @@ import pytest
 from absl import flags
 
 from sparsemixer_jax import cli
-from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.tasks import translation
-from sparsemixer_jax.training import train
+from sparsemixer_jax.training import build_steps, train
 from sparsemixer_jax.training.preemption import Stopped, StopSignals
 from tests import tiny_wmt_config
 
@@ -58,15 +57,21 @@ class SignalOnFetch:
         self.stream.restore(state)
 
 
+@dataclasses.dataclass(frozen=True)
 class SignalledTranslation(translation.TranslationTask):
     """Translation whose run gets ``signum`` while it fetches the first batch of ``step``."""
 
-    def __init__(self, step: int, signum: int):
-        self.step, self.signum = step, signum
+    step: int = 0
+    signum: int = signal.SIGTERM
+
+    @classmethod
+    def of(cls, config, step: int, signum: int) -> "SignalledTranslation":
+        task = translation.TranslationTask.from_config(config)
+        return cls(**dataclasses.asdict(task), step=step, signum=signum)
 
     def load_data(self, config, workdir, batch_multiple):
         data = super().load_data(config, workdir, batch_multiple)
-        first_batch = (self.step - 1) * self.micro_batches(config) + 1
+        first_batch = (self.step - 1) * data.micro_batches + 1
         return dataclasses.replace(data, train=SignalOnFetch(data.train, first_batch, self.signum))
 
 
@@ -79,14 +84,10 @@ def without_timing(record):
     return {k: v for k, v in record.items() if k != "tokens_per_s"}
 
 
-def last_checkpoint(workdir, config):
-    steps = translation.build_steps(config, config.data.vocab_size)
-    checkpoints = RunCheckpoints(workdir)
-    state, meta = checkpoints.restore(
-        checkpoints.last, steps.train_state(steps.params, steps.init_opt(steps.params),
-                                            steps.batch_stats))
-    checkpoints.close()
-    return jax.tree.map(np.asarray, state["params"]), meta
+def checkpointed(read, workdir, config):
+    """``(params, meta)`` of the last checkpoint of a translation run of ``config``."""
+    task = translation.TranslationTask.from_config(config)
+    return read(workdir, build_steps(task, config, config.data.vocab_size))
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +97,16 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_sigterm_checkpoints_the_step_in_flight_and_the_rerun_matches_a_run_never_stopped(
-        uninterrupted, tmp_path, caplog):
+        uninterrupted, tmp_path, caplog, last_checkpoint):
     workdir, config, signum = str(tmp_path / "stopped"), tiny(), signal.SIGTERM
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with pytest.raises(Stopped) as stop:
-        train(SignalledTranslation(STOP_AT, signum), config, workdir)
+        train(SignalledTranslation.of(config, STOP_AT, signum), config, workdir)
     assert (stop.value.step, stop.value.signum, stop.value.exit_code) == (STOP_AT, signum,
                                                                          128 + signum)
     assert str(stop.value) == f"stopped at step {STOP_AT}, checkpoint saved; rerun to resume"
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
-    _, meta = last_checkpoint(workdir, config)
+    _, meta = checkpointed(last_checkpoint, workdir, config)
     assert meta["step"] == STOP_AT
     logged = [r for r in records(workdir) if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, STOP_AT + 1))
@@ -117,8 +118,8 @@ def test_sigterm_checkpoints_the_step_in_flight_and_the_rerun_matches_a_run_neve
         resumed = translation.train_and_evaluate(config, workdir)
     assert f"(step {STOP_AT})" in caplog.text  # resumed from the stop, not the step-3 checkpoint
     reference_dir, reference = uninterrupted
-    params, meta = last_checkpoint(workdir, config)
-    expected, expected_meta = last_checkpoint(reference_dir, config)
+    params, meta = checkpointed(last_checkpoint, workdir, config)
+    expected, expected_meta = checkpointed(last_checkpoint, reference_dir, config)
     jax.tree.map(np.testing.assert_array_equal, params, expected)
     assert meta["data"] == expected_meta["data"]
     assert [without_timing(r) for r in records(workdir)] == \
@@ -165,7 +166,7 @@ def test_train_or_exit_reports_a_stop_on_one_line(capsys):
 
 
 @pytest.mark.slow  # fast counterpart: the in-process signal above
-def test_sigterm_to_the_command_line_then_rerun(tmp_path):
+def test_sigterm_to_the_command_line_then_rerun(tmp_path, last_checkpoint):
     steps = 300  # tiny steps take milliseconds: enough of them to signal one mid-run
     overrides = {"train_steps": steps, "eval_every": 100, "checkpoint_every": 100}
     workdir = str(tmp_path / "run")
@@ -192,8 +193,8 @@ def test_sigterm_to_the_command_line_then_rerun(tmp_path):
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     reference = str(tmp_path / "reference")
     translation.train_and_evaluate(tiny(**overrides), reference)
-    params, _ = last_checkpoint(workdir, tiny(**overrides))
-    expected, _ = last_checkpoint(reference, tiny(**overrides))
+    params, _ = checkpointed(last_checkpoint, workdir, tiny(**overrides))
+    expected, _ = checkpointed(last_checkpoint, reference, tiny(**overrides))
     jax.tree.map(np.testing.assert_array_equal, params, expected)
     assert [without_timing(r) for r in records(workdir)] == \
         [without_timing(r) for r in records(reference)]
