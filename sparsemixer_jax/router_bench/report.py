@@ -33,13 +33,24 @@ def _rounded(a: np.ndarray, digits: int = 5) -> list:
     return np.round(np.asarray(a, np.float64), digits).tolist()
 
 
+def _measured_mean(a: np.ndarray, axis: int) -> np.ndarray:
+    """Mean of ``a`` along ``axis`` over its finite entries; NaN where there is none.
+
+    Some measures are NaN by design: the training-mode measures at step 0 (no step yet) and the
+    gradient cosine of arms that do not measure it, so an all-NaN slice is expected, not an
+    error."""
+    finite = np.isfinite(a)
+    count = finite.sum(axis)
+    total = np.where(finite, a, 0.0).sum(axis)
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
 def summarise(arm: Arm, history: History, timings: dict) -> dict:
     """JSON-able summary of one arm: config, per-seed finals, per-seed curves (eval MSE,
     agreement) and mean curves of the other measures."""
     agreement = _agreement(history.confusion, metrics.partition_agreement)
     purity = _agreement(history.confusion, metrics.partition_purity)
-    nanmean = lambda a: np.nanmean(a[:, 1:], axis=1) if np.isfinite(a[:, 1:]).any() else (
-        np.full(a.shape[0], np.nan))
+    nanmean = lambda a: _measured_mean(a[:, 1:], axis=1)
     return {
         "arm": dataclasses.asdict(arm),
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
@@ -62,7 +73,7 @@ def summarise(arm: Arm, history: History, timings: dict) -> dict:
             "agreement": _rounded(agreement, 4),
         },
         "curves_mean": {
-            name: _rounded(np.nanmean(getattr(history, name), axis=0), 4)
+            name: _rounded(_measured_mean(getattr(history, name), axis=0), 4)
             if np.isfinite(getattr(history, name)).any() else None
             for name in ("train_mse", "zero_grad", "non_argmax", "load_max", "grad_cos",
                          "grad_norm_ratio")
