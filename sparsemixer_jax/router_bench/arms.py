@@ -76,14 +76,16 @@ def _arm(name: str, **kw) -> Arm:
 
 def baseline_of(arm: Arm, arms: dict[str, Arm]) -> str | None:
     """Name of the Switch arm ``arm`` is compared with: the same setting, learning rate, N and
-    top-k, the same ``jitter_eps`` if such a Switch arm exists, else the default 0.1.
+    top-k (``omega`` aside: Switch has none), the same ``jitter_eps`` if such a Switch arm
+    exists, else the default 0.1.
     None for the Switch arm itself when nothing else matches."""
     base = dataclasses.replace(arm, name="", router="switch", dense=None, oracle_router=False,
                                measure_gradient=True, omega=True)
     candidates = [base, dataclasses.replace(base, jitter_eps=0.1)]
     for cand in candidates:
         for other in arms.values():
-            same = dataclasses.replace(other, name="", measure_gradient=True) == cand
+            same = dataclasses.replace(other, name="", measure_gradient=True,
+                                       omega=True) == cand
             if same and other.name != arm.name:
                 return other.name
     return None
