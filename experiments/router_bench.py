@@ -147,7 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
             results = {**json.load(f)["arms"], **results}
     print(report.markdown_table(results, args.versus))
     print()
-    print(report.markdown_cost_table(results, cfg.dim, cfg.hidden, args.versus))
+    if args.table == "robustness":  # expert widths differ by family: no cost table
+        print(report.markdown_robustness_table(results))
+    else:
+        print(report.markdown_cost_table(results, cfg.dim, cfg.hidden, args.versus))
     report.plot(results, PLOT_ARMS[args.table], args.plot, title=f"{args.table}: mean ± SE "
                 f"over {args.seeds} seeds")
     return results

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from sparsemixer_jax.router_bench import metrics
-from sparsemixer_jax.router_bench.arms import Arm, baseline_of
+from sparsemixer_jax.router_bench.arms import Arm, baseline_of, robustness_table
 from sparsemixer_jax.router_bench.train import History
 from sparsemixer_jax.routing import UNCHOSEN_EXPERT_RULES
 
@@ -296,4 +296,34 @@ def markdown_cost_table(results: dict, emb: int, mlp: int, versus: str | None = 
             f"{paired_cols[2]} | {_ms(row['mean_grad_cos'])} | "
             f"{_ms(row['mean_grad_norm_ratio'], 2)} | {row['flops']:,} "
             f"({row['flops_ratio']:.2f}×) | {equal} | {step} | {run_step} | {compile_s} |")
+    return "\n".join(lines)
+
+
+def markdown_robustness_table(results: dict, routers: tuple[str, ...] = (
+        "sparsemixer", "densemixer")) -> str:
+    """One row per setting of the robustness table (the arm name without its router): Switch's
+    final eval MSE and agreement, then for each of ``routers`` its Δ ln MSE against Switch
+    (paired by seed, ± SE), the seeds where it is better and its Δ agreement. Settings in the
+    order of :func:`~sparsemixer_jax.router_bench.arms.robustness_table`."""
+    rows = {row["arm"]: row for row in paired_rows(results)}
+    settings: list[str] = []
+    order = {arm.name: i for i, arm in enumerate(robustness_table())}
+    for name in sorted(results, key=lambda n: order.get(n, len(order))):
+        router, _, setting = name.partition("_")
+        if router == "switch" and setting not in settings:
+            settings.append(setting)
+    head = "| setting | switch: MSE, agreement | " + " | ".join(
+        f"{r}: Δ ln MSE | better | Δ agreement" for r in routers) + " |"
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for setting in settings:
+        base = rows[f"switch_{setting}"]
+        cols = [f"{_ms(base['final_eval_mse'])}, {base['final_agreement'][0]:.3f}"]
+        for router in routers:
+            row = rows.get(f"{router}_{setting}")
+            if row is None or "dlog_mse" not in row:
+                cols += ["–", "–", "–"]
+                continue
+            d = row["dlog_mse"]
+            cols += [d.fmt(2), f"{d.below}/{d.n}", row["d_agree"].fmt(2)]
+        lines.append(f"| {setting} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
