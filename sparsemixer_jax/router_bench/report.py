@@ -186,7 +186,8 @@ def plot(results: dict, names: list[str], path: str, title: str = "") -> None:
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    if any(name in results for name in names):  # nothing to label otherwise
+        axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=70)
@@ -309,14 +310,21 @@ def markdown_robustness_table(results: dict, routers: tuple[str, ...] = (
     settings: list[str] = []
     order = {arm.name: i for i, arm in enumerate(robustness_table())}
     for name in sorted(results, key=lambda n: order.get(n, len(order))):
-        router, _, setting = name.partition("_")
-        if router == "switch" and setting not in settings:
+        setting = name.partition("_")[2]
+        if setting not in settings:
             settings.append(setting)
     head = "| setting | switch: MSE, agreement | " + " | ".join(
         f"{r}: Δ ln MSE | better | Δ agreement" for r in routers) + " |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for setting in settings:
-        base = rows[f"switch_{setting}"]
+        # Switch of this setting; for a change Switch ignores (omega), the corner's Switch.
+        bases = [rows[f"{r}_{setting}"]["baseline"] for r in ("switch", *routers)
+                 if f"{r}_{setting}" in rows]
+        base_name = f"switch_{setting}" if f"switch_{setting}" in rows else next(
+            (b for b in bases if b is not None), None)
+        if base_name is None:
+            continue
+        base = rows[base_name]
         cols = [f"{_ms(base['final_eval_mse'])}, {base['final_agreement'][0]:.3f}"]
         for router in routers:
             row = rows.get(f"{router}_{setting}")
