@@ -440,3 +440,17 @@ def test_default_output_is_outside_the_tracked_files_and_reuse_matches_config(tm
     assert list(got) == ["switch_p8"] and got["switch_p8"]["reused_from"] == "switch"
     assert cli.reused(str(path), arms, TINY._replace(batch=7), 2) == {}  # other run settings
     assert cli.reused(str(path), arms, TINY, 3) == {}  # other seeds
+
+
+def test_robustness_summary_pairs_each_router_with_its_settings_switch(robust_run):
+    from sparsemixer_jax.router_bench.arms import robustness_arm
+
+    summary = report.summarise(ROBUST, robust_run, {})
+    results = {arm.name: {**summary, "arm": dataclasses.asdict(arm)} for arm in (
+        robustness_arm("switch", "i", 8), robustness_arm("sparsemixer", "i", 8),
+        robustness_arm("sparsemixer", "i", 8, "omega"))}
+    table = report.markdown_robustness_table(results).splitlines()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table[2:]}
+    assert set(rows) == {"i8", "i8_omega"}  # omega: paired with the corner's Switch
+    for line in rows.values():  # the same runs: every difference is exactly zero
+        assert "| +0.00 ± 0.00 | 0/2 | +0.00 ± 0.00 | – | – | – |" in line, line

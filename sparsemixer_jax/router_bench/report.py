@@ -304,7 +304,8 @@ def markdown_robustness_table(results: dict, routers: tuple[str, ...] = (
         "sparsemixer", "densemixer")) -> str:
     """One row per setting of the robustness table (the arm name without its router): Switch's
     final eval MSE and agreement, then for each of ``routers`` its Δ ln MSE against Switch
-    (paired by seed, ± SE), the seeds where it is better and its Δ agreement. Settings in the
+    (paired by seed, ± SE), the seeds where it is better and its Δ agreement; last, the share
+    of training tokens each sends off its argmax expert (end of training). Settings in the
     order of :func:`~sparsemixer_jax.router_bench.arms.robustness_table`."""
     rows = {row["arm"]: row for row in paired_rows(results)}
     settings: list[str] = []
@@ -314,7 +315,8 @@ def markdown_robustness_table(results: dict, routers: tuple[str, ...] = (
         if setting not in settings:
             settings.append(setting)
     head = "| setting | switch: MSE, agreement | " + " | ".join(
-        f"{r}: Δ ln MSE | better | Δ agreement" for r in routers) + " |"
+        f"{r}: Δ ln MSE | better | Δ agreement" for r in routers) + " | off-argmax share: " + (
+        " / ".join(("switch", *routers))) + " |"
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for setting in settings:
         # Switch of this setting; for a change Switch ignores (omega), the corner's Switch.
@@ -333,5 +335,8 @@ def markdown_robustness_table(results: dict, routers: tuple[str, ...] = (
                 continue
             d = row["dlog_mse"]
             cols += [d.fmt(2), f"{d.below}/{d.n}", row["d_agree"].fmt(2)]
+        shares = [rows.get(n, {}).get("final_non_argmax", (math.nan,))[0]
+                  for n in (base_name, *(f"{r}_{setting}" for r in routers))]
+        cols.append(" / ".join("–" if not math.isfinite(x) else f"{x:.3f}" for x in shares))
         lines.append(f"| {setting} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
