@@ -7,10 +7,13 @@ trained on all seeds at once and compared with Switch seed by seed (docs/router_
     python -m experiments.router_bench --table depth     # 3 stacked residual MoE layers
     python -m experiments.router_bench --table gate      # a soft-gated (Switch-family) teacher
     python -m experiments.router_bench --table successors  # DenseMixer, Default MoE vs Switch
+    python -m experiments.router_bench --table robustness  # which setup choices decide the sign
     python -m experiments.router_bench --quick           # 3 arms, 4 seeds, 200 steps
     python -m experiments.router_bench --report-only     # tables and plot from the JSON
 
-Results are written to the JSON after every arm; a rerun skips arms already there.
+Results are written to the JSON (default ``runs/router_bench/<table>.json``, outside the
+tracked files) after every arm; a rerun skips arms already there. ``--reuse`` takes the results
+of arms trained before under other names (the same configuration and run settings).
 ``--time-rounds R`` then times one training step of every arm after compilation (R interleaved
 rounds of ``--time-steps`` steps); the cost table reports it beside the quality columns.
 """
@@ -18,13 +21,14 @@ rounds of ``--time-steps`` steps); the cost table reports it beside the quality 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 
 from sparsemixer_jax.router_bench import report
-from sparsemixer_jax.router_bench.arms import TABLES
+from sparsemixer_jax.router_bench.arms import TABLES, Arm
 from sparsemixer_jax.router_bench.train import TrainConfig, time_steps, train_arm
 
 PLOT_ARMS = {
@@ -36,6 +40,8 @@ PLOT_ARMS = {
              "sparsemixer_nomask_softgate"],
     "successors": ["switch", "sparsemixer", "densemixer", "densemixer_blog", "default_moe",
                    "default_moe_st"],
+    "robustness": ["switch_i16", "sparsemixer_i16", "densemixer_i16", "switch_p16",
+                   "sparsemixer_p16", "densemixer_p16"],
     "quick": ["switch", "sparsemixer", "dense_flops"],
 }
 
@@ -48,7 +54,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--arms", nargs="*", help="only these arms of the table")
-    p.add_argument("--out", help="JSON (default docs/results/router_bench_<table>.json)")
+    p.add_argument("--out", help="JSON (default runs/router_bench/<table>.json)")
     p.add_argument("--plot", help="PNG (default: the JSON's name with .png)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--versus", help="compare every arm of its setting with this arm instead")
@@ -58,14 +64,42 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--time-steps", type=int, default=200, help="steps of each timed run")
     p.add_argument("--merge", nargs="*", default=[],
                    help="JSONs of other runs whose arms join the report (same config)")
+    p.add_argument("--reuse", nargs="*", default=[],
+                   help="JSONs of other tables: an arm of this table configured exactly as one "
+                        "of theirs (name and gradient measurement aside; same run settings) "
+                        "takes its result instead of training again")
     args = p.parse_args(argv)
     if args.quick:
         args.table, args.seeds, args.steps = "quick", min(args.seeds, 4), min(args.steps, 200)
-    args.out = args.out or f"docs/results/router_bench_{args.table}.json"
+    args.out = args.out or os.path.join("runs", "router_bench", f"{args.table}.json")
     args.plot = args.plot or args.out.rsplit(".", 1)[0] + ".png"
     if args.steps % args.eval_every:
         p.error("--steps must be a multiple of --eval-every")
     return args
+
+
+def _same_training(a: Arm, b: Arm) -> bool:
+    """Whether ``a`` and ``b`` train identically (the gradient measurement is read-only)."""
+    strip = dict(name="", measure_gradient=False)
+    return dataclasses.replace(a, **strip) == dataclasses.replace(b, **strip)
+
+
+def reused(path: str, arms: list[Arm], cfg: TrainConfig, num_seeds: int) -> dict:
+    """Results in the JSON ``path`` of arms trained exactly as some of ``arms`` (same run
+    settings and seeds), under the names of ``arms``."""
+    with open(path) as f:
+        saved = json.load(f)
+    if saved.get("config") != cfg._asdict():
+        return {}
+    out = {}
+    for name, r in saved["arms"].items():
+        theirs = Arm(**r["arm"])
+        if len(r["per_seed"]["final_eval_mse"]) != num_seeds:
+            continue
+        for arm in arms:
+            if _same_training(arm, theirs):
+                out[arm.name] = {**r, "arm": dataclasses.asdict(arm), "reused_from": name}
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -81,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
             results = saved["arms"]
     arms = [a for a in TABLES[args.table]() if not args.arms or a.name in args.arms]
     seeds = list(range(args.seeds))
+    for path in args.reuse:
+        results = {**reused(path, arms, cfg, len(seeds)), **results}
     cache: dict = {}
     for arm in arms if not args.report_only else []:
         if arm.name in results and len(results[arm.name]["per_seed"]["final_eval_mse"]) == len(
@@ -111,7 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
             results = {**json.load(f)["arms"], **results}
     print(report.markdown_table(results, args.versus))
     print()
-    print(report.markdown_cost_table(results, cfg.dim, cfg.hidden, args.versus))
+    if args.table == "robustness":  # expert widths differ by family: no cost table
+        print(report.markdown_robustness_table(results))
+    else:
+        print(report.markdown_cost_table(results, cfg.dim, cfg.hidden, args.versus))
     report.plot(results, PLOT_ARMS[args.table], args.plot, title=f"{args.table}: mean ± SE "
                 f"over {args.seeds} seeds")
     return results

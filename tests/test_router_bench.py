@@ -358,3 +358,99 @@ def test_densemixer_trains_with_finite_loss_and_measured_gradient():
     cos = history.grad_cos
     assert np.all(np.isfinite(cos)) and np.all(np.abs(cos) <= 1.0 + 1e-6), cos
     assert timings["compile_s"] > 0 and timings["run_s"] > 0
+
+
+# --------------------------------------------------------------------------- robustness
+
+
+def test_tanh_teacher_expert_is_exactly_tanh_of_x_w():
+    cfg = TeacherConfig(dim=8, num_experts=4, hidden=4, activation="tanh")
+    teacher = make_teacher(jax.random.key(5), cfg)
+    x = jax.random.normal(jax.random.key(6), (256, 8))
+    y, experts, _ = teacher_forward(teacher, x, 0.0, "tanh")
+    w = np.asarray(teacher.w1[0])[np.asarray(experts[0])]  # [B, d, d]: each token's W_D
+    want = np.tanh(np.einsum("bd,bde->be", np.asarray(x), w))
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+    assert len(np.unique(np.asarray(experts))) == 4
+
+
+def test_robustness_flips_change_one_setup_choice_each():
+    arms = {a.name: a for a in TABLES["robustness"]()}
+    shared = {"teacher_gate_scale", "lr_mult"}
+    for name, arm in arms.items():
+        parts = name.split("_")
+        if parts[-1][0] in "ip" and parts[-1][1:].isdigit():
+            continue  # a corner
+        corner = arms[name.rsplit("_", 1)[0]]
+        changed = {f.name for f in dataclasses.fields(Arm)
+                   if getattr(arm, f.name) != getattr(corner, f.name)} - {"name"}
+        assert len(changed) == 1, (name, changed)
+        if changed <= shared:
+            continue
+        other = "p" if "_i" in name else "i"
+        other_corner = arms[f"switch_{other}{arm.num_experts}"]
+        field = changed.pop()
+        want = getattr(other_corner, field) if field != "omega" else (not corner.omega)
+        assert getattr(arm, field) == want, name  # the other corner's level
+    assert not any("omega" in n and not n.startswith("sparsemixer") for n in arms)
+
+
+ROBUST = Arm("sparsemixer_robust", router="sparsemixer", num_experts=4, family="tanh",
+             fresh_data=True, margin=0.5, batch=32, omega=False, balance_weight=0.0)
+
+
+@pytest.fixture(scope="module")
+def robust_run():  # one compiled program
+    return train_arm(ROBUST, TINY._replace(measure_gradient=False), [0, 1])[0]
+
+
+def test_frozen_omega_stays_one_and_fresh_tanh_student_learns(robust_run):
+    params, _ = robust_run.final_state
+    omega = np.asarray(params["layers"][0]["omega"][...])
+    np.testing.assert_array_equal(omega, 1.0)
+    wi = np.asarray(params["layers"][0]["wi"][...])
+    assert wi.shape == (2, 4, 8, 8)  # tanh family: experts as wide as the model
+    final, start = robust_run.eval_mse[:, -1], robust_run.eval_mse[:, 0]
+    assert np.all(np.isfinite(final)) and np.all(final < 0.5 * start), (final, start)
+
+
+def test_summary_of_a_run_without_gradient_measure_raises_no_warning(robust_run):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        summary = report.summarise(ROBUST, robust_run, {})
+    assert summary["curves_mean"]["zero_grad"][0] is None or math.isnan(
+        summary["curves_mean"]["zero_grad"][0])  # step 0: no training step measured yet
+    assert summary["curves_mean"]["grad_cos"] is None
+
+
+def test_default_output_is_outside_the_tracked_files_and_reuse_matches_config(tmp_path):
+    import json
+
+    from experiments import router_bench as cli
+
+    assert cli.parse_args(["--quick"]).out == "runs/router_bench/quick.json"
+    arms = [Arm("switch_p8", measure_gradient=False), Arm("switch_i8", family="tanh")]
+    saved = {"config": TINY._asdict(), "arms": {"switch": {
+        "arm": dataclasses.asdict(Arm("switch")), "per_seed": {"final_eval_mse": [0.1, 0.2]}}}}
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(saved))
+    got = cli.reused(str(path), arms, TINY, 2)
+    assert list(got) == ["switch_p8"] and got["switch_p8"]["reused_from"] == "switch"
+    assert cli.reused(str(path), arms, TINY._replace(batch=7), 2) == {}  # other run settings
+    assert cli.reused(str(path), arms, TINY, 3) == {}  # other seeds
+
+
+def test_robustness_summary_pairs_each_router_with_its_settings_switch(robust_run):
+    from sparsemixer_jax.router_bench.arms import robustness_arm
+
+    summary = report.summarise(ROBUST, robust_run, {})
+    results = {arm.name: {**summary, "arm": dataclasses.asdict(arm)} for arm in (
+        robustness_arm("switch", "i", 8), robustness_arm("sparsemixer", "i", 8),
+        robustness_arm("sparsemixer", "i", 8, "omega"))}
+    table = report.markdown_robustness_table(results).splitlines()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table[2:]}
+    assert set(rows) == {"i8", "i8_omega"}  # omega: paired with the corner's Switch
+    for line in rows.values():  # the same runs: every difference is exactly zero
+        assert "| +0.00 ± 0.00 | 0/2 | +0.00 ± 0.00 | – | – | – |" in line, line

@@ -50,7 +50,7 @@ DISPATCHES = ("auto", "ragged", "padded", "grouped")
 GROUPED_IMPLS = ("mosaic", "xla", "tokamax")
 # The expert (and dense) FFN's nonlinearity: ReLU in the paper's fairseq translation Transformer,
 # GELU in BERT / ELECTRA / COCO-LM, whose setting the pretraining experiment follows.
-ACTIVATIONS = ("relu", "gelu")
+ACTIVATIONS = ("relu", "gelu", "tanh")
 
 
 def activation_fn(name: str):
@@ -60,6 +60,8 @@ def activation_fn(name: str):
         return jax.nn.relu
     if name == "gelu":
         return lambda h: jax.nn.gelu(h, approximate=False)
+    if name == "tanh":  # the router benchmark's smallest expert family
+        return jnp.tanh
     raise ValueError(f"unknown activation {name!r}; expected one of {ACTIVATIONS}")
 
 

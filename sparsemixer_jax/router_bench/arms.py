@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+FAMILIES = ("mlp", "tanh")
+"""Expert families of teacher and student (:class:`Arm`'s ``family``)."""
+
 
 @dataclass(frozen=True)
 class Arm:
@@ -21,6 +24,17 @@ class Arm:
     top-1). ``oracle_router``: the student's router is the teacher's (scaled by 20, so the
     softmax is one-hot) and frozen; only the experts learn. ``measure_gradient``: log the
     cosine with the exact router gradient (one layer, top-1 only; it doubles compile time).
+
+    Setup choices (the robustness table varies them one at a time):
+    ``family``: ``"mlp"``, teacher experts ReLU MLPs ``d -> 8 -> d`` and student experts ReLU
+    MLPs of the run's ``hidden`` width (wider than the teacher's), or ``"tanh"``, teacher
+    experts ``tanh(x W_i)`` (``W_i [d, d]``) and student experts ``tanh(x wi + bi) wo + bo`` of
+    width ``d``, a family that contains the teacher's with nothing to spare.
+    ``balance_weight``: weight of the Switch balance loss (None: the run's). ``fresh_data``:
+    every step draws new inputs and labels them clean (no label noise), instead of drawing from
+    a fixed pool and adding label noise. ``batch``: tokens per step (None: the run's).
+    ``omega``: False freezes SparseMixer's ``omega`` at its initial 1 (no effect on routers
+    without it).
     """
 
     name: str
@@ -36,6 +50,16 @@ class Arm:
     oracle_router: bool = False
     measure_gradient: bool = True
     teacher_gate_scale: float = 0.0
+    family: str = "mlp"
+    balance_weight: float | None = None
+    fresh_data: bool = False
+    batch: int | None = None
+    omega: bool = True
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"arm {self.name!r}: family must be one of {FAMILIES}, "
+                             f"got {self.family!r}")
 
     @property
     def k_teacher(self) -> int:
@@ -43,7 +67,7 @@ class Arm:
 
     def setting(self) -> tuple:
         """What pairs arms: the same teacher and the same data stream per seed."""
-        return (self.k_teacher, self.depth, self.margin, self.teacher_gate_scale)
+        return (self.k_teacher, self.depth, self.margin, self.teacher_gate_scale, self.family)
 
 
 def _arm(name: str, **kw) -> Arm:
@@ -52,14 +76,16 @@ def _arm(name: str, **kw) -> Arm:
 
 def baseline_of(arm: Arm, arms: dict[str, Arm]) -> str | None:
     """Name of the Switch arm ``arm`` is compared with: the same setting, learning rate, N and
-    top-k, the same ``jitter_eps`` if such a Switch arm exists, else the default 0.1.
+    top-k (``omega`` aside: Switch has none), the same ``jitter_eps`` if such a Switch arm
+    exists, else the default 0.1.
     None for the Switch arm itself when nothing else matches."""
     base = dataclasses.replace(arm, name="", router="switch", dense=None, oracle_router=False,
-                               measure_gradient=True)
+                               measure_gradient=True, omega=True)
     candidates = [base, dataclasses.replace(base, jitter_eps=0.1)]
     for cand in candidates:
         for other in arms.values():
-            same = dataclasses.replace(other, name="", measure_gradient=True) == cand
+            same = dataclasses.replace(other, name="", measure_gradient=True,
+                                       omega=True) == cand
             if same and other.name != arm.name:
                 return other.name
     return None
@@ -143,5 +169,78 @@ def quick_table() -> list[Arm]:
             _arm("dense_flops", dense="flops", num_experts=4)]
 
 
+
+
+# The two corner setups of the robustness table. "p": the main setting above (ReLU MLP
+# experts, the student's wider than the teacher's; balance loss 0.01; a fixed pool of 16,384
+# inputs with label noise 0.1; batch 128; SparseMixer's omega trained; margin 0.5). "i": a
+# minimal teacher-student setup (tanh(x W_i) experts in teacher and student; no balance loss;
+# fresh clean inputs every step; batch 256; no omega; no margin). Both: hard teacher, Adam 3e-3,
+# jitter_eps 0.1, 1,500 steps, evaluation with argmax routing.
+CORNERS = {
+    "p": {},
+    "i": {"family": "tanh", "balance_weight": 0.0, "fresh_data": True, "batch": 256,
+          "omega": False, "margin": 0.0},
+}
+
+# One-at-a-time changes from each corner: label -> fields. The first six move a factor to the
+# other corner's level; the last three change what both corners share.
+FLIPS = {
+    "p": {"tanh": {"family": "tanh"}, "nobalance": {"balance_weight": 0.0},
+          "fresh": {"fresh_data": True}, "batch256": {"batch": 256},
+          "noomega": {"omega": False}, "margin0": {"margin": 0.0}},
+    "i": {"mlp": {"family": "mlp"}, "balance": {"balance_weight": None},
+          "pool": {"fresh_data": False}, "batch128": {"batch": None},
+          "omega": {"omega": True}, "margin0.5": {"margin": 0.5}},
+}
+SHARED_FLIPS = {"softgate": {"teacher_gate_scale": 2.0}, "lr0.3": {"lr_mult": 0.3},
+                "lr3": {"lr_mult": 3.0}}
+ROBUSTNESS_ROUTERS = ("switch", "sparsemixer", "densemixer")
+
+
+def robustness_arm(router: str, corner: str, n: int, flip: str | None = None) -> Arm:
+    """The arm ``{router}_{corner}{n}[_{flip}]``: ``router`` at ``N = K = n`` in corner
+    ``corner`` (:data:`CORNERS`), with the change ``flip`` (:data:`FLIPS`,
+    :data:`SHARED_FLIPS`) if given."""
+    fields = dict(CORNERS[corner])
+    if flip is not None:
+        fields.update({**FLIPS[corner], **SHARED_FLIPS}[flip])
+    name = f"{router}_{corner}{n}" + (f"_{flip}" if flip else "")
+    return _arm(name, router=router, num_experts=n, measure_gradient=False, **fields)
+
+
+def robustness_table() -> list[Arm]:
+    """Which setup choices decide the sign of SparseMixer minus Switch and DenseMixer minus
+    Switch: both corners at N = 8 and 16, then one change at a time from each corner at
+    N = 16 (Switch and SparseMixer first, then DenseMixer), then the shared changes, then the
+    same at N = 8. Ordered by priority: a run cut short keeps the decisive arms."""
+    arms, seen = [], set()
+
+    def add(router, corner, n, flip=None):
+        if flip in ("omega", "noomega") and router != "sparsemixer":
+            return  # omega exists only on SparseMixer's layer
+        arm = robustness_arm(router, corner, n, flip)
+        if arm.name not in seen:
+            seen.add(arm.name)
+            arms.append(arm)
+
+    for corner in ("i", "p"):
+        for n in (8, 16):
+            for router in ROBUSTNESS_ROUTERS:
+                add(router, corner, n)
+    for n in (16, 8):
+        for routers in (("switch", "sparsemixer"), ("densemixer",)):
+            for corner in ("i", "p"):
+                for flip in FLIPS[corner]:
+                    for router in routers:
+                        add(router, corner, n, flip)
+        for corner in ("i", "p"):
+            for flip in SHARED_FLIPS:
+                for router in ROBUSTNESS_ROUTERS:
+                    add(router, corner, n, flip)
+    return arms
+
+
 TABLES = {"main": main_table, "depth": depth_table, "gate": gate_table,
-          "successors": successors_table, "quick": quick_table}
+          "successors": successors_table, "robustness": robustness_table,
+          "quick": quick_table}

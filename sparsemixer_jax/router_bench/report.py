@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from sparsemixer_jax.router_bench import metrics
-from sparsemixer_jax.router_bench.arms import Arm, baseline_of
+from sparsemixer_jax.router_bench.arms import Arm, baseline_of, robustness_table
 from sparsemixer_jax.router_bench.train import History
 from sparsemixer_jax.routing import UNCHOSEN_EXPERT_RULES
 
@@ -33,13 +33,24 @@ def _rounded(a: np.ndarray, digits: int = 5) -> list:
     return np.round(np.asarray(a, np.float64), digits).tolist()
 
 
+def _measured_mean(a: np.ndarray, axis: int) -> np.ndarray:
+    """Mean of ``a`` along ``axis`` over its finite entries; NaN where there is none.
+
+    Some measures are NaN by design: the training-mode measures at step 0 (no step yet) and the
+    gradient cosine of arms that do not measure it, so an all-NaN slice is expected, not an
+    error."""
+    finite = np.isfinite(a)
+    count = finite.sum(axis)
+    total = np.where(finite, a, 0.0).sum(axis)
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
 def summarise(arm: Arm, history: History, timings: dict) -> dict:
     """JSON-able summary of one arm: config, per-seed finals, per-seed curves (eval MSE,
     agreement) and mean curves of the other measures."""
     agreement = _agreement(history.confusion, metrics.partition_agreement)
     purity = _agreement(history.confusion, metrics.partition_purity)
-    nanmean = lambda a: np.nanmean(a[:, 1:], axis=1) if np.isfinite(a[:, 1:]).any() else (
-        np.full(a.shape[0], np.nan))
+    nanmean = lambda a: _measured_mean(a[:, 1:], axis=1)
     return {
         "arm": dataclasses.asdict(arm),
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
@@ -62,7 +73,7 @@ def summarise(arm: Arm, history: History, timings: dict) -> dict:
             "agreement": _rounded(agreement, 4),
         },
         "curves_mean": {
-            name: _rounded(np.nanmean(getattr(history, name), axis=0), 4)
+            name: _rounded(_measured_mean(getattr(history, name), axis=0), 4)
             if np.isfinite(getattr(history, name)).any() else None
             for name in ("train_mse", "zero_grad", "non_argmax", "load_max", "grad_cos",
                          "grad_norm_ratio")
@@ -175,7 +186,8 @@ def plot(results: dict, names: list[str], path: str, title: str = "") -> None:
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    if any(name in results for name in names):  # nothing to label otherwise
+        axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=70)
@@ -285,4 +297,46 @@ def markdown_cost_table(results: dict, emb: int, mlp: int, versus: str | None = 
             f"{paired_cols[2]} | {_ms(row['mean_grad_cos'])} | "
             f"{_ms(row['mean_grad_norm_ratio'], 2)} | {row['flops']:,} "
             f"({row['flops_ratio']:.2f}×) | {equal} | {step} | {run_step} | {compile_s} |")
+    return "\n".join(lines)
+
+
+def markdown_robustness_table(results: dict, routers: tuple[str, ...] = (
+        "sparsemixer", "densemixer")) -> str:
+    """One row per setting of the robustness table (the arm name without its router): Switch's
+    final eval MSE and agreement, then for each of ``routers`` its Δ ln MSE against Switch
+    (paired by seed, ± SE), the seeds where it is better and its Δ agreement; last, the share
+    of training tokens each sends off its argmax expert (end of training). Settings in the
+    order of :func:`~sparsemixer_jax.router_bench.arms.robustness_table`."""
+    rows = {row["arm"]: row for row in paired_rows(results)}
+    settings: list[str] = []
+    order = {arm.name: i for i, arm in enumerate(robustness_table())}
+    for name in sorted(results, key=lambda n: order.get(n, len(order))):
+        setting = name.partition("_")[2]
+        if setting not in settings:
+            settings.append(setting)
+    head = "| setting | switch: MSE, agreement | " + " | ".join(
+        f"{r}: Δ ln MSE | better | Δ agreement" for r in routers) + " | off-argmax share: " + (
+        " / ".join(("switch", *routers))) + " |"
+    lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for setting in settings:
+        # Switch of this setting; for a change Switch ignores (omega), the corner's Switch.
+        bases = [rows[f"{r}_{setting}"]["baseline"] for r in ("switch", *routers)
+                 if f"{r}_{setting}" in rows]
+        base_name = f"switch_{setting}" if f"switch_{setting}" in rows else next(
+            (b for b in bases if b is not None), None)
+        if base_name is None:
+            continue
+        base = rows[base_name]
+        cols = [f"{_ms(base['final_eval_mse'])}, {base['final_agreement'][0]:.3f}"]
+        for router in routers:
+            row = rows.get(f"{router}_{setting}")
+            if row is None or "dlog_mse" not in row:
+                cols += ["–", "–", "–"]
+                continue
+            d = row["dlog_mse"]
+            cols += [d.fmt(2), f"{d.below}/{d.n}", row["d_agree"].fmt(2)]
+        shares = [rows.get(n, {}).get("final_non_argmax", (math.nan,))[0]
+                  for n in (base_name, *(f"{r}_{setting}" for r in routers))]
+        cols.append(" / ".join("–" if not math.isfinite(x) else f"{x:.3f}" for x in shares))
+        lines.append(f"| {setting} | " + " | ".join(cols) + " |")
     return "\n".join(lines)

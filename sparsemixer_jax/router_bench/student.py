@@ -21,7 +21,8 @@ class Student(nnx.Module):
     """``depth`` residual layers; the output is ``h_L - x`` as for the teacher.
 
     Args:
-      arm: the configuration (router, eps, top-k, N, depth, dense baselines).
+      arm: the configuration (router, eps, top-k, N, depth, dense baselines, expert family:
+        ReLU experts, or tanh for ``family="tanh"``).
       dim: token width ``d``; hidden: width of each expert's MLP.
       rngs: streams ``params`` and ``router``.
       dispatch: the layer's dispatch (``"ragged"`` or ``"padded"``); the same arithmetic.
@@ -38,7 +39,9 @@ class Student(nnx.Module):
             else:
                 layer = MoEFeedForward(dim, hidden, arm.num_experts, router=arm.router,
                                        jitter_eps=arm.jitter_eps, top_k=arm.top_k,
-                                       activation_dropout=0.0, dispatch=dispatch, rngs=rngs)
+                                       activation_dropout=0.0, dispatch=dispatch,
+                                       activation="tanh" if arm.family == "tanh" else "relu",
+                                       rngs=rngs)
             layers.append(layer)
         self.layers = nnx.List(layers)
 

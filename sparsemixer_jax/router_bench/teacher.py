@@ -26,7 +26,10 @@ import numpy as np
 
 class TeacherConfig(NamedTuple):
     """Teacher and data sizes. ``noise`` is the std of the Gaussian label noise added to every
-    training label (the noise floor of the training MSE is ``noise ** 2``)."""
+    training label (the noise floor of the training MSE is ``noise ** 2``). ``activation``:
+    ``"relu"``, experts ``relu(x w1 + b1) w2 + b2`` scaled to unit output RMS, or ``"tanh"``,
+    experts ``tanh(x w1)`` with ``w1 [d, d] ~ N(0, 1 / d)`` (``hidden`` is then ``d``; ``w2``
+    is the identity and the biases zero, so the expert is exactly ``tanh(x W)``)."""
 
     dim: int = 16
     num_experts: int = 8
@@ -37,6 +40,7 @@ class TeacherConfig(NamedTuple):
     train_size: int = 16384
     eval_size: int = 2048
     gate_scale: float = 0.0
+    activation: str = "relu"
 
 
 class Teacher(NamedTuple):
@@ -67,9 +71,11 @@ class Data(NamedTuple):
     acceptance: float
 
 
-def _experts_all(teacher: Teacher, layer: int, h: jax.Array) -> jax.Array:
+def _experts_all(teacher: Teacher, layer: int, h: jax.Array, activation: str = "relu"
+                 ) -> jax.Array:
     """Every expert of ``layer`` on ``h [B, d]``: ``[K, B, d]``."""
-    hidden = jax.nn.relu(jnp.einsum("bd,kdh->kbh", h, teacher.w1[layer])
+    act = jnp.tanh if activation == "tanh" else jax.nn.relu
+    hidden = act(jnp.einsum("bd,kdh->kbh", h, teacher.w1[layer])
                          + teacher.b1[layer][:, None])
     return jnp.einsum("kbh,khd->kbd", hidden, teacher.w2[layer]) + teacher.b2[layer][:, None]
 
@@ -81,19 +87,20 @@ def _top_two_gap(logits: jax.Array) -> jax.Array:
     return top2[..., 0] - top2[..., 1]
 
 
-def teacher_forward(teacher: Teacher, x: jax.Array, gate_scale: float = 0.0
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def teacher_forward(teacher: Teacher, x: jax.Array, gate_scale: float = 0.0,
+                    activation: str = "relu") -> tuple[jax.Array, jax.Array, jax.Array]:
     """Label ``x [B, d]``: ``(y [B, d], experts int32 [L, B], gaps [L, B])``.
 
     ``gaps`` is the top-1 minus top-2 logit per layer (inf with one expert). ``gate_scale``:
     0 for gate 1, else the gate is ``softmax(gate_scale * logits)`` at the chosen expert.
+    ``activation``: the experts' (:class:`TeacherConfig`).
     """
     h = x
     experts, gaps = [], []
     for layer in range(teacher.router_w.shape[0]):
         logits = h @ teacher.router_w[layer] + teacher.router_b[layer]
         chosen = jnp.argmax(logits, axis=-1)
-        outputs = _experts_all(teacher, layer, h)
+        outputs = _experts_all(teacher, layer, h, activation)
         gate = 1.0
         if gate_scale > 0:
             gate = jnp.max(jax.nn.softmax(gate_scale * logits, axis=-1), axis=-1)[:, None]
@@ -105,7 +112,11 @@ def teacher_forward(teacher: Teacher, x: jax.Array, gate_scale: float = 0.0
 
 def make_teacher(key: jax.Array, cfg: TeacherConfig) -> Teacher:
     """Random teacher, scaled on 4096 ``N(0, I)`` inputs (module docstring)."""
+    if cfg.activation not in ("relu", "tanh"):
+        raise ValueError(f"teacher activation must be 'relu' or 'tanh', got {cfg.activation!r}")
     d, k, hid, depth = cfg.dim, cfg.num_experts, cfg.hidden, cfg.depth
+    if cfg.activation == "tanh":
+        hid = d
     keys = jax.random.split(key, 7)
     shape = (depth, k)
     teacher = Teacher(
@@ -116,13 +127,19 @@ def make_teacher(key: jax.Array, cfg: TeacherConfig) -> Teacher:
         w2=jax.random.normal(keys[3], (*shape, hid, d)) / np.sqrt(hid),
         b2=0.5 * jax.random.normal(keys[4], (*shape, d)),
     )
+    if cfg.activation == "tanh":
+        eye = jnp.broadcast_to(jnp.eye(d), (*shape, d, d))
+        zeros = jnp.zeros((*shape, d))
+        teacher = teacher._replace(b1=zeros, w2=eye, b2=zeros)
     h = jax.random.normal(keys[5], (4096, d))
     router_w, w2, b2 = [], [], []
     for layer in range(depth):
         logits = h @ teacher.router_w[layer]
         rw = teacher.router_w[layer] / jnp.std(logits)
-        outputs = _experts_all(teacher, layer, h)  # [K, B, d]
+        outputs = _experts_all(teacher, layer, h, cfg.activation)  # [K, B, d]
         rms = jnp.sqrt(jnp.mean(outputs**2, axis=(1, 2)))  # [K]
+        if cfg.activation == "tanh":  # exactly tanh(x W): no output scale
+            rms = jnp.ones_like(rms)
         w2.append(teacher.w2[layer] / rms[:, None, None])
         b2.append(teacher.b2[layer] / rms[:, None])
         router_w.append(rw)
@@ -132,7 +149,7 @@ def make_teacher(key: jax.Array, cfg: TeacherConfig) -> Teacher:
     return teacher._replace(router_w=jnp.stack(router_w), w2=jnp.stack(w2), b2=jnp.stack(b2))
 
 
-_forward_jit = jax.jit(teacher_forward, static_argnums=2)
+_forward_jit = jax.jit(teacher_forward, static_argnums=(2, 3))
 
 
 def make_data(teacher: Teacher, key: jax.Array, cfg: TeacherConfig,
@@ -145,7 +162,7 @@ def make_data(teacher: Teacher, key: jax.Array, cfg: TeacherConfig,
     xs, ys, es, drawn, kept = [], [], [], 0, 0
     for i in range(max_chunks):
         x = jax.random.normal(jax.random.fold_in(key, i), (chunk, cfg.dim))
-        y, experts, gaps = _forward_jit(teacher, x, cfg.gate_scale)
+        y, experts, gaps = _forward_jit(teacher, x, cfg.gate_scale, cfg.activation)
         keep = np.asarray(jnp.all(gaps >= cfg.margin, axis=0))
         drawn += chunk
         kept += int(keep.sum())

@@ -26,10 +26,18 @@ from sparsemixer_jax.router_bench.arms import Arm
 from sparsemixer_jax.router_bench.student import Student, set_oracle_router
 from sparsemixer_jax.router_bench.teacher import (
     Data,
+    Teacher,
     TeacherConfig,
     make_data,
     make_teacher,
+    teacher_forward,
 )
+
+# Fresh inputs at a positive margin: draw this many times the batch and keep the first inputs
+# the margin accepts (the main setting's margins accept well over half of all inputs, so a
+# batch is short of accepted inputs with negligible probability; it is then filled with
+# rejected ones).
+FRESH_OVERSAMPLE = 4
 
 
 class TrainConfig(NamedTuple):
@@ -56,7 +64,12 @@ class TrainConfig(NamedTuple):
         return TeacherConfig(dim=self.dim, num_experts=arm.k_teacher, hidden=self.teacher_hidden,
                              depth=arm.depth, margin=arm.margin, noise=self.noise,
                              train_size=self.train_size, eval_size=self.eval_size,
-                             gate_scale=arm.teacher_gate_scale)
+                             gate_scale=arm.teacher_gate_scale,
+                             activation="tanh" if arm.family == "tanh" else "relu")
+
+    def student_hidden(self, arm: Arm) -> int:
+        """Expert width of ``arm``'s student: ``dim`` for the tanh family, else ``hidden``."""
+        return self.dim if arm.family == "tanh" else self.hidden
 
 
 class History(NamedTuple):
@@ -91,23 +104,22 @@ def seed_keys(seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     return jax.random.fold_in(root, 0), jax.random.fold_in(root, 1), jax.random.fold_in(root, 2)
 
 
-def prepare_data(arm: Arm, cfg: TrainConfig, seeds: list[int]):
-    """Teachers and their data for ``seeds``, stacked: ``(router_w, router_b, Data)``."""
+def prepare_data(arm: Arm, cfg: TrainConfig, seeds: list[int]) -> tuple[Teacher, Data]:
+    """Teachers and their data for ``seeds``, each stacked on a leading seed axis."""
     tcfg = cfg.teacher(arm)
-    routers_w, routers_b, datas = [], [], []
+    teachers, datas = [], []
     for seed in seeds:
         k_teacher, k_data, _ = seed_keys(seed)
         teacher = make_teacher(k_teacher, tcfg)
         datas.append(make_data(teacher, k_data, tcfg))
-        routers_w.append(teacher.router_w)
-        routers_b.append(teacher.router_b)
+        teachers.append(teacher)
     stacked = Data(*(np.stack([getattr(d, f) for d in datas]) for f in Data._fields))
-    return jnp.stack(routers_w), jnp.stack(routers_b), stacked
+    return jax.tree.map(lambda *a: jnp.stack(a), *teachers), stacked
 
 
 def _measures_gradient(arm: Arm, cfg: TrainConfig) -> bool:
     return (cfg.measure_gradient and arm.measure_gradient and arm.depth == 1
-            and arm.top_k == 1 and arm.dense is None)
+            and arm.top_k == 1 and arm.dense is None and arm.family == "mlp")
 
 
 def _router_grad(grads) -> jax.Array:
@@ -121,30 +133,50 @@ def _compiled(arm: Arm, cfg: TrainConfig):
     graphdef = nnx.split(_student(arm, cfg, jax.random.key(0), None, None), nnx.Param, ...)[0]
     optimizer = optax.adam(cfg.lr * arm.lr_mult)
     n, k = (1 if arm.dense else arm.num_experts), arm.k_teacher
+    batch = arm.batch or cfg.batch
+    balance_weight = cfg.balance_weight if arm.balance_weight is None else arm.balance_weight
+    tcfg = cfg.teacher(arm)
     probs_fn = metrics.oracle_probs_fn(arm.router, arm.jitter_eps)
 
     def loss_fn(params, rest, x, y):
         model = nnx.merge(graphdef, params, rest, copy=True)
         pred, aux = model(x)
         mse = jnp.mean(jnp.square(pred - y))
-        loss = mse + cfg.balance_weight * aux["balance_loss"]
+        loss = mse + balance_weight * aux["balance_loss"]
         return loss, (mse, aux, nnx.state(model, nnx.Not(nnx.Param)))
 
-    def freeze_router(grads):
-        if not arm.oracle_router:
+    frozen = (["'router'"] if arm.oracle_router else []) + ([] if arm.omega else ["'omega'"])
+
+    def freeze(grads):
+        """Zero the gradients of the frozen parameters (Adam then leaves them as they are)."""
+        if not frozen:
             return grads
         return jax.tree_util.tree_map_with_path(
-            lambda path, g: jnp.zeros_like(g) if "'router'" in jax.tree_util.keystr(path)
-            else g, grads)
+            lambda path, g: jnp.zeros_like(g)
+            if any(f in jax.tree_util.keystr(path) for f in frozen) else g, grads)
 
-    def train_step(carry, key, data: Data):
-        params, rest, opt_state = carry
+    def batch_of(key, data: Data, teacher: Teacher):
+        """One training batch ``(x, y)``: from the pool with fresh label noise, or fresh
+        inputs with clean labels."""
+        if arm.fresh_data:
+            over = FRESH_OVERSAMPLE if arm.margin > 0 else 1
+            x = jax.random.normal(key, (over * batch, cfg.dim))
+            y, _, gaps = teacher_forward(teacher, x, tcfg.gate_scale, tcfg.activation)
+            if over > 1:
+                accepted = jnp.all(gaps >= arm.margin, axis=0)
+                first = jnp.argsort(~accepted, stable=True)[:batch]
+                x, y = x[first], y[first]
+            return x, y
         k_idx, k_noise = jax.random.split(key)
-        idx = jax.random.randint(k_idx, (cfg.batch,), 0, data.train_x.shape[0])
+        idx = jax.random.randint(k_idx, (batch,), 0, data.train_x.shape[0])
         x = data.train_x[idx]
-        y = data.train_y[idx] + cfg.noise * jax.random.normal(k_noise, x.shape)
+        return x, data.train_y[idx] + cfg.noise * jax.random.normal(k_noise, x.shape)
+
+    def train_step(carry, key, data: Data, teacher: Teacher):
+        params, rest, opt_state = carry
+        x, y = batch_of(key, data, teacher)
         grads, (mse, aux, rest) = jax.grad(loss_fn, has_aux=True)(params, rest, x, y)
-        updates, opt_state = optimizer.update(freeze_router(grads), opt_state, params)
+        updates, opt_state = optimizer.update(freeze(grads), opt_state, params)
         params = optax.apply_updates(params, updates)
         logged = jnp.stack([mse, aux["zero_grad"], aux["non_argmax"], aux["load_max"]])
         return (params, rest, opt_state), logged
@@ -177,13 +209,14 @@ def _compiled(arm: Arm, cfg: TrainConfig):
         cos, ratio = gradient_check(params, rest, data)
         return mse, cos, ratio, conf
 
-    def run(params, rest, key, data: Data):
+    def run(params, rest, key, data: Data, teacher: Teacher):
         opt_state = optimizer.init(params)
         num_logs = cfg.steps // cfg.eval_every
 
         def chunk(carry, chunk_key):
             keys = jax.random.split(chunk_key, cfg.eval_every)
-            carry, logged = jax.lax.scan(lambda c, kk: train_step(c, kk, data), carry, keys)
+            carry, logged = jax.lax.scan(lambda c, kk: train_step(c, kk, data, teacher), carry,
+                                         keys)
             mse, cos, ratio, conf = evaluate(*carry[:2], data)
             return carry, (jnp.mean(logged, axis=0), mse, cos, ratio, conf)
 
@@ -213,21 +246,22 @@ def _executable(arm: Arm, cfg: TrainConfig, args: tuple):
 
 def _student(arm: Arm, cfg: TrainConfig, key: jax.Array, router_w, router_b) -> Student:
     k_params, k_router = jax.random.split(key)
-    model = Student(arm, cfg.dim, cfg.hidden, rngs=nnx.Rngs(params=k_params, router=k_router),
-                    dispatch=cfg.dispatch)
+    model = Student(arm, cfg.dim, cfg.student_hidden(arm),
+                    rngs=nnx.Rngs(params=k_params, router=k_router), dispatch=cfg.dispatch)
     if arm.oracle_router and router_w is not None:
         set_oracle_router(model, router_w, router_b)
     return model
 
 
-def init_students(arm: Arm, cfg: TrainConfig, seeds: list[int], router_w, router_b):
+def init_students(arm: Arm, cfg: TrainConfig, seeds: list[int], teachers: Teacher):
     """Split states of the students of ``seeds``, stacked on a leading seed axis.
 
     Built eagerly, one seed after another: compiling a vmapped constructor costs more than it
     saves at this size.
     """
-    states = [nnx.split(_student(arm, cfg, seed_keys(s)[2], router_w[i], router_b[i]),
-                        nnx.Param, ...)[1:] for i, s in enumerate(seeds)]
+    states = [nnx.split(_student(arm, cfg, seed_keys(s)[2], teachers.router_w[i],
+                                 teachers.router_b[i]), nnx.Param, ...)[1:]
+              for i, s in enumerate(seeds)]
     return jax.tree.map(lambda *a: jnp.stack(a), *states)
 
 
@@ -236,15 +270,15 @@ def _run_args(arm: Arm, cfg: TrainConfig, seeds: list[int], data_cache: dict | N
     device) and the host copy of the data. ``data_cache`` is keyed by teacher setting."""
     cache_key = (cfg.teacher(arm), tuple(seeds))
     if data_cache is not None and cache_key in data_cache:
-        router_w, router_b, data = data_cache[cache_key]
+        teachers, data = data_cache[cache_key]
     else:
-        router_w, router_b, data = prepare_data(arm, cfg, seeds)
+        teachers, data = prepare_data(arm, cfg, seeds)
         if data_cache is not None:
-            data_cache[cache_key] = (router_w, router_b, data)
+            data_cache[cache_key] = (teachers, data)
     run_keys = jnp.stack([jax.random.fold_in(seed_keys(s)[2], 1) for s in seeds])
-    params, rest = init_students(arm, cfg, seeds, router_w, router_b)
+    params, rest = init_students(arm, cfg, seeds, teachers)
     run_data = Data(*(jnp.asarray(a) for a in data[:5]), acceptance=jnp.asarray(data[5]))
-    args = (params, rest, run_keys, run_data)
+    args = (params, rest, run_keys, run_data, teachers)
     jax.block_until_ready(args)
     return args, data
 
