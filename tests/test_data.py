@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -416,7 +417,9 @@ def test_tfds_reads_fields_by_name_not_supervised_keys(tmp_path):
     c = get_config()  # wmt14_translate/de-en, src=en, tgt=de
     c.data.vocab_size = 40
     c.data.max_len = 256
-    with tfds.testing.mock_data(num_examples=30):
+    # mock_data stands in for the download and its servers.
+    with tfds.testing.mock_data(num_examples=30), mock.patch.object(
+            sources, "download_servers_reachable", return_value=True):
         builder = tfds.builder(c.data.tfds_name)
         assert builder.info.supervised_keys == ("de", "en")  # the trap: de first
         raw = list(tfds.as_numpy(builder.as_dataset(split="validation", shuffle_files=False)))
@@ -425,6 +428,21 @@ def test_tfds_reads_fields_by_name_not_supervised_keys(tmp_path):
     assert pairs == [(ex["en"].decode(), ex["de"].decode()) for ex in raw]
     assert data.stats["train"]["pairs"] == 30
     assert len(data.valid_sources) + data.stats["valid"]["empty"] == 30
+
+
+def test_an_unprepared_tfds_dataset_without_its_servers_is_one_error_naming_the_fix(tmp_path):
+    """Offline (the servers answer no connection), WMT'14 fails at once, before TFDS writes a
+    partial download that a later run would trip over."""
+    pytest.importorskip("tensorflow_datasets")
+    data_dir = tmp_path / "tfds"
+    with mock.patch.object(sources, "download_servers_reachable", return_value=False), \
+            pytest.raises(FileNotFoundError) as error:
+        sources.read_tfds("wmt14_translate/de-en", "train", "en", "de", str(data_dir))
+    message = str(error.value)
+    assert message.startswith(
+        f"TFDS dataset 'wmt14_translate/de-en' is not prepared in {data_dir}/wmt14_translate/")
+    assert "config.data.dir (or TFDS_DATA_DIR)" in message
+    assert not (data_dir / "downloads").exists()
 
 
 # ----- errors that name the field and the fix, before any long work ---------------------------
@@ -500,7 +518,6 @@ def test_real_wmt14_builder_prepares_offline_from_local_files(tmp_path):
     its download manager answering from local files: a dependency the builder imports
     (importlib_resources) or a changed TFDS API fails here, not after a user's first download."""
     tfds = pytest.importorskip("tensorflow_datasets")
-    from unittest import mock
 
     archives = _wmt14_archives(str(tmp_path / "downloads"))
     requested = []
@@ -518,7 +535,8 @@ def test_real_wmt14_builder_prepares_offline_from_local_files(tmp_path):
 
     data_dir = str(tmp_path / "tfds")
     with mock.patch.object(tfds.download.DownloadManager, "download_and_extract",
-                           download_and_extract):
+                           download_and_extract), mock.patch.object(
+            sources, "download_servers_reachable", return_value=True):
         train = sources.read_tfds("wmt14_translate/de-en", "train", "en", "de", data_dir)
     assert {url.rsplit("/", 1)[-1] for url in requested} == set(archives)
     assert sorted(train) == sorted(

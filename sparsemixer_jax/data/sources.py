@@ -154,23 +154,21 @@ def read_text(directory: str, prefix: str, src: str, tgt: str) -> list[Pair]:
     return list(zip(src_lines, tgt_lines, strict=True))
 
 
-def _download_hosts(name: str) -> list[tuple[str, int]]:
-    """Hosts a TFDS download of ``name`` needs: the Cloud Storage bucket where TFDS mirrors
-    datasets, and for WMT the statmt.org servers every WMT builder downloads from."""
+def download_servers_reachable(name: str, timeout: float = 5.0) -> bool:
+    """Whether a TCP connection opens, within ``timeout`` seconds, to a server a TFDS download of
+    ``name`` needs: the Cloud Storage bucket where TFDS mirrors datasets, or for WMT the
+    statmt.org servers every WMT builder downloads from. Without this check an offline machine
+    spends minutes in TFDS's download retries before failing."""
     hosts = [("storage.googleapis.com", 443)]
     if name.startswith("wmt"):
         hosts.append(("www.statmt.org", 80))
-    return hosts
-
-
-def _reachable(host: str, port: int, timeout: float = 5.0) -> bool:
-    """Whether a TCP connection to ``host:port`` opens within ``timeout`` seconds. Without it, an
-    offline machine spends minutes in TFDS's download retries before failing."""
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError:
-        return False
-    return True
+    for host, port in hosts:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+        except OSError:
+            continue
+        return True
+    return False
 
 
 def read_tfds(name: str, split: str, src: str, tgt: str, data_dir: str = "") -> list[Pair]:
@@ -192,7 +190,7 @@ def read_tfds(name: str, split: str, src: str, tgt: str, data_dir: str = "") -> 
             raise ValueError(
                 f"TFDS dataset {name!r} has no feature {lang!r} (has {sorted(features)})"
             )
-    if not builder.is_prepared() and not any(_reachable(*host) for host in _download_hosts(name)):
+    if not builder.is_prepared() and not download_servers_reachable(name):
         raise FileNotFoundError(
             f"TFDS dataset {name!r} is not prepared in {builder.data_dir} and its download "
             "servers cannot be reached from this machine; prepare it on a machine with network "
