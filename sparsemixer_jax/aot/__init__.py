@@ -1,0 +1,1 @@
+"""Compiling for hardware this machine does not have (ahead-of-time, "deviceless" compiles)."""
