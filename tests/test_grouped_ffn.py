@@ -240,9 +240,11 @@ def test_gpu_mosaic_all_products_with_weight_grad_kernel():
 # ---- device checks, config, expert parallelism, benchmark -----------------------------------
 
 
-def _fake_device(platform, kind, capability=None):
-    return types.SimpleNamespace(platform=platform, device_kind=kind,
-                                 compute_capability=capability)
+def _fake_device(platform, kind, capability=None, **attributes):
+    device = types.SimpleNamespace(platform=platform, device_kind=kind, **attributes)
+    if capability is not None:
+        device.compute_capability = capability
+    return device
 
 
 def test_check_grouped_supported_messages():
@@ -256,6 +258,52 @@ def test_check_grouped_supported_messages():
         x, *params = _params(jax.random.key(0), 2, jnp.bfloat16)
         with pytest.raises(ValueError, match="sm90"):
             grouped_ffn(x, _groups("mixed", 2), jnp.arange(ROWS), *params, None, 0.0)
+
+
+def test_device_check_asks_the_target_device():
+    # A compile-only H100 (jax.experimental.topologies) reports platform "cuda" and its kind;
+    # the check asks it, not the host's first device, wherever it is named: as the device, as
+    # the first device of a mesh, or as a mesh's AbstractDevice inside jit (no capability).
+    h100 = _fake_device("cuda", "NVIDIA H100 80GB HBM3", core_count=132)
+    mesh = types.SimpleNamespace(devices=np.array([h100, h100]))
+    assert mgm.target_device(mesh=mesh) is h100
+    check_grouped_supported(mesh=mesh)
+    check_grouped_supported(_fake_device("cuda", "NVIDIA H200"))  # kind only
+    with pytest.raises(ValueError, match=r"NVIDIA L4"):
+        check_grouped_supported(_fake_device("cuda", "NVIDIA L4"))
+    assert mgm.target_device() == jax.devices()[0]  # nothing named: the default device
+    x = jax.device_put(jnp.ones(3), jax.devices()[1])
+    assert mgm.target_device(array=x) == jax.devices()[1]
+    cpu_mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[2:4])
+    with jax.set_mesh(cpu_mesh):
+        assert mgm.target_device() == jax.devices()[2]
+        seen = []
+        jax.jit(lambda v: seen.append(mgm.target_device()) or v)(1.0)
+        assert seen[0].platform == "cpu" and not hasattr(seen[0], "id")  # the AbstractDevice
+
+
+def test_weight_grad_sm_count_from_device_or_config():
+    # The transposed kernel's persistent grid spans one program per SM: the config's count,
+    # else the target device's core_count, else H100's 132 (CPU devices have no core_count).
+    assert mgm.sm_count(GroupedMatmulConfig(num_sms=78)) == 78
+    assert mgm.sm_count(GroupedMatmulConfig(), _fake_device("cuda", "H800", core_count=114)) == 114
+    assert mgm.sm_count(GroupedMatmulConfig()) == 132
+    seen = []
+
+    def spy_kernel(lhs, rhs, **_):
+        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as tmod
+
+        seen.append(tmod.jax.devices()[0].core_count)
+        return jnp.zeros((1, lhs.shape[1], rhs.shape[1]), lhs.dtype)
+
+    lhs = jnp.ones((64, 64), jnp.bfloat16)
+    mgm._mosaic_weight_grad(lhs, lhs, jnp.array([64], jnp.int32),
+                            GroupedMatmulConfig(block_n=64, block_k=64, num_sms=7),
+                            kernel=spy_kernel)
+    assert seen == [7]
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as tmod
+
+    assert tmod.jax is jax  # restored after the call
 
 
 def test_config_validation_and_casts():

@@ -43,6 +43,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +55,7 @@ import numpy as np
 IMPLS = ("mosaic", "xla", "tokamax")
 WEIGHT_GRADS = ("auto", "kernel", "xla")
 _MIN_BLOCK = 16
+_H100_SMS = 132
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +72,8 @@ class GroupedMatmulConfig:
       weight_grad: ``"kernel"`` (transposed Mosaic kernel, GPU only), ``"xla"``, or ``"auto"``
         (``"xla"`` in interpret mode, else ``"kernel"``). Ignored by ``impl="xla"``.
       interpret: run the Mosaic kernels in JAX's Mosaic GPU interpreter (CPU, tests).
+      num_sms: SMs of the weight-gradient kernel's persistent grid; None: the target
+        device's ``core_count``, else 132 (:func:`sm_count`).
       compute_dtype: operand dtype of the kernels; None: float16 stays float16, everything else
         is cast to bfloat16 (``"mosaic"``), or no cast at all (``"xla"``).
     """
@@ -82,6 +87,7 @@ class GroupedMatmulConfig:
     weight_grad: str = "auto"
     interpret: bool = False
     compute_dtype: Any = None
+    num_sms: int | None = None
 
     def __post_init__(self):
         if self.impl not in IMPLS:
@@ -121,16 +127,62 @@ def interpret_mode_active() -> bool:
     return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
-def check_grouped_supported(device: Any = None, *, interpret: bool = False) -> None:
-    """Raises a one-line ValueError unless ``impl="mosaic"`` can run on ``device``.
+# Hopper device kinds, for devices that report a kind but no compute capability (an
+# AbstractDevice of a mesh seen inside jit).
+_HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+
+
+def target_device(device: Any = None, mesh: jax.sharding.Mesh | None = None,
+                  array: Any = None) -> Any:
+    """The device a computation is built for, most specific first.
+
+    ``device``; else the first device of ``mesh``; else of ``array`` (a committed concrete
+    array); else of the mesh in context (``jax.set_mesh``: its devices outside ``jit``, its
+    ``AbstractDevice`` inside); else ``jax.config.jax_default_device``; else
+    ``jax.devices()[0]``. A compile-only device (``jax.experimental.topologies``) set in any of
+    these places is what is asked, so a CPU host can build for an H100 without one.
+    """
+    if device is not None:
+        return device
+    if mesh is not None:
+        return mesh.devices.flat[0]
+    if isinstance(array, jax.Array) and not isinstance(array, jax.core.Tracer):
+        return next(iter(array.devices()))
+    try:
+        context_mesh = jax.sharding.get_mesh()
+    except ValueError:  # inside jit: only the abstract mesh is known, with its device kind
+        abstract = jax.sharding.get_abstract_mesh()
+        if getattr(abstract, "abstract_device", None) is not None:
+            return abstract.abstract_device
+    else:
+        if not context_mesh.empty:
+            return context_mesh.devices.flat[0]
+    default = jax.config.jax_default_device
+    if isinstance(default, str):
+        return jax.devices(default)[0]
+    return default if default is not None else jax.devices()[0]
+
+
+def _is_hopper(device: Any) -> bool:
+    capability = getattr(device, "compute_capability", None)
+    if capability is not None:
+        return str(capability).split(".")[0] == "9"
+    words = re.split(r"[\s_-]+", str(getattr(device, "device_kind", "")).upper())
+    return any(name in words for name in _HOPPER_KINDS)
+
+
+def check_grouped_supported(device: Any = None, *, mesh: jax.sharding.Mesh | None = None,
+                            interpret: bool = False) -> None:
+    """Raises a one-line ValueError unless ``impl="mosaic"`` can be built for the target device.
 
     The Mosaic kernels use Hopper's wgmma and TMA: they need an sm90 NVIDIA GPU (H100, H200,
     GH200), or interpret mode (``interpret=True`` or JAX's ``force_gpu_interpret_mode``), which
-    runs them on any backend. ``device`` defaults to ``jax.devices()[0]``.
+    runs them on any backend. The device asked is :func:`target_device` of ``device`` and
+    ``mesh``: a compile-only H100 from ``jax.experimental.topologies`` passes on a CPU host.
     """
     if interpret or interpret_mode_active():
         return
-    device = jax.devices()[0] if device is None else device
+    device = target_device(device, mesh)
     platform = getattr(device, "platform", "?")
     kind = getattr(device, "device_kind", "?")
     if platform not in ("gpu", "cuda"):
@@ -138,11 +190,56 @@ def check_grouped_supported(device: Any = None, *, interpret: bool = False) -> N
             f"grouped matmul impl='mosaic' needs an sm90 (Hopper) NVIDIA GPU, got platform "
             f"{platform!r} ({kind}); use impl='xla', or interpret=True to run the kernels in "
             f"the Mosaic GPU interpreter")
-    capability = str(getattr(device, "compute_capability", "?"))
-    if capability.split(".")[0] != "9":
+    if not _is_hopper(device):
+        capability = getattr(device, "compute_capability", "?")
         raise ValueError(
             f"grouped matmul impl='mosaic' needs an sm90 (Hopper) GPU, got {kind} (compute "
             f"capability {capability}); use impl='xla'")
+
+
+def sm_count(config: GroupedMatmulConfig, device: Any = None) -> int:
+    """Streaming multiprocessors the weight-gradient kernel's persistent grid spans.
+
+    ``config.num_sms`` when set; else the target device's ``core_count`` (GPU devices, their
+    ``AbstractDevice.num_cores`` inside ``jit``); else 132, the SM count of H100 SXM5 and H200
+    (NVIDIA H100 Tensor Core GPU Architecture whitepaper, table 3; H200 is the same GH100 die).
+    """
+    if config.num_sms is not None:
+        return config.num_sms
+    device = target_device(device)
+    count = getattr(device, "core_count", None) or getattr(device, "num_cores", None)
+    return int(count) if count else _H100_SMS
+
+
+class _JaxWithDevice:
+    """The ``jax`` module as ``transposed_ragged_dot_mgpu`` sees it while it builds its grid.
+
+    That kernel sizes its persistent grid with ``jax.devices()[0].core_count``: the first
+    device of the default backend, which on a CPU host (the interpreter, a compile-only H100
+    target) is a CPU without ``core_count``. It has no argument for it, so for the duration
+    of one call its module-level ``jax`` is this view, whose ``devices()`` answers with the
+    SM count of the device the computation targets; every other name is ``jax``'s own.
+    """
+
+    def __init__(self, num_sms: int):
+        self._device = types.SimpleNamespace(core_count=num_sms)
+
+    def devices(self, *args, **kwargs):
+        del args, kwargs
+        return [self._device]
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+
+@contextlib.contextmanager
+def _kernel_sm_count(module: types.ModuleType, num_sms: int):
+    seen = module.jax
+    module.jax = _JaxWithDevice(num_sms)
+    try:
+        yield
+    finally:
+        module.jax = seen
 
 
 def _fit_block(block: int, dim: int, what: str) -> int:
@@ -199,9 +296,9 @@ def _mosaic_weight_grad(lhs, dout, group_sizes, config: GroupedMatmulConfig,
     ``kernel`` replaces the Mosaic kernel (same signature) so the padding around it can be
     tested where the kernel cannot run.
     """
-    if kernel is None:
-        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
+    if kernel is None:
         kernel = transposed_ragged_dot_mgpu.transposed_ragged_dot
     k, n = lhs.shape[1], dout.shape[1]
     block_k = config.block_k
@@ -210,7 +307,7 @@ def _mosaic_weight_grad(lhs, dout, group_sizes, config: GroupedMatmulConfig,
     valid = _rows_valid(lhs.shape[0], group_sizes)
     lhs = _pad_rows(jnp.where(valid, lhs, 0), block_k)
     dout = _pad_rows(jnp.where(valid, dout, 0), block_k)
-    with _interpreting(config):
+    with _interpreting(config), _kernel_sm_count(transposed_ragged_dot_mgpu, sm_count(config)):
         return kernel(
             lhs, dout, group_sizes=group_sizes.astype(jnp.int32),
             block_m=_fit_block(config.block_n, k, "weight-gradient rows"),
@@ -300,7 +397,7 @@ def grouped_matmul(
         raise ValueError(f"grouped_matmul: group_sizes must be [{rhs.shape[0]}], got "
                          f"{group_sizes.shape}")
     if config.impl == "mosaic":
-        check_grouped_supported(interpret=config.interpret)
+        check_grouped_supported(target_device(array=lhs), interpret=config.interpret)
     dtype = config.operand_dtype(jnp.result_type(lhs.dtype, rhs.dtype))
     if config.impl == "tokamax":  # differentiated by tokamax's own VJP
         return _tokamax_matmul(lhs.astype(dtype), rhs.astype(dtype), group_sizes.astype(jnp.int32))

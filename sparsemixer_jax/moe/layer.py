@@ -127,7 +127,7 @@ class MoEFeedForward(nnx.Module):
         if grouped_impl not in GROUPED_IMPLS:
             raise ValueError(f"grouped_impl must be one of {GROUPED_IMPLS}, got {grouped_impl!r}")
         if dispatch == "grouped" and grouped_impl == "mosaic":
-            check_grouped_supported()  # one line naming the device if it is no Hopper GPU
+            check_grouped_supported(mesh=mesh)  # one line naming the target if it is no Hopper
         activation_fn(activation)  # validates the name
         routing.get_router(router, jitter_eps, top_k)  # validates the name and jitter_eps
         self.unchosen = routing.UNCHOSEN_EXPERT_RULES.get(router)
