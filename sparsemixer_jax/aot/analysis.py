@@ -90,7 +90,7 @@ def analyse(name: str, compiled: jax.stages.Compiled, compile_seconds: float) ->
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def format_report(report: ProgramReport, hbm_bytes: int) -> str:

@@ -1,0 +1,171 @@
+"""Deviceless compiles: the design card's model for a TPU v5e 4x4 slice and 8 H100s, and the MoE
+layer's grouped kernels for one H100, compiled on this CPU (``sparsemixer_jax.aot``).
+
+Each target's program is compiled once per module and shared by the assertions. They check what
+is known before any hardware runs: that the compile succeeds for the target's compiler (not the
+CPU's: the devices are the target's), the per-device memory against the chip's HBM, the
+collectives of expert parallelism, and the number of Mosaic GPU kernels. The packages are in
+requirements-compile.txt; without them these tests skip, saying which is missing.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from configs import wmt
+from sparsemixer_jax.aot import targets, translation
+from sparsemixer_jax.aot.analysis import analyse
+from sparsemixer_jax.moe import MoEFeedForward
+from sparsemixer_jax.training.steps import count_params
+
+GiB = 2**30
+
+
+def _devices_or_skip(spec: str) -> tuple[targets.Target, list]:
+    target = targets.parse_target(spec)
+    reason = targets.missing_support(target)
+    if reason is not None:
+        pytest.skip(reason)
+    return target, targets.target_devices(target)
+
+
+def _design_card(num_experts: int = 4):
+    """Transformer-base, N experts, experts split over the mesh's expert axis."""
+    config = wmt.get_config(f"n{num_experts}")
+    config.mesh.expert = num_experts
+    return config
+
+
+@functools.cache
+def _design_card_programs(spec: str):
+    target, devices = _devices_or_skip(spec)
+    reports = translation.compile_translation(_design_card(), target, devices, decode_step=False)
+    return target, {r.name.split(" ")[0]: r for r in reports}
+
+
+def _full_param_bytes() -> int:
+    config = _design_card()
+    model = nnx.eval_shape(lambda: translation.build_model(
+        config, translation.Transformer, int(config.data.vocab_size), None))
+    return 4 * count_params(nnx.state(model, nnx.Param))
+
+
+# Transformer-base N=4: MoE on layers 0, 2, 4 of the encoder and of the decoder.
+MOE_LAYERS = 6
+
+
+@pytest.mark.parametrize("spec", ["tpu:v5e:4x4", "h100:1x1x8"])
+def test_design_card_training_step_compiles_and_fits(spec):
+    target, programs = _design_card_programs(spec)
+    # 2^17 tokens per update from 4096-token micro-batches: the loop accumulates, then updates.
+    assert set(programs) == {"accumulate", "update"}
+    accumulate = programs["accumulate"]
+    assert accumulate.total < target.hbm_bytes
+    # Expert weights are split over the expert axis, so a device holds less than the model.
+    assert accumulate.arguments < 2 * _full_param_bytes()
+    # Tokens travel to their experts' devices and back, forward and backward, in every MoE
+    # layer; the gradient of the replicated weights is summed over the devices.
+    assert accumulate.collectives.get("all-to-all", 0) >= 2 * MOE_LAYERS
+    assert accumulate.collectives.get("all-reduce", 0) >= 1
+    assert programs["update"].collectives.get("all-to-all", 0) == 0
+
+
+def _layer_gradient(layer_args: dict, tokens: int, dtype) -> tuple:
+    """Forward and every gradient of one MoE layer at the benchmark's size, built abstractly."""
+    layer = nnx.eval_shape(lambda: MoEFeedForward(**layer_args, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(layer)
+
+    def loss(state, x):
+        y, aux = nnx.merge(graphdef, state)(x)
+        # Squared: the gradient of a plain sum would not need y, and XLA would drop the
+        # forward's second grouped matmul.
+        return 0.5 * jnp.sum(jnp.square(y.astype(jnp.float32))) + aux["balance_loss"]
+
+    x = jax.ShapeDtypeStruct((8, tokens // 8, layer_args["emb_dim"]), dtype)
+    return jax.grad(loss, argnums=(0, 1)), (state, x)
+
+
+@functools.cache
+def _grouped_layer_on_one_h100(top_k: int = 1, dtype=jnp.bfloat16):
+    target, devices = _devices_or_skip("h100:1x1x1")
+    device = devices[0]
+    args = dict(emb_dim=512, mlp_dim=2048, num_experts=4, top_k=top_k, dispatch="grouped")
+    with jax.default_device(device):  # the kernels' sm90 check asks the target device
+        fn, inputs = _layer_gradient(args, 32768, dtype)
+        placed = jax.sharding.SingleDeviceSharding(device)
+        inputs = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), inputs)
+        compiled = jax.jit(fn).lower(*inputs).compile()
+    return target, analyse("grouped layer", compiled, 0.0)
+
+
+def test_grouped_moe_layer_compiles_to_mosaic_kernels_for_one_h100():
+    target, report = _grouped_layer_on_one_h100()
+    # Forward: two grouped matmuls (wi, wo). Backward: the two input gradients and the two
+    # weight gradients (weight_grad="kernel" on a GPU). Each is one Mosaic GPU kernel.
+    assert report.kernels == 6
+    assert 0 < report.total < target.hbm_bytes
+
+
+@pytest.mark.slow  # about a minute of CPU each; python -m pytest -q -m slow tests/test_compile.py
+@pytest.mark.parametrize("top_k, dtype", [(2, jnp.bfloat16), (1, jnp.float16),
+                                          (2, jnp.float16)])
+def test_grouped_moe_layer_variants_compile_for_one_h100(top_k, dtype):
+    target, report = _grouped_layer_on_one_h100(top_k, dtype)
+    assert report.kernels == 6
+    assert 0 < report.total < target.hbm_bytes
+
+
+# The tile configurations of tests/test_grouped_ffn.py (64/64/64), of the benchmark (128/128,
+# block_k 64: its defaults) and of experiments/gpu_campaign.sh (the benchmark's defaults), and
+# the weight gradient by XLA instead of the kernel (4 kernels: the two weight gradients are
+# XLA's ragged dots).
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, kernels", [
+    ([], 6),
+    (["--block-m", "64", "--block-n", "64", "--block-k", "64"], 6),
+    (["--dtype", "float16"], 6),
+    (["--weight-grad", "xla"], 4),
+])
+def test_benchmark_compiles_every_tile_configuration_for_one_h100(flags, kernels, tmp_path):
+    _devices_or_skip("h100:1x1x1")
+    from sparsemixer_jax.benchmarks import grouped_ffn as benchmark
+
+    result = benchmark.main(["--target", "h100:1x1x1", "--experts", "4", "--capacities",
+                             "--json", str(tmp_path / "b.json"), *flags])
+    rows = {row["dispatch"]: row for row in result["rows"]}
+    assert set(rows) == {"dense", "padded", "grouped"}
+    assert all("error" not in row and "ms" not in row for row in rows.values())
+    assert rows["grouped"]["compile_time_model"]["mosaic_kernels"] == kernels
+    assert rows["dense"]["compile_time_model"]["mosaic_kernels"] == 0
+    for row in rows.values():
+        assert 0 < row["compile_time_model"]["total_bytes"] < targets.H100_HBM_BYTES
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatch", ["grouped", "padded", "dense"])
+def test_design_card_training_step_compiles_for_one_h100(dispatch):
+    target, devices = _devices_or_skip("h100:1x1x1")
+    config = wmt.get_config("dense" if dispatch == "dense" else "n4")
+    config.optim.tokens_per_update = 0  # one micro-batch: the fused training step
+    if dispatch != "dense":
+        config.model.dispatch = dispatch
+    with jax.default_device(devices[0]):
+        reports = translation.compile_translation(config, target, devices, decode_step=False)
+    (step,) = reports
+    assert step.total < target.hbm_bytes
+    assert step.kernels == (6 * MOE_LAYERS if dispatch == "grouped" else 0)
+
+
+@pytest.mark.slow
+def test_design_card_decode_step_compiles_for_a_tpu_v5e_4x4():
+    target, devices = _devices_or_skip("tpu:v5e:4x4")
+    config = _design_card()
+    config.optim.tokens_per_update = 0
+    reports = translation.compile_translation(config, target, devices)
+    assert [r.name.split(" ")[0] for r in reports] == ["train", "beam"]
+    assert all(r.total < target.hbm_bytes for r in reports)
+    assert reports[1].collectives.get("all-to-all", 0) >= 2 * MOE_LAYERS
