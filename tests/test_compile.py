@@ -40,52 +40,79 @@ def _design_card(num_experts: int = 4):
 
 
 @functools.cache
-def _design_card_programs(spec: str):
+def _programs(spec: str, size: str):
+    """The training programs of the design card ("base") or of a two-layer model with the same
+    structure ("small": Transformer-base takes minutes of CPU to compile, so it is slow)."""
     target, devices = _devices_or_skip(spec)
-    reports = translation.compile_translation(_design_card(), target, devices, decode_step=False)
-    return target, {r.name.split(" ")[0]: r for r in reports}
+    config = _design_card() if size == "base" else _small_design_card()
+    reports = translation.compile_translation(config, target, devices, decode_step=False)
+    return target, config, {r.name.split(" ")[0]: r for r in reports}
 
 
-def _full_param_bytes() -> int:
+def _small_design_card():
     config = _design_card()
+    config.model.update(encoder_layers=1, decoder_layers=1, emb_dim=64, mlp_dim=128,
+                        num_heads=2)
+    config.data.update(vocab_size=512, max_len=32, max_tokens=1024)
+    config.optim.tokens_per_update = 2048  # two micro-batches: accumulate, then update
+    return config
+
+
+def _param_bytes(config) -> int:
     model = nnx.eval_shape(lambda: translation.build_model(
         config, translation.Transformer, int(config.data.vocab_size), None))
     return 4 * count_params(nnx.state(model, nnx.Param))
+
+
+def _check_training_programs(target, config, programs):
+    moe_layers = len(range(0, int(config.model.encoder_layers), int(config.model.moe_every)))
+    moe_layers += len(range(0, int(config.model.decoder_layers), int(config.model.moe_every)))
+    # 2^17 (small: 2^11) tokens per update from micro-batches of data.max_tokens: the loop
+    # accumulates, then updates.
+    assert set(programs) == {"accumulate", "update"}
+    accumulate = programs["accumulate"]
+    assert accumulate.total < target.hbm_bytes
+    # Expert weights are split over the expert axis: a device holds less than the model (and
+    # the accumulator of its gradient).
+    assert accumulate.arguments < 2 * _param_bytes(config)
+    # Tokens travel to their experts' devices and back, forward and backward, in every MoE
+    # layer; the gradient of the replicated weights is summed over the devices.
+    assert accumulate.collectives.get("all-to-all", 0) >= 2 * moe_layers
+    assert accumulate.collectives.get("all-reduce", 0) >= 1
+    assert "all-to-all" not in programs["update"].collectives
+
+
+@pytest.mark.parametrize("spec", [
+    "tpu:v5e:4x4", pytest.param("h100:1x1x8", marks=pytest.mark.slow)])
+def test_expert_parallel_training_step_compiles_on_the_design_cards_mesh(spec):
+    """The design card's slice and mesh (4 x 4, experts split 4 ways), a two-layer model."""
+    _check_training_programs(*_programs(spec, "small"))
+
+
+@pytest.mark.slow  # minutes of CPU each
+@pytest.mark.parametrize("spec", ["tpu:v5e:4x4", "h100:1x1x8"])
+def test_design_card_training_step_compiles_and_fits(spec):
+    _check_training_programs(*_programs(spec, "base"))
 
 
 # Transformer-base N=4: MoE on layers 0, 2, 4 of the encoder and of the decoder.
 MOE_LAYERS = 6
 
 
-@pytest.mark.parametrize("spec", ["tpu:v5e:4x4", "h100:1x1x8"])
-def test_design_card_training_step_compiles_and_fits(spec):
-    target, programs = _design_card_programs(spec)
-    # 2^17 tokens per update from 4096-token micro-batches: the loop accumulates, then updates.
-    assert set(programs) == {"accumulate", "update"}
-    accumulate = programs["accumulate"]
-    assert accumulate.total < target.hbm_bytes
-    # Expert weights are split over the expert axis, so a device holds less than the model.
-    assert accumulate.arguments < 2 * _full_param_bytes()
-    # Tokens travel to their experts' devices and back, forward and backward, in every MoE
-    # layer; the gradient of the replicated weights is summed over the devices.
-    assert accumulate.collectives.get("all-to-all", 0) >= 2 * MOE_LAYERS
-    assert accumulate.collectives.get("all-reduce", 0) >= 1
-    assert programs["update"].collectives.get("all-to-all", 0) == 0
-
-
 def _layer_gradient(layer_args: dict, tokens: int, dtype) -> tuple:
     """Forward and every gradient of one MoE layer at the benchmark's size, built abstractly."""
     layer = nnx.eval_shape(lambda: MoEFeedForward(**layer_args, dtype=dtype, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(layer)
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
-    def loss(state, x):
-        y, aux = nnx.merge(graphdef, state)(x)
+    def loss(params, x, rest):
+        rest = jax.tree.map(lambda v: v, rest)  # RNG counters owned by this trace level
+        y, aux = nnx.merge(graphdef, params, rest)(x)
         # Squared: the gradient of a plain sum would not need y, and XLA would drop the
         # forward's second grouped matmul.
         return 0.5 * jnp.sum(jnp.square(y.astype(jnp.float32))) + aux["balance_loss"]
 
     x = jax.ShapeDtypeStruct((8, tokens // 8, layer_args["emb_dim"]), dtype)
-    return jax.grad(loss, argnums=(0, 1)), (state, x)
+    return jax.grad(loss, argnums=(0, 1)), (params, x, rest)
 
 
 @functools.cache
