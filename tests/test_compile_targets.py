@@ -101,3 +101,19 @@ def test_dispatch_auto_is_resolved_for_the_target():
     assert translation.config_for_target(
         config, targets.parse_target("h100:1x8")).model.dispatch == "padded"
     assert config.model.dispatch == "auto"  # the caller's config is left as it was
+
+
+def test_the_command_says_in_one_line_that_a_config_does_not_shard():
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.compile", "--config", "configs/wmt_n4.py",
+         "--config.mesh.expert=3", "--target", "tpu:v5e:4x4"],
+        capture_output=True, text=True, timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 1, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tpu:v5e:4x4: cannot compile: ")
+    assert "config.mesh.expert=3" in lines[0]  # the config check names the field

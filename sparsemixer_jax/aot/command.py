@@ -16,6 +16,7 @@ from typing import Any
 import ml_collections
 
 from sparsemixer_jax import config as config_schema
+from sparsemixer_jax import runtime
 from sparsemixer_jax.aot import analysis, targets
 
 SUPPORTED_TASKS = ("translation",)
@@ -50,6 +51,14 @@ def run(config: ml_collections.ConfigDict, target_specs: Sequence[str], *,
         decode_step: bool = True, json_path: str | None = None) -> list[dict[str, Any]]:
     """Compile for every target, print each report and a summary line; write JSON if asked.
     Returns the results (without the report objects)."""
+    try:
+        config_schema.validate(config)
+        runtime.configure(config)  # the RNG implementation and matmul precision shape the program
+    except ValueError as err:
+        results = [{"target": spec, "error": str(err).splitlines()[0]} for spec in target_specs]
+        for result in results:
+            print(summary_line(result))
+        return results
     results = []
     for spec in target_specs:
         result = compile_for_target(config, spec, decode_step=decode_step)
