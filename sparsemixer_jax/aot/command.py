@@ -63,8 +63,9 @@ def run(config: ml_collections.ConfigDict, target_specs: Sequence[str], *,
     for spec in target_specs:
         result = compile_for_target(config, spec, decode_step=decode_step)
         if "reports" in result:
+            expert = int(config.mesh.expert)
             print(f"== {spec}: {result['devices']} x {result['device_kind']}, mesh "
-                  f"data={config.mesh.data} x expert={config.mesh.expert}")
+                  f"data={result['devices'] // expert} x expert={expert}")
             for report in result.pop("reports"):
                 print(analysis.format_report(report, result["hbm_bytes"]))
         print(summary_line(result), flush=True)
