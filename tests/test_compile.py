@@ -1,11 +1,14 @@
-"""Deviceless compiles: the design card's model for a TPU v5e 4x4 slice and 8 H100s, and the MoE
-layer's grouped kernels for one H100, compiled on this CPU (``sparsemixer_jax.aot``).
+"""Deviceless compiles on this CPU (``sparsemixer_jax.aot``): the translation model with its
+experts split over the design card's TPU v5e 4x4 slice and over 8 H100s, and the MoE layer's
+grouped kernels for one H100.
 
-Each target's program is compiled once per module and shared by the assertions. They check what
-is known before any hardware runs: that the compile succeeds for the target's compiler (not the
-CPU's: the devices are the target's), the per-device memory against the chip's HBM, the
-collectives of expert parallelism, and the number of Mosaic GPU kernels. The packages are in
-requirements-compile.txt; without them these tests skip, saying which is missing.
+Each program is compiled once per module and shared by the assertions. They check what is known
+before any hardware runs: that the target's compiler (not the CPU's: the devices are the
+target's) accepts the program, the per-device memory against the chip's HBM, the collectives of
+expert parallelism, and the number of Mosaic GPU kernels. The default run compiles a two-layer
+model on the TPU slice and the grouped layer at the benchmark's size (about 50 s of CPU);
+Transformer-base itself takes minutes of CPU per target and runs with ``-m slow``. The packages
+are in requirements-compile.txt; without them these tests skip, saying which is missing.
 """
 
 import functools
@@ -156,7 +159,7 @@ def test_grouped_moe_layer_variants_compile_for_one_h100(top_k, dtype):
     (["--block-m", "64", "--block-n", "64", "--block-k", "64"], 6),
     (["--dtype", "float16"], 6),
     (["--weight-grad", "xla"], 4),
-])
+], ids=["defaults", "tiles-64", "float16", "weight-grad-xla"])
 def test_benchmark_compiles_every_tile_configuration_for_one_h100(flags, kernels, tmp_path):
     _devices_or_skip("h100:1x1x1")
     from sparsemixer_jax.benchmarks import grouped_ffn as benchmark
