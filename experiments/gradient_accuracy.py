@@ -14,8 +14,9 @@ exact expected gradient against the exact top-k gradient
 (``exact_gradient.topk_accuracy_sweep``). GRIN's Appendix A reports v2 at about 0.5x the exact
 norm and its correction at about 1.0x.
 
-Both tables also hold DenseMixer (as released and as its blog writes it) and Default MoE (the
-paper's forward, which adds the unchosen experts' defaults, and a straight-through variant),
+Both tables also hold DenseMixer (as released and as its blog writes it) and Default MoE (row
+``default_moe``: the defaults also in the forward, the router ``default_moe_forward``; row
+``default_moe_st``: in the backward only, the router ``default_moe``),
 which also send the router a gradient for experts the token did not choose. Default MoE's
 default vectors are the expert outputs plus noise (``--default-noise``, relative to each
 output's norm); the ``*_oracle`` rows use the expert outputs themselves.

@@ -10,8 +10,8 @@ from sparsemixer_jax.decode import (
     greedy_search,
     greedy_search_model,
 )
-from sparsemixer_jax.models import DecodeCache, Encoded, Transformer, fold_omega
-from sparsemixer_jax.moe import MoEFeedForward, expert_ffn
+from sparsemixer_jax.models import DecodeCache, Encoded, Transformer
+from sparsemixer_jax.moe import MoEFeedForward, expert_ffn, fold_omega
 from sparsemixer_jax.routing import (
     ROUTERS,
     RouterOutput,

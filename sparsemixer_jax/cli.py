@@ -178,18 +178,29 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def train_or_exit(train_fn, config, workdir: str) -> dict:
-    """``train_fn(config, workdir)``; a divergence exits with code 1, a config, data or resume
-    error with code 2, each as one line on stderr (they name the field and the fix, so a
-    traceback adds nothing; ``--verbosity=1`` shows it)."""
+    """``train_fn(config, workdir)``; a divergence exits with code 1, a config, data, workdir or
+    resume error with code 2, each as one line on stderr (they name the field and the fix, so a
+    traceback adds nothing; ``--verbosity=1`` shows it). A run stopped by SIGTERM or SIGINT
+    after checkpointing its step says so on one line and exits with 128 + the signal's number;
+    Ctrl-C outside the training steps (reading data, the final evaluation) exits with 130."""
     from sparsemixer_jax.checkpoint import CheckpointError
     from sparsemixer_jax.training import TrainingDiverged
+    from sparsemixer_jax.training.preemption import Stopped
+    from sparsemixer_jax.training.workdir_lock import WorkdirError
 
     try:
         return train_fn(config, workdir)
+    except Stopped as stop:
+        print(stop, file=sys.stderr)
+        sys.exit(stop.exit_code)
+    except KeyboardInterrupt:
+        print("interrupted outside the training steps; rerun to resume from the last checkpoint "
+              "(if one was written)", file=sys.stderr)
+        sys.exit(130)
     except TrainingDiverged as err:
         print(f"training stopped: {err}", file=sys.stderr)
         sys.exit(1)
-    except (ValueError, FileNotFoundError, CheckpointError) as err:
+    except (ValueError, FileNotFoundError, CheckpointError, WorkdirError) as err:
         if flags.FLAGS.verbosity >= 1:
             raise
         print(f"error: {err}", file=sys.stderr)

@@ -16,9 +16,20 @@ from typing import Any
 
 import ml_collections
 
+from sparsemixer_jax.data.sources import check_config as check_translation_data
+from sparsemixer_jax.data.text import FIRST_WORD_ID
+from sparsemixer_jax.electra import generator_config
+from sparsemixer_jax.glue_grid import check_config as check_finetuning
+from sparsemixer_jax.layers import check_attention_impl
+from sparsemixer_jax.moe import ACTIVATIONS, DISPATCHES, GROUPED_IMPLS
+from sparsemixer_jax.runtime import check_runtime_config
+
 TASKS = ("translation", "pretraining", "finetuning")
 DTYPES = ("float32", "bfloat16")
 BALANCE_NORMALIZATIONS = ("per_token", "per_batch")
+# config.optim's choices (:mod:`sparsemixer_jax.training.optim` implements them).
+SCHEDULES = ("inverse_sqrt", "linear")
+WEIGHT_DECAY_MASKS = ("all", "matrices")
 
 # Fields added after runs were saved without them, with the value that reproduces the behaviour
 # those runs had; a value may depend on the saved run's task ({task: value}).
@@ -39,6 +50,11 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     "router.init_scale": 1.0,
     "model.absolute_positions": {"pretraining": 0},
     "router.default_decay": 0.9,
+    "router.normalize_top_k": False,
+    "router.successor_jitter": False,
+    "router.default_at_eval": True,
+    "router.default_mean": "ungated",
+    "router.default_update": "after",
 }
 
 
@@ -55,7 +71,14 @@ def router_config(name: str = "sparsemixer", **overrides: Any) -> ml_collections
     c.balance_normalization = "per_token"  # | "per_batch": the reference's fairseq objective
     c.z_loss_weight = 0.0
     c.init_scale = 1.0  # router kernel init variance scale: 1.0 = LeCun normal; Switch uses 0.1
-    c.default_decay = 0.9  # EMA decay of the default_moe routers' default vectors, in (0, 1)
+    # Options of the routers with Switch's forward (sparsemixer_jax.routing.RouterOptions);
+    # setting one that the chosen router ignores is an error.
+    c.normalize_top_k = False  # gates renormalised over the k chosen (Mixtral, norm_topk_prob)
+    c.successor_jitter = False  # densemixer / default_moe*: Switch's jitter (their code: none)
+    c.default_decay = 0.9  # default_moe*: EMA decay of the default vectors, in (0, 1)
+    c.default_at_eval = True  # default_moe_forward: the defaults in the output at inference too
+    c.default_mean = "ungated"  # default_moe*: EMA of expert outputs | "gated": of gate * output
+    c.default_update = "after"  # default_moe*: EMA step after the term reads it | "before"
     c.update(overrides)
     return c
 
@@ -103,7 +126,7 @@ def moe_model_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.num_experts = 4  # 0 = dense
     c.moe_every = 2  # MoE replaces the FFN of layers 0, k, 2k, ...
     c.dispatch = "auto"  # see sparsemixer_jax.moe.DISPATCHES
-    c.grouped_impl = "mosaic"  # dispatch "grouped": Hopper kernels ("mosaic") or "xla"
+    c.grouped_impl = "mosaic"  # dispatch "grouped": Hopper kernels ("mosaic"), "tokamax", "xla"
     c.capacity_factor = 0.0  # 0 = dropless; > 0 = Switch-style capacity with dropping
     c.compute_dtype = "float32"  # | "bfloat16" (params stay float32)
     c.attention_impl = "einsum"  # | "xla" | "cudnn" | "auto" (jax.nn.dot_product_attention)
@@ -168,8 +191,6 @@ def _check_sections(config: Any, sections: tuple[str, ...], schema: str) -> None
 
 def _check_model(m: Any, r: Any) -> None:
     from sparsemixer_jax import routing
-    from sparsemixer_jax.layers import check_attention_impl
-    from sparsemixer_jax.moe import DISPATCHES, GROUPED_IMPLS
 
     _positive({"model": m}, ["model.emb_dim", "model.mlp_dim", "model.num_heads",
                              "model.moe_every"])
@@ -182,8 +203,6 @@ def _check_model(m: Any, r: Any) -> None:
     for name in ("dropout", "attention_dropout", "activation_dropout"):
         if not 0.0 <= m[name] < 1.0:
             raise ValueError(f"config.model.{name} must lie in [0, 1), got {m[name]}")
-    from sparsemixer_jax.moe import ACTIVATIONS
-
     if m.activation not in ACTIVATIONS:
         raise ValueError(f"config.model.activation={m.activation!r}; choose one of {ACTIVATIONS}")
     if m.compute_dtype not in DTYPES:
@@ -206,30 +225,17 @@ def _check_model(m: Any, r: Any) -> None:
     if m.attention_impl == "cudnn" and m.compute_dtype != "bfloat16":
         raise ValueError("config.model.attention_impl='cudnn' needs compute_dtype='bfloat16' "
                          f"(cuDNN's fused attention takes 16-bit inputs), got {m.compute_dtype!r}")
-    if r.name not in routing.ROUTERS:
-        raise ValueError(f"config.router.name={r.name!r}; choose one of {sorted(routing.ROUTERS)}")
     if not r.get("init_scale", 1.0) > 0:
         raise ValueError(f"config.router.init_scale must be > 0, got {r.init_scale}")
-    if r.jitter_eps < 0:
-        raise ValueError(f"config.router.jitter_eps must be >= 0, got {r.jitter_eps}")
-    decay = r.get("default_decay", ADDED_FIELD_DEFAULTS["router.default_decay"])
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
-        raise ValueError(f"config.router.default_decay must lie in (0, 1) (the EMA decay of "
-                         f"Default MoE's default vectors), got {decay!r}")
-    top_k = r.top_k
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"config.router.top_k must be an int >= 1, got {top_k!r}")
-    if m.num_experts and top_k > m.num_experts:
-        raise ValueError(f"config.router.top_k={top_k} is larger than config.model.num_experts="
-                         f"{m.num_experts}: a token cannot pick more distinct experts than exist")
+    routing.check_router(r.name, top_k=r.top_k, jitter_eps=r.jitter_eps,
+                         num_experts=m.num_experts or None, where="config.router.",
+                         **routing.options_from_config(r))
     if r.balance_normalization not in BALANCE_NORMALIZATIONS:
         raise ValueError(f"config.router.balance_normalization={r.balance_normalization!r}; "
                          f"choose one of {BALANCE_NORMALIZATIONS}")
 
 
 def _check_optim(o: Any) -> None:
-    from sparsemixer_jax.training.optim import SCHEDULES, WEIGHT_DECAY_MASKS
-
     if o.schedule not in SCHEDULES:
         raise ValueError(f"config.optim.schedule={o.schedule!r}; choose one of {SCHEDULES}")
     _positive({"optim": o}, ["optim.peak_lr"])
@@ -261,8 +267,6 @@ def _check_mesh(config: Any) -> None:
 
 
 def _check_translation(config: Any) -> None:
-    from sparsemixer_jax.data.sources import check_config as check_data
-
     _check_sections(config, ("data", "model", "router", "optim", "decode", "runtime", "mesh"),
                     "configs/wmt.py")
     _positive(config, ["model.encoder_layers", "model.decoder_layers", "decode.beam_size",
@@ -275,12 +279,10 @@ def _check_translation(config: Any) -> None:
     if o.tokens_per_update < 0:
         raise ValueError(f"config.optim.tokens_per_update must be >= 0 (0 = no accumulation), "
                          f"got {o.tokens_per_update}")
-    check_data(config)
+    check_translation_data(config)
 
 
 def _check_pretraining(config: Any) -> None:
-    from sparsemixer_jax.data.text import FIRST_WORD_ID
-
     _check_sections(config, ("data", "model", "generator", "router", "optim", "runtime", "mesh"),
                     "configs/electra.py")
     # The discriminator's own fields first: a bad model.* is reported as such, not through the
@@ -315,8 +317,6 @@ def _check_pretraining(config: Any) -> None:
 
 
 def _check_generator(config: Any) -> None:
-    from sparsemixer_jax.electra import generator_config
-
     g = generator_config(config).model  # validates config.generator's fields
     if g.emb_dim % g.num_heads:
         raise ValueError(f"config.generator.num_heads={g.num_heads} does not divide emb_dim")
@@ -333,8 +333,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if task not in TASKS:
         raise ValueError(f"config.task={task!r}; choose one of {TASKS}")
     if task == "finetuning":
-        from sparsemixer_jax.tasks.glue_grid import check_config as check_finetuning
-
         check_finetuning(config)
         return
     if task == "translation":
@@ -346,6 +344,4 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _positive(config, ["train_steps", "eval_every", "checkpoint_every", "log_every"])
     _check_optim(config.optim)
     _check_mesh(config)
-    from sparsemixer_jax.runtime import check_runtime_config
-
     check_runtime_config(config.runtime)

@@ -145,6 +145,7 @@ class EncoderLayer(nnx.Module):
             int(model_cfg.num_heads),
             attention_dropout=float(model_cfg.attention_dropout),
             dtype=dtype,
+            implementation=str(model_cfg.attention_impl),
             rngs=rngs,
         )
         self.self_attn_norm = layers.layer_norm(emb, dtype, rngs)
@@ -152,21 +153,9 @@ class EncoderLayer(nnx.Module):
         self.ffn_norm = layers.layer_norm(emb, dtype, rngs)
         self.dropout = nnx.Dropout(float(model_cfg.dropout), rngs=rngs)
 
-    def _attend(self, x, bias, mask, deterministic):
-        # layers.Attention.attend plus an additive bias on the logits (T5's position bias).
-        attn = self.self_attn
-        q = attn._heads(attn.query(x)) * (attn.head_dim**-0.5)
-        k, v = attn.project_kv(x)
-        logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
-        logits = jnp.where(mask, logits + bias, layers.MASK_VALUE)
-        weights = jax.nn.softmax(logits, axis=-1)
-        weights = attn.dropout(weights, deterministic=deterministic).astype(attn.dtype)
-        heads = jnp.einsum("bhts,bshd->bthd", weights, v)
-        return attn.out(heads.reshape(*heads.shape[:2], -1))
-
     def __call__(self, x, bias, mask, token_mask, *, deterministic: bool):
         """x ``[B,L,emb]``, bias ``[1, H, L, L]``, mask ``[B, 1, 1, L]``, token_mask ``[B, L]``."""
-        h = self._attend(x, bias, mask, deterministic)
+        h = self.self_attn(x, x, mask, deterministic=deterministic, bias=bias)
         x = self.self_attn_norm(x + self.dropout(h, deterministic=deterministic))
         h, metrics = self.ffn(x, token_mask, deterministic=deterministic)
         x = self.ffn_norm(x + self.dropout(h, deterministic=deterministic))
@@ -211,8 +200,8 @@ class Encoder(nnx.Module):
         self.embeddings = embeddings
         self.position_bias = RelativePositionBias(
             int(m.num_heads),
-            num_buckets=int(m.get("relative_buckets", 32)),
-            max_distance=int(m.get("relative_max_distance", 128)),
+            num_buckets=int(m.relative_buckets),
+            max_distance=int(m.relative_max_distance),
             rngs=rngs,
         )
         self.layers = nnx.List(

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax.moe import MoEFeedForward, activation_fn
+from sparsemixer_jax.routing import options_from_config
 
 # Large negative logit for masked attention entries; finite so that a fully masked row gives a
 # uniform distribution instead of NaN.
@@ -118,10 +119,13 @@ class Attention(nnx.Module):
         mask: jax.Array,
         *,
         deterministic: bool,
+        bias: jax.Array | None = None,
     ) -> jax.Array:
         """Queries from ``x [B, T, emb]`` attend to ``k, v [B, S, H, Dh]``.
 
-        ``mask`` is bool, broadcastable to ``[B, H, T, S]``. Returns ``[B, T, emb]``.
+        ``mask`` is bool, broadcastable to ``[B, H, T, S]``; ``bias`` (float32, broadcastable to
+        ``[B, H, T, S]``, e.g. T5's relative position bias ``[1, H, T, S]``) is added to the
+        scaled logits before masking. Returns ``[B, T, emb]``.
         """
         if self.implementation != "einsum":
             # Fused attention: no dropout on the weights (check_attention_impl), softmax in
@@ -131,12 +135,16 @@ class Attention(nnx.Module):
             if self.implementation in _LENGTH_MASKED:
                 lengths, causal = mask_as_lengths(mask, q.shape[0], q.shape[1])
                 kwargs = {"key_value_seq_lengths": lengths, "is_causal": causal}
+            if bias is not None:
+                kwargs["bias"] = bias.astype(q.dtype)
             heads = jax.nn.dot_product_attention(
                 q, k.astype(q.dtype), v.astype(q.dtype), scale=self.head_dim**-0.5,
                 implementation=ATTENTION_IMPLS[self.implementation], **kwargs)
             return self.out(heads.reshape(*heads.shape[:2], -1))
         q = self._heads(self.query(x)) * (self.head_dim**-0.5)
         logits = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32)
+        if bias is not None:
+            logits = logits + bias
         logits = jnp.where(mask, logits, MASK_VALUE)
         weights = jax.nn.softmax(logits, axis=-1)
         weights = self.dropout(weights, deterministic=deterministic).astype(self.dtype)
@@ -144,10 +152,11 @@ class Attention(nnx.Module):
         return self.out(heads.reshape(*heads.shape[:2], -1))
 
     def __call__(
-        self, x: jax.Array, memory: jax.Array, mask: jax.Array, *, deterministic: bool
+        self, x: jax.Array, memory: jax.Array, mask: jax.Array, *, deterministic: bool,
+        bias: jax.Array | None = None,
     ) -> jax.Array:
         k, v = self.project_kv(memory)
-        return self.attend(x, k, v, mask, deterministic=deterministic)
+        return self.attend(x, k, v, mask, deterministic=deterministic, bias=bias)
 
 
 # -- feed-forward ---------------------------------------------------------------------------------
@@ -206,8 +215,9 @@ def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx
             grouped_impl=str(model_cfg.grouped_impl),
             capacity_factor=float(model_cfg.capacity_factor),
             activation=str(model_cfg.activation),
-            router_init_scale=float(router_cfg.get("init_scale", 1.0)),
-            default_decay=float(router_cfg.get("default_decay", 0.9)),
+            router_init_scale=float(router_cfg.init_scale),
+            default_decay=float(router_cfg.default_decay),
+            router_options=options_from_config(router_cfg),
             dtype=dtype,
             mesh=mesh,
             rngs=rngs,
@@ -220,10 +230,6 @@ def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx
         rngs=rngs,
         activation=str(model_cfg.activation),
     )
-
-
-def attention_impl(model_cfg: Any) -> str:
-    return str(model_cfg.attention_impl)
 
 
 def layer_norm(emb_dim: int, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:

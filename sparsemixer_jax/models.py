@@ -30,7 +30,6 @@ from flax import nnx
 
 from sparsemixer_jax.layers import (
     Attention,
-    attention_impl,
     collect_moe_metrics,
     compute_dtype,
     layer_norm,
@@ -72,7 +71,7 @@ class EncoderLayer(nnx.Module):
             model_cfg.num_heads,
             attention_dropout=float(model_cfg.attention_dropout),
             dtype=dtype,
-            implementation=attention_impl(model_cfg),
+            implementation=str(model_cfg.attention_impl),
             rngs=rngs,
         )
         self.self_attn_norm = layer_norm(emb, dtype, rngs)
@@ -103,7 +102,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, model_cfg, router_cfg, layer: int, *, dtype, mesh, rngs: nnx.Rngs):
         emb, heads = model_cfg.emb_dim, model_cfg.num_heads
         att_drop = float(model_cfg.attention_dropout)
-        impl = attention_impl(model_cfg)
+        impl = str(model_cfg.attention_impl)
         self.self_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype,
                                    implementation=impl, rngs=rngs)
         self.self_attn_norm = layer_norm(emb, dtype, rngs)
@@ -368,41 +367,3 @@ class Transformer(nnx.Module):
             )
         new_cache = DecodeCache(index=index + 1, k=tuple(new_k), v=tuple(new_v))
         return self._logits(x[:, 0]), new_cache
-
-
-# -- after training -------------------------------------------------------------------------------
-
-
-def fold_omega(model: nnx.Module) -> int:
-    """Folds SparseMixer's ``omega`` into the experts' output projections, in place.
-
-    The MoE output is ``omega * gate * (h @ wo + bo)`` for the chosen expert, so scaling every
-    expert's ``wo [N, mlp, emb]`` and ``bo [N, emb]`` by ``omega [emb]`` and then setting ``omega``
-    to ones leaves the function unchanged and saves one multiply at inference.
-
-    Returns the number of MoE layers folded (0 for the dense model or a Switch router).
-    """
-    folded = 0
-    for _, module in nnx.iter_modules(model):
-        omega = getattr(module, "omega", None)
-        if not isinstance(omega, nnx.Variable):
-            continue
-        scale = omega[...]
-        wo, bo = _expert_output_params(module)
-        wo[...] = wo[...] * scale.astype(wo[...].dtype)
-        bo[...] = bo[...] * scale.astype(bo[...].dtype)
-        omega[...] = jnp.ones_like(scale)
-        folded += 1
-    return folded
-
-
-def _expert_output_params(module: nnx.Module) -> tuple[nnx.Variable, nnx.Variable]:
-    """The stacked expert output weight ``[N, mlp, emb]`` and bias ``[N, emb]`` of an MoE layer."""
-    holders = [module, getattr(module, "experts", None)]
-    for holder in holders:
-        if holder is None:
-            continue
-        wo, bo = getattr(holder, "wo", None), getattr(holder, "bo", None)
-        if isinstance(wo, nnx.Variable) and isinstance(bo, nnx.Variable):
-            return wo, bo
-    raise TypeError(f"cannot find stacked expert 'wo'/'bo' parameters on {type(module).__name__}")

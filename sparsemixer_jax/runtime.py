@@ -38,7 +38,7 @@ def check_runtime_config(runtime: Any) -> None:
     """Raises ValueError naming a ``config.runtime`` field that makes no sense."""
     if runtime.rng_impl not in RNG_IMPLS:
         raise ValueError(f"config.runtime.rng_impl={runtime.rng_impl!r}; choose one of {RNG_IMPLS}")
-    precision = runtime.get("matmul_precision", "default")
+    precision = runtime.matmul_precision
     if precision not in MATMUL_PRECISIONS:
         raise ValueError(f"config.runtime.matmul_precision={precision!r}; choose one of "
                          f"{MATMUL_PRECISIONS}")
@@ -78,7 +78,7 @@ def configure(config: Any) -> None:
         set_deterministic_gpu_ops()
     if jax.config.values["jax_default_prng_impl"] != runtime.rng_impl:
         jax.config.update("jax_default_prng_impl", runtime.rng_impl)
-    precision = runtime.get("matmul_precision", "default")
+    precision = runtime.matmul_precision
     if precision != "default":
         jax.config.update("jax_default_matmul_precision", precision)
     if runtime.triton_ragged_dot:

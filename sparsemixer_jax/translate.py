@@ -24,6 +24,7 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
     from sparsemixer_jax.checkpoint import CheckpointError, RunCheckpoints
     from sparsemixer_jax.data.tokenizer import Tokenizer
     from sparsemixer_jax.tasks import translation
+    from sparsemixer_jax.training import build_steps
 
     if batch_size < 1:
         raise ValueError(f"--batch_size must be >= 1, got {batch_size}")
@@ -57,7 +58,8 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
         raise ValueError(f"{workdir} holds a {config_schema.task_of(config)} run, not a "
                          "translation run of experiments.wmt")
     tokenizer = Tokenizer(vocabulary)
-    steps = translation.build_steps(config, tokenizer.vocab_size)
+    steps = build_steps(translation.TranslationTask.from_config(config), config,
+                        tokenizer.vocab_size)
     template = steps.train_state(steps.params, steps.opt_state_shapes(steps.params))
     restored, failures = None, []
     for step in steps_on_disk:  # newest first; an unreadable one is named and skipped

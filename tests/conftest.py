@@ -10,6 +10,8 @@ matmuls in full precision either way, so CPU results do not change."""
 
 import os
 
+import pytest
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
@@ -17,3 +19,25 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+@pytest.fixture(scope="session")
+def last_checkpoint():
+    """``read(workdir, steps) -> (params, meta)``: the parameters (numpy) and meta of the last
+    checkpoint in ``workdir``, restored into the train state of ``steps``
+    (:class:`sparsemixer_jax.training.steps.Steps` of the run's model)."""
+    import jax
+    import numpy as np
+
+    from sparsemixer_jax.checkpoint import RunCheckpoints
+
+    def read(workdir, steps):
+        template = steps.train_state(steps.params, steps.init_opt(steps.params))
+        checkpoints = RunCheckpoints(workdir)
+        try:
+            state, meta = checkpoints.restore(checkpoints.last, template)
+        finally:
+            checkpoints.close()
+        return jax.tree.map(np.asarray, state["params"]), meta
+
+    return read

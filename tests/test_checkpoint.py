@@ -70,7 +70,8 @@ def finished(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def template():
-    steps = translation.build_steps(tiny(), tiny().data.vocab_size)
+    steps = training.build_steps(translation.TranslationTask.from_config(tiny()), tiny(),
+                                 tiny().data.vocab_size)
     return {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
 
 

@@ -131,6 +131,46 @@ def test_read_text_plain_and_gz_and_direction(tmp_path):
     assert sources.read_text(str(tmp_path), "valid", "de", "en") == [("eins", "one")]
 
 
+def test_truncated_gz_is_one_line_naming_the_file(tmp_path):
+    write_pair(tmp_path, "train", [f"sentence {i}" for i in range(2000)],
+               [f"Satz {i}" for i in range(2000)], gz=True)
+    path = tmp_path / "train.de.gz"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # a download cut short
+    with pytest.raises(ValueError) as err:
+        sources.read_text(str(tmp_path), "train", "en", "de")
+    message = str(err.value)
+    assert message.startswith(f"{path}: truncated or corrupt gzip file") and "\n" not in message
+    path.write_bytes(b"not gzip at all\n")
+    with pytest.raises(ValueError, match=r"train\.de\.gz: truncated or corrupt gzip file"):
+        sources.read_text(str(tmp_path), "train", "en", "de")
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_non_utf8_byte_names_the_file_and_its_line(tmp_path, gz):
+    write_pair(tmp_path, "train", ["one", "two", "three"], ["eins", "zwei", "drei"], gz=gz)
+    path = tmp_path / ("train.de" + (".gz" if gz else ""))
+    latin1 = "eins\nzwei\nGrüße\n".encode("latin-1")  # ü is 0xfc, not UTF-8
+    path.write_bytes(gzip.compress(latin1) if gz else latin1)
+    with pytest.raises(ValueError) as err:
+        sources.read_text(str(tmp_path), "train", "en", "de")
+    assert str(err.value).startswith(f"{path}, line 3, byte 3: 0xfc is not UTF-8")
+    assert "\n" not in str(err.value)
+
+
+def test_pretraining_text_errors_name_the_file_and_line(tmp_path):
+    from sparsemixer_jax.data import text
+
+    (tmp_path / "a.txt").write_text("fine\n", encoding="utf-8")
+    (tmp_path / "b.txt").write_bytes(b"ok\nalso ok\nbad \xff byte\n")
+    with pytest.raises(ValueError, match=r"b\.txt, line 3, byte 5: 0xff is not UTF-8"):
+        text.read_documents(str(tmp_path))
+    (tmp_path / "b.txt").unlink()
+    (tmp_path / "c.txt.gz").write_bytes(gzip.compress(b"words\n" * 1000)[:40])
+    with pytest.raises(ValueError, match=r"c\.txt\.gz: truncated or corrupt gzip file"):
+        text.read_documents(str(tmp_path))
+
+
 # ----- synthetic language -------------------------------------------------------------------
 def test_synthetic_is_seeded_and_well_formed():
     a, b, other = (

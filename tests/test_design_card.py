@@ -93,4 +93,5 @@ def test_the_design_card_command_reaches_the_data_step(tmp_path):
     assert (workdir / "config.json").exists()
     # Nothing left behind that a rerun would trip over: no partial download, no checkpoint.
     assert not (tmp_path / "tfds" / "downloads").exists()
-    assert sorted(p.name for p in workdir.iterdir()) == ["config.json"]
+    assert sorted(p.name for p in workdir.iterdir()) == ["config.json", "lock"]
+    assert (workdir / "lock").read_text() == ""  # released: the one-run-per-workdir lock

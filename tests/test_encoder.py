@@ -1,5 +1,6 @@
 """The pretraining encoder: T5 relative position buckets, padding, MoE metrics."""
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -129,3 +130,27 @@ def test_absolute_positions_and_gelu_switches():
     plain = Encoder(tiny_config(), vocab_size=50, rngs=nnx.Rngs(params=0, dropout=1, router=2))
     assert plain.embeddings.position is None  # a config without the fields: none, ReLU
     assert plain.layers[0].ffn.activation == "relu"
+
+
+def test_attention_impl_reaches_the_fused_attention(monkeypatch):
+    """``model.attention_impl`` acts in the encoder as in the translation model: the fused path
+    calls ``jax.nn.dot_product_attention`` with the implementation and the position bias, and
+    gives the einsum attention's hidden states (attention dropout 0)."""
+    calls = []
+    fused_attention = jax.nn.dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("implementation"), kwargs.get("bias") is not None))
+        return fused_attention(*args, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    tokens = jnp.array([[3, 10, 11, 4, 12, 4, 0, 0], [3, 7, 8, 9, 4, 0, 0, 0]], jnp.int32)
+    hidden = {}
+    for impl in ("einsum", "xla"):
+        c = tiny_config(num_experts=0)  # dense: the attention is what is tested
+        c.model.attention_impl, c.model.attention_dropout = impl, 0.0
+        enc = Encoder(c, vocab_size=50, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+        hidden[impl], _ = encode(enc, tokens)  # traced: the spy sees the call
+        assert [layer.self_attn.implementation for layer in enc.layers] == [impl, impl]
+    assert calls == [("xla", True), ("xla", True)]  # one call per layer, none from "einsum"
+    np.testing.assert_allclose(hidden["xla"], hidden["einsum"], rtol=1e-5, atol=1e-5)

@@ -387,7 +387,7 @@ def test_schedule_losses_and_decay_mask(tiny):
     # last. Update n (optax's count n - 1) gets 1e-4 * n / 10 up to n = 10, then
     # 1e-4 * (100 - n) / 90: the first update moves the weights, the peak is reached at the end
     # of the warm-up, the last update has rate 0.
-    schedule = finetuning.learning_rate_schedule(1e-4, total_steps=100, warmup=0.1)
+    schedule = finetuning.finetuning_schedule(1e-4, total_steps=100, warmup=0.1)
     counts = np.arange(100)
     values = np.asarray([float(schedule(c)) for c in counts])
     n = counts + 1
@@ -395,7 +395,7 @@ def test_schedule_losses_and_decay_mask(tiny):
     np.testing.assert_allclose(values, want, rtol=1e-6, atol=1e-12)  # float32
     assert values[0] == pytest.approx(1e-5) and values.argmax() == 9 and values[-1] == 0.0
     assert (np.diff(values[:10]) > 0).all() and (np.diff(values[9:]) < 0).all()
-    no_warmup = finetuning.learning_rate_schedule(1e-4, total_steps=4, warmup=0.0)
+    no_warmup = finetuning.finetuning_schedule(1e-4, total_steps=4, warmup=0.0)
     assert [float(no_warmup(c)) for c in range(4)] == pytest.approx([7.5e-5, 5e-5, 2.5e-5, 0.0])
 
     logits = jnp.asarray([[2.0, 0.0], [0.0, 1.0]])
@@ -530,7 +530,7 @@ def test_best_point_averages_mnli_matched_and_mismatched(tiny, tmp_path, monkeyp
     examples = [glue.Example("A cat sat.", "An animal sat.", 1),
                 glue.Example("It rains.", "It is dry.", 0)] * 4
     encoded = glue.encode(examples, tiny.tokenizer, 16, regression=False)
-    task = finetuning.TaskData(glue.TASKS["MNLI"], encoded,
+    task = finetuning.GlueData(glue.TASKS["MNLI"], encoded,
                                {"dev_matched": encoded, "dev_mismatched": encoded})
     # (matched, mismatched) per call: point lr 1e-3 epochs 1, 2; then point lr 2e-3 epochs 1, 2.
     scripted = iter([(0.90, 0.40), (0.70, 0.68), (0.80, 0.70), (0.85, 0.50)])
@@ -543,8 +543,8 @@ def test_best_point_averages_mnli_matched_and_mismatched(tiny, tmp_path, monkeyp
         zero = jnp.zeros((), jnp.float32)
         return params, stats, opt_state, {"loss": zero, "balance_loss": zero, "grad_norm": zero}
 
-    monkeypatch.setattr(finetuning, "evaluate", fake_evaluate)
-    monkeypatch.setattr(finetuning, "_train_step", fake_step)
+    monkeypatch.setattr(finetuning, "evaluate_dev", fake_evaluate)
+    monkeypatch.setattr(finetuning, "finetuning_step", fake_step)
     config = tiny.config.copy_and_resolve_references()
     config.grid.learning_rate, config.grid.epochs = (1e-3, 2e-3), (2,)
     summary = finetuning.run_task(config, task, tiny.encoder, tiny.pretrain_config,
@@ -592,8 +592,9 @@ def test_bad_rows_strict_by_default_and_skipped_on_request(tmp_path, caplog):
 
 
 def test_glue_command_errors_are_one_line(tiny, tmp_path):
-    """``experiments.glue`` answers an empty ``--pretrained`` directory, an unknown ``--task``
-    and a refused rerun with one ``error:`` line and exit code 2."""
+    """``experiments.glue`` answers an empty ``--pretrained`` directory, an unknown
+    ``--glue_task`` and a refused rerun with one ``error:`` line and exit code 2 (``--task``, the
+    flag's earlier name, is read the same)."""
     import subprocess
     import sys
 
@@ -608,7 +609,7 @@ def test_glue_command_errors_are_one_line(tiny, tmp_path):
             f"--config.glue_dir={tiny.config.glue_dir}", "--workdir", workdir]
     cases = [
         (["--pretrained", str(empty), "--task", "sst2"], "config.json not found"),
-        (["--pretrained", str(empty), "--task", "wnli"], "unknown GLUE task 'wnli'"),
+        (["--pretrained", str(empty), "--glue_task", "wnli"], "unknown GLUE task 'wnli'"),
         (["--pretrained", tiny.pretrained, "--task", "sst2", "--skip-bad-rows"],
          "sha256 efefefefefef"),
     ]

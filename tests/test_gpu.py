@@ -28,6 +28,7 @@ _SCRIPT = """
 import json, sys
 import jax, numpy as np
 from sparsemixer_jax.tasks import translation
+from sparsemixer_jax import training
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from tests import tiny_wmt_config
 
@@ -39,7 +40,8 @@ def tiny(steps):
     return c
 
 def last_params(workdir, config):
-    steps = translation.build_steps(config, config.data.vocab_size)
+    steps = training.build_steps(translation.TranslationTask.from_config(config), config,
+                                 config.data.vocab_size)
     template = {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
     ckpt = RunCheckpoints(workdir)
     state, _ = ckpt.restore(ckpt.last, template)

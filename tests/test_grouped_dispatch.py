@@ -5,6 +5,8 @@ wiring: top-1 and top-2, capacity mode, dropout, the Mosaic kernels under the GP
 the refusal on a device that is not a Hopper GPU, and a whole Transformer's loss and gradients.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,12 +14,15 @@ import pytest
 from flax import nnx
 from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
 
-from sparsemixer_jax.moe import MoEFeedForward, resolve_dispatch
+from sparsemixer_jax import training
+from sparsemixer_jax.moe import GROUPED_IMPLS, MoEFeedForward, expert_ffn, resolve_dispatch
 from sparsemixer_jax.tasks import translation
 from sparsemixer_jax.training import steps as training_steps
 from tests import tiny_wmt_config
 
-EMB, MLP, N, B, T = 16, 32, 4, 4, 8
+# Widths the Mosaic kernels accept on an H100 (the weight-gradient kernel's tiles are >= 64), so
+# the interpreted layer runs the kernels weight_grad="auto" picks on a GPU.
+EMB, MLP, N, B, T = 64, 128, 4, 4, 8
 
 
 def layer(dispatch, **kw):
@@ -60,9 +65,9 @@ def test_xla_grouped_layer_equals_padded(data, top_k, capacity_factor, activatio
 
 
 def test_mosaic_grouped_layer_in_the_gpu_interpreter_equals_padded(data):
-    """The Mosaic kernels (forward and input gradient; weight gradient by its reference
-    formulation, which the interpreter can run) compute in bfloat16: compared with ``padded`` in
-    bfloat16 within bfloat16 rounding (2e-2 of the values, several roundings deep)."""
+    """The three Mosaic kernels (forward, input gradient, weight gradient) compute in bfloat16:
+    compared with ``padded`` in bfloat16 within bfloat16 rounding (2e-2 of the values, several
+    roundings deep)."""
     kw = dict(top_k=2, dtype=jnp.bfloat16)
     want = loss_and_grads(layer("padded", **kw), *data)
     with interpret_params.force_gpu_interpret_mode():
@@ -85,8 +90,30 @@ def test_mosaic_grouped_is_refused_off_hopper_and_never_picked_by_auto():
     layer("grouped", grouped_impl="xla")  # the XLA impl runs anywhere
     with pytest.raises(ValueError, match="grouped_impl"):
         layer("grouped", grouped_impl="triton")
+    assert "tokamax" in GROUPED_IMPLS
     for backend in ("cpu", "gpu", "cuda", "tpu"):
         assert resolve_dispatch("auto", backend) != "grouped"
+
+
+def test_grouped_in_float32_says_it_computes_in_bfloat16():
+    # Traced only (eval_shape): the warning comes from building the computation.
+    x = jnp.ones((64, EMB), jnp.float32)
+    params = (jnp.ones((N, EMB, MLP)), jnp.ones((N, MLP)), jnp.ones((N, MLP, EMB)),
+              jnp.ones((N, EMB)))
+    group = jnp.arange(64) % N
+
+    def run(impl, x):
+        return jax.eval_shape(lambda x: expert_ffn(x, group, jnp.arange(64), params,
+                                                   dispatch="grouped", grouped_impl=impl), x)
+
+    warning = r"computes the expert FFN in bfloat16.*model\.compute_dtype"
+    with interpret_params.force_gpu_interpret_mode(), pytest.warns(UserWarning, match=warning):
+        assert run("mosaic", x).dtype == jnp.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run("xla", x)  # float32 throughout: nothing to say
+        with interpret_params.force_gpu_interpret_mode():
+            run("mosaic", x.astype(jnp.bfloat16))
 
 
 @pytest.mark.slow  # fast counterparts: the grouped layer against padded (XLA and Mosaic)
@@ -101,9 +128,9 @@ def test_whole_model_loss_and_gradients_equal_padded():
     for dispatch in ("padded", "grouped"):
         config.model.dispatch = dispatch
         config.model.grouped_impl = "xla"
-        steps = translation.build_steps(config, 40)
-        grads[dispatch] = jax.jit(jax.grad(training_steps._loss, argnums=2, has_aux=True),
-                                  static_argnums=(0, 1))(
-            steps.graphdef, steps.objective, steps.params, steps.batch_stats, steps.rest, batch,
+        steps = training.build_steps(translation.TranslationTask.from_config(config), config, 40)
+        loss_grad = jax.grad(training_steps.micro_batch_loss, argnums=2, has_aux=True)
+        grads[dispatch] = jax.jit(loss_grad, static_argnums=(0, 1))(
+            steps.graphdef, steps.task, steps.params, steps.batch_stats, steps.rest, batch,
             jax.random.key(1))[0]
     assert_same(grads["grouped"], grads["padded"], rtol=1e-4, atol=1e-6)

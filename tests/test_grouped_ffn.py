@@ -1,18 +1,18 @@
 """Grouped-GEMM expert FFN (sparsemixer_jax.kernels) against the layer's own dispatches.
 
 The Mosaic GPU kernels run in JAX's Mosaic GPU interpreter on CPU (``interpret=True``): the
-forward kernel and the input gradient (the same kernel on transposed weights) are proven here;
-the weight-gradient kernel cannot run in the interpreter, so it has a GPU-only test plus CPU
-tests of its reference formulation and of the padding around it.
+forward kernel, its ``transpose_rhs`` form (input gradient) and the transposed kernel (weight
+gradient) are each checked against ``jax.lax.ragged_dot`` and its VJP, at shapes that cross
+tile edges. Where an H100 lowering is available (the CUDA PJRT plugin), the config's tile rules
+are checked against what that lowering accepts.
 
-Interpreted kernels are slow (each simulates the kernel's 132 SM threads), so each compiled
-function below is built once per module and reused by several cases.
+Interpreted kernels are slow (each simulates the kernel's persistent grid, 132 programs for the
+forward kernel), so each compiled function below is built once per module and reused.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import types
 
@@ -31,8 +31,11 @@ from sparsemixer_jax.kernels import (
 from sparsemixer_jax.kernels import mosaic_grouped_matmul as mgm
 from sparsemixer_jax.moe.dispatch import grouped_ffn
 
-EMB, MLP, ROWS, RATE = 64, 128, 200, 0.25  # 200 rows: not a multiple of the 64-row tile
-TILES = dict(block_m=64, block_n=64, block_k=64)
+# Widths an H100 lowering accepts for all three kernels (the weight-gradient kernel's tiles are
+# >= 64), so weight_grad="auto" picks the kernel, as on a GPU; 200 rows: not a multiple of 64.
+EMB, MLP, ROWS, RATE = 64, 128, 200, 0.25
+# num_sms=4: the weight-gradient kernel's 4 programs each loop over several tiles.
+TILES = dict(block_m=64, block_n=64, block_k=64, num_sms=4)
 # Error bounds, as a fraction of the reference's largest magnitude:
 # * float32 through the XLA impl: same float32 products, only summation order differs.
 # * mosaic casts float32 to bfloat16 operands: bfloat16 rounding of inputs and of the hidden
@@ -92,9 +95,9 @@ def _value_and_grads(ffn):
     return run
 
 
-reference = _value_and_grads(moe.dispatch._ragged_ffn)
+reference = _value_and_grads(moe.dispatch.ragged_ffn)
 padded_reference = _value_and_grads(
-    lambda *a: moe.dispatch._padded_ffn(*a, capacity=None))
+    lambda *a: moe.dispatch.padded_ffn(*a, capacity=None))
 xla_grouped = _value_and_grads(functools.partial(grouped_ffn, impl="xla"))
 mosaic_grouped = _value_and_grads(functools.partial(grouped_ffn, impl="mosaic", interpret=True,
                                                     **TILES))
@@ -134,17 +137,75 @@ def test_dropout_masks_are_moe_masks():
     y = jax.jit(functools.partial(grouped_ffn, impl="xla"), static_argnums=8)(
         x, group, jnp.arange(ROWS) * 3 + 1, *params, jax.random.key(3), RATE)
     y_ref = reference(x, group, *params)[0]
-    y_off = moe.dispatch._ragged_ffn(x, group, jnp.arange(ROWS), *params, None, 0.0)
+    y_off = moe.dispatch.ragged_ffn(x, group, jnp.arange(ROWS), *params, None, 0.0)
     chex.assert_trees_all_close(y, y_ref, atol=1e-5)
     assert float(jnp.abs(y - y_off).max()) > 1e-2
+
+
+def test_padded_block_rows_is_an_argument():
+    # The padded layout's tiling is passed in (benchmarks sweep it); any block size gives the
+    # same rows through the same experts.
+    x, *params = _params(jax.random.key(9), 4, jnp.float32)
+    group = _groups("mixed", 4)
+    ffn = jax.jit(moe.expert_ffn, static_argnames=("dispatch", "block_rows"))
+    want = ffn(x, group, jnp.arange(ROWS), tuple(params), dispatch="ragged")
+    assert moe.dispatch.padded_block_rows(ROWS, 4) == 32
+    got = ffn(x, group, jnp.arange(ROWS), tuple(params), dispatch="padded", block_rows=8)
+    chex.assert_trees_all_close(got, want, atol=1e-5)  # 8-row blocks, the default: 32
+    with pytest.raises(ValueError, match="block_rows must be >= 1"):
+        moe.dispatch.padded_ffn(x, group, jnp.arange(ROWS), *params, None, 0.0, None,
+                                block_rows=0)
 
 
 # ---- Mosaic GPU kernels in the interpreter -------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["mixed", "one_expert", "all_dropped"])
+_MATMUL_CONFIG = GroupedMatmulConfig(interpret=True, weight_grad="kernel", block_m=64,
+                                     block_n=64, block_k=64, max_concurrent_steps=2)
+
+
+@jax.jit
+def _kernel_value_and_vjp(lhs, rhs, sizes, cotangent):
+    out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, _MATMUL_CONFIG), lhs, rhs)
+    return out, vjp(cotangent)
+
+
+@jax.jit
+def _ragged_dot_value_and_vjp(lhs, rhs, sizes, cotangent):
+    out, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), lhs, rhs)
+    return out, vjp(cotangent)
+
+
+@pytest.mark.parametrize("sizes", [(70, 0, 120), (0, 200, 0)])
+def test_three_kernels_match_ragged_dot_and_its_vjp(sizes):
+    # Forward (ragged_dot_mgpu), input gradient (its transpose_rhs form) and weight gradient
+    # (transposed_ragged_dot_mgpu) in the interpreter against lax.ragged_dot's value and VJP in
+    # float32 on the same bfloat16 values. 200 rows in 64-row tiles; (70, 0, 120): a group
+    # crossing a tile edge, an empty group, 10 rows past the groups (NaN: must not leak);
+    # (0, 200, 0): one group with every row. One compiled function for both.
+    k = jax.random.split(jax.random.key(11), 3)
+    lhs = jax.random.normal(k[0], (ROWS, EMB), jnp.bfloat16)
+    rhs = jax.random.normal(k[1], (3, EMB, MLP), jnp.bfloat16)
+    cotangent = jax.random.normal(k[2], (ROWS, MLP), jnp.bfloat16)
+    sizes = jnp.array(sizes, jnp.int32)
+    used = (np.arange(ROWS) < int(sizes.sum()))[:, None]
+    got = _kernel_value_and_vjp(jnp.where(used, lhs, jnp.nan), rhs, sizes,
+                                jnp.where(used, cotangent, jnp.nan))
+    f32 = [a.astype(jnp.float32) for a in (lhs, rhs, cotangent)]
+    want = _ragged_dot_value_and_vjp(jnp.where(used, f32[0], 0), f32[1], sizes,
+                                     jnp.where(used, f32[2], 0))
+    assert got[0].dtype == jnp.bfloat16
+    assert np.all(np.asarray(got[0])[~used[:, 0]] == 0)
+    assert np.all(np.asarray(got[1][0])[~used[:, 0]] == 0)
+    # One bfloat16 rounding of each result (2^-8 relative) after float32 accumulation.
+    _assert_close(got, want, 1e-2)
+
+
+@pytest.mark.parametrize("case", ["mixed", "all_dropped"])
 def test_mosaic_bfloat16_forward_and_grads(case):
     # One compiled function (G = 4, bfloat16) for every group layout: group is a traced input.
+    # weight_grad="auto" picks the weight-gradient kernel at these widths, as on a GPU.
+    assert GroupedMatmulConfig(**TILES).resolved_weight_grad(EMB, MLP) == "kernel"
     x, *params = _params(jax.random.key(1), 4, jnp.bfloat16)
     group = _groups(case, 4)
     got = mosaic_grouped(x, group, *params)
@@ -152,14 +213,28 @@ def test_mosaic_bfloat16_forward_and_grads(case):
     _check_zero_rows(got[0], group, 4)
 
 
-@pytest.mark.slow  # fast counterparts: the same kernels at N = 2 and 4
-def test_mosaic_float16_eight_experts():
+@pytest.mark.slow  # fast counterparts: the same kernels at N = 2 and 4, one group above
+def test_mosaic_float16_eight_experts_and_one_expert():
     x, *params = _params(jax.random.key(2), 8, jnp.float16)
     group = _groups("mixed", 8)
     got = mosaic_grouped(x, group, *params)
     _assert_close(got, reference(x, group, *params), REL_TOL["float16"])
+    x, *params = _params(jax.random.key(1), 4, jnp.bfloat16)
+    group = _groups("one_expert", 4)
+    _assert_close(mosaic_grouped(x, group, *params), reference(x, group, *params),
+                  REL_TOL["bfloat16"])
 
 
+def test_mosaic_float32_params_cast_to_bfloat16_and_back():
+    # Traced only: float32 in, bfloat16 operands in every product, float32 out and gradients.
+    x, *params = _params(jax.random.key(3), 2, jnp.float32)
+    y, grads = jax.eval_shape(mosaic_grouped, x, _groups("capacity", 2), *params)
+    assert y.dtype == jnp.float32 and all(g.dtype == jnp.float32 for g in grads)
+    jaxpr = str(jax.make_jaxpr(mosaic_grouped)(x, _groups("capacity", 2), *params))
+    assert "bf16[" in jaxpr
+
+
+@pytest.mark.slow  # fast counterpart: the casts above; the kernels at bfloat16 above
 def test_mosaic_float32_params_two_experts_capacity():
     # float32 parameters run as bfloat16 operands: everything equals the reference run on the
     # bfloat16-cast inputs; the output also equals the float32 reference at bfloat16 tolerance
@@ -173,54 +248,6 @@ def test_mosaic_float32_params_two_experts_capacity():
     _assert_close(got, reference(as_bf16[0], group, *as_bf16[1:]), REL_TOL["bfloat16"])
     _assert_close(got[0], padded_reference(x, group, *params)[0], REL_TOL["f32_as_bf16"])
     _check_zero_rows(got[0], group, 2)
-
-
-def test_mosaic_matmul_zeros_rows_past_the_groups():
-    # The kernel leaves rows past sum(group_sizes) unwritten (NaN in the interpreter); the
-    # wrapper must return zeros there, as lax.ragged_dot does.
-    lhs = jax.random.normal(jax.random.key(4), (128, 64), jnp.bfloat16)
-    rhs = jax.random.normal(jax.random.key(5), (3, 64, 64), jnp.bfloat16)
-    sizes = jnp.array([50, 0, 60], jnp.int32)
-    config = GroupedMatmulConfig(interpret=True, **TILES)
-    got = jax.jit(grouped_matmul, static_argnums=3)(lhs, rhs, sizes, config)
-    want = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
-    assert np.all(np.asarray(got[110:]) == 0)
-    _assert_close(got, want.astype(jnp.bfloat16), REL_TOL["bfloat16"])
-
-
-# ---- the weight-gradient kernel: GPU only; its formulation and padding on CPU ---------------
-
-
-def test_weight_grad_reference_formulation():
-    lhs = jax.random.normal(jax.random.key(6), (100, 32))
-    dout = jax.random.normal(jax.random.key(7), (100, 48))
-    sizes = jnp.array([30, 0, 65], jnp.int32)  # 5 rows past the groups
-    got = mgm._xla_weight_grad(lhs, dout, sizes)
-    bounds = np.cumsum([0, 30, 0, 65])
-    want = np.stack([np.asarray(lhs[a:b]).T @ np.asarray(dout[a:b])
-                     for a, b in itertools.pairwise(bounds)])
-    chex.assert_trees_all_close(got, want, atol=1e-4)
-
-
-def test_weight_grad_kernel_padding_with_reference_kernel():
-    # The transposed kernel needs whole tiles and masks the edge blocks by multiplying with 0;
-    # the wrapper must pad rows and zero rows past the groups (NaN * 0 is NaN).
-    calls = []
-
-    def fake_kernel(lhs, rhs, *, group_sizes, block_m, block_n, block_k, **_):
-        calls.append((lhs.shape, block_m, block_n, block_k))
-        assert lhs.shape[0] % block_k == 0 and lhs.shape[1] % block_m == 0
-        assert rhs.shape[1] % block_n == 0
-        return mgm._xla_weight_grad(lhs, rhs, group_sizes)
-
-    lhs = jax.random.normal(jax.random.key(8), (100, 64)).at[97:].set(jnp.nan)
-    dout = jax.random.normal(jax.random.key(9), (100, 32)).at[97:].set(jnp.inf)
-    sizes = jnp.array([40, 57], jnp.int32)
-    config = GroupedMatmulConfig(block_n=64, block_k=64)
-    got = mgm._mosaic_weight_grad(lhs, dout, sizes, config, kernel=fake_kernel)
-    want = mgm._xla_weight_grad(lhs[:97], dout[:97], sizes)
-    assert calls == [((128, 64), 64, 32, 64)]
-    chex.assert_trees_all_close(got, want, atol=1e-4)
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels need a GPU")
@@ -280,6 +307,11 @@ def test_device_check_asks_the_target_device():
         seen = []
         jax.jit(lambda v: seen.append(mgm.target_device()) or v)(1.0)
         assert seen[0].platform == "cpu" and not hasattr(seen[0], "id")  # the AbstractDevice
+    # Inside jit without a mesh in context: the mesh of the traced array's sharding.
+    sharded = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=jax.sharding.NamedSharding(
+        cpu_mesh, jax.sharding.PartitionSpec()))
+    jax.jit(lambda v: seen.append(mgm.target_device(array=v)) or v).lower(sharded)
+    assert seen[-1].device_kind == jax.devices()[2].device_kind and not hasattr(seen[-1], "id")
 
 
 def test_weight_grad_sm_count_from_device_or_config():
@@ -288,22 +320,36 @@ def test_weight_grad_sm_count_from_device_or_config():
     assert mgm.sm_count(GroupedMatmulConfig(num_sms=78)) == 78
     assert mgm.sm_count(GroupedMatmulConfig(), _fake_device("cuda", "H800", core_count=114)) == 114
     assert mgm.sm_count(GroupedMatmulConfig()) == 132
-    seen = []
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
-    def spy_kernel(lhs, rhs, **_):
-        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as tmod
+    x = jnp.ones((128, 64), jnp.bfloat16)
+    jaxpr = str(jax.make_jaxpr(lambda a: mgm.transposed_ragged_dot(
+        a, a, group_sizes=jnp.array([100, 28], jnp.int32), block_m=64, block_n=64, block_k=64,
+        max_concurrent_steps=2, grid_block_n=1, num_sms=7))(x))
+    assert "grid=(7,)" in jaxpr
+    assert transposed_ragged_dot_mgpu.jax is jax  # JAX's module is left as it was
 
-        seen.append(tmod.jax.devices()[0].core_count)
-        return jnp.zeros((1, lhs.shape[1], rhs.shape[1]), lhs.dtype)
 
-    lhs = jnp.ones((64, 64), jnp.bfloat16)
-    mgm._mosaic_weight_grad(lhs, lhs, jnp.array([64], jnp.int32),
-                            GroupedMatmulConfig(block_n=64, block_k=64, num_sms=7),
-                            kernel=spy_kernel)
-    assert seen == [7]
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as tmod
-
-    assert tmod.jax is jax  # restored after the call
+def test_config_refuses_what_an_h100_lowering_refuses():
+    # One line each; the numbers are Mosaic GPU's own (see the lowering test below).
+    refusals = {
+        "multiple of 64 \\(wgmma accumulator": dict(block_m=32),
+        "block_n=512 must be <= 256": dict(block_n=512, max_concurrent_steps=2),
+        "max_concurrent_steps=1 must be >= 2": dict(max_concurrent_steps=1),
+        "weight-gradient kernel needs block_n and block_k >= 64": dict(block_k=32),
+        "524,320 bytes of shared memory > 232,448": dict(block_m=256, block_n=256, block_k=128),
+        "262,160 bytes": dict(block_m=256, block_n=256, block_k=128, max_concurrent_steps=2),
+        "bfloat16 or float16": dict(compute_dtype=jnp.float32),
+    }
+    for message, fields in refusals.items():
+        with pytest.raises(ValueError, match=message) as err:
+            GroupedMatmulConfig(**fields)
+        assert "\n" not in str(err.value)
+    # The weight-gradient kernel's limits apply only where it runs.
+    GroupedMatmulConfig(block_k=32, block_n=32, weight_grad="xla")
+    GroupedMatmulConfig(impl="xla", block_m=32, compute_dtype=jnp.float32)
+    assert mgm.smem_bytes(128, 128, 64, 4) == 131_104  # the default: 4 x (2 x 128 x 64 x 2 + 8)
+    GroupedMatmulConfig(block_m=128, block_n=128, block_k=128, max_concurrent_steps=3)
 
 
 def test_config_validation_and_casts():
@@ -311,14 +357,122 @@ def test_config_validation_and_casts():
         GroupedMatmulConfig(impl="triton")
     with pytest.raises(ValueError, match="block_m"):
         GroupedMatmulConfig(block_m=48)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        mgm._fit_block(64, 40, "width")
-    assert mgm._fit_block(128, 192, "width") == 64
+    x = jnp.ones((64, 40), jnp.bfloat16)  # a width no 16-wide tile divides
+    with pytest.raises(ValueError, match="contraction width=40 must be a multiple of 16"):
+        grouped_matmul(x, jnp.ones((1, 40, 64), jnp.bfloat16), jnp.array([64]),
+                       GroupedMatmulConfig(interpret=True, block_m=64))
     assert GroupedMatmulConfig().operand_dtype(jnp.float32) == jnp.bfloat16
     assert GroupedMatmulConfig().operand_dtype(jnp.float16) == jnp.float16
     assert GroupedMatmulConfig(impl="xla").operand_dtype(jnp.float32) == jnp.float32
-    assert GroupedMatmulConfig(interpret=True).resolved_weight_grad() == "xla"
-    assert GroupedMatmulConfig().resolved_weight_grad() == "kernel"
+    # "auto": the weight-gradient kernel where both widths fit its 64-wide tiles.
+    assert GroupedMatmulConfig(interpret=True).resolved_weight_grad(64, 128) == "kernel"
+    assert GroupedMatmulConfig().resolved_weight_grad(16, 128) == "xla"
+    assert GroupedMatmulConfig(weight_grad="xla").resolved_weight_grad(64, 64) == "xla"
+
+
+def _h100_devices():
+    targets = pytest.importorskip("sparsemixer_jax.aot.targets")
+    target = targets.parse_target("h100:1x1")
+    reason = targets.missing_support(target)
+    if reason is not None:
+        pytest.skip(reason)
+    return targets.target_devices(target)
+
+
+def _h100_lowering_error(kernel, config: dict, dtype=jnp.bfloat16) -> str | None:
+    """None if an H100 compile of ``kernel`` with the tiles ``grouped_matmul`` derives from
+    ``config`` succeeds, else its error's first line. Widths of 256 (no tile shrinks), and a
+    contraction of 1024 so the forward pipeline has every stage it may buffer."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.sharding.Mesh(_h100_devices(), ("x",))
+    spec = functools.partial(jax.ShapeDtypeStruct, sharding=NamedSharding(mesh, PartitionSpec()))
+    tiles = dict(block_m=config["block_m"], block_n=config["block_n"],
+                 block_k=config["block_k"], max_concurrent_steps=config["max_concurrent_steps"],
+                 grid_block_n=1)
+    if kernel == "weight_grad":  # output tiles [block_n, block_n], token tile block_k
+        tiles["block_m"] = config["block_n"]
+
+        def fn(a, b, s):
+            return mgm.transposed_ragged_dot(a, b, group_sizes=s, num_sms=132, **tiles)
+        shapes = [(512, 256), (512, 256)]
+    else:
+        def fn(a, b, s):
+            return ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, **tiles,
+                                              transpose_rhs=kernel == "input_grad")
+        shapes = [(512, 1024), (4, 256, 1024) if kernel == "input_grad" else (4, 1024, 256)]
+    try:
+        with jax.set_mesh(mesh):
+            jax.jit(fn).lower(*(spec(s, dtype) for s in shapes), spec((4,), jnp.int32))
+    except Exception as err:  # lowering raises ValueError, AssertionError, VerificationError
+        return f"{type(err).__name__}: {(str(err).strip() or '-').splitlines()[0]}"
+    return None
+
+
+def test_grouped_ffn_lowers_for_a_compile_only_h100_from_a_cpu_host():
+    # The expert FFN with all three kernels (weight_grad="auto" at these widths) lowered for an
+    # H100 whose devices exist only as a topology: the device check asks the mesh of the
+    # arguments' shardings (no jax.set_mesh), not the CPU host's first device.
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.sharding.Mesh(_h100_devices(), ("x",))
+    spec = functools.partial(jax.ShapeDtypeStruct, sharding=NamedSharding(mesh, PartitionSpec()))
+    ffn = _value_and_grads(functools.partial(grouped_ffn, impl="mosaic"))
+    args = [spec((ROWS, EMB), jnp.bfloat16), spec((ROWS,), jnp.int32)] + [
+        spec(s, jnp.bfloat16) for s in [(4, EMB, MLP), (4, MLP), (4, MLP, EMB), (4, EMB)]]
+    text = ffn.lower(*args).as_text()
+    # Two layers (wi, wo) x (forward, input gradient, weight gradient), all Mosaic kernels.
+    assert text.count("custom_call @mosaic_gpu") == 6
+    with pytest.raises(ValueError, match="platform 'cpu'"):
+        ffn.lower(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args))
+
+
+def _check_rules_against_lowering(kernel, config, dtype, accepted):
+    error = _h100_lowering_error(kernel, config, dtype)
+    assert (error is None) == accepted, error
+    fields = dict(config, compute_dtype=dtype,
+                  weight_grad="kernel" if kernel == "weight_grad" else "xla")
+    if accepted:
+        GroupedMatmulConfig(**fields)
+    else:
+        with pytest.raises(ValueError):
+            GroupedMatmulConfig(**fields)
+
+
+def _tiles(m, n, k, steps=2):
+    return dict(block_m=m, block_n=n, block_k=k, max_concurrent_steps=steps)
+
+
+@pytest.mark.parametrize("kernel,config,accepted", [
+    ("forward", _tiles(128, 128, 128, 3), True),
+    ("forward", _tiles(128, 128, 128, 4), False),  # 262,176 bytes of shared memory
+    ("weight_grad", _tiles(64, 64, 64), True),
+    ("weight_grad", _tiles(64, 64, 32), False),  # a layout cast of the edge masks
+])
+def test_config_rules_match_an_h100_lowering(kernel, config, accepted):
+    # Compiles for a compile-only H100 (skipped without the CUDA PJRT plugin): what the config
+    # accepts compiles, what it refuses does not, so the rules follow JAX as it changes.
+    _check_rules_against_lowering(kernel, config, jnp.bfloat16, accepted)
+
+
+@pytest.mark.slow  # fast counterpart: the four boundary cases above
+@pytest.mark.parametrize("kernel,config,dtype,accepted", [
+    ("forward", _tiles(32, 128, 64), jnp.bfloat16, False),  # wgmma accumulator rows
+    ("forward", _tiles(64, 16, 16), jnp.bfloat16, True),
+    ("forward", _tiles(64, 64, 32), jnp.float32, False),  # "Only f16 WGMMA supports transposes"
+    ("forward", _tiles(256, 256, 128), jnp.bfloat16, False),  # 262,160 bytes
+    ("forward", _tiles(128, 512, 64), jnp.bfloat16, False),  # wgmma N <= 256
+    ("input_grad", _tiles(128, 128, 64, 4), jnp.bfloat16, True),
+    ("input_grad", _tiles(128, 128, 64, 4), jnp.float16, True),
+    ("weight_grad", _tiles(128, 128, 64, 4), jnp.bfloat16, True),
+    ("weight_grad", _tiles(128, 128, 16, 4), jnp.bfloat16, False),  # layout cast
+    ("weight_grad", _tiles(64, 32, 64), jnp.bfloat16, False),  # output tiles < 64
+    ("weight_grad", _tiles(64, 64, 64), jnp.float32, False),
+    ("weight_grad", _tiles(64, 256, 128, 3), jnp.bfloat16, False),  # 393,240 bytes
+])
+def test_more_config_rules_match_an_h100_lowering(kernel, config, dtype, accepted):
+    _check_rules_against_lowering(kernel, config, dtype, accepted)
 
 
 def test_tokamax_impl_or_its_missing_package_error():

@@ -18,11 +18,10 @@ from sparsemixer_jax.layers import FeedForward
 from sparsemixer_jax.models import (
     PAD_ID,
     Transformer,
-    fold_omega,
     shift_right,
     sinusoidal_positions,
 )
-from sparsemixer_jax.moe import MoEFeedForward
+from sparsemixer_jax.moe import MoEFeedForward, fold_omega
 from sparsemixer_jax.routing import ROUTERS, uses_omega
 
 VOCAB = 13

@@ -1,5 +1,6 @@
 """End-to-end tests of ELECTRA pretraining: metrics, exact resume (extended and interrupted),
-non-finite stop, config and data errors, loading the discriminator, the README command.
+config and data errors, loading the discriminator, the README command. The loop itself (SIGKILL,
+the non-finite stop) is tested once with a fake task in ``test_loop.py``.
 
 All runs use ``tests/tiny_electra_config.py`` on a generated corpus (one sequence shape, so each
 step function compiles once and the in-process runs share the compilations).
@@ -7,10 +8,8 @@ step function compiles once and the in-process runs share the compilations).
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -18,12 +17,12 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax import training
-from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.data import text
 from sparsemixer_jax.encoder import Encoder
 from sparsemixer_jax.tasks import pretraining
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule, weight_decay_mask
 from tests import tiny_electra_config
+from tests.tiny_electra_config import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,23 +30,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return tiny_electra_config.write_corpus(str(tmp_path_factory.mktemp("corpus")))
-
-
-def tiny(corpus, **overrides):
-    config = tiny_electra_config.get_config(corpus)
-    config.update_from_flattened_dict(overrides)  # keys are dotted paths, e.g. "model.emb_dim"
-    return config
-
-
-def last_state(workdir, config):
-    """Parameters (numpy) and meta of the last checkpoint in ``workdir``."""
-    vocab = text.Tokenizer(os.path.join(workdir, "spm.model")).vocab_size
-    steps = pretraining.build_steps(config, vocab)
-    template = {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
-    checkpoints = RunCheckpoints(workdir)
-    state, meta = checkpoints.restore(checkpoints.last, template)
-    checkpoints.close()
-    return jax.tree.map(np.asarray, state["params"]), meta
 
 
 def read_metrics(workdir):
@@ -60,6 +42,15 @@ def straight_run(corpus, tmp_path_factory):
     """An uninterrupted 6-step run: the reference for the resume tests."""
     workdir = str(tmp_path_factory.mktemp("straight"))
     return workdir, pretraining.pretrain(tiny(corpus), workdir)
+
+
+@pytest.fixture(scope="module")
+def electra_steps(corpus, straight_run):
+    """The steps of the tiny model (the straight run's vocabulary): the template checkpoints are
+    read into."""
+    vocab = text.Tokenizer(os.path.join(straight_run[0], "spm.model")).vocab_size
+    return training.build_steps(pretraining.PretrainingTask.from_config(tiny(corpus)),
+                                tiny(corpus), vocab)
 
 
 def test_straight_run_logs_the_electra_metrics(straight_run):
@@ -88,14 +79,15 @@ def test_straight_run_logs_the_electra_metrics(straight_run):
     assert results["num_params_discriminator"] < results["num_params"]
 
 
-def test_extending_a_run_equals_the_uninterrupted_run(corpus, straight_run, tmp_path):
+def test_extending_a_run_equals_the_uninterrupted_run(corpus, straight_run, tmp_path,
+                                                      electra_steps, last_checkpoint):
     workdir = str(tmp_path / "extended")
     pretraining.pretrain(tiny(corpus, train_steps=3), workdir)
     resumed = pretraining.pretrain(tiny(corpus), workdir)
     reference_dir, reference = straight_run
     assert resumed["valid_loss"] == reference["valid_loss"]
-    params, meta = last_state(workdir, tiny(corpus))
-    expected, expected_meta = last_state(reference_dir, tiny(corpus))
+    params, meta = last_checkpoint(workdir, electra_steps)
+    expected, expected_meta = last_checkpoint(reference_dir, electra_steps)
     assert meta["step"] == expected_meta["step"] == 6
     assert meta["data"] == expected_meta["data"]
     jax.tree.map(np.testing.assert_array_equal, params, expected)
@@ -107,8 +99,7 @@ class Interrupted(Exception):
 
 
 def test_an_interrupted_run_resumes_to_the_uninterrupted_result(
-    corpus, straight_run, tmp_path, monkeypatch
-):
+    corpus, straight_run, tmp_path, monkeypatch, electra_steps, last_checkpoint):
     """A run that dies in step 5 (after the checkpoint of step 4, the best of step 3, and log
     lines of step 4) and is started again ends where the straight run does."""
     workdir = str(tmp_path / "interrupted")
@@ -126,23 +117,24 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(
     with pytest.raises(Interrupted):
         pretraining.pretrain(config, workdir)
     monkeypatch.undo()
-    _, meta = last_state(workdir, config)
+    _, meta = last_checkpoint(workdir, electra_steps)
     assert meta["step"] == 4
     pretraining.pretrain(config, workdir)
-    params, meta = last_state(workdir, config)
-    expected, _ = last_state(straight_run[0], config)
+    params, meta = last_checkpoint(workdir, electra_steps)
+    expected, _ = last_checkpoint(straight_run[0], electra_steps)
     assert meta["step"] == 6
     jax.tree.map(np.testing.assert_array_equal, params, expected)
     assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == list(range(1, 7))
 
 
 @pytest.mark.slow  # fast counterpart: the GLUE tests load the pretrained encoder the same way
-def test_load_discriminator_returns_the_trained_encoder(straight_run):
+def test_load_discriminator_returns_the_trained_encoder(straight_run, electra_steps,
+                                                       last_checkpoint):
     workdir, _ = straight_run
     encoder, tokenizer, config = pretraining.load_discriminator(workdir, "last")
     assert isinstance(encoder, Encoder)
     assert tokenizer.vocab_size == config.data.vocab_size == encoder.vocab_size
-    params, _ = last_state(workdir, config)
+    params, _ = last_checkpoint(workdir, electra_steps)
     loaded = nnx.to_pure_dict(nnx.state(encoder, nnx.Param))
     jax.tree.map(np.testing.assert_array_equal, loaded, params["discriminator"])
     ids = [text.CLS_ID, *tokenizer.encode("the king walked"), text.SEP_ID]
@@ -155,19 +147,6 @@ def test_load_discriminator_returns_the_trained_encoder(straight_run):
         pretraining.load_discriminator(workdir, "first")
     with pytest.raises(FileNotFoundError, match="pretraining workdir"):
         pretraining.load_discriminator(os.path.dirname(workdir))
-
-
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path):
-    workdir = str(tmp_path / "diverged")
-    config = tiny(corpus, **{"optim.peak_lr": 1e30, "optim.warmup_steps": 0,
-                             "optim.clip_norm": 0.0, "checkpoint_every": 1, "eval_every": 100})
-    with pytest.raises(training.TrainingDiverged, match="not finite"):
-        pretraining.pretrain(config, workdir)
-    bad_step = next(r["step"] for r in read_metrics(workdir) if "error" in r)
-    params, meta = last_state(workdir, config)
-    assert meta["step"] < bad_step
-    assert all(np.all(np.isfinite(p)) for p in jax.tree.leaves(params))
-    assert not os.path.exists(os.path.join(workdir, "results.json"))
 
 
 @pytest.mark.parametrize(("override", "message"), [
@@ -235,7 +214,8 @@ def test_readme_command_runs_a_few_steps(corpus, tmp_path):
 
 
 @pytest.mark.slow  # its own compilation of every step: minutes on 2 shared cores
-def test_pretraining_on_an_expert_mesh_matches_one_device(corpus, straight_run, tmp_path):
+def test_pretraining_on_an_expert_mesh_matches_one_device(corpus, straight_run, tmp_path,
+                                                         electra_steps, last_checkpoint):
     """Two simulated devices, experts split over them: the same run as on one device (float32
     on CPU; the tolerance covers the different order of the cross-device sums)."""
     workdir = str(tmp_path / "mesh")
@@ -243,44 +223,10 @@ def test_pretraining_on_an_expert_mesh_matches_one_device(corpus, straight_run, 
     results = pretraining.pretrain(config, workdir)
     reference = straight_run[1]
     np.testing.assert_allclose(results["valid_loss"], reference["valid_loss"], rtol=1e-4)
-    params, _ = last_state(workdir, tiny(corpus))
-    expected, _ = last_state(straight_run[0], tiny(corpus))
+    params, _ = last_checkpoint(workdir, electra_steps)
+    expected, _ = last_checkpoint(straight_run[0], electra_steps)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                  params, expected)
-
-
-@pytest.mark.slow  # two CLI runs with a cold compilation cache
-def test_sigkill_mid_run_then_resume(corpus, straight_run, tmp_path):
-    """SIGKILL once a checkpoint past step 2 is on disk, rerun the same command: the result is the
-    straight run's."""
-    workdir = str(tmp_path / "killed")
-    config = tiny(corpus)
-    command = [sys.executable, "-m", "experiments.pretrain", "--config",
-               "tests/tiny_electra_config.py", "--workdir", workdir,
-               f"--config.data.train={config.data.train}",
-               f"--config.data.valid={config.data.valid}", "--config.checkpoint_every=1"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
-    last = os.path.join(workdir, "checkpoints", "last")
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and process.poll() is None:
-        done = [d for d in os.listdir(last) if d.isdigit()] if os.path.isdir(last) else []
-        if done and max(int(d) for d in done) >= 2:
-            break
-        time.sleep(0.2)
-    assert process.poll() is None, "run ended before it could be killed: " + (
-        process.stderr.read().decode()[-2000:])
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    process.stderr.close()
-    assert 2 <= max(int(d) for d in os.listdir(last) if d.isdigit()) < 6
-    rerun = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    params, meta = last_state(workdir, config)
-    expected, _ = last_state(straight_run[0], config)
-    assert meta["step"] == 6
-    jax.tree.map(np.testing.assert_array_equal, params, expected)
 
 
 def test_packed_data_is_cached_by_text_vocabulary_and_settings(straight_run, tmp_path,
@@ -312,14 +258,14 @@ def test_packed_data_is_cached_by_text_vocabulary_and_settings(straight_run, tmp
     monkeypatch.setattr(text, "tokenize_and_pack", counting_pack)
     with monkeypatch.context() as m:
         m.setattr(text, "read_documents", no_reading)
-        data = pretraining.PretrainingTask(50.0).load_data(config, workdir, 1)
+        data = pretraining.PretrainingTask.from_config(config).load_data(config, workdir, 1)
     assert calls == []
     np.testing.assert_array_equal(data.train.tokens, fresh_tokens)
     np.testing.assert_array_equal(data.train.segments, fresh_segments)
     assert data.stats["train"]["sequences"] == len(fresh_tokens)
 
     config.data.seq_len = 12
-    data = pretraining.PretrainingTask(50.0).load_data(config, workdir, 1)
+    data = pretraining.PretrainingTask.from_config(config).load_data(config, workdir, 1)
     assert calls == [12, 12] and data.train.tokens.shape[1] == 12  # train and valid again
     second = sorted(os.listdir(os.path.join(workdir, pretraining.PACKED_DIR)))
     assert len(second) == 2 and not set(second) & set(first)

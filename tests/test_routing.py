@@ -4,8 +4,6 @@ Statistical tests use a fixed seed and a bound of 4.5 standard errors per compon
 (two-sided false-alarm rate below 1e-5 per component for a correct implementation).
 """
 
-import subprocess
-import sys
 
 import chex
 import jax
@@ -17,14 +15,11 @@ from sparsemixer_jax import exact_gradient
 from sparsemixer_jax.routing import (
     ROUTERS,
     get_router,
-    load_balancing_loss,
     router_probs,
-    router_z_loss,
     routing_mask,
-    routing_metrics,
+    scaled_gate,
     sparsemixer_route,
     switch_route,
-    uses_omega,
 )
 
 Z_SE = 4.5
@@ -262,55 +257,6 @@ def test_switch_jitter_and_plain_gradient():
     np.testing.assert_allclose(no_jitter.probs, jax.nn.softmax(z), rtol=1e-6)
 
 
-# ---------------------------------------------------------------- losses and metrics
-
-
-def test_load_balancing_loss_hand_computed():
-    probs = jnp.array([[0.7, 0.3], [0.6, 0.4], [0.2, 0.8], [0.9, 0.1]])
-    expert = jnp.array([0, 0, 1, 0])
-    # f = (3/4, 1/4), P = (0.6, 0.4): 2 * (0.45 + 0.1) = 1.1
-    np.testing.assert_allclose(load_balancing_loss(probs, expert), 1.1, rtol=1e-6)
-    uniform = jnp.full((4, 4), 0.25)
-    np.testing.assert_allclose(load_balancing_loss(uniform, jnp.arange(4)), 1.0, rtol=1e-6)
-    # Padding rows are excluded: the masked loss equals the loss on the kept rows.
-    mask = jnp.array([True, True, False, True])
-    np.testing.assert_allclose(
-        load_balancing_loss(probs, expert, mask),
-        load_balancing_loss(probs[mask], expert[mask]),
-        rtol=1e-6,
-    )
-
-
-def test_z_loss_and_metrics():
-    z = jnp.array([[0.0, 0.0], [1.0, -1.0]])
-    lse = np.log([2.0, np.exp(1) + np.exp(-1)])
-    np.testing.assert_allclose(router_z_loss(z), np.mean(lse**2), rtol=1e-6)
-    z = jnp.array([[1.0, 0.95, -3.0], [2.0, -2.0, -2.0]])
-    out = route(z, None, training=False)
-    m = jax.jit(routing_metrics)(z, out)
-    np.testing.assert_allclose(m["num_unmasked"], 1.5)
-    np.testing.assert_allclose(m["expert_fraction"], [1.0, 0.0, 0.0])
-    p = np.exp(1.0) / (np.exp(1.0) + np.exp(0.95))
-    entropy = -(p * np.log(p) + (1 - p) * np.log(1 - p)) / 2
-    np.testing.assert_allclose(m["entropy"], entropy, rtol=1e-5)
-
-
-def test_router_registry():
-    for name in ROUTERS:
-        out = get_router(name, 0.1)(_logits((3, 4)), KEY, True)
-        chex.assert_shape(out.probs, (3, 4))
-        assert uses_omega(name) == name.startswith("sparsemixer")
-    with pytest.raises(ValueError, match="unknown router"):
-        get_router("top2")
-    with pytest.raises(ValueError, match="jitter_eps"):
-        get_router("switch", -0.1)
-
-
-def test_import_is_cheap():
-    code = "import sys, sparsemixer_jax; assert 'tensorflow' not in sys.modules, 'TF imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
 # ---------------------------------------------------------------- Monte Carlo vs exact oracle
 
 MC_SAMPLES = 40_000
@@ -381,17 +327,19 @@ def test_monte_carlo_test_can_tell_estimators_apart(mc_problem):
     assert np.max(np.abs(np.asarray(mix - euler)) / np.maximum(se, 1e-30)) > 2 * Z_SE
 
 
-# ---------------------------------------------------------------- top-1 unchanged by top-k
+# ---------------------------------------------------------------- top-1, written out
 
 
-def _frozen_top1_route(logits, key, *, jitter_eps=0.1, training=True, mask="reference",
-                       estimator="mix", midpoint_prob=0.5, backward_scale=2.0):
-    """The top-1 router as it was before top-k (commit 016d4c5), kept verbatim in substance:
-    the top-k router with ``top_k=1`` must reproduce it bit for bit."""
-    from sparsemixer_jax.routing import _scaled_gate, _take
+def _take(values, index):
+    return jnp.take_along_axis(values, index[..., None], axis=-1)[..., 0]
 
+
+def _written_out_top1_route(logits, key, *, jitter_eps=0.1, training=True, mask="reference",
+                            estimator="mix", midpoint_prob=0.5, backward_scale=2.0):
+    """Top-1 SparseMixer written out step by step (as microsoft/SparseMixer's forward): the
+    router with ``top_k=1`` must reproduce it bit for bit."""
     probs = router_probs(logits, jitter_eps, mask)
-    top = jnp.argmax(probs, axis=-1).astype(jnp.int32)
+    top = jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
     if not training:
         return top, _take(probs, top), probs
     sample_key, coin_key = jax.random.split(key)
@@ -405,7 +353,7 @@ def _frozen_top1_route(logits, key, *, jitter_eps=0.1, training=True, mask="refe
         coin = jax.random.bernoulli(coin_key, midpoint_prob, expert.shape)
         use_midpoint = coin & (expert != top)
     forward_scale = jnp.where(use_midpoint, 0.5, 1.0).astype(probs.dtype)
-    gate = _scaled_gate(_take(probs, expert), forward_scale, float(backward_scale))
+    gate = scaled_gate(_take(probs, expert), forward_scale, float(backward_scale))
     return expert, gate, probs
 
 
@@ -415,7 +363,7 @@ def _frozen_top1_route(logits, key, *, jitter_eps=0.1, training=True, mask="refe
      {"mask": "paper", "backward_scale": 1.0}, {"mask": "none"}, {"training": False}],
     ids=["mix", "euler", "midpoint", "paper-coin", "paper-mask", "no-mask", "eval"],
 )
-def test_top1_is_bit_for_bit_the_previous_router(options):
+def test_top1_is_bit_for_bit_the_written_out_router(options):
     z = _logits((64, 5), scale=0.5, seed=4).astype(jnp.bfloat16)  # bf16: the cast path too
 
     def both(z, key):
@@ -424,7 +372,7 @@ def test_top1_is_bit_for_bit_the_previous_router(options):
             return jnp.sum(out.gate * jnp.arange(64)), out
 
         def old(z):
-            expert, gate, probs = _frozen_top1_route(z, key, **options)
+            expert, gate, probs = _written_out_top1_route(z, key, **options)
             return jnp.sum(gate * jnp.arange(64)), (expert, gate, probs)
 
         return jax.grad(new, has_aux=True)(z), jax.grad(old, has_aux=True)(z)
@@ -548,9 +496,9 @@ def test_top_k_equal_to_num_experts_routes_to_every_expert():
     np.testing.assert_array_equal(np.sort(np.asarray(out.expert), -1), np.tile([0, 1, 2], (16, 1)))
     np.testing.assert_array_equal(out.gate[:, -1], 1.0)  # the last expert is left alone
     chex.assert_tree_all_finite(gate_grad(z, KEY, top_k=3, estimator="v2star"))
-    with pytest.raises(ValueError, match=r"top_k must lie in \[1, N\] with N = .* got top_k=4"):
+    with pytest.raises(ValueError, match=r"top_k=4 is larger than num_experts=3"):
         sparsemixer_route(z, KEY, top_k=4)
-    with pytest.raises(ValueError, match="top_k must lie in"):
+    with pytest.raises(ValueError, match=r"top_k=4 is larger than num_experts=3"):
         switch_route(z, KEY, top_k=4)
 
 
@@ -570,66 +518,6 @@ def test_topk_gradient_is_scaled_conditional_jacobian():
         jac2 = jax.jacobian(conditional)(z[r], e1[r])
         want[r] = jac1[out.expert[r, 0]] + jac2[out.expert[r, 1]]
     np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
-
-
-# ---------------------------------------------------------------- argument checks, non-finite
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"jitter_eps": -1.0}, r"jitter_eps must be a finite Python number >= 0, got -1.0"),
-        ({"jitter_eps": float("nan")}, r"jitter_eps must be .* got nan"),
-        ({"top_k": 0}, r"top_k must lie in \[1, N\] .* got top_k=0"),
-        ({"top_k": 2.0}, r"top_k must be a Python int, got 2.0"),
-        ({"training": "yes"}, r"training must be a Python bool .* got 'yes'"),
-    ],
-)
-@pytest.mark.parametrize("router", [sparsemixer_route, switch_route])
-def test_static_arguments_are_checked_in_the_router(router, kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        router(_logits((3, 4)), KEY, **kwargs)
-
-
-def test_more_argument_errors():
-    with pytest.raises(ValueError, match=r"logits must have at least one axis .* got shape \(\)"):
-        sparsemixer_route(jnp.float32(1.0), KEY)
-    with pytest.raises(ValueError, match=r"logits must have at least one axis"):
-        switch_route(jnp.float32(1.0), KEY)
-    with pytest.raises(ValueError, match=r"midpoint_prob must lie in \[0, 1\], got -0.5"):
-        sparsemixer_route(_logits((3,)), KEY, midpoint_prob=-0.5)
-    with pytest.raises(ValueError, match="training must be a Python bool"):
-        jax.jit(lambda z, t: sparsemixer_route(z, KEY, training=t))(_logits((3,)), True)
-    with pytest.raises(ValueError, match="unknown estimator 'v3'"):
-        sparsemixer_route(_logits((3,)), KEY, estimator="v3")
-
-
-@pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
-def test_nan_or_plus_inf_logits(bad):
-    z = jnp.array([[0.5, 0.0, 1.0], [bad, 0.0, 1.0]])
-    # Outside jit: a clear error naming the token.
-    with pytest.raises(ValueError, match=r"NaN or \+inf for 1 token\(s\), first at index \(1,\)"):
-        sparsemixer_route(z, KEY)
-    with pytest.raises(ValueError, match=r"NaN or \+inf"):
-        switch_route(z, KEY)
-    # Under jit values cannot raise: that token's gate and probs are NaN (the loss turns NaN and
-    # the training loop skips the update), the other token is untouched.
-    for out in (route(z, KEY, top_k=2), switch(z, KEY)):
-        assert np.all(np.isfinite(out.gate[0])) and np.all(np.isnan(out.gate[1]))
-        assert np.all(np.isnan(out.probs[1])) and np.all(np.isfinite(out.probs[0]))
-        assert np.all((np.asarray(out.expert) >= 0) & (np.asarray(out.expert) < 3))
-
-
-def test_minus_inf_logits_exclude_experts():
-    z = jnp.array([[-jnp.inf, 0.0, 1.0], [-jnp.inf, -jnp.inf, 1.0]])
-    out = route(z, KEY)
-    np.testing.assert_array_equal(out.probs[:, 0], 0.0)
-    chex.assert_tree_all_finite((out.gate, out.probs))
-    with pytest.raises(ValueError, match=r"top_k=2 but token \(1,\) has only 1 expert"):
-        sparsemixer_route(z, KEY, top_k=2)
-    # Under jit: the token without a second expert gets a NaN second gate.
-    out2 = route(z, KEY, top_k=2)
-    assert np.isfinite(out2.gate[0]).all() and np.isnan(out2.gate[1, 1])
 
 
 # ---------------------------------------------------------------- top-k Monte Carlo vs oracle

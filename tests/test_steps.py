@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax import config as config_schema
-from sparsemixer_jax import runtime
+from sparsemixer_jax import runtime, training
 from sparsemixer_jax.layers import Attention
 from sparsemixer_jax.models import Transformer
 from sparsemixer_jax.tasks import translation
@@ -43,7 +43,7 @@ def batch(seed=0, rows=4, length=8):
 @pytest.fixture(scope="module")
 def steps():
     config = tiny_config()
-    return translation.build_steps(config, VOCAB)
+    return training.build_steps(translation.TranslationTask.from_config(config), config, VOCAB)
 
 
 def copy(tree):
@@ -177,7 +177,8 @@ def test_runtime_configure_sets_prng_and_xla_flags(monkeypatch):
         jax.config.update("jax_default_matmul_precision", precision)
 
 
-loss_grad = jax.jit(jax.grad(training_steps._loss, argnums=2, has_aux=True), static_argnums=(0, 1))
+loss_grad = jax.jit(jax.grad(training_steps.micro_batch_loss, argnums=2, has_aux=True),
+                    static_argnums=(0, 1))
 
 
 def test_balance_normalization_per_batch_is_the_reference_weight(steps):
@@ -190,10 +191,10 @@ def test_balance_normalization_per_batch_is_the_reference_weight(steps):
     key = jax.random.key(7)
 
     def grad(weight, normalization):
-        objective = translation.TranslationObjective(
+        task = translation.TranslationTask(
             label_smoothing=0.1, balance_weight=weight, z_loss_weight=0.0,
             balance_normalization=normalization)
-        return loss_grad(steps.graphdef, objective, steps.params, steps.batch_stats, steps.rest,
+        return loss_grad(steps.graphdef, task, steps.params, steps.batch_stats, steps.rest,
                          b, key)[0]
 
     per_batch = grad(1.0, "per_batch")

@@ -1,4 +1,7 @@
-"""End-to-end tests of the training loop: resume, SIGKILL, non-finite stop, CLI, translate, plot.
+"""End-to-end tests of translation training: results, exact resume, CLI, translate, plot.
+
+The loop itself (extension, SIGKILL, the non-finite stop, the mesh) is tested once with a
+fake task in ``test_loop.py``; these keep what is the translation task's.
 
 All runs use ``tests/tiny_wmt_config.py`` (one padded shape, so each step function compiles once
 per process and the in-process runs share the compilations).
@@ -27,25 +30,16 @@ from sparsemixer_jax.training.hosts import BatchPlacer
 from sparsemixer_jax.training.logs import Progress
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule
 from sparsemixer_jax.training.resume import check_resume_config
-from tests import tiny_wmt_config
+from tests.tiny_wmt_config import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def tiny(**overrides):
-    config = tiny_wmt_config.get_config()
-    config.update_from_flattened_dict(overrides)  # keys are dotted paths, e.g. "model.emb_dim"
-    return config
-
-
-def last_params(workdir, config):
-    """Parameters of the last checkpoint in ``workdir``, as numpy."""
-    steps = translation.build_steps(config, config.data.vocab_size)
-    template = {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
-    checkpoints = RunCheckpoints(workdir)
-    state, meta = checkpoints.restore(checkpoints.last, template)
-    checkpoints.close()
-    return jax.tree.map(np.asarray, state["params"]), meta
+@pytest.fixture(scope="module")
+def wmt_steps():
+    """The steps of the tiny model: the template checkpoints are read into."""
+    return training.build_steps(translation.TranslationTask.from_config(tiny()), tiny(),
+                                tiny().data.vocab_size)
 
 
 def read_metrics(workdir):
@@ -86,14 +80,15 @@ def test_straight_run_learns_and_writes_results(straight_run):
     assert os.path.exists(os.path.join(workdir, "translations_last.txt"))
 
 
-def test_extending_a_run_equals_the_uninterrupted_run(straight_run, tmp_path):
+def test_extending_a_run_equals_the_uninterrupted_run(straight_run, tmp_path, wmt_steps,
+                                                      last_checkpoint):
     workdir = str(tmp_path / "resumed")
     translation.train_and_evaluate(tiny(train_steps=3), workdir)
     resumed = translation.train_and_evaluate(tiny(train_steps=6), workdir)
     reference_dir, reference = straight_run
     assert resumed["valid_loss"] == reference["valid_loss"]
-    params, meta = last_params(workdir, tiny())
-    expected, expected_meta = last_params(reference_dir, tiny())
+    params, meta = last_checkpoint(workdir, wmt_steps)
+    expected, expected_meta = last_checkpoint(reference_dir, wmt_steps)
     assert meta["step"] == expected_meta["step"] == 6
     assert meta["data"] == expected_meta["data"]
     jax.tree.map(np.testing.assert_array_equal, params, expected)
@@ -102,7 +97,7 @@ def test_extending_a_run_equals_the_uninterrupted_run(straight_run, tmp_path):
 
 
 @pytest.mark.slow  # fast counterparts: a SIGKILL during a save (test_checkpoint), exact resume
-def test_sigkill_mid_run_then_resume(straight_run, tmp_path):
+def test_sigkill_mid_run_then_resume(straight_run, tmp_path, wmt_steps, last_checkpoint):
     workdir = str(tmp_path / "killed")
     command = [sys.executable, "-m", "experiments.wmt", "--config", "tests/tiny_wmt_config.py",
                "--workdir", workdir, "--config.checkpoint_every=1"]
@@ -131,28 +126,10 @@ def test_sigkill_mid_run_then_resume(straight_run, tmp_path):
     with open(os.path.join(workdir, "config.json")) as f:
         config = json.load(f)
     assert config["checkpoint_every"] == 1  # the command-line override reached the run
-    params, meta = last_params(workdir, tiny())
-    expected, _ = last_params(straight_run[0], tiny())
+    params, meta = last_checkpoint(workdir, wmt_steps)
+    expected, _ = last_checkpoint(straight_run[0], wmt_steps)
     assert meta["step"] == 6
     jax.tree.map(np.testing.assert_array_equal, params, expected)
-
-
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    workdir = str(tmp_path / "diverged")
-    # lr 1e30: the first update makes the weights ~1e30, the next forward overflows.
-    config = tiny(**{"optim.peak_lr": 1e30, "optim.warmup_steps": 0, "checkpoint_every": 1,
-                     "eval_every": 100})
-    with pytest.raises(training.TrainingDiverged, match="not finite"):
-        translation.train_and_evaluate(config, workdir)
-    records = read_metrics(workdir)
-    bad_step = next(r["step"] for r in records if "error" in r)
-    checkpoints = RunCheckpoints(workdir)
-    saved = checkpoints.last.all_steps()
-    checkpoints.close()
-    assert saved and max(saved) < bad_step
-    params, _ = last_params(workdir, config)
-    assert all(np.all(np.isfinite(p)) for p in jax.tree.leaves(params))
-    assert not os.path.exists(os.path.join(workdir, "results.json"))
 
 
 def test_config_errors_are_caught_before_compiling(tmp_path):
@@ -197,7 +174,8 @@ def test_resuming_with_a_different_model_is_refused(straight_run):
         translation.train_and_evaluate(tiny(**{"model.emb_dim": 32}), straight_run[0])
 
 
-def test_resume_after_a_kill_between_the_best_and_the_last_save(straight_run, tmp_path):
+def test_resume_after_a_kill_between_the_best_and_the_last_save(straight_run, tmp_path,
+                                                                wmt_steps, last_checkpoint):
     """Step 6 saved its best checkpoint but not its last one: the rerun resumes from best/6 (a
     best checkpoint holds the whole training state) and ends like the straight run."""
     workdir = str(tmp_path / "copy")
@@ -209,9 +187,10 @@ def test_resume_after_a_kill_between_the_best_and_the_last_save(straight_run, tm
     results = translation.train_and_evaluate(tiny(), workdir)
     assert results["valid_loss"] == straight_run[1]["valid_loss"]
     assert results["bleu_best"] == straight_run[1]["bleu_best"]
-    params, meta = last_params(workdir, tiny())
+    params, meta = last_checkpoint(workdir, wmt_steps)
     assert meta["step"] == 6
-    jax.tree.map(np.testing.assert_array_equal, params, last_params(straight_run[0], tiny())[0])
+    expected, _ = last_checkpoint(straight_run[0], wmt_steps)
+    jax.tree.map(np.testing.assert_array_equal, params, expected)
 
 
 def test_rerun_after_a_config_error_is_not_refused_and_shrinking_a_run_is(straight_run, tmp_path):
@@ -272,7 +251,8 @@ def test_translate_and_plot(straight_run, tmp_path):
 
 
 @pytest.mark.slow  # kept out of the default run for time; python -m pytest -q -m slow
-def test_training_on_an_expert_mesh_matches_one_device(straight_run, tmp_path):
+def test_training_on_an_expert_mesh_matches_one_device(straight_run, tmp_path, wmt_steps,
+                                                       last_checkpoint):
     """The whole model on a (data 2, expert 2) mesh: batch split over all four devices, experts
     over two, tokens exchanged with all_to_all; losses follow the one-device run, and the test-set
     beam search on the mesh gives the translations of a one-device beam search."""
@@ -284,8 +264,9 @@ def test_training_on_an_expert_mesh_matches_one_device(straight_run, tmp_path):
     one_device = [r["loss"] for r in read_metrics(straight_run[0]) if "loss" in r][:3]
     np.testing.assert_allclose(mesh_losses, one_device, rtol=1e-5)
 
-    params, _ = last_params(workdir, tiny())
-    steps = translation.build_steps(tiny(), config.data.vocab_size)
+    params, _ = last_checkpoint(workdir, wmt_steps)
+    steps = training.build_steps(translation.TranslationTask.from_config(tiny()), tiny(),
+                                 config.data.vocab_size)
     data = load_datasets(config, workdir, batch_multiple=4)  # the mesh's batches
     texts = translation.translate_batches(
         steps.model(jax.tree.map(jax.numpy.asarray, params)), data.test, data.tokenizer,

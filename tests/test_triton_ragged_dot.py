@@ -28,7 +28,7 @@ def test_gpu_auto_picks_ragged_only_with_grouped_kernels(monkeypatch):
 def test_enable_triton_ragged_dot_falls_back_without_the_kernels(monkeypatch):
     option = triton_ragged_dot.TRITON_RAGGED_DOT_OPTION
     before = jax.config.values[option]
-    monkeypatch.setattr(triton_ragged_dot, "_TRITON_RAGGED_DOT_MODULE", "jax._src.no_such.module")
+    monkeypatch.setattr(triton_ragged_dot, "TRITON_RAGGED_DOT_MODULE", "jax._src.no_such.module")
     assert not triton_ragged_dot.triton_ragged_dot_available()
     assert triton_ragged_dot.enable_triton_ragged_dot() is False
     assert jax.config.values[option] == before  # untouched: turning it on would break compiles
@@ -37,7 +37,7 @@ def test_enable_triton_ragged_dot_falls_back_without_the_kernels(monkeypatch):
 
 def test_enable_triton_ragged_dot_where_available(monkeypatch):
     option = triton_ragged_dot.TRITON_RAGGED_DOT_OPTION
-    monkeypatch.setattr(triton_ragged_dot, "_TRITON_RAGGED_DOT_MODULE", "jax._src.lax.lax")
+    monkeypatch.setattr(triton_ragged_dot, "TRITON_RAGGED_DOT_MODULE", "jax._src.lax.lax")
     assert triton_ragged_dot.triton_ragged_dot_available()
     try:
         assert triton_ragged_dot.enable_triton_ragged_dot() is True

@@ -1,9 +1,10 @@
 """DenseMixer and Default MoE: the router gradient for the experts a token did not choose.
 
-Hand-computed backward passes on a 3-expert example, the MoE layer's wiring (DenseMixer's
-output is Switch's bit for bit; its expert gradients too), Default MoE's default vectors (EMA
-update, padding, evaluation, an expert mesh), their checkpointing with an exact resume, and the
-errors for a bad decay.
+Hand-computed backward passes on a 3-expert example (renormalised top-2 too), the MoE layer's
+wiring (DenseMixer's output is Switch's without jitter bit for bit, with Switch's jitter under
+successor_jitter; its expert gradients too), Default MoE's default vectors (EMA update, before
+or after use, gated or not, padding, evaluation, the forward variant, an expert mesh), their
+checkpointing with an exact resume, and the errors for bad or ignored router options.
 """
 
 import chex
@@ -14,7 +15,7 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax import config as config_schema
-from sparsemixer_jax import routing
+from sparsemixer_jax import routing, training
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.moe.layer import MoEFeedForward
 from sparsemixer_jax.moe.unchosen import all_expert_outputs, update_expert_defaults
@@ -22,7 +23,8 @@ from sparsemixer_jax.sharding import batch_sharding, make_mesh, shard_state
 from sparsemixer_jax.tasks import translation
 from tests import tiny_wmt_config
 
-NEW_ROUTERS = ("densemixer", "densemixer_blog", "default_moe", "default_moe_st")
+NEW_ROUTERS = ("densemixer", "densemixer_blog", "default_moe", "default_moe_st",
+               "default_moe_forward")
 
 # --------------------------------------------------------------- the backward, by hand, N = 3
 
@@ -60,7 +62,7 @@ def hand_gradient(name: str, chosen: list[int]) -> np.ndarray:
     for j in range(3):
         own = COTANGENT @ OUTPUTS[j]  # the gate's ordinary gradient, chosen experts only
         stand_in = COTANGENT @ VALUES[j]  # what stands for expert j's output
-        if name in ("densemixer", "default_moe", "default_moe_st"):
+        if name != "densemixer_blog":
             d_pi[j] = own if j in chosen else stand_in
         elif name == "densemixer_blog":  # (pi_j + TopK_j) v_j . c, on top of the gate's own
             d_pi[j] = (own if j in chosen else 0.0) + p[j] * stand_in
@@ -73,12 +75,42 @@ def test_backward_matches_the_hand_computed_formula(name, top_k):
     chosen = [1] if top_k == 1 else [1, 0]  # the largest logits, in order
     grad, y = jax.grad(routed_loss(name, top_k, VALUES), has_aux=True)(jnp.asarray(LOGITS))
     np.testing.assert_allclose(grad, hand_gradient(name, chosen), rtol=1e-6, atol=1e-7)
-    # The forward: Switch's output, plus sum_{j unchosen} pi_j v_j only for Default MoE.
+    # The forward: Switch's output, plus sum_{j unchosen} pi_j v_j only for
+    # default_moe_forward.
     p = np.exp(LOGITS) / np.exp(LOGITS).sum()
     switch_y = sum(p[j] * OUTPUTS[j] for j in chosen)
     unchosen = [j for j in range(3) if j not in chosen]
     expected = switch_y + (sum(p[j] * VALUES[j] for j in unchosen)
-                           if name == "default_moe" else 0.0)
+                           if name == "default_moe_forward" else 0.0)
+    np.testing.assert_allclose(y, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["densemixer", "default_moe", "default_moe_forward"])
+def test_renormalised_top2_backward_matches_the_hand_computed_formula(name):
+    """normalize_top_k: gates p_t / S over the chosen A = {1, 0}, S = p_1 + p_0, differentiated
+    through S; an unchosen expert weighs p_j / S with S held constant (DenseMixer's code:
+    ``pi (1 - mask) / S.detach() + pi mask / S``)."""
+    rule = routing.UNCHOSEN_EXPERT_RULES[name]
+
+    def loss(z):
+        routed = routing.switch_route(z, None, top_k=2, jitter_eps=0.0, training=False,
+                                      normalize_top_k=True)
+        y = routed.gate @ jnp.asarray(OUTPUTS)[routed.expert]
+        y = y + routing.unchosen_expert_term(routed.probs, routed.expert, jnp.asarray(VALUES),
+                                             rule, normalize_top_k=True)
+        return jnp.dot(jnp.asarray(COTANGENT), y), y
+
+    grad, y = jax.grad(loss, has_aux=True)(jnp.asarray(LOGITS))
+    p = np.exp(LOGITS) / np.exp(LOGITS).sum()
+    chosen, s = [1, 0], p[1] + p[0]
+    own = OUTPUTS @ COTANGENT
+    mixed = sum(p[t] * own[t] for t in chosen) / s**2
+    d_pi = np.array([own[j] / s - mixed if j in chosen else (VALUES[j] @ COTANGENT) / s
+                     for j in range(3)])
+    np.testing.assert_allclose(grad, softmax_jacobian(p) @ d_pi, rtol=1e-6, atol=1e-7)
+    expected = (p[1] * OUTPUTS[1] + p[0] * OUTPUTS[0]) / s
+    if name == "default_moe_forward":
+        expected = expected + p[2] * VALUES[2] / s
     np.testing.assert_allclose(y, expected, rtol=1e-6)
 
 
@@ -142,13 +174,24 @@ def train_call(layer, x, mask, head):
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_densemixer_forward_is_switch_bit_for_bit_and_only_the_router_gradient_changes(
         data, top_k):
-    """Training mode with jitter and activation dropout on: the same draws, the same output."""
-    (y0, g0), (y1, g1) = (train_call(make_layer(r, top_k=top_k), *data)
-                          for r in ("switch", "densemixer"))
+    """Training mode with activation dropout on: the same draws, the same output. DenseMixer
+    routes without jitter (its released code has none) whatever jitter_eps says, and with
+    Switch's jitter under successor_jitter."""
+    (y0, g0), (y1, g1) = (train_call(layer, *data) for layer in (
+        make_layer("switch", top_k=top_k, jitter_eps=0.0),
+        make_layer("densemixer", top_k=top_k, jitter_eps=0.1)))
     np.testing.assert_array_equal(y1, y0)
     for name in ("wi", "bi", "wo", "bo"):  # expert gradients come from the chosen rows only
         np.testing.assert_array_equal(g1[name], g0[name])
     assert not np.allclose(g1["router"]["kernel"], g0["router"]["kernel"])
+    if top_k == 2:
+        return  # the jitter's wiring is the same for both k
+    (y2, _), (y3, _) = (train_call(layer, *data) for layer in (
+        make_layer("switch", top_k=top_k, jitter_eps=0.5),
+        make_layer("densemixer", top_k=top_k, jitter_eps=0.5,
+                   router_options={"successor_jitter": True})))
+    np.testing.assert_array_equal(y3, y2)
+    assert not np.array_equal(y2, y0)  # the jitter moved some token's choice
 
 
 def test_densemixer_router_gradient_uses_every_experts_output(data):
@@ -213,20 +256,47 @@ def test_default_vectors_agree_across_dispatches(data):
     assert not np.allclose(dropless.expert_defaults[...], defaults["padded"])
 
 
-def test_default_moe_output_adds_the_defaults_and_the_straight_through_one_does_not(data):
+def test_default_moe_output_adds_the_defaults_only_in_the_forward_variant(data):
     x, mask, _ = data
     defaults = jax.random.normal(jax.random.key(5), (N, EMB))
     out = {}
-    for name in ("switch", "default_moe", "default_moe_st"):
-        layer = make_layer(name, activation_dropout=0.0)
+    for name, options in (("switch", {}), ("default_moe", {}), ("default_moe_st", {}),
+                          ("default_moe_forward", {}),
+                          ("forward_train_only", {"default_at_eval": False})):
+        router = "default_moe_forward" if name == "forward_train_only" else name
+        layer = make_layer(router, activation_dropout=0.0, router_options=options)
         if name != "switch":
             layer.expert_defaults[...] = defaults
         out[name] = layer(x, mask, deterministic=True)[0]
+    np.testing.assert_array_equal(out["default_moe"], out["switch"])
     np.testing.assert_array_equal(out["default_moe_st"], out["switch"])
+    np.testing.assert_array_equal(out["forward_train_only"], out["switch"])
     probs = jax.nn.softmax(make_layer("switch").router(x))
     chosen = jax.nn.one_hot(jnp.argmax(probs, -1), N)
     expected = out["switch"] + ((probs * (1 - chosen)) @ defaults) * mask[..., None]
-    np.testing.assert_allclose(out["default_moe"], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["default_moe_forward"], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mean", ["ungated", "gated"])
+def test_default_update_before_use_and_gated_mean_by_hand(data, mean):
+    """default_update="before": the term of this very call reads the defaults after the EMA
+    took this batch in; default_mean="gated" averages gate * f instead of f."""
+    x, mask, _ = data
+    layer = make_layer("default_moe_forward", top_k=2, activation_dropout=0.0,
+                       default_decay=0.25,
+                       router_options={"default_update": "before", "default_mean": mean})
+    params = tuple(p[...] for p in (layer.wi, layer.bi, layer.wo, layer.bo))
+    outputs = all_expert_outputs(x.reshape(B * T, EMB), params).reshape(B, T, N, EMB)
+    probs = jax.nn.softmax(layer.router(x))
+    _, top2 = jax.lax.top_k(probs, 2)
+    routed = jnp.sum(jax.nn.one_hot(top2, N), axis=2) * mask[..., None]  # [B, T, N]
+    weight = routed * probs if mean == "gated" else routed
+    ema = 0.75 * jnp.einsum("btn,btne->ne", weight, outputs) / jnp.sum(routed, (0, 1))[:, None]
+    switch_y = jnp.einsum("btn,btne->bte", routed * probs, outputs)
+    expected = switch_y + ((probs * (1 - routed)) @ ema) * mask[..., None]
+    y, _ = layer(x, mask)
+    np.testing.assert_allclose(layer.expert_defaults[...], ema, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["densemixer", "default_moe"])
@@ -251,12 +321,36 @@ def test_expert_mesh_equals_one_device(name, data):
 
 @pytest.mark.parametrize("decay", [0.0, 1.0, -0.1, 1.5])
 def test_decay_outside_the_open_interval_is_refused(decay):
-    with pytest.raises(ValueError, match=r"default_decay .* must lie in \(0, 1\)"):
+    with pytest.raises(ValueError, match=r"default_decay must lie in \(0, 1\)"):
         make_layer("default_moe", default_decay=decay)
     config = tiny_wmt_config.get_config()
     config.router.name = "default_moe"
     config.router.default_decay = decay
     with pytest.raises(ValueError, match=r"config.router.default_decay must lie in \(0, 1\)"):
+        config_schema.validate(config)
+
+
+@pytest.mark.parametrize(("router", "options", "message"), [
+    ("switch", {"default_mean": "gated"}, r"default_mean='gated' has no effect on router "
+                                          r"'switch'"),
+    ("default_moe", {"default_at_eval": False}, r"default_at_eval=False has no effect"),
+    ("sparsemixer", {"normalize_top_k": True}, r"normalize_top_k=True has no effect"),
+    ("densemixer_blog", {"normalize_top_k": True}, r"normalize_top_k=True has no effect"),
+    ("switch", {"successor_jitter": True}, r"successor_jitter=True has no effect"),
+    ("default_moe", {"default_update": "during"}, r"default_update='during'; choose one of"),
+    ("default_moe", {"normalise_top_k": True}, r"unknown router option\(s\) \['normalise_top_k'\]"),
+])
+def test_router_options_a_router_ignores_are_refused(router, options, message):
+    with pytest.raises(ValueError, match=message):
+        routing.get_router(router, **options)
+    with pytest.raises(ValueError, match=message):
+        make_layer(router, router_options=options)
+    config = tiny_wmt_config.get_config()
+    config.router.name = router
+    if "normalise_top_k" in options:  # a config cannot hold an unknown field
+        return
+    config.router.update(options)
+    with pytest.raises(ValueError, match="config.router." + message):
         config_schema.validate(config)
 
 
@@ -279,7 +373,8 @@ def tiny(**overrides):
 
 
 def last_state(workdir, config):
-    steps = translation.build_steps(config, config.data.vocab_size)
+    steps = training.build_steps(translation.TranslationTask.from_config(config), config,
+                                 config.data.vocab_size)
     template = steps.train_state(steps.params, steps.init_opt(steps.params))
     checkpoints = RunCheckpoints(workdir)
     state, meta = checkpoints.restore(checkpoints.last, template)

@@ -1,4 +1,8 @@
-"""A tiny config for training-loop tests: one bucket shape, two micro-batches per update."""
+"""A tiny config for training-loop tests: one bucket shape, two micro-batches per update.
+
+``tiny(**overrides)`` is the config with dotted-path overrides, e.g.
+``tiny(**{"model.emb_dim": 32})``.
+"""
 
 from configs import quickstart
 
@@ -27,3 +31,10 @@ def get_config():
     c.decode.max_extra_len = 4
     c.mesh.data = 1  # one device, although the tests' process simulates eight
     return c
+
+
+def tiny(**overrides):
+    """:func:`get_config` with ``overrides`` (keys are dotted paths, e.g. ``"model.emb_dim"``)."""
+    config = get_config()
+    config.update_from_flattened_dict(overrides)
+    return config

@@ -26,13 +26,14 @@ def bench_decode(sizes, experts, dtype, warmup, repeats, beam_size=4, max_extra_
     import numpy as np
 
     from sparsemixer_jax import decode
-    from sparsemixer_jax.tasks import translation
+    from sparsemixer_jax.models import Transformer
+    from sparsemixer_jax.training import build_model
 
     shapes = shapes or DECODE_SHAPES
     out: dict[str, Any] = {"beam_size": beam_size, "max_extra_len": max_extra_len}
     for n in [0, *experts]:
         config = model_config(sizes, n, "sparsemixer", dtype)
-        model = translation.TranslationTask().build_model(config, sizes["vocab"], None)
+        model = build_model(config, Transformer, sizes["vocab"], None)
         name = "dense" if n == 0 else f"n{n}"
         for shape_name, (rows, length) in shapes.items():
             rng = np.random.default_rng(0)

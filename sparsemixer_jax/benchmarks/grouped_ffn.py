@@ -144,7 +144,7 @@ def run(
         group = jax.random.randint(keys[3], (tokens,), 0, n, jnp.int32)
         cases: dict[str, tuple[Callable, jax.Array, tuple]] = {
             "dense": (_dense_ffn, group, (x, wi[:1], bi[:1], wo[:1], bo[:1])),
-            "padded": (lambda *a: moe.dispatch._padded_ffn(*a, capacity=None), group, params),
+            "padded": (lambda *a: moe.dispatch.padded_ffn(*a, capacity=None), group, params),
             "grouped": (grouped, group, params),
         }
         for c in capacities:
@@ -152,7 +152,7 @@ def run(
             kept = moe.capacity_keep(group, jnp.ones((tokens,), bool), n, cap)
             capped = jnp.where(kept, group, n)
             cases[f"padded_cap{c}"] = (
-                lambda *a, cap=cap: moe.dispatch._padded_ffn(*a, capacity=cap), capped, params)
+                lambda *a, cap=cap: moe.dispatch.padded_ffn(*a, capacity=cap), capped, params)
             cases[f"grouped_cap{c}"] = (grouped, capped, params)
         dense_ms = None
         steps: dict[int, Callable] = {}

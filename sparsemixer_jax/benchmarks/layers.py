@@ -165,43 +165,49 @@ def bench_moe_vs_dense(sizes, experts, dtype, warmup, repeats, impls=("ragged", 
 
 def bench_padded_blocks(sizes, experts, dtype, warmup, repeats, dropout: float = 0.1,
                         divisors: Sequence[int] = (1, 2, 4, 8)) -> dict[str, Any]:
-    """The ``padded`` MoE layer with blocks of about ``R / (d * N)`` rows for each divisor
-    ``d`` (``d = 1`` is ``moe.dispatch._block_rows``' current rule), as a ratio to the dense layer.
+    """The ``padded`` expert FFN with blocks of about ``R / (d * N)`` rows for each divisor
+    ``d`` (``d = 1`` is the default rule, ``moe.dispatch.padded_block_rows``), as a ratio to the
+    dense FFN of the same width on every row; forward + backward, dropout on.
 
-    A diagnostic for the dispatch's owner: ``moe.dispatch._block_rows`` is swapped for the
-    duration of each compilation and restored (the library itself is not changed)."""
+    A diagnostic for the block rule: the block size is passed to ``expert_ffn(...,
+    block_rows=...)``, the rest of the layer (router, residual) does not depend on it."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
-    from sparsemixer_jax.layers import FeedForward
-    from sparsemixer_jax.moe import MoEFeedForward
     from sparsemixer_jax.moe import dispatch as moe_dispatch
 
     compute = jnp.dtype(dtype)
-    rows = max(1, sizes["tokens"] // sizes["length"])
-    x = jax.random.normal(jax.random.key(1), (rows, sizes["length"], sizes["emb"]), compute)
-    dense = FeedForward(sizes["emb"], sizes["mlp"], activation_dropout=dropout, dtype=compute,
-                        rngs=nnx.Rngs(0))
+    tokens, emb, mlp = sizes["tokens"], sizes["emb"], sizes["mlp"]
+    kx, kg, kw, kd = jax.random.split(jax.random.key(1), 4)
+    x = jax.random.normal(kx, (tokens, emb), compute)
+    ids = jnp.arange(tokens, dtype=jnp.int32)
     out: dict[str, Any] = {}
-    original = moe_dispatch._block_rows
     for n in experts:
-        fns = {"dense": layer_step(dense, x)}
-        for d in divisors:
-            def block_rows(r: int, g: int, d: int = d) -> int:
-                target = max(1, r // (max(g, 1) * d))
-                return int(min(512, max(8, 1 << (target.bit_length() - 1))))
+        group = jax.random.randint(kg, (tokens,), 0, n)  # roughly balanced routing
+        k1, k2 = jax.random.split(kw)
+        params = (jax.random.normal(k1, (n, emb, mlp), compute) / emb**0.5,
+                  jnp.zeros((n, mlp), compute),
+                  jax.random.normal(k2, (n, mlp, emb), compute) / mlp**0.5,
+                  jnp.zeros((n, emb), compute))
 
-            moe_dispatch._block_rows = block_rows
-            try:
-                layer = MoEFeedForward(sizes["emb"], sizes["mlp"], n, dispatch="padded",
-                                       activation_dropout=dropout, dtype=compute,
-                                       rngs=nnx.Rngs(0))
-                fn = layer_step(layer, x)
-                jax.block_until_ready(fn())  # compile now, while the block rule is swapped
-            finally:
-                moe_dispatch._block_rows = original
-            fns[f"R/{d}N"] = fn
+        def step_for(block_rows: int | None, params=params, group=group):
+            def loss(params, x):
+                if block_rows is None:  # one FFN on every row: the cost floor
+                    wi, bi, wo, bo = (p[0] for p in params)
+                    h = moe_dispatch.row_dropout(jax.nn.relu(x @ wi + bi), ids, kd, dropout)
+                    y = h @ wo + bo
+                else:
+                    y = moe_dispatch.expert_ffn(x, group, ids, params, dispatch="padded",
+                                                dropout_key=kd, dropout_rate=dropout,
+                                                block_rows=block_rows)
+                return jnp.sum(y.astype(jnp.float32) ** 2)
+
+            step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+            return lambda: step(params, x)
+
+        fns = {"dense": step_for(None)}
+        for d in divisors:
+            fns[f"R/{d}N"] = step_for(moe_dispatch.padded_block_rows(tokens, n * d))
         times = time_interleaved(fns, warmup, repeats)
         dense_s = stats(times["dense"])["median"]
         out[str(n)] = {k: stats(v)["median"] / dense_s for k, v in times.items() if k != "dense"}

@@ -24,8 +24,8 @@ Sections (``sections`` picks some):
   interleaved, with the FLOP ratio of ``flops.moe_layer_flops_per_token``: what DenseMixer's
   dense pass over all N experts and Default MoE's terms cost where they are. JSON:
   ``layer_cost[N]["to_switch"][router]``.
-* ``padded_blocks`` (not run by default): the ``padded`` layer with smaller blocks than
-  ``moe.dispatch._block_rows`` picks, against dense: the evidence for a change of that rule.
+* ``padded_blocks`` (not run by default): the ``padded`` expert FFN with smaller blocks than
+  ``moe.dispatch.padded_block_rows`` picks, against dense: the evidence for a change of that rule.
 * ``throughput``: target tokens per second of the whole training step, dense against N=4
   (SparseMixer), and model FLOPs utilisation against the device's peak on an accelerator.
 * ``fusion`` (not run by default): the one-call update against the three calls of an

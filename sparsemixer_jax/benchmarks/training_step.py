@@ -71,9 +71,10 @@ class TrainStep:
         import jax
 
         from sparsemixer_jax.tasks import translation
+        from sparsemixer_jax.training import build_steps
         from sparsemixer_jax.training.steps import count_params
 
-        self.steps = translation.build_steps(config, vocab)
+        self.steps = build_steps(translation.TranslationTask.from_config(config), config, vocab)
         self.params, self.batch_stats = self.steps.params, self.steps.batch_stats
         self.opt_state = self.steps.init_opt(self.params)
         self.batch = batch

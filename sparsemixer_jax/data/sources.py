@@ -16,6 +16,7 @@ from __future__ import annotations
 import gzip
 import os
 import socket
+import zlib
 from typing import Any
 
 from sparsemixer_jax.data import Pair
@@ -94,25 +95,57 @@ def _find_text_file(directory: str, prefix: str, lang: str) -> str:
     )
 
 
-def _read_lines(path: str) -> list[str]:
+def first_non_utf8(path: str) -> str:
+    """Where the first byte that is not UTF-8 lies in ``path`` (plain or ``.gz``):
+    ``"{path}, line {n}, byte {b}: 0x.. is not UTF-8"`` (``b`` counts bytes from 1 within the
+    line), for an error message."""
     opener = gzip.open if path.endswith(".gz") else open
-    # newline="\n": a stray carriage return inside a line must not split it in two (universal
-    # newlines would, and the two files would then seem misaligned or, worse, align wrongly).
-    with opener(path, "rt", encoding="utf-8", newline="\n") as f:
-        # Only the line ending goes: a line's own spaces are kept until the shared empty check.
-        return [line.removesuffix("\n").removesuffix("\r") for line in f]
+    with opener(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"{path}, line {number}, byte {e.start + 1}: 0x{raw[e.start]:02x} is not "
+                        "UTF-8 (convert the file, e.g. iconv -f latin1 -t utf-8)")
+    return f"{path}: not UTF-8 text"
+
+
+def read_lines(path: str, *, universal_newlines: bool = False) -> list[str]:
+    """The lines of a UTF-8 text file, plain or gzip-compressed (``.gz``), without line endings.
+
+    Lines end at ``\n`` only (a ``\r`` before it goes too): a stray carriage return inside a
+    line of a parallel file must not split it in two, or the two files would seem misaligned
+    or, worse, align wrongly. ``universal_newlines`` ends them at ``\r`` as well.
+
+    Raises ``ValueError`` on one line naming the file: for a byte that is not UTF-8 (and its
+    line), a truncated or corrupt ``.gz`` file, or a file that cannot be read.
+    """
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8",
+                    newline=None if universal_newlines else "\n") as f:
+            # Only the line ending goes: a line's own spaces are kept until the shared check.
+            return [line.removesuffix("\n").removesuffix("\r") for line in f]
+    except UnicodeDecodeError:
+        raise ValueError(first_non_utf8(path)) from None
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # the stream ends early, bad data
+        raise ValueError(f"{path}: truncated or corrupt gzip file ({e}); download or "
+                         "compress it again") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
 
 
 def read_text(directory: str, prefix: str, src: str, tgt: str) -> list[Pair]:
     """Reads line-aligned ``{directory}/{prefix}.{src|tgt}[.gz]`` into ``[(src_line, tgt_line)]``.
 
     Raises ``FileNotFoundError`` naming both paths tried, ``ValueError`` naming both files and both
-    line counts when they are not aligned.
+    line counts when they are not aligned, or naming the file (and line) that is not UTF-8 text
+    or a truncated ``.gz`` (:func:`read_lines`).
     """
     directory = resolve_data_dir(directory)
     src_path = _find_text_file(directory, prefix, src)
     tgt_path = _find_text_file(directory, prefix, tgt)
-    src_lines, tgt_lines = _read_lines(src_path), _read_lines(tgt_path)
+    src_lines, tgt_lines = read_lines(src_path), read_lines(tgt_path)
     if len(src_lines) != len(tgt_lines):
         raise ValueError(
             f"misaligned parallel files: {src_path} has {len(src_lines)} lines but {tgt_path} has "

@@ -22,7 +22,6 @@ for ``[CLS] a [SEP]`` and 1 for ``b [SEP]``: the layout GLUE's sentence pairs us
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import logging
@@ -33,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from sparsemixer_jax.data.sources import resolve_data_dir
+from sparsemixer_jax.data.sources import read_lines, resolve_data_dir
 from sparsemixer_jax.data.tokenizer import (  # noqa: F401  (every special id in one place)
     EOS_ID,
     PAD_ID,
@@ -56,12 +55,6 @@ _WIKITEXT_ESCAPES = ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."))
 
 
 # ------------------------------------------------------------------------------------ readers
-
-
-def _open(path: str):
-    if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
 
 
 def text_files(path: str) -> list[str]:
@@ -137,13 +130,7 @@ def read_documents(path: str) -> list[list[str]]:
     """Documents (lists of paragraphs, no blank ones) of the file or directory ``path``."""
     documents: list[list[str]] = []
     for file in text_files(path):
-        try:
-            with _open(file) as f:
-                lines = f.readlines()
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{file}: not UTF-8 text ({e})") from e
-        except (OSError, EOFError) as e:  # a truncated or non-gzip .gz file
-            raise ValueError(f"{file}: cannot read it ({e})") from e
+        lines = read_lines(file, universal_newlines=True)
         fmt = detect_format(lines)
         if fmt == "wikiextractor":
             docs = list(_wikiextractor_documents(lines))

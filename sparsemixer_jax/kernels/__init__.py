@@ -2,7 +2,8 @@
 
 * :mod:`~sparsemixer_jax.kernels.mosaic_grouped_matmul`: :func:`grouped_matmul`, a custom-VJP
   grouped matmul whose forward and gradients run on JAX's Mosaic GPU Pallas kernels on Hopper
-  (``impl="mosaic"``) or on ``jax.lax.ragged_dot`` (``impl="xla"``); the ``"grouped"``
+  (``impl="mosaic"``), on ``tokamax.ragged_dot`` (``impl="tokamax"``) or on
+  ``jax.lax.ragged_dot`` (``impl="xla"``); the ``"grouped"``
   dispatch of :mod:`sparsemixer_jax.moe.dispatch` is built on it.
 * :mod:`~sparsemixer_jax.kernels.triton_ragged_dot`: whether ``jax.lax.ragged_dot`` lowers to
   grouped Pallas/Triton kernels on a GPU, and a switch for it.
@@ -13,6 +14,11 @@ from sparsemixer_jax.kernels.mosaic_grouped_matmul import (
     check_grouped_supported,
     grouped_matmul,
     interpret_mode_active,
+    sm_count,
+    smem_bytes,
+    target_device,
+    tile_errors,
+    transposed_ragged_dot,
 )
 
 __all__ = [
@@ -20,4 +26,9 @@ __all__ = [
     "check_grouped_supported",
     "grouped_matmul",
     "interpret_mode_active",
+    "sm_count",
+    "smem_bytes",
+    "target_device",
+    "tile_errors",
+    "transposed_ragged_dot",
 ]

@@ -6,36 +6,36 @@ sorted by group, group ``g`` owns the next ``group_sizes[g]`` rows and is multip
 
 Implementations (``GroupedMatmulConfig.impl``):
 
-* ``"mosaic"``: Hopper (sm90) only, or the Mosaic GPU interpreter on CPU.
+* ``"mosaic"``: Hopper (sm90) GPUs, or JAX's Mosaic GPU interpreter on any backend
+  (``interpret=True`` or ``force_gpu_interpret_mode()``), where all three products are tested
+  against :func:`jax.lax.ragged_dot` and its VJP.
 
   - forward ``lhs @ rhs[g]``: ``ragged_dot_mgpu.ragged_dot``;
-  - input gradient ``dout @ rhs[g]^T``: the same kernel on the weights transposed to
-    ``[G, N, K]`` by XLA (the kernel's ``transpose_rhs=True`` form would skip that copy, but the
-    interpreter cannot run transposed wgmma operands, so only the form that is tested is used;
-    the copy is ``G * K * N`` elements, small next to the activations);
+  - input gradient ``dout @ rhs[g]^T``: the same kernel with ``transpose_rhs=True`` (it reads
+    the weights transposed in shared memory, no copy);
   - weight gradient ``lhs_g^T @ dout_g``: ``transposed_ragged_dot_mgpu.transposed_ragged_dot``
-    (``weight_grad="kernel"``), GPU only: the interpreter fails on it (transposed wgmma
-    operands, ``layout_cast``, and a crash in XLA:CPU's compiler on its host code). Under
-    interpret mode the weight gradient is the XLA formulation (``weight_grad="xla"``); the
-    kernel path has a GPU-only test and a CPU test of its padding and masking with the kernel
-    swapped for its reference.
+    through :func:`transposed_ragged_dot` (``weight_grad="kernel"``; ``"auto"`` picks it where
+    both widths are multiples of 64, its smallest tile, else the XLA formulation).
 
-  The kernels take one dtype for both operands and write their output in it (accumulating in
-  float32): operands are cast to ``compute_dtype`` (bfloat16 or float16), the output is in
-  ``compute_dtype``.
+  The kernels take one 16-bit dtype for both operands and write their output in it
+  (accumulating in float32): operands are cast to ``compute_dtype`` (bfloat16 or float16), the
+  output is in ``compute_dtype``. :class:`GroupedMatmulConfig` refuses at construction the tiles
+  an H100 lowering refuses (:func:`tile_errors`).
 * ``"xla"``: the same custom VJP with :func:`jax.lax.ragged_dot` (and ``ragged_dot_general``
   for the weight gradient) as the three products, float32 accumulation, output rounded to the
   operand dtype: the reference formulation, runs on every backend.
 * ``"tokamax"``: ``tokamax.ragged_dot`` (its own kernels and VJP; the operands are cast as for
-  ``"mosaic"``). tokamax needs Python >= 3.12 and jax >= 0.11.1 and is imported only when
-  asked for; where it is missing the call raises an ImportError saying so.
+  ``"mosaic"``). Optional (``requirements-tokamax.txt``), imported only when asked for; where it
+  is missing the call raises an ImportError saying so. tokamax picks its kernel by the default
+  device's GPU generation, so on a CPU host it runs its XLA path (tested); its Mosaic kernels
+  refuse the interpreter there ("Unsupported GPU architecture") and are untested here.
 
-Shape rules of the kernels, met here: ``K`` a multiple of ``block_k`` (blocks shrink to a power
-of two dividing the width, at least 16, else a ValueError); the rows are padded to a multiple
-of ``block_m`` when they are not already (:func:`sparsemixer_jax.kernels.grouped_ffn` pads
-once up front so no copy happens here). ``ragged_dot_mgpu`` hard-codes 132 SMs (H100 SXM,
-H200); on a GPU with fewer SMs its persistent grid still computes the right result, in more
-waves.
+Shape rules, met here: ``K`` and ``N`` multiples of 16 (tiles shrink to a power of two dividing
+the width, else a ValueError); the rows are padded to a multiple of ``block_m`` when they are not
+already (:func:`sparsemixer_jax.moe.dispatch.grouped_ffn` pads once up front so no copy happens
+here). ``ragged_dot_mgpu`` hard-codes a persistent grid of 132 programs (the SMs of an H100 SXM5
+or H200); on a GPU with fewer SMs it still computes the right result, in more waves. The
+weight-gradient kernel's grid is :func:`sm_count`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,56 @@ import numpy as np
 IMPLS = ("mosaic", "xla", "tokamax")
 WEIGHT_GRADS = ("auto", "kernel", "xla")
 _MIN_BLOCK = 16
-_H100_SMS = 132
+# The accumulator of Hopper's wgmma has a multiple of 64 rows ("The accumulator's first dimension
+# must be a multiple of 64"): block_m of the forward kernels, both output tiles of the
+# weight-gradient kernel, whose token tile block_k must be >= 64 as well (16 and 32 fail a layout
+# cast of its edge masks). Found by lowering for an H100 (tests/test_grouped_ffn.py re-checks).
+_WGMMA_ROWS = 64
+_MAX_BLOCK_N = 256  # wgmma: "N must be a multiple of 8 and <= 256"
+# Shared memory per block with opt-in on compute capability 9.0: 227 KiB (CUDA C++ Programming
+# Guide, "Technical Specifications per Compute Capability"); Mosaic GPU's limit for an H100.
+H100_SMEM_BYTES = 232_448
+_BARRIER_BYTES = 8  # one mbarrier per pipeline stage
+# SMs of an H100 SXM5 (NVIDIA H100 Tensor Core GPU Architecture whitepaper, table 3) and of an
+# H200 (the same GH100 configuration).
+H100_SMS = 132
+_MOSAIC_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def smem_bytes(block_m: int, block_n: int, block_k: int, stages: int,
+               itemsize: int = 2) -> int:
+    """Shared memory of one ``ragged_dot_mgpu`` program: ``stages`` buffered ``[block_m,
+    block_k]`` and ``[block_k, block_n]`` operand tiles and a barrier each; the output tile
+    is staged afterwards in the same memory. Matches Mosaic GPU's count (524,320 bytes for
+    256x256x128 at 4 stages, 262,160 at 2). The weight-gradient kernel is the same formula with
+    its token tile as ``block_k`` and its two output tiles as ``block_m``, ``block_n``. A bound:
+    the forward kernels buffer at most ``K / block_k`` stages, so narrow widths need less."""
+    pipeline = stages * ((block_m + block_n) * block_k * itemsize + _BARRIER_BYTES)
+    return max(pipeline, block_m * block_n * itemsize)
+
+
+def tile_errors(block_m: int, block_n: int, block_k: int, stages: int,
+                weight_grad_kernel: bool) -> list[str]:
+    """What an H100 lowering of the Mosaic kernels refuses in these tiles (empty: nothing)."""
+    errors = []
+    if block_m % _WGMMA_ROWS:
+        errors.append(f"block_m={block_m} must be a multiple of {_WGMMA_ROWS} (wgmma accumulator "
+                      f"rows)")
+    if block_n > _MAX_BLOCK_N:
+        errors.append(f"block_n={block_n} must be <= {_MAX_BLOCK_N} (wgmma N)")
+    if stages < 2:
+        errors.append(f"max_concurrent_steps={stages} must be >= 2 (the kernels release each "
+                      f"buffer one step late)")
+    used = smem_bytes(block_m, block_n, block_k, stages)
+    if weight_grad_kernel:
+        if block_n < _WGMMA_ROWS or block_k < _WGMMA_ROWS:
+            errors.append(f"the weight-gradient kernel needs block_n and block_k >= "
+                          f"{_WGMMA_ROWS}, got {block_n} and {block_k} (or weight_grad='xla')")
+        used = max(used, smem_bytes(block_n, block_n, block_k, stages))
+    if used > H100_SMEM_BYTES:
+        errors.append(f"tiles need {used:,} bytes of shared memory > {H100_SMEM_BYTES:,} (an "
+                      f"H100's); lower max_concurrent_steps={stages} or the tiles")
+    return errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,18 +113,23 @@ class GroupedMatmulConfig:
 
     Attributes:
       impl: ``"mosaic"``, ``"xla"`` or ``"tokamax"`` (module docstring).
-      block_m: rows per kernel tile; rows are padded to a multiple of it.
+      block_m: rows per kernel tile (a multiple of 64); rows are padded to a multiple of it.
       block_n, block_k: output-feature and contraction tiles, shrunk to a power of two that
-        divides the width when they do not.
-      max_concurrent_steps, grid_block_n: pipelining depth and tile-order swizzle of the
+        divides the width when they do not. ``block_k`` is also the weight-gradient kernel's
+        token tile, ``block_n`` both its output tiles.
+      max_concurrent_steps, grid_block_n: pipelining depth (>= 2) and tile-order swizzle of the
         kernels.
-      weight_grad: ``"kernel"`` (transposed Mosaic kernel, GPU only), ``"xla"``, or ``"auto"``
-        (``"xla"`` in interpret mode, else ``"kernel"``). Ignored by ``impl="xla"``.
+      weight_grad: ``"kernel"`` (transposed Mosaic kernel), ``"xla"``, or ``"auto"``
+        (``"kernel"`` where both widths of the weights are multiples of 64, else ``"xla"``).
+        Ignored by the other impls.
       interpret: run the Mosaic kernels in JAX's Mosaic GPU interpreter (CPU, tests).
-      num_sms: SMs of the weight-gradient kernel's persistent grid; None: the target
-        device's ``core_count``, else 132 (:func:`sm_count`).
       compute_dtype: operand dtype of the kernels; None: float16 stays float16, everything else
-        is cast to bfloat16 (``"mosaic"``), or no cast at all (``"xla"``).
+        is cast to bfloat16 (``"mosaic"``, ``"tokamax"``), or no cast at all (``"xla"``).
+      num_sms: programs of the weight-gradient kernel's persistent grid; None: the target
+        device's SM count (:func:`sm_count`).
+
+    With ``impl="mosaic"`` the tiles an H100 lowering refuses are refused here, one line each
+    (:func:`tile_errors`), also under ``interpret=True``: the interpreter would run them.
     """
 
     impl: str = "mosaic"
@@ -99,9 +153,21 @@ class GroupedMatmulConfig:
             value = getattr(self, name)
             if value < _MIN_BLOCK or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= {_MIN_BLOCK}, got {value}")
+        if self.grid_block_n < 1 or (self.num_sms is not None and self.num_sms < 1):
+            raise ValueError(f"grid_block_n and num_sms must be >= 1, got {self.grid_block_n} "
+                             f"and {self.num_sms}")
         if self.compute_dtype is not None:
             # Canonical and hashable, so equal configs share one compiled function.
             object.__setattr__(self, "compute_dtype", jnp.dtype(self.compute_dtype))
+        if self.impl != "mosaic":
+            return
+        if self.compute_dtype is not None and self.compute_dtype not in _MOSAIC_DTYPES:
+            raise ValueError(f"impl='mosaic' computes in bfloat16 or float16 (wgmma transposes "
+                             f"only 16-bit operands), got compute_dtype={self.compute_dtype}")
+        errors = tile_errors(self.block_m, self.block_n, self.block_k,
+                             self.max_concurrent_steps, self.weight_grad != "xla")
+        if errors:
+            raise ValueError(f"GroupedMatmulConfig: {errors[0]}")
 
     def operand_dtype(self, dtype) -> jnp.dtype:
         """The dtype the operands of this config's products are cast to."""
@@ -110,14 +176,16 @@ class GroupedMatmulConfig:
         dtype = jnp.dtype(dtype)
         if self.impl == "xla":
             return dtype
-        return dtype if dtype in (jnp.float16, jnp.bfloat16) else jnp.dtype(jnp.bfloat16)
+        return dtype if dtype in _MOSAIC_DTYPES else jnp.dtype(jnp.bfloat16)
 
-    def resolved_weight_grad(self) -> str:
+    def resolved_weight_grad(self, k: int | None = None, n: int | None = None) -> str:
+        """``"kernel"`` or ``"xla"``: how the weight gradient of ``[G, k, n]`` weights runs."""
         if self.impl != "mosaic":
             return "xla"
-        if self.weight_grad == "auto":
-            return "xla" if self.interpret else "kernel"
-        return self.weight_grad
+        if self.weight_grad != "auto":
+            return self.weight_grad
+        widths = [w for w in (k, n) if w is not None]
+        return "kernel" if all(w % _WGMMA_ROWS == 0 for w in widths) else "xla"
 
 
 def interpret_mode_active() -> bool:
@@ -136,17 +204,22 @@ def target_device(device: Any = None, mesh: jax.sharding.Mesh | None = None,
                   array: Any = None) -> Any:
     """The device a computation is built for, most specific first.
 
-    ``device``; else the first device of ``mesh``; else of ``array`` (a committed concrete
-    array); else of the mesh in context (``jax.set_mesh``: its devices outside ``jit``, its
+    ``device``; else the first device of ``mesh``; else of ``array`` (a concrete array's
+    device; a traced array's type names the ``AbstractDevice`` of the mesh its input shardings
+    lie on); else of the mesh in context (``jax.set_mesh``: its devices outside ``jit``, its
     ``AbstractDevice`` inside); else ``jax.config.jax_default_device``; else
-    ``jax.devices()[0]``. A compile-only device (``jax.experimental.topologies``) set in any of
-    these places is what is asked, so a CPU host can build for an H100 without one.
+    ``jax.devices()[0]``. A compile-only device (``jax.experimental.topologies``) named in any
+    of these places is what is asked, so a CPU host can build for an H100 without one.
     """
     if device is not None:
         return device
     if mesh is not None:
         return mesh.devices.flat[0]
-    if isinstance(array, jax.Array) and not isinstance(array, jax.core.Tracer):
+    if isinstance(array, jax.core.Tracer):  # its type's mesh names the target's device kind
+        abstract = getattr(getattr(jax.typeof(array), "sharding", None), "mesh", None)
+        if getattr(abstract, "abstract_device", None) is not None:
+            return abstract.abstract_device
+    elif isinstance(array, jax.Array):
         return next(iter(array.devices()))
     try:
         context_mesh = jax.sharding.get_mesh()
@@ -198,27 +271,27 @@ def check_grouped_supported(device: Any = None, *, mesh: jax.sharding.Mesh | Non
 
 
 def sm_count(config: GroupedMatmulConfig, device: Any = None) -> int:
-    """Streaming multiprocessors the weight-gradient kernel's persistent grid spans.
+    """Programs in the weight-gradient kernel's persistent grid, one per SM.
 
-    ``config.num_sms`` when set; else the target device's ``core_count`` (GPU devices, their
-    ``AbstractDevice.num_cores`` inside ``jit``); else 132, the SM count of H100 SXM5 and H200
-    (NVIDIA H100 Tensor Core GPU Architecture whitepaper, table 3; H200 is the same GH100 die).
+    ``config.num_sms`` when set; else the target device's ``core_count`` (GPU devices, also
+    compile-only ones; ``AbstractDevice.num_cores`` inside ``jit``); else :data:`H100_SMS`
+    (132). Any count computes the same result; the device's own runs one wave.
     """
     if config.num_sms is not None:
         return config.num_sms
     device = target_device(device)
     count = getattr(device, "core_count", None) or getattr(device, "num_cores", None)
-    return int(count) if count else _H100_SMS
+    return int(count) if count else H100_SMS
 
 
-class _JaxWithDevice:
+class _JaxWithSmCount:
     """The ``jax`` module as ``transposed_ragged_dot_mgpu`` sees it while it builds its grid.
 
     That kernel sizes its persistent grid with ``jax.devices()[0].core_count``: the first
     device of the default backend, which on a CPU host (the interpreter, a compile-only H100
-    target) is a CPU without ``core_count``. It has no argument for it, so for the duration
+    target) is a CPU without ``core_count``. It takes no argument for it, so for the duration
     of one call its module-level ``jax`` is this view, whose ``devices()`` answers with the
-    SM count of the device the computation targets; every other name is ``jax``'s own.
+    SM count of the target; every other name is ``jax``'s own.
     """
 
     def __init__(self, num_sms: int):
@@ -232,24 +305,37 @@ class _JaxWithDevice:
         return getattr(jax, name)
 
 
-@contextlib.contextmanager
-def _kernel_sm_count(module: types.ModuleType, num_sms: int):
-    seen = module.jax
-    module.jax = _JaxWithDevice(num_sms)
+def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, *, group_sizes: jax.Array,
+                          block_m: int, block_n: int, block_k: int, max_concurrent_steps: int,
+                          grid_block_n: int, num_sms: int) -> jax.Array:
+    """``transposed_ragged_dot_mgpu.transposed_ragged_dot`` on a grid of ``num_sms`` programs.
+
+    ``lhs [K, M]``, ``rhs [K, N]`` -> ``[G, M, N]`` with ``[g] = lhs_g^T @ rhs_g`` over the
+    rows of group ``g``; the tiles as that function takes them, unchecked (the checked path is
+    :func:`grouped_matmul`). JAX's function reads the grid size from ``jax.devices()[0]``; here
+    it is an argument, so a CPU host (interpreter, compile-only H100) can run or lower it.
+    """
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as kernel_module
+
+    seen = kernel_module.jax
+    kernel_module.jax = _JaxWithSmCount(num_sms)
     try:
-        yield
+        return kernel_module.transposed_ragged_dot(
+            lhs, rhs, group_sizes=group_sizes, block_m=block_m, block_n=block_n,
+            block_k=block_k, max_concurrent_steps=max_concurrent_steps,
+            grid_block_n=grid_block_n)
     finally:
-        module.jax = seen
+        kernel_module.jax = seen
 
 
-def _fit_block(block: int, dim: int, what: str) -> int:
+def _fit_block(block: int, dim: int, what: str, smallest: int = _MIN_BLOCK) -> int:
     """The largest power of two <= ``block`` dividing ``dim`` (the kernels need whole tiles)."""
-    while block >= _MIN_BLOCK:
+    while block >= smallest:
         if dim % block == 0:
             return block
         block //= 2
-    raise ValueError(
-        f"grouped matmul impl='mosaic': {what}={dim} must be a multiple of {_MIN_BLOCK}")
+    raise ValueError(f"grouped matmul impl='mosaic': {what}={dim} must be a multiple of "
+                     f"{smallest}")
 
 
 def _rows_valid(rows: int, group_sizes: jax.Array) -> jax.Array:
@@ -270,50 +356,44 @@ def _interpreting(config: GroupedMatmulConfig):
     return interpret_params.force_gpu_interpret_mode()
 
 
-def _mosaic_matmul(lhs, rhs, group_sizes, config: GroupedMatmulConfig) -> jax.Array:
-    """``ragged_dot_mgpu`` on ``lhs [M, K]``, ``rhs [G, K, N]``; rows past the groups: zeros."""
+def _mosaic_matmul(lhs, rhs, group_sizes, config: GroupedMatmulConfig,
+                   transpose_rhs: bool = False) -> jax.Array:
+    """``ragged_dot_mgpu`` on ``lhs [M, K]`` and ``rhs [G, K, N]`` (``[G, N, K]`` with
+    ``transpose_rhs``); rows past the groups: zeros."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
     rows, k = lhs.shape
-    n = rhs.shape[-1]
-    out = None
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     with _interpreting(config):
         out = ragged_dot_mgpu.ragged_dot(
-            _pad_rows(lhs, config.block_m), rhs, group_sizes=group_sizes.astype(jnp.int32),
+            _pad_rows(lhs, config.block_m), rhs, group_sizes=group_sizes,
             block_m=config.block_m, block_n=_fit_block(config.block_n, n, "output width"),
             block_k=_fit_block(config.block_k, k, "contraction width"),
             max_concurrent_steps=config.max_concurrent_steps,
-            grid_block_n=config.grid_block_n)
+            grid_block_n=config.grid_block_n, transpose_rhs=transpose_rhs)
     # The kernel never writes rows outside the groups (uninitialised memory, NaN in the
     # interpreter), and a NaN there would poison the transposed kernel's masked products.
     return jnp.where(_rows_valid(rows, group_sizes), out[:rows], 0)
 
 
-def _mosaic_weight_grad(lhs, dout, group_sizes, config: GroupedMatmulConfig,
-                        kernel: Callable | None = None) -> jax.Array:
-    """``[G, K, N]`` with ``[g] = lhs_g^T @ dout_g`` on ``transposed_ragged_dot_mgpu``.
-
-    ``kernel`` replaces the Mosaic kernel (same signature) so the padding around it can be
-    tested where the kernel cannot run.
-    """
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-
-    if kernel is None:
-        kernel = transposed_ragged_dot_mgpu.transposed_ragged_dot
+def _mosaic_weight_grad(lhs, dout, group_sizes, config: GroupedMatmulConfig) -> jax.Array:
+    """``[G, K, N]`` with ``[g] = lhs_g^T @ dout_g`` on the transposed Mosaic kernel."""
     k, n = lhs.shape[1], dout.shape[1]
     block_k = config.block_k
-    # The kernel reads whole row blocks of each group; padding rows keeps the last block inside
-    # the arrays (the masked tail rows are zero, see _mosaic_matmul).
+    # The kernel reads whole row blocks of each group and masks the edge blocks by multiplying
+    # with 0; padding keeps the last block inside the arrays, and the rows past the groups are
+    # zeroed since NaN * 0 is NaN.
     valid = _rows_valid(lhs.shape[0], group_sizes)
     lhs = _pad_rows(jnp.where(valid, lhs, 0), block_k)
     dout = _pad_rows(jnp.where(valid, dout, 0), block_k)
-    with _interpreting(config), _kernel_sm_count(transposed_ragged_dot_mgpu, sm_count(config)):
-        return kernel(
-            lhs, dout, group_sizes=group_sizes.astype(jnp.int32),
-            block_m=_fit_block(config.block_n, k, "weight-gradient rows"),
-            block_n=_fit_block(config.block_n, n, "weight-gradient columns"),
+    with _interpreting(config):
+        return transposed_ragged_dot(
+            lhs, dout, group_sizes=group_sizes,
+            block_m=_fit_block(config.block_n, k, "weight-gradient rows", _WGMMA_ROWS),
+            block_n=_fit_block(config.block_n, n, "weight-gradient columns", _WGMMA_ROWS),
             block_k=block_k, max_concurrent_steps=config.max_concurrent_steps,
-            grid_block_n=config.grid_block_n)
+            grid_block_n=config.grid_block_n,
+            num_sms=sm_count(config, target_device(array=lhs)))
 
 
 def _xla_matmul(lhs, rhs, group_sizes) -> jax.Array:
@@ -335,22 +415,22 @@ def _tokamax_matmul(lhs, rhs, group_sizes) -> jax.Array:
         import tokamax
     except ImportError as err:
         raise ImportError(
-            "grouped matmul impl='tokamax' needs the tokamax package (Python >= 3.12, jax >= "
-            f"0.11.1): pip install tokamax; or use impl='mosaic' or 'xla' ({err})") from err
-    out = tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
-    return out.astype(lhs.dtype)
+            "grouped matmul impl='tokamax' needs the tokamax package: pip install -r "
+            f"requirements-tokamax.txt; or use impl='mosaic' or 'xla' ({err})") from err
+    # Output in the operand dtype: tokamax's VJP multiplies the cotangent with the operands,
+    # and with a float32 output (preferred_element_type) it meets bfloat16 weights there.
+    return tokamax.ragged_dot(lhs, rhs, group_sizes)
 
 
 @functools.cache
 def _build(config: GroupedMatmulConfig) -> Callable:
     """The custom-VJP grouped matmul of ``config`` on operands already in the compute dtype."""
     mosaic = config.impl == "mosaic"
-    weight_grad = config.resolved_weight_grad()
 
-    def product(lhs, rhs, group_sizes):
+    def product(lhs, rhs, group_sizes, transpose_rhs=False):
         if mosaic:
-            return _mosaic_matmul(lhs, rhs, group_sizes, config)
-        return _xla_matmul(lhs, rhs, group_sizes)
+            return _mosaic_matmul(lhs, rhs, group_sizes, config, transpose_rhs)
+        return _xla_matmul(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, group_sizes)
 
     @jax.custom_vjp
     def gmm(lhs, rhs, group_sizes):
@@ -362,8 +442,8 @@ def _build(config: GroupedMatmulConfig) -> Callable:
     def bwd(res, dout):
         lhs, rhs, group_sizes = res
         dout = dout.astype(lhs.dtype)
-        dlhs = product(dout, jnp.swapaxes(rhs, 1, 2), group_sizes)
-        if weight_grad == "kernel":
+        dlhs = product(dout, rhs, group_sizes, transpose_rhs=True)
+        if config.resolved_weight_grad(*rhs.shape[1:]) == "kernel":
             drhs = _mosaic_weight_grad(lhs, dout, group_sizes, config)
         else:
             drhs = _xla_weight_grad(lhs, dout, group_sizes)
@@ -399,6 +479,7 @@ def grouped_matmul(
     if config.impl == "mosaic":
         check_grouped_supported(target_device(array=lhs), interpret=config.interpret)
     dtype = config.operand_dtype(jnp.result_type(lhs.dtype, rhs.dtype))
+    args = (lhs.astype(dtype), rhs.astype(dtype), group_sizes.astype(jnp.int32))
     if config.impl == "tokamax":  # differentiated by tokamax's own VJP
-        return _tokamax_matmul(lhs.astype(dtype), rhs.astype(dtype), group_sizes.astype(jnp.int32))
-    return _build(config)(lhs.astype(dtype), rhs.astype(dtype), group_sizes.astype(jnp.int32))
+        return _tokamax_matmul(*args)
+    return _build(config)(*args)

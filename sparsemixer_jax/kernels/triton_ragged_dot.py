@@ -22,7 +22,7 @@ import jax
 
 TRITON_RAGGED_DOT_OPTION = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
 # Where jax's GPU lowering rule imports the kernels from (jax/_src/lax/lax.py, 0.10-0.11).
-_TRITON_RAGGED_DOT_MODULE = "jax._src.lax.pallas_lowerings.gpu.ragged_dot"
+TRITON_RAGGED_DOT_MODULE = "jax._src.lax.pallas_lowerings.gpu.ragged_dot"
 
 
 def triton_ragged_dot_available() -> bool:
@@ -30,7 +30,7 @@ def triton_ragged_dot_available() -> bool:
     if TRITON_RAGGED_DOT_OPTION not in jax.config.values:
         return False
     try:
-        return importlib.util.find_spec(_TRITON_RAGGED_DOT_MODULE) is not None
+        return importlib.util.find_spec(TRITON_RAGGED_DOT_MODULE) is not None
     except ModuleNotFoundError:  # a parent package is missing
         return False
 

@@ -2,41 +2,28 @@
 
 One row per token and chosen expert goes through its expert MLP. Dispatch is chosen by name:
 
-* ``"ragged"``: tokens sorted by expert, grouped matmul with :func:`jax.lax.ragged_dot`.
-* ``"grouped"``: tokens sorted by expert, grouped matmuls with a custom VJP whose forward and
-  gradients run on JAX's Mosaic GPU kernels on Hopper GPUs (:mod:`sparsemixer_jax.kernels`;
-  ``grouped_impl="mosaic"``, the default) or on ``jax.lax.ragged_dot`` (``"xla"``). Padded only
-  at the end of the sorted rows, to a whole tile. ``auto`` does not pick it until an H100
-  measurement shows it faster than ``padded`` (:data:`AUTO_DISPATCH`).
-* ``"padded"``: tokens sorted by expert into a block-padded layout: each expert's group is padded
-  to a multiple of a block of ``b`` rows, every block belongs to one expert, and one batched
-  matmul multiplies each block by its expert's weights. Dropless with at most ``rows + N * b``
-  rows (``b`` about ``rows / N``), so the work is at most about twice a dense FFN whatever ``N``.
-  In capacity mode it is the Switch layout ``[N, capacity, emb]`` (one block per expert).
-* ``"auto"``: per backend, from the measured table :data:`AUTO_DISPATCH` (``"padded"`` on CPU
-  and GPU, ``"ragged"`` on GPU only with grouped kernels on, ``"ragged"`` on TPU).
+* ``"ragged"`` (:func:`ragged_ffn`): tokens sorted by expert, grouped matmul with
+  :func:`jax.lax.ragged_dot`.
+* ``"grouped"`` (:func:`grouped_ffn`): tokens sorted by expert, grouped matmuls with a custom
+  VJP on the kernels of :mod:`sparsemixer_jax.kernels` (``grouped_impl``): JAX's Mosaic GPU
+  kernels on Hopper GPUs (``"mosaic"``, the default), ``tokamax.ragged_dot`` (``"tokamax"``,
+  optional package) or ``jax.lax.ragged_dot`` (``"xla"``). Padded only at the end of the sorted
+  rows, to a whole tile. The kernels compute in bfloat16 (float16 stays float16). ``auto`` does
+  not pick it until a GPU measurement shows it faster than ``padded`` (:data:`AUTO_DISPATCH`).
+* ``"padded"`` (:func:`padded_ffn`): tokens sorted by expert into a block-padded layout: each
+  expert's group is padded to a multiple of a block of ``b`` rows, every block belongs to one
+  expert, and one batched matmul multiplies each block by its expert's weights. Dropless with at
+  most ``rows + N * b`` rows (``b`` about ``rows / N``, :func:`padded_block_rows`), so the work
+  is at most about twice a dense FFN whatever ``N``. In capacity mode it is the Switch layout
+  ``[N, capacity, emb]`` (one block per expert).
+* ``"auto"``: per backend, from the measured table :data:`AUTO_DISPATCH`.
 
-Why ``auto`` picks ``padded`` on CPU: there XLA lowers ``ragged_dot`` to a masked dense dot over
-all ``N`` groups, so it costs about ``N`` dense FFNs; the block-padded layout stays near one to
-two. Measured with ``python -m experiments.bench_dispatch`` (forward + backward of
-the expert FFN, float32, tokens=4096, emb=512, mlp=2048, random balanced routing, median of 3;
-2 cores of an "AMD EPYC" (lscpu model name), jax 0.10.2, about 5 minutes). Other jobs shared the
-2 cores (load average 4 to 5), so absolute times are inflated and noisy, the dense baseline
-included; the ratio ragged / padded is the finding (an earlier run: 1.4x, 2.4x, 2.8x, 21x):
-
-====  ==========  ==========
-N     ragged ms   padded ms
-====  ==========  ==========
-2         2660        1512
-4         2996        1180
-8         5941        1583
-16       18603        2967
-====  ==========  ==========
-
-(dense FFN, one expert over all tokens: 1632 ms in the same run.)
-
-On GPU ``ragged_dot`` is as slow by default (:data:`AUTO_DISPATCH`), unless its grouped
-Pallas/Triton lowering is on (:mod:`sparsemixer_jax.kernels.triton_ragged_dot`).
+Why ``auto`` picks ``padded`` on CPU and GPU: there XLA lowers ``ragged_dot`` to a dense dot
+over all ``N`` groups with the other groups' rows masked, so it costs about ``N`` dense FFNs,
+while the block-padded layout stays near one to two; ``docs/benchmarks.md`` has the
+measurements (``python -m experiments.bench_dispatch`` on CPU, ``python -m experiments.benchmark
+--sections moe_vs_dense`` on an H100). On a GPU ``ragged_dot`` can lower to grouped kernels
+instead (:mod:`sparsemixer_jax.kernels.triton_ragged_dot`); then ``auto`` picks ``ragged``.
 
 Randomness: the router key and the dropout key come from the module's own ``router`` and
 ``dropout`` RNG streams. Dropout masks are drawn per row from ``fold_in(key, row_id)`` with
@@ -48,6 +35,7 @@ layer (:mod:`sparsemixer_jax.moe.expert_parallel`) gives the same result as one 
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +47,7 @@ from sparsemixer_jax.kernels.mosaic_grouped_matmul import (
 )
 
 DISPATCHES = ("auto", "ragged", "padded", "grouped")
-GROUPED_IMPLS = ("mosaic", "xla")
+GROUPED_IMPLS = ("mosaic", "xla", "tokamax")
 # The expert (and dense) FFN's nonlinearity: ReLU in the paper's fairseq translation Transformer,
 # GELU in BERT / ELECTRA / COCO-LM, whose setting the pretraining experiment follows.
 ACTIVATIONS = ("relu", "gelu")
@@ -142,8 +130,24 @@ def row_dropout(
     return jnp.where(keep, h / (1.0 - rate), 0.0).astype(h.dtype)
 
 
-def _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, activation="relu"):
-    """Sorted grouped matmul with ``ragged_dot``. See :func:`expert_ffn` for shapes."""
+def ragged_ffn(
+    x: jax.Array,
+    group: jax.Array,
+    token_ids: jax.Array,
+    wi: jax.Array,
+    bi: jax.Array,
+    wo: jax.Array,
+    bo: jax.Array,
+    drop_key: jax.Array | None,
+    rate: float,
+    activation: str = "relu",
+) -> jax.Array:
+    """Each row through its expert: rows sorted by expert, grouped matmuls with ``ragged_dot``.
+
+    Shapes as :func:`grouped_ffn`: ``x`` ``[R, emb]``, ``group`` and ``token_ids`` int ``[R]``
+    (``group >= G``: no expert, the row outputs zeros), ``wi, bi, wo, bo`` ``[G, emb, mlp]``,
+    ``[G, mlp]``, ``[G, mlp, emb]``, ``[G, emb]``. Returns ``[R, emb]``.
+    """
     num_groups = wi.shape[0]
     order = jnp.argsort(group, stable=True)  # sentinel rows (group == G) sort last
     sorted_group = group[order]
@@ -157,7 +161,7 @@ def _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, activation=
     return jnp.zeros_like(y).at[order].set(y, unique_indices=True)
 
 
-def _block_rows(rows: int, num_groups: int) -> int:
+def padded_block_rows(rows: int, num_groups: int) -> int:
     """Block size of the padded layout: a power of two near ``rows / num_groups``, in [8, 512].
 
     Padding costs at most ``num_groups * (block - 1)`` rows; smaller blocks mean more blocks and
@@ -168,12 +172,27 @@ def _block_rows(rows: int, num_groups: int) -> int:
     return int(min(512, max(8, 1 << (target.bit_length() - 1))))
 
 
-def _padded_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, capacity,
-                activation="relu"):
-    """Block-padded batched matmul. See :func:`expert_ffn` for shapes.
+def padded_ffn(
+    x: jax.Array,
+    group: jax.Array,
+    token_ids: jax.Array,
+    wi: jax.Array,
+    bi: jax.Array,
+    wo: jax.Array,
+    bo: jax.Array,
+    drop_key: jax.Array | None,
+    rate: float,
+    capacity: int | None,
+    activation: str = "relu",
+    *,
+    block_rows: int | None = None,
+) -> jax.Array:
+    """Each row through its expert in the block-padded layout: one batched matmul over blocks.
 
-    With ``capacity``: one block of ``capacity`` rows per group, the Switch
-    ``[G, capacity, emb]`` layout, no weight gather; rows past the capacity output zeros.
+    Shapes as :func:`ragged_ffn`. With ``capacity``: one block of ``capacity`` rows per group,
+    the Switch ``[G, capacity, emb]`` layout, no weight gather; rows past the capacity output
+    zeros. Dropless (``capacity=None``): blocks of ``block_rows`` rows, by default
+    :func:`padded_block_rows`.
     """
     rows, emb = x.shape
     num_groups = wi.shape[0]
@@ -185,7 +204,9 @@ def _padded_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate, capacity,
         slot = jnp.where(valid, group * capacity + rank, num_blocks * block)
         block_group = jnp.arange(num_groups)
     else:
-        block = _block_rows(rows, num_groups)
+        block = padded_block_rows(rows, num_groups) if block_rows is None else block_rows
+        if block < 1:
+            raise ValueError(f"padded_ffn: block_rows must be >= 1, got {block}")
         num_blocks = -(-rows // block) + num_groups  # sum_g ceil(n_g / b) <= ceil(R / b) + G
         counts = jnp.bincount(group, length=num_groups + 1)[:num_groups]
         padded = (counts + block - 1) // block * block
@@ -234,6 +255,7 @@ def grouped_ffn(
     weight_grad: str = "auto",
     interpret: bool = False,
     compute_dtype=None,
+    num_sms: int | None = None,
 ) -> jax.Array:
     """Each row through its expert with grouped matmuls.
 
@@ -246,17 +268,18 @@ def grouped_ffn(
       drop_key, rate: activation dropout key (None: no dropout) and rate.
       activation: ``"relu"`` or ``"gelu"`` (:data:`ACTIVATIONS`).
       impl, block_m, block_n, block_k, max_concurrent_steps, grid_block_n, weight_grad,
-        interpret, compute_dtype: :class:`GroupedMatmulConfig`. With ``impl="mosaic"`` (and
+        interpret, compute_dtype, num_sms: :class:`GroupedMatmulConfig`. With ``impl="mosaic"`` (and
         ``"tokamax"``) the matmul operands (``x``, ``wi``, the hidden activations, ``wo``) are
         cast to bfloat16 unless they are float16 (or to ``compute_dtype``); biases, ReLU and
-        dropout run in that dtype too, as ``_ragged_ffn`` does in a bfloat16 model.
+        dropout run in that dtype too, as :func:`ragged_ffn` does in a bfloat16 model.
 
     Returns: ``[R, emb]`` in the dtype of ``x``, zeros on rows without expert.
     """
     config = GroupedMatmulConfig(
         impl=impl, block_m=block_m, block_n=block_n, block_k=block_k,
         max_concurrent_steps=max_concurrent_steps, grid_block_n=grid_block_n,
-        weight_grad=weight_grad, interpret=interpret, compute_dtype=compute_dtype)
+        weight_grad=weight_grad, interpret=interpret, compute_dtype=compute_dtype,
+        num_sms=num_sms)
     rows = x.shape[0]
     num_groups = wi.shape[0]
     dtype = config.operand_dtype(jnp.result_type(x.dtype, wi.dtype))
@@ -293,6 +316,7 @@ def expert_ffn(
     capacity: int | None = None,
     grouped_impl: str = "mosaic",
     activation: str = "relu",
+    block_rows: int | None = None,
 ) -> jax.Array:
     """Each row through its expert: ``Dense -> activation -> dropout -> Dense``.
 
@@ -309,20 +333,30 @@ def expert_ffn(
         it (in row order) output zeros. The layer drops tokens before (``capacity_keep``), so
         its groups always fit.
       grouped_impl: ``"grouped"`` only: ``"mosaic"`` (Hopper kernels; interpreted on any
-        backend inside ``force_gpu_interpret_mode()``) or ``"xla"``.
+        backend inside ``force_gpu_interpret_mode()``), ``"tokamax"`` or ``"xla"``
+        (:data:`GROUPED_IMPLS`). The first two compute in bfloat16 (float16 stays float16); a
+        float32 ``x`` gets a one-line warning saying so.
       activation: ``"relu"`` or ``"gelu"`` (:data:`ACTIVATIONS`).
+      block_rows: ``"padded"`` dropless only: rows per block, default
+        :func:`padded_block_rows`.
 
     Returns: ``[R, emb]`` in the dtype of ``x``, zeros on rows without expert.
     """
     wi, bi, wo, bo = params
     group = group.astype(jnp.int32)
     if dispatch == "ragged":
-        return _ragged_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
-                           activation)
+        return ragged_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
+                          activation)
     if dispatch == "padded":
-        return _padded_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
-                           capacity, activation)
+        return padded_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
+                          capacity, activation, block_rows=block_rows)
     if dispatch == "grouped":
+        if grouped_impl != "xla" and jnp.dtype(x.dtype) == jnp.float32:
+            warnings.warn(
+                f"dispatch='grouped' with grouped_impl={grouped_impl!r} computes the expert FFN "
+                "in bfloat16 (its kernels take 16-bit operands), not in the layer's float32 "
+                "(config.model.compute_dtype); set compute_dtype='bfloat16', or "
+                "grouped_impl='xla' for float32", stacklevel=2)
         return grouped_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
                            impl=grouped_impl, activation=activation,
                            interpret=grouped_impl == "mosaic" and interpret_mode_active())

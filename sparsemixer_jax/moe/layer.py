@@ -12,6 +12,8 @@ result.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -28,11 +30,7 @@ from sparsemixer_jax.moe.dispatch import (
     resolve_dispatch,
 )
 from sparsemixer_jax.moe.expert_parallel import expert_parallel_ffn
-from sparsemixer_jax.moe.unchosen import (
-    all_expert_outputs,
-    check_default_decay,
-    update_expert_defaults,
-)
+from sparsemixer_jax.moe.unchosen import all_expert_outputs, update_expert_defaults
 
 
 def _stream(rngs: nnx.Rngs, name: str, fallback: str) -> nnx.RngStream:
@@ -62,7 +60,8 @@ class MoEFeedForward(nnx.Module):
       dispatch: ``"auto"``, ``"ragged"``, ``"padded"`` or ``"grouped"``
         (:mod:`sparsemixer_jax.moe.dispatch`).
       grouped_impl: the kernels of ``"grouped"``: ``"mosaic"`` (Hopper GPUs, or interpreted
-        inside ``force_gpu_interpret_mode()``; checked when the layer is built) or ``"xla"``.
+        inside ``force_gpu_interpret_mode()``; checked against the target device, ``mesh``'s
+        or the default one, when the layer is built), ``"tokamax"`` or ``"xla"``.
       capacity_factor: 0 for dropless; ``> 0`` caps every expert at
         ``ceil(capacity_factor * rows / N)`` rows (rows = ``B * T * top_k``: every position of
         the call and each of its experts). Rows are served first choices first (all tokens'
@@ -71,7 +70,11 @@ class MoEFeedForward(nnx.Module):
       activation: the experts' nonlinearity, ``"relu"`` (fairseq's translation Transformer, the
         default) or ``"gelu"`` (BERT / ELECTRA).
       default_decay: the EMA decay ``beta`` of the default vectors of the ``default_moe``
-        routers, in ``(0, 1)`` (0.9, the Default MoE paper's value for its 8-expert models).
+        routers, in ``(0, 1)`` (0.9; see docs/routing.md for what is known of the paper's).
+      router_options: further fields of :class:`sparsemixer_jax.routing.RouterOptions`
+        (``normalize_top_k``, ``successor_jitter``, ``default_at_eval``, ``default_mean``,
+        ``default_update``; a ``default_decay`` here overrides the argument), checked by
+        :func:`sparsemixer_jax.routing.check_router`.
       router_init_scale: variance scale of the router's truncated-normal kernel init (fan-in):
         1.0 is flax's default (LeCun normal, logits of std about 1 on LayerNorm'd inputs), 0.1
         the Switch Transformer's smaller init (std about 0.3).
@@ -109,6 +112,7 @@ class MoEFeedForward(nnx.Module):
         activation: str = "relu",
         router_init_scale: float = 1.0,
         default_decay: float = 0.9,
+        router_options: dict | None = None,
         dtype=jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
         rngs: nnx.Rngs,
@@ -119,20 +123,17 @@ class MoEFeedForward(nnx.Module):
             raise ValueError(f"activation_dropout must lie in [0, 1), got {activation_dropout}")
         if capacity_factor < 0:
             raise ValueError(f"capacity_factor must be >= 0 (0 = dropless), got {capacity_factor}")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-            raise ValueError(
-                f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}"
-            )
         resolve_dispatch(dispatch)  # validates the name
         if grouped_impl not in GROUPED_IMPLS:
             raise ValueError(f"grouped_impl must be one of {GROUPED_IMPLS}, got {grouped_impl!r}")
         if dispatch == "grouped" and grouped_impl == "mosaic":
             check_grouped_supported(mesh=mesh)  # one line naming the target if it is no Hopper
         activation_fn(activation)  # validates the name
-        routing.get_router(router, jitter_eps, top_k)  # validates the name and jitter_eps
+        # The router's own check owns every rule for its arguments.
+        self.router_options = routing.check_router(
+            router, top_k=top_k, jitter_eps=jitter_eps, num_experts=num_experts, where="",
+            **{"default_decay": default_decay, **(router_options or {})})
         self.unchosen = routing.UNCHOSEN_EXPERT_RULES.get(router)
-        if self.unchosen is not None and self.unchosen.values == "defaults":
-            check_default_decay(default_decay)
         if mesh is not None:
             sharding.check_mesh(mesh, num_experts)
 
@@ -175,7 +176,6 @@ class MoEFeedForward(nnx.Module):
         self.bo = sharded(jnp.zeros((n, emb_dim), jnp.float32), ("expert", None))
         self.omega = nnx.Param(jnp.ones((emb_dim,), jnp.float32)) if routing.uses_omega(
             router) else None
-        self.default_decay = float(default_decay)
         keeps_defaults = self.unchosen is not None and self.unchosen.values == "defaults"
         self.expert_defaults = nnx.BatchStat(
             jnp.zeros((n, emb_dim), jnp.float32)) if keeps_defaults else None
@@ -212,7 +212,8 @@ class MoEFeedForward(nnx.Module):
         logits = self.router(x.astype(jnp.float32))
         training = not deterministic
         key = self.router_rng() if training else None
-        routed = routing.get_router(self.router_name, self.jitter_eps, self.top_k)(
+        routed = routing.get_router(self.router_name, self.jitter_eps, self.top_k,
+                                    **dataclasses.asdict(self.router_options))(
             logits, key, training)
         metrics = routing.routing_metrics(logits, routed, token_mask)
         metrics.update(router_diagnostics(
@@ -270,13 +271,34 @@ class MoEFeedForward(nnx.Module):
         y = f.astype(jnp.float32) * scale
         if k > 1:
             y = jnp.sum(y, axis=2)
-        if self.unchosen is not None and (training or self.unchosen.in_forward):
-            y = y + self._unchosen_term(xc, routed, params, token_mask)
-            if training and self.expert_defaults is not None:
-                self.expert_defaults[...] = update_expert_defaults(
-                    self.expert_defaults[...], f.reshape(batch * length * k, -1),
-                    group.reshape(-1), self.default_decay)
+        if self.unchosen is not None:
+            y = y + self._unchosen_contribution(xc, routed, params, token_mask, f, gate, group,
+                                                training)
         return y.astype(x.dtype), {name: v.astype(jnp.float32) for name, v in metrics.items()}
+
+    def _unchosen_contribution(self, xc, routed, params, token_mask, f, gate, group,
+                               training: bool) -> jax.Array:
+        """``[B, T, emb]`` float32 added to the output for the experts a token did not choose
+        (zero where the router has no such term at this call), and, for Default MoE in training,
+        the EMA step of the default vectors (before or after the term reads them)."""
+        opts = self.router_options
+        in_eval = self.unchosen.in_forward and opts.default_at_eval
+        if not (training or in_eval):
+            return jnp.zeros(xc.shape, jnp.float32)
+        update = training and self.expert_defaults is not None
+        if update:
+            rows = f.astype(jnp.float32)
+            if opts.default_mean == "gated":
+                rows = rows * gate[..., None]
+            updated = update_expert_defaults(
+                self.expert_defaults[...], rows.reshape(-1, self.emb_dim), group.reshape(-1),
+                opts.default_decay)
+            if opts.default_update == "before":
+                self.expert_defaults[...] = updated
+        term = self._unchosen_term(xc, routed, params, token_mask)
+        if update and opts.default_update == "after":
+            self.expert_defaults[...] = updated
+        return term
 
     def _unchosen_term(self, xc, routed, params, token_mask) -> jax.Array:
         """``[B, T, emb]`` float32: :func:`sparsemixer_jax.routing.unchosen_expert_term` with
@@ -288,7 +310,31 @@ class MoEFeedForward(nnx.Module):
             values = values.reshape(batch, length, self.num_experts, -1)
         else:
             values = self.expert_defaults[...]
-        term = routing.unchosen_expert_term(routed.probs, routed.expert, values, self.unchosen)
+        term = routing.unchosen_expert_term(
+            routed.probs, routed.expert, values, self.unchosen,
+            normalize_top_k=self.router_options.normalize_top_k)
         if token_mask is not None:
             term = term * token_mask[..., None].astype(term.dtype)
         return term
+
+
+def fold_omega(model: nnx.Module) -> int:
+    """Folds SparseMixer's ``omega`` into the experts' output projections of every
+    :class:`MoEFeedForward` in ``model``, in place.
+
+    The layer's output is ``omega * gate * (h @ wo + bo)`` for the chosen expert, so scaling every
+    expert's ``wo [N, mlp, emb]`` and ``bo [N, emb]`` by ``omega [emb]`` and then setting ``omega``
+    to ones leaves the function unchanged and saves one multiply at inference.
+
+    Returns the number of layers folded (0 for a dense model or routers without ``omega``).
+    """
+    folded = 0
+    for _, module in nnx.iter_modules(model):
+        if not isinstance(module, MoEFeedForward) or module.omega is None:
+            continue
+        scale = module.omega[...]
+        for param in (module.wo, module.bo):
+            param[...] = param[...] * scale.astype(param[...].dtype)
+        module.omega[...] = jnp.ones_like(scale)
+        folded += 1
+    return folded

@@ -10,7 +10,8 @@ for an unchosen expert's output:
   ``rows x N x mlp`` hidden activations while it runs, ``rows x N x emb`` outputs kept for the
   backward.
 * Default MoE keeps one default vector per expert, an exponential moving average of the
-  expert's outputs: :func:`update_expert_defaults`, once per training forward.
+  expert's outputs: :func:`update_expert_defaults`, once per training forward (before or after
+  the term reads them: ``router.default_update``).
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ def update_expert_defaults(
 
     For every expert ``i`` that served at least one row,
     ``default_i <- decay * default_i + (1 - decay) * mean of its rows' outputs``; an expert
-    that served none keeps its vector (Default MoE, Panda et al., 2025, Section 3).
+    that served none keeps its vector (Default MoE, Panda et al., 2025; the mean over the
+    batch's rows, and keeping an idle expert's vector, are this library's choices).
 
     Args:
       defaults: float32 ``[N, emb]``, the current vectors.
-      outputs: ``[rows, emb]``, each row's expert output (before the gate).
+      outputs: ``[rows, emb]``, what the EMA averages for each row: its expert output, or
+        that times its gate (``router.default_mean``).
       group: int ``[rows]``, the expert of each row; ``N`` (or more) for rows that reached no
         expert (padding, dropped by capacity), which are left out.
       decay: the EMA decay ``beta`` in ``(0, 1)``.
@@ -64,12 +67,3 @@ def update_expert_defaults(
     means = sums / jnp.maximum(counts, 1.0)[:, None]
     updated = decay * defaults + (1.0 - decay) * means
     return jnp.where((counts > 0)[:, None], updated, defaults)
-
-
-def check_default_decay(decay: float) -> None:
-    """ValueError naming the value unless ``0 < decay < 1``."""
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
-        raise ValueError(
-            f"default_decay (the EMA decay of Default MoE's default vectors) must lie in "
-            f"(0, 1), got {decay!r}"
-        )

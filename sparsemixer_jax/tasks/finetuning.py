@@ -54,9 +54,10 @@ from flax import nnx
 
 from sparsemixer_jax import glue_metrics
 from sparsemixer_jax.data import glue
-from sparsemixer_jax.tasks.glue_grid import GridPoint, check_config, grid_points
+from sparsemixer_jax.glue_grid import GridPoint, check_config, grid_points
 from sparsemixer_jax.tasks.pretraining import load_pretrained
 from sparsemixer_jax.training.optim import linear_schedule, weight_decay_mask
+from sparsemixer_jax.training.workdir_lock import hold_workdir
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +152,10 @@ def _loss(graphdef, settings: StepSettings, params, stats, rest, batch, key):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
-def _train_step(graphdef, settings, params, stats, rest, opt_state, batch, key, learning_rate,
-                weight_decay):
+def finetuning_step(graphdef, settings, params, stats, rest, opt_state, batch, key,
+                    learning_rate, weight_decay):
+    """One compiled fine-tuning update of a grid point: ``(params, stats, opt_state, metrics)``
+    (``opt_state`` is donated)."""
     grads, (metrics, stats) = jax.grad(_loss, argnums=2, has_aux=True)(
         graphdef, settings, params, stats, rest, batch, key)
     updates, opt_state = _optimizer(settings, learning_rate, weight_decay).update(
@@ -168,7 +171,7 @@ def _predict(graphdef, params, stats, rest, batch):
     return outputs
 
 
-def learning_rate_schedule(peak: float, total_steps: int, warmup: float) -> optax.Schedule:
+def finetuning_schedule(peak: float, total_steps: int, warmup: float) -> optax.Schedule:
     """The rate of update ``count`` (optax counts from 0): linear warm-up to ``peak`` over
     ``round(warmup * total_steps)`` updates, then linear decay to 0 at ``total_steps``.
 
@@ -184,7 +187,9 @@ def learning_rate_schedule(peak: float, total_steps: int, warmup: float) -> opta
 
 
 @dataclasses.dataclass
-class TaskData:
+class GlueData:
+    """One GLUE task's encoded data: its spec, the train split and the dev split(s)."""
+
     spec: glue.TaskSpec
     train: glue.Encoded
     dev: dict[str, glue.Encoded]
@@ -202,7 +207,7 @@ def predict(graphdef, params, stats, rest, data: glue.Encoded, batch_size: int, 
     return np.concatenate(out)
 
 
-def evaluate(graphdef, params, stats, rest, task: TaskData,
+def evaluate_dev(graphdef, params, stats, rest, task: GlueData,
              config: Any) -> dict[str, dict[str, float]]:
     """``{dev split: {metric: value}}`` of the task's standard metrics."""
     results = {}
@@ -218,7 +223,7 @@ def task_score(spec: glue.TaskSpec, dev: dict[str, dict[str, float]]) -> float:
     return float(np.mean([dev[split][spec.score_metric] for split in spec.dev_splits]))
 
 
-def finetune_point(encoder_graphdef, encoder_state, task: TaskData, point: GridPoint,
+def finetune_point(encoder_graphdef, encoder_state, task: GlueData, point: GridPoint,
                    config: Any, settings: StepSettings) -> dict[str, Any]:
     """Fine-tunes a fresh copy of the encoder with a new head at ``point``; dev after each epoch.
 
@@ -235,7 +240,7 @@ def finetune_point(encoder_graphdef, encoder_state, task: TaskData, point: GridP
     opt_state = _optimizer(settings, 0.0, 0.0).init(params)
     steps_per_epoch = math.ceil(len(task.train) / point.batch_size)
     total = steps_per_epoch * point.epochs
-    schedule = learning_rate_schedule(point.learning_rate, total, point.warmup)
+    schedule = finetuning_schedule(point.learning_rate, total, point.warmup)
     step = 0
     history = []
     for epoch in range(1, point.epochs + 1):
@@ -245,7 +250,7 @@ def finetune_point(encoder_graphdef, encoder_state, task: TaskData, point: GridP
         for batch in glue.batches(task.train, point.batch_size, length_step=int(config.length_step),
                                   rng=rng):
             key = jax.random.fold_in(jax.random.key(seed), step)
-            params, stats, opt_state, metrics = _train_step(
+            params, stats, opt_state, metrics = finetuning_step(
                 graphdef, settings, params, stats, rest, opt_state, batch, key,
                 jnp.float32(schedule(step)), jnp.float32(point.weight_decay))
             epoch_metrics.append(metrics)
@@ -259,7 +264,7 @@ def finetune_point(encoder_graphdef, encoder_state, task: TaskData, point: GridP
             history.append({"epoch": epoch, "train_loss": train_loss, "dev": None,
                             "score": float("nan")})
             break
-        dev = evaluate(graphdef, params, stats, rest, task, config)
+        dev = evaluate_dev(graphdef, params, stats, rest, task, config)
         history.append({"epoch": epoch, "train_loss": train_loss,
                         "balance_loss": means["balance_loss"],
                         "grad_norm": means["grad_norm"],
@@ -341,14 +346,14 @@ def glue_dir(config: Any) -> str:
 
 
 def load_task_data(config: Any, name: str, tokenizer, *, skip_bad_rows: bool = False
-                   ) -> TaskData:
+                   ) -> GlueData:
     """Reads and encodes a task, keeping the first ``train_limit`` / ``dev_limit`` rows if set;
-    ``skip_bad_rows`` leaves malformed rows out (counted per file in ``TaskData.skipped``)."""
+    ``skip_bad_rows`` leaves malformed rows out (counted per file in ``GlueData.skipped``)."""
     task = glue.load_task(glue_dir(config), name, skip_bad_rows=skip_bad_rows)
     regression = task.spec.is_regression
     train_limit, dev_limit = int(config.train_limit), int(config.dev_limit)
     train = task.train[:train_limit] if train_limit else task.train
-    return TaskData(
+    return GlueData(
         task.spec,
         glue.encode(train, tokenizer, int(config.max_len), regression=regression),
         {split: glue.encode(rows[:dev_limit] if dev_limit else rows, tokenizer,
@@ -358,7 +363,7 @@ def load_task_data(config: Any, name: str, tokenizer, *, skip_bad_rows: bool = F
     )
 
 
-def run_task(config: Any, task: TaskData, encoder: nnx.Module, pretrain_config: Any,
+def run_task(config: Any, task: GlueData, encoder: nnx.Module, pretrain_config: Any,
              workdir: str, settings: dict[str, Any]) -> dict[str, Any]:
     """The grid search on one task; writes each point, then ``{workdir}/{task}/results.json``."""
     task_dir = os.path.join(workdir, task.spec.name)
@@ -366,7 +371,7 @@ def run_task(config: Any, task: TaskData, encoder: nnx.Module, pretrain_config: 
     step_settings = StepSettings(
         regression=task.spec.is_regression,
         balance_weight=float(pretrain_config.router.balance_weight),
-        z_loss_weight=float(pretrain_config.router.get("z_loss_weight", 0.0)),
+        z_loss_weight=float(pretrain_config.router.z_loss_weight),
         b1=float(config.optim.b1), b2=float(config.optim.b2), eps=float(config.optim.eps),
         clip_norm=float(config.optim.clip_norm),
     )
@@ -460,12 +465,12 @@ def run_tasks(config: ml_collections.ConfigDict, pretrained_dir: str, tasks: Seq
             _load_point(os.path.join(workdir, name, "points", point.name + ".json"), settings)
     logger.info("fine-tuning the %s checkpoint of %s (step %d, sha256 %s)", checkpoint,
                 pretrained_dir, pretrained.step, pretrained.digest[:12])
-    os.makedirs(workdir, exist_ok=True)
-    for name in names:
-        task = load_task_data(config, name, pretrained.tokenizer, skip_bad_rows=skip_bad_rows)
-        run_task(config, task, pretrained.encoder, pretrained.config, workdir, settings)
-    summary = collect_results(workdir)
-    _write_json(os.path.join(workdir, "results.json"), summary)
+    with hold_workdir(workdir):  # one search per workdir: a second one is refused
+        for name in names:
+            task = load_task_data(config, name, pretrained.tokenizer, skip_bad_rows=skip_bad_rows)
+            run_task(config, task, pretrained.encoder, pretrained.config, workdir, settings)
+        summary = collect_results(workdir)
+        _write_json(os.path.join(workdir, "results.json"), summary)
     return summary
 
 

@@ -32,70 +32,13 @@ from sparsemixer_jax.electra import Electra, LossSettings, electra_loss
 from sparsemixer_jax.encoder import Encoder
 from sparsemixer_jax.training import Run, TaskData, train
 from sparsemixer_jax.training.hosts import is_main_process, wait_for_all_processes
-from sparsemixer_jax.training.loop import build_model
-from sparsemixer_jax.training.optim import OptimSettings
-from sparsemixer_jax.training.steps import Steps, count_params
+from sparsemixer_jax.training.loop import build_model, build_steps
+from sparsemixer_jax.training.steps import count_params
 
 logger = logging.getLogger(__name__)
 
 _EVAL_SUMS = ("mlm_nll", "mlm_correct", "mlm_count", "disc_nll", "disc_correct", "disc_count",
               "replaced", "replaced_correct")
-
-
-@dataclasses.dataclass(frozen=True)
-class PretrainingObjective:
-    """Generator MLM loss + ``disc_weight`` x discriminator loss + auxiliary losses (hashable)."""
-
-    settings: LossSettings
-
-    def loss(self, model: Electra, batch, key):
-        dropout_key, router_key, sample_key = jax.random.split(key, 3)
-        nnx.reseed(model, dropout=dropout_key, router=router_key)
-        loss, metrics = electra_loss(model, batch, sample_key, self.settings)
-        del metrics["corrupted"]
-        metrics["loss"] = loss
-        metrics["micro_batches"] = jnp.ones((), jnp.float32)
-        return loss, metrics
-
-    def summarize(self, m):
-        """Per-update metrics: token-weighted rates, losses averaged over micro-batches (the
-        gradient too)."""
-        n = m["micro_batches"]
-        safe = lambda x: jnp.maximum(x, 1.0)
-        return n, {
-            "loss": m["loss"] / n,
-            "mlm_loss": m["mlm_nll"] / safe(m["mlm_count"]),
-            "mlm_accuracy": m["mlm_correct"] / safe(m["mlm_count"]),
-            "disc_loss": m["disc_nll"] / safe(m["disc_count"]),
-            "disc_accuracy": m["disc_correct"] / safe(m["disc_count"]),
-            "replaced_fraction": m["replaced"] / safe(m["disc_count"]),
-            "replaced_recall": m["replaced_correct"] / safe(m["replaced"]),
-            "balance_loss": m["balance_loss"] / n,
-            "z_loss": m["z_loss"] / n,
-            "tokens": m["disc_count"],
-            "moe": jax.tree.map(lambda v: v / n, m["moe"]),
-        }
-
-    def evaluate(self, model: Electra, batch, key):
-        """Metric sums of the deterministic forward (replacements still sampled, from ``key``)."""
-        _, metrics = electra_loss(model, batch, key, self.settings, deterministic=True)
-        return {k: metrics[k] for k in _EVAL_SUMS}
-
-
-def objective(config: ml_collections.ConfigDict) -> PretrainingObjective:
-    return PretrainingObjective(LossSettings(
-        disc_weight=float(config.optim.disc_weight),
-        balance_weight=float(config.router.balance_weight),
-        z_loss_weight=float(config.router.z_loss_weight),
-        mask_prob=float(config.data.mask_prob),
-    ))
-
-
-def build_steps(config: ml_collections.ConfigDict, vocab_size: int,
-                mesh: jax.sharding.Mesh | None = None) -> Steps:
-    """A fresh generator + discriminator of ``config`` with its compiled steps."""
-    return Steps(build_model(config, Electra, vocab_size, mesh), objective(config),
-                 OptimSettings.from_config(config.optim))
 
 
 def _packed(config, tokenizer: Tokenizer, paragraphs: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -145,14 +88,65 @@ def packed_split(config, workdir: str, split: str, path: str, tokenizer: Tokeniz
     return tokens, segments, stats
 
 
+@dataclasses.dataclass(frozen=True)
 class PretrainingTask:
-    """The pretraining task of the training loop (:class:`sparsemixer_jax.training.Task`)."""
+    """The pretraining task (:class:`sparsemixer_jax.training.Task`): generator MLM loss +
+    ``disc_weight`` x discriminator loss + auxiliary losses, packed text, the generator +
+    discriminator, and the discriminator's size at the end.
+
+    Hashable (a static argument of the compiled steps); :meth:`from_config` builds it.
+    """
+
+    settings: LossSettings
 
     batch_keys = ("tokens", "segments", "inputs", "selected")
     progress_keys = ("loss", "mlm_loss", "disc_loss")
 
-    def __init__(self, disc_weight: float):
-        self.disc_weight = disc_weight  # the validation objective weighs the losses alike
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> PretrainingTask:
+        return cls(LossSettings(
+            disc_weight=float(config.optim.disc_weight),
+            balance_weight=float(config.router.balance_weight),
+            z_loss_weight=float(config.router.z_loss_weight),
+            mask_prob=float(config.data.mask_prob),
+        ))
+
+    # -- in the compiled steps
+
+    def loss(self, model: Electra, batch, key):
+        dropout_key, router_key, sample_key = jax.random.split(key, 3)
+        nnx.reseed(model, dropout=dropout_key, router=router_key)
+        loss, metrics = electra_loss(model, batch, sample_key, self.settings)
+        del metrics["corrupted"]
+        metrics["loss"] = loss
+        metrics["micro_batches"] = jnp.ones((), jnp.float32)
+        return loss, metrics
+
+    def summarize(self, m):
+        """Per-update metrics: token-weighted rates, losses averaged over micro-batches (the
+        gradient too)."""
+        n = m["micro_batches"]
+        safe = lambda x: jnp.maximum(x, 1.0)
+        return n, {
+            "loss": m["loss"] / n,
+            "mlm_loss": m["mlm_nll"] / safe(m["mlm_count"]),
+            "mlm_accuracy": m["mlm_correct"] / safe(m["mlm_count"]),
+            "disc_loss": m["disc_nll"] / safe(m["disc_count"]),
+            "disc_accuracy": m["disc_correct"] / safe(m["disc_count"]),
+            "replaced_fraction": m["replaced"] / safe(m["disc_count"]),
+            "replaced_recall": m["replaced_correct"] / safe(m["replaced"]),
+            "balance_loss": m["balance_loss"] / n,
+            "z_loss": m["z_loss"] / n,
+            "tokens": m["disc_count"],
+            "moe": jax.tree.map(lambda v: v / n, m["moe"]),
+        }
+
+    def evaluate(self, model: Electra, batch, key):
+        """Metric sums of the deterministic forward (replacements still sampled, from ``key``)."""
+        _, metrics = electra_loss(model, batch, key, self.settings, deterministic=True)
+        return {k: metrics[k] for k in _EVAL_SUMS}
+
+    # -- on the host
 
     def load_data(self, config, workdir: str, batch_multiple: int) -> TaskData:
         """Reads, tokenizes (training the vocabulary if needed) and packs; the batch streams."""
@@ -183,24 +177,17 @@ class PretrainingTask:
         valid = text.eval_batches(v_tokens, v_segments, micro, seed=int(config.seed), **mask,
                                   **processes)
         return TaskData(train=batches, valid=valid, vocab_size=tokenizer.vocab_size, stats=stats,
-                        extra=tokenizer)
+                        micro_batches=int(d.batch_size) // micro, extra=tokenizer)
 
     def build_model(self, config, vocab_size: int, mesh) -> Electra:
         return build_model(config, Electra, vocab_size, mesh)
-
-    def objective(self, config) -> PretrainingObjective:
-        return objective(config)
-
-    def micro_batches(self, config) -> int:
-        micro = int(config.data.micro_batch_size) or int(config.data.batch_size)
-        return int(config.data.batch_size) // micro
 
     def validation_metrics(self, total) -> dict[str, float]:
         safe = lambda x: max(float(x), 1.0)
         mlm = float(total["mlm_nll"]) / safe(total["mlm_count"])
         disc = float(total["disc_nll"]) / safe(total["disc_count"])
         return {
-            "valid_loss": mlm + self.disc_weight * disc,
+            "valid_loss": mlm + self.settings.disc_weight * disc,
             "valid_mlm_loss": mlm,
             "valid_mlm_accuracy": float(total["mlm_correct"]) / safe(total["mlm_count"]),
             "valid_disc_loss": disc,
@@ -220,7 +207,8 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     Raises :class:`sparsemixer_jax.training.TrainingDiverged` if the loss or gradient becomes
     non-finite.
     """
-    return train(PretrainingTask(float(config.optim.disc_weight)), config, workdir)
+    config_schema.validate(config)  # before the task reads its fields
+    return train(PretrainingTask.from_config(config), config, workdir)
 
 
 @dataclasses.dataclass
@@ -271,7 +259,7 @@ def load_pretrained(
                                 "one yet?")
     tokenizer = Tokenizer(vocab_path)
     text.check_special_pieces(tokenizer)
-    built = build_steps(config, tokenizer.vocab_size, mesh)
+    built = build_steps(PretrainingTask.from_config(config), config, tokenizer.vocab_size, mesh)
     template = built.train_state(built.params, built.opt_state_shapes(built.params))
     checkpoints = RunCheckpoints(workdir)
     try:

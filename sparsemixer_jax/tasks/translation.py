@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from sparsemixer_jax import bleu, decode
+from sparsemixer_jax import config as config_schema
 from sparsemixer_jax.checkpoint import CheckpointError
 from sparsemixer_jax.data.batching import restore_order
 from sparsemixer_jax.data.sources import read_split
@@ -33,8 +34,6 @@ from sparsemixer_jax.training.hosts import (
     wait_for_all_processes,
 )
 from sparsemixer_jax.training.loop import build_model
-from sparsemixer_jax.training.optim import OptimSettings
-from sparsemixer_jax.training.steps import Steps
 
 logger = logging.getLogger(__name__)
 
@@ -58,63 +57,6 @@ def token_losses(
     smooth = -jnp.mean(log_probs, axis=-1)
     smoothed = (1.0 - label_smoothing) * nll + label_smoothing * smooth
     return jnp.sum(smoothed * weights), jnp.sum(nll * weights), jnp.sum(weights)
-
-
-@dataclasses.dataclass(frozen=True)
-class TranslationObjective:
-    """Label-smoothed cross entropy plus the routers' auxiliary losses (hashable)."""
-
-    label_smoothing: float
-    balance_weight: float
-    z_loss_weight: float
-    balance_normalization: str = "per_token"
-
-    @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> TranslationObjective:
-        return cls(label_smoothing=float(config.optim.label_smoothing),
-                   balance_weight=float(config.router.balance_weight),
-                   z_loss_weight=float(config.router.z_loss_weight),
-                   balance_normalization=str(config.router.balance_normalization))
-
-    def loss(self, model: Transformer, batch, key):
-        """Objective of one micro-batch summed over its target tokens, and metric sums."""
-        dropout_key, router_key = jax.random.split(key)
-        nnx.reseed(model, dropout=dropout_key, router=router_key)
-        logits, aux = model(batch["inputs"], batch["targets"], deterministic=False)
-        smoothed, nll, tokens = token_losses(logits, batch["targets"], self.label_smoothing)
-        # The auxiliary losses are means over the micro-batch. "per_token" weights them by its
-        # tokens, so the update's objective is mean cross entropy + weight * loss. "per_batch"
-        # adds them once per micro-batch to the token-summed cross entropy, as the reference
-        # (fairseq) does: their weight per token is weight / tokens per micro-batch.
-        aux_loss = self.balance_weight * aux["balance_loss"] + self.z_loss_weight * aux["z_loss"]
-        aux_scale = tokens if self.balance_normalization == "per_token" else 1.0
-        metrics = {
-            "smoothed": smoothed,
-            "nll": nll,
-            "tokens": tokens,
-            "balance_loss": aux["balance_loss"] * tokens,
-            "z_loss": aux["z_loss"] * tokens,
-            "moe": jax.tree.map(lambda v: v * tokens, aux["moe"]),
-        }
-        return smoothed + aux_loss * aux_scale, metrics
-
-    def summarize(self, m):
-        """Token-weighted means of the update; the gradient is divided by its tokens."""
-        tokens = jnp.maximum(m["tokens"], 1.0)
-        return tokens, {
-            "loss": m["smoothed"] / tokens,
-            "nll": m["nll"] / tokens,
-            "balance_loss": m["balance_loss"] / tokens,
-            "z_loss": m["z_loss"] / tokens,
-            "tokens": m["tokens"],
-            "moe": jax.tree.map(lambda v: v / tokens, m["moe"]),
-        }
-
-    def evaluate(self, model: Transformer, batch, key):
-        """``[smoothed, nll, tokens]`` sums of the deterministic forward on one batch."""
-        del key  # the deterministic forward draws nothing
-        logits, _ = model(batch["inputs"], batch["targets"], deterministic=True)
-        return jnp.stack(token_losses(logits, batch["targets"], self.label_smoothing))
 
 
 def accumulation_steps(config: ml_collections.ConfigDict) -> int:
@@ -157,23 +99,72 @@ def translate_batches(
     return restore_order(rows, outputs, num_sentences)
 
 
-def make_steps(model: Transformer, config: ml_collections.ConfigDict) -> Steps:
-    """The compiled training and evaluation steps of ``model`` under ``config``."""
-    return Steps(model, TranslationObjective.from_config(config),
-                 OptimSettings.from_config(config.optim))
-
-
-def build_steps(config: ml_collections.ConfigDict, vocab_size: int,
-                mesh: jax.sharding.Mesh | None = None) -> Steps:
-    """A fresh model of ``config`` (seeded from ``config.seed``) with its compiled steps."""
-    return make_steps(build_model(config, Transformer, vocab_size, mesh), config)
-
-
+@dataclasses.dataclass(frozen=True)
 class TranslationTask:
-    """The translation task of the training loop (:class:`sparsemixer_jax.training.Task`)."""
+    """The translation task (:class:`sparsemixer_jax.training.Task`): label-smoothed cross
+    entropy plus the routers' auxiliary losses, the WMT-style data, the Transformer, test BLEU.
+
+    Hashable (a static argument of the compiled steps); :meth:`from_config` builds it.
+    """
+
+    label_smoothing: float
+    balance_weight: float
+    z_loss_weight: float
+    balance_normalization: str = "per_token"
 
     batch_keys = ("inputs", "targets")
     progress_keys = ("loss",)
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> TranslationTask:
+        return cls(label_smoothing=float(config.optim.label_smoothing),
+                   balance_weight=float(config.router.balance_weight),
+                   z_loss_weight=float(config.router.z_loss_weight),
+                   balance_normalization=str(config.router.balance_normalization))
+
+    # -- in the compiled steps
+
+    def loss(self, model: Transformer, batch, key):
+        """Objective of one micro-batch summed over its target tokens, and metric sums."""
+        dropout_key, router_key = jax.random.split(key)
+        nnx.reseed(model, dropout=dropout_key, router=router_key)
+        logits, aux = model(batch["inputs"], batch["targets"], deterministic=False)
+        smoothed, nll, tokens = token_losses(logits, batch["targets"], self.label_smoothing)
+        # The auxiliary losses are means over the micro-batch. "per_token" weights them by its
+        # tokens, so the update's objective is mean cross entropy + weight * loss. "per_batch"
+        # adds them once per micro-batch to the token-summed cross entropy, as the reference
+        # (fairseq) does: their weight per token is weight / tokens per micro-batch.
+        aux_loss = self.balance_weight * aux["balance_loss"] + self.z_loss_weight * aux["z_loss"]
+        aux_scale = tokens if self.balance_normalization == "per_token" else 1.0
+        metrics = {
+            "smoothed": smoothed,
+            "nll": nll,
+            "tokens": tokens,
+            "balance_loss": aux["balance_loss"] * tokens,
+            "z_loss": aux["z_loss"] * tokens,
+            "moe": jax.tree.map(lambda v: v * tokens, aux["moe"]),
+        }
+        return smoothed + aux_loss * aux_scale, metrics
+
+    def summarize(self, m):
+        """Token-weighted means of the update; the gradient is divided by its tokens."""
+        tokens = jnp.maximum(m["tokens"], 1.0)
+        return tokens, {
+            "loss": m["smoothed"] / tokens,
+            "nll": m["nll"] / tokens,
+            "balance_loss": m["balance_loss"] / tokens,
+            "z_loss": m["z_loss"] / tokens,
+            "tokens": m["tokens"],
+            "moe": jax.tree.map(lambda v: v / tokens, m["moe"]),
+        }
+
+    def evaluate(self, model: Transformer, batch, key):
+        """``[smoothed, nll, tokens]`` sums of the deterministic forward on one batch."""
+        del key  # the deterministic forward draws nothing
+        logits, _ = model(batch["inputs"], batch["targets"], deterministic=True)
+        return jnp.stack(token_losses(logits, batch["targets"], self.label_smoothing))
+
+    # -- on the host
 
     def load_data(self, config, workdir: str, batch_multiple: int) -> TaskData:
         raw_train = None
@@ -187,16 +178,10 @@ class TranslationTask:
         del raw_train
         wait_for_all_processes("data ready")
         return TaskData(train=data.train, valid=data.valid, vocab_size=data.tokenizer.vocab_size,
-                        stats=data.stats, extra=data)
+                        stats=data.stats, micro_batches=accumulation_steps(config), extra=data)
 
     def build_model(self, config, vocab_size: int, mesh) -> Transformer:
         return build_model(config, Transformer, vocab_size, mesh)
-
-    def objective(self, config) -> TranslationObjective:
-        return TranslationObjective.from_config(config)
-
-    def micro_batches(self, config) -> int:
-        return accumulation_steps(config)
 
     def validation_metrics(self, sums) -> dict[str, float]:
         smoothed, nll, tokens = (float(x) for x in sums)
@@ -244,4 +229,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     Returns the results also written to ``{workdir}/results.json``.
     """
-    return train(TranslationTask(), config, workdir)
+    config_schema.validate(config)  # before the task reads its fields
+    return train(TranslationTask.from_config(config), config, workdir)

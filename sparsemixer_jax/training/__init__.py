@@ -1,6 +1,7 @@
 """One training loop for every task, and the pieces it is made of.
 
-* :mod:`~sparsemixer_jax.training.loop`: :func:`train` and the :class:`Task` interface.
+* :mod:`~sparsemixer_jax.training.loop`: :func:`train`, the :class:`Task` interface and
+  :func:`build_steps` (a task's model with its compiled steps, from a config).
 * :mod:`~sparsemixer_jax.training.steps`: the compiled gradient, update and evaluation steps.
 * :mod:`~sparsemixer_jax.training.optim`: AdamW and the learning-rate schedules.
 * :mod:`~sparsemixer_jax.training.resume`: config checks on resumption, the checkpoint fallback.
@@ -8,7 +9,16 @@
 * :mod:`~sparsemixer_jax.training.hosts`: several processes, batches as global arrays.
 """
 
-from sparsemixer_jax.training.loop import Run, Task, TaskData, TrainingDiverged, train
+from sparsemixer_jax.training.loop import (
+    Run,
+    Task,
+    TaskData,
+    TrainingDiverged,
+    build_model,
+    build_steps,
+    train,
+)
 from sparsemixer_jax.training.resume import ResumeError
 
-__all__ = ["ResumeError", "Run", "Task", "TaskData", "TrainingDiverged", "train"]
+__all__ = ["ResumeError", "Run", "Task", "TaskData", "TrainingDiverged", "build_model",
+           "build_steps", "train"]

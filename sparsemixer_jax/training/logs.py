@@ -144,3 +144,67 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class StepMetrics:
+    """Each training step's metrics, read from the device one step late.
+
+    :meth:`add` takes the step's metrics as device arrays and reads the previous step's, so the
+    host queues step ``n + 1`` before it waits for step ``n``; :meth:`flush` reads the one still
+    pending (before a validation, a checkpoint, or the end). A read writes the step's record to
+    ``log`` (``moe`` metrics only on steps added with ``with_moe``), shows ``progress_keys`` and
+    the learning rate on ``progress``, and counts tokens and time for ``results.json``. A step
+    whose loss or gradient is not finite gets an error record, then ``on_non_finite(step, loss,
+    grad_norm)`` is called, which is expected to raise. ``tokens`` and ``seconds`` start from
+    the totals of the run's earlier parts, so a resumed run's throughput covers the whole run.
+    """
+
+    def __init__(self, log: MetricLog, progress: Progress, learning_rate: Callable[[int], Any],
+                 progress_keys: tuple[str, ...],
+                 on_non_finite: Callable[[int, float, float], None], *, tokens: float = 0.0,
+                 seconds: float = 0.0):
+        self.log, self.progress = log, progress
+        self.learning_rate = learning_rate
+        self.progress_keys = progress_keys
+        self.on_non_finite = on_non_finite
+        self.pending: tuple | None = None
+        self.tokens, self.seconds = tokens, seconds
+        self.rates: list[float] = []  # tokens/s of each step: the median leaves out compilations
+
+    def add(self, step: int, metrics: dict[str, Any], started: float, *, with_moe: bool) -> None:
+        """Step ``step`` (begun at ``perf_counter()`` time ``started``) has been queued."""
+        self.flush()
+        self.pending = (step, metrics, started, with_moe)
+        self.seconds += time.perf_counter() - started
+
+    def flush(self) -> None:
+        """Reads the pending step's metrics, if any."""
+        if self.pending is None:
+            return
+        step, metrics, started, with_moe = self.pending
+        self.pending = None
+        metrics = jax.device_get(metrics)
+        elapsed = time.perf_counter() - started
+        if not bool(metrics["finite"]):
+            loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+            self.log.write({"step": step, "error": "non-finite loss or gradient", "loss": loss,
+                            "grad_norm": grad_norm})
+            self.on_non_finite(step, loss, grad_norm)
+        self.tokens += float(metrics["tokens"])
+        entry = {"step": step, "lr": float(self.learning_rate(step - 1)),
+                 **{k: float(v) for k, v in metrics.items() if k not in ("moe", "finite")},
+                 "tokens_per_s": float(metrics["tokens"]) / max(elapsed, 1e-9)}
+        self.rates.append(entry["tokens_per_s"])
+        if with_moe and metrics.get("moe"):
+            entry["moe"] = to_python(metrics["moe"])
+        self.log.write(entry)
+        self.progress.note(**{k: f"{entry[k]:.3f}" for k in self.progress_keys},
+                           lr=f"{entry['lr']:.2e}")
+
+    def results(self) -> dict[str, Any]:
+        """The throughput figures of ``results.json``."""
+        return {
+            "tokens_per_second": self.tokens / self.seconds if self.seconds > 0 else None,
+            "tokens_per_second_median_step": float(np.median(self.rates)) if self.rates else None,
+            "train_time_s": self.seconds,
+        }

@@ -1,6 +1,6 @@
 """The training loop every task runs: ``train(task, config, workdir)``.
 
-A task (:class:`Task`) says what its data, model, objective and final evaluation are; the loop
+A task (:class:`Task`) says what its loss, evaluation, data, model and final results are; the loop
 owns everything else: the config check, the mesh, gradient accumulation, validation every
 ``eval_every`` steps, ``best`` and ``last`` checkpoints (resumed automatically from the newest
 intact one), ``metrics.jsonl`` and TensorBoard, the progress line, the stop on a non-finite loss,
@@ -27,10 +27,12 @@ from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import runtime, sharding
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.training.hosts import BatchPlacer, is_main_process, write_atomically
-from sparsemixer_jax.training.logs import MetricLog, Progress, to_python
+from sparsemixer_jax.training.logs import MetricLog, Progress, StepMetrics
 from sparsemixer_jax.training.optim import OptimSettings
+from sparsemixer_jax.training.preemption import StopSignals
 from sparsemixer_jax.training.resume import check_resume_config, resume_from_newest_intact
 from sparsemixer_jax.training.steps import Steps, count_params
+from sparsemixer_jax.training.workdir_lock import hold_workdir
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +54,15 @@ class TrainingStream(Protocol):
 @dataclasses.dataclass
 class TaskData:
     """What a task's data gives the loop: ``train`` (this host's rows of every micro-batch),
-    ``valid`` (a list of batches), the vocabulary size, statistics for ``results.json``, and
-    anything else the task keeps for itself (``extra``: e.g. the test split)."""
+    ``valid`` (a list of batches), the vocabulary size, statistics for ``results.json``, the
+    micro-batches per update (gradient accumulation), and anything else the task keeps for
+    itself (``extra``: e.g. the test split)."""
 
     train: TrainingStream
     valid: list[dict[str, np.ndarray]]
     vocab_size: int
     stats: dict[str, Any]
+    micro_batches: int = 1
     extra: Any = None
 
 
@@ -79,11 +83,34 @@ class Run:
 
 
 class Task(Protocol):
-    """What a task gives the loop. ``batch_keys`` are the fields of a batch placed on devices;
-    ``progress_keys`` the update metrics shown on the progress line."""
+    """A task: what the compiled steps compute and what the loop needs around them.
+
+    One hashable object (a frozen dataclass: a static argument of the compiled steps), built
+    from the config by the task's ``from_config``. ``batch_keys`` are the fields of a batch
+    placed on devices; ``progress_keys`` the update metrics shown on the progress line.
+    """
 
     batch_keys: tuple[str, ...]
     progress_keys: tuple[str, ...]
+
+    # -- in the compiled steps (traced)
+
+    def loss(self, model: nnx.Module, batch: dict[str, jax.Array],
+             key: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        """``(loss, metric sums)`` of one micro-batch in training mode. The loss is what the
+        gradient is taken of; the metric sums add up over micro-batches. Reseeds the model's
+        RNG streams from ``key`` (``nnx.reseed``), so a step's randomness is the key's alone."""
+
+    def summarize(self, metric_sums: dict[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
+        """``(divisor, metrics)`` of an update: what the summed gradient is divided by (its
+        tokens, or its micro-batches) and the update's metrics, which hold ``"loss"`` (a
+        non-finite one skips the update) and ``"tokens"``, and may hold ``"moe"`` (per-layer
+        router metrics, logged every ``log_every`` steps)."""
+
+    def evaluate(self, model: nnx.Module, batch: dict[str, jax.Array], key: jax.Array) -> Any:
+        """The deterministic forward's metric sums on one validation batch."""
+
+    # -- on the host
 
     def load_data(self, config: ml_collections.ConfigDict, workdir: str,
                   batch_multiple: int) -> TaskData:
@@ -92,17 +119,12 @@ class Task(Protocol):
 
     def build_model(self, config: ml_collections.ConfigDict, vocab_size: int,
                     mesh: jax.sharding.Mesh | None) -> nnx.Module:
-        """The model, initialised from ``config.seed`` and placed on ``mesh``."""
-
-    def objective(self, config: ml_collections.ConfigDict) -> Any:
-        """The hashable objective of :mod:`sparsemixer_jax.training.steps`."""
-
-    def micro_batches(self, config: ml_collections.ConfigDict) -> int:
-        """Micro-batches per update (gradient accumulation)."""
+        """The model, initialised from ``config.seed`` and placed on ``mesh``
+        (:func:`build_model`)."""
 
     def validation_metrics(self, sums: Any) -> dict[str, float]:
-        """``valid_*`` metrics from the objective's evaluation sums over the whole set; must
-        hold ``valid_loss`` (the ``best`` checkpoint is the lowest)."""
+        """``valid_*`` metrics from :meth:`evaluate`'s sums over the whole set; must hold
+        ``valid_loss`` (the ``best`` checkpoint is the lowest)."""
 
     def finish(self, run: Run) -> dict[str, Any]:
         """Results computed once at the end (e.g. test BLEU), merged into ``results.json``."""
@@ -117,6 +139,14 @@ def build_model(config: ml_collections.ConfigDict, model_class: type, vocab_size
     if mesh is not None:
         sharding.shard_state(model, mesh)
     return model
+
+
+def build_steps(task: Task, config: ml_collections.ConfigDict, vocab_size: int,
+                mesh: jax.sharding.Mesh | None = None) -> Steps:
+    """A fresh model of ``task`` under ``config`` (seeded from ``config.seed``, placed on
+    ``mesh``) with its compiled training and evaluation steps."""
+    return Steps(task.build_model(config, vocab_size, mesh), task,
+                 OptimSettings.from_config(config.optim))
 
 
 def evaluate(steps: Steps, params: Any, batch_stats: Any, batches: list, place: BatchPlacer,
@@ -146,20 +176,28 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
 
     Rerunning a finished run returns its results as they were. Raises ValueError for a bad
     config before anything is written, :class:`~sparsemixer_jax.training.resume.ResumeError` for
-    a workdir that cannot be resumed, :class:`TrainingDiverged` if the loss becomes non-finite.
+    a workdir that cannot be resumed, :class:`TrainingDiverged` if the loss becomes non-finite,
+    :class:`~sparsemixer_jax.training.workdir_lock.WorkdirError` for a workdir that is a file or
+    that another run holds (one run per workdir), and
+    :class:`~sparsemixer_jax.training.preemption.Stopped` after SIGTERM or SIGINT (the step in
+    flight is finished and checkpointed; rerunning resumes there).
     """
+    # Start: the config is checked before anything is written; then the data, model and steps.
     config_schema.validate(config)
     runtime.configure(config)  # before any key is made (the entry points call it earlier still)
-    os.makedirs(workdir, exist_ok=True)
+    with hold_workdir(workdir):
+        return _train_in(task, config, workdir)
+
+
+def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """:func:`train` in a workdir this run holds."""
     check_resume_config(workdir, config)
     if is_main_process():  # atomically: the other processes may be reading it just now
         write_atomically(os.path.join(workdir, "config.json"), config.to_json(indent=1))
 
     mesh = sharding.mesh_from_config(config)
     data = task.load_data(config, workdir, 1 if mesh is None else mesh.size)
-    model = task.build_model(config, data.vocab_size, mesh)
-    steps = Steps(model, task.objective(config), OptimSettings.from_config(config.optim))
-    del model
+    steps = build_steps(task, config, data.vocab_size, mesh)
     place = BatchPlacer(mesh, task.batch_keys)
     params, batch_stats = steps.params, steps.batch_stats
     opt_state = steps.init_opt(params)
@@ -167,11 +205,12 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
     def train_state() -> dict[str, Any]:
         return steps.train_state(params, opt_state, batch_stats)
 
-    accum = task.micro_batches(config)
+    accum = data.micro_batches
     logger.info("model: %s parameters; %d micro-batches per update; mesh %s; data %s",
                 f"{count_params(params):,}", accum,
                 None if mesh is None else dict(mesh.shape), data.stats)
 
+    # Resume from the newest intact checkpoint, if any (a finished run returns its results).
     train_steps = int(config.train_steps)
     checkpoints = RunCheckpoints(workdir)
     start_step, best_loss, best_step = 0, math.inf, -1
@@ -190,6 +229,8 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
         best_loss = float(restored.meta["best_valid_loss"])
         best_step = int(restored.meta["best_step"])
         data.train.restore(restored.meta["data"])
+
+    # The step loop: one update per step, validation and checkpoints on their intervals.
     log = MetricLog(workdir, start_step)
     key = jax.random.key(int(config.seed) + 3)
     eval_key = jax.random.key(int(config.seed) + 5)
@@ -198,46 +239,28 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
 
     def meta_for(step: int) -> dict:
         return {"step": step, "data": data.train.state(), "best_valid_loss": best_loss,
-                "best_step": best_step}
+                "best_step": best_step, "train_time_s": step_metrics.seconds,
+                "train_tokens": step_metrics.tokens}
 
-    train_time, train_tokens = 0.0, 0.0
-    step_rates = []  # tokens/s of each step: their median leaves out the compilation stalls
-    pending = None  # metrics of the last step, read one step late so the host never waits idle
     seen_shapes = set()  # batch shapes the step functions were compiled for
     valid: dict[str, float] = {}
 
-    def finish_step(record) -> None:
-        nonlocal train_tokens
-        step, metrics, started, moe_due = record
-        metrics = jax.device_get(metrics)
-        elapsed = time.perf_counter() - started
-        if not bool(metrics["finite"]):
-            log.write({"step": step, "error": "non-finite loss or gradient",
-                       "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])})
-            raise TrainingDiverged(
-                f"step {step}: loss {float(metrics['loss'])} / gradient norm "
-                f"{float(metrics['grad_norm'])} is not finite; the update was not applied and no "
-                f"checkpoint was written after step {checkpoints.last.latest_step()} "
-                f"(the last good one, in {workdir}/checkpoints/last). Lower optim.peak_lr, set "
-                "optim.clip_norm, or use float32 compute."
-            )
-        train_tokens += float(metrics["tokens"])
-        entry = {"step": step, "lr": float(steps.schedule(step - 1)),
-                 **{k: float(v) for k, v in metrics.items() if k not in ("moe", "finite")},
-                 "tokens_per_s": float(metrics["tokens"]) / max(elapsed, 1e-9)}
-        step_rates.append(entry["tokens_per_s"])
-        if moe_due and metrics.get("moe"):
-            entry["moe"] = to_python(metrics["moe"])
-        log.write(entry)
-        progress.note(**{k: f"{entry[k]:.3f}" for k in task.progress_keys},
-                      lr=f"{entry['lr']:.2e}")
+    def diverged(step: int, loss: float, grad_norm: float) -> None:
+        raise TrainingDiverged(
+            f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; the update was "
+            f"not applied and no checkpoint was written after step "
+            f"{checkpoints.last.latest_step()} (the last good one, in "
+            f"{workdir}/checkpoints/last). Lower optim.peak_lr, set optim.clip_norm, or use "
+            "float32 compute."
+        )
 
-    def flush() -> None:
-        nonlocal pending
-        if pending is not None:
-            finish_step(pending)
-            pending = None
+    # Time and tokens of the steps before the checkpoint resumed from: results cover the whole run.
+    earlier = restored.meta if restored is not None else {}
+    step_metrics = StepMetrics(log, progress, steps.schedule, task.progress_keys, diverged,
+                               tokens=float(earlier.get("train_tokens", 0.0)),
+                               seconds=float(earlier.get("train_time_s", 0.0)))
 
+    stop = StopSignals()
     try:
         for step in range(start_step + 1, train_steps + 1):
             started = time.perf_counter()
@@ -248,28 +271,32 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
             params, batch_stats, opt_state, metrics = steps.train_step(
                 params, batch_stats, opt_state, [place(batch) for batch in micro],
                 jax.random.fold_in(key, step))
-            flush()
-            pending = (step, metrics, started, step % int(config.log_every) == 0)
-            train_time += time.perf_counter() - started
+            step_metrics.add(step, metrics, started,
+                             with_moe=step % int(config.log_every) == 0)
             progress.advance(compiled=bool(new_shapes))
 
             is_last = step == train_steps
             if step % int(config.eval_every) == 0 or is_last:
-                flush()
+                step_metrics.flush()
                 valid = evaluate(steps, params, batch_stats, data.valid, place, task, eval_key)
                 log.write({"step": step, **valid})
                 if valid["valid_loss"] < best_loss:
                     best_loss, best_step = valid["valid_loss"], step
                     checkpoints.save_best(step, train_state(), meta_for(step))
                 logger.info("step %d: %s", step, valid)
-            if step % int(config.checkpoint_every) == 0 or is_last:
-                flush()
+            stopping = stop.requested(step)  # SIGTERM or SIGINT: checkpoint this step and stop
+            if step % int(config.checkpoint_every) == 0 or is_last or stopping:
+                step_metrics.flush()
                 checkpoints.save_last(step, train_state(), meta_for(step))
-        flush()
+            if stopping:
+                raise stop.stopped(step)
+        step_metrics.flush()
     finally:
+        stop.close()
         checkpoints.wait()
         progress.close()
 
+    # Finish: results.json with the task's own final results.
     if not valid:  # resumed a finished run that wrote no results: evaluate what is there
         valid = evaluate(steps, params, batch_stats, data.valid, place, task, eval_key)
     results = {
@@ -277,9 +304,7 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
         **valid,
         "best_valid_loss": best_loss,
         "best_step": best_step,
-        "tokens_per_second": train_tokens / train_time if train_time > 0 else None,
-        "tokens_per_second_median_step": float(np.median(step_rates)) if step_rates else None,
-        "train_time_s": train_time,
+        **step_metrics.results(),
         "num_params": count_params(params),
         "data_stats": data.stats,
     }

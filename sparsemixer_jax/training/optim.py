@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-SCHEDULES = ("inverse_sqrt", "linear")
-WEIGHT_DECAY_MASKS = ("all", "matrices")
+from sparsemixer_jax.config import SCHEDULES, WEIGHT_DECAY_MASKS
+
+__all__ = ["SCHEDULES", "WEIGHT_DECAY_MASKS", "OptimSettings", "learning_rate_schedule",
+           "make_optimizer", "weight_decay_mask"]
 
 
 @dataclasses.dataclass(frozen=True)

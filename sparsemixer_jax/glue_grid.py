@@ -1,8 +1,8 @@
 """The GLUE fine-tuning search space (``config.grid``) and the checks of a fine-tuning config.
 
-Apart from :mod:`sparsemixer_jax.tasks.finetuning` so that the config validator
-(:func:`sparsemixer_jax.config.validate`) can check a fine-tuning config without importing the
-training code.
+A leaf module (it imports nothing of the package), so that the config validator
+(:func:`sparsemixer_jax.config.validate`) checks a fine-tuning config without importing the
+fine-tuning code (:mod:`sparsemixer_jax.tasks.finetuning`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,299 @@
+"""The accuracy experiment: every estimator against the exact gradient as the expert outputs
+shrink (``python -m experiments.gradient_accuracy``; see :mod:`sparsemixer_jax.exact_gradient`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsemixer_jax.exact.dense import (
+    default_moe_gradient,
+    default_moe_st_gradient,
+    densemixer_blog_gradient,
+    densemixer_gradient,
+    noisy_defaults,
+)
+from sparsemixer_jax.exact.top1 import (
+    ProbsFn,
+    RoutingProblem,
+    cosine_similarity,
+    exact_gradient,
+    loglog_slope,
+    midpoint_rule_gradient,
+    random_problem,
+    relative_error,
+    router_expected_gradient,
+)
+from sparsemixer_jax.exact.topk import (
+    DENSE_ESTIMATORS,
+    exact_topk_gradient,
+    topk_dense_expected_gradient,
+    topk_expected_gradient,
+)
+from sparsemixer_jax.routing import router_probs
+
+
+def estimator_table(
+    problem: RoutingProblem, probs_fn: ProbsFn, defaults: jax.Array | None = None
+) -> dict[str, jax.Array]:
+    """Expected full router gradient ``[N]`` of each estimator, by name.
+
+    * ``switch``: plain backpropagation (``nabla_1`` only, ``nabla_0`` dropped).
+    * ``euler``: SparseMixer-1st, forward Euler for ``nabla_0`` (``2 J^T e``).
+    * ``midpoint``: mid-point rule for ``nabla_0`` plus exact ``nabla_1``
+      (:func:`midpoint_rule_gradient`).
+    * ``sparsemixer_2nd``: the router's ``estimator="midpoint"`` as implemented (halved output,
+      doubled backward): ``2 J^T m``, the mid-point rule applied to both terms.
+    * ``sparsemixer``: the router's default, the reference mix (fair coin).
+    * ``sparsemixer_paper``: the paper's text, mid-point on every non-argmax token.
+    * ``densemixer``, ``densemixer_blog``: DenseMixer as released and as its blog writes it
+      (:func:`densemixer_gradient`, :func:`densemixer_blog_gradient`).
+    * ``default_moe``, ``default_moe_st``: Default MoE with the defaults ``defaults [N, d]``
+      (:func:`default_moe_gradient`, :func:`default_moe_st_gradient`); ``*_oracle``: the same
+      with oracle defaults ``v = f``. ``defaults=None`` means oracle defaults.
+
+    The ``nabla_0`` part of each is its value minus ``nabla_1``.
+    """
+    oracle = problem.expert_outputs
+    defaults = oracle if defaults is None else defaults
+    nabla1 = exact_gradient(problem, probs_fn).nabla1
+    return {
+        "switch": nabla1,
+        "euler": router_expected_gradient(problem, probs_fn, estimator="euler"),
+        "midpoint": midpoint_rule_gradient(problem, probs_fn),
+        "sparsemixer_2nd": router_expected_gradient(problem, probs_fn, estimator="midpoint"),
+        "sparsemixer": router_expected_gradient(problem, probs_fn, estimator="mix"),
+        "sparsemixer_paper": router_expected_gradient(
+            problem, probs_fn, estimator="mix", midpoint_prob=1.0
+        ),
+        "densemixer": densemixer_gradient(problem, probs_fn),
+        "densemixer_blog": densemixer_blog_gradient(problem, probs_fn),
+        "default_moe": default_moe_gradient(problem, probs_fn, defaults),
+        "default_moe_st": default_moe_st_gradient(problem, probs_fn, defaults),
+        "default_moe_oracle": default_moe_gradient(problem, probs_fn, oracle),
+        "default_moe_st_oracle": default_moe_st_gradient(problem, probs_fn, oracle),
+    }
+
+
+TOPK_ESTIMATORS = ("backprop", "mix", "v2", "v2star")
+
+
+ORACLE_DEFAULT_ESTIMATORS = ("default_moe_oracle", "default_moe_st_oracle")
+
+
+TOPK_TABLE = TOPK_ESTIMATORS + DENSE_ESTIMATORS + ORACLE_DEFAULT_ESTIMATORS
+
+
+def topk_accuracy_sweep(
+    problem: RoutingProblem, scales, probs_fn: ProbsFn, top_k: int,
+    estimators=TOPK_TABLE, defaults: jax.Array | None = None,
+) -> dict[str, dict[str, list[float]]]:
+    """Norm ratio, cosine and relative error (the bias) of each estimator's expected gradient
+    against the exact top-k gradient as the expert outputs shrink.
+
+    ``backprop`` is plain backpropagation through the gates of the sampled experts (its
+    expectation is exactly ``nabla_1``). The Default MoE rows use ``defaults [N, d]`` (at scale
+    1, scaled with the outputs; ``None``: oracle), their ``*_oracle`` rows ``v = f``. Returns
+    ``{estimator: {metric: [one per scale]}}`` with metrics ``norm_ratio`` (``|E| / |exact|``),
+    ``cos`` and ``relerr`` (``|E - exact| / |exact|``).
+    """
+    defaults = problem.expert_outputs if defaults is None else defaults
+
+    @jax.jit
+    def measure(scale):
+        scaled = problem.scaled(scale)
+        exact = exact_topk_gradient(scaled, probs_fn, top_k)
+        out = {}
+        for name in estimators:
+            if name == "backprop":
+                estimate = exact.nabla1
+            elif name in ORACLE_DEFAULT_ESTIMATORS:
+                estimate = topk_dense_expected_gradient(
+                    scaled, probs_fn, top_k, name.removesuffix("_oracle"))
+            elif name in DENSE_ESTIMATORS:
+                estimate = topk_dense_expected_gradient(
+                    scaled, probs_fn, top_k, name, scale * defaults)
+            else:
+                estimate = topk_expected_gradient(scaled, probs_fn, top_k, estimator=name)
+            out[name] = {
+                "norm_ratio": jnp.linalg.norm(estimate) / jnp.linalg.norm(exact.full),
+                "cos": cosine_similarity(estimate, exact.full),
+                "relerr": relative_error(estimate, exact.full),
+            }
+        return out
+
+    rows = [jax.device_get(measure(s)) for s in scales]
+    return {
+        name: {metric: [float(r[name][metric]) for r in rows] for metric in rows[0][name]}
+        for name in rows[0]
+    }
+
+
+def accuracy_sweep(
+    problem: RoutingProblem, scales, probs_fn: ProbsFn, defaults: jax.Array | None = None
+) -> dict[str, dict[str, list[float]]]:
+    """Cosine similarity and relative error of every estimator as the expert outputs shrink.
+
+    Returns ``{estimator: {metric: [one value per scale]}}`` for the metrics ``cos_nabla0``,
+    ``relerr_nabla0``, ``cos_full`` and ``relerr_full``.
+    The ``nabla_0`` columns compare ``estimate - nabla_1`` with ``nabla_0``. Default MoE's
+    ``defaults [N, d]`` are given at scale 1 and scaled with the outputs (``None``: oracle).
+    """
+    defaults = problem.expert_outputs if defaults is None else defaults
+
+    @jax.jit
+    def measure(scale):
+        scaled = problem.scaled(scale)
+        exact = exact_gradient(scaled, probs_fn)
+        out = {}
+        for name, estimate in estimator_table(scaled, probs_fn, scale * defaults).items():
+            part0 = estimate - exact.nabla1
+            out[name] = {
+                "cos_nabla0": cosine_similarity(part0, exact.nabla0),
+                "relerr_nabla0": relative_error(part0, exact.nabla0),
+                "cos_full": cosine_similarity(estimate, exact.full),
+                "relerr_full": relative_error(estimate, exact.full),
+            }
+        return out
+
+    rows = [jax.device_get(measure(s)) for s in scales]
+    return {
+        name: {metric: [float(r[name][metric]) for r in rows] for metric in rows[0][name]}
+        for name in rows[0]
+    }
+
+
+ESTIMATOR_NOTES = {
+    "switch": "backprop only (nabla_0 dropped)",
+    "euler": "SparseMixer-1st (forward Euler)",
+    "midpoint": "mid-point rule for nabla_0 + exact nabla_1",
+    "sparsemixer_2nd": "router estimator='midpoint' (mid-point on both terms)",
+    "sparsemixer": "router default: reference mix, fair coin",
+    "sparsemixer_paper": "router midpoint_prob=1 (paper's text)",
+    "densemixer": "DenseMixer as released: g'(y).f_j to every pi_j",
+    "densemixer_blog": "DenseMixer's blog: (pi_j + TopK_j) on f_j",
+    "default_moe": "Default MoE, defaults in the forward (router default_moe_forward); noisy",
+    "default_moe_st": "Default MoE, defaults in the backward only (router default_moe); noisy",
+    "default_moe_oracle": "default_moe with oracle defaults v = f",
+    "default_moe_st_oracle": "default_moe_st with oracle defaults (= densemixer)",
+}
+
+
+METRICS = ("relerr_nabla0", "cos_nabla0", "relerr_full", "cos_full")
+
+
+@dataclasses.dataclass
+
+
+class SweepSettings:
+    """The problems and scales of :func:`accuracy_experiment`: ``num_problems`` random problems
+    of ``num_experts`` experts with outputs of dimension ``dim``, router probabilities under
+    ``mask`` with ``jitter_eps``; ``num_scales`` output scales from 1 down to ``min_scale``,
+    slopes fitted on the scales <= ``fit_below`` (the asymptotic regime); top-k sweeps for each
+    ``top_k`` (empty: none); Default MoE's defaults with noise ``default_noise``
+    (:func:`noisy_defaults`)."""
+
+    num_problems: int = 16
+    num_experts: int = 8
+    dim: int = 16
+    mask: str = "none"
+    jitter_eps: float = 0.1
+    min_scale: float = 1e-3
+    num_scales: int = 13
+    fit_below: float = 0.1
+    seed: int = 0
+    top_k: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
+    default_noise: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.num_problems < 1 or self.num_experts < 2 or self.dim < 1:
+            raise ValueError("need --num-problems >= 1, --num-experts >= 2 and --dim >= 1")
+        if not 0 < self.min_scale < 1 or self.num_scales < 3:
+            raise ValueError("need 0 < --min-scale < 1 and --num-scales >= 3")
+        if any(not 1 <= k <= self.num_experts for k in self.top_k):
+            raise ValueError(f"--top-k values must lie in [1, --num-experts={self.num_experts}]")
+        if not self.default_noise >= 0:
+            raise ValueError(f"--default-noise must be >= 0, got {self.default_noise}")
+        if (self.scales() <= self.fit_below * (1 + 1e-9)).sum() < 2:
+            raise ValueError(f"--fit-below {self.fit_below} leaves fewer than 2 scales to fit")
+
+    def scales(self) -> np.ndarray:
+        return np.logspace(0.0, math.log10(self.min_scale), self.num_scales)
+
+
+def accuracy_experiment(settings: SweepSettings) -> dict:
+    """Every estimator's accuracy on ``settings.num_problems`` random problems as the expert
+    outputs shrink (:func:`accuracy_sweep`), and on the same problems routed top-k
+    (:func:`topk_accuracy_sweep`) for each ``settings.top_k``; summarised with geometric means
+    and per-problem slopes. Computed in float64: errors reach 1e-9, where float32 would hide the
+    mid-point's order."""
+    with jax.enable_x64(True):
+        return _accuracy_experiment(settings)
+
+
+def _accuracy_experiment(settings: SweepSettings) -> dict:
+    scales = settings.scales()
+    fit = scales <= settings.fit_below * (1 + 1e-9)
+
+    def probs_fn(z):
+        return router_probs(z, settings.jitter_eps, settings.mask)
+
+    keys = jax.random.split(jax.random.key(settings.seed), settings.num_problems)
+    problems = [random_problem(k, settings.num_experts, settings.dim) for k in keys]
+    defaults = [
+        noisy_defaults(p.expert_outputs, jax.random.fold_in(k, 1), settings.default_noise)
+        for p, k in zip(problems, keys, strict=True)
+    ]
+    sweeps = [accuracy_sweep(p, scales, probs_fn, v) for p, v in zip(problems, defaults,
+                                                                      strict=True)]
+    summary = {}
+    for name in sweeps[0]:
+        entry = {"note": ESTIMATOR_NOTES.get(name, "")}
+        for metric in METRICS:
+            values = np.array([s[name][metric] for s in sweeps])  # [problems, scales]
+            if metric.startswith("relerr"):
+                entry[metric] = np.exp(np.log(values).mean(0)).tolist()  # geometric mean
+                slopes = [loglog_slope(scales[fit], v[fit]) for v in values]
+                term = metric.removeprefix("relerr_")
+                entry[f"slope_{term}"] = float(np.mean(slopes))
+                entry[f"slope_{term}_std"] = float(np.std(slopes))
+            else:
+                entry[metric] = values.mean(0).tolist()
+        summary[name] = entry
+    return {
+        "scales": scales.tolist(),
+        "fit_scales": scales[fit].tolist(),
+        "settings": dataclasses.asdict(settings),
+        "estimators": summary,
+        "topk": {
+            str(k): _topk_summary(problems, defaults, scales, fit, probs_fn, k)
+            for k in settings.top_k
+        },
+    }
+
+
+def _topk_summary(problems, defaults, scales, fit, probs_fn, top_k: int) -> dict:
+    """Per estimator: mean norm ratio and cosine, geometric-mean bias and its slope."""
+    sweeps = [
+        topk_accuracy_sweep(p, scales, probs_fn, top_k, defaults=v)
+        for p, v in zip(problems, defaults, strict=True)
+    ]
+    summary = {}
+    for name in sweeps[0]:
+        norm = np.array([s[name]["norm_ratio"] for s in sweeps])  # [problems, scales]
+        cos = np.array([s[name]["cos"] for s in sweeps])
+        err = np.array([s[name]["relerr"] for s in sweeps])
+        slopes = [loglog_slope(scales[fit], e[fit]) for e in err]
+        summary[name] = {
+            "norm_ratio": norm.mean(0).tolist(),
+            "norm_ratio_std": norm.std(0).tolist(),
+            "cos": cos.mean(0).tolist(),
+            "relerr": np.exp(np.log(err).mean(0)).tolist(),
+            "slope": float(np.mean(slopes)),
+            "slope_std": float(np.std(slopes)),
+        }
+    return summary

@@ -1,0 +1,306 @@
+"""SparseMixer routing (Liu, Gao & Chen, ICLR 2024) and GRIN's SparseMixer-v2, top-1 and top-k.
+
+Notation follows the paper: ``pi`` are the (masked) router probabilities, ``D`` the chosen
+expert, ``g`` the rest of the network. The exact router gradient is ``nabla_0 + nabla_1``:
+``nabla_1`` flows through the gate ``pi_D`` by ordinary backpropagation, ``nabla_0`` comes from
+the sampling of ``D`` and is what ordinary MoE training drops. SparseMixer estimates it with a
+forward-Euler or mid-point rule applied along the path from ``0`` to ``pi_D f_D`` (see
+:mod:`sparsemixer_jax.exact_gradient` for an exact oracle and the measured orders of accuracy).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sparsemixer_jax.routers.common import (
+    RouterOutput,
+    check_finite_logits,
+    check_route_args,
+    routing_dtype,
+    take_expert,
+)
+
+MaskRule = Literal["reference", "paper", "none"]
+Estimator = Literal["mix", "euler", "midpoint", "v2", "v2star"]
+
+
+def routing_mask(logits: jax.Array, jitter_eps: float, rule: MaskRule = "reference") -> jax.Array:
+    """Which experts stay eligible: bool ``[..., N]``, True where expert i may be sampled.
+
+    ``rule="reference"`` (default) is the test of microsoft/SparseMixer and of Hugging Face's
+    ``phimoe`` (GRIN): ``(max(z) - z_i) / max(|z_i|, max(z)) > 2 * jitter_eps`` masks expert i,
+    computed in that division form, so that a logit within rounding of the threshold falls on
+    the same side as in the references (the product form ``gap > 2 eps scale`` can differ by an
+    ulp). Where the scale is zero (``z_i = max(z) = 0``) the gap is zero too and the expert is
+    kept, as the references keep it (their ``0/0`` is NaN, which compares false).
+
+    ``rule="paper"`` is the paper's Section 3.5 statement of the Switch support:
+    expert i is masked when ``max(z) - z_i > jitter_eps * (|max(z)| + |z_i|)``. The two differ:
+    the reference uses a factor 2 on the larger magnitude instead of the sum of both.
+
+    ``rule="none"`` keeps every expert (plain softmax sampling, the paper's ablation).
+
+    The argmax is never masked, so at least one expert stays eligible. No gradient flows through
+    the mask. Both tests are relative to the logits' magnitude, so near-zero logits (a freshly
+    initialised router) often leave only the argmax eligible; such a token has ``pi_D = 1`` and
+    gives the router no gradient, as in the reference.
+    """
+    logits = jax.lax.stop_gradient(logits.astype(routing_dtype(logits)))
+    if rule == "none":
+        return jnp.ones(logits.shape, dtype=bool)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    gap = top - logits
+    if rule == "reference":
+        scale = jnp.maximum(jnp.abs(logits), top)
+        ratio = gap / jnp.where(scale > 0, scale, 1.0)
+        # An excluded expert (-inf) stays excluded; its inf / inf would be NaN.
+        masked = jnp.isneginf(logits) | (ratio > 2.0 * jitter_eps)
+    elif rule == "paper":
+        masked = gap > jitter_eps * (jnp.abs(top) + jnp.abs(logits))
+    else:
+        raise ValueError(f"unknown mask rule {rule!r}; expected 'reference', 'paper' or 'none'")
+    return ~masked
+
+
+def router_probs(
+    logits: jax.Array, jitter_eps: float = 0.1, mask: MaskRule = "reference"
+) -> jax.Array:
+    """Masked softmax ``pi``: float32 ``[..., N]``, zero on masked experts.
+
+    Differentiable in ``logits`` (the mask is held fixed), which the exact-gradient oracle uses.
+    """
+    logits = logits.astype(routing_dtype(logits))
+    keep = jax.lax.stop_gradient(routing_mask(logits, jitter_eps, mask))
+    return jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def scaled_gate(prob: jax.Array, forward_scale: jax.Array, backward_scale: float) -> jax.Array:
+    """``prob * forward_scale`` whose cotangent to ``prob`` is ``backward_scale * cotangent``.
+
+    The backward ignores ``forward_scale`` on purpose: this is the reference's balancing core
+    (a halved forward on the mid-point branch, the same doubled backward on both branches).
+    """
+    return prob * forward_scale
+
+
+def _scaled_gate_fwd(prob, forward_scale, backward_scale):
+    return prob * forward_scale, forward_scale
+
+
+def _scaled_gate_bwd(backward_scale, forward_scale, cotangent):
+    return cotangent * backward_scale, jnp.zeros_like(forward_scale)
+
+
+scaled_gate.defvjp(_scaled_gate_fwd, _scaled_gate_bwd)
+
+
+class EstimatorRule(NamedTuple):
+    """How an estimator of :data:`ESTIMATORS` treats a chosen expert ``D``
+    (see :func:`sparsemixer_route`).
+
+    With probability ``reduced_prob`` (never on the argmax unless ``on_argmax``) the forward
+    weight is ``reduced_weight * pi_D`` instead of ``pi_D``; the backward pass always sends
+    ``backward_scale * dL/dgate`` to ``pi_D``. ``takes_coin``: whether ``midpoint_prob`` sets
+    ``reduced_prob`` (``"euler"`` never reduces, ``"midpoint"`` always does).
+    """
+
+    reduced_weight: float
+    reduced_prob: float
+    backward_scale: float
+    on_argmax: bool = False
+    takes_coin: bool = True
+
+
+ESTIMATORS: dict[str, EstimatorRule] = {
+    "mix": EstimatorRule(0.5, 0.5, 2.0),
+    "euler": EstimatorRule(0.5, 0.0, 2.0, takes_coin=False),
+    "midpoint": EstimatorRule(0.5, 1.0, 2.0, on_argmax=True, takes_coin=False),
+    "v2": EstimatorRule(1.0 / 3.0, 0.75, 1.0),
+    "v2star": EstimatorRule(1.0 / 3.0, 0.375, 2.0),
+}
+
+
+def check_estimator_args(
+    fn: str, estimator: str, midpoint_prob: float | None, backward_scale: float | None
+) -> None:
+    """ValueError naming the argument for an estimator option SparseMixer cannot use."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(
+            f"{fn}: unknown estimator {estimator!r}; expected one of {list(ESTIMATORS)}"
+        )
+    if midpoint_prob is not None:
+        if not ESTIMATORS[estimator].takes_coin:
+            users = [name for name, rule in ESTIMATORS.items() if rule.takes_coin]
+            raise ValueError(
+                f"{fn}: midpoint_prob={midpoint_prob!r} has no effect with "
+                f"estimator={estimator!r} (it never flips a coin); only {users} take it"
+            )
+        if isinstance(midpoint_prob, bool) or not 0.0 <= midpoint_prob <= 1.0:
+            raise ValueError(f"{fn}: midpoint_prob must lie in [0, 1], got {midpoint_prob}")
+    if backward_scale is not None and not math.isfinite(backward_scale):
+        raise ValueError(f"{fn}: backward_scale must be a finite number, got {backward_scale}")
+
+
+def routing_keys(key: jax.Array, top_k: int) -> jax.Array:
+    """The keys of a top-k draw: ``[top_k, 2]``, a (sample, coin) pair per step.
+
+    All ``2 top_k`` come from one split of ``key``, so no two steps share a key; step 0's pair
+    is ``jax.random.split(key)``, so the first expert is drawn as in top-1.
+    """
+    return jax.random.split(key, (top_k, 2))
+
+
+def sparsemixer_route(
+    logits: jax.Array,
+    key: jax.Array | None,
+    *,
+    top_k: int = 1,
+    jitter_eps: float = 0.1,
+    training: bool = True,
+    mask: MaskRule = "reference",
+    estimator: Estimator = "mix",
+    midpoint_prob: float | None = None,
+    backward_scale: float | None = None,
+) -> RouterOutput:
+    """SparseMixer routing (top-1, or top-k by sequential sampling) with its sparse gradient.
+
+    Args:
+      logits: router logits ``z``, ``[..., N]``, any float dtype (routing runs in float32).
+        ``-inf`` excludes an expert for that token; NaN or +inf is an error (see below).
+      key: PRNG key for sampling; required when ``training``.
+      top_k: experts per token, ``1 <= top_k <= N``. Expert ``t`` is drawn like the first from
+        the tokens' logits with the experts already chosen removed (mask and softmax recomputed
+        from the best remaining logit), so the ``k`` experts of a token are distinct.
+        ``top_k = N`` is allowed: every expert, in sampled order; the last has gate 1 and gives
+        no router gradient.
+      jitter_eps: the Switch jitter ``r``; sets the mask threshold. Python float ``>= 0``.
+      training: Python bool. Sample and apply the estimator; otherwise ``D`` = argmax (top-k in
+        order of the logits) with ``gate = pi_D`` and no randomness.
+      mask: which experts are eligible, see :func:`routing_mask`.
+      estimator: how the gradient of the sampling is estimated (defaults below:
+        reduced-branch weight / its probability off the argmax / backward scale):
+
+        * ``"mix"`` (SparseMixer, 1/2 / 0.5 / 2): Euler on the argmax, a coin between Euler and
+          mid-point elsewhere.
+        * ``"euler"`` (SparseMixer-1st, - / 0 / 2): Euler everywhere.
+        * ``"midpoint"`` (SparseMixer-2nd, 1/2 / 1 / 2): mid-point everywhere, the argmax
+          included, so training and inference outputs differ by a factor 2.
+        * ``"v2"`` (GRIN's SparseMixer-v2 as released, 1/3 / 0.75 / 1): Heun's third-order rule
+          for ``nabla_0`` and nothing for ``nabla_1``.
+        * ``"v2star"`` (1/3 / 0.375 / 2): v2 corrected to carry ``nabla_1`` too (below).
+      midpoint_prob: the probability that a non-argmax choice takes the reduced-weight branch;
+        None takes the estimator's default. Only for ``"mix"``, ``"v2"``, ``"v2star"``: the
+        others flip no coin, and giving it to them is an error.
+      backward_scale: factor on the gate's cotangent; None takes the estimator's default.
+
+    Returns:
+      :class:`RouterOutput`: ``expert`` int32 and ``gate`` float32 of shape ``[...]`` when
+      ``top_k == 1`` and ``[..., top_k]`` otherwise (``gate[..., t]`` is the probability of
+      expert ``t`` among those left after the first ``t``, not renormalised, as in GRIN);
+      ``probs`` float32 ``[..., N]``, the distribution of the first expert.
+
+    The forward-Euler branch outputs ``pi_D f_D``; the reduced branch outputs ``w pi_D f_D``
+    (``w = 1/2`` mid-point, ``1/3`` Heun). Both send ``backward_scale * dL/dgate`` to ``pi_D``,
+    whatever ``w``. With the defaults the expected router gradient is, per token and in the
+    paper's notation (``u(w) = g'(w pi f) . pi f``, so ``nabla_1 = u(1)`` and
+    ``nabla_0 = integral of u over [0, 1]``, both times ``dpi / pi``):
+
+    * ``"mix"``, on the argmax: ``2 u(1)``; elsewhere ``u(1) + u(1/2)``: ``nabla_1`` plus the
+      mid-point estimate of ``nabla_0``.
+    * ``"v2"``: ``u(1)`` on the argmax, ``u(1)/4 + 3 u(1/3)/4`` elsewhere: Heun's third-order
+      estimate of ``nabla_0`` alone, with ``nabla_1`` missing. As outputs shrink
+      ``nabla_0 -> nabla_1``, so v2 gives about half the exact gradient (GRIN, Appendix A).
+    * ``"v2star"``: ``2 u(1)`` on the argmax, ``2 (5 u(1)/8 + 3 u(1/3)/8)`` elsewhere, i.e.
+      ``u(1) + (u(1)/4 + 3 u(1/3)/4)``: exact ``nabla_1`` plus Heun's estimate of ``nabla_0``.
+      GRIN's Appendix A.2 describes its corrected v2 as a factor 2, a different coin and a
+      softmax temperature of 2; the factor and the coin here are derived from the quadrature
+      above. The temperature is not applied: its text was not available to check against.
+
+    For ``top_k > 1`` each step's estimator acts on that step's conditional probabilities; the
+    term from "the first choice changes the distribution of the second" has no sparse estimate
+    here or in GRIN (``sparsemixer_jax.exact_gradient.exact_topk_gradient`` measures what it
+    costs).
+
+    Where the reference codes depart from their papers, this function follows the code:
+
+    1. Mask threshold: ``(max z - z_i) / max(|z_i|, max z) > 2 r`` instead of the paper's
+       ``max z - z_i > r (|max z| + |z_i|)`` (``mask="paper"`` gives the paper's rule).
+    2. The paper's SparseMixer uses the mid-point rule on every non-argmax token; the reference
+       flips a fair coin between mid-point and Euler there (``midpoint_prob=1.0`` gives the paper).
+    3. The paper's estimators approximate ``nabla_0`` alone; the reference doubles the gate's
+       gradient so that one backward pass also carries ``nabla_1`` (``backward_scale=1.0``
+       drops the doubling). GRIN's released v2 does not double it (scale 1).
+    4. ``D`` is drawn with the Gumbel-max trick, as in both reference codes; the papers write
+       ``D ~ pi`` without saying how. The two are the same distribution.
+    5. GRIN's code writes the Heun weight as ``0.3333`` (and 1 as ``0.3333 + 0.6667``); here it
+       is ``1/3`` in float32. Its second expert's coin is compared with the argmax of the
+       second step's distribution, as here.
+
+    Matching the references at the edges: the mask test is computed in their division form
+    (:func:`routing_mask`); the argmax (inference, and the coin's "is it the argmax") is that of
+    the logits, so experts whose probabilities tie in float32 are told apart by their logits;
+    the top-k steps draw from independent keys (:func:`routing_keys`).
+
+    Non-finite logits: ``-inf`` removes an expert (never sampled, probability 0). A token with
+    NaN or +inf logits, or fewer than ``top_k`` experts above ``-inf``, gets NaN ``probs`` and
+    ``gate`` (a valid ``expert`` index); called outside ``jit`` it raises ValueError instead.
+    """
+    fn = "sparsemixer_route"
+    check_route_args(fn, logits, top_k, jitter_eps, training)
+    check_estimator_args(fn, estimator, midpoint_prob, backward_scale)
+    if training and key is None:
+        raise ValueError(f"{fn} needs a PRNG key when training=True")
+    rule = ESTIMATORS[estimator]
+    reduced_prob = rule.reduced_prob if midpoint_prob is None else float(midpoint_prob)
+    scale = rule.backward_scale if backward_scale is None else float(backward_scale)
+    invalid = check_finite_logits(fn, logits, top_k)
+
+    remaining = logits.astype(routing_dtype(logits))
+    keys = routing_keys(key, top_k) if training else None
+    experts, gates, first_probs = [], [], None
+    for step in range(top_k):
+        probs = router_probs(remaining, jitter_eps, mask)
+        probs = jnp.where(invalid[..., None], jnp.nan, probs)
+        first_probs = probs if first_probs is None else first_probs
+        # Ties in probability (logits closer than float32's softmax resolves) go to the larger
+        # logit, as in the references, which take the argmax of the logits.
+        top = jnp.argmax(remaining, axis=-1).astype(jnp.int32)
+        if training:
+            expert, gate = _sample_step(probs, top, keys[step], estimator, rule, reduced_prob,
+                                        scale)
+        else:
+            expert, gate = top, take_expert(probs, top)
+        experts.append(expert)
+        gates.append(gate)
+        if step + 1 < top_k:  # later steps choose among the experts not yet chosen
+            chosen = jax.nn.one_hot(expert, remaining.shape[-1], dtype=bool)
+            remaining = jnp.where(chosen, -jnp.inf, remaining)
+    if top_k == 1:
+        return RouterOutput(expert=experts[0], gate=gates[0], probs=first_probs)
+    return RouterOutput(
+        expert=jnp.stack(experts, axis=-1), gate=jnp.stack(gates, axis=-1), probs=first_probs
+    )
+
+
+def _sample_step(probs, top, keys, estimator, rule: EstimatorRule, reduced_prob, scale):
+    """One draw ``D ~ probs`` and its gate ``w pi_D`` with the estimator's backward; ``keys``
+    ``[2]`` are this step's sample and coin keys."""
+    sample_key, coin_key = keys[0], keys[1]
+    # Gumbel-max over the masked logits; log(probs) differs from them by a constant per token.
+    masked_logits = jnp.log(jax.lax.stop_gradient(probs))
+    expert = jax.random.categorical(sample_key, masked_logits, axis=-1).astype(jnp.int32)
+    if estimator == "euler":
+        reduced = jnp.zeros(expert.shape, dtype=bool)
+    elif estimator == "midpoint":
+        reduced = jnp.ones(expert.shape, dtype=bool)
+    else:
+        coin = jax.random.bernoulli(coin_key, reduced_prob, expert.shape)
+        reduced = coin if rule.on_argmax else coin & (expert != top)
+    forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(probs.dtype)
+    return expert, scaled_gate(take_expert(probs, expert), forward_scale, scale)

@@ -1,0 +1,237 @@
+"""The training loop (:func:`sparsemixer_jax.training.train`) with a small fake task.
+
+The fake task is a linear regression: every step compiles in well under a second, so the loop's
+own behaviour (extending a run, exact resumption after a SIGKILL, the stop on a non-finite loss,
+a data-parallel mesh, the deferred metric read) is tested here once, for every task. The task
+tests (``test_train.py``, ``test_pretrain.py``) keep what is theirs.
+
+The config is the tiny translation config (the loop validates a config of a known task): the
+fake task reads only the loop's fields (seed, optim, intervals, mesh, runtime) and
+``fake.*``. ``python tests/test_loop.py WORKDIR KILL_AT`` runs the fake task in a process that
+SIGKILLs itself when it draws batch ``KILL_AT``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+if __name__ == "__main__":  # the killed child process: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sparsemixer_jax import training
+from sparsemixer_jax.checkpoint import RunCheckpoints
+from tests import tiny_wmt_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FEATURES, ROWS = 4, 8
+TRUE_WEIGHTS = np.arange(1.0, FEATURES + 1, dtype=np.float32)
+
+
+def fake_config(**overrides):
+    config = tiny_wmt_config.get_config()
+    config.train_steps = 6
+    config.eval_every = 3
+    config.checkpoint_every = 3
+    config.log_every = 2
+    config.optim.peak_lr = 0.5
+    config.optim.warmup_steps = 0
+    config.update_from_flattened_dict(overrides)
+    return config
+
+
+def rows(seed: int, index: int) -> dict[str, np.ndarray]:
+    """Batch ``index`` of stream ``seed``: ``y = x @ TRUE_WEIGHTS`` plus noise."""
+    rng = np.random.default_rng([seed, index])
+    x = rng.normal(size=(ROWS, FEATURES)).astype(np.float32)
+    y = x @ TRUE_WEIGHTS + 0.1 * rng.normal(size=ROWS).astype(np.float32)
+    return {"x": x, "y": y}
+
+
+class Stream:
+    """Endless training batches whose position is saved in checkpoints; SIGKILLs its own
+    process when it is asked for batch ``kill_at`` (a run killed mid-training)."""
+
+    def __init__(self, seed: int, kill_at: int = -1):
+        self.seed, self.index, self.kill_at = seed, 0, kill_at
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self.index == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        batch = rows(self.seed, self.index)
+        self.index += 1
+        return batch
+
+    def state(self) -> dict[str, int]:
+        return {"index": self.index}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.index = int(state["index"])
+
+
+class Regression(nnx.Module):
+    def __init__(self, config, vocab_size: int, *, mesh, rngs: nnx.Rngs):
+        del config, vocab_size, mesh
+        self.linear = nnx.Linear(FEATURES, 1, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear(x)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeTask:
+    """Summed squared error (the gradient is divided by the rows) of a linear model."""
+
+    kill_at: int = -1
+    micro_batches: int = 1
+
+    batch_keys = ("x", "y")
+    progress_keys = ("loss",)
+
+    def loss(self, model, batch, key):
+        del key  # nothing random
+        error = jnp.sum((model(batch["x"]) - batch["y"]) ** 2)
+        return error, {"error": error, "tokens": jnp.asarray(batch["y"].shape[0], jnp.float32)}
+
+    def summarize(self, m):
+        return m["tokens"], {"loss": m["error"] / m["tokens"], "tokens": m["tokens"]}
+
+    def evaluate(self, model, batch, key):
+        del key
+        return jnp.stack([jnp.sum((model(batch["x"]) - batch["y"]) ** 2),
+                          jnp.asarray(batch["y"].shape[0], jnp.float32)])
+
+    def load_data(self, config, workdir, batch_multiple):
+        del workdir, batch_multiple
+        return training.TaskData(train=Stream(int(config.seed), self.kill_at),
+                                 valid=[rows(10**6, i) for i in range(2)], vocab_size=0,
+                                 stats={"rows": ROWS}, micro_batches=self.micro_batches)
+
+    def build_model(self, config, vocab_size, mesh):
+        return training.build_model(config, Regression, vocab_size, mesh)
+
+    def validation_metrics(self, sums):
+        error, count = (float(x) for x in sums)
+        return {"valid_loss": error / count}
+
+    def finish(self, run):
+        # Floats round-trip exactly through JSON: equal lists are equal parameters, bit for bit.
+        return {"weights": np.asarray(run.params["linear"]["kernel"]).ravel().tolist(),
+                "bias": np.asarray(run.params["linear"]["bias"]).tolist()}
+
+
+def read_metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def without_clock(records):
+    """Metric records without their wall-clock fields."""
+    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """An uninterrupted 6-step run: the reference."""
+    workdir = str(tmp_path_factory.mktemp("straight"))
+    return workdir, training.train(FakeTask(), fake_config(), workdir)
+
+
+def test_straight_run_learns_logs_every_step_and_validates_on_schedule(straight_run):
+    workdir, results = straight_run
+    records = read_metrics(workdir)
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 7))
+    assert [r["step"] for r in records if "valid_loss" in r] == [3, 6]
+    valid = [r["valid_loss"] for r in records if "valid_loss" in r]
+    assert valid[1] < valid[0], valid  # it learns
+    assert results["steps"] == 6 and results["best_step"] in (3, 6)
+    assert results["valid_loss"] == [r for r in records if "valid_loss" in r][-1]["valid_loss"]
+    with open(os.path.join(workdir, "results.json")) as f:
+        assert json.load(f)["weights"] == results["weights"]
+    # The learning rate logged is the update's own (inverse_sqrt, no warm-up: 0.5 / sqrt(n)).
+    lrs = [r["lr"] for r in records if "loss" in r]
+    np.testing.assert_allclose(lrs, [0.5 / np.sqrt(max(n, 1)) for n in range(6)], rtol=1e-6)
+
+
+def test_extending_a_run_equals_the_uninterrupted_run(straight_run, tmp_path):
+    workdir = str(tmp_path / "extended")
+    training.train(FakeTask(), fake_config(train_steps=3), workdir)
+    extended = training.train(FakeTask(), fake_config(), workdir)
+    reference_dir, reference = straight_run
+    for key in ("weights", "bias", "valid_loss", "best_valid_loss", "best_step"):
+        assert extended[key] == reference[key], key
+    # Each step is logged once although the run stopped and started again, with the same values.
+    assert without_clock(read_metrics(workdir)) == without_clock(read_metrics(reference_dir))
+
+
+def test_rerunning_a_finished_run_returns_its_results(straight_run):
+    workdir, results = straight_run
+    assert training.train(FakeTask(), fake_config(), workdir) == results
+
+
+def test_sigkill_mid_run_then_resume_is_bit_for_bit(straight_run, tmp_path):
+    """A process killed while drawing step 5's batch (checkpoints after every step, the last
+    possibly half-written) resumes from the newest intact one to the uninterrupted result."""
+    workdir = str(tmp_path / "killed")
+    child = subprocess.run([sys.executable, __file__, workdir, "4"], cwd=REPO,
+                           capture_output=True, text=True)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert not os.path.exists(os.path.join(workdir, "results.json"))
+    checkpoints = RunCheckpoints(workdir)
+    saved = checkpoints.last.all_steps()
+    checkpoints.close()
+    assert saved and 3 <= max(saved) <= 4, saved  # it resumes, not starts afresh
+    resumed = training.train(FakeTask(), fake_config(checkpoint_every=1), workdir)
+    reference_dir, reference = straight_run
+    assert (resumed["weights"], resumed["bias"]) == (reference["weights"], reference["bias"])
+    assert without_clock(read_metrics(workdir)) == without_clock(read_metrics(reference_dir))
+
+
+def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_good_checkpoint(
+        tmp_path, last_checkpoint):
+    workdir = str(tmp_path / "diverged")
+    # lr 1e30: the first update makes the weights ~1e30, the next forward overflows.
+    config = fake_config(**{"optim.peak_lr": 1e30, "checkpoint_every": 1, "eval_every": 100})
+    with pytest.raises(training.TrainingDiverged, match=r"step 2: .* not finite.*after step 1"):
+        training.train(FakeTask(), config, workdir)
+    records = read_metrics(workdir)
+    assert [r["step"] for r in records] == [1, 2] and "error" in records[-1]
+    assert not os.path.exists(os.path.join(workdir, "results.json"))
+    checkpoints = RunCheckpoints(workdir)
+    saved = checkpoints.last.all_steps()
+    checkpoints.close()
+    assert list(saved) == [1]
+    params, meta = last_checkpoint(workdir, training.build_steps(FakeTask(), config, 0))
+    assert meta["step"] == 1 and all(np.all(np.isfinite(p)) for p in jax.tree.leaves(params))
+
+
+def test_accumulating_micro_batches_and_a_data_parallel_mesh_match_one_device(straight_run,
+                                                                               tmp_path):
+    """Two micro-batches of 8 rows per update (the loop draws both, the steps sum them), on a
+    mesh of 2 devices (each batch split in half): the losses of one device and one batch of
+    16 rows drawn the same way, to float32 rounding."""
+    one = str(tmp_path / "one")
+    mesh = str(tmp_path / "mesh")
+    training.train(FakeTask(micro_batches=2), fake_config(train_steps=3), one)
+    training.train(FakeTask(micro_batches=2), fake_config(train_steps=3, **{"mesh.data": 2}),
+                   mesh)
+    losses = [[r["loss"] for r in read_metrics(w) if "loss" in r] for w in (one, mesh)]
+    assert len(losses[0]) == 3
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
+    straight = [r["loss"] for r in read_metrics(straight_run[0]) if "loss" in r]
+    assert losses[0][0] != straight[0]  # 16 rows, not the first 8 alone
+
+
+if __name__ == "__main__":
+    workdir, kill_at = sys.argv[1], int(sys.argv[2])
+    training.train(FakeTask(kill_at=kill_at), fake_config(checkpoint_every=1), workdir)
