@@ -62,8 +62,7 @@ def _small_design_card():
 
 
 def _param_bytes(config) -> int:
-    model = nnx.eval_shape(lambda: translation.build_model(
-        config, translation.Transformer, int(config.data.vocab_size), None))
+    model = translation.abstract_model(config)
     return 4 * count_params(nnx.state(model, nnx.Param))
 
 

@@ -2,7 +2,8 @@
 
 The model is built abstractly (``nnx.eval_shape``: shapes, dtypes and shardings, no values) on a
 mesh of the target's compile-only devices, laid out as ``config.mesh`` says; the steps are the
-library's own (:func:`sparsemixer_jax.tasks.translation.make_steps`), lowered with
+library's own (:class:`sparsemixer_jax.training.steps.Steps` of the
+:class:`~sparsemixer_jax.tasks.translation.TranslationTask`), lowered with
 ``jax.ShapeDtypeStruct`` arguments sharded as the training loop places them, and compiled by the
 target's compiler. The batch is the longest length bucket (``data.max_len`` tokens per row, as
 many rows as ``data.max_tokens`` allows on the mesh): the one that needs the most memory.
@@ -27,10 +28,9 @@ from sparsemixer_jax.aot.analysis import ProgramReport, analyse
 from sparsemixer_jax.aot.targets import Target
 from sparsemixer_jax.data.batching import bucket_batch_size, bucket_lengths
 from sparsemixer_jax.data.tokenizer import EOS_ID
-from sparsemixer_jax.models import Transformer
 from sparsemixer_jax.moe.dispatch import resolve_dispatch
-from sparsemixer_jax.tasks.translation import accumulation_steps, make_steps
-from sparsemixer_jax.training.loop import build_model
+from sparsemixer_jax.tasks.translation import TranslationTask, accumulation_steps
+from sparsemixer_jax.training.optim import OptimSettings
 from sparsemixer_jax.training.steps import Steps
 
 
@@ -71,6 +71,14 @@ def batch_shape(config: ml_collections.ConfigDict, mesh) -> tuple[int, int]:
     return bucket_batch_size(length, max_tokens, mesh.size), length
 
 
+def abstract_model(config: ml_collections.ConfigDict, mesh=None) -> nnx.Module:
+    """The task's model of ``config`` as shapes, dtypes and shardings (``nnx.eval_shape``), with
+    a vocabulary of ``data.vocab_size`` (the size the tokenizer is trained to)."""
+    task = TranslationTask.from_config(config)
+    return nnx.eval_shape(
+        lambda: task.build_model(config, int(config.data.vocab_size), mesh))
+
+
 def _abstract(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         tree, shardings)
@@ -102,9 +110,9 @@ def compile_translation(config: ml_collections.ConfigDict, target: Target,
     config = config_for_target(config, target)
     mesh = target_mesh(config, devices)
     rows, length = batch_shape(config, mesh)
-    vocab_size = int(config.data.vocab_size)
-    model = nnx.eval_shape(lambda: build_model(config, Transformer, vocab_size, mesh))
-    steps = make_steps(model, config)
+    task = TranslationTask.from_config(config)
+    model = abstract_model(config, mesh)
+    steps = Steps(model, task, OptimSettings.from_config(config.optim))
     replicated = NamedSharding(mesh, P())
     params = _abstract(steps.params, nnx.to_pure_dict(
         sharding.state_shardings(nnx.state(model, nnx.Param), mesh)))
