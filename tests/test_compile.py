@@ -6,7 +6,7 @@ Each program is compiled once per module and shared by the assertions. They chec
 before any hardware runs: that the target's compiler (not the CPU's: the devices are the
 target's) accepts the program, the per-device memory against the chip's HBM, the collectives of
 expert parallelism, and the number of Mosaic GPU kernels. The default run compiles a two-layer
-model on the TPU slice and the grouped layer at the benchmark's size (about 50 s of CPU);
+model on the TPU slice and the grouped layer at the benchmark's size (about 40 s of CPU);
 Transformer-base itself takes minutes of CPU per target and runs with ``-m slow``. The packages
 are in requirements-compile.txt; without them these tests skip, saying which is missing.
 """
