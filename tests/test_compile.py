@@ -182,8 +182,7 @@ def test_design_card_training_step_compiles_for_one_h100(dispatch):
     config.optim.tokens_per_update = 0  # one micro-batch: the fused training step
     if dispatch != "dense":
         config.model.dispatch = dispatch
-    with jax.default_device(devices[0]):
-        reports = translation.compile_translation(config, target, devices, decode_step=False)
+    reports = translation.compile_translation(config, target, devices, decode_step=False)
     (step,) = reports
     assert step.total < target.hbm_bytes
     assert step.kernels == (6 * MOE_LAYERS if dispatch == "grouped" else 0)

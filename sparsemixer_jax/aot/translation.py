@@ -109,9 +109,16 @@ def compile_translation(config: ml_collections.ConfigDict, target: Target,
     """
     config = config_for_target(config, target)
     mesh = target_mesh(config, devices)
+    with jax.default_device(devices[0]):  # what the grouped kernels' device check asks
+        return _compile_all(config, mesh, decode_step)
+
+
+def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
+                 ) -> list[ProgramReport]:
     rows, length = batch_shape(config, mesh)
     task = TranslationTask.from_config(config)
-    model = abstract_model(config, mesh)
+    # One device: no mesh in the model, as the training loop does (sharding.mesh_from_config).
+    model = abstract_model(config, mesh if mesh.size > 1 else None)
     steps = Steps(model, task, OptimSettings.from_config(config.optim))
     replicated = NamedSharding(mesh, P())
     params = _abstract(steps.params, nnx.to_pure_dict(
