@@ -2,6 +2,11 @@
 
     python -m experiments.bench_grouped --json grouped.json            # N = 2, 4, 8, 16 on a GPU
     python -m experiments.bench_grouped --interpret --tiny --experts 2  # the path, on a CPU
+    python -m experiments.bench_grouped --target h100:1x1x1 --experts 4 --capacities
+        # compiled for one H100 on a CPU: each dispatch's compile-time model, nothing timed
+
+Every row records ``compile_time_model``: XLA's FLOPs, bytes and memory for the compiled
+executable and its Mosaic kernels, the compiler's figures, not a timing.
 
 The code lives in :mod:`sparsemixer_jax.benchmarks.grouped_ffn` (so tests can run it); options:
 ``python -m experiments.bench_grouped --help``.

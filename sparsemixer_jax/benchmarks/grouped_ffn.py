@@ -10,6 +10,12 @@ For each number of experts ``N``: random routing of ``tokens`` rows, then the me
   capacity get no expert (as the layer's ``capacity_keep`` does); padded uses the Switch
   ``[N, capacity, emb]`` layout.
 
+Every row also records ``compile_time_model``: XLA's figures for the compiled executable (FLOPs
+and bytes accessed from its cost analysis, argument / temporary / total bytes from its memory
+analysis, Mosaic kernels in the program). They are the compiler's model, known before it runs,
+never a timing. ``--target h100:1x1x1`` compiles for a compile-only H100 (no GPU needed, see
+:mod:`sparsemixer_jax.aot.targets`) and records only that model.
+
 ``--interpret --tiny`` runs a few hundred rows with the kernels in the Mosaic GPU interpreter,
 so the whole path is checked on a CPU. Entry point: ``python -m experiments.bench_grouped``.
 """
@@ -17,6 +23,7 @@ so the whole path is checked on a CPU. Entry point: ``python -m experiments.benc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -29,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsemixer_jax import moe
+from sparsemixer_jax.aot import analysis
 from sparsemixer_jax.moe.dispatch import grouped_ffn
 
 FULL = dict(tokens=32768, emb=512, mlp=2048)
@@ -79,13 +87,30 @@ def _time(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
     return times
 
 
+def compile_time_model(compiled: jax.stages.Compiled, seconds: float) -> dict[str, Any]:
+    """XLA's figures for one compiled executable (its cost and memory analyses), per device."""
+    report = analysis.analyse("", compiled, seconds)
+    return {"flops": report.flops, "bytes_accessed": report.bytes_accessed,
+            "argument_bytes": report.arguments, "temporary_bytes": report.temporaries,
+            "total_bytes": report.total, "mosaic_kernels": report.kernels,
+            "compile_seconds": seconds}
+
+
+def _abstract_on(device: Any, tree: Any) -> Any:
+    """``tree``'s arrays as shapes placed on ``device`` (a compile-only device holds no data)."""
+    placed = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), tree)
+
+
 def _grad_step(ffn: Callable, token_ids: jax.Array, key: jax.Array) -> Callable:
     """jit ``(group, x, wi, bi, wo, bo) -> grads``; the routing is an argument, so the dropless
     and capacity runs of one dispatch share a compilation."""
 
     def loss(x, wi, bi, wo, bo, group):
-        y = ffn(x, group, token_ids, wi, bi, wo, bo, key, DROPOUT)
-        return jnp.sum(y.astype(jnp.float32))
+        # Squared, so the backward pass needs the output: the gradient of a plain sum does not,
+        # and XLA would drop the forward's second matmul (a grouped one: 5 kernels, not 6).
+        y = ffn(x, group, token_ids, wi, bi, wo, bo, key, DROPOUT).astype(jnp.float32)
+        return 0.5 * jnp.sum(jnp.square(y))
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
     return jax.jit(lambda group, *args: grad(*args, group))
@@ -95,8 +120,12 @@ def run(
     experts: Sequence[int], *, tokens: int, emb: int, mlp: int, dtype: str = "bfloat16",
     capacities: Sequence[float] = (1.0, 1.25), warmup: int = 2, repeats: int = 10,
     interpret: bool = False, grouped_options: dict[str, Any] | None = None,
+    compile_device: Any = None,
 ) -> list[dict[str, Any]]:
-    """One row per (N, dispatch): median / min milliseconds and the ratio to ``dense``."""
+    """One row per (N, dispatch): median / min milliseconds and the ratio to ``dense``, and the
+    executable's ``compile_time_model``. With ``compile_device`` (a compile-only device of
+    :func:`sparsemixer_jax.aot.targets.target_devices`) nothing runs: each case is compiled for
+    that device and only its model is recorded."""
     grouped_options = dict(grouped_options or {})
     dt = jnp.dtype(dtype)
     rows: list[dict[str, Any]] = []
@@ -132,24 +161,46 @@ def run(
             try:
                 if id(ffn) not in steps:
                     steps[id(ffn)] = _grad_step(ffn, token_ids, keys[4])
-                step = steps[id(ffn)]
-                times = _time(lambda step=step, g=g, args=args: step(g, *args), warmup, repeats)
+                inputs = (g, *args)
+                if compile_device is not None:
+                    inputs = _abstract_on(compile_device, inputs)
+                started = time.perf_counter()
+                with _targeting(compile_device):
+                    compiled = steps[id(ffn)].lower(*inputs).compile()
+                row["compile_time_model"] = compile_time_model(
+                    compiled, time.perf_counter() - started)
+                if compile_device is None:
+                    times = _time(lambda c=compiled, i=inputs: c(*i), warmup, repeats)
             except ValueError as err:  # e.g. the Mosaic kernels on a GPU that is not sm90
                 row["error"] = str(err)
             else:
-                row["ms"] = 1e3 * statistics.median(times)
-                row["ms_min"] = 1e3 * min(times)
-                if name == "dense":
-                    dense_ms = row["ms"]
-                row["vs_dense"] = row["ms"] / dense_ms if dense_ms else None
+                if compile_device is None:
+                    row["ms"] = 1e3 * statistics.median(times)
+                    row["ms_min"] = 1e3 * min(times)
+                    if name == "dense":
+                        dense_ms = row["ms"]
+                    row["vs_dense"] = row["ms"] / dense_ms if dense_ms else None
             rows.append(row)
-            if "ms" not in row:
-                shown = f"error: {row['error']}"
-            else:
-                ratio = row["vs_dense"]
-                shown = f"{row['ms']:9.2f} ms" + (f"  x{ratio:.2f}" if ratio else "")
-            print(f"N={n:<3d} {name:<16s} {shown}", flush=True)
+            print(f"N={n:<3d} {name:<16s} {_shown(row)}", flush=True)
     return rows
+
+
+def _targeting(device: Any):
+    """Build for ``device`` (the kernels' sm90 check asks the default device), or as usual."""
+    return contextlib.nullcontext() if device is None else jax.default_device(device)
+
+
+def _shown(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"error: {row['error']}"
+    model = row["compile_time_model"]
+    flops = "n/a" if model["flops"] is None else f"{model['flops'] / 1e9:.1f} GFLOP"
+    shown = (f"[compile-time model: {flops}, temporaries {model['temporary_bytes'] / 2**20:.0f} "
+             f"MiB, {model['mosaic_kernels']} Mosaic kernels]")
+    if "ms" not in row:
+        return shown
+    ratio = row["vs_dense"]
+    return f"{row['ms']:9.2f} ms" + (f"  x{ratio:.2f}" if ratio else "") + "  " + shown
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -169,6 +220,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--interpret", action="store_true",
                         help="run the Mosaic kernels in the interpreter (any backend)")
     parser.add_argument("--tiny", action="store_true", help="a few hundred rows, one repeat")
+    parser.add_argument("--block-k", type=int, default=None)
+    parser.add_argument("--target", default=None,
+                        help="compile for this compile-only target (h100:1x1x1) without running")
     parser.add_argument("--json", default=None, help="write the result here")
     return parser.parse_args(argv)
 
@@ -183,13 +237,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     block = 64 if args.tiny else 128
     options = {"impl": args.impl, "weight_grad": args.weight_grad,
                "block_m": args.block_m or block, "block_n": args.block_n or block}
+    if args.block_k is not None:
+        options["block_k"] = args.block_k
+    compile_device = None
+    if args.target is not None:
+        from sparsemixer_jax.aot import targets
+
+        compile_device = targets.target_devices(args.target)[0]
     warmup = args.warmup if args.warmup is not None else (0 if args.tiny else 2)
     repeats = args.repeats if args.repeats is not None else (1 if args.tiny else 10)
     rows = run(args.experts, dtype=args.dtype, capacities=args.capacities, warmup=warmup,
-               repeats=repeats, interpret=args.interpret, grouped_options=options, **sizes)
+               repeats=repeats, interpret=args.interpret, grouped_options=options,
+               compile_device=compile_device, **sizes)
     result = {"environment": environment(),
               "config": {**sizes, "dtype": args.dtype, "dropout": DROPOUT, "warmup": warmup,
-                         "repeats": repeats, "interpret": args.interpret, "grouped": options},
+                         "repeats": repeats, "interpret": args.interpret, "grouped": options,
+                         "target": args.target},
               "rows": rows}
     if args.json:
         with open(args.json, "w") as f:

@@ -206,7 +206,10 @@ class Steps:
 
 
 def _committed(tree: Any) -> Any:
-    return jax.tree.map(lambda a: a if a.committed else jax.device_put(a, a.sharding), tree)
+    # Shapes without values (a model built under nnx.eval_shape, to compile ahead of time) pass.
+    return jax.tree.map(
+        lambda a: a if not isinstance(a, jax.Array) or a.committed
+        else jax.device_put(a, a.sharding), tree)
 
 
 def count_params(params: Any) -> int:

@@ -1,0 +1,94 @@
+"""``python -m experiments.compile``: compile a config's steps for hardware this machine lacks.
+
+For each ``--target`` it builds the target's compile-only devices, lays ``config.mesh`` over
+them, compiles the training step and the decode step, and prints per device the memory
+(arguments, temporaries, total against the chip's HBM), the FLOPs and bytes of XLA's cost
+analysis, and the collectives of the program. A config that does not shard over the target, or
+whose step does not fit, says so in one line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import ml_collections
+
+from sparsemixer_jax import config as config_schema
+from sparsemixer_jax import runtime
+from sparsemixer_jax.aot import analysis, targets
+
+SUPPORTED_TASKS = ("translation",)
+
+
+def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
+                       decode_step: bool = True) -> dict[str, Any]:
+    """Compile ``config``'s steps for target ``spec``: ``{"target", "hbm_bytes", "programs"}``
+    (each program an :func:`~sparsemixer_jax.aot.analysis.as_dict`), or ``{"target",
+    "error"}`` with a one-line reason when the target is unavailable or the config does not
+    shard over it."""
+    task = config_schema.task_of(config)
+    if task not in SUPPORTED_TASKS:
+        return {"target": spec, "error": f"config task {task!r}: only "
+                                          f"{', '.join(SUPPORTED_TASKS)} configs can be compiled"}
+    try:
+        target = targets.parse_target(spec)
+        devices = targets.target_devices(target)
+        from sparsemixer_jax.aot import translation
+
+        reports = translation.compile_translation(config, target, devices,
+                                                  decode_step=decode_step)
+    except (ValueError, RuntimeError) as err:
+        return {"target": spec, "error": str(err).splitlines()[0]}
+    return {"target": spec, "device_kind": devices[0].device_kind, "devices": len(devices),
+            "hbm_bytes": target.hbm_bytes,
+            "programs": [analysis.as_dict(r) for r in reports],
+            "reports": reports}
+
+
+def run(config: ml_collections.ConfigDict, target_specs: Sequence[str], *,
+        decode_step: bool = True, json_path: str | None = None) -> list[dict[str, Any]]:
+    """Compile for every target, print each report and a summary line; write JSON if asked.
+    Returns the results (without the report objects)."""
+    try:
+        config_schema.validate(config)
+        runtime.configure(config)  # the RNG implementation and matmul precision shape the program
+    except ValueError as err:
+        results = [{"target": spec, "error": str(err).splitlines()[0]} for spec in target_specs]
+        for result in results:
+            print(summary_line(result))
+        return results
+    results = []
+    for spec in target_specs:
+        result = compile_for_target(config, spec, decode_step=decode_step)
+        if "reports" in result:
+            expert = int(config.mesh.expert)
+            print(f"== {spec}: {result['devices']} x {result['device_kind']}, mesh "
+                  f"data={result['devices'] // expert} x expert={expert}")
+            for report in result.pop("reports"):
+                print(analysis.format_report(report, result["hbm_bytes"]))
+        print(summary_line(result), flush=True)
+        results.append(result)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"config": json.loads(config.to_json()), "results": results}, f, indent=1)
+    return results
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    """One line: whether the largest program fits the chip's HBM, or why nothing compiled."""
+    if "error" in result:
+        return f"{result['target']}: cannot compile: {result['error']}"
+    worst = max(result["programs"], key=lambda p: p["total"])
+    verdict = "fits" if worst["total"] <= result["hbm_bytes"] else "DOES NOT FIT"
+    return (f"{result['target']}: {verdict}: the largest program ({worst['name']}) needs "
+            f"{worst['total'] / 2**30:.2f} GiB of {result['hbm_bytes'] / 2**30:.2f} GiB per "
+            "device")
+
+
+def exit_code(results: Sequence[dict[str, Any]]) -> int:
+    """0 when every target compiled and fits, 1 otherwise."""
+    ok = all("error" not in r and all(p["total"] <= r["hbm_bytes"] for p in r["programs"])
+             for r in results)
+    return 0 if ok else 1

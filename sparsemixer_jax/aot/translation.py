@@ -1,0 +1,164 @@
+"""The translation task's training and decode steps, compiled for a target without its hardware.
+
+The model is built abstractly (``nnx.eval_shape``: shapes, dtypes and shardings, no values) on a
+mesh of the target's compile-only devices, laid out as ``config.mesh`` says; the steps are the
+library's own (:class:`sparsemixer_jax.training.steps.Steps` of the
+:class:`~sparsemixer_jax.tasks.translation.TranslationTask`), lowered with
+``jax.ShapeDtypeStruct`` arguments sharded as the training loop places them, and compiled by the
+target's compiler. The batch is the longest length bucket (``data.max_len`` tokens per row, as
+many rows as ``data.max_tokens`` allows on the mesh): the one that needs the most memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from sparsemixer_jax import decode, sharding
+from sparsemixer_jax.aot.analysis import ProgramReport, analyse
+from sparsemixer_jax.aot.targets import Target
+from sparsemixer_jax.data.batching import bucket_batch_size, bucket_lengths
+from sparsemixer_jax.data.tokenizer import EOS_ID
+from sparsemixer_jax.moe.dispatch import resolve_dispatch
+from sparsemixer_jax.tasks.translation import TranslationTask, accumulation_steps
+from sparsemixer_jax.training.optim import OptimSettings
+from sparsemixer_jax.training.steps import Steps
+
+
+def config_for_target(config: ml_collections.ConfigDict,
+                      target: Target) -> ml_collections.ConfigDict:
+    """A copy of ``config`` with ``model.dispatch = "auto"`` resolved for the target's platform
+    (not for this machine's, which ``"auto"`` would otherwise pick at trace time)."""
+    config = copy.deepcopy(config)
+    with config.unlocked():
+        config.model.dispatch = resolve_dispatch(str(config.model.dispatch),
+                                                 target.dispatch_platform)
+    return config
+
+
+def target_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device]):
+    """The ``(data, expert)`` mesh of ``config.mesh`` over ``devices`` (all of them), or a
+    ValueError naming the config field that does not fit the target."""
+    expert, data = int(config.mesh.expert), int(config.mesh.data)
+    try:
+        mesh = sharding.make_mesh(data, expert, devices)
+        if config.model.num_experts:
+            sharding.check_mesh(mesh, int(config.model.num_experts))
+    except ValueError as err:
+        raise ValueError(f"config.mesh (data={data}, expert={expert}) does not shard over the "
+                         f"target's {len(devices)} devices: {err}") from err
+    return mesh
+
+
+def batch_shape(config: ml_collections.ConfigDict, mesh) -> tuple[int, int]:
+    """``(rows, length)`` of the longest bucket's batch, as the data pipeline would make it."""
+    step = int(config.data.get("bucket_step", 8))
+    length = bucket_lengths(int(config.data.max_len), min_len=step, step=step)[-1]
+    max_tokens = int(config.data.max_tokens)
+    if max_tokens < mesh.size * length:
+        raise ValueError(
+            f"config.data.max_tokens={max_tokens} cannot hold one row of max_len={length} tokens "
+            f"per device on {mesh.size} devices: raise it to >= {mesh.size * length}")
+    return bucket_batch_size(length, max_tokens, mesh.size), length
+
+
+def abstract_model(config: ml_collections.ConfigDict, mesh=None) -> nnx.Module:
+    """The task's model of ``config`` as shapes, dtypes and shardings (``nnx.eval_shape``), with
+    a vocabulary of ``data.vocab_size`` (the size the tokenizer is trained to)."""
+    task = TranslationTask.from_config(config)
+    return nnx.eval_shape(
+        lambda: task.build_model(config, int(config.data.vocab_size), mesh))
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        tree, shardings)
+
+
+def _with_rest(steps: Steps, rest: Any) -> Steps:
+    """``steps`` with its RNG-stream state replaced (by a traced argument of the outer jit: the
+    abstract model's own state is shapes, which a traced computation cannot close over)."""
+    bound = copy.copy(steps)
+    bound.rest = rest
+    return bound
+
+
+def _compile(name: str, fn, args: tuple, donate: tuple[int, ...] = ()) -> ProgramReport:
+    started = time.perf_counter()
+    compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+    return analyse(name, compiled, time.perf_counter() - started)
+
+
+def compile_translation(config: ml_collections.ConfigDict, target: Target,
+                        devices: Sequence[jax.Device], *, decode_step: bool = True,
+                        ) -> list[ProgramReport]:
+    """Compile the training step (and the beam-search decode step) of ``config`` for ``target``.
+
+    One micro-batch per update: the fused training step. Several (gradient accumulation): the
+    two programs the loop runs, ``accumulate`` (one micro-batch's gradient added to the
+    accumulator) and ``update``. Raises ValueError (one line) when the config does not shard.
+    """
+    config = config_for_target(config, target)
+    mesh = target_mesh(config, devices)
+    with jax.default_device(devices[0]):  # what the grouped kernels' device check asks
+        return _compile_all(config, mesh, decode_step)
+
+
+def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
+                 ) -> list[ProgramReport]:
+    rows, length = batch_shape(config, mesh)
+    task = TranslationTask.from_config(config)
+    # One device: no mesh in the model, as the training loop does (sharding.mesh_from_config).
+    model = abstract_model(config, mesh if mesh.size > 1 else None)
+    steps = Steps(model, task, OptimSettings.from_config(config.optim))
+    replicated = NamedSharding(mesh, P())
+    params = _abstract(steps.params, nnx.to_pure_dict(
+        sharding.state_shardings(nnx.state(model, nnx.Param), mesh)))
+    stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+                         steps.batch_stats)
+    rest = _abstract(steps.rest, sharding.state_shardings(steps.rest, mesh))
+    opt_state = jax.eval_shape(steps.init_opt, params)
+    tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding.batch_sharding(mesh))
+    batch = {"inputs": tokens, "targets": tokens}
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                               sharding=replicated)
+    shape = f"[{rows}, {length}]"
+
+    reports = []
+    if accumulation_steps(config) == 1:
+        def train_step(params, stats, rest, opt_state, batch, key):
+            return _with_rest(steps, rest).train_step(params, stats, opt_state, [batch], key)
+
+        reports.append(_compile(f"train step, batch {shape}", train_step,
+                                (params, stats, rest, opt_state, batch, key), donate=(0, 3)))
+    else:
+        def accumulate(params, stats, rest, acc, batch, key):
+            return _with_rest(steps, rest).accumulate(params, stats, acc, batch, key)
+
+        acc = jax.eval_shape(lambda p, s, r, b: _with_rest(steps, r).zeros(p, s, b),
+                             params, stats, rest, batch)
+        reports.append(_compile(
+            f"accumulate (one of {accumulation_steps(config)} micro-batches), batch {shape}",
+            accumulate, (params, stats, rest, acc, batch, key), donate=(3,)))
+        reports.append(_compile("update", steps.update, (params, opt_state, acc), donate=(0, 1)))
+    if decode_step:
+        def beam_search(params, stats, rest, inputs):
+            model = _with_rest(steps, rest).model(params, stats)
+            return decode.beam_search_model(
+                model, inputs, eos_id=EOS_ID, beam_size=int(config.decode.beam_size),
+                alpha=float(config.decode.length_penalty),
+                max_extra_len=int(config.decode.max_extra_len), max_len=int(config.data.max_len))
+
+        reports.append(_compile(
+            f"beam search (beam {int(config.decode.beam_size)}), batch {shape}", beam_search,
+            (params, stats, rest, tokens)))
+    return reports

@@ -1,0 +1,119 @@
+"""Targets, HLO analysis and the compile command's one-line errors: no compiler needed."""
+
+import pytest
+
+from configs import wmt
+from sparsemixer_jax.aot import analysis, command, targets, translation
+
+
+def test_parse_target():
+    tpu = targets.parse_target("tpu:v5e:4x4")
+    assert (tpu.platform, tpu.chip, tpu.topology) == ("tpu", "v5e", "v5e:4x4")
+    assert tpu.hbm_bytes == 16 * 2**30
+    assert targets.parse_target("tpu:v5p:2x2x4").hbm_bytes == 95 * 2**30
+    gpu = targets.parse_target("h100:1x1x8")
+    assert (gpu.platform, gpu.topology, gpu.dispatch_platform) == ("cuda", "1x1x8", "gpu")
+    assert targets.parse_target("h100:2x8").topology == "1x2x8"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("tpu:v9:4x4", "generation one of"),
+    ("tpu:v5e", "tpu:<generation>:<topology>"),
+    ("h100:eight", "h100:<hosts>x<gpus per host>"),
+    ("h100:2x2x8", "first of three sizes must be 1"),
+    ("a100:1x8", "expected tpu:"),
+])
+def test_parse_target_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        targets.parse_target(spec)
+
+
+def test_target_config_describes_an_h100_sxm():
+    text = targets.H100_SXM_TARGET_CONFIG
+    for field in ("core_count: 132", "shared_memory_per_block_optin: 232448", "major: 9",
+                  'device_description_str: "NVIDIA H100 80GB HBM3"'):
+        assert field in text
+
+
+HLO = """
+  %all-to-all.1 = (bf16[4,8]{1,0}) all-to-all(bf16[4,8]{1,0} %p), replica_groups={{0,1}}
+  %ars = f32[8]{0} all-reduce-start(f32[8]{0} %x), to_apply=%add
+  %ard = f32[8]{0} all-reduce-done(f32[8]{0} %ars)
+  %ag = f32[16]{0} all-gather(f32[8]{0} %x), dimensions={0}
+  %all-to-all.2 = bf16[4,8]{1,0} all-to-all(bf16[4,8]{1,0} %q), dimensions={0}
+  %k = bf16[128,64]{1,0} custom-call(%a), custom_call_target="mosaic_gpu_v2"
+  %f = f32[8]{0} fusion(%all-to-all.2), kind=kLoop, calls=%fused
+"""
+
+
+def test_collectives_and_kernels_are_counted_from_hlo():
+    # A fusion consuming an all-to-all's result, and the "-done" half of an asynchronous
+    # all-reduce, are not collectives of their own.
+    assert analysis.collective_counts(HLO) == {"all-to-all": 2, "all-reduce": 1,
+                                               "all-gather": 1}
+    assert analysis.kernel_count(HLO) == 1
+    assert analysis.kernel_count("%x = f32[] add(%a, %b)") == 0
+
+
+def _report(total_temp: int) -> analysis.ProgramReport:
+    return analysis.ProgramReport(name="step", compile_seconds=1.0, arguments=2 * 2**30,
+                                  outputs=2**30, aliased=2**30, temporaries=total_temp,
+                                  flops=1e12, bytes_accessed=2**31, collectives={},
+                                  kernels=0)
+
+
+def test_report_total_and_verdicts():
+    small, big = _report(2**30), _report(20 * 2**30)
+    assert small.total == 3 * 2**30
+    assert "fits" in analysis.format_report(small, 16 * 2**30)
+    assert "DOES NOT FIT" in analysis.format_report(big, 16 * 2**30)
+    result = {"target": "tpu:v5e:4x4", "hbm_bytes": 16 * 2**30,
+              "programs": [analysis.as_dict(small), analysis.as_dict(big)]}
+    assert command.summary_line(result).startswith("tpu:v5e:4x4: DOES NOT FIT")
+    assert command.exit_code([result]) == 1
+    result["programs"] = [analysis.as_dict(small)]
+    assert command.exit_code([result]) == 0
+
+
+def test_a_config_that_does_not_shard_says_so_in_one_line():
+    config = wmt.get_config("n4")
+    config.mesh.expert = 3
+    with pytest.raises(ValueError, match=r"^config.mesh \(data=-1, expert=3\) does not shard"):
+        translation.target_mesh(config, list(range(16)))
+    result = command.compile_for_target(config, "tpu:v5e:nope")
+    assert "\n" not in result["error"] and "tpu:<generation>" in result["error"]
+
+
+def test_a_batch_too_small_for_the_mesh_says_so():
+    config = wmt.get_config("n4")
+    config.data.max_tokens = 1024
+    mesh = type("Mesh", (), {"size": 16})()
+    with pytest.raises(ValueError, match="max_tokens=1024 cannot hold one row of max_len=256"):
+        translation.batch_shape(config, mesh)
+    config.data.max_tokens = 4096
+    assert translation.batch_shape(config, mesh) == (16, 256)
+
+
+def test_dispatch_auto_is_resolved_for_the_target():
+    config = wmt.get_config("n4")
+    assert translation.config_for_target(
+        config, targets.parse_target("tpu:v5e:4x4")).model.dispatch == "ragged"
+    assert translation.config_for_target(
+        config, targets.parse_target("h100:1x8")).model.dispatch == "padded"
+    assert config.model.dispatch == "auto"  # the caller's config is left as it was
+
+
+def test_the_command_says_in_one_line_that_a_config_does_not_shard():
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.compile", "--config", "configs/wmt_n4.py",
+         "--config.mesh.expert=3", "--target", "tpu:v5e:4x4"],
+        capture_output=True, text=True, timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 1, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tpu:v5e:4x4: cannot compile: ")
+    assert "config.mesh.expert=3" in lines[0]  # the config check names the field
