@@ -396,6 +396,17 @@ def _mosaic_weight_grad(lhs, dout, group_sizes, config: GroupedMatmulConfig) -> 
             num_sms=sm_count(config, target_device(array=lhs)))
 
 
+def _varying_axes(x: jax.Array) -> frozenset:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (none outside it)."""
+    return jax.typeof(x).manual_axis_type.varying
+
+
+def _vary_over(x: jax.Array, axes: frozenset) -> jax.Array:
+    """``x`` marked as varying over ``axes`` too (``pcast``'s transpose sums over them)."""
+    missing = tuple(sorted(axes - _varying_axes(x), key=str))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _xla_matmul(lhs, rhs, group_sizes) -> jax.Array:
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
     return out.astype(lhs.dtype)
@@ -447,7 +458,11 @@ def _build(config: GroupedMatmulConfig) -> Callable:
             drhs = _mosaic_weight_grad(lhs, dout, group_sizes, config)
         else:
             drhs = _xla_weight_grad(lhs, dout, group_sizes)
-        return dlhs, drhs.astype(rhs.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
+        # A Pallas kernel's result does not say which mesh axes it varies over; a custom VJP's
+        # cotangents must vary exactly as their primals do.
+        dlhs = _vary_over(dlhs, _varying_axes(lhs))
+        drhs = _vary_over(drhs.astype(rhs.dtype), _varying_axes(rhs))
+        return dlhs, drhs, np.zeros(group_sizes.shape, jax.dtypes.float0)
 
     gmm.defvjp(fwd, bwd)
     return gmm
@@ -480,6 +495,12 @@ def grouped_matmul(
         check_grouped_supported(target_device(array=lhs), interpret=config.interpret)
     dtype = config.operand_dtype(jnp.result_type(lhs.dtype, rhs.dtype))
     args = (lhs.astype(dtype), rhs.astype(dtype), group_sizes.astype(jnp.int32))
+    # Under shard_map (expert parallelism) the operands vary over different mesh axes: tokens
+    # are replicated over `expert`, the local experts' weights are not. All three vary over every
+    # one of those axes inside the custom VJP, so its cotangents have one type, and the sum that
+    # a replicated operand's gradient needs comes from pcast's transpose, outside it.
+    axes = frozenset().union(*(_varying_axes(a) for a in args))
+    args = tuple(_vary_over(a, axes) for a in args)
     if config.impl == "tokamax":  # differentiated by tokamax's own VJP
         return _tokamax_matmul(*args)
     return _build(config)(*args)
