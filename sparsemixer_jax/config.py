@@ -16,12 +16,13 @@ from typing import Any
 
 import ml_collections
 
+from sparsemixer_jax import routing
 from sparsemixer_jax.data.sources import check_config as check_translation_data
 from sparsemixer_jax.data.text import FIRST_WORD_ID
 from sparsemixer_jax.electra import generator_config
 from sparsemixer_jax.glue_grid import check_config as check_finetuning
 from sparsemixer_jax.layers import check_attention_impl
-from sparsemixer_jax.moe import ACTIVATIONS, DISPATCHES, GROUPED_IMPLS
+from sparsemixer_jax.moe.layer import check_moe_args
 from sparsemixer_jax.runtime import check_runtime_config
 
 TASKS = ("translation", "pretraining", "finetuning")
@@ -190,8 +191,6 @@ def _check_sections(config: Any, sections: tuple[str, ...], schema: str) -> None
 
 
 def _check_model(m: Any, r: Any) -> None:
-    from sparsemixer_jax import routing
-
     _positive({"model": m}, ["model.emb_dim", "model.mlp_dim", "model.num_heads",
                              "model.moe_every"])
     if m.emb_dim % m.num_heads:
@@ -200,24 +199,19 @@ def _check_model(m: Any, r: Any) -> None:
         )
     if m.num_experts < 0:
         raise ValueError(f"config.model.num_experts must be >= 0 (0 = dense), got {m.num_experts}")
-    for name in ("dropout", "attention_dropout", "activation_dropout"):
+    for name in ("dropout", "attention_dropout"):
         if not 0.0 <= m[name] < 1.0:
             raise ValueError(f"config.model.{name} must lie in [0, 1), got {m[name]}")
-    if m.activation not in ACTIVATIONS:
-        raise ValueError(f"config.model.activation={m.activation!r}; choose one of {ACTIVATIONS}")
     if m.compute_dtype not in DTYPES:
         raise ValueError(
             f"config.model.compute_dtype must be float32 or bfloat16, got {m.compute_dtype!r}"
         )
-    if m.dispatch not in DISPATCHES:
-        raise ValueError(f"config.model.dispatch={m.dispatch!r}; choose one of {DISPATCHES}")
-    if m.grouped_impl not in GROUPED_IMPLS:
-        raise ValueError(f"config.model.grouped_impl={m.grouped_impl!r}; choose one of "
-                         f"{GROUPED_IMPLS}")
-    if m.capacity_factor < 0:
-        raise ValueError(
-            f"config.model.capacity_factor must be >= 0 (0 = dropless), got {m.capacity_factor}"
-        )
+    # The MoE layer's own check: its settings are validated here, before a run writes anything,
+    # with the same rules its constructor applies.
+    check_moe_args(activation_dropout=m.activation_dropout, capacity_factor=m.capacity_factor,
+                   dispatch=m.dispatch, grouped_impl=m.grouped_impl, activation=m.activation,
+                   router_init_scale=r.init_scale, where="config.model.",
+                   router_where="config.router.")
     try:
         check_attention_impl(m.attention_impl, m.attention_dropout)
     except ValueError as err:
@@ -225,8 +219,6 @@ def _check_model(m: Any, r: Any) -> None:
     if m.attention_impl == "cudnn" and m.compute_dtype != "bfloat16":
         raise ValueError("config.model.attention_impl='cudnn' needs compute_dtype='bfloat16' "
                          f"(cuDNN's fused attention takes 16-bit inputs), got {m.compute_dtype!r}")
-    if not r.get("init_scale", 1.0) > 0:
-        raise ValueError(f"config.router.init_scale must be > 0, got {r.init_scale}")
     routing.check_router(r.name, top_k=r.top_k, jitter_eps=r.jitter_eps,
                          num_experts=m.num_experts or None, where="config.router.",
                          **routing.options_from_config(r))

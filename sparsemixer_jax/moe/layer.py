@@ -47,6 +47,30 @@ def _stream(rngs: nnx.Rngs, name: str, fallback: str) -> nnx.RngStream:
             ) from None
 
 
+def check_moe_args(*, activation_dropout: float, capacity_factor: float, dispatch: str,
+                   grouped_impl: str, activation: str, router_init_scale: float,
+                   where: str = "", router_where: str = "") -> None:
+    """The one check of :class:`MoEFeedForward`'s own settings (the router's are
+    :func:`sparsemixer_jax.routing.check_router`'s): one-line ValueErrors that name each setting
+    with the prefix ``where`` (``router_where`` for the router's initial scale), so the config
+    validator reports them as ``config.model.<name>`` before a run writes anything."""
+    if not 0.0 <= activation_dropout < 1.0:
+        raise ValueError(f"{where}activation_dropout must lie in [0, 1), got {activation_dropout}")
+    if capacity_factor < 0:
+        raise ValueError(
+            f"{where}capacity_factor must be >= 0 (0 = dropless), got {capacity_factor}")
+    try:
+        resolve_dispatch(dispatch)
+        activation_fn(activation)
+    except ValueError as err:
+        raise ValueError(f"{where.rstrip('.') + ': ' if where else ''}{err}") from None
+    if grouped_impl not in GROUPED_IMPLS:
+        raise ValueError(f"{where}grouped_impl={grouped_impl!r}; choose one of {GROUPED_IMPLS}")
+    if not router_init_scale > 0:
+        name = f"{router_where}init_scale" if router_where else "router_init_scale"
+        raise ValueError(f"{name} must be > 0, got {router_init_scale}")
+
+
 class MoEFeedForward(nnx.Module):
     """MoE feed-forward block: ``y = omega * sum_t gate_t * f_{D_t}(x)`` over ``top_k`` experts.
 
@@ -119,16 +143,11 @@ class MoEFeedForward(nnx.Module):
     ):
         if num_experts < 1:
             raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-        if not 0.0 <= activation_dropout < 1.0:
-            raise ValueError(f"activation_dropout must lie in [0, 1), got {activation_dropout}")
-        if capacity_factor < 0:
-            raise ValueError(f"capacity_factor must be >= 0 (0 = dropless), got {capacity_factor}")
-        resolve_dispatch(dispatch)  # validates the name
-        if grouped_impl not in GROUPED_IMPLS:
-            raise ValueError(f"grouped_impl must be one of {GROUPED_IMPLS}, got {grouped_impl!r}")
+        check_moe_args(activation_dropout=activation_dropout, capacity_factor=capacity_factor,
+                       dispatch=dispatch, grouped_impl=grouped_impl, activation=activation,
+                       router_init_scale=router_init_scale)
         if dispatch == "grouped" and grouped_impl == "mosaic":
             check_grouped_supported(mesh=mesh)  # one line naming the target if it is no Hopper
-        activation_fn(activation)  # validates the name
         # The router's own check owns every rule for its arguments.
         self.router_options = routing.check_router(
             router, top_k=top_k, jitter_eps=jitter_eps, num_experts=num_experts, where="",
@@ -151,8 +170,6 @@ class MoEFeedForward(nnx.Module):
         self.dtype = dtype
         self.mesh = mesh
 
-        if not router_init_scale > 0:
-            raise ValueError(f"router_init_scale must be > 0, got {router_init_scale}")
         # At scale 1.0 this is exactly nnx.Linear's default (lecun_normal): the same draws.
         self.router = nnx.Linear(
             emb_dim, num_experts, use_bias=True, dtype=jnp.float32, param_dtype=jnp.float32,
