@@ -88,6 +88,16 @@ ORACLE_DEFAULT_ESTIMATORS = ("default_moe_oracle", "default_moe_st_oracle")
 TOPK_TABLE = TOPK_ESTIMATORS + DENSE_ESTIMATORS + ORACLE_DEFAULT_ESTIMATORS
 
 
+def _per_scale(measure, scales) -> dict[str, dict[str, list[float]]]:
+    """``measure(scale) -> {estimator: {metric: value}}`` over ``scales``, as
+    ``{estimator: {metric: [one value per scale]}}``."""
+    rows = [jax.device_get(measure(s)) for s in scales]
+    return {
+        name: {metric: [float(r[name][metric]) for r in rows] for metric in rows[0][name]}
+        for name in rows[0]
+    }
+
+
 def topk_accuracy_sweep(
     problem: RoutingProblem, scales, probs_fn: ProbsFn, top_k: int,
     estimators=TOPK_TABLE, defaults: jax.Array | None = None,
@@ -126,11 +136,7 @@ def topk_accuracy_sweep(
             }
         return out
 
-    rows = [jax.device_get(measure(s)) for s in scales]
-    return {
-        name: {metric: [float(r[name][metric]) for r in rows] for metric in rows[0][name]}
-        for name in rows[0]
-    }
+    return _per_scale(measure, scales)
 
 
 def accuracy_sweep(
@@ -160,11 +166,7 @@ def accuracy_sweep(
             }
         return out
 
-    rows = [jax.device_get(measure(s)) for s in scales]
-    return {
-        name: {metric: [float(r[name][metric]) for r in rows] for metric in rows[0][name]}
-        for name in rows[0]
-    }
+    return _per_scale(measure, scales)
 
 
 ESTIMATOR_NOTES = {
