@@ -39,7 +39,7 @@ PLOT_ARMS = {
     "gate": ["switch_softgate", "sparsemixer_softgate", "sparsemixer_1st_softgate",
              "sparsemixer_nomask_softgate"],
     "successors": ["switch", "sparsemixer", "densemixer", "densemixer_blog", "default_moe",
-                   "default_moe_st"],
+                   "default_moe_forward"],
     "robustness": ["switch_i16", "sparsemixer_i16", "densemixer_i16", "switch_p16",
                    "sparsemixer_p16", "densemixer_p16"],
     "quick": ["switch", "sparsemixer", "dense_flops"],

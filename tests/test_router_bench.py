@@ -269,10 +269,10 @@ def test_successors_table_pairs_every_router_with_switch_of_its_setting():
             assert baseline_of(arm, arms) == want, arm.name
             # The exact-gradient cosine only in the main setting (it doubles compile time).
             assert arm.measure_gradient == (suffix == ""), arm.name
-    for router in ("densemixer", "default_moe"):
+    for router in ("densemixer", "default_moe", "default_moe_forward"):
         assert baseline_of(arms[f"{router}_top2"], arms) == "switch_top2"
         assert arms[f"{router}_top2"].top_k == 2
-    assert len(arms) == 3 * len(SUCCESSORS) + 3
+    assert len(arms) == 3 * len(SUCCESSORS) + 4
 
 
 @pytest.mark.parametrize("router", ["switch", "densemixer", "densemixer_blog", "default_moe",

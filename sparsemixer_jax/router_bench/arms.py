@@ -141,24 +141,26 @@ def gate_table() -> list[Arm]:
 
 
 SUCCESSORS = ("switch", "sparsemixer", "densemixer", "densemixer_blog", "default_moe",
-              "default_moe_st")
+              "default_moe_forward")
 """The routers of :func:`successors_table`: Switch, SparseMixer and the routers that also give
-the router a gradient for the experts a token did not choose (DenseMixer, Default MoE)."""
+the router a gradient for the experts a token did not choose (DenseMixer, Default MoE with its
+defaults in the backward only, ``default_moe``, or also in the forward,
+``default_moe_forward``)."""
 
 
 def successors_table() -> list[Arm]:
     """Every estimator on the same seeds, in the settings where the main table found
     differences: the main setting (N = K = 8, margin 0.5), N = K = 16, data packed up to the
-    routing boundaries (margin 0, N = 8), and top-2 at N = 8 for Switch, DenseMixer and Default
-    MoE. The names of the main table's arms are reused (the same configurations, so the same
-    runs)."""
+    routing boundaries (margin 0, N = 8), and top-2 at N = 8 for Switch, DenseMixer and both
+    forms of Default MoE. The names of the main table's arms are reused (the same
+    configurations, so the same runs)."""
     arms = [_arm(router, router=router) for router in SUCCESSORS]
     arms += [_arm(f"{router}_n16", router=router, num_experts=16, measure_gradient=False)
              for router in SUCCESSORS]
     arms += [_arm(f"{router}_margin0.0", router=router, margin=0.0, measure_gradient=False)
              for router in SUCCESSORS]
     arms += [_arm(f"{router}_top2", router=router, top_k=2)
-             for router in ("switch", "densemixer", "default_moe")]
+             for router in ("switch", "densemixer", "default_moe", "default_moe_forward")]
     return arms
 
 
