@@ -22,8 +22,9 @@ from sparsemixer_jax import routing, sharding
 from sparsemixer_jax.kernels.mosaic_grouped_matmul import check_grouped_supported
 from sparsemixer_jax.moe.diagnostics import router_diagnostics
 from sparsemixer_jax.moe.dispatch import (
+    ACTIVATIONS,
+    DISPATCHES,
     GROUPED_IMPLS,
-    activation_fn,
     capacity_keep,
     expert_capacity,
     expert_ffn,
@@ -59,11 +60,11 @@ def check_moe_args(*, activation_dropout: float, capacity_factor: float, dispatc
     if capacity_factor < 0:
         raise ValueError(
             f"{where}capacity_factor must be >= 0 (0 = dropless), got {capacity_factor}")
-    try:
-        resolve_dispatch(dispatch)
-        activation_fn(activation)
-    except ValueError as err:
-        raise ValueError(f"{where.rstrip('.') + ': ' if where else ''}{err}") from None
+    for name, value, choices in (("dispatch", dispatch, DISPATCHES),
+                                 ("activation", activation, ACTIVATIONS)):
+        if value not in choices:
+            raise ValueError(f"{where}{name}={value!r}; choose one of {choices}" if where else
+                             f"unknown {name} {value!r}; expected one of {choices}")
     if grouped_impl not in GROUPED_IMPLS:
         raise ValueError(f"{where}grouped_impl={grouped_impl!r}; choose one of {GROUPED_IMPLS}")
     if not router_init_scale > 0:
