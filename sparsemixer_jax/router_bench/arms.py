@@ -197,7 +197,7 @@ FLIPS = {
 }
 SHARED_FLIPS = {"softgate": {"teacher_gate_scale": 2.0}, "lr0.3": {"lr_mult": 0.3},
                 "lr3": {"lr_mult": 3.0}}
-ROBUSTNESS_ROUTERS = ("switch", "sparsemixer", "densemixer")
+ROBUSTNESS_ROUTERS = ("switch", "sparsemixer", "densemixer", "default_moe")
 
 
 def robustness_arm(router: str, corner: str, n: int, flip: str | None = None) -> Arm:
@@ -212,10 +212,11 @@ def robustness_arm(router: str, corner: str, n: int, flip: str | None = None) ->
 
 
 def robustness_table() -> list[Arm]:
-    """Which setup choices decide the sign of SparseMixer minus Switch and DenseMixer minus
-    Switch: both corners at N = 8 and 16, then one change at a time from each corner at
-    N = 16 (Switch and SparseMixer first, then DenseMixer), then the shared changes, then the
-    same at N = 8. Ordered by priority: a run cut short keeps the decisive arms."""
+    """Which setup choices decide the sign of each estimator (SparseMixer, DenseMixer, Default
+    MoE) minus Switch: both corners at N = 8 and 16, then one change at a time from each corner
+    at N = 16 (Switch and SparseMixer first, then DenseMixer and Default MoE), then the shared
+    changes, then the same at N = 8. Ordered by priority: a run cut short keeps the decisive
+    arms."""
     arms, seen = [], set()
 
     def add(router, corner, n, flip=None):
@@ -231,7 +232,7 @@ def robustness_table() -> list[Arm]:
             for router in ROBUSTNESS_ROUTERS:
                 add(router, corner, n)
     for n in (16, 8):
-        for routers in (("switch", "sparsemixer"), ("densemixer",)):
+        for routers in (("switch", "sparsemixer"), ("densemixer", "default_moe")):
             for corner in ("i", "p"):
                 for flip in FLIPS[corner]:
                     for router in routers:

@@ -301,7 +301,7 @@ def markdown_cost_table(results: dict, emb: int, mlp: int, versus: str | None = 
 
 
 def markdown_robustness_table(results: dict, routers: tuple[str, ...] = (
-        "sparsemixer", "densemixer")) -> str:
+        "sparsemixer", "densemixer", "default_moe")) -> str:
     """One row per setting of the robustness table (the arm name without its router): Switch's
     final eval MSE and agreement, then for each of ``routers`` its Δ ln MSE against Switch
     (paired by seed, ± SE), the seeds where it is better and its Δ agreement; last, the share
