@@ -84,14 +84,6 @@ def _abstract(tree: Any, shardings: Any) -> Any:
                         tree, shardings)
 
 
-def _with_rest(steps: Steps, rest: Any) -> Steps:
-    """``steps`` with its RNG-stream state replaced (by a traced argument of the outer jit: the
-    abstract model's own state is shapes, which a traced computation cannot close over)."""
-    bound = copy.copy(steps)
-    bound.rest = rest
-    return bound
-
-
 def _compile(name: str, fn, args: tuple, donate: tuple[int, ...] = ()) -> ProgramReport:
     started = time.perf_counter()
     compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
@@ -136,15 +128,15 @@ def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
     reports = []
     if accumulation_steps(config) == 1:
         def train_step(params, stats, rest, opt_state, batch, key):
-            return _with_rest(steps, rest).train_step(params, stats, opt_state, [batch], key)
+            return steps.with_rest(rest).train_step(params, stats, opt_state, [batch], key)
 
         reports.append(_compile(f"train step, batch {shape}", train_step,
                                 (params, stats, rest, opt_state, batch, key), donate=(0, 3)))
     else:
         def accumulate(params, stats, rest, acc, batch, key):
-            return _with_rest(steps, rest).accumulate(params, stats, acc, batch, key)
+            return steps.with_rest(rest).accumulate(params, stats, acc, batch, key)
 
-        acc = jax.eval_shape(lambda p, s, r, b: _with_rest(steps, r).zeros(p, s, b),
+        acc = jax.eval_shape(lambda p, s, r, b: steps.with_rest(r).zeros(p, s, b),
                              params, stats, rest, batch)
         reports.append(_compile(
             f"accumulate (one of {accumulation_steps(config)} micro-batches), batch {shape}",
@@ -152,7 +144,7 @@ def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
         reports.append(_compile("update", steps.update, (params, opt_state, acc), donate=(0, 1)))
     if decode_step:
         def beam_search(params, stats, rest, inputs):
-            model = _with_rest(steps, rest).model(params, stats)
+            model = steps.with_rest(rest).model(params, stats)
             return decode.beam_search_model(
                 model, inputs, eos_id=EOS_ID, beam_size=int(config.decode.beam_size),
                 alpha=float(config.decode.length_penalty),

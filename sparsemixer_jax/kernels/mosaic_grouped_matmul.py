@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import functools
 import re
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -284,6 +285,9 @@ def sm_count(config: GroupedMatmulConfig, device: Any = None) -> int:
     return int(count) if count else H100_SMS
 
 
+_SM_COUNT_LOCK = threading.Lock()
+
+
 class _JaxWithSmCount:
     """The ``jax`` module as ``transposed_ragged_dot_mgpu`` sees it while it builds its grid.
 
@@ -317,15 +321,18 @@ def transposed_ragged_dot(lhs: jax.Array, rhs: jax.Array, *, group_sizes: jax.Ar
     """
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as kernel_module
 
-    seen = kernel_module.jax
-    kernel_module.jax = _JaxWithSmCount(num_sms)
-    try:
-        return kernel_module.transposed_ragged_dot(
-            lhs, rhs, group_sizes=group_sizes, block_m=block_m, block_n=block_n,
-            block_k=block_k, max_concurrent_steps=max_concurrent_steps,
-            grid_block_n=grid_block_n)
-    finally:
-        kernel_module.jax = seen
+    # Tracing in several threads at once (e.g. compiling two steps concurrently) must not see
+    # another call's SM count: the swap is held under one lock for the whole call.
+    with _SM_COUNT_LOCK:
+        seen = kernel_module.jax
+        kernel_module.jax = _JaxWithSmCount(num_sms)
+        try:
+            return kernel_module.transposed_ragged_dot(
+                lhs, rhs, group_sizes=group_sizes, block_m=block_m, block_n=block_n,
+                block_k=block_k, max_concurrent_steps=max_concurrent_steps,
+                grid_block_n=grid_block_n)
+        finally:
+            kernel_module.jax = seen
 
 
 def _fit_block(block: int, dim: int, what: str, smallest: int = _MIN_BLOCK) -> int:

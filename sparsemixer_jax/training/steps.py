@@ -24,6 +24,7 @@ kept unchanged when an update is skipped, and is saved in checkpoints.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from typing import Any
@@ -145,6 +146,14 @@ class Steps:
 
     def init_opt(self, params):
         return _init_optimizer(self.optim, params)
+
+    def with_rest(self, rest: Any) -> Steps:
+        """These steps with the model's other state (its RNG streams) replaced by ``rest``: an
+        outer ``jit`` passes it as a traced argument where an abstract model's own state holds
+        shapes only, which a traced computation cannot close over (compile-only targets)."""
+        bound = copy.copy(self)
+        bound.rest = rest
+        return bound
 
     def opt_state_shapes(self, params):
         """The optimizer state's shapes, without computing it (a restore template)."""
