@@ -352,8 +352,12 @@ def test_compare_summary_tables_and_plot(tmp_path):
     assert dense["updates_to_target"]["not_reached"] == 2
     assert dense["final_valid_loss"]["n"] == 2
     assert dense["paired_minus_target_arm"]["final_valid_loss"]["n"] == 2
+    # Paired by seed: 2.5 - (3.0, 3.1, 3.2) = (-0.5, -0.6, -0.7), SE 0.1 / sqrt(3); all better.
+    assert paired["final_valid_loss"]["se"] == pytest.approx(0.1 / np.sqrt(3))
+    assert paired["final_valid_loss"]["negative"] == 3
     table = markdown(summary)
     assert "sparsemixer_n4" in table and "never reached" in table
+    assert "| sparsemixer_n4 − switch_n4 | -0.600 ± 0.058 (3/3) | +2.00 ± 0.00 (3/3) |" in table
     # A diverged run is counted apart, not as unfinished, and left out of the figures.
     n8 = summarize(str(root), ["switch_n8"], [0])["arms"]["switch_n8"]
     assert n8["diverged_seeds"] == [0] and n8["unfinished_seeds"] == [] and n8["finished"] == 0

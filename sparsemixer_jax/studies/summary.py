@@ -4,9 +4,10 @@ The summary reads, per finished run (``results.json`` present), ``metrics.jsonl`
 the small files are kept, ``curves.json`` (:func:`sparsemixer_jax.studies.curves.write_curves`).
 Mean ± std over seeds (sample std, ``ddof=1``); paired differences by seed against the target
 arm (:func:`sparsemixer_jax.studies.arms.target_arm`; same seed: same initial weights where
-shapes agree, same data order, so seed-to-seed variation partly cancels); updates to reach the
-target arm's final validation loss (linear interpolation between evaluations; the target is the
-mean over seeds of that arm's final validation loss).
+shapes agree, same data order, so seed-to-seed variation partly cancels) as mean ± standard
+error (``std / sqrt(n)``) with the seeds where the arm is better; updates to reach the target
+arm's final validation loss (linear interpolation between evaluations; the target is the mean
+over seeds of that arm's final validation loss).
 """
 
 from __future__ import annotations
@@ -24,12 +25,16 @@ from sparsemixer_jax.studies.curves import read_run
 
 
 def _mean_std(values: Sequence[float | None]) -> dict[str, Any]:
-    """Mean and sample std (ddof=1) of the values that exist; n counts them."""
+    """Mean, sample std (ddof=1) and standard error of the values that exist; n counts them,
+    ``negative``/``positive`` count the values below/above zero (for paired differences)."""
     xs = np.asarray([v for v in values if v is not None and math.isfinite(v)], float)
     if xs.size == 0:
-        return {"mean": None, "std": None, "n": 0, "values": list(values)}
+        return {"mean": None, "std": None, "se": None, "n": 0, "values": list(values)}
     std = float(xs.std(ddof=1)) if xs.size > 1 else None
-    return {"mean": float(xs.mean()), "std": std, "n": int(xs.size), "values": list(values)}
+    return {"mean": float(xs.mean()), "std": std,
+            "se": None if std is None else std / math.sqrt(xs.size), "n": int(xs.size),
+            "negative": int((xs < 0).sum()), "positive": int((xs > 0).sum()),
+            "values": list(values)}
 
 
 def updates_to_reach(steps: np.ndarray, losses: np.ndarray, target: float) -> float | None:
@@ -179,6 +184,16 @@ def _fmt(stat: dict[str, Any], digits: int = 3, seeds: int = 3) -> str:
     return text + (f" (n={stat['n']})" if stat["n"] != seeds else "")
 
 
+def _fmt_paired(stat: dict[str, Any], digits: int, better: str) -> str:
+    """``mean ± SE (k/n better)``: ``better`` is ``"negative"`` (a loss) or ``"positive"``."""
+    if stat.get("mean") is None:
+        return "–"
+    text = f"{stat['mean']:+.{digits}f}"
+    if stat.get("se") is not None:
+        text += f" ± {stat['se']:.{digits}f}"
+    return text + f" ({stat[better]}/{stat['n']})"
+
+
 def markdown(summary: dict[str, Any]) -> str:
     """Markdown tables: validation loss at fixed update counts; the final figures; paired
     differences; the routers at the end of training."""
@@ -211,13 +226,16 @@ def markdown(summary: dict[str, Any]) -> str:
             f"{fmt(e['tokens_per_second'], 0)} |")
     paired = [a for a in arms if "paired_minus_target_arm" in summary["arms"][a]]
     if paired:
-        lines += ["", "| arm minus its Switch arm, same seed | final valid loss | BLEU last "
+        lines += ["", "| arm minus its Switch arm, same seed: mean ± standard error (seeds "
+                      "where the arm is better / seeds) | final valid loss | BLEU last "
                       "| BLEU best |", "| --- | --- | --- | --- |"]
         for arm in paired:
             e = summary["arms"][arm]
             d = e["paired_minus_target_arm"]
-            lines.append(f"| {arm} − {e['target_arm']} | {fmt(d['final_valid_loss'])} | "
-                         f"{fmt(d['bleu'], 2)} | {fmt(d['bleu_best'], 2)} |")
+            lines.append(f"| {arm} − {e['target_arm']} | "
+                         f"{_fmt_paired(d['final_valid_loss'], 3, 'negative')} | "
+                         f"{_fmt_paired(d['bleu'], 2, 'positive')} | "
+                         f"{_fmt_paired(d['bleu_best'], 2, 'positive')} |")
     routed = [a for a in arms if summary["arms"][a]["final_router"]]
     if routed:
         keys = ("num_unmasked", "one_eligible_share", "max_logit", "z_loss", "load_max",
