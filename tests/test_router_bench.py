@@ -384,6 +384,13 @@ def test_robustness_flips_change_one_setup_choice_each():
         corner = arms[name.rsplit("_", 1)[0]]
         changed = {f.name for f in dataclasses.fields(Arm)
                    if getattr(arm, f.name) != getattr(corner, f.name)} - {"name"}
+        if arm.student_family is not None:  # the other corner's teacher or student family
+            other = arms[f"switch_{'p' if '_i' in name else 'i'}{arm.num_experts}"]
+            teacher_moved = arm.family != corner.family
+            assert arm.family == (other.family if teacher_moved else corner.family), name
+            assert arm.student_experts == (corner.family if teacher_moved else other.family)
+            assert arm.family != arm.student_experts, name
+            continue
         assert len(changed) == 1, (name, changed)
         if changed <= shared:
             continue
@@ -393,6 +400,22 @@ def test_robustness_flips_change_one_setup_choice_each():
         want = getattr(other_corner, field) if field != "omega" else (not corner.omega)
         assert getattr(arm, field) == want, name  # the other corner's level
     assert not any("omega" in n and not n.startswith("sparsemixer") for n in arms)
+    halves = [n for n, a in arms.items() if a.student_family is not None]
+    assert len(halves) == 16  # 4 routers x 2 corners x 2 halves, at N = 16
+
+
+def test_student_family_sets_the_students_experts_and_leaves_the_teacher():
+    cfg = TINY._replace(dim=8, hidden=12)
+    arm = Arm("switch_mixed", family="tanh", student_family="mlp")
+    assert cfg.teacher(arm).activation == "tanh" and cfg.student_hidden(arm) == 12
+    student = Student(arm, cfg.dim, cfg.student_hidden(arm), rngs=nnx.Rngs(0))
+    assert student.layers[0].activation == "relu"
+    arm = Arm("switch_mixed", family="mlp", student_family="tanh")
+    assert cfg.teacher(arm).activation == "relu" and cfg.student_hidden(arm) == 8
+    student = Student(arm, cfg.dim, cfg.student_hidden(arm), rngs=nnx.Rngs(0))
+    assert student.layers[0].activation == "tanh"
+    with pytest.raises(ValueError, match="student_family must be one of"):
+        Arm("bad", student_family="gelu")
 
 
 ROBUST = Arm("sparsemixer_robust", router="sparsemixer", num_experts=4, family="tanh",

@@ -34,7 +34,8 @@ class Arm:
     every step draws new inputs and labels them clean (no label noise), instead of drawing from
     a fixed pool and adding label noise. ``batch``: tokens per step (None: the run's).
     ``omega``: False freezes SparseMixer's ``omega`` at its initial 1 (no effect on routers
-    without it).
+    without it). ``student_family``: the student's experts of that family instead of
+    ``family``'s (None: the same), to tell which half of the family matters.
     """
 
     name: str
@@ -55,11 +56,19 @@ class Arm:
     fresh_data: bool = False
     batch: int | None = None
     omega: bool = True
+    student_family: str | None = None
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise ValueError(f"arm {self.name!r}: family must be one of {FAMILIES}, "
-                             f"got {self.family!r}")
+        for field in ("family", "student_family"):
+            value = getattr(self, field)
+            if value not in FAMILIES and not (field == "student_family" and value is None):
+                raise ValueError(f"arm {self.name!r}: {field} must be one of {FAMILIES}, "
+                                 f"got {value!r}")
+
+    @property
+    def student_experts(self) -> str:
+        """The student's expert family: ``student_family``, else ``family``."""
+        return self.student_family or self.family
 
     @property
     def k_teacher(self) -> int:
@@ -197,6 +206,13 @@ FLIPS = {
 }
 SHARED_FLIPS = {"softgate": {"teacher_gate_scale": 2.0}, "lr0.3": {"lr_mult": 0.3},
                 "lr3": {"lr_mult": 3.0}}
+# The family moves teacher and student together; these move one half of it.
+HALF_FAMILY_FLIPS = {
+    "p": {"teachertanh": {"family": "tanh", "student_family": "mlp"},
+          "studenttanh": {"student_family": "tanh"}},
+    "i": {"teachermlp": {"family": "mlp", "student_family": "tanh"},
+          "studentmlp": {"student_family": "mlp"}},
+}
 ROBUSTNESS_ROUTERS = ("switch", "sparsemixer", "densemixer", "default_moe")
 
 
@@ -206,7 +222,7 @@ def robustness_arm(router: str, corner: str, n: int, flip: str | None = None) ->
     :data:`SHARED_FLIPS`) if given."""
     fields = dict(CORNERS[corner])
     if flip is not None:
-        fields.update({**FLIPS[corner], **SHARED_FLIPS}[flip])
+        fields.update({**FLIPS[corner], **SHARED_FLIPS, **HALF_FAMILY_FLIPS[corner]}[flip])
     name = f"{router}_{corner}{n}" + (f"_{flip}" if flip else "")
     return _arm(name, router=router, num_experts=n, measure_gradient=False, **fields)
 
@@ -215,7 +231,8 @@ def robustness_table() -> list[Arm]:
     """Which setup choices decide the sign of each estimator (SparseMixer, DenseMixer, Default
     MoE) minus Switch: both corners at N = 8 and 16, then one change at a time from each corner
     at N = 16 (Switch and SparseMixer first, then DenseMixer and Default MoE), then the shared
-    changes, then the same at N = 8. Ordered by priority: a run cut short keeps the decisive
+    changes, then the expert family of the teacher or of the student alone (N = 16 only), then
+    the same at N = 8. Ordered by priority: a run cut short keeps the decisive
     arms."""
     arms, seen = [], set()
 
@@ -241,6 +258,11 @@ def robustness_table() -> list[Arm]:
             for flip in SHARED_FLIPS:
                 for router in ROBUSTNESS_ROUTERS:
                     add(router, corner, n, flip)
+        if n == 16:  # the family decides SparseMixer's sign at N = 16: which half of it?
+            for corner in ("i", "p"):
+                for flip in HALF_FAMILY_FLIPS[corner]:
+                    for router in ROBUSTNESS_ROUTERS:
+                        add(router, corner, n, flip)
     return arms
 
 

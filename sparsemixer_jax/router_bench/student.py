@@ -22,7 +22,7 @@ class Student(nnx.Module):
 
     Args:
       arm: the configuration (router, eps, top-k, N, depth, dense baselines, expert family:
-        ReLU experts, or tanh for ``family="tanh"``).
+        ReLU experts, or tanh where ``arm.student_experts`` is ``"tanh"``).
       dim: token width ``d``; hidden: width of each expert's MLP.
       rngs: streams ``params`` and ``router``.
       dispatch: the layer's dispatch (``"ragged"`` or ``"padded"``); the same arithmetic.
@@ -37,10 +37,11 @@ class Student(nnx.Module):
                 layer = MoEFeedForward(dim, width, 1, router="switch", jitter_eps=0.0,
                                        activation_dropout=0.0, dispatch=dispatch, rngs=rngs)
             else:
+                activation = "tanh" if arm.student_experts == "tanh" else "relu"
                 layer = MoEFeedForward(dim, hidden, arm.num_experts, router=arm.router,
                                        jitter_eps=arm.jitter_eps, top_k=arm.top_k,
                                        activation_dropout=0.0, dispatch=dispatch,
-                                       activation="tanh" if arm.family == "tanh" else "relu",
+                                       activation=activation,
                                        rngs=rngs)
             layers.append(layer)
         self.layers = nnx.List(layers)

@@ -69,7 +69,7 @@ class TrainConfig(NamedTuple):
 
     def student_hidden(self, arm: Arm) -> int:
         """Expert width of ``arm``'s student: ``dim`` for the tanh family, else ``hidden``."""
-        return self.dim if arm.family == "tanh" else self.hidden
+        return self.dim if arm.student_experts == "tanh" else self.hidden
 
 
 class History(NamedTuple):
@@ -119,7 +119,8 @@ def prepare_data(arm: Arm, cfg: TrainConfig, seeds: list[int]) -> tuple[Teacher,
 
 def _measures_gradient(arm: Arm, cfg: TrainConfig) -> bool:
     return (cfg.measure_gradient and arm.measure_gradient and arm.depth == 1
-            and arm.top_k == 1 and arm.dense is None and arm.family == "mlp")
+            and arm.top_k == 1 and arm.dense is None and arm.family == "mlp"
+            and arm.student_experts == "mlp")
 
 
 def _router_grad(grads) -> jax.Array:
