@@ -67,6 +67,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plot", help="curves PNG (default: ROOT/convergence.png)")
     parser.add_argument("--plot-router", help="router diagnostics PNG (default: ROOT/router.png)")
     parser.add_argument("--summarize-only", action="store_true")
+    parser.add_argument("--versus", metavar="ARM",
+                        help="compare every arm with this one (paired by seed) instead of its "
+                             "Switch arm; it must be one of the arms")
     args = parser.parse_args(argv)
     if args.parallel < 1:
         parser.error(f"--parallel must be >= 1, got {args.parallel}")
@@ -76,6 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parse_arm(arm)
     except ValueError as err:
         parser.error(str(err))
+    if args.versus is not None and args.versus not in arms:
+        parser.error(f"--versus {args.versus} is not one of the arms {arms}")
     args.arms = arms
     return args
 

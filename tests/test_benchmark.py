@@ -358,6 +358,14 @@ def test_compare_summary_tables_and_plot(tmp_path):
     table = markdown(summary)
     assert "sparsemixer_n4" in table and "never reached" in table
     assert "| sparsemixer_n4 − switch_n4 | -0.600 ± 0.058 (3/3) | +2.00 ± 0.00 (3/3) |" in table
+    # versus: every arm against the one named, here Switch minus SparseMixer, seed by seed.
+    against = summarize(str(root), arms, [0, 1, 2], versus="sparsemixer_n4")["arms"]
+    assert against["switch_n4"]["target_arm"] == "sparsemixer_n4"
+    assert against["switch_n4"]["paired_minus_target_arm"]["final_valid_loss"]["values"] == (
+        pytest.approx([0.5, 0.6, 0.7]))
+    assert "paired_minus_target_arm" not in against["sparsemixer_n4"]
+    with pytest.raises(ValueError, match="versus='switch_n8' is not one of the arms"):
+        summarize(str(root), arms, [0, 1, 2], versus="switch_n8")
     # A diverged run is counted apart, not as unfinished, and left out of the figures.
     n8 = summarize(str(root), ["switch_n8"], [0])["arms"]["switch_n8"]
     assert n8["diverged_seeds"] == [0] and n8["unfinished_seeds"] == [] and n8["finished"] == 0

@@ -74,6 +74,7 @@ class StudyOptions:
     out_md: str | None = None
     plot: str | None = None
     plot_router: str | None = None
+    versus: str | None = None
 
     def __post_init__(self) -> None:
         for field, name in (("out_json", "compare.json"), ("out_md", "compare.md"),
@@ -262,7 +263,7 @@ def pack(root: str, arms: Sequence[str], seeds: Sequence[int], out: str) -> list
 
 
 def summarize_and_write(options: StudyOptions) -> dict[str, Any]:
-    summary = summarize(options.root, options.arms, options.seeds)
+    summary = summarize(options.root, options.arms, options.seeds, versus=options.versus)
     table = markdown(summary)
     print(table, flush=True)
     if options.out_json:

@@ -88,13 +88,17 @@ def _final_diagnostics(moe: dict) -> dict[str, float]:
 
 
 def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
-              checkpoints: Sequence[int] | None = None) -> dict[str, Any]:
+              checkpoints: Sequence[int] | None = None,
+              versus: str | None = None) -> dict[str, Any]:
     """The study's numbers from the finished runs under ``root``; unfinished ones are listed per
     arm and left out, so every figure is at the full budget.
 
     ``checkpoints``: update counts at which validation losses are tabulated; default: every
-    evaluation step that all finished runs share.
+    evaluation step that all finished runs share. ``versus``: an arm of ``arms`` that every
+    other arm is compared with, instead of its Switch arm (``target_arm``).
     """
+    if versus is not None and versus not in arms:
+        raise ValueError(f"versus={versus!r} is not one of the arms {list(arms)}")
     runs: dict[str, dict[int, dict[str, Any]]] = {}
     partial: dict[str, list[int]] = {}
     diverged: dict[str, list[int]] = {}
@@ -143,7 +147,7 @@ def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
 
     for arm in arms:
         entry = summary["arms"][arm]
-        reference = target_arm(arm, arms)
+        reference = versus if versus is not None else target_arm(arm, arms)
         target = summary["arms"].get(reference, {}).get("final_valid_loss", {}).get("mean")
         entry["target_arm"] = reference
         entry["target_valid_loss"] = target
@@ -208,7 +212,7 @@ def markdown(summary: dict[str, Any]) -> str:
         e = summary["arms"][arm]
         lines.append(f"| {arm} | " + " | ".join(fmt(e["valid_loss_at"][str(c)]) for c in shown)
                      + " |")
-    lines += ["", "| arm | runs finished | final valid loss | updates to Switch's final loss "
+    lines += ["", "| arm | runs finished | final valid loss | updates to the target's final loss "
                   "| BLEU last | BLEU best | train tokens/s |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for arm in arms:
@@ -226,7 +230,7 @@ def markdown(summary: dict[str, Any]) -> str:
             f"{fmt(e['tokens_per_second'], 0)} |")
     paired = [a for a in arms if "paired_minus_target_arm" in summary["arms"][a]]
     if paired:
-        lines += ["", "| arm minus its Switch arm, same seed: mean ± standard error (seeds "
+        lines += ["", "| arm minus its target arm, same seed: mean ± standard error (seeds "
                       "where the arm is better / seeds) | final valid loss | BLEU last "
                       "| BLEU best |", "| --- | --- | --- | --- |"]
         for arm in paired:
