@@ -64,6 +64,73 @@ def test_probability_ties_are_broken_by_the_logits():
     np.testing.assert_array_equal(top2.expert[0], [1, 0])
 
 
+# Logits 2e-8 apart (an ulp or so) whose float32 masked probabilities tie: expert 1 has the
+# larger logit, expert 0 the first of the tied probabilities.
+TIED = [-0.0399612561, -0.0399612337, -0.2426628917, -1.2282100916]
+
+
+def _weights_by_expert(z, out, step, jitter_eps):
+    """The forward weight ``gate / pi_D`` of top-k step ``step``, and its expert, per token."""
+    remaining = np.array(z, np.float32)
+    for earlier in range(step):
+        remaining[np.arange(len(z)), np.asarray(out.expert)[:, earlier]] = -np.inf
+    probs = np.asarray(router_probs(jnp.asarray(remaining), jitter_eps))
+    expert = np.asarray(out.expert)[:, step]
+    chosen = probs[np.arange(len(z)), expert]
+    return np.asarray(out.gate)[:, step] / chosen, expert, probs
+
+
+@pytest.mark.parametrize("estimator, coin", [("v2", 0.75), ("v2star", 0.375)])
+def test_v2_ties_in_probability_go_to_the_first_index_in_training(estimator, coin):
+    """GRIN's v2 (Hugging Face ``phimoe``) compares the sampled expert with ``torch.max`` of the
+    float32 masked probabilities, whose tie goes to the first index; v2star follows v2. At
+    evaluation both take the argmax of the logits."""
+    z = np.tile(np.asarray([TIED], np.float32), (4000, 1))
+    probs = np.asarray(router_probs(jnp.asarray(z[:1]), 0.01))[0]
+    assert probs[0] == probs[1] and z[0, 1] > z[0, 0]  # the premise: a tie, not equal logits
+    out = sparsemixer_route(jnp.asarray(z), KEY, top_k=2, jitter_eps=0.01, estimator=estimator)
+    weight, expert, _ = _weights_by_expert(z, out, 0, 0.01)
+    # Expert 0 is phimoe's argmax: always the full weight. Expert 1 takes the coin: weight
+    # 1/3 with probability `coin` (within 4 standard errors).
+    np.testing.assert_array_equal(weight[expert == 0], 1.0)
+    reduced = np.isclose(weight[expert == 1], 1.0 / 3.0, rtol=1e-6)
+    assert np.all(reduced | (weight[expert == 1] == 1.0))
+    n1 = int(np.sum(expert == 1))
+    assert abs(reduced.mean() - coin) < 4 * np.sqrt(coin * (1 - coin) / n1)
+    evaluated = sparsemixer_route(jnp.asarray(z[:1]), None, top_k=2, jitter_eps=0.01,
+                                  estimator=estimator, training=False)
+    np.testing.assert_array_equal(evaluated.expert[0], [1, 0])
+
+
+def test_v2_second_step_ties_in_probability_go_to_the_first_index():
+    """The second expert's coin compares with the first index of the second step's tied
+    probabilities, as ``phimoe`` does for ``masked_gates_top2``."""
+    z = np.tile(np.asarray([[TIED[0], TIED[1], -0.035, TIED[3]]], np.float32), (6000, 1))
+    out = sparsemixer_route(jnp.asarray(z), KEY, top_k=2, jitter_eps=0.1, estimator="v2")
+    first_was_2 = np.asarray(out.expert)[:, 0] == 2
+    weight, expert, probs = _weights_by_expert(z[first_was_2], jax.tree.map(
+        lambda a: a[first_was_2], out), 1, 0.1)
+    assert probs[0, 0] == probs[0, 1] and probs[0, 2] == 0  # the premise: a tie after step 1
+    np.testing.assert_array_equal(weight[expert == 0], 1.0)
+    reduced = np.isclose(weight[expert == 1], 1.0 / 3.0, rtol=1e-6)
+    n1 = int(np.sum(expert == 1))
+    assert n1 > 300 and abs(reduced.mean() - 0.75) < 4 * np.sqrt(0.75 * 0.25 / n1)
+
+
+@pytest.mark.parametrize("estimator", ["mix", "euler"])
+def test_top1_estimators_break_probability_ties_by_the_logits_at_top_k(estimator):
+    """microsoft/SparseMixer's rule (the argmax of the logits) holds for its estimators at any
+    top_k: the larger logit (expert 1) is the argmax, never halved."""
+    z = np.tile(np.asarray([TIED], np.float32), (4000, 1))
+    out = sparsemixer_route(jnp.asarray(z), KEY, top_k=2, jitter_eps=0.01, estimator=estimator)
+    weight, expert, _ = _weights_by_expert(z, out, 0, 0.01)
+    np.testing.assert_array_equal(weight[expert == 1], 1.0)
+    if estimator == "mix":
+        halved = np.isclose(weight[expert == 0], 0.5, rtol=1e-6).mean()
+        n0 = int(np.sum(expert == 0))
+        assert abs(halved - 0.5) < 4 * np.sqrt(0.25 / n0)
+
+
 def test_every_topk_step_has_its_own_keys():
     keys = jax.random.key_data(routing_keys(KEY, 3)).reshape(6, -1)
     assert len({tuple(k) for k in np.asarray(keys)}) == 6

@@ -108,6 +108,17 @@ class EstimatorRule(NamedTuple):
     weight is ``reduced_weight * pi_D`` instead of ``pi_D``; the backward pass always sends
     ``backward_scale * dL/dgate`` to ``pi_D``. ``takes_coin``: whether ``midpoint_prob`` sets
     ``reduced_prob`` (``"euler"`` never reduces, ``"midpoint"`` always does).
+
+    ``argmax_of`` says which argmax the coin's "is ``D`` the argmax" compares with in training,
+    as each estimator's released reference does; the two differ only where float32
+    probabilities tie (logits a few ulps apart):
+
+    * ``"logits"``: the argmax of the logits (microsoft/SparseMixer, top-1), so a tie of
+      probabilities goes to the larger logit;
+    * ``"probs"``: the first index of the largest float32 masked probability (Hugging Face's
+      ``phimoe``, GRIN's top-2, which takes ``torch.max`` of the softmax).
+
+    Evaluation routes by the argmax of the logits for every estimator, as both references do.
     """
 
     reduced_weight: float
@@ -115,14 +126,16 @@ class EstimatorRule(NamedTuple):
     backward_scale: float
     on_argmax: bool = False
     takes_coin: bool = True
+    argmax_of: Literal["logits", "probs"] = "logits"
 
 
 ESTIMATORS: dict[str, EstimatorRule] = {
     "mix": EstimatorRule(0.5, 0.5, 2.0),
     "euler": EstimatorRule(0.5, 0.0, 2.0, takes_coin=False),
     "midpoint": EstimatorRule(0.5, 1.0, 2.0, on_argmax=True, takes_coin=False),
-    "v2": EstimatorRule(1.0 / 3.0, 0.75, 1.0),
-    "v2star": EstimatorRule(1.0 / 3.0, 0.375, 2.0),
+    "v2": EstimatorRule(1.0 / 3.0, 0.75, 1.0, argmax_of="probs"),
+    # No released reference: it follows v2's.
+    "v2star": EstimatorRule(1.0 / 3.0, 0.375, 2.0, argmax_of="probs"),
 }
 
 
@@ -243,9 +256,12 @@ def sparsemixer_route(
        second step's distribution, as here.
 
     Matching the references at the edges: the mask test is computed in their division form
-    (:func:`routing_mask`); the argmax (inference, and the coin's "is it the argmax") is that of
-    the logits, so experts whose probabilities tie in float32 are told apart by their logits;
-    the top-k steps draw from independent keys (:func:`routing_keys`).
+    (:func:`routing_mask`); inference takes the argmax of the logits, so experts whose
+    probabilities tie in float32 are told apart by their logits; the coin's "is it the argmax"
+    in training breaks such ties as each estimator's reference does
+    (:attr:`EstimatorRule.argmax_of`: the logits for ``"mix"``, ``"euler"``, ``"midpoint"``,
+    the first of the tied float32 probabilities for ``"v2"`` and ``"v2star"``); the top-k
+    steps draw from independent keys (:func:`routing_keys`).
 
     Non-finite logits: ``-inf`` removes an expert (never sampled, probability 0). A token with
     NaN or +inf logits, or fewer than ``top_k`` experts above ``-inf``, gets NaN ``probs`` and
@@ -269,11 +285,14 @@ def sparsemixer_route(
         probs = jnp.where(invalid[..., None], jnp.nan, probs)
         first_probs = probs if first_probs is None else first_probs
         # Ties in probability (logits closer than float32's softmax resolves) go to the larger
-        # logit, as in the references, which take the argmax of the logits.
+        # logit at inference, as in both references, which take the argmax of the logits.
         top = jnp.argmax(remaining, axis=-1).astype(jnp.int32)
         if training:
-            expert, gate = _sample_step(probs, top, keys[step], estimator, rule, reduced_prob,
-                                        scale)
+            # The coin's argmax: phimoe's v2 takes it of the probabilities (first of a tie).
+            coin_top = top if rule.argmax_of == "logits" else jnp.argmax(
+                probs, axis=-1).astype(jnp.int32)
+            expert, gate = _sample_step(probs, coin_top, keys[step], estimator, rule,
+                                        reduced_prob, scale)
         else:
             expert, gate = top, take_expert(probs, top)
         experts.append(expert)
