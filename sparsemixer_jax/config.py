@@ -21,6 +21,7 @@ from sparsemixer_jax.data.sources import check_config as check_translation_data
 from sparsemixer_jax.data.text import FIRST_WORD_ID
 from sparsemixer_jax.electra import generator_config
 from sparsemixer_jax.glue_grid import check_config as check_finetuning
+from sparsemixer_jax.initializers import check_init_scheme
 from sparsemixer_jax.layers import check_attention_impl
 from sparsemixer_jax.moe.layer import check_moe_args
 from sparsemixer_jax.runtime import check_runtime_config
@@ -56,6 +57,8 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     "router.default_at_eval": True,
     "router.default_mean": "ungated",
     "router.default_update": "after",
+    # Runs saved before the scheme was a choice were initialised by the "flax" scheme.
+    "model.init": "flax",
 }
 
 
@@ -71,7 +74,7 @@ def router_config(name: str = "sparsemixer", **overrides: Any) -> ml_collections
     c.balance_weight = 0.01
     c.balance_normalization = "per_token"  # | "per_batch": the reference's fairseq objective
     c.z_loss_weight = 0.0
-    c.init_scale = 1.0  # router kernel init variance scale: 1.0 = LeCun normal; Switch uses 0.1
+    c.init_scale = 1.0  # multiplies the router's initial variance (model.init's draw); Switch: 0.1
     # Options of the routers with Switch's forward (sparsemixer_jax.routing.RouterOptions);
     # setting one that the chosen router ignores is an error.
     c.normalize_top_k = False  # gates renormalised over the k chosen (Mixtral, norm_topk_prob)
@@ -132,6 +135,9 @@ def moe_model_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.compute_dtype = "float32"  # | "bfloat16" (params stay float32)
     c.attention_impl = "einsum"  # | "xla" | "cudnn" | "auto" (jax.nn.dot_product_attention)
     c.activation = "relu"  # FFN and experts: fairseq's Transformer; BERT / ELECTRA use "gelu"
+    # Initialisation scheme (sparsemixer_jax.initializers): "fairseq" = the paper's code
+    # (PyTorch nn.Linear defaults for router, experts, FFNs) | "flax" (the earlier scheme).
+    c.init = "fairseq"
     return c
 
 
@@ -212,6 +218,7 @@ def _check_model(m: Any, r: Any) -> None:
                    dispatch=m.dispatch, grouped_impl=m.grouped_impl, activation=m.activation,
                    router_init_scale=r.init_scale, where="config.model.",
                    router_where="config.router.")
+    check_init_scheme(m.init, "config.model.init")
     try:
         check_attention_impl(m.attention_impl, m.attention_dropout)
     except ValueError as err:

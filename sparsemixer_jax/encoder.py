@@ -146,6 +146,7 @@ class EncoderLayer(nnx.Module):
             attention_dropout=float(model_cfg.attention_dropout),
             dtype=dtype,
             implementation=str(model_cfg.attention_impl),
+            init=str(model_cfg.init),
             rngs=rngs,
         )
         self.self_attn_norm = layers.layer_norm(emb, dtype, rngs)

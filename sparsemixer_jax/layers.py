@@ -13,17 +13,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparsemixer_jax.initializers import InitScheme, attention_init, feed_forward_init
 from sparsemixer_jax.moe import MoEFeedForward, activation_fn
 from sparsemixer_jax.routing import options_from_config
 
 # Large negative logit for masked attention entries; finite so that a fully masked row gives a
 # uniform distribution instead of NaN.
 MASK_VALUE = -1e9
-
-# fairseq initialisation: xavier-uniform everywhere, with gain 1/sqrt(2) (variance scale 1/2) on
-# the query/key/value projections.
-_xavier = nnx.initializers.xavier_uniform()
-_xavier_qkv = nnx.initializers.variance_scaling(0.5, "fan_avg", "uniform")
 
 
 
@@ -75,6 +71,7 @@ class Attention(nnx.Module):
     """Multi-head attention with separate q/k/v/out projections (with biases), as in fairseq.
 
     Split into :meth:`project_kv` and :meth:`attend` so that the decoder can cache keys/values.
+    ``init`` is the initialisation scheme (:mod:`sparsemixer_jax.initializers`).
     """
 
     def __init__(
@@ -85,6 +82,7 @@ class Attention(nnx.Module):
         attention_dropout: float,
         dtype: jnp.dtype,
         implementation: str = "einsum",
+        init: InitScheme = "flax",
         rngs: nnx.Rngs,
     ):
         if emb_dim % num_heads:
@@ -95,13 +93,11 @@ class Attention(nnx.Module):
         self.dtype = dtype
         self.implementation = implementation
 
-        def linear(init):
-            return nnx.Linear(emb_dim, emb_dim, kernel_init=init, dtype=dtype, rngs=rngs)
-
-        self.query = linear(_xavier_qkv)
-        self.key = linear(_xavier_qkv)
-        self.value = linear(_xavier_qkv)
-        self.out = linear(_xavier)
+        inits = attention_init(init, emb_dim)
+        self.query = inits["qkv"].linear(emb_dim, emb_dim, dtype=dtype, rngs=rngs)
+        self.key = inits["qkv"].linear(emb_dim, emb_dim, dtype=dtype, rngs=rngs)
+        self.value = inits["qkv"].linear(emb_dim, emb_dim, dtype=dtype, rngs=rngs)
+        self.out = inits["out"].linear(emb_dim, emb_dim, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(attention_dropout, rngs=rngs)
 
     def _heads(self, x: jax.Array) -> jax.Array:
@@ -166,7 +162,8 @@ class FeedForward(nnx.Module):
     """Dense FFN ``Linear -> activation -> Dropout -> Linear`` (fairseq ``fc1``/``fc2``).
 
     ``activation`` is ``"relu"`` (fairseq's translation Transformer, the default) or ``"gelu"``
-    (BERT / ELECTRA / COCO-LM); ``x [..., emb] -> [..., emb]``.
+    (BERT / ELECTRA / COCO-LM); ``init`` the initialisation scheme
+    (:mod:`sparsemixer_jax.initializers`); ``x [..., emb] -> [..., emb]``.
     """
 
     def __init__(
@@ -178,11 +175,12 @@ class FeedForward(nnx.Module):
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
         activation: str = "relu",
+        init: InitScheme = "flax",
     ):
         activation_fn(activation)  # validates the name
         self.activation = activation
-        self.wi = nnx.Linear(emb_dim, mlp_dim, kernel_init=_xavier, dtype=dtype, rngs=rngs)
-        self.wo = nnx.Linear(mlp_dim, emb_dim, kernel_init=_xavier, dtype=dtype, rngs=rngs)
+        self.wi = feed_forward_init(init, emb_dim).linear(emb_dim, mlp_dim, dtype=dtype, rngs=rngs)
+        self.wo = feed_forward_init(init, mlp_dim).linear(mlp_dim, emb_dim, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(activation_dropout, rngs=rngs)
 
     def __call__(
@@ -200,7 +198,7 @@ class FeedForward(nnx.Module):
 
 def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx.Rngs):
     """The feed-forward sublayer of ``layer``: MoE on every ``moe_every``-th layer, else dense;
-    both with ``model_cfg.activation``."""
+    both with ``model_cfg.activation`` and initialised by ``model_cfg.init``."""
     num_experts = int(model_cfg.num_experts)
     if num_experts > 0 and layer % int(model_cfg.moe_every) == 0:
         return MoEFeedForward(
@@ -216,6 +214,7 @@ def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx
             capacity_factor=float(model_cfg.capacity_factor),
             activation=str(model_cfg.activation),
             router_init_scale=float(router_cfg.init_scale),
+            init=str(model_cfg.init),
             default_decay=float(router_cfg.default_decay),
             router_options=options_from_config(router_cfg),
             dtype=dtype,
@@ -229,6 +228,7 @@ def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx
         dtype=dtype,
         rngs=rngs,
         activation=str(model_cfg.activation),
+        init=str(model_cfg.init),
     )
 
 

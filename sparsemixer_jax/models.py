@@ -72,6 +72,7 @@ class EncoderLayer(nnx.Module):
             attention_dropout=float(model_cfg.attention_dropout),
             dtype=dtype,
             implementation=str(model_cfg.attention_impl),
+            init=str(model_cfg.init),
             rngs=rngs,
         )
         self.self_attn_norm = layer_norm(emb, dtype, rngs)
@@ -102,12 +103,12 @@ class DecoderLayer(nnx.Module):
     def __init__(self, model_cfg, router_cfg, layer: int, *, dtype, mesh, rngs: nnx.Rngs):
         emb, heads = model_cfg.emb_dim, model_cfg.num_heads
         att_drop = float(model_cfg.attention_dropout)
-        impl = str(model_cfg.attention_impl)
+        impl, init = str(model_cfg.attention_impl), str(model_cfg.init)
         self.self_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype,
-                                   implementation=impl, rngs=rngs)
+                                   implementation=impl, init=init, rngs=rngs)
         self.self_attn_norm = layer_norm(emb, dtype, rngs)
         self.cross_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype,
-                                    implementation=impl, rngs=rngs)
+                                    implementation=impl, init=init, rngs=rngs)
         self.cross_attn_norm = layer_norm(emb, dtype, rngs)
         self.ffn = make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
         self.ffn_norm = layer_norm(emb, dtype, rngs)

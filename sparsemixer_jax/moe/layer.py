@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax import routing, sharding
+from sparsemixer_jax.initializers import InitScheme, check_init_scheme, expert_init, router_init
 from sparsemixer_jax.kernels.mosaic_grouped_matmul import check_grouped_supported
 from sparsemixer_jax.moe.diagnostics import router_diagnostics
 from sparsemixer_jax.moe.dispatch import (
@@ -100,9 +101,14 @@ class MoEFeedForward(nnx.Module):
         (``normalize_top_k``, ``successor_jitter``, ``default_at_eval``, ``default_mean``,
         ``default_update``; a ``default_decay`` here overrides the argument), checked by
         :func:`sparsemixer_jax.routing.check_router`.
-      router_init_scale: variance scale of the router's truncated-normal kernel init (fan-in):
-        1.0 is flax's default (LeCun normal, logits of std about 1 on LayerNorm'd inputs), 0.1
-        the Switch Transformer's smaller init (std about 0.3).
+      router_init_scale: multiplies the variance of the router's initial weight and bias as
+        ``init`` draws them: 1.0 is the scheme itself, 0.1 the Switch Transformer's smaller
+        router.
+      init: the initialisation scheme of the router and experts
+        (:mod:`sparsemixer_jax.initializers`): ``"flax"`` (truncated-normal router, LeCun-normal
+        experts, zero biases; the default, as this layer has always been initialised) or
+        ``"fairseq"`` (the paper's code: PyTorch ``nn.Linear``'s ``U(+-1/sqrt(fan_in))`` for
+        every weight and bias).
       dtype: compute dtype of the experts (params stay float32; the router runs in float32).
       mesh: optional mesh with axes ``("data", "expert")`` for expert parallelism
         (:mod:`sparsemixer_jax.moe.expert_parallel`); ``num_experts`` must divide by its
@@ -136,6 +142,7 @@ class MoEFeedForward(nnx.Module):
         capacity_factor: float = 0.0,
         activation: str = "relu",
         router_init_scale: float = 1.0,
+        init: InitScheme = "flax",
         default_decay: float = 0.9,
         router_options: dict | None = None,
         dtype=jnp.float32,
@@ -147,6 +154,7 @@ class MoEFeedForward(nnx.Module):
         check_moe_args(activation_dropout=activation_dropout, capacity_factor=capacity_factor,
                        dispatch=dispatch, grouped_impl=grouped_impl, activation=activation,
                        router_init_scale=router_init_scale)
+        check_init_scheme(init)
         if dispatch == "grouped" and grouped_impl == "mosaic":
             check_grouped_supported(mesh=mesh)  # one line naming the target if it is no Hopper
         # The router's own check owns every rule for its arguments.
@@ -171,12 +179,8 @@ class MoEFeedForward(nnx.Module):
         self.dtype = dtype
         self.mesh = mesh
 
-        # At scale 1.0 this is exactly nnx.Linear's default (lecun_normal): the same draws.
-        self.router = nnx.Linear(
-            emb_dim, num_experts, use_bias=True, dtype=jnp.float32, param_dtype=jnp.float32,
-            kernel_init=nnx.initializers.variance_scaling(router_init_scale, "fan_in",
-                                                          "truncated_normal"),
-            rngs=rngs)
+        self.router = router_init(init, emb_dim, router_init_scale).linear(
+            emb_dim, num_experts, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
 
         def sharded(value, spec):
             # Expert-stacked params are split over the mesh's "expert" axis.
@@ -184,14 +188,15 @@ class MoEFeedForward(nnx.Module):
                 return nnx.Param(value)
             return nnx.Param(value, out_sharding=spec, mesh=mesh)
 
-        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         n = num_experts
-        self.wi = sharded(init(rngs.params(), (n, emb_dim, mlp_dim), jnp.float32),
+        # Drawn in the order wi, bi, wo, bo; a zero bias draws no key.
+        fc1, fc2 = expert_init(init, emb_dim), expert_init(init, mlp_dim)
+        self.wi = sharded(fc1.kernel(rngs.params(), (n, emb_dim, mlp_dim), jnp.float32),
                           ("expert", None, None))
-        self.bi = sharded(jnp.zeros((n, mlp_dim), jnp.float32), ("expert", None))
-        self.wo = sharded(init(rngs.params(), (n, mlp_dim, emb_dim), jnp.float32),
+        self.bi = sharded(fc1.draw_bias(rngs, (n, mlp_dim)), ("expert", None))
+        self.wo = sharded(fc2.kernel(rngs.params(), (n, mlp_dim, emb_dim), jnp.float32),
                           ("expert", None, None))
-        self.bo = sharded(jnp.zeros((n, emb_dim), jnp.float32), ("expert", None))
+        self.bo = sharded(fc2.draw_bias(rngs, (n, emb_dim)), ("expert", None))
         self.omega = nnx.Param(jnp.ones((emb_dim,), jnp.float32)) if routing.uses_omega(
             router) else None
         keeps_defaults = self.unchosen is not None and self.unchosen.values == "defaults"
