@@ -16,6 +16,11 @@ zero.
 Token embeddings and LayerNorms are the models' own in both (fairseq's ``N(0, emb^-1/2)`` table
 for translation, BERT's ``N(0, 0.02)`` for the ELECTRA encoder; LayerNorm ones and zeros).
 
+A spec may set a component apart from the rest, to tell which part of a scheme matters:
+``"flax,router=fairseq"`` draws the router as the paper's code does and everything else as
+``flax``. The components are :data:`COMPONENTS`: ``router``, ``experts``, ``ffn`` (the dense
+feed-forward layers) and ``attention``.
+
 ``router_init_scale`` multiplies the variance of whatever the scheme draws for the router
 (weight and bias), so 1.0 is the scheme itself and 0.1 the Switch Transformer's smaller router.
 """
@@ -32,14 +37,37 @@ from flax import nnx
 
 InitScheme = Literal["fairseq", "flax"]
 INIT_SCHEMES: tuple[str, ...] = ("fairseq", "flax")
+COMPONENTS: tuple[str, ...] = ("router", "experts", "ffn", "attention")
 
 Initializer = nnx.initializers.Initializer
 
 
-def check_init_scheme(scheme: str, where: str = "init") -> None:
-    """ValueError naming ``where`` if ``scheme`` is not one of :data:`INIT_SCHEMES`."""
-    if scheme not in INIT_SCHEMES:
-        raise ValueError(f"{where}={scheme!r}; choose one of {INIT_SCHEMES}")
+def component_schemes(spec: str, where: str = "init") -> dict[str, InitScheme]:
+    """``{component: scheme}`` of a spec ``"<scheme>[,<component>=<scheme>]..."``; ValueError
+    naming ``where`` and the part that is wrong."""
+    base, *parts = str(spec).split(",")
+    if base not in INIT_SCHEMES:
+        raise ValueError(f"{where}={spec!r}; choose one of {INIT_SCHEMES}, optionally followed "
+                         f"by ,COMPONENT=SCHEME for COMPONENT in {COMPONENTS}")
+    schemes = dict.fromkeys(COMPONENTS, base)
+    for part in parts:
+        component, _, scheme = part.partition("=")
+        if component not in COMPONENTS or scheme not in INIT_SCHEMES:
+            raise ValueError(f"{where}={spec!r}: {part!r} is not COMPONENT=SCHEME with "
+                             f"COMPONENT in {COMPONENTS} and SCHEME in {INIT_SCHEMES}")
+        schemes[component] = scheme
+    return schemes
+
+
+def check_init_scheme(spec: str, where: str = "init") -> None:
+    """ValueError naming ``where`` if ``spec`` is not a scheme of :data:`INIT_SCHEMES`
+    (optionally with components set apart, see :func:`component_schemes`)."""
+    component_schemes(spec, where)
+
+
+def scheme_of(spec: str, component: str) -> InitScheme:
+    """The scheme ``spec`` gives ``component``."""
+    return component_schemes(spec)[component]
 
 
 def torch_linear_default(fan_in: int, variance_scale: float = 1.0) -> Initializer:
@@ -82,33 +110,34 @@ _xavier = nnx.initializers.xavier_uniform()
 _xavier_qkv = nnx.initializers.variance_scaling(0.5, "fan_avg", "uniform")
 
 
-def router_init(scheme: InitScheme, emb_dim: int, variance_scale: float = 1.0) -> LinearInit:
+def router_init(spec: str, emb_dim: int, variance_scale: float = 1.0) -> LinearInit:
     """The router ``emb_dim -> N``, its variance times ``variance_scale``."""
-    if scheme == "fairseq":
+    if scheme_of(spec, "router") == "fairseq":
         draw = torch_linear_default(emb_dim, variance_scale)
         return LinearInit(draw, draw)
     return LinearInit(
         nnx.initializers.variance_scaling(variance_scale, "fan_in", "truncated_normal"))
 
 
-def feed_forward_init(scheme: InitScheme, fan_in: int) -> LinearInit:
+def feed_forward_init(spec: str, fan_in: int) -> LinearInit:
     """A dense feed-forward layer (``fc1``/``fc2``) with ``fan_in`` inputs."""
-    if scheme == "fairseq":
+    if scheme_of(spec, "ffn") == "fairseq":
         draw = torch_linear_default(fan_in)
         return LinearInit(draw, draw)
     return LinearInit(_xavier)
 
 
-def expert_init(scheme: InitScheme, fan_in: int) -> LinearInit:
+def expert_init(spec: str, fan_in: int) -> LinearInit:
     """One expert-stacked layer: kernel ``[N, fan_in, fan_out]``, bias ``[N, fan_out]``."""
-    if scheme == "fairseq":
+    if scheme_of(spec, "experts") == "fairseq":
         draw = torch_linear_default(fan_in)  # each expert an nn.Linear of its own
         return LinearInit(draw, draw)
     return LinearInit(nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,)))
 
 
-def attention_init(scheme: InitScheme, emb_dim: int) -> dict[str, LinearInit]:
+def attention_init(spec: str, emb_dim: int) -> dict[str, LinearInit]:
     """``{"qkv": ..., "out": ...}`` for attention over width ``emb_dim``: the same weights in both
     schemes; fairseq leaves the q/k/v biases at ``nn.Linear``'s default."""
-    qkv_bias = torch_linear_default(emb_dim) if scheme == "fairseq" else None
+    fairseq = scheme_of(spec, "attention") == "fairseq"
+    qkv_bias = torch_linear_default(emb_dim) if fairseq else None
     return {"qkv": LinearInit(_xavier_qkv, qkv_bias), "out": LinearInit(_xavier)}

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax.initializers import InitScheme, attention_init, feed_forward_init
+from sparsemixer_jax.initializers import attention_init, feed_forward_init
 from sparsemixer_jax.moe import MoEFeedForward, activation_fn
 from sparsemixer_jax.routing import options_from_config
 
@@ -82,7 +82,7 @@ class Attention(nnx.Module):
         attention_dropout: float,
         dtype: jnp.dtype,
         implementation: str = "einsum",
-        init: InitScheme = "flax",
+        init: str = "flax",
         rngs: nnx.Rngs,
     ):
         if emb_dim % num_heads:
@@ -175,7 +175,7 @@ class FeedForward(nnx.Module):
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
         activation: str = "relu",
-        init: InitScheme = "flax",
+        init: str = "flax",
     ):
         activation_fn(activation)  # validates the name
         self.activation = activation

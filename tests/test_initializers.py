@@ -145,12 +145,38 @@ def test_router_init_scale_multiplies_the_schemes_router_variance(scheme):
 def test_unknown_scheme_is_one_clear_line():
     with pytest.raises(ValueError, match=r"init='xavier'; choose one of \('fairseq', 'flax'\)"):
         MoEFeedForward(8, 8, 2, init="xavier", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"'gate=fairseq' is not COMPONENT=SCHEME"):
+        MoEFeedForward(8, 8, 2, init="flax,gate=fairseq", rngs=nnx.Rngs(0))
     config = wmt_n4.get_config()
     config.model.init = "xavier"
     from sparsemixer_jax.config import validate
 
     with pytest.raises(ValueError, match=r"config\.model\.init='xavier'"):
         validate(config)
+
+
+@pytest.mark.parametrize("component", ["router", "experts", "ffn", "attention"])
+def test_a_component_set_apart_takes_its_own_scheme(component):
+    """``flax,<component>=fairseq`` (the split that tells which part of the scheme matters):
+    that component's parameters as fairseq draws them, the rest as flax's."""
+    config = wmt_n4.get_config()
+    for field, value in (("emb_dim", 64), ("mlp_dim", 256), ("encoder_layers", 2),
+                         ("decoder_layers", 2), ("num_heads", 4)):
+        config.model[field] = value
+    config.model.init = f"flax,{component}=fairseq"
+    model = Transformer(config, 50, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+    owner = {"router": lambda p: "router" in p,
+             "experts": lambda p: p.rsplit("/", 1)[-1] in ("wi", "bi", "wo", "bo"),
+             "ffn": lambda p: "/ffn/w" in p and p.endswith(("kernel", "bias"))
+             and "router" not in p,
+             "attention": lambda p: any(f"/{a}/" in p for a in ("query", "key", "value"))}
+    seen = 0
+    for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name = "/".join(map(str, path))
+        scheme = "fairseq" if owner[component](name) else "flax"
+        seen += scheme == "fairseq"
+        check_distribution(name, np.asarray(v[...]), _expected(scheme, name, 64, 256))
+    assert seen >= 4
 
 
 def test_the_fairseq_scheme_draws_every_expert_bias():

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax import routing, sharding
-from sparsemixer_jax.initializers import InitScheme, check_init_scheme, expert_init, router_init
+from sparsemixer_jax.initializers import check_init_scheme, expert_init, router_init
 from sparsemixer_jax.kernels.mosaic_grouped_matmul import check_grouped_supported
 from sparsemixer_jax.moe.diagnostics import router_diagnostics
 from sparsemixer_jax.moe.dispatch import (
@@ -108,7 +108,8 @@ class MoEFeedForward(nnx.Module):
         (:mod:`sparsemixer_jax.initializers`): ``"flax"`` (truncated-normal router, LeCun-normal
         experts, zero biases; the default, as this layer has always been initialised) or
         ``"fairseq"`` (the paper's code: PyTorch ``nn.Linear``'s ``U(+-1/sqrt(fan_in))`` for
-        every weight and bias).
+        every weight and bias), or a spec setting the ``router`` or ``experts`` apart, e.g.
+        ``"flax,router=fairseq"``.
       dtype: compute dtype of the experts (params stay float32; the router runs in float32).
       mesh: optional mesh with axes ``("data", "expert")`` for expert parallelism
         (:mod:`sparsemixer_jax.moe.expert_parallel`); ``num_experts`` must divide by its
@@ -142,7 +143,7 @@ class MoEFeedForward(nnx.Module):
         capacity_factor: float = 0.0,
         activation: str = "relu",
         router_init_scale: float = 1.0,
-        init: InitScheme = "flax",
+        init: str = "flax",
         default_decay: float = 0.9,
         router_options: dict | None = None,
         dtype=jnp.float32,
