@@ -16,7 +16,7 @@ from typing import Any
 
 import ml_collections
 
-from sparsemixer_jax import routing
+from sparsemixer_jax import routers as routing  # (the name the code below uses)
 from sparsemixer_jax.data.sources import check_config as check_translation_data
 from sparsemixer_jax.data.text import FIRST_WORD_ID
 from sparsemixer_jax.electra import generator_config

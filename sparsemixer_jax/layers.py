@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax.moe import MoEFeedForward, activation_fn
-from sparsemixer_jax.routing import options_from_config
+from sparsemixer_jax.routers import options_from_config
 
 # Large negative logit for masked attention entries; finite so that a fully masked row gives a
 # uniform distribution instead of NaN.

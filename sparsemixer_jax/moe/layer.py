@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax import routing, sharding
+from sparsemixer_jax import routers as routing  # (the name the code below uses)
+from sparsemixer_jax import sharding
 from sparsemixer_jax.kernels.mosaic_grouped_matmul import check_grouped_supported
 from sparsemixer_jax.moe.diagnostics import router_diagnostics
 from sparsemixer_jax.moe.dispatch import (
