@@ -65,14 +65,14 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
 def router_config(name: str = "sparsemixer", **overrides: Any) -> ml_collections.ConfigDict:
     """``config.router``: the routing function and its auxiliary losses."""
     c = ml_collections.ConfigDict()
-    c.name = name  # see sparsemixer_jax.routing.ROUTERS
+    c.name = name  # see sparsemixer_jax.routers.ROUTERS
     c.jitter_eps = 0.1  # Switch jitter r; SparseMixer's mask threshold
     c.top_k = 1  # experts per token (GRIN uses 2 with sparsemixer_v2 / v2star)
     c.balance_weight = 0.01
     c.balance_normalization = "per_token"  # | "per_batch": the reference's fairseq objective
     c.z_loss_weight = 0.0
     c.init_scale = 1.0  # router kernel init variance scale: 1.0 = LeCun normal; Switch uses 0.1
-    # Options of the routers with Switch's forward (sparsemixer_jax.routing.RouterOptions);
+    # Options of the routers with Switch's forward (sparsemixer_jax.routers.RouterOptions);
     # setting one that the chosen router ignores is an error.
     c.normalize_top_k = False  # gates renormalised over the k chosen (Mixtral, norm_topk_prob)
     c.successor_jitter = False  # densemixer / default_moe*: Switch's jitter (their code: none)

@@ -1,6 +1,6 @@
 """The routed feed-forward layer: ``y = omega * sum_t gate_t * f_{D_t}(x)`` over ``top_k`` experts.
 
-The router (:mod:`sparsemixer_jax.routing`) runs in float32 on the full logits; the chosen rows go
+The router (:mod:`sparsemixer_jax.routers`) runs in float32 on the full logits; the chosen rows go
 through the expert FFN of :mod:`sparsemixer_jax.moe.dispatch` on one device, or through
 :mod:`sparsemixer_jax.moe.expert_parallel` when the layer holds a mesh.
 
@@ -53,7 +53,7 @@ def check_moe_args(*, activation_dropout: float, capacity_factor: float, dispatc
                    grouped_impl: str, activation: str, router_init_scale: float,
                    where: str = "", router_where: str = "") -> None:
     """The one check of :class:`MoEFeedForward`'s own settings (the router's are
-    :func:`sparsemixer_jax.routing.check_router`'s): one-line ValueErrors that name each setting
+    :func:`sparsemixer_jax.routers.check_router`'s): one-line ValueErrors that name each setting
     with the prefix ``where`` (``router_where`` for the router's initial scale), so the config
     validator reports them as ``config.model.<name>`` before a run writes anything."""
     if not 0.0 <= activation_dropout < 1.0:
@@ -79,7 +79,7 @@ class MoEFeedForward(nnx.Module):
     Args:
       emb_dim, mlp_dim: model and expert hidden widths.
       num_experts: ``N >= 1``.
-      router: a name in :data:`sparsemixer_jax.routing.ROUTERS`.
+      router: a name in :data:`sparsemixer_jax.routers.ROUTERS`.
       jitter_eps: the router's jitter / mask threshold.
       top_k: experts per token, ``1 <= top_k <= N`` (distinct; see ``routing.sparsemixer_route``).
       activation_dropout: dropout rate after the expert nonlinearity.
@@ -97,10 +97,10 @@ class MoEFeedForward(nnx.Module):
         default) or ``"gelu"`` (BERT / ELECTRA).
       default_decay: the EMA decay ``beta`` of the default vectors of the ``default_moe``
         routers, in ``(0, 1)`` (0.9; see docs/routing.md for what is known of the paper's).
-      router_options: further fields of :class:`sparsemixer_jax.routing.RouterOptions`
+      router_options: further fields of :class:`sparsemixer_jax.routers.RouterOptions`
         (``normalize_top_k``, ``successor_jitter``, ``default_at_eval``, ``default_mean``,
         ``default_update``; a ``default_decay`` here overrides the argument), checked by
-        :func:`sparsemixer_jax.routing.check_router`.
+        :func:`sparsemixer_jax.routers.check_router`.
       router_init_scale: variance scale of the router's truncated-normal kernel init (fan-in):
         1.0 is flax's default (LeCun normal, logits of std about 1 on LayerNorm'd inputs), 0.1
         the Switch Transformer's smaller init (std about 0.3).
@@ -116,7 +116,7 @@ class MoEFeedForward(nnx.Module):
     State (``nnx.BatchStat``, updated by every training call, not by the optimizer):
     ``expert_defaults [N, emb]`` (``default_moe`` routers only, zeros at init).
 
-    Routers with an entry in :data:`sparsemixer_jax.routing.UNCHOSEN_EXPERT_RULES` also give
+    Routers with an entry in :data:`sparsemixer_jax.routers.UNCHOSEN_EXPERT_RULES` also give
     the router a gradient for the experts a token did not choose: DenseMixer from every
     expert's output (a dense pass over all ``N`` experts in training), Default MoE from the
     default vectors.
@@ -320,7 +320,7 @@ class MoEFeedForward(nnx.Module):
         return term
 
     def _unchosen_term(self, xc, routed, params, token_mask) -> jax.Array:
-        """``[B, T, emb]`` float32: :func:`sparsemixer_jax.routing.unchosen_expert_term` with
+        """``[B, T, emb]`` float32: :func:`sparsemixer_jax.routers.unchosen_expert_term` with
         every expert's output (DenseMixer) or the default vectors (Default MoE); zero on
         padding."""
         batch, length, _ = xc.shape
