@@ -11,8 +11,8 @@ Top-k (``--top-k``, default 1 and 2): the same problems routed to ``k`` experts 
 sampling; for plain backpropagation, SparseMixer's mix, GRIN's SparseMixer-v2 and the corrected
 v2star, the norm ratio ``|E| / |exact|``, the cosine and the relative error (the bias) of the
 exact expected gradient against the exact top-k gradient
-(``sparsemixer_jax.exact.topk_accuracy_sweep``). GRIN's Appendix A reports v2 at about 0.5x the exact
-norm and its correction at about 1.0x.
+(``sparsemixer_jax.exact.topk_accuracy_sweep``). GRIN's Appendix A reports v2 at about 0.5x the
+exact norm and its correction at about 1.0x.
 
 Both tables also hold DenseMixer (as released and as its blog writes it) and Default MoE (row
 ``default_moe``: the defaults also in the forward, the router ``default_moe_forward``; row
