@@ -50,7 +50,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
              "MoE layers' dispatch")
     add("--routers", nargs="+", default=DEFAULT.routers, metavar="ROUTER",
         help="overhead and layer_cost: the routers timed against Switch (always timed), e.g. "
-             "switch sparsemixer densemixer default_moe (names: sparsemixer_jax.routing.ROUTERS)")
+             "switch sparsemixer densemixer default_moe (names: sparsemixer_jax.routers.ROUTERS)")
     add("--layer-dispatches", nargs="+", default=DEFAULT.layer_dispatches,
         choices=["ragged", "padded", "grouped"],
         help="moe_vs_dense: the dispatch implementations timed against dense")

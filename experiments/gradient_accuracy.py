@@ -1,6 +1,6 @@
 """How accurate is each router-gradient estimator? Exact answers on small problems.
 
-For random routing problems (``sparsemixer_jax.exact_gradient.random_problem``) the expert
+For random routing problems (``sparsemixer_jax.exact.random_problem``) the expert
 outputs are scaled by ``s`` from 1 down to 1e-3; for each estimator the exact expected gradient
 is compared with the exact ``nabla_0`` (its ``nabla_0`` part: estimate minus ``nabla_1``) and
 with the exact full gradient ``nabla_0 + nabla_1``. The slope of log(relative error) against
@@ -11,8 +11,8 @@ Top-k (``--top-k``, default 1 and 2): the same problems routed to ``k`` experts 
 sampling; for plain backpropagation, SparseMixer's mix, GRIN's SparseMixer-v2 and the corrected
 v2star, the norm ratio ``|E| / |exact|``, the cosine and the relative error (the bias) of the
 exact expected gradient against the exact top-k gradient
-(``exact_gradient.topk_accuracy_sweep``). GRIN's Appendix A reports v2 at about 0.5x the exact
-norm and its correction at about 1.0x.
+(``sparsemixer_jax.exact.topk_accuracy_sweep``). GRIN's Appendix A reports v2 at about 0.5x the
+exact norm and its correction at about 1.0x.
 
 Both tables also hold DenseMixer (as released and as its blog writes it) and Default MoE (row
 ``default_moe``: the defaults also in the forward, the router ``default_moe_forward``; row
@@ -31,7 +31,7 @@ import dataclasses
 import json
 import sys
 
-from sparsemixer_jax.exact_gradient import SweepSettings, accuracy_experiment
+from sparsemixer_jax.exact import SweepSettings, accuracy_experiment
 from sparsemixer_jax.studies.gradient_accuracy import plot, print_table
 
 

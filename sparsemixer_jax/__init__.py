@@ -1,18 +1,18 @@
 """sparsemixer-jax: SparseMixer routing (Liu, Gao & Chen, ICLR 2024) for JAX/Flax MoE models.
 
-Importing the package loads JAX and Flax only; the data pipeline (TensorFlow Datasets,
-SentencePiece) and the training loop are imported from their modules when needed.
+The routers (:mod:`sparsemixer_jax.routers`) need JAX alone, so ``import sparsemixer_jax`` loads
+only JAX: the names below that need Flax (the MoE layer, the model, decoding, sharding of model
+state) are imported on first use, and a plain ``pip install sparsemixer-jax`` (no ``[train]``
+extra) can route. The data pipeline (TensorFlow Datasets, SentencePiece) and the training loop
+are imported from their modules when needed.
 """
 
-from sparsemixer_jax.decode import (
-    beam_search,
-    beam_search_model,
-    greedy_search,
-    greedy_search_model,
-)
-from sparsemixer_jax.models import DecodeCache, Encoded, Transformer
-from sparsemixer_jax.moe import MoEFeedForward, expert_ffn, fold_omega
-from sparsemixer_jax.routing import (
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from sparsemixer_jax.routers import (
     ROUTERS,
     RouterOutput,
     get_router,
@@ -25,7 +25,34 @@ from sparsemixer_jax.routing import (
     switch_route,
     uses_omega,
 )
-from sparsemixer_jax.sharding import make_mesh, shard_state
+
+if TYPE_CHECKING:
+    from sparsemixer_jax.decode import (
+        beam_search,
+        beam_search_model,
+        greedy_search,
+        greedy_search_model,
+    )
+    from sparsemixer_jax.models import DecodeCache, Encoded, Transformer
+    from sparsemixer_jax.moe import MoEFeedForward, expert_ffn, fold_omega
+    from sparsemixer_jax.sharding import make_mesh, shard_state
+
+# Names loaded on first use (module __getattr__ below), with the module that defines each: most
+# import Flax, and the others (expert_ffn, make_mesh) load more than routing needs.
+_LAZY = {
+    "beam_search": "sparsemixer_jax.decode",
+    "beam_search_model": "sparsemixer_jax.decode",
+    "greedy_search": "sparsemixer_jax.decode",
+    "greedy_search_model": "sparsemixer_jax.decode",
+    "DecodeCache": "sparsemixer_jax.models",
+    "Encoded": "sparsemixer_jax.models",
+    "Transformer": "sparsemixer_jax.models",
+    "MoEFeedForward": "sparsemixer_jax.moe",
+    "expert_ffn": "sparsemixer_jax.moe",
+    "fold_omega": "sparsemixer_jax.moe",
+    "make_mesh": "sparsemixer_jax.sharding",
+    "shard_state": "sparsemixer_jax.sharding",
+}
 
 __all__ = [
     "ROUTERS",
@@ -54,3 +81,15 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -16,7 +16,7 @@ from typing import Any
 
 import ml_collections
 
-from sparsemixer_jax import routing
+from sparsemixer_jax import routers
 from sparsemixer_jax.data.sources import check_config as check_translation_data
 from sparsemixer_jax.data.text import FIRST_WORD_ID
 from sparsemixer_jax.electra import generator_config
@@ -68,14 +68,14 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
 def router_config(name: str = "sparsemixer", **overrides: Any) -> ml_collections.ConfigDict:
     """``config.router``: the routing function and its auxiliary losses."""
     c = ml_collections.ConfigDict()
-    c.name = name  # see sparsemixer_jax.routing.ROUTERS
+    c.name = name  # see sparsemixer_jax.routers.ROUTERS
     c.jitter_eps = 0.1  # Switch jitter r; SparseMixer's mask threshold
     c.top_k = 1  # experts per token (GRIN uses 2 with sparsemixer_v2 / v2star)
     c.balance_weight = 0.01
     c.balance_normalization = "per_token"  # | "per_batch": the reference's fairseq objective
     c.z_loss_weight = 0.0
     c.init_scale = 1.0  # multiplies the router's initial variance (model.init's draw); Switch: 0.1
-    # Options of the routers with Switch's forward (sparsemixer_jax.routing.RouterOptions);
+    # Options of the routers with Switch's forward (sparsemixer_jax.routers.RouterOptions);
     # setting one that the chosen router ignores is an error.
     c.normalize_top_k = False  # gates renormalised over the k chosen (Mixtral, norm_topk_prob)
     c.successor_jitter = False  # densemixer / default_moe*: Switch's jitter (their code: none)
@@ -226,9 +226,9 @@ def _check_model(m: Any, r: Any) -> None:
     if m.attention_impl == "cudnn" and m.compute_dtype != "bfloat16":
         raise ValueError("config.model.attention_impl='cudnn' needs compute_dtype='bfloat16' "
                          f"(cuDNN's fused attention takes 16-bit inputs), got {m.compute_dtype!r}")
-    routing.check_router(r.name, top_k=r.top_k, jitter_eps=r.jitter_eps,
+    routers.check_router(r.name, top_k=r.top_k, jitter_eps=r.jitter_eps,
                          num_experts=m.num_experts or None, where="config.router.",
-                         **routing.options_from_config(r))
+                         **routers.options_from_config(r))
     if r.balance_normalization not in BALANCE_NORMALIZATIONS:
         raise ValueError(f"config.router.balance_normalization={r.balance_normalization!r}; "
                          f"choose one of {BALANCE_NORMALIZATIONS}")

@@ -15,7 +15,7 @@ from flax import nnx
 
 from sparsemixer_jax.initializers import attention_init, feed_forward_init
 from sparsemixer_jax.moe import MoEFeedForward, activation_fn
-from sparsemixer_jax.routing import options_from_config
+from sparsemixer_jax.routers import options_from_config
 
 # Large negative logit for masked attention entries; finite so that a fully masked row gives a
 # uniform distribution instead of NaN.

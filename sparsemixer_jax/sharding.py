@@ -8,14 +8,17 @@ devices is :mod:`sparsemixer_jax.moe.expert_parallel`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
-from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+if TYPE_CHECKING:  # only for annotations: the mesh and its checks need JAX alone
+    import ml_collections
+    from flax import nnx
 
 AXES = ("data", "expert")
 
@@ -80,6 +83,9 @@ def _trimmed(spec: P) -> P:
 def state_shardings(state, mesh: Mesh):
     """NamedShardings for an ``nnx.State``: from each variable's ``out_sharding`` annotation
     (the MoE expert weights carry ``("expert", ...)``), replicated where there is none."""
+    # Imported here: the expert-parallel FFN uses this module's mesh checks without Flax.
+    from flax import nnx
+
     return jax.tree.map(lambda spec: NamedSharding(mesh, _trimmed(spec)),
                         nnx.get_partition_spec(state))
 
@@ -90,6 +96,8 @@ def shard_state(obj: nnx.Module | nnx.Pytree, mesh: Mesh) -> None:
     Shard every stateful object passed to a jitted step, the optimizer included, so the step's
     outputs come back with the shardings of its inputs (otherwise the second step recompiles).
     """
+    from flax import nnx  # see state_shardings
+
     state = nnx.state(obj)
     nnx.update(obj, jax.tree.map(_place, state, state_shardings(state, mesh)))
 

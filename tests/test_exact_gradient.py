@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsemixer_jax import exact_gradient
-from sparsemixer_jax.routing import router_probs
+from sparsemixer_jax import exact as oracle
+from sparsemixer_jax.routers import router_probs
 from sparsemixer_jax.studies.gradient_accuracy import plot, print_table
 
 
@@ -20,15 +20,15 @@ def _probs_fn(z):
 def problems():
     with jax.enable_x64(True):
         keys = jax.random.split(jax.random.key(0), 3)
-        return [exact_gradient.random_problem(k, num_experts=6, dim=5) for k in keys]
+        return [oracle.random_problem(k, num_experts=6, dim=5) for k in keys]
 
 
 def test_exact_gradient_terms_sum_to_autodiff_of_the_loss(problems):
     with jax.enable_x64(True):
         for problem in problems:
-            exact = exact_gradient.exact_gradient(problem, _probs_fn)
+            exact = oracle.exact_gradient(problem, _probs_fn)
             autodiff = jax.grad(
-                lambda z, p=problem: exact_gradient.exact_gradient(
+                lambda z, p=problem: oracle.exact_gradient(
                     p._replace(logits=z), _probs_fn).loss
             )(problem.logits)
             np.testing.assert_allclose(exact.full, autodiff, rtol=1e-10, atol=1e-12)
@@ -42,15 +42,15 @@ def test_exact_gradient_terms_sum_to_autodiff_of_the_loss(problems):
 def test_estimator_identities(problems):
     with jax.enable_x64(True):
         problem = problems[0]
-        exact = exact_gradient.exact_gradient(problem, _probs_fn)
-        table = exact_gradient.estimator_table(problem, _probs_fn)
+        exact = oracle.exact_gradient(problem, _probs_fn)
+        table = oracle.estimator_table(problem, _probs_fn)
         # Plain backprop with D ~ pi is unbiased for nabla_1.
-        plain = exact_gradient.router_expected_gradient(
+        plain = oracle.router_expected_gradient(
             problem, _probs_fn, estimator="euler", backward_scale=1.0
         )
         np.testing.assert_allclose(plain, exact.nabla1, rtol=1e-12)
         # The mix with a coin that never lands on mid-point is SparseMixer-1st.
-        never = exact_gradient.router_expected_gradient(problem, _probs_fn, midpoint_prob=0.0)
+        never = oracle.router_expected_gradient(problem, _probs_fn, midpoint_prob=0.0)
         np.testing.assert_allclose(never, table["euler"], rtol=1e-12)
         # Forward Euler's nabla_0 estimate has the same value as nabla_1 (Section 3.2).
         np.testing.assert_allclose(table["euler"], 2 * exact.nabla1, rtol=1e-12)
@@ -61,9 +61,9 @@ def test_orders_of_accuracy_on_nabla0(problems):
     scales = np.logspace(-1, -3, 5)
     with jax.enable_x64(True):
         for problem in problems:
-            sweep = exact_gradient.accuracy_sweep(problem, scales, _probs_fn)
-            euler = exact_gradient.loglog_slope(scales, sweep["euler"]["relerr_nabla0"])
-            midpoint = exact_gradient.loglog_slope(scales, sweep["midpoint"]["relerr_nabla0"])
+            sweep = oracle.accuracy_sweep(problem, scales, _probs_fn)
+            euler = oracle.loglog_slope(scales, sweep["euler"]["relerr_nabla0"])
+            midpoint = oracle.loglog_slope(scales, sweep["midpoint"]["relerr_nabla0"])
             assert 0.9 < euler < 1.1, euler
             assert 1.85 < midpoint < 2.15, midpoint
             # Dropping nabla_0 is not an approximation of it at any order.
@@ -72,15 +72,15 @@ def test_orders_of_accuracy_on_nabla0(problems):
 
 def test_loglog_slope_recovers_a_power_law():
     scales = np.logspace(0, -3, 7)
-    assert abs(exact_gradient.loglog_slope(scales, 3.0 * scales**1.5) - 1.5) < 1e-9
+    assert abs(oracle.loglog_slope(scales, 3.0 * scales**1.5) - 1.5) < 1e-9
 
 
 def test_experiment_writes_results(tmp_path):
     out = tmp_path / "results.json"
     png = tmp_path / "plot.png"
-    settings = exact_gradient.SweepSettings(num_problems=2, num_scales=5, min_scale=1e-2,
+    settings = oracle.SweepSettings(num_problems=2, num_scales=5, min_scale=1e-2,
                                             num_experts=4, dim=4, top_k=[2])
-    results = exact_gradient.accuracy_experiment(settings)
+    results = oracle.accuracy_experiment(settings)
     print_table(results)
     out.write_text(json.dumps(results, indent=1))
     plot(results, str(png))
@@ -96,7 +96,7 @@ def test_experiment_writes_results(tmp_path):
         assert np.isfinite(entry["slope_full"])
     assert set(results["topk"]) == {"2"}
     for table in results["topk"].values():
-        assert set(table) == set(exact_gradient.TOPK_TABLE)
+        assert set(table) == set(oracle.TOPK_TABLE)
         # Noisy defaults move Default MoE away from its oracle row; the oracle
         # straight-through row is DenseMixer's.
         assert table["default_moe_st"]["cos"] != table["default_moe_st_oracle"]["cos"]
@@ -109,11 +109,11 @@ def test_experiment_writes_results(tmp_path):
 
 def test_experiment_rejects_bad_arguments():
     with pytest.raises(ValueError, match="min-scale"):
-        exact_gradient.SweepSettings(min_scale=2)
+        oracle.SweepSettings(min_scale=2)
     with pytest.raises(ValueError, match="top-k"):
-        exact_gradient.SweepSettings(num_experts=4, top_k=[5])
+        oracle.SweepSettings(num_experts=4, top_k=[5])
     with pytest.raises(ValueError, match="default-noise"):
-        exact_gradient.SweepSettings(default_noise=-0.1)
+        oracle.SweepSettings(default_noise=-0.1)
 
 
 # ---------------------------------------------------------------- top-k oracle
@@ -126,11 +126,11 @@ def test_topk_oracle_at_k1_equals_the_top1_oracle(problems):
         def both(problem):
             estimators = ("mix", "euler", "midpoint")
             return (
-                exact_gradient.exact_gradient(problem, _probs_fn),
-                exact_gradient.exact_topk_gradient(problem, _probs_fn, 1),
-                [exact_gradient.router_expected_gradient(problem, _probs_fn, estimator=e)
+                oracle.exact_gradient(problem, _probs_fn),
+                oracle.exact_topk_gradient(problem, _probs_fn, 1),
+                [oracle.router_expected_gradient(problem, _probs_fn, estimator=e)
                  for e in estimators],
-                [exact_gradient.topk_expected_gradient(problem, _probs_fn, 1, estimator=e)
+                [oracle.topk_expected_gradient(problem, _probs_fn, 1, estimator=e)
                  for e in estimators],
             )
 
@@ -143,8 +143,8 @@ def test_topk_exact_gradient_by_hand_on_two_experts():
     """N = k = 2: every token gets both experts, ``y = pi_i f_i + 1 * f_j`` for the order
     (i, j) drawn with probability pi_i. The loss and its gradient written out by hand."""
     with jax.enable_x64(True):
-        problem = exact_gradient.random_problem(jax.random.key(5), num_experts=2, dim=3)
-        exact = jax.jit(lambda p: exact_gradient.exact_topk_gradient(p, _probs_fn, 2))(problem)
+        problem = oracle.random_problem(jax.random.key(5), num_experts=2, dim=3)
+        exact = jax.jit(lambda p: oracle.exact_topk_gradient(p, _probs_fn, 2))(problem)
 
         def by_hand(z):
             p = jax.nn.softmax(z)
@@ -161,14 +161,14 @@ def test_grin_appendix_a_norm_ratios(problems):
     """GRIN App. A: as expert outputs shrink, v2's expected router gradient tends to half the
     exact one (nabla_1 is missing and nabla_0 -> nabla_1), the corrected v2star to all of it."""
     with jax.enable_x64(True):
-        sweep = exact_gradient.topk_accuracy_sweep(problems[0], [1e-3], _probs_fn, 1)
+        sweep = oracle.topk_accuracy_sweep(problems[0], [1e-3], _probs_fn, 1)
         np.testing.assert_allclose(sweep["v2"]["norm_ratio"], 0.5, atol=2e-3)
         np.testing.assert_allclose(sweep["v2star"]["norm_ratio"], 1.0, atol=2e-3)
         np.testing.assert_allclose(sweep["backprop"]["norm_ratio"], 0.5, atol=2e-3)
         assert sweep["v2star"]["cos"][0] > 0.9999
         # Top-2: the choice of the first expert moves the second's distribution; no estimator
         # here sees that term, so a bias stays at every scale.
-        top2 = exact_gradient.topk_accuracy_sweep(problems[0], [1e-2, 1e-3], _probs_fn, 2)
+        top2 = oracle.topk_accuracy_sweep(problems[0], [1e-2, 1e-3], _probs_fn, 2)
         assert min(top2["v2star"]["relerr"]) > 1e-2
         np.testing.assert_allclose(top2["v2"]["relerr"][0], top2["v2"]["relerr"][1], rtol=0.05)
 
@@ -176,17 +176,17 @@ def test_grin_appendix_a_norm_ratios(problems):
 # ------------------------------------- DenseMixer and Default MoE: unchosen experts' gradient
 
 DENSE_TOP1 = {
-    "densemixer": lambda p, probs_fn, v: exact_gradient.densemixer_gradient(p, probs_fn),
-    "densemixer_blog": lambda p, probs_fn, v: exact_gradient.densemixer_blog_gradient(p, probs_fn),
-    "default_moe": exact_gradient.default_moe_gradient,
-    "default_moe_st": exact_gradient.default_moe_st_gradient,
+    "densemixer": lambda p, probs_fn, v: oracle.densemixer_gradient(p, probs_fn),
+    "densemixer_blog": lambda p, probs_fn, v: oracle.densemixer_blog_gradient(p, probs_fn),
+    "default_moe": oracle.default_moe_gradient,
+    "default_moe_st": oracle.default_moe_st_gradient,
 }
 
 
 def _three_expert_problem():
     """Three experts, plain softmax router, noisy defaults; numpy copies for the hand loops."""
-    problem = exact_gradient.random_problem(jax.random.key(11), num_experts=3, dim=4)
-    defaults = exact_gradient.noisy_defaults(problem.expert_outputs, jax.random.key(12), 0.5)
+    problem = oracle.random_problem(jax.random.key(11), num_experts=3, dim=4)
+    defaults = oracle.noisy_defaults(problem.expert_outputs, jax.random.key(12), 0.5)
     z, f, a, b, v = (np.asarray(x, np.float64) for x in (
         problem.logits, problem.expert_outputs, problem.weight, problem.bias, defaults))
     return problem, defaults, z, f, a, b, v
@@ -236,13 +236,13 @@ def test_dense_estimators_top1_by_hand_on_three_experts(name):
         np.testing.assert_allclose(got, grad, rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("name", exact_gradient.DENSE_ESTIMATORS)
+@pytest.mark.parametrize("name", oracle.DENSE_ESTIMATORS)
 def test_dense_estimators_top2_by_hand_on_three_experts(name):
     """Top-2 sequential sampling: explicit loops over the six ordered pairs; the second gate is
     ``pi_b / (1 - pi_a)`` with its softmax Jacobian over the experts left."""
     with jax.enable_x64(True):
         problem, defaults, z, f, a, b, v = _three_expert_problem()
-        got = exact_gradient.topk_dense_expected_gradient(
+        got = oracle.topk_dense_expected_gradient(
             problem, jax.nn.softmax, 2, name, defaults)
         pi = _hand_softmax(z, np.ones(3, bool))
         jac = _hand_softmax_jacobian(pi)
@@ -267,14 +267,14 @@ def test_dense_estimators_top2_by_hand_on_three_experts(name):
 def test_dense_estimators_topk_at_k1_equal_the_top1_formulas(problems):
     with jax.enable_x64(True):
         problem = problems[2]
-        defaults = exact_gradient.noisy_defaults(problem.expert_outputs, jax.random.key(3), 0.5)
+        defaults = oracle.noisy_defaults(problem.expert_outputs, jax.random.key(3), 0.5)
         for name, top1 in DENSE_TOP1.items():
-            topk = exact_gradient.topk_dense_expected_gradient(
+            topk = oracle.topk_dense_expected_gradient(
                 problem, _probs_fn, 1, name, defaults)
             np.testing.assert_allclose(topk, top1(problem, _probs_fn, defaults), rtol=1e-12,
                                        atol=1e-14, err_msg=name)
         with pytest.raises(ValueError, match="unknown estimator"):
-            exact_gradient.topk_dense_expected_gradient(problem, _probs_fn, 1, "mix")
+            oracle.topk_dense_expected_gradient(problem, _probs_fn, 1, "mix")
 
 
 def test_oracle_default_moe_st_is_densemixer(problems):
@@ -283,19 +283,19 @@ def test_oracle_default_moe_st_is_densemixer(problems):
     with jax.enable_x64(True):
         problem = problems[0]
         f = problem.expert_outputs
-        np.testing.assert_array_equal(exact_gradient.noisy_defaults(f, jax.random.key(1), 0.0), f)
+        np.testing.assert_array_equal(oracle.noisy_defaults(f, jax.random.key(1), 0.0), f)
         np.testing.assert_allclose(
-            exact_gradient.default_moe_st_gradient(problem, _probs_fn, f),
-            exact_gradient.densemixer_gradient(problem, _probs_fn), rtol=1e-12, atol=1e-15)
+            oracle.default_moe_st_gradient(problem, _probs_fn, f),
+            oracle.densemixer_gradient(problem, _probs_fn), rtol=1e-12, atol=1e-15)
         np.testing.assert_allclose(
-            exact_gradient.topk_dense_expected_gradient(problem, _probs_fn, 2, "default_moe_st"),
-            exact_gradient.topk_dense_expected_gradient(problem, _probs_fn, 2, "densemixer"),
+            oracle.topk_dense_expected_gradient(problem, _probs_fn, 2, "default_moe_st"),
+            oracle.topk_dense_expected_gradient(problem, _probs_fn, 2, "densemixer"),
             rtol=1e-12, atol=1e-15)
-        noisy = exact_gradient.noisy_defaults(f, jax.random.key(1), 0.5)
-        assert not np.allclose(exact_gradient.default_moe_st_gradient(problem, _probs_fn, noisy),
-                               exact_gradient.densemixer_gradient(problem, _probs_fn), rtol=1e-3)
+        noisy = oracle.noisy_defaults(f, jax.random.key(1), 0.5)
+        assert not np.allclose(oracle.default_moe_st_gradient(problem, _probs_fn, noisy),
+                               oracle.densemixer_gradient(problem, _probs_fn), rtol=1e-3)
         # The defaults scale with the outputs, as the sweeps assume.
-        np.testing.assert_allclose(exact_gradient.noisy_defaults(1e-3 * f, jax.random.key(1), 0.5),
+        np.testing.assert_allclose(oracle.noisy_defaults(1e-3 * f, jax.random.key(1), 0.5),
                                    1e-3 * noisy, rtol=1e-12)
 
 
@@ -306,15 +306,15 @@ def test_densemixer_blog_tends_to_the_exact_gradient_and_the_code_does_not(probl
     with jax.enable_x64(True):
         for problem in problems:
             small = problem.scaled(1e-4)
-            exact = exact_gradient.exact_gradient(small, _probs_fn).full
-            blog = exact_gradient.densemixer_blog_gradient(small, _probs_fn)
-            code = exact_gradient.densemixer_gradient(small, _probs_fn)
+            exact = oracle.exact_gradient(small, _probs_fn).full
+            blog = oracle.densemixer_blog_gradient(small, _probs_fn)
+            code = oracle.densemixer_gradient(small, _probs_fn)
             norm = np.linalg.norm
             assert abs(norm(blog) / norm(exact) - 1) < 1e-3
-            assert exact_gradient.cosine_similarity(blog, exact) > 0.99999
+            assert oracle.cosine_similarity(blog, exact) > 0.99999
             probs, jac = _probs_fn(small.logits), jax.jacobian(_probs_fn)(small.logits)
             slopes = small.expert_outputs @ jax.grad(small.downstream)(jnp.zeros(5))  # a_j
             limit = norm(jac.T @ slopes) / norm(jac.T @ (2 * probs * slopes))
             np.testing.assert_allclose(norm(code) / norm(exact), limit, rtol=1e-3)
             assert abs(limit - 1) > 0.05, limit
-            assert exact_gradient.cosine_similarity(code, exact) < 0.99
+            assert oracle.cosine_similarity(code, exact) < 0.99

@@ -22,7 +22,7 @@ from sparsemixer_jax.models import (
     sinusoidal_positions,
 )
 from sparsemixer_jax.moe import MoEFeedForward, fold_omega
-from sparsemixer_jax.routing import ROUTERS, uses_omega
+from sparsemixer_jax.routers import ROUTERS, uses_omega
 
 VOCAB = 13
 BATCH, SRC_LEN, TGT_LEN = 3, 7, 6

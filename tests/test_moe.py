@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax import routing
+from sparsemixer_jax import routers
 from sparsemixer_jax.moe import (
     MoEFeedForward,
     capacity_keep,
@@ -56,7 +56,7 @@ def dense_reference(params, x, mask):
     argmax expert. Written independently of the dispatch code."""
     p = params
     logits = x @ p["router"]["kernel"][...] + p["router"]["bias"][...]
-    probs = routing.router_probs(logits, 0.1)
+    probs = routers.router_probs(logits, 0.1)
     top = jnp.argmax(probs, -1)
     gate = jnp.take_along_axis(probs, top[..., None], -1)
     h = jax.nn.relu(jnp.einsum("bte,nem->btnm", x, p["wi"][...]) + p["bi"][...])
@@ -73,8 +73,8 @@ def _reference_value_and_grad(params, x, mask, head):
     def ref_loss(params):
         y = dense_reference(params, x, mask)
         logits = x @ params["router"]["kernel"][...] + params["router"]["bias"][...]
-        routed = routing.get_router("sparsemixer", 0.1)(logits, None, False)
-        return jnp.sum(y * head) + routing.routing_metrics(logits, routed, mask)["balance_loss"]
+        routed = routers.get_router("sparsemixer", 0.1)(logits, None, False)
+        return jnp.sum(y * head) + routers.routing_metrics(logits, routed, mask)["balance_loss"]
 
     return dense_reference(params, x, mask), jax.grad(ref_loss)(params)
 
@@ -281,7 +281,7 @@ def dense_topk_reference(params, x, mask, k, kept=None):
     y = jnp.zeros_like(x)
     removed = jnp.zeros(logits.shape, bool)
     for t in range(k):
-        probs = routing.router_probs(jnp.where(removed, -jnp.inf, logits), 0.1)
+        probs = routers.router_probs(jnp.where(removed, -jnp.inf, logits), 0.1)
         expert = order[..., t]
         gate = jnp.take_along_axis(probs, expert[..., None], -1)
         if kept is not None:
@@ -296,8 +296,8 @@ def _topk_reference_value_and_grad(params, x, mask, head):
     def ref_loss(params):
         y = dense_topk_reference(params, x, mask, K)
         logits = x @ params["router"]["kernel"][...] + params["router"]["bias"][...]
-        routed = routing.get_router("sparsemixer", 0.1, K)(logits, None, False)
-        return jnp.sum(y * head) + routing.routing_metrics(logits, routed, mask)["balance_loss"]
+        routed = routers.get_router("sparsemixer", 0.1, K)(logits, None, False)
+        return jnp.sum(y * head) + routers.routing_metrics(logits, routed, mask)["balance_loss"]
 
     return dense_topk_reference(params, x, mask, K), jax.grad(ref_loss)(params)
 

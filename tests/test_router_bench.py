@@ -24,7 +24,7 @@ from sparsemixer_jax.router_bench.teacher import (
     teacher_forward,
 )
 from sparsemixer_jax.router_bench.train import TrainConfig, train_arm
-from sparsemixer_jax.routing import ESTIMATORS, ROUTERS, router_probs
+from sparsemixer_jax.routers import ESTIMATORS, ROUTERS, router_probs
 
 TINY = TrainConfig(dim=8, hidden=16, teacher_hidden=4, batch=64, steps=300, eval_every=100,
                    lr=1e-2, train_size=1024, eval_size=256, grad_tokens=64)

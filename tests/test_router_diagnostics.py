@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax import moe, routing
+from sparsemixer_jax import moe, routers
 from sparsemixer_jax.moe.diagnostics import eligible_fraction, router_diagnostics
 
 # Reference mask at jitter_eps = 0.1 keeps expert i when max(z) - z_i <= 0.2 * max(|z_i|, max z).
@@ -19,7 +19,7 @@ LOGITS = jnp.array([
 
 
 def _eval_route(logits, router="sparsemixer"):
-    return routing.get_router(router, 0.1)(logits, None, False)
+    return routers.get_router(router, 0.1)(logits, None, False)
 
 
 def test_eligible_fraction_counts_tokens_by_number_of_eligible_experts():
@@ -33,7 +33,7 @@ def test_eligible_fraction_counts_tokens_by_number_of_eligible_experts():
 
 def test_diagnostics_by_hand():
     logits = LOGITS[None]  # [B=1, T=4, N=4]
-    routed = routing.RouterOutput(
+    routed = routers.RouterOutput(
         expert=jnp.array([[0, 2, 0, 3]], jnp.int32),  # tokens 1 and 3 leave the argmax (0, 1)
         gate=jnp.ones((1, 4)),
         probs=_eval_route(logits).probs,
@@ -57,7 +57,7 @@ def test_diagnostics_by_hand():
 
 def test_top_k_diagnostics_count_rows_and_the_first_choice():
     logits = LOGITS[None]
-    routed = routing.RouterOutput(
+    routed = routers.RouterOutput(
         expert=jnp.array([[[0, 1], [2, 0], [0, 3], [3, 1]]], jnp.int32),  # [B=1, T=4, k=2]
         gate=jnp.ones((1, 4, 2)),
         probs=_eval_route(logits).probs,

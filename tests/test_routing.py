@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsemixer_jax import exact_gradient
-from sparsemixer_jax.routing import (
+from sparsemixer_jax import exact as oracle
+from sparsemixer_jax.routers import (
     ROUTERS,
     get_router,
     router_probs,
@@ -265,7 +265,7 @@ MC_SAMPLES = 40_000
 @pytest.fixture(scope="module")
 def mc_problem():
     # Reference mask keeps experts 0-2 and masks 3-4 (gaps 0.7 and 1.5 > 0.2).
-    problem = exact_gradient.random_problem(jax.random.key(3), num_experts=5, dim=3)
+    problem = oracle.random_problem(jax.random.key(3), num_experts=5, dim=3)
     return problem._replace(
         logits=jnp.array([1.0, 0.9, 0.85, 0.3, -0.5]), expert_outputs=2 * problem.expert_outputs
     )
@@ -306,7 +306,7 @@ def test_monte_carlo_gradient_matches_exact_expectation(mc_problem, options):
         return router_probs(z, 0.1, mask)
 
     expected = np.asarray(
-        exact_gradient.router_expected_gradient(mc_problem, probs_fn, **oracle_options)
+        oracle.router_expected_gradient(mc_problem, probs_fn, **oracle_options)
     )
     live = se > 0
     np.testing.assert_array_equal(mean[~live], expected[~live])  # masked experts: exactly 0
@@ -322,8 +322,8 @@ def test_monte_carlo_test_can_tell_estimators_apart(mc_problem):
 
     grads = _mc_gradients(mc_problem)
     se = grads.std(0, ddof=1) / np.sqrt(MC_SAMPLES)
-    mix = exact_gradient.router_expected_gradient(mc_problem, probs_fn)
-    euler = exact_gradient.router_expected_gradient(mc_problem, probs_fn, estimator="euler")
+    mix = oracle.router_expected_gradient(mc_problem, probs_fn)
+    euler = oracle.router_expected_gradient(mc_problem, probs_fn, estimator="euler")
     assert np.max(np.abs(np.asarray(mix - euler)) / np.maximum(se, 1e-30)) > 2 * Z_SE
 
 
@@ -526,7 +526,7 @@ def test_topk_gradient_is_scaled_conditional_jacobian():
 @pytest.mark.parametrize("estimator", ["v2", "v2star", "mix"])
 def test_top2_monte_carlo_gradient_matches_exact_expectation(mc_problem, estimator):
     """Mean of 40k top-2 router gradients vs the enumerated expectation
-    (exact_gradient.topk_expected_gradient), within 4.5 standard errors per component."""
+    (oracle.topk_expected_gradient), within 4.5 standard errors per component."""
     problem = mc_problem._replace(logits=jnp.array([1.0, 0.9, 0.85, 0.95, -0.5]))
 
     def total(z_batch):
@@ -545,11 +545,11 @@ def test_top2_monte_carlo_gradient_matches_exact_expectation(mc_problem, estimat
     other = "v2" if estimator != "v2" else "v2star"
 
     @jax.jit
-    def oracle(problem):
-        return [exact_gradient.topk_expected_gradient(problem, probs_fn, 2, estimator=e)
+    def expected_gradients(problem):
+        return [oracle.topk_expected_gradient(problem, probs_fn, 2, estimator=e)
                 for e in (estimator, other)]
 
-    expected, alternative = (np.asarray(g) for g in oracle(problem))
+    expected, alternative = (np.asarray(g) for g in expected_gradients(problem))
     live = se > 0
     np.testing.assert_array_equal(mean[~live], expected[~live])
     z_scores = np.abs(mean - expected)[live] / se[live]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsemixer_jax.routing import (
+from sparsemixer_jax.routers import (
     ROUTERS,
     get_router,
     load_balancing_loss,

@@ -14,7 +14,7 @@ import jax.test_util
 import numpy as np
 import pytest
 
-from sparsemixer_jax.routing import (
+from sparsemixer_jax.routers import (
     get_router,
     router_probs,
     routing_keys,

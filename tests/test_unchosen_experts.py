@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax import config as config_schema
-from sparsemixer_jax import routing, training
+from sparsemixer_jax import routers, training
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.moe.layer import MoEFeedForward
 from sparsemixer_jax.moe.unchosen import all_expert_outputs, update_expert_defaults
@@ -40,15 +40,15 @@ def softmax_jacobian(p):
 
 def routed_loss(name: str, top_k: int, values: np.ndarray):
     """``L(z) = c . y`` for one token: the chosen experts' gated outputs (Switch's forward,
-    no jitter) plus :func:`routing.unchosen_expert_term` with ``values``; and ``y``."""
-    rule = routing.UNCHOSEN_EXPERT_RULES[name]
+    no jitter) plus :func:`routers.unchosen_expert_term` with ``values``; and ``y``."""
+    rule = routers.UNCHOSEN_EXPERT_RULES[name]
 
     def loss(z):
-        routed = routing.switch_route(z, None, top_k=top_k, jitter_eps=0.0, training=False)
+        routed = routers.switch_route(z, None, top_k=top_k, jitter_eps=0.0, training=False)
         expert = routed.expert if top_k > 1 else routed.expert[None]
         gate = routed.gate if top_k > 1 else routed.gate[None]
         y = gate @ jnp.asarray(OUTPUTS)[expert]
-        y = y + routing.unchosen_expert_term(routed.probs, routed.expert, jnp.asarray(values),
+        y = y + routers.unchosen_expert_term(routed.probs, routed.expert, jnp.asarray(values),
                                              rule)
         return jnp.dot(jnp.asarray(COTANGENT), y), y
 
@@ -90,13 +90,13 @@ def test_renormalised_top2_backward_matches_the_hand_computed_formula(name):
     """normalize_top_k: gates p_t / S over the chosen A = {1, 0}, S = p_1 + p_0, differentiated
     through S; an unchosen expert weighs p_j / S with S held constant (DenseMixer's code:
     ``pi (1 - mask) / S.detach() + pi mask / S``)."""
-    rule = routing.UNCHOSEN_EXPERT_RULES[name]
+    rule = routers.UNCHOSEN_EXPERT_RULES[name]
 
     def loss(z):
-        routed = routing.switch_route(z, None, top_k=2, jitter_eps=0.0, training=False,
+        routed = routers.switch_route(z, None, top_k=2, jitter_eps=0.0, training=False,
                                       normalize_top_k=True)
         y = routed.gate @ jnp.asarray(OUTPUTS)[routed.expert]
-        y = y + routing.unchosen_expert_term(routed.probs, routed.expert, jnp.asarray(VALUES),
+        y = y + routers.unchosen_expert_term(routed.probs, routed.expert, jnp.asarray(VALUES),
                                              rule, normalize_top_k=True)
         return jnp.dot(jnp.asarray(COTANGENT), y), y
 
@@ -117,7 +117,7 @@ def test_renormalised_top2_backward_matches_the_hand_computed_formula(name):
 def test_switch_route_gives_no_gradient_to_unchosen_experts():
     """The baseline the new routers change: without the term, d_pi_j = 0 off the top-k."""
     def loss(z):
-        routed = routing.switch_route(z, None, jitter_eps=0.0, training=False)
+        routed = routers.switch_route(z, None, jitter_eps=0.0, training=False)
         return COTANGENT @ (routed.gate * jnp.asarray(OUTPUTS)[routed.expert])
 
     p = np.exp(LOGITS) / np.exp(LOGITS).sum()
@@ -126,13 +126,13 @@ def test_switch_route_gives_no_gradient_to_unchosen_experts():
 
 
 def test_straight_through_term_is_exactly_zero_and_values_get_no_gradient():
-    rule = routing.UNCHOSEN_EXPERT_RULES["densemixer"]
+    rule = routers.UNCHOSEN_EXPERT_RULES["densemixer"]
     probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (4, 5, 3)))
     expert = jnp.argmax(probs, -1)
     values = jax.random.normal(jax.random.key(1), (4, 5, 3, 6))
-    term = routing.unchosen_expert_term(probs, expert, values, rule)
+    term = routers.unchosen_expert_term(probs, expert, values, rule)
     assert term.shape == (4, 5, 6) and bool(jnp.all(term == 0.0))
-    dv = jax.grad(lambda v: jnp.sum(routing.unchosen_expert_term(probs, expert, v, rule)
+    dv = jax.grad(lambda v: jnp.sum(routers.unchosen_expert_term(probs, expert, v, rule)
                                     * jnp.arange(6.0)))(values)
     assert bool(jnp.all(dv == 0.0))
 
@@ -342,7 +342,7 @@ def test_decay_outside_the_open_interval_is_refused(decay):
 ])
 def test_router_options_a_router_ignores_are_refused(router, options, message):
     with pytest.raises(ValueError, match=message):
-        routing.get_router(router, **options)
+        routers.get_router(router, **options)
     with pytest.raises(ValueError, match=message):
         make_layer(router, router_options=options)
     config = tiny_wmt_config.get_config()
@@ -356,9 +356,9 @@ def test_router_options_a_router_ignores_are_refused(router, options, message):
 
 def test_routers_are_in_the_registry():
     for name in NEW_ROUTERS:
-        assert name in routing.ROUTERS and not routing.uses_omega(name)
+        assert name in routers.ROUTERS and not routers.uses_omega(name)
     with pytest.raises(ValueError, match="unknown router"):
-        routing.get_router("densemixr")
+        routers.get_router("densemixr")
 
 
 # ------------------------------------------------------------- checkpoints and an exact resume

@@ -17,12 +17,12 @@ def unchosen_flops_per_token(router: str, emb: int, mlp: int, num_experts: int
                              ) -> dict[str, float]:
     """Extra model FLOPs per token and MoE layer of one training step (forward + backward) that
     ``router`` adds to Switch's top-1 layer: what DenseMixer and Default MoE
-    (``routing.UNCHOSEN_EXPERT_RULES``) compute for the experts a token did not choose.
+    (``routers.UNCHOSEN_EXPERT_RULES``) compute for the experts a token did not choose.
 
     * ``dense_pass``: DenseMixer's pass of every token through all ``N`` experts,
       ``N * 4 e m`` (two matmuls per expert), forward only: no gradient flows into it, so it has
       no backward (``moe.unchosen.all_expert_outputs``). Zero for the other routers.
-    * ``unchosen_term``: the contraction ``sum_j c_j pi_j v_j`` of ``routing.unchosen_expert_term``
+    * ``unchosen_term``: the contraction ``sum_j c_j pi_j v_j`` of ``routers.unchosen_expert_term``
       (``[N] x [N, e]`` per token), ``2 N e`` forward and ``2 N e`` backward (the gradient of the
       coefficients only; ``v`` is held constant). DenseMixer and Default MoE alike.
     * ``total``: their sum.
@@ -32,11 +32,11 @@ def unchosen_flops_per_token(router: str, emb: int, mlp: int, num_experts: int
     additions per token). Every other router (Switch, SparseMixer and its variants: the same
     matmuls as Switch) adds nothing.
     """
-    from sparsemixer_jax import routing
+    from sparsemixer_jax import routers
 
-    rule = routing.UNCHOSEN_EXPERT_RULES.get(router)
-    if router not in routing.ROUTERS:
-        raise ValueError(f"unknown router {router!r}; choose one of {sorted(routing.ROUTERS)}")
+    rule = routers.UNCHOSEN_EXPERT_RULES.get(router)
+    if router not in routers.ROUTERS:
+        raise ValueError(f"unknown router {router!r}; choose one of {sorted(routers.ROUTERS)}")
     e, m, n = emb, mlp, num_experts
     dense_pass = float(n * 4 * e * m) if rule is not None and rule.values == "outputs" else 0.0
     term = float(4 * n * e) if rule is not None else 0.0

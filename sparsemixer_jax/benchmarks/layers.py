@@ -26,7 +26,7 @@ def bench_router(tokens: int, experts: Sequence[int], warmup: int, repeats: int,
     import jax
     import jax.numpy as jnp
 
-    from sparsemixer_jax import routing
+    from sparsemixer_jax import routers
 
     out: dict[str, Any] = {}
     for n in experts:
@@ -34,11 +34,11 @@ def bench_router(tokens: int, experts: Sequence[int], warmup: int, repeats: int,
         cotangent = jax.random.normal(jax.random.key(3), (tokens,), jnp.float32)
         fns = {}
         for name in ("switch", "sparsemixer"):
-            route = routing.get_router(name, 0.1)
+            route = routers.get_router(name, 0.1)
 
             def loss(logits, route=route, cotangent=cotangent):
                 r = route(logits, jax.random.key(4), True)
-                return jnp.sum(r.gate * cotangent) + routing.load_balancing_loss(r.probs,
+                return jnp.sum(r.gate * cotangent) + routers.load_balancing_loss(r.probs,
                                                                                  r.expert)
 
             step = jax.jit(jax.grad(loss))

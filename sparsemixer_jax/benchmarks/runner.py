@@ -138,8 +138,9 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
     s = settings
     import jax
 
-    from sparsemixer_jax import routing, runtime
+    from sparsemixer_jax import runtime
     from sparsemixer_jax.kernels import triton_ragged_dot
+    from sparsemixer_jax.routers import ROUTERS
 
     # Both before JAX starts its backend (JAX read JAX_PLATFORMS when it was imported).
     if s.backend:
@@ -149,9 +150,9 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
     if s.rng_impl:
         jax.config.update("jax_default_prng_impl", s.rng_impl)
     triton = triton_ragged_dot.enable_triton_ragged_dot() if s.triton_ragged_dot else False
-    unknown = [r for r in s.routers if r not in routing.ROUTERS]
+    unknown = [r for r in s.routers if r not in ROUTERS]
     if unknown:
-        raise ValueError(f"unknown routers {unknown}; choose from {sorted(routing.ROUTERS)}")
+        raise ValueError(f"unknown routers {unknown}; choose from {sorted(ROUTERS)}")
     routers = with_switch_first(s.routers)
 
     backend = jax.default_backend()

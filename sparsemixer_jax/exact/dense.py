@@ -1,5 +1,5 @@
 """Exact expected router gradients of DenseMixer and Default MoE, top-1, under a sampled forward
-(see :mod:`sparsemixer_jax.exact_gradient`)."""
+(see :mod:`sparsemixer_jax.exact`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The accuracy experiment: every estimator against the exact gradient as the expert outputs
-shrink (``python -m experiments.gradient_accuracy``; see :mod:`sparsemixer_jax.exact_gradient`)."""
+shrink (``python -m experiments.gradient_accuracy``; see :mod:`sparsemixer_jax.exact`)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from sparsemixer_jax.exact.topk import (
     topk_dense_expected_gradient,
     topk_expected_gradient,
 )
-from sparsemixer_jax.routing import router_probs
+from sparsemixer_jax.routers import router_probs
 
 
 def estimator_table(

@@ -1,5 +1,5 @@
 """The top-1 routing problem and its exact gradient, by enumeration; SparseMixer's expected
-gradients; the accuracy measures (see :mod:`sparsemixer_jax.exact_gradient`)."""
+gradients; the accuracy measures (see :mod:`sparsemixer_jax.exact`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsemixer_jax.routing import Estimator, router_probs
+from sparsemixer_jax.routers import Estimator, router_probs
 
 Downstream = Callable[[jax.Array], jax.Array]  # g: [d] -> scalar
 

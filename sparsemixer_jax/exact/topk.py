@@ -1,5 +1,5 @@
 """Top-k sequential routing: the exact gradient and every estimator's exact expectation, by
-enumerating ordered tuples (see :mod:`sparsemixer_jax.exact_gradient`)."""
+enumerating ordered tuples (see :mod:`sparsemixer_jax.exact`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsemixer_jax.exact.top1 import ExactGradient, ProbsFn, RoutingProblem, probs_and_jacobian
-from sparsemixer_jax.routing import ESTIMATORS, Estimator
+from sparsemixer_jax.routers import ESTIMATORS, Estimator
 
 
 def ordered_tuples(num_experts: int, top_k: int) -> np.ndarray:

@@ -6,7 +6,17 @@
   capacity) and the measured choice behind ``dispatch="auto"``.
 * :mod:`~sparsemixer_jax.moe.expert_parallel`: the same FFN with experts split over a mesh.
 * :mod:`~sparsemixer_jax.moe.diagnostics`: per-layer router diagnostics.
+* :mod:`~sparsemixer_jax.moe.unchosen`: what DenseMixer and Default MoE compute for the experts
+  a token did not choose.
+
+Only :mod:`~sparsemixer_jax.moe.layer` needs Flax; its names are loaded on first use, so the
+pure functions (dispatch, expert parallelism, diagnostics) import with JAX alone.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from sparsemixer_jax.moe.dispatch import (
     ACTIVATIONS,
@@ -20,7 +30,12 @@ from sparsemixer_jax.moe.dispatch import (
     resolve_dispatch,
 )
 from sparsemixer_jax.moe.expert_parallel import expert_parallel_ffn
-from sparsemixer_jax.moe.layer import MoEFeedForward, fold_omega
+
+if TYPE_CHECKING:
+    from sparsemixer_jax.moe.layer import MoEFeedForward, fold_omega
+
+# Names that need Flax: module that defines each.
+_LAZY = {"MoEFeedForward": "sparsemixer_jax.moe.layer", "fold_omega": "sparsemixer_jax.moe.layer"}
 
 __all__ = [
     "ACTIVATIONS",
@@ -36,3 +51,11 @@ __all__ = [
     "fold_omega",
     "resolve_dispatch",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

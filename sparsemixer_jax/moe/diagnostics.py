@@ -1,7 +1,7 @@
 """Router diagnostics: why a router trains (or does not), from what the router already computed.
 
 Pure functions of the router logits ``z [..., N]``, the router's
-:class:`~sparsemixer_jax.routing.RouterOutput` (chosen expert, gate, probabilities) and the padding
+:class:`~sparsemixer_jax.routers.RouterOutput` (chosen expert, gate, probabilities) and the padding
 mask. :class:`~sparsemixer_jax.moe.MoEFeedForward` merges :func:`router_diagnostics` into its
 per-layer metrics, so every run logs them per MoE layer at ``log_every`` (``metrics.jsonl``, key
 ``moe``) and ``python -m experiments.plot --diagnostics`` draws them.
@@ -40,7 +40,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparsemixer_jax import routing
+from sparsemixer_jax import routers
 
 
 def _token_mean(values: jax.Array, token_mask: jax.Array) -> jax.Array:
@@ -74,7 +74,7 @@ def eligible_fraction(probs: jax.Array, token_mask: jax.Array | None = None) -> 
 
 def router_diagnostics(
     logits: jax.Array,
-    routed: routing.RouterOutput,
+    routed: routers.RouterOutput,
     token_mask: jax.Array | None = None,
     *,
     jitter_eps: float = 0.1,
@@ -97,7 +97,7 @@ def router_diagnostics(
     top_k = routed.expert.ndim == z.ndim  # expert [..., k]: a token's k rows share its weight
     load = _token_mean(jnp.mean(rows, axis=-2) if top_k else rows, token_mask)
     first = routed.expert[..., 0] if top_k else routed.expert
-    ref_mask = routing.routing_mask(z, jitter_eps, "reference")
+    ref_mask = routers.routing_mask(z, jitter_eps, "reference")
     argmax = jnp.argmax(z, axis=-1)
     return {
         "max_logit": _token_mean(jnp.max(z, axis=-1), token_mask),

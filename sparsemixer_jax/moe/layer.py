@@ -1,6 +1,6 @@
 """The routed feed-forward layer: ``y = omega * sum_t gate_t * f_{D_t}(x)`` over ``top_k`` experts.
 
-The router (:mod:`sparsemixer_jax.routing`) runs in float32 on the full logits; the chosen rows go
+The router (:mod:`sparsemixer_jax.routers`) runs in float32 on the full logits; the chosen rows go
 through the expert FFN of :mod:`sparsemixer_jax.moe.dispatch` on one device, or through
 :mod:`sparsemixer_jax.moe.expert_parallel` when the layer holds a mesh.
 
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax import routing, sharding
+from sparsemixer_jax import routers, sharding
 from sparsemixer_jax.initializers import check_init_scheme, expert_init, router_init
 from sparsemixer_jax.kernels.mosaic_grouped_matmul import check_grouped_supported
 from sparsemixer_jax.moe.diagnostics import router_diagnostics
@@ -53,7 +53,7 @@ def check_moe_args(*, activation_dropout: float, capacity_factor: float, dispatc
                    grouped_impl: str, activation: str, router_init_scale: float,
                    where: str = "", router_where: str = "") -> None:
     """The one check of :class:`MoEFeedForward`'s own settings (the router's are
-    :func:`sparsemixer_jax.routing.check_router`'s): one-line ValueErrors that name each setting
+    :func:`sparsemixer_jax.routers.check_router`'s): one-line ValueErrors that name each setting
     with the prefix ``where`` (``router_where`` for the router's initial scale), so the config
     validator reports them as ``config.model.<name>`` before a run writes anything."""
     if not 0.0 <= activation_dropout < 1.0:
@@ -79,9 +79,9 @@ class MoEFeedForward(nnx.Module):
     Args:
       emb_dim, mlp_dim: model and expert hidden widths.
       num_experts: ``N >= 1``.
-      router: a name in :data:`sparsemixer_jax.routing.ROUTERS`.
+      router: a name in :data:`sparsemixer_jax.routers.ROUTERS`.
       jitter_eps: the router's jitter / mask threshold.
-      top_k: experts per token, ``1 <= top_k <= N`` (distinct; see ``routing.sparsemixer_route``).
+      top_k: experts per token, ``1 <= top_k <= N`` (distinct; see ``routers.sparsemixer_route``).
       activation_dropout: dropout rate after the expert nonlinearity.
       dispatch: ``"auto"``, ``"ragged"``, ``"padded"`` or ``"grouped"``
         (:mod:`sparsemixer_jax.moe.dispatch`).
@@ -97,10 +97,10 @@ class MoEFeedForward(nnx.Module):
         default) or ``"gelu"`` (BERT / ELECTRA).
       default_decay: the EMA decay ``beta`` of the default vectors of the ``default_moe``
         routers, in ``(0, 1)`` (0.9; see docs/routing.md for what is known of the paper's).
-      router_options: further fields of :class:`sparsemixer_jax.routing.RouterOptions`
+      router_options: further fields of :class:`sparsemixer_jax.routers.RouterOptions`
         (``normalize_top_k``, ``successor_jitter``, ``default_at_eval``, ``default_mean``,
         ``default_update``; a ``default_decay`` here overrides the argument), checked by
-        :func:`sparsemixer_jax.routing.check_router`.
+        :func:`sparsemixer_jax.routers.check_router`.
       router_init_scale: multiplies the variance of the router's initial weight and bias as
         ``init`` draws them: 1.0 is the scheme itself, 0.1 the Switch Transformer's smaller
         router.
@@ -122,7 +122,7 @@ class MoEFeedForward(nnx.Module):
     State (``nnx.BatchStat``, updated by every training call, not by the optimizer):
     ``expert_defaults [N, emb]`` (``default_moe`` routers only, zeros at init).
 
-    Routers with an entry in :data:`sparsemixer_jax.routing.UNCHOSEN_EXPERT_RULES` also give
+    Routers with an entry in :data:`sparsemixer_jax.routers.UNCHOSEN_EXPERT_RULES` also give
     the router a gradient for the experts a token did not choose: DenseMixer from every
     expert's output (a dense pass over all ``N`` experts in training), Default MoE from the
     default vectors.
@@ -159,10 +159,10 @@ class MoEFeedForward(nnx.Module):
         if dispatch == "grouped" and grouped_impl == "mosaic":
             check_grouped_supported(mesh=mesh)  # one line naming the target if it is no Hopper
         # The router's own check owns every rule for its arguments.
-        self.router_options = routing.check_router(
+        self.router_options = routers.check_router(
             router, top_k=top_k, jitter_eps=jitter_eps, num_experts=num_experts, where="",
             **{"default_decay": default_decay, **(router_options or {})})
-        self.unchosen = routing.UNCHOSEN_EXPERT_RULES.get(router)
+        self.unchosen = routers.UNCHOSEN_EXPERT_RULES.get(router)
         if mesh is not None:
             sharding.check_mesh(mesh, num_experts)
 
@@ -198,7 +198,7 @@ class MoEFeedForward(nnx.Module):
         self.wo = sharded(fc2.kernel(rngs.params(), (n, mlp_dim, emb_dim), jnp.float32),
                           ("expert", None, None))
         self.bo = sharded(fc2.draw_bias(rngs, (n, emb_dim)), ("expert", None))
-        self.omega = nnx.Param(jnp.ones((emb_dim,), jnp.float32)) if routing.uses_omega(
+        self.omega = nnx.Param(jnp.ones((emb_dim,), jnp.float32)) if routers.uses_omega(
             router) else None
         keeps_defaults = self.unchosen is not None and self.unchosen.values == "defaults"
         self.expert_defaults = nnx.BatchStat(
@@ -236,10 +236,10 @@ class MoEFeedForward(nnx.Module):
         logits = self.router(x.astype(jnp.float32))
         training = not deterministic
         key = self.router_rng() if training else None
-        routed = routing.get_router(self.router_name, self.jitter_eps, self.top_k,
+        routed = routers.get_router(self.router_name, self.jitter_eps, self.top_k,
                                     **dataclasses.asdict(self.router_options))(
             logits, key, training)
-        metrics = routing.routing_metrics(logits, routed, token_mask)
+        metrics = routers.routing_metrics(logits, routed, token_mask)
         metrics.update(router_diagnostics(
             logits, routed, token_mask, jitter_eps=self.jitter_eps))
 
@@ -325,7 +325,7 @@ class MoEFeedForward(nnx.Module):
         return term
 
     def _unchosen_term(self, xc, routed, params, token_mask) -> jax.Array:
-        """``[B, T, emb]`` float32: :func:`sparsemixer_jax.routing.unchosen_expert_term` with
+        """``[B, T, emb]`` float32: :func:`sparsemixer_jax.routers.unchosen_expert_term` with
         every expert's output (DenseMixer) or the default vectors (Default MoE); zero on
         padding."""
         batch, length, _ = xc.shape
@@ -334,7 +334,7 @@ class MoEFeedForward(nnx.Module):
             values = values.reshape(batch, length, self.num_experts, -1)
         else:
             values = self.expert_defaults[...]
-        term = routing.unchosen_expert_term(
+        term = routers.unchosen_expert_term(
             routed.probs, routed.expert, values, self.unchosen,
             normalize_top_k=self.router_options.normalize_top_k)
         if token_mask is not None:

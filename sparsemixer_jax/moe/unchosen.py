@@ -1,7 +1,7 @@
 """What DenseMixer and Default MoE need for the experts a token did not choose.
 
 Both give the router a gradient for every expert, not only the chosen ones
-(:func:`sparsemixer_jax.routing.unchosen_expert_term`); they differ in the vector that stands
+(:func:`sparsemixer_jax.routers.unchosen_expert_term`); they differ in the vector that stands
 for an unchosen expert's output:
 
 * DenseMixer computes it: :func:`all_expert_outputs`, a dense pass of every token through every

@@ -13,9 +13,9 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 # The exact-gradient oracle. Imported here only, so that renaming the module is one line.
-from sparsemixer_jax import exact_gradient as oracle
-from sparsemixer_jax import expert_ffn
-from sparsemixer_jax.routing import ROUTERS, router_probs, switch_route
+from sparsemixer_jax import exact as oracle
+from sparsemixer_jax.moe.dispatch import expert_ffn
+from sparsemixer_jax.routers import ROUTERS, router_probs, switch_route
 
 
 def confusion(student: jax.Array, teacher: jax.Array, n: int, k: int) -> jax.Array:

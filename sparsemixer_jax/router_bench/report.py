@@ -14,7 +14,7 @@ import numpy as np
 from sparsemixer_jax.router_bench import metrics
 from sparsemixer_jax.router_bench.arms import Arm, baseline_of, robustness_table
 from sparsemixer_jax.router_bench.train import History
-from sparsemixer_jax.routing import UNCHOSEN_EXPERT_RULES
+from sparsemixer_jax.routers import UNCHOSEN_EXPERT_RULES
 
 THRESHOLD_FACTOR = 1.5  # steps to reach 1.5x the baseline's geometric-mean final eval MSE
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax import MoEFeedForward
+from sparsemixer_jax.moe import MoEFeedForward
 from sparsemixer_jax.router_bench.arms import Arm
 
 ORACLE_ROUTER_SCALE = 20.0

@@ -1,12 +1,89 @@
-"""The routers, one module per concern; :mod:`sparsemixer_jax.routing` gathers their public
-names.
+"""Expert routing (top-1 and top-k): SparseMixer, GRIN's SparseMixer-v2, the Switch baseline, and
+the dense-backward routers DenseMixer and Default MoE; the public router API.
+
+Every router here is a pure function of the router logits ``[..., N]`` (any number of leading
+token axes) and a PRNG key, and returns a :class:`RouterOutput`. The caller computes the layer
+output as ``gate * f_expert(x)``, summed over the ``k`` experts of a token for top-k (times
+``omega`` for SparseMixer, see the paper's Section 3.5). Routing math runs in float32 whatever
+the dtype of the logits. Needs only JAX: no Flax, Optax or Orbax is imported here, so a
+``pip install sparsemixer-jax`` without extras can use it.
+
+One module per concern; import the names from this package, not from the modules:
 
 * :mod:`~sparsemixer_jax.routers.common`: :class:`RouterOutput` and the argument checks.
 * :mod:`~sparsemixer_jax.routers.sparsemixer`: SparseMixer and GRIN's SparseMixer-v2.
 * :mod:`~sparsemixer_jax.routers.switch`: Switch routing (also DenseMixer's and Default MoE's
   forward).
-* :mod:`~sparsemixer_jax.routers.successors`: DenseMixer's and Default MoE's term for the
-  experts a token did not choose.
+* :mod:`~sparsemixer_jax.routers.unchosen`: DenseMixer's and Default MoE's term for the experts
+  a token did not choose (the "unchosen-expert term"; the layer's side is
+  :mod:`sparsemixer_jax.moe.unchosen`).
 * :mod:`~sparsemixer_jax.routers.losses`: load-balancing loss, z-loss, routing statistics.
 * :mod:`~sparsemixer_jax.routers.registry`: routers by name and their options.
 """
+
+from sparsemixer_jax.routers.common import (
+    RouterOutput,
+    check_finite_logits,
+    check_jitter_eps,
+    check_route_args,
+    check_top_k,
+)
+from sparsemixer_jax.routers.losses import load_balancing_loss, router_z_loss, routing_metrics
+from sparsemixer_jax.routers.registry import (
+    DEFAULT_MEANS,
+    DEFAULT_UPDATES,
+    ROUTERS,
+    UNCHOSEN_EXPERT_RULES,
+    RouterFn,
+    RouterOptions,
+    check_router,
+    get_router,
+    options_from_config,
+    uses_omega,
+)
+from sparsemixer_jax.routers.sparsemixer import (
+    ESTIMATORS,
+    Estimator,
+    EstimatorRule,
+    MaskRule,
+    router_probs,
+    routing_keys,
+    routing_mask,
+    scaled_gate,
+    sparsemixer_route,
+)
+from sparsemixer_jax.routers.switch import switch_route
+from sparsemixer_jax.routers.unchosen import UnchosenExperts, unchosen_expert_term
+
+__all__ = [
+    "DEFAULT_MEANS",
+    "DEFAULT_UPDATES",
+    "ESTIMATORS",
+    "ROUTERS",
+    "UNCHOSEN_EXPERT_RULES",
+    "Estimator",
+    "EstimatorRule",
+    "MaskRule",
+    "RouterFn",
+    "RouterOptions",
+    "RouterOutput",
+    "UnchosenExperts",
+    "check_finite_logits",
+    "check_jitter_eps",
+    "check_route_args",
+    "check_router",
+    "check_top_k",
+    "get_router",
+    "load_balancing_loss",
+    "options_from_config",
+    "router_probs",
+    "router_z_loss",
+    "routing_keys",
+    "routing_mask",
+    "routing_metrics",
+    "scaled_gate",
+    "sparsemixer_route",
+    "switch_route",
+    "unchosen_expert_term",
+    "uses_omega",
+]

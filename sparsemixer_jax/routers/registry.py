@@ -14,8 +14,8 @@ import jax
 
 from sparsemixer_jax.routers.common import RouterOutput, check_jitter_eps, check_top_k
 from sparsemixer_jax.routers.sparsemixer import sparsemixer_route
-from sparsemixer_jax.routers.successors import UnchosenExperts
 from sparsemixer_jax.routers.switch import switch_route
+from sparsemixer_jax.routers.unchosen import UnchosenExperts
 
 RouterFn = Callable[[jax.Array, "jax.Array | None", bool], RouterOutput]
 

@@ -5,7 +5,7 @@ expert, ``g`` the rest of the network. The exact router gradient is ``nabla_0 + 
 ``nabla_1`` flows through the gate ``pi_D`` by ordinary backpropagation, ``nabla_0`` comes from
 the sampling of ``D`` and is what ordinary MoE training drops. SparseMixer estimates it with a
 forward-Euler or mid-point rule applied along the path from ``0`` to ``pi_D f_D`` (see
-:mod:`sparsemixer_jax.exact_gradient` for an exact oracle and the measured orders of accuracy).
+:mod:`sparsemixer_jax.exact` for an exact oracle and the measured orders of accuracy).
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def sparsemixer_route(
 
     For ``top_k > 1`` each step's estimator acts on that step's conditional probabilities; the
     term from "the first choice changes the distribution of the second" has no sparse estimate
-    here or in GRIN (``sparsemixer_jax.exact_gradient.exact_topk_gradient`` measures what it
+    here or in GRIN (``sparsemixer_jax.exact.exact_topk_gradient`` measures what it
     costs).
 
     Where the reference codes depart from their papers, this function follows the code:

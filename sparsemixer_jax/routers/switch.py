@@ -35,7 +35,7 @@ def switch_route(
 
     Args:
       logits: ``[..., N]``, any float dtype; ``-inf`` excludes an expert, NaN/+inf as in
-        :func:`sparsemixer_jax.routing.sparsemixer_route`.
+        :func:`sparsemixer_jax.routers.sparsemixer_route`.
       key: PRNG key for the jitter; required when ``training``, ``jitter`` and
         ``jitter_eps > 0``.
       top_k: experts per token, ``1 <= top_k <= N``.

@@ -2,7 +2,7 @@
 
 Arm names say what they change, so a run directory names its own config:
 
-* ``{router}_n{N}``: ``router.name`` (a key of ``sparsemixer_jax.routing.ROUTERS``, checked) with
+* ``{router}_n{N}``: ``router.name`` (a key of ``sparsemixer_jax.routers.ROUTERS``, checked) with
   ``model.num_experts = N``, e.g. ``switch_n4``, ``sparsemixer_1st_n8``, ``default_moe_st_n4``
   (router names contain underscores: the router is everything before the first ``_n{digits}``);
 * ``dense``: no experts;
@@ -72,7 +72,7 @@ def parse_arm(arm: str) -> dict[str, Any]:
     if match is None:
         raise ValueError(f"arm {arm!r} is not '{{router}}_n{{N}}' or 'dense' followed by "
                          f"modifiers _{{{','.join(MODIFIERS)}}}VALUE")
-    from sparsemixer_jax.routing import ROUTERS
+    from sparsemixer_jax.routers import ROUTERS
 
     if match["router"] is not None and match["router"] not in ROUTERS:
         raise ValueError(f"arm {arm!r}: unknown router {match['router']!r}; known: "

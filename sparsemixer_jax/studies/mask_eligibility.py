@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparsemixer_jax import routing
+from sparsemixer_jax import routers
 
 
 def _layer_norm(x: jax.Array) -> jax.Array:
@@ -42,5 +42,5 @@ def router_logits(key: jax.Array, tokens: int, d: int, n: int, init: str) -> jax
 
 def eligibility(logits: jax.Array, jitter_eps: float) -> tuple[float, float]:
     """(share of tokens with one eligible expert, mean number eligible), reference mask."""
-    counts = jnp.sum(routing.routing_mask(logits, jitter_eps, "reference"), axis=-1)
+    counts = jnp.sum(routers.routing_mask(logits, jitter_eps, "reference"), axis=-1)
     return float(jnp.mean(counts == 1)), float(jnp.mean(counts))
