@@ -32,6 +32,7 @@ from flax import nnx
 
 from sparsemixer_jax import layers
 from sparsemixer_jax.data.tokenizer import PAD_ID
+from sparsemixer_jax.initializers import uses_admin
 
 NUM_SEGMENTS = 2
 
@@ -136,7 +137,13 @@ class Embeddings(nnx.Module):
 
 
 class EncoderLayer(nnx.Module):
-    """Post-norm layer: self-attention with a relative position bias, then dense or MoE FFN."""
+    """Post-norm layer: self-attention with a relative position bias, then dense or MoE FFN.
+
+    Each sublayer computes ``LayerNorm(omega * x + Dropout(f(x)))``; ``omega`` is 1 (no
+    parameter) unless ``model.init`` is ``"admin"``, which gives each sublayer a trainable
+    ``[emb]`` scale (``attn_residual_scale``, ``ffn_residual_scale``) that
+    :meth:`Encoder.set_admin_scales` sets.
+    """
 
     def __init__(self, model_cfg, router_cfg, layer: int, *, dtype, mesh, rngs: nnx.Rngs):
         emb = int(model_cfg.emb_dim)
@@ -153,13 +160,31 @@ class EncoderLayer(nnx.Module):
         self.ffn = layers.make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
         self.ffn_norm = layers.layer_norm(emb, dtype, rngs)
         self.dropout = nnx.Dropout(float(model_cfg.dropout), rngs=rngs)
+        admin = uses_admin(model_cfg.init)
+        self.attn_residual_scale = nnx.Param(jnp.ones((emb,), jnp.float32)) if admin else None
+        self.ffn_residual_scale = nnx.Param(jnp.ones((emb,), jnp.float32)) if admin else None
+
+    def attention_branch(self, x, bias, mask, *, deterministic: bool) -> jax.Array:
+        """``Dropout(self_attn(x))``: the first sublayer's branch, ``[B, L, emb]``."""
+        h = self.self_attn(x, x, mask, deterministic=deterministic, bias=bias)
+        return self.dropout(h, deterministic=deterministic)
+
+    def ffn_branch(self, x, token_mask, *, deterministic: bool) -> tuple[jax.Array, Any]:
+        """``Dropout(ffn(x))`` and the MoE metrics (None for a dense FFN)."""
+        h, metrics = self.ffn(x, token_mask, deterministic=deterministic)
+        return self.dropout(h, deterministic=deterministic), metrics
+
+    @staticmethod
+    def residual(x: jax.Array, scale: nnx.Param | None) -> jax.Array:
+        """The residual input of a sublayer: ``x``, times Admin's ``omega`` where there is one."""
+        return x if scale is None else x * scale[...].astype(x.dtype)
 
     def __call__(self, x, bias, mask, token_mask, *, deterministic: bool):
         """x ``[B,L,emb]``, bias ``[1, H, L, L]``, mask ``[B, 1, 1, L]``, token_mask ``[B, L]``."""
-        h = self.self_attn(x, x, mask, deterministic=deterministic, bias=bias)
-        x = self.self_attn_norm(x + self.dropout(h, deterministic=deterministic))
-        h, metrics = self.ffn(x, token_mask, deterministic=deterministic)
-        x = self.ffn_norm(x + self.dropout(h, deterministic=deterministic))
+        h = self.attention_branch(x, bias, mask, deterministic=deterministic)
+        x = self.self_attn_norm(self.residual(x, self.attn_residual_scale) + h)
+        h, metrics = self.ffn_branch(x, token_mask, deterministic=deterministic)
+        x = self.ffn_norm(self.residual(x, self.ffn_residual_scale) + h)
         return x, metrics
 
 
@@ -243,3 +268,50 @@ class Encoder(nnx.Module):
             if layer_metrics is not None:
                 metrics[f"layer_{i}"] = layer_metrics
         return x, layers.collect_moe_metrics(metrics)
+
+    def set_admin_scales(self, tokens: jax.Array, segments: jax.Array | None = None
+                         ) -> list[float]:
+        """Admin's profiling pass: sets every sublayer's residual scale from a batch.
+
+        Sublayer by sublayer, in the deterministic forward (no dropout, routing by the argmax),
+        ``omega_1 = 1`` and ``omega_{i+1} = sqrt(Var[omega_i x_i] + Var[f_i(x_i)])``, where
+        ``x_i`` is the sublayer's input (a LayerNorm's output, variance about 1) and ``f_i`` its
+        branch: each scale is the standard deviation the residual sum before the previous
+        LayerNorm had, so ``omega_i^2`` is about ``1 + sum_{j<i} Var[f_j]``. Variances are over
+        the real tokens' elements of ``tokens`` (int ``[B, L]``, 0-padded).
+
+        The reference (Liu et al.'s Transformer-Clinic) profiles in training mode, dropout on,
+        and over padding too; here the scales are those of the function the model computes at
+        inference, on real tokens. Returns the scales, two per layer.
+        """
+        if any(layer.attn_residual_scale is None for layer in self.layers):
+            raise ValueError("set_admin_scales needs an encoder built with model.init='admin'")
+        if segments is None:
+            segments = jnp.zeros_like(tokens)
+        token_mask = tokens != PAD_ID
+        real = token_mask[..., None].astype(jnp.float32)
+        count = jnp.maximum(jnp.sum(real), 1.0) * self.emb_dim
+
+        def variance(v: jax.Array) -> float:
+            v = v.astype(jnp.float32)
+            mean = jnp.sum(v * real) / count
+            return float(jnp.sum(((v - mean) * real) ** 2) / count)
+
+        x = self.embeddings(tokens, segments, deterministic=True)
+        bias = self.position_bias(tokens.shape[1])
+        attn_mask = token_mask[:, None, None, :]
+        omega, scales = 1.0, []
+        for layer in self.layers:
+            for name in ("attn", "ffn"):
+                scale = getattr(layer, f"{name}_residual_scale")
+                scale[...] = jnp.full((self.emb_dim,), omega, jnp.float32)
+                scales.append(omega)
+                if name == "attn":
+                    h = layer.attention_branch(x, bias, attn_mask, deterministic=True)
+                else:
+                    h, _ = layer.ffn_branch(x, token_mask, deterministic=True)
+                residual = layer.residual(x, scale)
+                omega = math.sqrt(variance(residual) + variance(h))
+                norm = layer.self_attn_norm if name == "attn" else layer.ffn_norm
+                x = norm(residual + h)
+        return scales

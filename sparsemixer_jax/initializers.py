@@ -13,8 +13,17 @@ own name so that runs made with it can be reproduced: a truncated-normal router 
 ``1/fan_in``, LeCun-normal experts, Xavier-uniform dense feed-forward and attention, all biases
 zero.
 
-Token embeddings and LayerNorms are the models' own in both (fairseq's ``N(0, emb^-1/2)`` table
-for translation, BERT's ``N(0, 0.02)`` for the ELECTRA encoder; LayerNorm ones and zeros).
+``"admin"`` draws as ``"fairseq"`` and adds Admin's residual scales (Liu et al., 2020,
+"Understanding the Difficulty of Training Transformers"), the initialisation the paper uses for
+its ELECTRA models: each post-norm sublayer computes ``LayerNorm(omega_i * x + f_i(x))`` with a
+trainable ``omega_i [emb]`` that a profiling pass on a batch of data sets to the standard
+deviation the residual stream has reached, ``omega_i^2 = Var[omega_{i-1} x_{i-1}] +
+Var[f_{i-1}(x_{i-1})]`` (:meth:`sparsemixer_jax.encoder.Encoder.set_admin_scales`). The
+ELECTRA encoder has them; the translation model refuses the scheme.
+
+Token embeddings and LayerNorms are the models' own in every scheme (fairseq's
+``N(0, emb^-1/2)`` table for translation, BERT's ``N(0, 0.02)`` for the ELECTRA encoder;
+LayerNorm ones and zeros).
 
 A spec may set a component apart from the rest, to tell which part of a scheme matters:
 ``"flax,router=fairseq"`` draws the router as the paper's code does and everything else as
@@ -36,7 +45,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 InitScheme = Literal["fairseq", "flax"]
-INIT_SCHEMES: tuple[str, ...] = ("fairseq", "flax")
+INIT_SCHEMES: tuple[str, ...] = ("fairseq", "flax", "admin")
+# The schemes a component can be drawn by ("admin" draws as "fairseq").
+DRAWS: tuple[str, ...] = ("fairseq", "flax")
 COMPONENTS: tuple[str, ...] = ("router", "experts", "ffn", "attention")
 
 Initializer = nnx.initializers.Initializer
@@ -49,12 +60,12 @@ def component_schemes(spec: str, where: str = "init") -> dict[str, InitScheme]:
     if base not in INIT_SCHEMES:
         raise ValueError(f"{where}={spec!r}; choose one of {INIT_SCHEMES}, optionally followed "
                          f"by ,COMPONENT=SCHEME for COMPONENT in {COMPONENTS}")
-    schemes = dict.fromkeys(COMPONENTS, base)
+    schemes = dict.fromkeys(COMPONENTS, "fairseq" if base == "admin" else base)
     for part in parts:
         component, _, scheme = part.partition("=")
-        if component not in COMPONENTS or scheme not in INIT_SCHEMES:
+        if component not in COMPONENTS or scheme not in DRAWS:
             raise ValueError(f"{where}={spec!r}: {part!r} is not COMPONENT=SCHEME with "
-                             f"COMPONENT in {COMPONENTS} and SCHEME in {INIT_SCHEMES}")
+                             f"COMPONENT in {COMPONENTS} and SCHEME in {DRAWS}")
         schemes[component] = scheme
     return schemes
 
@@ -63,6 +74,11 @@ def check_init_scheme(spec: str, where: str = "init") -> None:
     """ValueError naming ``where`` if ``spec`` is not a scheme of :data:`INIT_SCHEMES`
     (optionally with components set apart, see :func:`component_schemes`)."""
     component_schemes(spec, where)
+
+
+def uses_admin(spec: str) -> bool:
+    """Whether ``spec`` asks for Admin's residual scales (scheme ``"admin"``)."""
+    return str(spec).split(",")[0] == "admin"
 
 
 def scheme_of(spec: str, component: str) -> InitScheme:

@@ -143,7 +143,8 @@ def test_router_init_scale_multiplies_the_schemes_router_variance(scheme):
 
 
 def test_unknown_scheme_is_one_clear_line():
-    with pytest.raises(ValueError, match=r"init='xavier'; choose one of \('fairseq', 'flax'\)"):
+    with pytest.raises(ValueError,
+                       match=r"init='xavier'; choose one of \('fairseq', 'flax', 'admin'\)"):
         MoEFeedForward(8, 8, 2, init="xavier", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"'gate=fairseq' is not COMPONENT=SCHEME"):
         MoEFeedForward(8, 8, 2, init="flax,gate=fairseq", rngs=nnx.Rngs(0))
