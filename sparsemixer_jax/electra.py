@@ -66,9 +66,12 @@ class GeneratorConfig:
 
 def generator_config(config: Any) -> EncoderConfig:
     """The generator's :class:`EncoderConfig`: ``config.model`` overridden by the fields of
-    ``config.generator`` (typed already, or read from the experiment config)."""
-    model, _ = layers.model_sections(config, EncoderConfig)
+    ``config.generator`` (a :class:`GeneratorConfig` or the section it is read from), or
+    ``config.generator`` itself when it is the generator's :class:`EncoderConfig` already."""
     generator = config.get("generator") if hasattr(config, "get") else config.generator
+    if isinstance(generator, EncoderConfig):  # built already (a task's sections)
+        return generator
+    model, _ = layers.model_sections(config, EncoderConfig)
     if not isinstance(generator, GeneratorConfig):
         generator = GeneratorConfig.from_config(generator or {})
     return generator.encoder(model)
@@ -115,7 +118,7 @@ class Electra(nnx.Module):
     :func:`generator_config` sharing the discriminator's embedding block. ``config`` is the
     experiment config, or an object whose ``model``, ``router`` and ``generator`` are typed
     sections already (:class:`EncoderConfig`, :class:`~sparsemixer_jax.routers.RouterConfig`,
-    :class:`GeneratorConfig`).
+    and the generator's :class:`EncoderConfig` or its :class:`GeneratorConfig`).
     """
 
     def __init__(self, config: Any, vocab_size: int, *, mesh=None, rngs: nnx.Rngs):

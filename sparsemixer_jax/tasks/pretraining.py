@@ -106,7 +106,7 @@ class PretrainingTask:
     settings: LossSettings
     model: EncoderConfig
     router: RouterConfig
-    generator: GeneratorConfig
+    generator: EncoderConfig  # the generator's encoder: config.model with config.generator
     data: text.TextDataConfig
 
     batch_keys = ("tokens", "segments", "inputs", "selected")
@@ -122,8 +122,7 @@ class PretrainingTask:
         model = EncoderConfig.from_config(config.model)
         router = RouterConfig.from_config(config.router)
         data = text.TextDataConfig.from_config(config)
-        generator = GeneratorConfig.from_config(config.generator)
-        generator.encoder(model)  # checks the generator's encoder
+        generator = GeneratorConfig.from_config(config.generator).encoder(model)
         disc_weight = cast(float, config.optim.disc_weight, "config.optim.disc_weight")
         if disc_weight < 0:
             raise ValueError(f"config.optim.disc_weight must be >= 0, got {disc_weight}")
