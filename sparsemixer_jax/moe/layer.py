@@ -209,6 +209,16 @@ class MoEFeedForward(nnx.Module):
         self.dropout_rng = _stream(rngs, "dropout", "router").fork() \
             if moe.activation_dropout > 0 else None
 
+    # The settings by their keyword names (read-only; the sections hold them).
+    router_name = property(lambda self: self.router_config.name)
+    jitter_eps = property(lambda self: self.router_config.jitter_eps)
+    top_k = property(lambda self: self.router_config.top_k)
+    activation = property(lambda self: self.moe.activation)
+    activation_dropout = property(lambda self: self.moe.activation_dropout)
+    dispatch = property(lambda self: self.moe.dispatch)
+    grouped_impl = property(lambda self: self.moe.grouped_impl)
+    capacity_factor = property(lambda self: self.moe.capacity_factor)
+
     @classmethod
     def from_config(cls, emb_dim: int, mlp_dim: int, moe: MoEConfig,
                     router: routers.RouterConfig, *, dtype=jnp.float32,

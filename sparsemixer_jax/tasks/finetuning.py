@@ -383,12 +383,13 @@ def _write_json(path: str, record: Any) -> None:
     os.replace(tmp, path)
 
 
-def settings_record(config: FinetuningConfig, pretrained_dir: str, checkpoint: str, *,
+def settings_record(config: Any, pretrained_dir: str, checkpoint: str, *,
                     step: int | None = None, digest: str | None = None,
                     skip_bad_rows: bool = False) -> dict[str, Any]:
     """What a grid point's result depends on besides its hyper-parameters: the settings (with
     whether malformed GLUE rows were skipped), and the ``step`` and content ``digest`` of the
     pretrained checkpoint it started from."""
+    config = FinetuningConfig.of(config)
     return {
         "pretrained": os.path.abspath(pretrained_dir),
         "checkpoint": checkpoint,
