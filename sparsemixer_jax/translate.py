@@ -58,8 +58,8 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
         raise ValueError(f"{workdir} holds a {config_schema.task_of(config)} run, not a "
                          "translation run of experiments.wmt")
     tokenizer = Tokenizer(vocabulary)
-    steps = build_steps(translation.TranslationTask.from_config(config), config,
-                        tokenizer.vocab_size)
+    task = translation.TranslationTask.from_config(config)
+    steps = build_steps(task, config, tokenizer.vocab_size)
     template = steps.train_state(steps.params, steps.opt_state_shapes(steps.params))
     restored, failures = None, []
     for step in steps_on_disk:  # newest first; an unreadable one is named and skipped
@@ -86,9 +86,9 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
             inputs[r, : len(encoded[i])] = encoded[i]
         seqs, _ = decode.beam_search_model(
             model, inputs, eos_id=tokenizer.eos_id,
-            beam_size=int(config.decode.beam_size) if beam_size is None else beam_size,
-            alpha=config.decode.length_penalty if length_penalty is None else length_penalty,
-            max_extra_len=int(config.decode.max_extra_len),
+            beam_size=task.decode.beam_size if beam_size is None else beam_size,
+            alpha=task.decode.length_penalty if length_penalty is None else length_penalty,
+            max_extra_len=task.decode.max_extra_len,
         )
         best = np.asarray(seqs[:, 0])
         for r, i in enumerate(rows):

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import runtime, training
 from sparsemixer_jax.layers import Attention
 from sparsemixer_jax.models import Transformer
-from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.routers import RouterConfig
+from sparsemixer_jax.tasks import check_config, translation
 from sparsemixer_jax.training import steps as training_steps
 from tests import tiny_wmt_config
 
@@ -146,17 +146,17 @@ def test_mask_as_lengths():
 
 def test_attention_impl_config_errors():
     with pytest.raises(ValueError, match=r"attention_impl.*no dropout.*attention_dropout=0\.1"):
-        config_schema.validate(tiny_config(attention_impl="cudnn", attention_dropout=0.1))
+        check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.1))
     with pytest.raises(ValueError, match="'cudnn' needs compute_dtype='bfloat16'"):
-        config_schema.validate(tiny_config(attention_impl="cudnn", attention_dropout=0.0))
-    config_schema.validate(tiny_config(attention_impl="cudnn", attention_dropout=0.0,
+        check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.0))
+    check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.0,
                                    compute_dtype="bfloat16"))
     with pytest.raises(ValueError, match="attention implementation 'flash'"):
-        config_schema.validate(tiny_config(attention_impl="flash", attention_dropout=0.0))
+        check_config(tiny_config(attention_impl="flash", attention_dropout=0.0))
     c = tiny_config()
     c.runtime.rng_impl = "philox"
     with pytest.raises(ValueError, match=r"runtime\.rng_impl='philox'"):
-        config_schema.validate(c)
+        check_config(c)
 
 
 def test_runtime_configure_sets_prng_and_xla_flags(monkeypatch):
@@ -196,8 +196,8 @@ def test_balance_normalization_per_batch_is_the_reference_weight(steps):
 
     def grad(weight, normalization):
         task = translation.TranslationTask(
-            label_smoothing=0.1, balance_weight=weight, z_loss_weight=0.0,
-            balance_normalization=normalization)
+            label_smoothing=0.1, router=RouterConfig(balance_weight=weight, z_loss_weight=0.0,
+                                                     balance_normalization=normalization))
         return loss_grad(steps.graphdef, task, steps.params, steps.batch_stats, steps.rest,
                          b, key)[0]
 
@@ -213,4 +213,4 @@ def test_balance_normalization_is_checked():
     config = tiny_config()
     config.router.balance_normalization = "per_sentence"
     with pytest.raises(ValueError, match="balance_normalization='per_sentence'"):
-        config_schema.validate(config)
+        check_config(config)

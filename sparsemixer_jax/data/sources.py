@@ -13,6 +13,7 @@ TensorFlow / TFDS are imported only inside :func:`read_tfds`.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import itertools
 import os
@@ -23,6 +24,7 @@ from typing import Any
 
 from sparsemixer_jax.data import Pair
 from sparsemixer_jax.data.synthetic import synthetic_pairs, synthetic_split_sizes
+from sparsemixer_jax.section import cast, check_positive, read_fields
 
 SOURCES = ("tfds", "text", "synthetic")
 # Fields every source needs, then the extra ones each source reads.
@@ -46,35 +48,76 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 # -----------------------------------------------------------------------------------------------
-# Config checks.
+# The config section.
 # -----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """``config.data`` of a translation run (schema and meaning of each field:
+    ``configs/wmt.py``), with the run's ``seed`` (vocabulary sample, synthetic pair, batch order).
+    """
+
+    source: str
+    src: str
+    tgt: str
+    train_prefix: str
+    valid_prefix: str
+    test_prefix: str
+    vocab_size: int
+    vocab_sample_sentences: int
+    max_len: int
+    max_tokens: int
+    seed: int
+    dir: str = ""
+    tfds_name: str = ""
+    synthetic_size: int = 0
+    bucket_step: int = 8
+    character_coverage: float = 0.9995
+    spm_model_type: str = "unigram"
+
+    @classmethod
+    def from_config(cls, config: Any, where: str = "config.data.") -> DataConfig:
+        """``config.data`` (and ``config.seed``) of the experiment config ``config``, checked:
+        one-line ValueErrors naming every missing field, or the first bad one."""
+        if "data" not in config:
+            raise ValueError("config has no `data` section (see configs/wmt.py for the schema)")
+        data = config.data
+        if "source" not in data:
+            raise ValueError("config.data is missing field 'source' (one of tfds, text, "
+                             "synthetic)")
+        if data.source not in SOURCES:
+            raise ValueError(f"unknown config.data.source {data.source!r}: expected one of "
+                             f"{', '.join(SOURCES)}")
+        needed = _COMMON_FIELDS + _SOURCE_FIELDS[data.source]
+        missing = [f for f in needed if f not in data]
+        if "seed" not in config:
+            missing.append("seed (top level)")
+        if missing:
+            raise ValueError(f"config.data is missing fields for source {data.source!r}: "
+                             f"{missing} (see configs/wmt.py for the schema)")
+        section = cls(seed=cast(int, config.seed, "config.seed"),
+                      **read_fields(cls, data, where, skip=("seed",)))
+        if section.max_len < 2:
+            raise ValueError(f"{where}max_len must be >= 2 (text + EOS), got {section.max_len}")
+        if section.bucket_step < 1:
+            raise ValueError(f"{where}bucket_step must be >= 1, got {section.bucket_step}")
+        check_positive(where, vocab_size=section.vocab_size, max_tokens=section.max_tokens)
+        return section
+
+    @classmethod
+    def of(cls, config: Any) -> DataConfig:
+        """The typed data section of ``config``: ``config`` itself or its ``data`` if either is
+        one already, else read from the experiment config ``config``."""
+        if isinstance(config, cls):
+            return config
+        return config.data if isinstance(config.data, cls) else cls.from_config(config)
+
+
 def check_config(config: Any) -> None:
-    """Raises ``ValueError`` naming every missing ``config.data`` field, or an unknown source."""
-    if "data" not in config:
-        raise ValueError("config has no `data` section (see configs/wmt.py for the schema)")
-    data = config.data
-    if "source" not in data:
-        raise ValueError("config.data is missing field 'source' (one of tfds, text, synthetic)")
-    if data.source not in SOURCES:
-        raise ValueError(
-            f"unknown config.data.source {data.source!r}: expected one of {', '.join(SOURCES)}"
-        )
-    needed = _COMMON_FIELDS + _SOURCE_FIELDS[data.source]
-    missing = [f for f in needed if f not in data]
-    if "seed" not in config:
-        missing.append("seed (top level)")
-    if missing:
-        raise ValueError(
-            f"config.data is missing fields for source {data.source!r}: {missing} "
-            "(see configs/wmt.py for the schema)"
-        )
-    if data.max_len < 2:
-        raise ValueError(f"config.data.max_len must be >= 2 (text + EOS), got {data.max_len}")
+    """Raises ``ValueError`` naming every missing ``config.data`` field, or an unknown source
+    (:meth:`DataConfig.from_config`)."""
+    DataConfig.from_config(config)
 
 
-# -----------------------------------------------------------------------------------------------
-# Readers: one per source, each returning a list of raw (src, tgt) string pairs.
-# -----------------------------------------------------------------------------------------------
 def resolve_data_dir(path: str) -> str:
     """``path`` if it exists (absolute or relative to the cwd), else relative to the repo root.
 
@@ -247,15 +290,16 @@ def read_tfds(name: str, split: str, src: str, tgt: str, data_dir: str = "") -> 
 
 
 def read_split(config: Any, split: str) -> list[Pair]:
-    """Raw pairs of ``split`` in {"train", "valid", "test"} from the source the config names."""
-    data = config.data
-    prefix = data[f"{split}_prefix"]
+    """Raw pairs of ``split`` in {"train", "valid", "test"} from the source the config names
+    (``config.data`` a :class:`DataConfig` or the section it is read from)."""
+    data = DataConfig.of(config)
+    prefix = getattr(data, f"{split}_prefix")
     if data.source == "text":
         return read_text(data.dir, prefix, data.src, data.tgt)
     if data.source == "tfds":
         return read_tfds(data.tfds_name, prefix, data.src, data.tgt, data.dir)
     if data.source == "synthetic":
         index = ("train", "valid", "test").index(split)
-        size = synthetic_split_sizes(int(data.synthetic_size))[index]
-        return synthetic_pairs(size, int(config.seed), index)
+        size = synthetic_split_sizes(data.synthetic_size)[index]
+        return synthetic_pairs(size, data.seed, index)
     raise ValueError(f"unknown config.data.source {data.source!r}: expected one of {SOURCES}")

@@ -23,7 +23,6 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import runtime, sharding
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.training.hosts import BatchPlacer, is_main_process, write_atomically
@@ -131,11 +130,13 @@ class Task(Protocol):
 
 
 def build_model(config: ml_collections.ConfigDict, model_class: type, vocab_size: int,
-                mesh: jax.sharding.Mesh | None) -> nnx.Module:
-    """``model_class(config, vocab_size, mesh=..., rngs=...)`` seeded from ``config.seed``."""
-    seed = int(config.seed)
+                mesh: jax.sharding.Mesh | None, sections: Any = None) -> nnx.Module:
+    """``model_class(sections or config, vocab_size, mesh=..., rngs=...)`` seeded from
+    ``config.seed``; ``sections`` holds the model's typed config sections (the task's)."""
+    seed = config.seed
     rngs = nnx.Rngs(params=seed, dropout=seed + 1, router=seed + 2)
-    model = model_class(config, vocab_size, mesh=mesh, rngs=rngs)
+    model = model_class(config if sections is None else sections, vocab_size, mesh=mesh,
+                        rngs=rngs)
     if mesh is not None:
         sharding.shard_state(model, mesh)
     return model
@@ -174,16 +175,17 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
     """Trains ``task`` (resuming from ``workdir`` if it holds a checkpoint), evaluates, and
     writes ``{workdir}/results.json``, which it also returns.
 
-    Rerunning a finished run returns its results as they were. Raises ValueError for a bad
-    config before anything is written, :class:`~sparsemixer_jax.training.resume.ResumeError` for
+    Rerunning a finished run returns its results as they were. ``task`` is built by its
+    ``from_config``, which raised ValueError for a bad config before anything was written.
+    Raises :class:`~sparsemixer_jax.training.resume.ResumeError` for
     a workdir that cannot be resumed, :class:`TrainingDiverged` if the loss becomes non-finite,
     :class:`~sparsemixer_jax.training.workdir_lock.WorkdirError` for a workdir that is a file or
     that another run holds (one run per workdir), and
     :class:`~sparsemixer_jax.training.preemption.Stopped` after SIGTERM or SIGINT (the step in
     flight is finished and checkpointed; rerunning resumes there).
     """
-    # Start: the config is checked before anything is written; then the data, model and steps.
-    config_schema.validate(config)
+    # Start: the task's from_config checked the config before anything is written; then the
+    # data, model and steps.
     runtime.configure(config)  # before any key is made (the entry points call it earlier still)
     with hold_workdir(workdir):
         return _train_in(task, config, workdir)
@@ -211,7 +213,7 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
                 None if mesh is None else dict(mesh.shape), data.stats)
 
     # Resume from the newest intact checkpoint, if any (a finished run returns its results).
-    train_steps = int(config.train_steps)
+    train_steps = config.train_steps
     checkpoints = RunCheckpoints(workdir)
     start_step, best_loss, best_step = 0, math.inf, -1
     restored = resume_from_newest_intact(checkpoints, train_state(), workdir, train_steps)
@@ -232,8 +234,8 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
 
     # The step loop: one update per step, validation and checkpoints on their intervals.
     log = MetricLog(workdir, start_step)
-    key = jax.random.key(int(config.seed) + 3)
-    eval_key = jax.random.key(int(config.seed) + 5)
+    key = jax.random.key(config.seed + 3)
+    eval_key = jax.random.key(config.seed + 5)
     train_iter: Iterator = data.train
     progress = Progress(train_steps, start_step)
 
@@ -272,11 +274,11 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
                 params, batch_stats, opt_state, [place(batch) for batch in micro],
                 jax.random.fold_in(key, step))
             step_metrics.add(step, metrics, started,
-                             with_moe=step % int(config.log_every) == 0)
+                             with_moe=step % config.log_every == 0)
             progress.advance(compiled=bool(new_shapes))
 
             is_last = step == train_steps
-            if step % int(config.eval_every) == 0 or is_last:
+            if step % config.eval_every == 0 or is_last:
                 step_metrics.flush()
                 valid = evaluate(steps, params, batch_stats, data.valid, place, task, eval_key)
                 log.write({"step": step, **valid})
@@ -285,7 +287,7 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
                     checkpoints.save_best(step, train_state(), meta_for(step))
                 logger.info("step %d: %s", step, valid)
             stopping = stop.requested(step)  # SIGTERM or SIGINT: checkpoint this step and stop
-            if step % int(config.checkpoint_every) == 0 or is_last or stopping:
+            if step % config.checkpoint_every == 0 or is_last or stopping:
                 step_metrics.flush()
                 checkpoints.save_last(step, train_state(), meta_for(step))
             if stopping:

@@ -18,6 +18,7 @@ import ml_collections
 
 from sparsemixer_jax import config as config_schema
 from sparsemixer_jax.checkpoint import CheckpointError, Restored, RunCheckpoints, has_checkpoint
+from sparsemixer_jax.sharding import MeshConfig
 from sparsemixer_jax.training.hosts import is_main_process
 from sparsemixer_jax.training.logs import flatten
 
@@ -101,7 +102,7 @@ def _resolved_mesh(config: dict) -> dict:
     mesh = config.get("mesh")
     if not isinstance(mesh, dict) or mesh.get("data") != -1:
         return config
-    expert = int(mesh.get("expert", 1)) or 1
+    expert = MeshConfig.from_config(mesh).expert
     return {**config, "mesh": {**mesh, "data": jax.device_count() // expert}}
 
 
