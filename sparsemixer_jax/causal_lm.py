@@ -281,6 +281,18 @@ class LayerUnit(nnx.Module):
         self.layers = nnx.List([DecoderLayer(config, is_moe, mesh, rngs) for is_moe in pattern])
 
 
+def _make_stack(config: LMConfig, pattern: tuple[bool, ...], repeats: int, mesh,
+                rngs: nnx.Rngs) -> LayerUnit:
+    """``repeats`` copies of the unit ``pattern``, their params stacked on a leading axis (each
+    drawn from its own split of ``rngs``)."""
+    @nnx.split_rngs(splits=repeats)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs: nnx.Rngs) -> LayerUnit:
+        return LayerUnit(config, pattern, mesh, rngs)
+
+    return make(rngs)
+
+
 def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, mask, token_mask, deterministic,
                 dropless):
     """Runs a stack (a :class:`LayerUnit` whose state has a leading ``repeats`` axis) with
@@ -328,15 +340,8 @@ class CausalLM(nnx.Module):
             param_dtype=jnp.float32,
             embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
         self.stack_patterns = layer_pattern_stacks(config.moe_layers)
-        stacks = []
-        for pattern, repeats in self.stack_patterns:
-            @nnx.split_rngs(splits=repeats)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
-            def make(rngs: nnx.Rngs, pattern=pattern) -> LayerUnit:
-                return LayerUnit(config, pattern, mesh, rngs)
-
-            stacks.append(make(rngs))
-        self.stacks = nnx.List(stacks)
+        self.stacks = nnx.List([_make_stack(config, pattern, repeats, mesh, rngs)
+                                for pattern, repeats in self.stack_patterns])
         self.norm = make_norm(config)
         self.lm_head = None if config.tie_word_embeddings else _linear(
             config.hidden_size, config.vocab_size, config.lm_head_bias, config, rngs)
