@@ -392,7 +392,7 @@ class CausalLM(nnx.Module):
         if cache is None:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-            k_slot, k_real, k_pos = q_slot, real, positions
+            k_slot, k_real = q_slot, real
         else:
             if positions is None:
                 positions = cache.positions[:, None] + jnp.cumsum(real, axis=1) - 1
@@ -400,7 +400,6 @@ class CausalLM(nnx.Module):
             q_slot = cache.index + q_slot
             k_slot = jnp.arange(cache.valid.shape[1])
             k_real = jax.lax.dynamic_update_slice_in_dim(cache.valid, real, cache.index, 1)
-            k_pos = None
         # Causal over slots (queries see their own and earlier slots), real keys only.
         mask = (k_slot[None, None, :] <= q_slot[None, :, None]) & k_real[:, None, :]
         if c.sliding_window is not None:
@@ -412,7 +411,6 @@ class CausalLM(nnx.Module):
                 raise ValueError("segment_ids (packed sequences) are for full forward passes, "
                                  "not for cached decoding")
             mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
-        del k_pos
         num_positions = None
         if cache is not None and c.rope.kind == "longrope":
             num_positions = jnp.max(positions) + 1

@@ -244,5 +244,6 @@ def to_hf(config: LMConfig) -> dict[str, Any]:
         out["router_jitter_noise"] = c.moe_input_jitter
     if t == "phimoe":
         out.update(lm_head_bias=c.lm_head_bias, input_jitter_noise=c.moe_input_jitter,
-                   router_jitter_noise=c.jitter_eps if c.router == "sparsemixer_v2" else 0.01)
+                   router_jitter_noise=c.jitter_eps if c.router == "sparsemixer_v2"
+                   else c.hf.get("router_jitter_noise", 0.01))
     return out
