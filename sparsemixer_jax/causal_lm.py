@@ -218,6 +218,11 @@ class MoEBlock(nnx.Module):
             capacity_factor=config.capacity_factor, activation="silu", gated=True,
             router_bias=False, router_options=config.router_option_dict(),
             dtype=_dtype(config), mesh=mesh, rngs=rngs)
+        # Initialised as the Hugging Face types are (normal(initializer_range) for the router
+        # and every expert), not by the layer's own scheme.
+        normal = nnx.initializers.normal(config.initializer_range)
+        for param in (self.moe.router.kernel, *self.moe.expert_params()):
+            param[...] = normal(rngs.params(), param.shape, jnp.float32)
         self.input_jitter = config.moe_input_jitter
         self.jitter_rng = rngs["router"].fork() if config.moe_input_jitter > 0 else None
         if config.shared_expert_size:
