@@ -101,11 +101,18 @@ class MoEFeedForward(nnx.Module):
       mesh: optional mesh with axes ``("data", "expert")`` for expert parallelism
         (:mod:`sparsemixer_jax.moe.expert_parallel`); ``num_experts`` must divide by its
         expert axis.
+      gated: gated experts without biases, ``(act(x w_gate) * (x w_up)) w_down`` (SwiGLU with
+        ``activation="silu"``: Mixtral, Qwen-MoE, OLMoE, Phi-3.5-MoE), instead of
+        ``act(x wi + bi) wo + bo``. Every dispatch, capacity and expert parallelism take them.
+      router_bias: whether the router ``Linear`` has a bias (the Hugging Face MoE language
+        models' routers have none).
       rngs: params init plus the ``router`` and ``dropout`` streams (``router`` falls back to
         ``default`` then ``dropout``).
 
     Params: ``router`` (``Linear(emb -> N)``), ``wi [N, emb, mlp]``, ``bi [N, mlp]``,
-    ``wo [N, mlp, emb]``, ``bo [N, emb]``, and ``omega [emb]`` (SparseMixer routers only).
+    ``wo [N, mlp, emb]``, ``bo [N, emb]`` (gated: ``w_gate [N, emb, mlp]``,
+    ``w_up [N, emb, mlp]``, ``w_down [N, mlp, emb]`` instead), and ``omega [emb]`` (SparseMixer
+    routers only).
     State (``nnx.BatchStat``, updated by every training call, not by the optimizer):
     ``expert_defaults [N, emb]`` (``default_moe`` routers only, zeros at init).
 
@@ -135,6 +142,8 @@ class MoEFeedForward(nnx.Module):
         router_options: dict | None = None,
         dtype=jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
+        gated: bool = False,
+        router_bias: bool = True,
         rngs: nnx.Rngs,
     ):
         keywords = {"jitter_eps": jitter_eps, "top_k": top_k,
@@ -184,7 +193,8 @@ class MoEFeedForward(nnx.Module):
         router_init_scale = router_config.init_scale
 
         self.router = router_init(init, emb_dim, router_init_scale).linear(
-            emb_dim, n, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
+            emb_dim, n, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs,
+            use_bias=router_bias)
 
         def sharded(value, spec):
             # Expert-stacked params are split over the mesh's "expert" axis.
@@ -192,14 +202,23 @@ class MoEFeedForward(nnx.Module):
                 return nnx.Param(value)
             return nnx.Param(value, out_sharding=spec, mesh=mesh)
 
-        # Drawn in the order wi, bi, wo, bo; a zero bias draws no key.
         fc1, fc2 = expert_init(init, emb_dim), expert_init(init, mlp_dim)
-        self.wi = sharded(fc1.kernel(rngs.params(), (n, emb_dim, mlp_dim), jnp.float32),
-                          ("expert", None, None))
-        self.bi = sharded(fc1.draw_bias(rngs, (n, mlp_dim)), ("expert", None))
-        self.wo = sharded(fc2.kernel(rngs.params(), (n, mlp_dim, emb_dim), jnp.float32),
-                          ("expert", None, None))
-        self.bo = sharded(fc2.draw_bias(rngs, (n, emb_dim)), ("expert", None))
+        self.gated = gated
+        if gated:
+            # Drawn in the order w_gate, w_up, w_down.
+            self.w_gate, self.w_up = (
+                sharded(fc1.kernel(rngs.params(), (n, emb_dim, mlp_dim), jnp.float32),
+                        ("expert", None, None)) for _ in range(2))
+            self.w_down = sharded(fc2.kernel(rngs.params(), (n, mlp_dim, emb_dim), jnp.float32),
+                                  ("expert", None, None))
+        else:
+            # Drawn in the order wi, bi, wo, bo; a zero bias draws no key.
+            self.wi = sharded(fc1.kernel(rngs.params(), (n, emb_dim, mlp_dim), jnp.float32),
+                              ("expert", None, None))
+            self.bi = sharded(fc1.draw_bias(rngs, (n, mlp_dim)), ("expert", None))
+            self.wo = sharded(fc2.kernel(rngs.params(), (n, mlp_dim, emb_dim), jnp.float32),
+                              ("expert", None, None))
+            self.bo = sharded(fc2.draw_bias(rngs, (n, emb_dim)), ("expert", None))
         self.omega = nnx.Param(jnp.ones((emb_dim,), jnp.float32)) if routers.uses_omega(
             router_config.name) else None
         keeps_defaults = self.unchosen is not None and self.unchosen.values == "defaults"
@@ -285,7 +304,7 @@ class MoEFeedForward(nnx.Module):
         drop_key = None
         if training and self.dropout_rng is not None:
             drop_key = self.dropout_rng()
-        params = tuple(p[...].astype(self.dtype) for p in (self.wi, self.bi, self.wo, self.bo))
+        params = tuple(p[...].astype(self.dtype) for p in self.expert_params())
         dispatch = resolve_dispatch(moe.dispatch)
         xc = x.astype(self.dtype)
         xr = jnp.repeat(xc, k, axis=1) if k > 1 else xc  # [B, T * k, emb], row t*k+s = token t
@@ -318,6 +337,13 @@ class MoEFeedForward(nnx.Module):
             y = y + self._unchosen_contribution(xc, routed, params, token_mask, f, gate, group,
                                                 training)
         return y.astype(x.dtype), {name: v.astype(jnp.float32) for name, v in metrics.items()}
+
+    def expert_params(self) -> tuple[nnx.Param, ...]:
+        """The experts' params in the order :func:`sparsemixer_jax.moe.expert_ffn` takes them:
+        ``(wi, bi, wo, bo)``, or ``(w_gate, w_up, w_down)`` when ``gated``."""
+        if self.gated:
+            return (self.w_gate, self.w_up, self.w_down)
+        return (self.wi, self.bi, self.wo, self.bo)
 
     def _unchosen_contribution(self, xc, routed, params, token_mask, f, gate, group,
                                training: bool) -> jax.Array:
@@ -367,8 +393,9 @@ def fold_omega(model: nnx.Module) -> int:
     :class:`MoEFeedForward` in ``model``, in place.
 
     The layer's output is ``omega * gate * (h @ wo + bo)`` for the chosen expert, so scaling every
-    expert's ``wo [N, mlp, emb]`` and ``bo [N, emb]`` by ``omega [emb]`` and then setting ``omega``
-    to ones leaves the function unchanged and saves one multiply at inference.
+    expert's ``wo [N, mlp, emb]`` and ``bo [N, emb]`` (gated experts: ``w_down``) by
+    ``omega [emb]`` and then setting ``omega`` to ones leaves the function unchanged and saves one
+    multiply at inference.
 
     Returns the number of layers folded (0 for a dense model or routers without ``omega``).
     """
@@ -377,7 +404,7 @@ def fold_omega(model: nnx.Module) -> int:
         if not isinstance(module, MoEFeedForward) or module.omega is None:
             continue
         scale = module.omega[...]
-        for param in (module.wo, module.bo):
+        for param in (module.w_down,) if module.gated else (module.wo, module.bo):
             param[...] = param[...] * scale.astype(param[...].dtype)
         module.omega[...] = jnp.ones_like(scale)
         folded += 1
