@@ -2,8 +2,8 @@
 
 Exact resumption: the train state (step, parameters, layer state, optimizer state) and the data
 position are checkpointed; the random keys of step ``s`` are derived from ``(seed, s)``; the
-learning rate depends on the step only. A run stopped at step ``k`` and resumed to ``2k`` therefore ends with
-the parameters of an uninterrupted ``2k``-step run.
+learning rate depends on the step only. A run stopped at step ``k`` and resumed to ``2k``
+therefore ends with the parameters of an uninterrupted ``2k``-step run.
 """
 
 from __future__ import annotations
