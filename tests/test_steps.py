@@ -72,7 +72,12 @@ def test_fused_step_equals_zero_accumulate_update(steps):
     assert_same_update((ref.params, ref.opt_state, ref_metrics),
                        (new.params, new.opt_state, metrics))
     assert int(ref.step) == int(new.step) == 1  # the update is counted
-    assert not np.allclose(jax.tree.leaves(new.params)[0], jax.tree.leaves(state.params)[0])
+    # The update moved the parameters. Adam's first step is about lr = 1e-7 here, below
+    # np.allclose's tolerance for the non-zero biases of the fairseq initialisation: compare
+    # exactly.
+    moved = jax.tree.leaves(jax.tree.map(lambda n, o: not np.array_equal(n, o), new.params,
+                                         state.params))
+    assert sum(moved) > len(moved) // 2, moved
 
 
 def test_several_micro_batches_take_the_accumulating_path(steps):

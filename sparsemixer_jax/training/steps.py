@@ -162,13 +162,18 @@ class Steps:
         """The train state of step 0 with ``params`` and ``layer_state`` and a fresh optimizer
         state (abstract arguments give an abstract state under ``jax.eval_shape``)."""
         step, opt_state = _initial_state(self.optim, params, layer_state)
+        # Replicated where the parameters are: jit put this constant on the default device
+        # alone, and a step takes no arguments on different devices.
+        replicated = _replicated_like(params)
+        if replicated is not None and isinstance(step, jax.Array):
+            step = jax.device_put(step, replicated)
         return TrainState(step=step, params=params, layer_state=layer_state, opt_state=opt_state)
 
     def init_state(self) -> TrainState:
         """The train state of step 0: the model's parameters and layer state, a fresh
         optimizer state. The first update donates it, and with it :attr:`params` and
         :attr:`layer_state`: take a model after training from the state it returned."""
-        return _committed(self.new_state(self.params, self.layer_state))
+        return self.new_state(self.params, self.layer_state)
 
     def abstract_state(self) -> TrainState:
         """The train state's shapes, dtypes and shardings (``jax.ShapeDtypeStruct`` leaves),
@@ -238,6 +243,18 @@ class Steps:
         params = self.params if state is None else state.params
         layer_state = self.layer_state if state is None else state.layer_state
         return nnx.merge(self.graphdef, nnx.State(params), nnx.State(layer_state), self.rest)
+
+
+def _replicated_like(tree: Any) -> jax.sharding.Sharding | None:
+    """A sharding that replicates over the devices of ``tree``'s first array (None if it holds
+    none with a placement: shapes only, or tracers)."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            sharding = leaf.sharding
+            if isinstance(sharding, jax.sharding.NamedSharding):
+                return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+            return sharding if len(sharding.device_set) == 1 else None
+    return None
 
 
 def _committed(tree: Any) -> Any:
