@@ -146,8 +146,11 @@ def _read(step_dir: str, step: int, template: TrainState) -> tuple[TrainState, d
             f"{step_dir}: holds the items {sorted(items)}, neither a train state "
             f"{list(FIELDS)} nor the earlier layout {list(LEGACY_ITEMS)} (+ "
             f"{LEGACY_LAYER_STATE}): not a checkpoint of this project's training loop")
-    if int(np.asarray(state.step)) != step:
-        raise CheckpointError(f"{step_dir}: its train state says step {int(state.step)}")
+    saved_step = state.step
+    if isinstance(saved_step, jax.Array):  # this host's copy: the step is replicated
+        saved_step = saved_step.addressable_data(0)
+    if int(np.asarray(saved_step)) != step:
+        raise CheckpointError(f"{step_dir}: its train state says step {int(saved_step)}")
     return state, meta
 
 
