@@ -195,6 +195,18 @@ def test_config_and_data_errors_are_clear(corpus, tmp_path, override, message):
         pretraining.pretrain(tiny(corpus, **override), str(tmp_path / "bad"))
 
 
+def test_a_bad_validation_text_stops_the_run_before_anything_is_written(corpus, tmp_path):
+    """Found only after the vocabulary was trained before: now the workdir is never made."""
+    bad = tmp_path / "valid.txt"
+    bad.write_bytes("A first paragraph.\n\nGrüße aus K\xf6ln.\n".encode("latin-1"))
+    workdir = tmp_path / "run"
+    with pytest.raises(ValueError, match=rf"^{bad}, line 3, byte 3: 0xfc is not UTF-8"):
+        pretraining.pretrain(tiny(corpus, **{"data.valid": str(bad)}), str(workdir))
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        pretraining.pretrain(tiny(corpus, **{"data.valid": str(tmp_path / "none")}), str(workdir))
+    assert not workdir.exists()
+
+
 def test_generator_fields_are_checked(corpus, tmp_path):
     config = tiny(corpus)
     config.generator.emb_dim = 8

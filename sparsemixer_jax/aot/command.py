@@ -10,6 +10,7 @@ whose step does not fit, says so in one line.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,6 +72,7 @@ def run(config: ml_collections.ConfigDict, target_specs: Sequence[str], *,
         print(summary_line(result), flush=True)
         results.append(result)
     if json_path:
+        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
         with open(json_path, "w") as f:
             json.dump({"config": json.loads(config.to_json()), "results": results}, f, indent=1)
     return results

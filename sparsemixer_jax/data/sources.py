@@ -14,9 +14,11 @@ TensorFlow / TFDS are imported only inside :func:`read_tfds`.
 from __future__ import annotations
 
 import gzip
+import itertools
 import os
 import socket
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 from sparsemixer_jax.data import Pair
@@ -110,8 +112,9 @@ def first_non_utf8(path: str) -> str:
     return f"{path}: not UTF-8 text"
 
 
-def read_lines(path: str, *, universal_newlines: bool = False) -> list[str]:
-    """The lines of a UTF-8 text file, plain or gzip-compressed (``.gz``), without line endings.
+def iter_lines(path: str, *, universal_newlines: bool = False) -> Iterator[str]:
+    """The lines of a UTF-8 text file, plain or gzip-compressed (``.gz``), without line endings,
+    one at a time (:func:`read_lines` reads them all).
 
     Lines end at ``\n`` only (a ``\r`` before it goes too): a stray carriage return inside a
     line of a parallel file must not split it in two, or the two files would seem misaligned
@@ -125,7 +128,8 @@ def read_lines(path: str, *, universal_newlines: bool = False) -> list[str]:
         with opener(path, "rt", encoding="utf-8",
                     newline=None if universal_newlines else "\n") as f:
             # Only the line ending goes: a line's own spaces are kept until the shared check.
-            return [line.removesuffix("\n").removesuffix("\r") for line in f]
+            for line in f:
+                yield line.removesuffix("\n").removesuffix("\r")
     except UnicodeDecodeError:
         raise ValueError(first_non_utf8(path)) from None
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # the stream ends early, bad data
@@ -133,6 +137,11 @@ def read_lines(path: str, *, universal_newlines: bool = False) -> list[str]:
                          "compress it again") from None
     except OSError as e:
         raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+
+
+def read_lines(path: str, *, universal_newlines: bool = False) -> list[str]:
+    """All the lines of :func:`iter_lines` (same line endings, same one-line errors)."""
+    return list(iter_lines(path, universal_newlines=universal_newlines))
 
 
 def read_text(directory: str, prefix: str, src: str, tgt: str) -> list[Pair]:
@@ -146,12 +155,47 @@ def read_text(directory: str, prefix: str, src: str, tgt: str) -> list[Pair]:
     src_path = _find_text_file(directory, prefix, src)
     tgt_path = _find_text_file(directory, prefix, tgt)
     src_lines, tgt_lines = read_lines(src_path), read_lines(tgt_path)
-    if len(src_lines) != len(tgt_lines):
-        raise ValueError(
-            f"misaligned parallel files: {src_path} has {len(src_lines)} lines but {tgt_path} has "
-            f"{len(tgt_lines)} lines"
-        )
+    _check_aligned(src_path, len(src_lines), tgt_path, len(tgt_lines))
     return list(zip(src_lines, tgt_lines, strict=True))
+
+
+def _check_aligned(src_path: str, src_count: int, tgt_path: str, tgt_count: int) -> None:
+    if src_count != tgt_count:
+        raise ValueError(
+            f"misaligned parallel files: {src_path} has {src_count} lines but {tgt_path} has "
+            f"{tgt_count} lines"
+        )
+
+
+def check_text_files(config: Any) -> None:
+    """For ``config.data.source == "text"``: every split's two files are there, are UTF-8 text
+    (intact, for ``.gz``), have as many lines as each other and hold a pair with text on both
+    sides; raises the one-line error reading the split would raise later.
+
+    The run calls this before it writes anything or trains its vocabulary, so that a bad
+    validation or test file stops it at once instead of after the vocabulary is trained (and
+    leaves no workdir behind). Each file is read once more, a line at a time (constant memory).
+    """
+    data = config.data
+    if data.source != "text":  # TFDS checks its own files; the synthetic pair has none
+        return
+    directory = resolve_data_dir(data.dir)
+    for split in ("train", "valid", "test"):
+        prefix = data[f"{split}_prefix"]
+        src_path = _find_text_file(directory, prefix, data.src)
+        tgt_path = _find_text_file(directory, prefix, data.tgt)
+        src_count = tgt_count = 0
+        usable = False
+        for src, tgt in itertools.zip_longest(iter_lines(src_path), iter_lines(tgt_path)):
+            src_count += src is not None
+            tgt_count += tgt is not None
+            usable = usable or bool(src and tgt and src.strip() and tgt.strip())
+        _check_aligned(src_path, src_count, tgt_path, tgt_count)
+        if not usable:
+            raise ValueError(
+                f"the {split} split has no usable pairs ({src_count} read, all with an empty "
+                f"side): check config.data.{split}_prefix and config.data.source"
+            )
 
 
 def download_servers_reachable(name: str, timeout: float = 5.0) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from sparsemixer_jax.data.sources import read_lines, resolve_data_dir
+from sparsemixer_jax.data.sources import iter_lines, read_lines, resolve_data_dir
 from sparsemixer_jax.data.tokenizer import (  # noqa: F401  (every special id in one place)
     EOS_ID,
     PAD_ID,
@@ -74,6 +74,21 @@ def text_files(path: str) -> list[str]:
     if not files:
         raise FileNotFoundError(f"pretraining text directory {path!r} holds no files")
     return files
+
+
+def check_pretraining_text(config: Any) -> None:
+    """The training and validation text of ``config.data`` are there, and the validation text is
+    UTF-8 (intact, for ``.gz``) and holds text; raises the one-line error reading them would.
+
+    The run calls this before it writes anything or trains its vocabulary, so that a bad
+    validation file stops it at once. The training text (gigabytes for Wikipedia) is only looked
+    for: it is read first in any case, before the vocabulary is trained.
+    """
+    text_files(config.data.train)
+    path = config.data.valid
+    if not any(line.strip() for file in text_files(path)
+               for line in iter_lines(file, universal_newlines=True)):
+        raise ValueError(f"pretraining text {path!r} holds no text")
 
 
 def detect_format(lines: Sequence[str]) -> str:

@@ -209,6 +209,7 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     non-finite.
     """
     config_schema.validate(config)  # before the task reads its fields
+    text.check_pretraining_text(config)  # before the workdir is written or the vocabulary trained
     return train(PretrainingTask.from_config(config), config, workdir)
 
 

@@ -23,7 +23,7 @@ from sparsemixer_jax import bleu, decode
 from sparsemixer_jax import config as config_schema
 from sparsemixer_jax.checkpoint import CheckpointError
 from sparsemixer_jax.data.batching import restore_order
-from sparsemixer_jax.data.sources import read_split
+from sparsemixer_jax.data.sources import check_text_files, read_split
 from sparsemixer_jax.data.tokenizer import Tokenizer, get_tokenizer
 from sparsemixer_jax.data.translation import load_datasets
 from sparsemixer_jax.models import PAD_ID, Transformer
@@ -232,4 +232,5 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     Returns the results also written to ``{workdir}/results.json``.
     """
     config_schema.validate(config)  # before the task reads its fields
+    check_text_files(config)  # before the workdir is written or the vocabulary trained
     return train(TranslationTask.from_config(config), config, workdir)
