@@ -149,6 +149,34 @@ def test_load_discriminator_returns_the_trained_encoder(straight_run, electra_st
         pretraining.load_discriminator(os.path.dirname(workdir))
 
 
+def test_load_pretrained_skips_a_corrupt_newest_checkpoint_and_says_so(straight_run, tmp_path,
+                                                                       electra_steps, caplog):
+    """The pretrained model comes through the one restore path: a corrupt newest ``last``
+    checkpoint is named on one warning line and the one before it is loaded (it used to be the
+    newest or an error), and a reader moves no file of the pretraining run."""
+    import logging
+    import shutil
+
+    from sparsemixer_jax.checkpoint import checkpoint_digest, read_checkpoint
+
+    workdir = str(tmp_path / "copy")
+    shutil.copytree(straight_run[0], workdir)
+    bad = os.path.join(workdir, "checkpoints", "last", "6")
+    os.remove(os.path.join(bad, "state", "_METADATA"))
+    with caplog.at_level(logging.WARNING):
+        pretrained = pretraining.load_pretrained(workdir, "last")
+    named = [r.getMessage() for r in caplog.records if bad in r.getMessage()]
+    assert len(named) == 1 and "state/_METADATA is missing" in named[0], named
+    assert pretrained.step == 3
+    older = os.path.join(workdir, "checkpoints", "last", "3")
+    assert pretrained.digest == checkpoint_digest(older)
+    saved, _ = read_checkpoint(older, electra_steps.abstract_state(), 3)
+    loaded = nnx.to_pure_dict(nnx.state(pretrained.encoder, nnx.Param))
+    jax.tree.map(np.testing.assert_array_equal, loaded, saved.params["discriminator"])
+    assert os.path.isdir(bad) and not os.path.exists(
+        os.path.join(workdir, "checkpoints", "unreadable"))
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ({"router.name": "top2"}, "router.name"),
     ({"model.emb_dim": 17}, "not divisible by num_heads"),

@@ -63,35 +63,36 @@ def assert_same_update(ref, new):
 def test_fused_step_equals_zero_accumulate_update(steps):
     """One micro-batch: the single compiled call gives what the three calls give."""
     key = jax.random.key(7)
-    params = copy(steps.params)
-    opt = steps.init_opt(params)
+    state = copy(steps.init_state())
     b = batch()
-    stats = steps.batch_stats
-    acc = steps.zeros(params, stats, b)
-    acc, _ = steps.accumulate(params, stats, acc, b, jax.random.fold_in(key, 0))
-    ref_params, ref_opt, ref_metrics = steps.update(copy(params), copy(opt), acc)
-    new_params, _, new_opt, metrics = steps.train_step(copy(params), stats, copy(opt), [b], key)
-    assert_same_update((ref_params, ref_opt, ref_metrics), (new_params, new_opt, metrics))
-    # The update moved the parameters (Adam moves each by about the learning rate, which is
-    # within allclose's tolerance of a nonzero initial value: compare exactly).
-    moved = [not np.array_equal(n, o) for n, o in zip(jax.tree.leaves(new_params),
-                                                     jax.tree.leaves(steps.params), strict=True)]
-    assert sum(moved) > len(moved) // 2
+    acc = steps.zeros(state, b)
+    acc, stats = steps.accumulate(state, acc, b, jax.random.fold_in(key, 0))
+    ref, ref_metrics = steps.update(copy(state), acc, stats)
+    new, metrics = steps.train_step(copy(state), [b], key)
+    assert_same_update((ref.params, ref.opt_state, ref_metrics),
+                       (new.params, new.opt_state, metrics))
+    assert int(ref.step) == int(new.step) == 1  # the update is counted
+    # The update moved the parameters. Adam's first step is about lr = 1e-7 here, below
+    # np.allclose's tolerance for the non-zero biases of the fairseq initialisation: compare
+    # exactly.
+    moved = jax.tree.leaves(jax.tree.map(lambda n, o: not np.array_equal(n, o), new.params,
+                                         state.params))
+    assert sum(moved) > len(moved) // 2, moved
 
 
 def test_several_micro_batches_take_the_accumulating_path(steps):
     key = jax.random.key(3)
-    params = copy(steps.params)
-    opt = steps.init_opt(params)
+    state = copy(steps.init_state())
     b0, b1 = batch(0), batch(1)
-    stats = steps.batch_stats
-    acc = steps.zeros(params, stats, b0)
+    acc = steps.zeros(state, b0)
+    stats = state.layer_state
     for j, b in enumerate((b0, b1)):
-        acc, stats = steps.accumulate(params, stats, acc, b, jax.random.fold_in(key, j))
-    ref = steps.update(copy(params), copy(opt), acc)
-    new_params, _, new_opt, metrics = steps.train_step(
-        copy(params), steps.batch_stats, copy(opt), [b0, b1], key)
-    assert_same_update(ref, (new_params, new_opt, metrics))
+        acc, stats = steps.accumulate(state.replace(layer_state=stats), acc, b,
+                                      jax.random.fold_in(key, j))
+    ref, ref_metrics = steps.update(copy(state), acc, stats)
+    new, metrics = steps.train_step(copy(state), [b0, b1], key)
+    assert_same_update((ref.params, ref.opt_state, ref_metrics),
+                       (new.params, new.opt_state, metrics))
 
 
 @pytest.mark.parametrize("impl", ["xla", "auto"])
@@ -198,7 +199,7 @@ def test_balance_normalization_per_batch_is_the_reference_weight(steps):
         task = translation.TranslationTask(
             label_smoothing=0.1, router=RouterConfig(balance_weight=weight, z_loss_weight=0.0,
                                                      balance_normalization=normalization))
-        return loss_grad(steps.graphdef, task, steps.params, steps.batch_stats, steps.rest,
+        return loss_grad(steps.graphdef, task, steps.params, steps.layer_state, steps.rest,
                          b, key)[0]
 
     per_batch = grad(1.0, "per_batch")

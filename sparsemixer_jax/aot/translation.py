@@ -121,9 +121,11 @@ def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
     params = _abstract(steps.params, nnx.to_pure_dict(
         sharding.state_shardings(nnx.state(model, nnx.Param), mesh)))
     stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
-                         steps.batch_stats)
+                         steps.layer_state)
     rest = _abstract(steps.rest, sharding.state_shardings(steps.rest, mesh))
-    opt_state = jax.eval_shape(steps.init_opt, params)
+    # The step and optimizer state's shapes; the parameters and layer state placed as above.
+    state = jax.eval_shape(steps.new_state, params, stats).replace(params=params,
+                                                                   layer_state=stats)
     tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding.batch_sharding(mesh))
     batch = {"inputs": tokens, "targets": tokens}
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
@@ -132,31 +134,30 @@ def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
 
     reports = []
     if micro_batches == 1:
-        def train_step(params, stats, rest, opt_state, batch, key):
-            return steps.with_rest(rest).train_step(params, stats, opt_state, [batch], key)
+        def train_step(state, rest, batch, key):
+            return steps.with_rest(rest).train_step(state, [batch], key)
 
         reports.append(_compile(f"train step, batch {shape}", train_step,
-                                (params, stats, rest, opt_state, batch, key), donate=(0, 3)))
+                                (state, rest, batch, key), donate=(0,)))
     else:
-        def accumulate(params, stats, rest, acc, batch, key):
-            return steps.with_rest(rest).accumulate(params, stats, acc, batch, key)
+        def accumulate(state, rest, acc, batch, key):
+            return steps.with_rest(rest).accumulate(state, acc, batch, key)
 
-        acc = jax.eval_shape(lambda p, s, r, b: steps.with_rest(r).zeros(p, s, b),
-                             params, stats, rest, batch)
+        acc = jax.eval_shape(lambda s, r, b: steps.with_rest(r).zeros(s, b), state, rest, batch)
         reports.append(_compile(
             f"accumulate (one of {micro_batches} micro-batches), batch {shape}",
-            accumulate, (params, stats, rest, acc, batch, key), donate=(3,)))
-        reports.append(_compile("update", steps.update, (params, opt_state, acc), donate=(0, 1)))
+            accumulate, (state, rest, acc, batch, key), donate=(2,)))
+        reports.append(_compile("update", steps.update, (state, acc, stats), donate=(0,)))
     if decode_step:
         beam = task.decode
 
-        def beam_search(params, stats, rest, inputs):
-            model = steps.with_rest(rest).model(params, stats)
+        def beam_search(state, rest, inputs):
+            model = steps.with_rest(rest).model(state)
             return decode.beam_search_model(
                 model, inputs, eos_id=EOS_ID, beam_size=beam.beam_size, alpha=beam.length_penalty,
                 max_extra_len=beam.max_extra_len, max_len=task.data.max_len)
 
         reports.append(_compile(
             f"beam search (beam {beam.beam_size}), batch {shape}", beam_search,
-            (params, stats, rest, tokens)))
+            (state, rest, tokens)))
     return reports

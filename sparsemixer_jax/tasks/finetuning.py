@@ -61,6 +61,7 @@ from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast, check_fraction, read_fields
 from sparsemixer_jax.tasks.pretraining import load_pretrained
 from sparsemixer_jax.training.optim import linear_schedule, weight_decay_mask
+from sparsemixer_jax.training.state import TrainState
 from sparsemixer_jax.training.workdir_lock import hold_workdir
 
 logger = logging.getLogger(__name__)
@@ -245,22 +246,25 @@ def _loss(graphdef, settings: StepSettings, params, stats, rest, batch, key):
     return loss, (metrics, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
-def finetuning_step(graphdef, settings, params, stats, rest, opt_state, batch, key,
-                    learning_rate, weight_decay):
-    """One compiled fine-tuning update of a grid point: ``(params, stats, opt_state, metrics)``
-    (``opt_state`` is donated)."""
-    grads, (metrics, stats) = jax.grad(_loss, argnums=2, has_aux=True)(
-        graphdef, settings, params, stats, rest, batch, key)
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
+def finetuning_step(graphdef: nnx.GraphDef, settings: StepSettings, state: TrainState,
+                    rest: Any, batch: dict[str, jax.Array], key: jax.Array,
+                    learning_rate: jax.Array, weight_decay: jax.Array
+                    ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One compiled fine-tuning update of a grid point: ``(next state, metrics)`` (``state`` is
+    donated; ``rest`` is the model's RNG streams, reseeded from ``key``)."""
+    grads, (metrics, layer_state) = jax.grad(_loss, argnums=2, has_aux=True)(
+        graphdef, settings, state.params, state.layer_state, rest, batch, key)
     updates, opt_state = _optimizer(settings, learning_rate, weight_decay).update(
-        grads, opt_state, params)
+        grads, state.opt_state, state.params)
     metrics["grad_norm"] = optax.tree.norm(grads)
-    return optax.apply_updates(params, updates), stats, opt_state, metrics
+    return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                      layer_state=layer_state, opt_state=opt_state), metrics
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _predict(graphdef, params, stats, rest, batch):
-    model = nnx.merge(graphdef, nnx.State(params), nnx.State(stats), rest)
+def _predict(graphdef, state: TrainState, rest, batch):
+    model = nnx.merge(graphdef, nnx.State(state.params), nnx.State(state.layer_state), rest)
     outputs, _ = model(batch["tokens"], batch["segments"], deterministic=True)
     return outputs
 
@@ -290,23 +294,24 @@ class GlueData:
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # file -> bad rows left out
 
 
-def predict(graphdef, params, stats, rest, data: glue.Encoded, batch_size: int, length_step: int,
-            regression: bool) -> np.ndarray:
-    """Class ids (or scores, for regression) of every row of ``data``, in order."""
+def predict(graphdef: nnx.GraphDef, state: TrainState, rest: Any, data: glue.Encoded,
+            batch_size: int, length_step: int, regression: bool) -> np.ndarray:
+    """Class ids (or scores, for regression) of every row of ``data``, in order: int ``[N]``
+    (float ``[N]`` for regression)."""
     out = []
     for batch in glue.batches(data, batch_size, length_step=length_step):
-        outputs = np.asarray(_predict(graphdef, params, stats, rest, batch))
+        outputs = np.asarray(_predict(graphdef, state, rest, batch))
         outputs = outputs[:, 0] if regression else outputs.argmax(-1)
         out.append(outputs[batch["weights"] > 0])
     return np.concatenate(out)
 
 
-def evaluate_dev(graphdef, params, stats, rest, task: GlueData,
+def evaluate_dev(graphdef: nnx.GraphDef, state: TrainState, rest: Any, task: GlueData,
                  config: FinetuningConfig) -> dict[str, dict[str, float]]:
     """``{dev split: {metric: value}}`` of the task's standard metrics."""
     results = {}
     for split, data in task.dev.items():
-        predictions = predict(graphdef, params, stats, rest, data, config.eval_batch_size,
+        predictions = predict(graphdef, state, rest, data, config.eval_batch_size,
                               config.length_step, task.spec.is_regression)
         results[split] = glue_metrics.compute(task.spec.metrics, predictions, data.labels)
     return results
@@ -329,9 +334,12 @@ def finetune_point(encoder_graphdef, encoder_state, task: GlueData, point: GridP
     encoder = nnx.merge(encoder_graphdef, encoder_state)
     model = Classifier(encoder, task.spec.num_outputs, dropout=config.head_dropout,
                        rngs=nnx.Rngs(params=seed, dropout=seed + 1))
-    graphdef, params, stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-    params, stats = nnx.to_pure_dict(params), nnx.to_pure_dict(stats)
-    opt_state = _optimizer(settings, 0.0, 0.0).init(params)
+    graphdef, params, layer_state, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+    # Copies: the steps donate the state, and the encoder's arrays serve every grid point.
+    params, layer_state = (jax.tree.map(jnp.copy, nnx.to_pure_dict(tree))
+                           for tree in (params, layer_state))
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, layer_state=layer_state,
+                       opt_state=_optimizer(settings, 0.0, 0.0).init(params))
     steps_per_epoch = math.ceil(len(task.train) / point.batch_size)
     total = steps_per_epoch * point.epochs
     schedule = finetuning_schedule(point.learning_rate, total, point.warmup)
@@ -344,8 +352,8 @@ def finetune_point(encoder_graphdef, encoder_state, task: GlueData, point: GridP
         for batch in glue.batches(task.train, point.batch_size, length_step=config.length_step,
                                   rng=rng):
             key = jax.random.fold_in(jax.random.key(seed), step)
-            params, stats, opt_state, metrics = finetuning_step(
-                graphdef, settings, params, stats, rest, opt_state, batch, key,
+            state, metrics = finetuning_step(
+                graphdef, settings, state, rest, batch, key,
                 jnp.float32(schedule(step)), jnp.float32(point.weight_decay))
             epoch_metrics.append(metrics)
             step += 1
@@ -358,7 +366,7 @@ def finetune_point(encoder_graphdef, encoder_state, task: GlueData, point: GridP
             history.append({"epoch": epoch, "train_loss": train_loss, "dev": None,
                             "score": float("nan")})
             break
-        dev = evaluate_dev(graphdef, params, stats, rest, task, config)
+        dev = evaluate_dev(graphdef, state, rest, task, config)
         history.append({"epoch": epoch, "train_loss": train_loss,
                         "balance_loss": means["balance_loss"],
                         "grad_norm": means["grad_norm"],

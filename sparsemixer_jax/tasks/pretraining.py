@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from sparsemixer_jax import config as config_schema
-from sparsemixer_jax.checkpoint import RunCheckpoints, checkpoint_digest
+from sparsemixer_jax.checkpoint import checkpoint_digest, checkpoints_root, list_checkpoints
 from sparsemixer_jax.data import text
 from sparsemixer_jax.data.tokenizer import Tokenizer
 from sparsemixer_jax.electra import Electra, GeneratorConfig, LossSettings, electra_loss
@@ -36,6 +36,7 @@ from sparsemixer_jax.tasks import check_loop_sections
 from sparsemixer_jax.training import Run, TaskData, train
 from sparsemixer_jax.training.hosts import is_main_process, wait_for_all_processes
 from sparsemixer_jax.training.loop import build_model, build_steps
+from sparsemixer_jax.training.state import restore_checkpoint
 from sparsemixer_jax.training.steps import count_params
 
 logger = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ class PretrainingTask:
         }
 
     def finish(self, run: Run) -> dict[str, Any]:
-        discriminator = run.steps.model(run.params, run.batch_stats).discriminator
+        discriminator = run.steps.model(run.state).discriminator
         return {"num_params_discriminator": count_params(nnx.state(discriminator, nnx.Param))}
 
 
@@ -258,9 +259,12 @@ def load_pretrained(
     """The pretrained discriminator of ``workdir`` with its vocabulary, config and checkpoint.
 
     ``checkpoint`` is ``"last"`` (the final model, the default: what the paper fine-tunes) or
-    ``"best"`` (lowest validation loss). The encoder's RNG streams are those of a fresh model:
+    ``"best"`` (lowest validation loss): the newest readable one of that kind
+    (:func:`~sparsemixer_jax.training.state.restore_checkpoint`; an unreadable newer one is
+    named in a warning and skipped). The encoder's RNG streams are those of a fresh model:
     reseed them (``nnx.reseed``) for fine-tuning. Raises ``FileNotFoundError`` (one line) if
-    ``workdir`` is not a pretraining workdir or holds no such checkpoint.
+    ``workdir`` is not a pretraining workdir or holds no such checkpoint, and
+    :class:`~sparsemixer_jax.checkpoint.CheckpointError` if none of them is readable.
     """
     if checkpoint not in ("best", "last"):
         raise ValueError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
@@ -277,28 +281,19 @@ def load_pretrained(
     if config_schema.task_of(config) != "pretraining":
         raise ValueError(f"{workdir} holds a {config_schema.task_of(config)} run, not a "
                          "pretraining run (experiments.pretrain)")
-    kind_dir = os.path.join(os.path.abspath(workdir), "checkpoints", checkpoint)
-    steps = sorted(int(n) for n in os.listdir(kind_dir) if n.isdigit()) \
-        if os.path.isdir(kind_dir) else []
-    if not steps:  # checked before orbax, which would create the directories
+    kind_dir = os.path.join(checkpoints_root(workdir), checkpoint)
+    if not list_checkpoints(workdir, checkpoint):  # before building the model
         raise FileNotFoundError(f"{kind_dir} holds no checkpoint: has the pretraining run saved "
                                 "one yet?")
     tokenizer = Tokenizer(vocab_path)
     text.check_special_pieces(tokenizer)
     built = build_steps(PretrainingTask.from_config(config), config, tokenizer.vocab_size, mesh)
-    template = built.train_state(built.params, built.opt_state_shapes(built.params))
-    checkpoints = RunCheckpoints(workdir)
-    try:
-        step = checkpoints.manager(checkpoint).latest_step()
-        if step is None:
-            raise FileNotFoundError(f"{kind_dir} holds no checkpoint")
-        restored = checkpoints.restore_checked(checkpoint, step, template)
-        digest = checkpoint_digest(restored.directory)
-    finally:
-        checkpoints.close()
-    model = built.model(restored.state["params"], restored.state.get("batch_stats"))
-    return Pretrained(model.discriminator, tokenizer, config,
-                      checkpoint, int(step), digest)
+    restored = restore_checkpoint(workdir, built.abstract_state(), checkpoint)
+    if restored is None:  # removed since it was listed
+        raise FileNotFoundError(f"{kind_dir} holds no checkpoint")
+    model = built.model(restored.state)
+    return Pretrained(model.discriminator, tokenizer, config, checkpoint, restored.step,
+                      checkpoint_digest(restored.directory))
 
 
 def load_discriminator(

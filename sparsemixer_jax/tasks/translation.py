@@ -38,6 +38,7 @@ from sparsemixer_jax.training.hosts import (
     wait_for_all_processes,
 )
 from sparsemixer_jax.training.loop import build_model
+from sparsemixer_jax.training.state import TrainState, restore_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -221,22 +222,23 @@ class TranslationTask:
             return {}
         data = run.data.extra
 
-        def translate(params, batch_stats) -> list[str]:
-            return translate_batches(run.steps.model(params, batch_stats), data.test,
-                                     data.tokenizer, len(data.test_sources), self.decode,
-                                     run.place)
+        def translate(state: TrainState) -> list[str]:
+            return translate_batches(run.steps.model(state), data.test, data.tokenizer,
+                                     len(data.test_sources), self.decode, run.place)
 
-        hyps = {"last": translate(run.params, run.batch_stats)}
+        hyps = {"last": translate(run.state)}
         if run.best_step == config.train_steps:  # the best is the last: decode once
             hyps["best"] = hyps["last"]
         elif run.best_step > 0:
-            template = run.steps.train_state(run.params, run.opt_state, run.batch_stats)
             try:
-                best = run.checkpoints.restore_checked("best", run.best_step, template).state
+                best = restore_checkpoint(run.workdir, run.state, "best")
+                if best is None or best.step != run.best_step:
+                    raise CheckpointError(f"best/{run.best_step} is not the newest readable "
+                                          "best checkpoint")
             except CheckpointError as e:  # the run's result stands; only its best BLEU is missing
                 logger.warning("no test BLEU of the best checkpoint: %s", e)
             else:
-                hyps["best"] = translate(best["params"], best.get("batch_stats"))
+                hyps["best"] = translate(best.state)
         results = {}
         for name, texts in hyps.items():
             suffix = "" if name == "last" else "_best"

@@ -30,6 +30,7 @@ from sparsemixer_jax.training.logs import MetricLog, Progress, StepMetrics
 from sparsemixer_jax.training.optim import OptimSettings
 from sparsemixer_jax.training.preemption import StopSignals
 from sparsemixer_jax.training.resume import check_resume_config, resume_from_newest_intact
+from sparsemixer_jax.training.state import TrainState
 from sparsemixer_jax.training.steps import Steps, count_params
 from sparsemixer_jax.training.workdir_lock import hold_workdir
 
@@ -67,14 +68,13 @@ class TaskData:
 
 @dataclasses.dataclass
 class Run:
-    """A trained run as the task's :meth:`Task.finish` sees it."""
+    """A trained run as the task's :meth:`Task.finish` sees it: ``state`` is the train state
+    after the last step."""
 
     config: ml_collections.ConfigDict
     workdir: str
     steps: Steps
-    params: Any
-    batch_stats: Any
-    opt_state: Any
+    state: TrainState
     checkpoints: RunCheckpoints
     best_step: int
     data: TaskData
@@ -150,13 +150,13 @@ def build_steps(task: Task, config: ml_collections.ConfigDict, vocab_size: int,
                  OptimSettings.from_config(config.optim))
 
 
-def evaluate(steps: Steps, params: Any, batch_stats: Any, batches: list, place: BatchPlacer,
+def evaluate(steps: Steps, state: TrainState, batches: list, place: BatchPlacer,
              task: Task, key: jax.Array) -> dict[str, float]:
     """The task's validation metrics over ``batches`` (sums accumulated in float64)."""
     total = None
     for batch in batches:
         sums = jax.tree.map(lambda x: np.asarray(x, np.float64),
-                            jax.device_get(steps.evaluate(params, batch_stats, place(batch), key)))
+                            jax.device_get(steps.evaluate(state, place(batch), key)))
         total = sums if total is None else jax.tree.map(np.add, total, sums)
     return task.validation_metrics(total)
 
@@ -201,22 +201,16 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
     data = task.load_data(config, workdir, 1 if mesh is None else mesh.size)
     steps = build_steps(task, config, data.vocab_size, mesh)
     place = BatchPlacer(mesh, task.batch_keys)
-    params, batch_stats = steps.params, steps.batch_stats
-    opt_state = steps.init_opt(params)
-
-    def train_state() -> dict[str, Any]:
-        return steps.train_state(params, opt_state, batch_stats)
-
+    state = steps.init_state()
     accum = data.micro_batches
     logger.info("model: %s parameters; %d micro-batches per update; mesh %s; data %s",
-                f"{count_params(params):,}", accum,
+                f"{count_params(state.params):,}", accum,
                 None if mesh is None else dict(mesh.shape), data.stats)
 
     # Resume from the newest intact checkpoint, if any (a finished run returns its results).
     train_steps = config.train_steps
-    checkpoints = RunCheckpoints(workdir)
     start_step, best_loss, best_step = 0, math.inf, -1
-    restored = resume_from_newest_intact(checkpoints, train_state(), workdir, train_steps)
+    restored, checkpoints = resume_from_newest_intact(state, workdir, train_steps)
     if restored is not None:
         if restored.step == train_steps:
             finished = _finished_results(workdir, train_steps)
@@ -225,8 +219,7 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
                 logger.info("%s already finished %d steps: results.json kept", workdir,
                             train_steps)
                 return finished
-        params, opt_state = restored.state["params"], restored.state["opt_state"]
-        batch_stats = restored.state.get("batch_stats", batch_stats)
+        state = restored.state
         start_step = restored.step
         best_loss = float(restored.meta["best_valid_loss"])
         best_step = int(restored.meta["best_step"])
@@ -270,9 +263,8 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
             shapes = {tuple(b[k].shape for k in task.batch_keys) for b in micro}
             new_shapes = shapes - seen_shapes
             seen_shapes |= new_shapes
-            params, batch_stats, opt_state, metrics = steps.train_step(
-                params, batch_stats, opt_state, [place(batch) for batch in micro],
-                jax.random.fold_in(key, step))
+            state, metrics = steps.train_step(state, [place(batch) for batch in micro],
+                                              jax.random.fold_in(key, step))
             step_metrics.add(step, metrics, started,
                              with_moe=step % config.log_every == 0)
             progress.advance(compiled=bool(new_shapes))
@@ -280,16 +272,16 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
             is_last = step == train_steps
             if step % config.eval_every == 0 or is_last:
                 step_metrics.flush()
-                valid = evaluate(steps, params, batch_stats, data.valid, place, task, eval_key)
+                valid = evaluate(steps, state, data.valid, place, task, eval_key)
                 log.write({"step": step, **valid})
                 if valid["valid_loss"] < best_loss:
                     best_loss, best_step = valid["valid_loss"], step
-                    checkpoints.save_best(step, train_state(), meta_for(step))
+                    checkpoints.save_best(step, state, meta_for(step))
                 logger.info("step %d: %s", step, valid)
             stopping = stop.requested(step)  # SIGTERM or SIGINT: checkpoint this step and stop
             if step % config.checkpoint_every == 0 or is_last or stopping:
                 step_metrics.flush()
-                checkpoints.save_last(step, train_state(), meta_for(step))
+                checkpoints.save_last(step, state, meta_for(step))
             if stopping:
                 raise stop.stopped(step)
         step_metrics.flush()
@@ -300,18 +292,18 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
 
     # Finish: results.json with the task's own final results.
     if not valid:  # resumed a finished run that wrote no results: evaluate what is there
-        valid = evaluate(steps, params, batch_stats, data.valid, place, task, eval_key)
+        valid = evaluate(steps, state, data.valid, place, task, eval_key)
     results = {
         "steps": train_steps,
         **valid,
         "best_valid_loss": best_loss,
         "best_step": best_step,
         **step_metrics.results(),
-        "num_params": count_params(params),
+        "num_params": count_params(state.params),
         "data_stats": data.stats,
     }
-    results.update(task.finish(Run(config, workdir, steps, params, batch_stats, opt_state,
-                                   checkpoints, best_step, data, place)))
+    results.update(task.finish(Run(config, workdir, steps, state, checkpoints, best_step, data,
+                                   place)))
     results["config"] = json.loads(config.to_json())
     if is_main_process():
         write_atomically(os.path.join(workdir, "results.json"), json.dumps(results, indent=1))
