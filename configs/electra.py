@@ -16,8 +16,10 @@ loss weight 50, 125k updates of 2,048 sequences of 512 tokens.
 
 Not reproduced: the paper's corpus (Wikipedia + BookCorpus, 16 GB) and its 128K cased BPE vocabulary
 trained on it (here: the 10M-word Wikipedia sample in ../shared/data/wikipedia, 128K is too many
-pieces for it, so 32K), and Admin initialisation (Liu et al., 2020), which the paper uses to
-stabilise post-norm training; the paper's FFN width "3076" is read as BERT-base's 3072.
+pieces for it, so 32K); the paper's FFN width "3076" is read as BERT-base's 3072.
+Initialisation: Admin (Liu et al., 2020), which the paper uses to stabilise post-norm training
+(``model.init = "admin"``: the paper's code's fairseq draws, then a profiling pass on the first
+training batch sets each sublayer's residual scale; sparsemixer_jax/initializers.py).
 Every other pretraining config starts from this one.
 """
 
@@ -72,6 +74,7 @@ def get_config(variant: str = "n4") -> ml_collections.ConfigDict:
     c.model.absolute_positions = 512
     c.model.num_experts = EXPERTS[variant]
     c.model.compute_dtype = "bfloat16"
+    c.model.init = "admin"  # the paper's: Admin's residual scales on the fairseq draws
 
     c.generator = ml_collections.ConfigDict()  # overrides of c.model for the generator
     c.generator.num_layers = 4

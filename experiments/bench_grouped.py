@@ -1,6 +1,6 @@
 """Grouped-GEMM expert FFN against the padded dispatch and the dense FFN (forward + backward).
 
-    python -m experiments.bench_grouped --json grouped.json            # N = 2, 4, 8, 16 on a GPU
+    python -m experiments.bench_grouped --json runs/grouped.json  # N = 2, 4, 8, 16 on a GPU
     python -m experiments.bench_grouped --interpret --tiny --experts 2  # the path, on a CPU
     python -m experiments.bench_grouped --target h100:1x1x1 --experts 4 --capacities
         # compiled for one H100 on a CPU: each dispatch's compile-time model, nothing timed

@@ -1,7 +1,7 @@
 """Router overhead, MoE layer against dense, training throughput and decoding, side by side.
 
-    python -m experiments.benchmark --out bench.json                 # sizes for this backend
-    python -m experiments.benchmark --out bench.json --backend gpu --repeats 20
+    python -m experiments.benchmark                      # sizes for this backend: runs/bench.json
+    python -m experiments.benchmark --out runs/bench_gpu.json --backend gpu --repeats 20
     python -m experiments.benchmark --emb 128 --mlp 256 --tokens 512 --experts 2 4 --repeats 2
     python -m experiments.benchmark --sections layer_cost overhead --experts 4 8 \
         --routers switch sparsemixer densemixer default_moe          # DenseMixer's cost

@@ -2,13 +2,12 @@
 # Every GPU figure of docs/benchmarks.md ("GPU") in one command, from the repository root of a
 # machine with an NVIDIA GPU and jax[cuda]:
 #
-#     OUT=gpu_out bash experiments/gpu_campaign.sh              # all parts, ~25 min on an H100
-#     OUT=gpu_out bash experiments/gpu_campaign.sh layer step   # some parts
+#     bash experiments/gpu_campaign.sh              # all parts, ~25 min on an H100
+#     bash experiments/gpu_campaign.sh layer step   # some parts
 #
-# Parts (each meant to take <= ~8 min on one H100, so that a machine with a 10-minute limit per
-# command runs them one or two at a time): env, layer, grouped, step, variants, flags, profile,
-# decode, tests.
-# Results go to $OUT as each run finishes (at most 8 files, for machines that return few):
+# Parts (each takes <= ~8 min on one H100, so they can also run one or two at a time): env,
+# layer, grouped, step, variants, flags, profile, decode, tests.
+# Results go to $OUT (default runs/gpu_campaign, git-ignored) as each run finishes, 8 files:
 #   campaign.txt     GPU, driver, jax/jaxlib/CUDA/cuDNN versions, then each run's start and exit
 #   layer.json       one MoE layer fwd+bwd vs dense FFN, N=2,4,8,16: ragged (XLA's lowering),
 #                    padded, and ragged with the Pallas/Triton grouped lowering where jax has it;
@@ -29,12 +28,12 @@
 # Each JSON holds {"runs": {name: the benchmark's JSON}}; print its tables with
 #     python -m experiments.benchmark --report $OUT/step.json
 #
-# ml_collections, sacremoses and tensorboardX: installed from ./.whl when present (made on a
-# machine with PyPI: pip download ml_collections==1.1.0 sacremoses==0.2.0 tensorboardX==2.6.5
-# click joblib regex -d .whl), for images that lack them.
+# ml_collections, sacremoses and tensorboardX: installed from ./.whl when present, for a GPU
+# machine without PyPI access (download them where PyPI is reachable: pip download
+# ml_collections==1.1.0 sacremoses==0.2.0 tensorboardX==2.6.5 click joblib regex -d .whl).
 set -uo pipefail
 
-OUT=${OUT:-gpu_campaign_out}
+OUT=${OUT:-runs/gpu_campaign}
 REPEATS=${REPEATS:-10}
 RUN_LIMIT=${RUN_LIMIT:-560}  # seconds; one run past it is stopped and the campaign goes on
 PLATFORM=${PLATFORM:-cuda}  # PLATFORM=cpu BENCH_ARGS="--emb 16 ..." checks the script on a CPU

@@ -21,7 +21,7 @@ which also send the router a gradient for experts the token did not choose. Defa
 default vectors are the expert outputs plus noise (``--default-noise``, relative to each
 output's norm); the ``*_oracle`` rows use the expert outputs themselves.
 
-    python -m experiments.gradient_accuracy --out results.json --plot gradient_accuracy.png
+    python -m experiments.gradient_accuracy     # runs/gradient_accuracy.json and .png
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from sparsemixer_jax.exact import SweepSettings, accuracy_experiment
@@ -37,8 +38,10 @@ from sparsemixer_jax.studies.gradient_accuracy import plot, print_table
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="gradient_accuracy.json", help="JSON results file")
-    parser.add_argument("--plot", default="gradient_accuracy.png", help="log-log plot (PNG)")
+    # Under the git-ignored runs/, as every command's default output.
+    parser.add_argument("--out", default="runs/gradient_accuracy.json", help="JSON results file")
+    parser.add_argument("--plot", default="runs/gradient_accuracy.png",
+                        help="log-log plot (PNG; empty: none)")
     default = SweepSettings()
     add = parser.add_argument
     add("--num-problems", type=int, default=default.num_problems)
@@ -63,6 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(err))
     results = accuracy_experiment(settings)
     print_table(results)
+    for path in (args.out, args.plot):
+        if path:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     if args.plot:

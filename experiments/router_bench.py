@@ -21,14 +21,14 @@ rounds of ``--time-steps`` steps); the cost table reports it beside the quality 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import time
 
 from sparsemixer_jax.router_bench import report
-from sparsemixer_jax.router_bench.arms import TABLES, Arm
+from sparsemixer_jax.router_bench.arms import TABLES
+from sparsemixer_jax.router_bench.report import reused
 from sparsemixer_jax.router_bench.train import TrainConfig, time_steps, train_arm
 
 PLOT_ARMS = {
@@ -76,30 +76,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.steps % args.eval_every:
         p.error("--steps must be a multiple of --eval-every")
     return args
-
-
-def _same_training(a: Arm, b: Arm) -> bool:
-    """Whether ``a`` and ``b`` train identically (the gradient measurement is read-only)."""
-    strip = dict(name="", measure_gradient=False)
-    return dataclasses.replace(a, **strip) == dataclasses.replace(b, **strip)
-
-
-def reused(path: str, arms: list[Arm], cfg: TrainConfig, num_seeds: int) -> dict:
-    """Results in the JSON ``path`` of arms trained exactly as some of ``arms`` (same run
-    settings and seeds), under the names of ``arms``."""
-    with open(path) as f:
-        saved = json.load(f)
-    if saved.get("config") != cfg._asdict():
-        return {}
-    out = {}
-    for name, r in saved["arms"].items():
-        theirs = Arm(**r["arm"])
-        if len(r["per_seed"]["final_eval_mse"]) != num_seeds:
-            continue
-        for arm in arms:
-            if _same_training(arm, theirs):
-                out[arm.name] = {**r, "arm": dataclasses.asdict(arm), "reused_from": name}
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,20 +1,21 @@
 """Checkpoints of a training run with orbax: the last ones and the best by validation loss.
 
 Layout under ``{workdir}/checkpoints/``: ``last/<step>/`` and ``best/<step>/``, each an orbax
-checkpoint with two items: ``state`` (params and optimizer state, a pytree of arrays saved from
-every host) and ``meta`` (JSON: step, data position, best validation loss so far), plus our
+checkpoint with two items: ``state`` (the train state,
+:class:`sparsemixer_jax.training.state.TrainState`: a pytree of arrays saved from every host)
+and ``meta`` (JSON: step, data position, best validation loss so far), plus our
 ``manifest.json`` (size and SHA-256 of every file). Orbax writes to a temporary directory and
 renames it when complete, so a run killed mid-save leaves the previous checkpoints intact and the
 partial one is ignored.
 
-Nothing is lost to one bad checkpoint:
+This module writes checkpoints and reads one given its directory (:func:`read_checkpoint`);
+:func:`sparsemixer_jax.training.state.restore_checkpoint` is the one function that finds a
+run's checkpoint and restores it, with the fallback rule. Nothing is lost to one bad checkpoint:
 
 * ``last`` keeps :data:`KEEP_LAST` steps and ``best`` keeps two, so a corrupt newest checkpoint
   costs at most one checkpoint interval.
-* :meth:`RunCheckpoints.restore_newest_intact` tries every checkpoint on disk, newest step first
-  (``last`` before ``best`` of the same step; a best checkpoint holds the full training state too),
-  and restores the first that passes our manifest and orbax's own reading. Each one that fails is
-  named with its reason on one line and moved to ``checkpoints/unreadable/`` (never deleted).
+* An unreadable checkpoint is named with its reason on one line; the run that holds the workdir
+  moves it to ``checkpoints/unreadable/`` (:func:`set_aside`; never deleted).
 * Orbax has no checksum of the array data (only of the OCDBT index), so a flipped bit in a data
   file would load silently; the manifest catches that, and a truncated or missing file before
   orbax starts its asynchronous reads (whose failures otherwise surface as pages of tracebacks).
@@ -23,7 +24,6 @@ Nothing is lost to one bad checkpoint:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import hashlib
 import json
@@ -49,28 +49,35 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message is one line naming the directory and the cause."""
 
 
-@dataclasses.dataclass
-class Restored:
-    """A restored checkpoint: its step, ``state`` (placed like the template), ``meta`` (JSON) and
-    where it came from (``kind`` is ``"last"`` or ``"best"``)."""
-
-    step: int
-    state: Any
-    meta: dict
-    kind: str
-    directory: str
-
-
 def _step_dirs(directory: str) -> list[int]:
     if not os.path.isdir(directory):
         return []
     return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
 
 
+def checkpoints_root(workdir: str) -> str:
+    """``{workdir}/checkpoints``, absolute."""
+    return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def step_dir(workdir: str, kind: str, step: int) -> str:
+    """The directory of checkpoint ``kind/step`` of ``workdir``."""
+    return os.path.join(checkpoints_root(workdir), kind, str(step))
+
+
+def list_checkpoints(workdir: str, kind: str | None = None) -> list[tuple[int, str]]:
+    """``(step, kind)`` of every finished checkpoint of ``kind`` (None: both), newest first,
+    ``last`` before ``best`` at one step; read from the directory names, without orbax (which
+    would create the directories of a workdir that has none)."""
+    root = checkpoints_root(workdir)
+    found = [(step, k) for k in (KINDS if kind is None else (kind,))
+             for step in _step_dirs(os.path.join(root, k))]
+    return sorted(found, key=lambda sk: (-sk[0], KINDS.index(sk[1])))
+
+
 def has_checkpoint(workdir: str) -> bool:
     """Whether ``workdir`` holds any finished ``last`` or ``best`` checkpoint (without orbax)."""
-    root = os.path.join(os.path.abspath(workdir), "checkpoints")
-    return any(_step_dirs(os.path.join(root, kind)) for kind in KINDS)
+    return bool(list_checkpoints(workdir))
 
 
 def _sha256(path: str) -> str:
@@ -174,8 +181,61 @@ def _quiet_failed_reads():
         log.removeFilter(drop)
 
 
-def _check_processes_agree(step: int, kind: str) -> None:
-    """Every process must resume from the same checkpoint (a read error on one host only would
+def saved_items(step_dir: str) -> set[str]:
+    """The top-level names of the ``state`` saved in ``step_dir`` (from orbax's tree metadata,
+    without reading an array): which layout the checkpoint has."""
+    from etils import epath
+
+    try:
+        tree = ocp.StandardCheckpointHandler().metadata(
+            epath.Path(os.path.join(step_dir, "state"))).tree
+    except Exception as e:  # orbax raises several types for an unreadable _METADATA
+        raise CheckpointError(f"{step_dir}: {_one_line(e)}") from None
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{step_dir}: its state is a {type(tree).__name__}, not a dict")
+    return set(tree)
+
+
+def read_checkpoint(step_dir: str, template: Any, step: int) -> tuple[Any, dict]:
+    """``(state, meta)`` of the checkpoint in ``step_dir``, placed like ``template`` (a pytree
+    of arrays or ``jax.ShapeDtypeStruct`` whose structure is the saved one).
+
+    No manifest check (:func:`check_manifest` first; it hashes every file) and no fallback
+    (:func:`sparsemixer_jax.training.state.restore_checkpoint`). Any failure of orbax, or a
+    meta whose step is not ``step``, is a :class:`CheckpointError` whose one-line message names
+    the directory.
+    """
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+    try:
+        with _quiet_failed_reads(), ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
+            restored = reader.restore(step_dir, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        meta = dict(restored.meta)
+        if int(meta["step"]) != step:
+            raise ValueError(f"meta says step {meta['step']}")
+    except Exception as e:  # orbax / tensorstore raise many types; all mean "unusable"
+        raise CheckpointError(f"{step_dir}: {_one_line(e)}") from None
+    return restored.state, meta
+
+
+def set_aside(workdir: str, kind: str, step: int) -> str:
+    """Moves the unreadable checkpoint ``kind/step`` to ``checkpoints/unreadable/{kind}-{step}``
+    (``.2``, ``.3``, ... if taken; by process 0), out of orbax's sight so the step can be saved
+    again. Returns where it went."""
+    root = checkpoints_root(workdir)
+    target = os.path.join(root, "unreadable", f"{kind}-{step}")
+    suffix = 1
+    while os.path.exists(target if suffix == 1 else f"{target}.{suffix}"):
+        suffix += 1
+    target = target if suffix == 1 else f"{target}.{suffix}"
+    if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(step_dir(workdir, kind, step), target)
+    return target
+
+
+def check_processes_agree(step: int, kind: str) -> None:
+    """Every process must restore the same checkpoint (a read error on one host only would
     otherwise make the hosts train from different states)."""
     if jax.process_count() == 1:
         return
@@ -192,10 +252,11 @@ def _check_processes_agree(step: int, kind: str) -> None:
 
 
 class RunCheckpoints:
-    """The ``last`` and ``best`` checkpoint managers of one workdir."""
+    """The ``last`` and ``best`` checkpoint managers of one workdir: saving (reading is
+    :func:`read_checkpoint`'s)."""
 
     def __init__(self, workdir: str, keep_last: int = KEEP_LAST, keep_best: int = KEEP_BEST):
-        self.root = os.path.join(os.path.abspath(workdir), "checkpoints")
+        self.root = checkpoints_root(workdir)
         # Each manager names its multi-host barriers with its own prefix: orbax names them by
         # step, so saving `best` and `last` of the same step at once would share a barrier name
         # and fail ("Barrier _async_write_complete.N is already ongoing") on several hosts.
@@ -248,86 +309,6 @@ class RunCheckpoints:
 
     def save_best(self, step: int, state: Any, meta: dict) -> None:
         self._save("best", step, state, meta)
-
-    # ----------------------------------------------------------------------------- restoring
-
-    @staticmethod
-    def restore(manager: ocp.CheckpointManager, template: Any, step: int | None = None):
-        """``(state, meta)`` of ``step`` (default: latest), placed like ``template``; or None.
-
-        No checks and no fallback: :meth:`restore_checked` and :meth:`restore_newest_intact`
-        add those."""
-        step = manager.latest_step() if step is None else step
-        if step is None:
-            return None
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-        restored = manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        )
-        return restored.state, dict(restored.meta)
-
-    def restore_checked(self, kind: str, step: int, template: Any) -> Restored:
-        """Restores ``kind/step`` after checking its manifest; any failure, from the manifest or
-        from orbax, is a :class:`CheckpointError` whose one-line message names the directory."""
-        step_dir = self.step_dir(kind, step)
-        check_manifest(step_dir)
-        try:
-            with _quiet_failed_reads():
-                state, meta = self.restore(self.manager(kind), template, step)
-            if int(meta["step"]) != step:
-                raise ValueError(f"meta says step {meta['step']}")
-        except Exception as e:  # orbax / tensorstore raise many types; all mean "unusable"
-            raise CheckpointError(f"{step_dir}: {_one_line(e)}") from None
-        return Restored(step, state, meta, kind, step_dir)
-
-    def candidates(self) -> list[tuple[int, str]]:
-        """``(step, kind)`` of every finished checkpoint, newest first, ``last`` before ``best``."""
-        found = [(step, kind) for kind in KINDS for step in _step_dirs(os.path.join(self.root,
-                                                                                    kind))]
-        return sorted(found, key=lambda sk: (-sk[0], KINDS.index(sk[1])))
-
-    def restore_newest_intact(self, template: Any) -> Restored | None:
-        """The newest checkpoint (``last`` or ``best``) that restores, or None if there is none.
-
-        Each unreadable one is logged on one line, moved to ``checkpoints/unreadable/`` (by
-        process 0; never deleted) and the next older one is tried. Raises
-        :class:`CheckpointError` if checkpoints exist but none restores.
-        """
-        failures = []
-        for step, kind in self.candidates():
-            try:
-                restored = self.restore_checked(kind, step, template)
-            except CheckpointError as e:
-                failures.append(str(e))
-                logger.warning("unreadable checkpoint, trying an older one: %s", e)
-                self._set_aside(kind, step)
-                continue
-            if failures:
-                logger.warning("resuming from the intact checkpoint %s", restored.directory)
-            _check_processes_agree(restored.step, restored.kind)
-            return restored
-        _check_processes_agree(-1, "none")
-        if failures:
-            raise CheckpointError(
-                f"no readable checkpoint in {self.root} ({'; '.join(failures)}); the unreadable "
-                f"ones are in {os.path.join(self.root, 'unreadable')}. To start over, use a fresh "
-                "--workdir (or move this one's checkpoints/ and metrics.jsonl away)"
-            )
-        return None
-
-    def _set_aside(self, kind: str, step: int) -> None:
-        """Moves an unreadable checkpoint out of orbax's sight, so the step can be saved again."""
-        if jax.process_index() == 0:
-            target = os.path.join(self.root, "unreadable", f"{kind}-{step}")
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            suffix = 1
-            while os.path.exists(target if suffix == 1 else f"{target}.{suffix}"):
-                suffix += 1
-            os.replace(self.step_dir(kind, step), target if suffix == 1 else f"{target}.{suffix}")
-        self.manager(kind).reload()
 
     def wait(self) -> None:
         """Blocks until asynchronous saves are on disk and have their manifests."""

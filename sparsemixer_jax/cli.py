@@ -1,5 +1,5 @@
-"""What the command-line entry points share: multi-process start-up, the compilation cache, quiet
-library logging, config-flag errors, hints.
+"""What the command-line entry points share: the platforms JAX may start, multi-process start-up,
+the compilation cache, quiet library logging, config-flag errors, hints.
 
 Library INFO logs (orbax announces every save and restore, TFDS every file) are off unless
 ``--verbosity`` is given (absl's flag: ``--verbosity=0`` brings back INFO, ``1`` adds DEBUG);
@@ -14,13 +14,78 @@ import glob
 import importlib.util
 import logging
 import os
+import pkgutil
 import sys
+from importlib import metadata
 from typing import Any
 
 from absl import app, flags
 
 # Loggers of the libraries whose INFO lines are noise to a user (orbax logs through absl).
 LIBRARY_LOGGERS = ("absl", "orbax", "jax", "tensorflow", "tensorflow_datasets")
+
+
+# JAX plugins whose hardware jax's own probes can see (NVIDIA and AMD GPUs). Another plugin (a
+# simulator, a vendor's device) may run where those probes see nothing, so its presence leaves the
+# choice of platforms to JAX.
+_PROBED_PLUGINS = ("xla_cuda", "xla_rocm")
+
+
+def _installed_plugins() -> list[str]:
+    """The modules JAX will load as PJRT plugins: the ``jax_plugins`` namespace and entry points."""
+    try:
+        import jax_plugins
+    except ImportError:
+        names = []
+    else:
+        names = [name for _, name, _ in pkgutil.iter_modules(jax_plugins.__path__)]
+    names += [e.value.rpartition(".")[2] for e in metadata.entry_points(group="jax_plugins")]
+    return names
+
+
+def _platforms_chosen() -> bool:
+    """Whether the user chose JAX's platforms (``JAX_PLATFORMS``, even empty, or jax's config)."""
+    import jax
+
+    return "JAX_PLATFORMS" in os.environ or bool(jax.config.jax_platforms)
+
+
+def _accelerator_visible() -> bool:
+    """Whether jax's own probes (those it uses to skip CUDA and to suggest missing plugins) see an
+    NVIDIA or AMD GPU or a TPU; True where they cannot tell (another OS, another jax)."""
+    if sys.platform != "linux":  # the probes read Linux's /dev and /sys
+        return True
+    try:
+        from jax._src import hardware_utils as probes
+
+        return (probes.has_visible_nvidia_gpu()
+                or probes.num_available_tpu_chips_and_device_id()[0] > 0
+                or probes.num_available_amd_gpus(stop_at=1) > 0)
+    except (ImportError, AttributeError, OSError):
+        return True
+
+
+def cpu_only_where_no_accelerator() -> bool:
+    """Start JAX on the CPU alone when this machine has no accelerator that an installed plugin
+    could drive, unless the user chose the platforms (``JAX_PLATFORMS``); returns whether it did.
+
+    With no platforms chosen, JAX initialises every installed plugin. The CUDA plugin first checks
+    the CUDA libraries it would load on a GPU (``requirements-compile.txt`` installs the plugin to
+    compile for H100s, without cuDNN) and a failed check is logged as a 20-line traceback, although
+    JAX then skips CUDA on a machine without an NVIDIA GPU anyway; libtpu, tried without a TPU,
+    prints its own errors. Neither plugin needs to start for compiling to its hardware
+    (:mod:`sparsemixer_jax.aot` loads them for that by itself). Where an NVIDIA or AMD GPU or a
+    TPU is visible, or a plugin the probes cannot see the hardware of is installed, nothing
+    changes. Call before JAX starts its backend.
+    """
+    if _platforms_chosen() or _accelerator_visible():
+        return False
+    if not all(p.startswith(_PROBED_PLUGINS) for p in _installed_plugins()):
+        return False
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    return True
 
 
 def _multi_process_environment() -> bool:

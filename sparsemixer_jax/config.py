@@ -4,8 +4,11 @@ Every experiment config (``configs/*.py``) is an ``ml_collections.ConfigDict`` w
 (``"translation"``, ``"pretraining"`` or ``"finetuning"``) and sections ``data``, ``model``,
 ``router``, ``optim``, ``runtime``, ``mesh`` plus the loop's intervals. The sections every task
 shares are built here, so they hold the same fields with the same defaults everywhere;
-:func:`validate` checks a whole config before any data is read or file written; and
-:data:`ADDED_FIELD_DEFAULTS` says how to read a config saved before a field existed.
+:data:`ADDED_FIELD_DEFAULTS` says how to read a config saved before a field existed; and
+:func:`validate` checks the rules between sections. Each section's own fields are checked by
+its typed value, owned by the code it configures (``RouterConfig.from_config``,
+``MoEConfig.from_config``, ...); :func:`sparsemixer_jax.tasks.check_config` builds every
+section of a task and then calls :func:`validate`, before any data is read or file written.
 """
 
 from __future__ import annotations
@@ -16,22 +19,7 @@ from typing import Any
 
 import ml_collections
 
-from sparsemixer_jax import routers
-from sparsemixer_jax.data.sources import check_config as check_translation_data
-from sparsemixer_jax.data.text import FIRST_WORD_ID
-from sparsemixer_jax.electra import generator_config
-from sparsemixer_jax.glue_grid import check_config as check_finetuning
-from sparsemixer_jax.initializers import check_init_scheme
-from sparsemixer_jax.layers import check_attention_impl
-from sparsemixer_jax.moe.layer import check_moe_args
-from sparsemixer_jax.runtime import check_runtime_config
-
 TASKS = ("translation", "pretraining", "finetuning")
-DTYPES = ("float32", "bfloat16")
-BALANCE_NORMALIZATIONS = ("per_token", "per_batch")
-# config.optim's choices (:mod:`sparsemixer_jax.training.optim` implements them).
-SCHEDULES = ("inverse_sqrt", "linear")
-WEIGHT_DECAY_MASKS = ("all", "matrices")
 
 # Fields added after runs were saved without them, with the value that reproduces the behaviour
 # those runs had; a value may depend on the saved run's task ({task: value}).
@@ -75,7 +63,7 @@ def router_config(name: str = "sparsemixer", **overrides: Any) -> ml_collections
     c.balance_normalization = "per_token"  # | "per_batch": the reference's fairseq objective
     c.z_loss_weight = 0.0
     c.init_scale = 1.0  # multiplies the router's initial variance (model.init's draw); Switch: 0.1
-    # Options of the routers with Switch's forward (sparsemixer_jax.routers.RouterOptions);
+    # Options of the routers with Switch's forward (sparsemixer_jax.routers.RouterConfig);
     # setting one that the chosen router ignores is an error.
     c.normalize_top_k = False  # gates renormalised over the k chosen (Mixtral, norm_topk_prob)
     c.successor_jitter = False  # densemixer / default_moe*: Switch's jitter (their code: none)
@@ -180,167 +168,67 @@ def with_defaults(config: ml_collections.ConfigDict | dict) -> ml_collections.Co
 
 
 # ------------------------------------------------------------------------------- the validator
+#
+# Each section checks its own fields when its typed value is built, by the code it configures
+# (RouterConfig, MoEConfig, TransformerConfig / EncoderConfig, the data, optimiser, decoding,
+# runtime and mesh sections; sparsemixer_jax.tasks.check_config builds every section of a
+# task). What is left here are the rules that join two sections, which no section can check
+# alone; so this module imports no model code.
 
 
-def _positive(config: Any, names: list[str]) -> None:
-    for name in names:
-        section, _, field = name.rpartition(".")
-        value = (config[section] if section else config)[field]
-        if not value > 0:
-            raise ValueError(f"config.{name} must be > 0, got {value}")
+# The sections each task's config has, and the config file that shows them.
+TASK_SECTIONS = {
+    "translation": (("data", "model", "router", "optim", "decode", "runtime", "mesh"),
+                    "configs/wmt.py"),
+    "pretraining": (("data", "model", "generator", "router", "optim", "runtime", "mesh"),
+                    "configs/electra.py"),
+    "finetuning": ((), "configs/glue.py"),
+}
 
 
-def _check_sections(config: Any, sections: tuple[str, ...], schema: str) -> None:
+def validate_sections(config: Any) -> str:
+    """``config``'s task, after checking that it is known and that the config has every section
+    of that task (so the sections' typed values can be built); ValueError otherwise."""
+    task = task_of(config)
+    if task not in TASKS:
+        raise ValueError(f"config.task={task!r}; choose one of {TASKS}")
+    sections, schema = TASK_SECTIONS[task]
     missing = [s for s in sections if s not in config]
     if missing:
         raise ValueError(f"config has no {', '.join(missing)} section (schema: {schema})")
+    return task
 
 
-def _check_model(m: Any, r: Any) -> None:
-    _positive({"model": m}, ["model.emb_dim", "model.mlp_dim", "model.num_heads",
-                             "model.moe_every"])
-    if m.emb_dim % m.num_heads:
+def _check_experts(config: Any) -> None:
+    """The router and the mesh against the model's experts."""
+    n, top_k = config.model.num_experts, config.router.top_k
+    if n and top_k > n:
         raise ValueError(
-            f"config.model.emb_dim={m.emb_dim} is not divisible by num_heads={m.num_heads}"
-        )
-    if m.num_experts < 0:
-        raise ValueError(f"config.model.num_experts must be >= 0 (0 = dense), got {m.num_experts}")
-    for name in ("dropout", "attention_dropout"):
-        if not 0.0 <= m[name] < 1.0:
-            raise ValueError(f"config.model.{name} must lie in [0, 1), got {m[name]}")
-    if m.compute_dtype not in DTYPES:
-        raise ValueError(
-            f"config.model.compute_dtype must be float32 or bfloat16, got {m.compute_dtype!r}"
-        )
-    # The MoE layer's own check: its settings are validated here, before a run writes anything,
-    # with the same rules its constructor applies.
-    check_moe_args(activation_dropout=m.activation_dropout, capacity_factor=m.capacity_factor,
-                   dispatch=m.dispatch, grouped_impl=m.grouped_impl, activation=m.activation,
-                   router_init_scale=r.init_scale, where="config.model.",
-                   router_where="config.router.")
-    check_init_scheme(m.init, "config.model.init")
-    try:
-        check_attention_impl(m.attention_impl, m.attention_dropout)
-    except ValueError as err:
-        raise ValueError(f"config.model.attention_impl: {err}") from None
-    if m.attention_impl == "cudnn" and m.compute_dtype != "bfloat16":
-        raise ValueError("config.model.attention_impl='cudnn' needs compute_dtype='bfloat16' "
-                         f"(cuDNN's fused attention takes 16-bit inputs), got {m.compute_dtype!r}")
-    routers.check_router(r.name, top_k=r.top_k, jitter_eps=r.jitter_eps,
-                         num_experts=m.num_experts or None, where="config.router.",
-                         **routers.options_from_config(r))
-    if r.balance_normalization not in BALANCE_NORMALIZATIONS:
-        raise ValueError(f"config.router.balance_normalization={r.balance_normalization!r}; "
-                         f"choose one of {BALANCE_NORMALIZATIONS}")
-
-
-def _check_optim(o: Any) -> None:
-    if o.schedule not in SCHEDULES:
-        raise ValueError(f"config.optim.schedule={o.schedule!r}; choose one of {SCHEDULES}")
-    _positive({"optim": o}, ["optim.peak_lr"])
-    if o.warmup_steps < 0 or o.init_lr < 0:
-        raise ValueError("config.optim.warmup_steps and init_lr must be >= 0")
-    if o.schedule == "linear" and not 0 <= o.warmup_steps < o.decay_steps:
-        raise ValueError(f"config.optim.warmup_steps={o.warmup_steps} must lie in [0, "
-                         f"decay_steps={o.decay_steps}) for the linear schedule")
-    if o.weight_decay < 0 or o.clip_norm < 0:
-        raise ValueError("config.optim.weight_decay and clip_norm must be >= 0")
-    if o.weight_decay_mask not in WEIGHT_DECAY_MASKS:
-        raise ValueError(f"config.optim.weight_decay_mask={o.weight_decay_mask!r}; choose one "
-                         f"of {WEIGHT_DECAY_MASKS}")
-    for name in ("b1", "b2"):
-        if not 0.0 <= o[name] < 1.0:
-            raise ValueError(f"config.optim.{name} must lie in [0, 1), got {o[name]}")
-
-
-def _check_mesh(config: Any) -> None:
-    expert, data = int(config.mesh.expert), int(config.mesh.data)
-    if expert < 1 or (data < 1 and data != -1):
-        raise ValueError(
-            f"config.mesh: expert must be >= 1 and data >= 1 or -1, got {config.mesh.to_dict()}"
-        )
-    n = int(config.model.num_experts)
-    if n and n % expert:
+            f"config.router.top_k={top_k} is larger than num_experts={n} (a token picks "
+            f"distinct experts); top_k must be an int in [1, num_experts={n}], got {top_k}")
+    expert = config.mesh.expert
+    if n and expert >= 1 and n % expert:
         raise ValueError(f"config.model.num_experts={n} is not divisible by "
                          f"config.mesh.expert={expert}")
 
 
-def _check_translation(config: Any) -> None:
-    _check_sections(config, ("data", "model", "router", "optim", "decode", "runtime", "mesh"),
-                    "configs/wmt.py")
-    _positive(config, ["model.encoder_layers", "model.decoder_layers", "decode.beam_size",
-                       "data.vocab_size"])
-    o = config.optim
-    if not 0.0 <= o.label_smoothing < 1.0:
-        raise ValueError(
-            f"config.optim.label_smoothing must lie in [0, 1), got {o.label_smoothing}"
-        )
-    if o.tokens_per_update < 0:
-        raise ValueError(f"config.optim.tokens_per_update must be >= 0 (0 = no accumulation), "
-                         f"got {o.tokens_per_update}")
-    check_translation_data(config)
-
-
 def _check_pretraining(config: Any) -> None:
-    _check_sections(config, ("data", "model", "generator", "router", "optim", "runtime", "mesh"),
-                    "configs/electra.py")
-    # The discriminator's own fields first: a bad model.* is reported as such, not through the
-    # generator that inherits it.
-    _check_model(config.model, config.router)
-    d = config.data
-    _positive(config, ["data.vocab_size", "data.batch_size", "model.num_layers"])
-    if d.seq_len < 8:
-        raise ValueError(f"config.data.seq_len must be >= 8, got {d.seq_len}")
-    if d.vocab_size <= FIRST_WORD_ID:
-        raise ValueError(f"config.data.vocab_size must exceed {FIRST_WORD_ID} special ids")
-    micro = int(d.micro_batch_size) or int(d.batch_size)
-    if micro < 0 or d.batch_size % micro:
-        raise ValueError(
-            f"config.data.micro_batch_size={d.micro_batch_size} must divide "
-            f"config.data.batch_size={d.batch_size} (0 = no accumulation)"
-        )
-    for name in ("mask_prob", "mask_token_prob", "pair_prob"):
-        if not 0.0 <= d[name] <= 1.0:
-            raise ValueError(f"config.data.{name} must lie in [0, 1], got {d[name]}")
-    positions = config.model.absolute_positions
-    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 0:
-        raise ValueError(f"config.model.absolute_positions must be an int >= 0 (0 = none), got "
-                         f"{positions!r}")
-    if positions and positions < d.seq_len:
+    """The model's learned positions against the data's sequence length."""
+    positions, seq_len = config.model.absolute_positions, config.data.seq_len
+    if positions and positions < seq_len:
         raise ValueError(f"config.model.absolute_positions={positions} is shorter than "
-                         f"config.data.seq_len={d.seq_len}: every position needs an embedding")
-    if not d.mask_prob > 0:
-        raise ValueError("config.data.mask_prob must be > 0: nothing would be replaced")
-    if config.optim.disc_weight < 0:
-        raise ValueError(f"config.optim.disc_weight must be >= 0, got {config.optim.disc_weight}")
-
-
-def _check_generator(config: Any) -> None:
-    g = generator_config(config).model  # validates config.generator's fields
-    if g.emb_dim % g.num_heads:
-        raise ValueError(f"config.generator.num_heads={g.num_heads} does not divide emb_dim")
-    if not g.num_layers > 0:
-        raise ValueError(f"config.generator.num_layers must be > 0, got {g.num_layers}")
+                         f"config.data.seq_len={seq_len}: every position needs an embedding")
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-    """Raises ValueError naming the first field of ``config`` that makes no sense.
+    """Raises ValueError for the first rule between two sections of ``config`` that fails (the
+    sections' own fields are checked by their typed values, module comment above).
 
-    Runs before anything is read, written or compiled: a bad config costs nothing.
+    Runs once per run, before anything is read, written or compiled: a bad config costs nothing.
     """
-    task = task_of(config)
-    if task not in TASKS:
-        raise ValueError(f"config.task={task!r}; choose one of {TASKS}")
+    task = validate_sections(config)
     if task == "finetuning":
-        check_finetuning(config)
-        return
-    if task == "translation":
-        _check_translation(config)
-        _check_model(config.model, config.router)
-    else:
-        _check_pretraining(config)  # checks config.model too
-        _check_generator(config)  # after the discriminator, whose fields it inherits
-    _positive(config, ["train_steps", "eval_every", "checkpoint_every", "log_every"])
-    _check_optim(config.optim)
-    _check_mesh(config)
-    check_runtime_config(config.runtime)
+        return  # one section: the fine-tuning settings check themselves
+    if task == "pretraining":
+        _check_pretraining(config)
+    _check_experts(config)

@@ -19,6 +19,7 @@ Search semantics (fairseq-style, with the GNMT length penalty that flax ``exampl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -28,6 +29,25 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax.models import PAD_ID, Transformer
+from sparsemixer_jax.section import check_positive, read_fields
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """``config.decode``: beam search on the test split at the end of a translation run."""
+
+    beam_size: int = 4
+    length_penalty: float = 0.6  # alpha of the GNMT length penalty
+    max_extra_len: int = 50  # target positions beyond the source length
+    test_bleu: bool = True  # decode the test split and report BLEU when training ends
+
+    @classmethod
+    def from_config(cls, section: Any, where: str = "config.decode.") -> DecodeConfig:
+        decode = cls(**read_fields(cls, section, where))
+        check_positive(where, beam_size=decode.beam_size)
+        if decode.max_extra_len < 0:
+            raise ValueError(f"{where}max_extra_len must be >= 0, got {decode.max_extra_len}")
+        return decode
 
 # Finite "minus infinity" for scores: keeps arithmetic NaN-free; anything below NEG_INF / 2 is
 # treated as an impossible hypothesis.

@@ -19,36 +19,69 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 from flax import nnx
 
 from sparsemixer_jax import layers
 from sparsemixer_jax.data.text import FIRST_WORD_ID, PAD_ID
-from sparsemixer_jax.encoder import Encoder
+from sparsemixer_jax.encoder import Encoder, EncoderConfig
+from sparsemixer_jax.routers import RouterConfig
+from sparsemixer_jax.section import read_fields
 
-# Fields of config.generator that may override config.model; emb_dim may not (tied embeddings).
-GENERATOR_FIELDS = ("num_layers", "num_heads", "mlp_dim", "num_experts", "moe_every")
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorConfig:
+    """``config.generator``: where the generator differs from the discriminator's
+    ``config.model`` (None = the same); ``emb_dim`` may not differ (tied embeddings)."""
+
+    num_layers: int | None = None
+    num_heads: int | None = None
+    mlp_dim: int | None = None
+    num_experts: int | None = None
+    moe_every: int | None = None
+
+    @classmethod
+    def from_config(cls, section: Any, where: str = "config.generator.") -> GeneratorConfig:
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(section) - set(fields))
+        if unknown:
+            raise ValueError(
+                f"{where.rstrip('.')} has fields {unknown} that cannot differ from "
+                f"config.model; allowed: {fields} (emb_dim is tied to the discriminator's)")
+        return cls(**read_fields(cls, section, where))
+
+    def encoder(self, model: EncoderConfig, where: str = "config.generator.") -> EncoderConfig:
+        """The generator's encoder section: ``model`` with this section's fields, checked."""
+        moe = dataclasses.replace(model.moe, **{
+            name: getattr(self, name) for name in ("num_experts", "moe_every")
+            if getattr(self, name) is not None})
+        return dataclasses.replace(model, moe=moe, **{
+            name: getattr(self, name) for name in ("num_layers", "num_heads", "mlp_dim")
+            if getattr(self, name) is not None}).check(where)
 
 
-def generator_config(config: Any) -> ml_collections.ConfigDict:
-    """``config`` with ``config.model`` overridden by the fields of ``config.generator``."""
-    generator = config.get("generator", ml_collections.ConfigDict())
-    unknown = sorted(set(generator) - set(GENERATOR_FIELDS))
-    if unknown:
-        raise ValueError(
-            f"config.generator has fields {unknown} that cannot differ from config.model; "
-            f"allowed: {list(GENERATOR_FIELDS)} (emb_dim is tied to the discriminator's)"
-        )
-    out = ml_collections.ConfigDict({"model": config.model.to_dict(),
-                                     "router": config.router.to_dict()})
-    for name in generator:
-        out.model[name] = generator[name]
-    return out
+def generator_config(config: Any) -> EncoderConfig:
+    """The generator's :class:`EncoderConfig`: ``config.model`` overridden by the fields of
+    ``config.generator`` (a :class:`GeneratorConfig` or the section it is read from), or
+    ``config.generator`` itself when it is the generator's :class:`EncoderConfig` already."""
+    generator = config.get("generator") if hasattr(config, "get") else config.generator
+    if isinstance(generator, EncoderConfig):  # built already (a task's sections)
+        return generator
+    model, _ = layers.model_sections(config, EncoderConfig)
+    if not isinstance(generator, GeneratorConfig):
+        generator = GeneratorConfig.from_config(generator or {})
+    return generator.encoder(model)
+
+
+class _Sections(NamedTuple):
+    """Typed sections an :class:`Encoder` builds from."""
+
+    model: EncoderConfig
+    router: RouterConfig
 
 
 class GeneratorHead(nnx.Module):
@@ -82,17 +115,34 @@ class Electra(nnx.Module):
     """Generator + discriminator with tied embeddings (module docstring).
 
     ``discriminator`` is the :class:`Encoder` of ``config.model``; ``generator`` the encoder of
-    :func:`generator_config` sharing the discriminator's embedding block.
+    :func:`generator_config` sharing the discriminator's embedding block. ``config`` is the
+    experiment config, or an object whose ``model``, ``router`` and ``generator`` are typed
+    sections already (:class:`EncoderConfig`, :class:`~sparsemixer_jax.routers.RouterConfig`,
+    and the generator's :class:`EncoderConfig` or its :class:`GeneratorConfig`).
     """
 
     def __init__(self, config: Any, vocab_size: int, *, mesh=None, rngs: nnx.Rngs):
-        dtype = layers.compute_dtype(config.model.compute_dtype)
-        emb = int(config.model.emb_dim)
-        self.discriminator = Encoder(config, vocab_size, mesh=mesh, rngs=rngs)
-        self.generator = Encoder(generator_config(config), vocab_size, mesh=mesh, rngs=rngs,
-                                 embeddings=self.discriminator.embeddings)
+        model, router = layers.model_sections(config, EncoderConfig)
+        dtype, emb = model.dtype, model.emb_dim
+        sections = _Sections(model, router)
+        self.discriminator = Encoder(sections, vocab_size, mesh=mesh, rngs=rngs)
+        self.generator = Encoder(_Sections(generator_config(config), router), vocab_size,
+                                 mesh=mesh, rngs=rngs, embeddings=self.discriminator.embeddings)
         self.generator_head = GeneratorHead(emb, vocab_size, dtype=dtype, rngs=rngs)
         self.discriminator_head = DiscriminatorHead(emb, dtype=dtype, rngs=rngs)
+
+    def set_admin_scales(self, batch: dict[str, Any]) -> dict[str, list[float]]:
+        """Admin's profiling pass for both encoders (``model.init='admin'``) on one training
+        micro-batch: the generator on its masked ``inputs``, the discriminator on the original
+        ``tokens`` (what it mostly sees; its corrupted input depends on the generator's samples),
+        both with the batch's ``segments`` (int ``[B, L]`` each). Returns each encoder's scales
+        (:meth:`Encoder.set_admin_scales`)."""
+        segments = jnp.asarray(batch["segments"])
+        return {
+            "generator": self.generator.set_admin_scales(jnp.asarray(batch["inputs"]), segments),
+            "discriminator": self.discriminator.set_admin_scales(jnp.asarray(batch["tokens"]),
+                                                                 segments),
+        }
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ out of attention and of the MoE layers; segment ids are 0 for ``[CLS] a [SEP]`` 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -33,6 +34,8 @@ from flax import nnx
 from sparsemixer_jax import layers
 from sparsemixer_jax.data.tokenizer import PAD_ID
 from sparsemixer_jax.initializers import uses_admin
+from sparsemixer_jax.routers import RouterConfig
+from sparsemixer_jax.section import check_positive
 
 NUM_SEGMENTS = 2
 
@@ -67,6 +70,33 @@ def relative_position_bucket(
     far = exact + (scaled * (half - exact)).astype(jnp.int32)
     far = jnp.minimum(far, half - 1)
     return offset + jnp.where(distance < exact, distance, far)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig(layers.ModelConfig):
+    """``config.model`` of the encoder (schema: ``configs/electra.py``): the fields of
+    :class:`~sparsemixer_jax.layers.ModelConfig`, the depth, T5's relative position buckets
+    (``relative_buckets`` even and >= 4, up to ``relative_max_distance``) and
+    ``absolute_positions`` (learned positions, 0 = none; module docstring)."""
+
+    num_layers: int = 12
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
+    absolute_positions: int = 0
+
+    def check(self, where: str = "") -> EncoderConfig:
+        check_positive(where, num_layers=self.num_layers)
+        super().check(where)
+        if self.relative_buckets < 4 or self.relative_buckets % 2:
+            raise ValueError(f"{where}relative_buckets must be even and >= 4, got "
+                             f"{self.relative_buckets}")
+        if self.relative_max_distance <= self.relative_buckets // 4:
+            raise ValueError(f"{where}relative_max_distance must exceed relative_buckets/4 = "
+                             f"{self.relative_buckets // 4}, got {self.relative_max_distance}")
+        if self.absolute_positions < 0:
+            raise ValueError(f"{where}absolute_positions must be an int >= 0 (0 = none), got "
+                             f"{self.absolute_positions!r}")
+        return self
 
 
 class RelativePositionBias(nnx.Module):
@@ -145,22 +175,23 @@ class EncoderLayer(nnx.Module):
     :meth:`Encoder.set_admin_scales` sets.
     """
 
-    def __init__(self, model_cfg, router_cfg, layer: int, *, dtype, mesh, rngs: nnx.Rngs):
-        emb = int(model_cfg.emb_dim)
+    def __init__(self, model: EncoderConfig, router: RouterConfig, layer: int, *, dtype, mesh,
+                 rngs: nnx.Rngs):
+        emb = model.emb_dim
         self.self_attn = layers.Attention(
             emb,
-            int(model_cfg.num_heads),
-            attention_dropout=float(model_cfg.attention_dropout),
+            model.num_heads,
+            attention_dropout=model.attention_dropout,
             dtype=dtype,
-            implementation=str(model_cfg.attention_impl),
-            init=str(model_cfg.init),
+            implementation=model.attention_impl,
+            init=model.init,
             rngs=rngs,
         )
         self.self_attn_norm = layers.layer_norm(emb, dtype, rngs)
-        self.ffn = layers.make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
+        self.ffn = layers.make_ffn(model, router, layer, dtype, mesh, rngs)
         self.ffn_norm = layers.layer_norm(emb, dtype, rngs)
-        self.dropout = nnx.Dropout(float(model_cfg.dropout), rngs=rngs)
-        admin = uses_admin(model_cfg.init)
+        self.dropout = nnx.Dropout(model.dropout, rngs=rngs)
+        admin = uses_admin(model.init)
         self.attn_residual_scale = nnx.Param(jnp.ones((emb,), jnp.float32)) if admin else None
         self.ffn_residual_scale = nnx.Param(jnp.ones((emb,), jnp.float32)) if admin else None
 
@@ -192,11 +223,10 @@ class Encoder(nnx.Module):
     """The encoder of ``config.model`` / ``config.router`` (schema: ``configs/electra.py``).
 
     Args:
-      config: reads ``config.model`` (``emb_dim, num_layers, num_heads, mlp_dim, dropout,
-        attention_dropout, activation_dropout, num_experts, moe_every, dispatch,
-        capacity_factor, compute_dtype, relative_buckets, relative_max_distance, activation,
-        absolute_positions``; the last two default to ``"relu"`` and 0 when absent) and
-        ``config.router`` (``name, jitter_eps``).
+      config: the experiment config (its ``model`` and ``router`` sections are read into an
+        :class:`EncoderConfig` and a :class:`~sparsemixer_jax.routers.RouterConfig`, which
+        check them; a field a saved config lacks takes its default), or any object whose
+        ``model`` and ``router`` are those typed sections already.
       vocab_size: vocabulary size (id 0 is padding).
       mesh: optional ``("data", "expert")`` mesh handed to the MoE layers.
       rngs: ``params`` for initialisation; ``dropout`` and ``router`` streams for training.
@@ -213,27 +243,27 @@ class Encoder(nnx.Module):
         rngs: nnx.Rngs,
         embeddings: Embeddings | None = None,
     ):
-        m, r = config.model, config.router
+        m, r = layers.model_sections(config, EncoderConfig)
         self.vocab_size = int(vocab_size)
-        self.emb_dim = int(m.emb_dim)
-        self.num_experts = int(m.num_experts)
-        self.dtype = layers.compute_dtype(m.compute_dtype)
+        self.emb_dim = m.emb_dim
+        self.num_experts = m.moe.num_experts
+        self.dtype = m.dtype
         if embeddings is None:
             embeddings = Embeddings(
-                self.vocab_size, self.emb_dim, dropout=float(m.dropout), dtype=self.dtype,
-                rngs=rngs, absolute_positions=int(m.absolute_positions),
+                self.vocab_size, self.emb_dim, dropout=m.dropout, dtype=self.dtype,
+                rngs=rngs, absolute_positions=m.absolute_positions,
             )
         self.embeddings = embeddings
         self.position_bias = RelativePositionBias(
-            int(m.num_heads),
-            num_buckets=int(m.relative_buckets),
-            max_distance=int(m.relative_max_distance),
+            m.num_heads,
+            num_buckets=m.relative_buckets,
+            max_distance=m.relative_max_distance,
             rngs=rngs,
         )
         self.layers = nnx.List(
             [
                 EncoderLayer(m, r, i, dtype=self.dtype, mesh=mesh, rngs=rngs)
-                for i in range(int(m.num_layers))
+                for i in range(m.num_layers)
             ]
         )
 

@@ -1,4 +1,5 @@
-"""Layers shared by the models: attention, the dense feed-forward, LayerNorm, the FFN choice.
+"""Layers shared by the models: attention, the dense feed-forward, LayerNorm, the FFN choice,
+and the model section every model's config extends (:class:`ModelConfig`).
 
 The translation Transformer (:mod:`sparsemixer_jax.models`) and the ELECTRA encoder
 (:mod:`sparsemixer_jax.encoder`) are built from these. Parameters are float32; ``dtype`` is the
@@ -7,26 +8,109 @@ compute dtype (matmuls in bf16 when asked, softmax and LayerNorm statistics in f
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax.initializers import attention_init, feed_forward_init
-from sparsemixer_jax.moe import MoEFeedForward, activation_fn
-from sparsemixer_jax.routers import options_from_config
+from sparsemixer_jax.moe import MoEConfig, MoEFeedForward, activation_fn
+from sparsemixer_jax.routers import RouterConfig
+from sparsemixer_jax.section import check_fraction, check_positive, read_fields
 
 # Large negative logit for masked attention entries; finite so that a fully masked row gives a
 # uniform distribution instead of NaN.
 MASK_VALUE = -1e9
-
+DTYPES = ("float32", "bfloat16")
 
 
 def compute_dtype(name: str) -> jnp.dtype:
-    if name not in ("float32", "bfloat16"):
+    if name not in DTYPES:
         raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {name!r}")
     return jnp.dtype(name)
+
+
+# -- the model section ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The fields of ``config.model`` every model has; each model's section extends it
+    (:class:`sparsemixer_jax.models.TransformerConfig`,
+    :class:`sparsemixer_jax.encoder.EncoderConfig`).
+
+    Attributes:
+      emb_dim, mlp_dim, num_heads: widths and attention heads (``num_heads`` divides
+        ``emb_dim``).
+      moe: the feed-forward sublayers (dense or MoE), read from the same section.
+      dropout, attention_dropout: residual and attention-weight dropout rates, in ``[0, 1)``.
+      attention_impl: a key of :data:`ATTENTION_IMPLS`.
+      compute_dtype: ``"float32"`` or ``"bfloat16"`` (params stay float32).
+    """
+
+    emb_dim: int
+    mlp_dim: int
+    num_heads: int
+    moe: MoEConfig
+    dropout: float = 0.1
+    attention_dropout: float = 0.1
+    attention_impl: str = "einsum"
+    compute_dtype: str = "float32"
+
+    @classmethod
+    def from_config(cls: type[M], section: Any, where: str = "config.model.") -> M:
+        """The model of ``section`` (``config.model``), checked (:meth:`check`)."""
+        moe = MoEConfig(**read_fields(MoEConfig, section, where))
+        return cls(moe=moe, **read_fields(cls, section, where, skip=("moe",))).check(where)
+
+    def check(self: M, where: str = "") -> M:
+        """``self`` if every field is usable, else a one-line ValueError naming the first one
+        that is not with the prefix ``where``."""
+        check_positive(where, emb_dim=self.emb_dim, mlp_dim=self.mlp_dim,
+                       num_heads=self.num_heads)
+        if self.emb_dim % self.num_heads:
+            raise ValueError(f"{where}emb_dim={self.emb_dim} is not divisible by "
+                             f"num_heads={self.num_heads}")
+        check_fraction(where, dropout=self.dropout, attention_dropout=self.attention_dropout)
+        if self.compute_dtype not in DTYPES:
+            raise ValueError(f"{where}compute_dtype must be float32 or bfloat16, got "
+                             f"{self.compute_dtype!r}")
+        self.moe.check(where)
+        try:
+            check_attention_impl(self.attention_impl, self.attention_dropout)
+        except ValueError as err:
+            raise ValueError(f"{where}attention_impl: {err}") from None
+        if self.attention_impl == "cudnn" and self.compute_dtype != "bfloat16":
+            raise ValueError(f"{where}attention_impl='cudnn' needs compute_dtype='bfloat16' "
+                             "(cuDNN's fused attention takes 16-bit inputs), got "
+                             f"{self.compute_dtype!r}")
+        return self
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.compute_dtype)
+
+    @property
+    def init(self) -> str:
+        """The initialisation scheme of the whole model (``config.model.init``)."""
+        return self.moe.init
+
+
+M = TypeVar("M", bound=ModelConfig)
+
+
+def model_sections[M: ModelConfig](config: Any, model_type: type[M]) -> tuple[M, RouterConfig]:
+    """``(config.model, config.router)`` as typed sections: taken as they are when ``config``
+    holds them already (a task hands its sections down), else built from the experiment
+    config, which checks them."""
+    model, router = config.model, config.router
+    if not isinstance(model, model_type):
+        model = model_type.from_config(model)
+    if not isinstance(router, RouterConfig):
+        router = RouterConfig.from_config(router, num_experts=model.moe.num_experts or None)
+    return model, router
 
 
 # -- attention ------------------------------------------------------------------------------------
@@ -196,40 +280,15 @@ class FeedForward(nnx.Module):
         return self.wo(h), None
 
 
-def make_ffn(model_cfg: Any, router_cfg: Any, layer: int, dtype, mesh, rngs: nnx.Rngs):
-    """The feed-forward sublayer of ``layer``: MoE on every ``moe_every``-th layer, else dense;
-    both with ``model_cfg.activation`` and initialised by ``model_cfg.init``."""
-    num_experts = int(model_cfg.num_experts)
-    if num_experts > 0 and layer % int(model_cfg.moe_every) == 0:
-        return MoEFeedForward(
-            model_cfg.emb_dim,
-            model_cfg.mlp_dim,
-            num_experts,
-            router=router_cfg.name,
-            jitter_eps=float(router_cfg.jitter_eps),
-            top_k=int(router_cfg.top_k),
-            activation_dropout=float(model_cfg.activation_dropout),
-            dispatch=model_cfg.dispatch,
-            grouped_impl=str(model_cfg.grouped_impl),
-            capacity_factor=float(model_cfg.capacity_factor),
-            activation=str(model_cfg.activation),
-            router_init_scale=float(router_cfg.init_scale),
-            init=str(model_cfg.init),
-            default_decay=float(router_cfg.default_decay),
-            router_options=options_from_config(router_cfg),
-            dtype=dtype,
-            mesh=mesh,
-            rngs=rngs,
-        )
-    return FeedForward(
-        model_cfg.emb_dim,
-        model_cfg.mlp_dim,
-        activation_dropout=float(model_cfg.activation_dropout),
-        dtype=dtype,
-        rngs=rngs,
-        activation=str(model_cfg.activation),
-        init=str(model_cfg.init),
-    )
+def make_ffn(model: ModelConfig, router: RouterConfig, layer: int, dtype, mesh,
+             rngs: nnx.Rngs) -> MoEFeedForward | FeedForward:
+    """The feed-forward sublayer of ``layer``: MoE where ``model.moe`` puts one, else dense."""
+    moe = model.moe
+    if moe.is_moe(layer):
+        return MoEFeedForward.from_config(model.emb_dim, model.mlp_dim, moe, router, dtype=dtype,
+                                          mesh=mesh, rngs=rngs)
+    return FeedForward(model.emb_dim, model.mlp_dim, activation_dropout=moe.activation_dropout,
+                       dtype=dtype, rngs=rngs, activation=moe.activation, init=moe.init)
 
 
 def layer_norm(emb_dim: int, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:

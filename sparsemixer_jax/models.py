@@ -21,6 +21,7 @@ decoding step is a pure function of ``(tokens, cache)`` and runs under ``jax.lax
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -28,13 +29,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparsemixer_jax.initializers import uses_admin
 from sparsemixer_jax.layers import (
     Attention,
+    ModelConfig,
     collect_moe_metrics,
-    compute_dtype,
     layer_norm,
     make_ffn,
+    model_sections,
 )
+from sparsemixer_jax.routers import RouterConfig
+from sparsemixer_jax.section import check_positive
 
 PAD_ID = 0
 
@@ -58,27 +63,46 @@ def sinusoidal_positions(positions: jax.Array, dim: int) -> jax.Array:
     return emb
 
 
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig(ModelConfig):
+    """``config.model`` of the translation Transformer (schema: ``configs/wmt.py``): the fields
+    of :class:`~sparsemixer_jax.layers.ModelConfig` and the depth of each stack."""
+
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+
+    def check(self, where: str = "") -> TransformerConfig:
+        check_positive(where, encoder_layers=self.encoder_layers,
+                       decoder_layers=self.decoder_layers)
+        if uses_admin(self.init):
+            raise ValueError(f"{where}init={self.init!r}: Admin's residual scales are built for "
+                             "the ELECTRA encoder; the translation model takes 'fairseq' or "
+                             "'flax'")
+        return super().check(where)
+
+
 # -- layers ---------------------------------------------------------------------------------------
 
 
 class EncoderLayer(nnx.Module):
     """Post-norm encoder layer: self-attention, then the (dense or MoE) feed-forward."""
 
-    def __init__(self, model_cfg, router_cfg, layer: int, *, dtype, mesh, rngs: nnx.Rngs):
-        emb = model_cfg.emb_dim
+    def __init__(self, model: ModelConfig, router: RouterConfig, layer: int, *, dtype, mesh,
+                 rngs: nnx.Rngs):
+        emb = model.emb_dim
         self.self_attn = Attention(
             emb,
-            model_cfg.num_heads,
-            attention_dropout=float(model_cfg.attention_dropout),
+            model.num_heads,
+            attention_dropout=model.attention_dropout,
             dtype=dtype,
-            implementation=str(model_cfg.attention_impl),
-            init=str(model_cfg.init),
+            implementation=model.attention_impl,
+            init=model.init,
             rngs=rngs,
         )
         self.self_attn_norm = layer_norm(emb, dtype, rngs)
-        self.ffn = make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
+        self.ffn = make_ffn(model, router, layer, dtype, mesh, rngs)
         self.ffn_norm = layer_norm(emb, dtype, rngs)
-        self.dropout = nnx.Dropout(float(model_cfg.dropout), rngs=rngs)
+        self.dropout = nnx.Dropout(model.dropout, rngs=rngs)
 
     def __call__(
         self,
@@ -100,19 +124,19 @@ class EncoderLayer(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Post-norm decoder layer: causal self-attention, cross-attention, feed-forward."""
 
-    def __init__(self, model_cfg, router_cfg, layer: int, *, dtype, mesh, rngs: nnx.Rngs):
-        emb, heads = model_cfg.emb_dim, model_cfg.num_heads
-        att_drop = float(model_cfg.attention_dropout)
-        impl, init = str(model_cfg.attention_impl), str(model_cfg.init)
+    def __init__(self, model: ModelConfig, router: RouterConfig, layer: int, *, dtype, mesh,
+                 rngs: nnx.Rngs):
+        emb, heads = model.emb_dim, model.num_heads
+        att_drop, impl, init = model.attention_dropout, model.attention_impl, model.init
         self.self_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype,
                                    implementation=impl, init=init, rngs=rngs)
         self.self_attn_norm = layer_norm(emb, dtype, rngs)
         self.cross_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype,
                                     implementation=impl, init=init, rngs=rngs)
         self.cross_attn_norm = layer_norm(emb, dtype, rngs)
-        self.ffn = make_ffn(model_cfg, router_cfg, layer, dtype, mesh, rngs)
+        self.ffn = make_ffn(model, router, layer, dtype, mesh, rngs)
         self.ffn_norm = layer_norm(emb, dtype, rngs)
-        self.dropout = nnx.Dropout(float(model_cfg.dropout), rngs=rngs)
+        self.dropout = nnx.Dropout(model.dropout, rngs=rngs)
 
     def _residual(self, norm, x, h, deterministic):
         return norm(x + self.dropout(h, deterministic=deterministic))
@@ -187,8 +211,10 @@ class Transformer(nnx.Module):
     """Switch Transformer encoder-decoder for translation.
 
     Args:
-      config: the experiment config (``config.model.*`` and ``config.router.*`` are read; see
-        ``configs/wmt.py``), or any object with ``model`` and ``router`` attributes.
+      config: the experiment config (its ``model`` and ``router`` sections are read into a
+        :class:`TransformerConfig` and a :class:`~sparsemixer_jax.routers.RouterConfig`, which
+        check them; see ``configs/wmt.py``), or any object whose ``model`` and ``router`` are
+        those typed sections already.
       vocab_size: size of the shared vocabulary (id 0 is padding / decoder start).
       mesh: optional ``jax.sharding.Mesh`` handed to the MoE layers.
       rngs: ``nnx.Rngs``; ``params`` for initialisation, ``dropout`` (and whatever the MoE layer
@@ -196,13 +222,12 @@ class Transformer(nnx.Module):
     """
 
     def __init__(self, config: Any, vocab_size: int, *, mesh=None, rngs: nnx.Rngs):
-        m, r = config.model, config.router
+        m, r = model_sections(config, TransformerConfig)
         self.vocab_size = int(vocab_size)
-        self.emb_dim = int(m.emb_dim)
-        self.num_heads = int(m.num_heads)
-        self.num_experts = int(m.num_experts)
-        self.dtype = compute_dtype(m.compute_dtype)
-        dtype = self.dtype
+        self.emb_dim = m.emb_dim
+        self.num_heads = m.num_heads
+        self.num_experts = m.moe.num_experts
+        self.dtype = dtype = m.dtype
         self.embed = nnx.Embed(
             self.vocab_size,
             self.emb_dim,
@@ -210,17 +235,17 @@ class Transformer(nnx.Module):
             dtype=dtype,
             rngs=rngs,
         )
-        self.embed_dropout = nnx.Dropout(float(m.dropout), rngs=rngs)
+        self.embed_dropout = nnx.Dropout(m.dropout, rngs=rngs)
         self.encoder_layers = nnx.List(
             [
                 EncoderLayer(m, r, i, dtype=dtype, mesh=mesh, rngs=rngs)
-                for i in range(int(m.encoder_layers))
+                for i in range(m.encoder_layers)
             ]
         )
         self.decoder_layers = nnx.List(
             [
                 DecoderLayer(m, r, i, dtype=dtype, mesh=mesh, rngs=rngs)
-                for i in range(int(m.decoder_layers))
+                for i in range(m.decoder_layers)
             ]
         )
 

@@ -21,11 +21,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
 
 import jax
+
+from sparsemixer_jax.section import check_choice, read_fields
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +37,22 @@ RNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 MATMUL_PRECISIONS = ("default", "high", "highest")
 
 
-def check_runtime_config(runtime: Any) -> None:
-    """Raises ValueError naming a ``config.runtime`` field that makes no sense."""
-    if runtime.rng_impl not in RNG_IMPLS:
-        raise ValueError(f"config.runtime.rng_impl={runtime.rng_impl!r}; choose one of {RNG_IMPLS}")
-    precision = runtime.matmul_precision
-    if precision not in MATMUL_PRECISIONS:
-        raise ValueError(f"config.runtime.matmul_precision={precision!r}; choose one of "
-                         f"{MATMUL_PRECISIONS}")
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """``config.runtime``: the process-wide settings of the module docstring."""
+
+    deterministic: bool = False
+    rng_impl: str = "threefry2x32"
+    matmul_precision: str = "default"
+    triton_ragged_dot: bool = False
+
+    @classmethod
+    def from_config(cls, section: Any, where: str = "config.runtime.") -> RuntimeConfig:
+        """The settings of ``section``, checked: one-line ValueErrors naming the field."""
+        runtime = cls(**read_fields(cls, section, where))
+        check_choice(where, "rng_impl", runtime.rng_impl, RNG_IMPLS)
+        check_choice(where, "matmul_precision", runtime.matmul_precision, MATMUL_PRECISIONS)
+        return runtime
 
 
 def _backend_started() -> bool:
@@ -68,12 +79,13 @@ def set_deterministic_gpu_ops() -> None:
 
 
 def configure(config: Any) -> None:
-    """Applies ``config.runtime`` (module docstring). A config without ``runtime`` is left as
-    JAX's defaults."""
+    """Applies ``config.runtime`` (module docstring; a :class:`RuntimeConfig` or the section it
+    is read from). A config without ``runtime`` is left as JAX's defaults."""
     runtime = getattr(config, "runtime", None)
     if runtime is None:
         return
-    check_runtime_config(runtime)
+    if not isinstance(runtime, RuntimeConfig):
+        runtime = RuntimeConfig.from_config(runtime)
     if runtime.deterministic:
         set_deterministic_gpu_ops()
     if jax.config.values["jax_default_prng_impl"] != runtime.rng_impl:

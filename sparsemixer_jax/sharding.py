@@ -7,8 +7,9 @@ devices is :mod:`sparsemixer_jax.moe.expert_parallel`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +17,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sparsemixer_jax.section import read_fields
+
 if TYPE_CHECKING:  # only for annotations: the mesh and its checks need JAX alone
-    import ml_collections
     from flax import nnx
 
 AXES = ("data", "expert")
@@ -128,19 +130,35 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(("data", "expert")))
 
 
-def mesh_from_config(config: ml_collections.ConfigDict) -> Mesh | None:
-    """The mesh of ``config.mesh``, or None for a single device.
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """``config.mesh``: the ``(data, expert)`` device mesh; ``data = -1`` takes every device the
+    expert axis leaves."""
+
+    data: int = -1
+    expert: int = 1
+
+    @classmethod
+    def from_config(cls, section: Any, where: str = "config.mesh.") -> MeshConfig:
+        mesh = cls(**read_fields(cls, section, where))
+        if mesh.expert < 1 or (mesh.data < 1 and mesh.data != -1):
+            raise ValueError(f"{where.rstrip('.')}: expert must be >= 1 and data >= 1 or -1, got "
+                             f"{dataclasses.asdict(mesh)}")
+        return mesh
+
+
+def mesh_from_config(config: Any) -> Mesh | None:
+    """The mesh of ``config.mesh`` (a :class:`MeshConfig` or the section it is read from), or
+    None for a single device; ``config.model.num_experts`` must divide by its expert axis
+    (:func:`sparsemixer_jax.config.validate`).
 
     ``mesh.data = -1`` takes every device the expert axis leaves. A single process may ask for
     fewer devices than it has (the first ones are used); several processes must use them all.
     """
     available = jax.device_count()
-    expert = int(config.mesh.expert)
-    data = int(config.mesh.data)
-    if expert < 1 or (data < 1 and data != -1):
-        raise ValueError(
-            f"config.mesh: expert must be >= 1 and data >= 1 or -1, got {config.mesh.to_dict()}"
-        )
+    mesh = config.mesh if isinstance(config.mesh, MeshConfig) else MeshConfig.from_config(
+        config.mesh)
+    expert, data = mesh.expert, mesh.data
     if data == -1:
         if available % expert:
             raise ValueError(f"config.mesh.expert={expert} does not divide the {available} devices")
@@ -150,11 +168,6 @@ def mesh_from_config(config: ml_collections.ConfigDict) -> Mesh | None:
         raise ValueError(
             f"config.mesh asks for data={data} x expert={expert} = {wanted} devices but "
             f"{available} are visible"
-        )
-    if config.model.num_experts and int(config.model.num_experts) % expert:
-        raise ValueError(
-            f"config.model.num_experts={config.model.num_experts} is not divisible by "
-            f"config.mesh.expert={expert}"
         )
     if wanted == 1:
         return None

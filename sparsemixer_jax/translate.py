@@ -9,7 +9,6 @@ for the last); beam size and length penalty default to the run's ``config.decode
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 
@@ -21,10 +20,11 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
 
     from sparsemixer_jax import config as config_schema
     from sparsemixer_jax import decode
-    from sparsemixer_jax.checkpoint import CheckpointError, RunCheckpoints
+    from sparsemixer_jax.checkpoint import checkpoints_root, list_checkpoints
     from sparsemixer_jax.data.tokenizer import Tokenizer
     from sparsemixer_jax.tasks import translation
     from sparsemixer_jax.training import build_steps
+    from sparsemixer_jax.training.state import restore_checkpoint
 
     if batch_size < 1:
         raise ValueError(f"--batch_size must be >= 1, got {batch_size}")
@@ -41,38 +41,25 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
             f"{vocabulary} not found: the run in {workdir} stopped before it trained its "
             "vocabulary; run experiments.wmt on this workdir first"
         )
-    checkpoints = RunCheckpoints(workdir)
-    steps_on_disk = sorted(checkpoints.manager(checkpoint).all_steps(), reverse=True)
-    if not steps_on_disk:
-        checkpoints.close()
+    if not list_checkpoints(workdir, checkpoint):
         other = "last" if checkpoint == "best" else "best"
         raise FileNotFoundError(
-            f"no {checkpoint} checkpoint in {os.path.join(checkpoints.root, checkpoint)}: "
+            f"no {checkpoint} checkpoint in {os.path.join(checkpoints_root(workdir), checkpoint)}: "
             f"try --checkpoint {other}, or train first (python -m experiments.wmt --workdir "
             f"{workdir} ...)"
         )
     with open(config_path) as f:
         config = config_schema.with_defaults(json.load(f))
     if config_schema.task_of(config) != "translation":
-        checkpoints.close()
         raise ValueError(f"{workdir} holds a {config_schema.task_of(config)} run, not a "
                          "translation run of experiments.wmt")
     tokenizer = Tokenizer(vocabulary)
-    steps = build_steps(translation.TranslationTask.from_config(config), config,
-                        tokenizer.vocab_size)
-    template = steps.train_state(steps.params, steps.opt_state_shapes(steps.params))
-    restored, failures = None, []
-    for step in steps_on_disk:  # newest first; an unreadable one is named and skipped
-        try:
-            restored = checkpoints.restore_checked(checkpoint, step, template)
-            break
-        except CheckpointError as e:
-            failures.append(str(e))
-            logging.warning("unreadable checkpoint, trying an older one: %s", e)
-    checkpoints.close()
-    if restored is None:
-        raise CheckpointError(f"no readable {checkpoint} checkpoint: {'; '.join(failures)}")
-    model = steps.model(restored.state["params"], restored.state.get("batch_stats"))
+    task = translation.TranslationTask.from_config(config)
+    steps = build_steps(task, config, tokenizer.vocab_size)
+    # The newest readable checkpoint of that kind (an unreadable one is named and skipped);
+    # CheckpointError if none is.
+    restored = restore_checkpoint(workdir, steps.abstract_state(), checkpoint)
+    model = steps.model(restored.state)
 
     encoded = [[*tokenizer.encode(line.strip()), tokenizer.eos_id] for line in lines]
     order = sorted(range(len(lines)), key=lambda i: len(encoded[i]))  # similar lengths together
@@ -86,9 +73,9 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
             inputs[r, : len(encoded[i])] = encoded[i]
         seqs, _ = decode.beam_search_model(
             model, inputs, eos_id=tokenizer.eos_id,
-            beam_size=int(config.decode.beam_size) if beam_size is None else beam_size,
-            alpha=config.decode.length_penalty if length_penalty is None else length_penalty,
-            max_extra_len=int(config.decode.max_extra_len),
+            beam_size=task.decode.beam_size if beam_size is None else beam_size,
+            alpha=task.decode.length_penalty if length_penalty is None else length_penalty,
+            max_extra_len=task.decode.max_extra_len,
         )
         best = np.asarray(seqs[:, 0])
         for r, i in enumerate(rows):

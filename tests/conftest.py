@@ -29,15 +29,10 @@ def last_checkpoint():
     import jax
     import numpy as np
 
-    from sparsemixer_jax.checkpoint import RunCheckpoints
+    from sparsemixer_jax.training.state import restore_checkpoint
 
     def read(workdir, steps):
-        template = steps.train_state(steps.params, steps.init_opt(steps.params))
-        checkpoints = RunCheckpoints(workdir)
-        try:
-            state, meta = checkpoints.restore(checkpoints.last, template)
-        finally:
-            checkpoints.close()
-        return jax.tree.map(np.asarray, state["params"]), meta
+        restored = restore_checkpoint(workdir, steps.abstract_state(), "last")
+        return jax.tree.map(np.asarray, restored.state.params), restored.meta
 
     return read

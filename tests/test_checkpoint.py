@@ -5,6 +5,8 @@ One finished tiny run (``finished``: last and best checkpoints at steps 3 and 6)
 ``shutil.copytree`` and damaged in each test; nothing is retrained except where a test must.
 """
 
+import argparse
+import ast
 import json
 import logging
 import os
@@ -24,9 +26,12 @@ from sparsemixer_jax.checkpoint import (
     CheckpointError,
     RunCheckpoints,
     check_manifest,
+    read_checkpoint,
+    step_dir,
     write_manifest,
 )
 from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.training.state import TrainState, restore_checkpoint
 from tests import tiny_wmt_config
 
 # Reading a damaged checkpoint, orbax abandons its other shard-reading coroutines; Python reports
@@ -72,7 +77,15 @@ def finished(tmp_path_factory):
 def template():
     steps = training.build_steps(translation.TranslationTask.from_config(tiny()), tiny(),
                                  tiny().data.vocab_size)
-    return {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
+    return steps.abstract_state()
+
+
+def read_last(workdir, step, template):
+    """The train state and meta of ``last/<step>`` (with its manifest check, no fallback)."""
+    directory = step_dir(workdir, "last", step)
+    check_manifest(directory)
+    state, meta = read_checkpoint(directory, template, step)
+    return argparse.Namespace(state=state, meta=meta)
 
 
 @pytest.fixture
@@ -83,7 +96,7 @@ def copy(finished, tmp_path):
 
 
 def params_of(restored):
-    return jax.tree.map(np.asarray, restored.state["params"])
+    return jax.tree.map(np.asarray, restored.state.params)
 
 
 def _truncate_data(step_dir):
@@ -124,12 +137,11 @@ def test_a_corrupt_last_checkpoint_is_named_and_the_intact_best_of_its_step_rest
     damage, reason = CORRUPTIONS[corruption]
     bad = os.path.join(copy, "checkpoints", "last", "6")
     damage(bad)
-    checkpoints = RunCheckpoints(copy)
-    with caplog.at_level(logging.WARNING, logger="sparsemixer_jax.checkpoint"):
-        restored = checkpoints.restore_newest_intact(template)
-    checkpoints.close()
+    with caplog.at_level(logging.WARNING, logger="sparsemixer_jax.training.state"):
+        restored = restore_checkpoint(copy, template, set_aside=True)
     assert (restored.step, restored.kind) == (6, "best")
-    reference = RunCheckpoints(finished[0]).restore_checked("last", 6, template)
+    assert restored.skipped and bad in restored.skipped[0]
+    reference = read_last(finished[0], 6, template)
     jax.tree.map(np.testing.assert_array_equal, params_of(restored), params_of(reference))
     # One line naming the directory and the cause; no asyncio task tracebacks.
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
@@ -184,10 +196,8 @@ def test_corrupt_newest_checkpoints_fall_back_one_interval_and_end_like_the_stra
     steps = [json.loads(line)["step"] for line in read_lines(copy)
              if "loss" in json.loads(line)]
     assert steps == list(range(1, 7))
-    checkpoints = RunCheckpoints(copy)
-    ours = checkpoints.restore_checked("last", 6, template)
-    checkpoints.close()
-    reference = RunCheckpoints(finished[0]).restore_checked("last", 6, template)
+    ours = read_last(copy, 6, template)
+    reference = read_last(finished[0], 6, template)
     jax.tree.map(np.testing.assert_array_equal, params_of(ours), params_of(reference))
 
 
@@ -254,8 +264,94 @@ def test_sigkill_during_a_checkpoint_save_then_rerun_resumes(finished, tmp_path,
     records = [json.loads(line) for line in read_lines(workdir)]
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 7))
     assert [r["step"] for r in records if "valid_loss" in r] == [3, 6]
-    checkpoints = RunCheckpoints(workdir)
-    ours = checkpoints.restore_checked("last", 6, template)
-    checkpoints.close()
-    reference = RunCheckpoints(finished[0]).restore_checked("last", 6, template)
+    ours = read_last(workdir, 6, template)
+    reference = read_last(finished[0], 6, template)
     jax.tree.map(np.testing.assert_array_equal, params_of(ours), params_of(reference))
+
+
+# ------------------------------------------------ checkpoints written before the train state
+
+
+def rewrite_in_the_layout_before_the_train_state(workdir, kind, step, template):
+    """Replaces ``kind/step`` with what the code before the train state saved for this model:
+    the state item a dict ``{"params", "opt_state"}`` (plus ``batch_stats`` for a model with
+    layer state), the step in its meta only, with its manifest."""
+    directory = step_dir(workdir, kind, step)
+    check_manifest(directory)
+    state, meta = read_checkpoint(directory, template, step)
+    shutil.rmtree(directory)
+    old = {"params": state.params, "opt_state": state.opt_state}
+    if jax.tree.leaves(state.layer_state):
+        old["batch_stats"] = state.layer_state
+    checkpoints = RunCheckpoints(workdir)
+    checkpoints._save(kind, step, old, meta)
+    checkpoints.close()  # waits, and writes the manifest
+    return old
+
+
+def saved_top_level(directory):
+    """The top-level names of the saved state, read from orbax's own file (its keys are the
+    reprs of each leaf's path tuple)."""
+    with open(os.path.join(directory, "state", "_METADATA")) as f:
+        tree = json.load(f)["tree_metadata"]
+    return sorted({ast.literal_eval(path)[0] for path in tree})
+
+
+def test_a_workdir_written_before_the_train_state_resumes_and_ends_like_the_straight_run(
+        finished, copy, template):
+    """Its step-3 checkpoints rewritten in the earlier layout and the later ones removed: the
+    run resumes from step 3, redoes 4..6, ends with the parameters of the uninterrupted run, and
+    saves its new checkpoints in the train state's layout."""
+    for kind in ("last", "best"):
+        shutil.rmtree(step_dir(copy, kind, 6))
+        rewrite_in_the_layout_before_the_train_state(copy, kind, 3, template)
+    assert saved_top_level(step_dir(copy, "last", 3)) == ["opt_state", "params"]
+    restored = restore_checkpoint(copy, template)
+    assert isinstance(restored.state, TrainState) and int(restored.state.step) == 3
+    results = translation.train_and_evaluate(tiny(), copy)
+    assert results["valid_loss"] == finished[1]["valid_loss"]
+    assert saved_top_level(step_dir(copy, "last", 6)) == sorted(
+        ["step", "params", "layer_state", "opt_state"])
+    ours, reference = read_last(copy, 6, template), read_last(finished[0], 6, template)
+    jax.tree.map(np.testing.assert_array_equal, params_of(ours), params_of(reference))
+    jax.tree.map(np.testing.assert_array_equal, ours.state, reference.state)
+
+
+def test_an_earlier_layout_with_layer_state_is_restored_as_saved(tmp_path):
+    """Default MoE's layer state was saved as ``batch_stats``: it comes back as the train
+    state's ``layer_state``, with the parameters, the optimizer state and the meta's step."""
+    config = tiny(**{"router.name": "default_moe"})
+    steps = training.build_steps(translation.TranslationTask.from_config(config), config,
+                                 config.data.vocab_size)
+    state = steps.init_state()
+    # Distinct values, so that a swapped or re-initialised part would show.
+    state = jax.tree.map(lambda a: a + 0.5 if a.dtype.kind == "f" else a, state)
+    assert jax.tree.leaves(state.layer_state)
+    workdir = str(tmp_path)
+    checkpoints = RunCheckpoints(workdir)
+    checkpoints.save_last(4, state, {"step": 4})
+    checkpoints.close()
+    old = rewrite_in_the_layout_before_the_train_state(workdir, "last", 4,
+                                                        steps.abstract_state())
+    assert "batch_stats" in old
+    assert saved_top_level(step_dir(workdir, "last", 4)) == ["batch_stats", "opt_state",
+                                                             "params"]
+    restored = restore_checkpoint(workdir, steps.abstract_state(), "last")
+    assert restored.step == 4 and int(restored.state.step) == 4 and restored.meta == {"step": 4}
+    expected = state.replace(step=np.int32(4))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, restored.state),
+                 jax.tree.map(np.asarray, expected))
+
+
+def test_a_checkpoint_of_neither_layout_is_refused_in_one_line_naming_its_items(
+        tmp_path, template, caplog):
+    workdir = str(tmp_path)
+    checkpoints = RunCheckpoints(workdir)
+    checkpoints.save_last(2, {"weights": np.ones(3, np.float32)}, {"step": 2})
+    checkpoints.close()
+    with pytest.raises(CheckpointError) as error:
+        restore_checkpoint(workdir, template)
+    message = str(error.value)
+    assert "\n" not in message and "['weights']" in message and "not a checkpoint" in message
+    assert step_dir(workdir, "last", 2) in message
+    assert os.path.isdir(step_dir(workdir, "last", 2))  # a reader moves nothing

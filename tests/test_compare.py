@@ -68,7 +68,7 @@ def test_compare_command_line_takes_the_successors_study_and_default_decay(tmp_p
     """``--study successors`` and ``--override router.default_decay=0.99`` reach the config of a
     Default MoE run, which the config validation accepts (an out-of-range decay it refuses)."""
     from experiments import compare
-    from sparsemixer_jax import config as config_lib
+    from sparsemixer_jax.tasks import check_config
 
     args = compare.parse_args(["--root", str(tmp_path), "--study", "successors", "--experts",
                                "4", "--override", "router.default_decay=0.99"])
@@ -77,11 +77,11 @@ def test_compare_command_line_takes_the_successors_study_and_default_decay(tmp_p
                                 None, args.override)
     assert (config.router.name, config.model.num_experts) == ("default_moe_st", 4)
     assert config.router.default_decay == 0.99 and config.optim.peak_lr == 2e-3
-    config_lib.validate(config)
+    check_config(config)
     config = runner.make_config("configs/multi30k_compare.py", "default_moe_n4", 0, None,
                                 ["router.default_decay=1.0"])
     with pytest.raises(ValueError, match="default_decay"):
-        config_lib.validate(config)
+        check_config(config)
     with pytest.raises(SystemExit):
         compare.parse_args(["--root", str(tmp_path), "--arms", "densmixer_n4"])
 

@@ -378,6 +378,54 @@ def test_empty_eval_split_is_an_error_naming_the_split(tmp_path):
         )
 
 
+def _bad_valid_split(directory, kind: str) -> str:
+    """Writes a good train and test split and a ``kind`` of bad valid split; the error's text."""
+    words = ["the", "small", "dog", "runs", "to", "big", "house"]
+    src = [" ".join(words[: 2 + i % 5]) for i in range(60)]
+    write_pair(directory, "train", src, src)
+    write_pair(directory, "test", ["the house"], ["house the"])
+    valid = os.path.join(directory, "valid")
+    if kind == "not utf-8":
+        write_pair(directory, "valid", ["the dog"], ["the dog"])
+        with open(valid + ".de", "wb") as f:
+            f.write("the dog\nGrüße\n".encode("latin-1"))
+        return f"{valid}.de, line 2, byte 3: 0xfc is not UTF-8"
+    if kind == "misaligned":
+        write_pair(directory, "valid", ["the dog", "a house"], ["the dog"])
+        return f"misaligned parallel files: {valid}.en has 2 lines but {valid}.de has 1 lines"
+    if kind == "missing":
+        write_pair(directory, "valid", ["the dog"], ["the dog"])
+        os.remove(valid + ".de")
+        return f"no text file for prefix 'valid', language 'de': tried {valid}.de and"
+    if kind == "empty":
+        write_pair(directory, "valid", ["", "  "], ["x", "y"])
+        return "the valid split has no usable pairs (2 read, all with an empty side)"
+    assert kind == "truncated gz"
+    write_pair(directory, "valid", ["the dog"] * 50, ["the dog"] * 50, gz=True)
+    with open(valid + ".en.gz", "rb") as f:
+        data = f.read()
+    with open(valid + ".en.gz", "wb") as f:
+        f.write(data[: len(data) // 2])
+    return f"{valid}.en.gz: truncated or corrupt gzip file"
+
+
+@pytest.mark.parametrize("kind", ["not utf-8", "misaligned", "missing", "empty", "truncated gz"])
+def test_a_bad_data_file_stops_the_run_before_anything_is_trained_or_written(tmp_path, kind):
+    """A bad validation file was found only after the vocabulary was trained, leaving config.json,
+    the lock and spm.model behind: every split is checked first, and the workdir is never made."""
+    from sparsemixer_jax.tasks import translation as translation_task
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    message = _bad_valid_split(str(data_dir), kind)
+    workdir = tmp_path / "run"
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        translation_task.train_and_evaluate(text_config(data_dir), str(workdir))
+    assert str(err.value).startswith(message)
+    assert "\n" not in str(err.value)
+    assert not workdir.exists()
+
+
 def test_carriage_return_inside_a_line_does_not_split_it(tmp_path):
     # Windows line endings are stripped; a lone \r inside a line stays part of that line.
     for lang, text in (("en", "a\rb\r\nc\r\n"), ("de", "x\ny\n")):

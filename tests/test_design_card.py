@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from sparsemixer_jax import cli, config
+from sparsemixer_jax import cli
 from sparsemixer_jax.data import sources
+from sparsemixer_jax.tasks import check_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WMT_VARIANTS = ("dense", "n2", "n4", "n6", "n8", "n16")
@@ -35,7 +36,7 @@ def test_each_setting_file_is_its_variant_of_the_family_config(family, variant):
     by_file = load(f"configs/{family}_{variant}.py")
     by_variant = load(f"configs/{family}.py:{variant}")
     assert by_file.to_dict() == by_variant.to_dict()
-    config.validate(by_file)
+    check_config(by_file)
     experts = 0 if variant == "dense" else int(variant[1:])
     assert by_file.model.num_experts == experts
 

@@ -151,8 +151,8 @@ def test_selected_positions_and_prediction_count():
 def test_generator_config_rules():
     config = tiny_electra_config.get_config()
     g = electra.generator_config(config)
-    assert g.model.num_layers == 1 and g.model.num_experts == 0
-    assert g.model.emb_dim == config.model.emb_dim and config.model.num_layers == 2
+    assert g.num_layers == 1 and g.moe.num_experts == 0
+    assert g.emb_dim == config.model.emb_dim and config.model.num_layers == 2
     config.generator.emb_dim = 8
     with pytest.raises(ValueError, match="emb_dim"):
         electra.generator_config(config)

@@ -539,9 +539,9 @@ def test_best_point_averages_mnli_matched_and_mismatched(tiny, tmp_path, monkeyp
         m, mm = next(scripted)
         return {"dev_matched": {"accuracy": m}, "dev_mismatched": {"accuracy": mm}}
 
-    def fake_step(graphdef, settings, params, stats, rest, opt_state, *args):
+    def fake_step(graphdef, settings, state, *args):
         zero = jnp.zeros((), jnp.float32)
-        return params, stats, opt_state, {"loss": zero, "balance_loss": zero, "grad_norm": zero}
+        return state, {"loss": zero, "balance_loss": zero, "grad_norm": zero}
 
     monkeypatch.setattr(finetuning, "evaluate_dev", fake_evaluate)
     monkeypatch.setattr(finetuning, "finetuning_step", fake_step)

@@ -29,7 +29,7 @@ import json, sys
 import jax, numpy as np
 from sparsemixer_jax.tasks import translation
 from sparsemixer_jax import training
-from sparsemixer_jax.checkpoint import RunCheckpoints
+from sparsemixer_jax.training.state import restore_checkpoint
 from tests import tiny_wmt_config
 
 def tiny(steps):
@@ -42,11 +42,8 @@ def tiny(steps):
 def last_params(workdir, config):
     steps = training.build_steps(translation.TranslationTask.from_config(config), config,
                                  config.data.vocab_size)
-    template = {"params": steps.params, "opt_state": steps.init_opt(steps.params)}
-    ckpt = RunCheckpoints(workdir)
-    state, _ = ckpt.restore(ckpt.last, template)
-    ckpt.close()
-    return jax.tree.leaves(jax.tree.map(np.asarray, state["params"]))
+    state = restore_checkpoint(workdir, steps.abstract_state(), "last").state
+    return jax.tree.leaves(jax.tree.map(np.asarray, state.params))
 
 root = sys.argv[1]
 straight = translation.train_and_evaluate(tiny(6), root + "/straight")

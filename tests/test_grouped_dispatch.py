@@ -131,6 +131,6 @@ def test_whole_model_loss_and_gradients_equal_padded():
         steps = training.build_steps(translation.TranslationTask.from_config(config), config, 40)
         loss_grad = jax.grad(training_steps.micro_batch_loss, argnums=2, has_aux=True)
         grads[dispatch] = jax.jit(loss_grad, static_argnums=(0, 1))(
-            steps.graphdef, steps.task, steps.params, steps.batch_stats, steps.rest, batch,
+            steps.graphdef, steps.task, steps.params, steps.layer_state, steps.rest, batch,
             jax.random.key(1))[0]
     assert_same(grads["grouped"], grads["padded"], rtol=1e-4, atol=1e-6)

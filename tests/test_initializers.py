@@ -150,10 +150,10 @@ def test_unknown_scheme_is_one_clear_line():
         MoEFeedForward(8, 8, 2, init="flax,gate=fairseq", rngs=nnx.Rngs(0))
     config = wmt_n4.get_config()
     config.model.init = "xavier"
-    from sparsemixer_jax.config import validate
+    from sparsemixer_jax.tasks import check_config
 
     with pytest.raises(ValueError, match=r"config\.model\.init='xavier'"):
-        validate(config)
+        check_config(config)
 
 
 @pytest.mark.parametrize("component", ["router", "experts", "ffn", "attention"])

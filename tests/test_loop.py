@@ -126,8 +126,8 @@ class FakeTask:
 
     def finish(self, run):
         # Floats round-trip exactly through JSON: equal lists are equal parameters, bit for bit.
-        return {"weights": np.asarray(run.params["linear"]["kernel"]).ravel().tolist(),
-                "bias": np.asarray(run.params["linear"]["bias"]).tolist()}
+        return {"weights": np.asarray(run.state.params["linear"]["kernel"]).ravel().tolist(),
+                "bias": np.asarray(run.state.params["linear"]["bias"]).tolist()}
 
 
 def read_metrics(workdir):

@@ -67,7 +67,8 @@ class SignalledTranslation(translation.TranslationTask):
     @classmethod
     def of(cls, config, step: int, signum: int) -> "SignalledTranslation":
         task = translation.TranslationTask.from_config(config)
-        return cls(**dataclasses.asdict(task), step=step, signum=signum)
+        fields = {f.name: getattr(task, f.name) for f in dataclasses.fields(task)}
+        return cls(**fields, step=step, signum=signum)
 
     def load_data(self, config, workdir, batch_multiple):
         data = super().load_data(config, workdir, batch_multiple)

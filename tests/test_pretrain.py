@@ -149,6 +149,34 @@ def test_load_discriminator_returns_the_trained_encoder(straight_run, electra_st
         pretraining.load_discriminator(os.path.dirname(workdir))
 
 
+def test_load_pretrained_skips_a_corrupt_newest_checkpoint_and_says_so(straight_run, tmp_path,
+                                                                       electra_steps, caplog):
+    """The pretrained model comes through the one restore path: a corrupt newest ``last``
+    checkpoint is named on one warning line and the one before it is loaded (it used to be the
+    newest or an error), and a reader moves no file of the pretraining run."""
+    import logging
+    import shutil
+
+    from sparsemixer_jax.checkpoint import checkpoint_digest, read_checkpoint
+
+    workdir = str(tmp_path / "copy")
+    shutil.copytree(straight_run[0], workdir)
+    bad = os.path.join(workdir, "checkpoints", "last", "6")
+    os.remove(os.path.join(bad, "state", "_METADATA"))
+    with caplog.at_level(logging.WARNING):
+        pretrained = pretraining.load_pretrained(workdir, "last")
+    named = [r.getMessage() for r in caplog.records if bad in r.getMessage()]
+    assert len(named) == 1 and "state/_METADATA is missing" in named[0], named
+    assert pretrained.step == 3
+    older = os.path.join(workdir, "checkpoints", "last", "3")
+    assert pretrained.digest == checkpoint_digest(older)
+    saved, _ = read_checkpoint(older, electra_steps.abstract_state(), 3)
+    loaded = nnx.to_pure_dict(nnx.state(pretrained.encoder, nnx.Param))
+    jax.tree.map(np.testing.assert_array_equal, loaded, saved.params["discriminator"])
+    assert os.path.isdir(bad) and not os.path.exists(
+        os.path.join(workdir, "checkpoints", "unreadable"))
+
+
 @pytest.mark.parametrize(("override", "message"), [
     ({"router.name": "top2"}, "router.name"),
     ({"model.emb_dim": 17}, "not divisible by num_heads"),
@@ -165,6 +193,18 @@ def test_load_discriminator_returns_the_trained_encoder(straight_run, electra_st
 def test_config_and_data_errors_are_clear(corpus, tmp_path, override, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         pretraining.pretrain(tiny(corpus, **override), str(tmp_path / "bad"))
+
+
+def test_a_bad_validation_text_stops_the_run_before_anything_is_written(corpus, tmp_path):
+    """Found only after the vocabulary was trained before: now the workdir is never made."""
+    bad = tmp_path / "valid.txt"
+    bad.write_bytes("A first paragraph.\n\nGrüße aus K\xf6ln.\n".encode("latin-1"))
+    workdir = tmp_path / "run"
+    with pytest.raises(ValueError, match=rf"^{bad}, line 3, byte 3: 0xfc is not UTF-8"):
+        pretraining.pretrain(tiny(corpus, **{"data.valid": str(bad)}), str(workdir))
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        pretraining.pretrain(tiny(corpus, **{"data.valid": str(tmp_path / "none")}), str(workdir))
+    assert not workdir.exists()
 
 
 def test_generator_fields_are_checked(corpus, tmp_path):
@@ -375,3 +415,31 @@ def test_configs_saved_before_activation_and_positions_read_as_relu_without_posi
     assert (electra.get_config().model.activation, wmt.get_config().model.activation) == (
         "gelu", "relu")
     assert electra.get_config().model.absolute_positions == 512
+
+
+def test_admin_profiling_sets_the_residual_scales_before_training(corpus, tmp_path):
+    """The ELECTRA configs' model.init='admin': the first training micro-batch, peeked without
+    moving the stream, sets every sublayer's scale of both encoders before the steps exist."""
+    config = tiny(corpus)
+    assert config.model.init == "admin"
+    task = pretraining.PretrainingTask.from_config(config)
+    data = task.load_data(config, str(tmp_path), 1)
+    position, first = data.train.state(), data.train.peek()
+    steps = training.build_steps(task, config, data.vocab_size, init_model=data.init_model)
+    assert data.train.state() == position
+    jax.tree.map(np.testing.assert_array_equal, next(data.train), first)  # peek is next's
+    scales = {}
+    for path, value in jax.tree_util.tree_flatten_with_path(steps.init_state().params)[0]:
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        if "residual_scale" in name:
+            scales[name] = np.asarray(value)
+    # Generator 1 layer, discriminator 2: two sublayers each.
+    assert len(scales) == 2 * (1 + 2)
+    firsts = [v for n, v in scales.items() if "layers/0/attn" in n]
+    assert len(firsts) == 2 and all(np.all(v == 1.0) for v in firsts)  # omega_1 = 1
+    rest = [v for n, v in scales.items() if "layers/0/attn" not in n]
+    assert all(np.all(v > 1.0) and np.all(v == v[0]) for v in rest)
+    # Without the scheme there is nothing to profile and no scale.
+    plain = tiny(corpus, **{"model.init": "fairseq"})
+    assert pretraining.PretrainingTask.from_config(plain).load_data(
+        plain, str(tmp_path), 1).init_model is None

@@ -459,10 +459,10 @@ def test_default_output_is_outside_the_tracked_files_and_reuse_matches_config(tm
         "arm": dataclasses.asdict(Arm("switch")), "per_seed": {"final_eval_mse": [0.1, 0.2]}}}}
     path = tmp_path / "saved.json"
     path.write_text(json.dumps(saved))
-    got = cli.reused(str(path), arms, TINY, 2)
+    got = report.reused(str(path), arms, TINY, 2)
     assert list(got) == ["switch_p8"] and got["switch_p8"]["reused_from"] == "switch"
-    assert cli.reused(str(path), arms, TINY._replace(batch=7), 2) == {}  # other run settings
-    assert cli.reused(str(path), arms, TINY, 3) == {}  # other seeds
+    assert report.reused(str(path), arms, TINY._replace(batch=7), 2) == {}  # other run settings
+    assert report.reused(str(path), arms, TINY, 3) == {}  # other seeds
 
 
 def test_robustness_summary_pairs_each_router_with_its_settings_switch(robust_run):

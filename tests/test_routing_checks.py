@@ -137,6 +137,20 @@ def test_router_registry():
         get_router("switch", -0.1)
 
 
+@pytest.mark.parametrize("name", sorted(ROUTERS))
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_])
+def test_logits_that_are_not_floats_are_refused_by_every_router(name, dtype):
+    """Integer logits were routed as they were (gate 1.0) although the routers take floats."""
+    logits = jnp.array([[1, 2, 3, 4], [0, 1, 0, 1]]).astype(dtype)
+    dtype_name = jnp.dtype(dtype).name
+    with pytest.raises(ValueError, match=rf"logits must have a float dtype .* got {dtype_name};"):
+        get_router(name, 0.1)(logits, KEY, True)
+    with pytest.raises(ValueError, match=rf"got {dtype_name};"):
+        jax.jit(get_router(name, 0.1), static_argnums=2)(logits, KEY, False)
+    out = get_router(name, 0.1)(logits.astype(jnp.bfloat16), KEY, True)  # any float is routed
+    assert out.gate.dtype == jnp.float32
+
+
 def test_import_is_cheap():
     code = "import sys, sparsemixer_jax; assert 'tensorflow' not in sys.modules, 'TF imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

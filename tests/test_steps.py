@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import runtime, training
 from sparsemixer_jax.layers import Attention
 from sparsemixer_jax.models import Transformer
-from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.routers import RouterConfig
+from sparsemixer_jax.tasks import check_config, translation
 from sparsemixer_jax.training import steps as training_steps
 from tests import tiny_wmt_config
 
@@ -63,31 +63,36 @@ def assert_same_update(ref, new):
 def test_fused_step_equals_zero_accumulate_update(steps):
     """One micro-batch: the single compiled call gives what the three calls give."""
     key = jax.random.key(7)
-    params = copy(steps.params)
-    opt = steps.init_opt(params)
+    state = copy(steps.init_state())
     b = batch()
-    stats = steps.batch_stats
-    acc = steps.zeros(params, stats, b)
-    acc, _ = steps.accumulate(params, stats, acc, b, jax.random.fold_in(key, 0))
-    ref_params, ref_opt, ref_metrics = steps.update(copy(params), copy(opt), acc)
-    new_params, _, new_opt, metrics = steps.train_step(copy(params), stats, copy(opt), [b], key)
-    assert_same_update((ref_params, ref_opt, ref_metrics), (new_params, new_opt, metrics))
-    assert not np.allclose(jax.tree.leaves(new_params)[0], jax.tree.leaves(steps.params)[0])
+    acc = steps.zeros(state, b)
+    acc, stats = steps.accumulate(state, acc, b, jax.random.fold_in(key, 0))
+    ref, ref_metrics = steps.update(copy(state), acc, stats)
+    new, metrics = steps.train_step(copy(state), [b], key)
+    assert_same_update((ref.params, ref.opt_state, ref_metrics),
+                       (new.params, new.opt_state, metrics))
+    assert int(ref.step) == int(new.step) == 1  # the update is counted
+    # The update moved the parameters. Adam's first step is about lr = 1e-7 here, below
+    # np.allclose's tolerance for the non-zero biases of the fairseq initialisation: compare
+    # exactly.
+    moved = jax.tree.leaves(jax.tree.map(lambda n, o: not np.array_equal(n, o), new.params,
+                                         state.params))
+    assert sum(moved) > len(moved) // 2, moved
 
 
 def test_several_micro_batches_take_the_accumulating_path(steps):
     key = jax.random.key(3)
-    params = copy(steps.params)
-    opt = steps.init_opt(params)
+    state = copy(steps.init_state())
     b0, b1 = batch(0), batch(1)
-    stats = steps.batch_stats
-    acc = steps.zeros(params, stats, b0)
+    acc = steps.zeros(state, b0)
+    stats = state.layer_state
     for j, b in enumerate((b0, b1)):
-        acc, stats = steps.accumulate(params, stats, acc, b, jax.random.fold_in(key, j))
-    ref = steps.update(copy(params), copy(opt), acc)
-    new_params, _, new_opt, metrics = steps.train_step(
-        copy(params), steps.batch_stats, copy(opt), [b0, b1], key)
-    assert_same_update(ref, (new_params, new_opt, metrics))
+        acc, stats = steps.accumulate(state.replace(layer_state=stats), acc, b,
+                                      jax.random.fold_in(key, j))
+    ref, ref_metrics = steps.update(copy(state), acc, stats)
+    new, metrics = steps.train_step(copy(state), [b0, b1], key)
+    assert_same_update((ref.params, ref.opt_state, ref_metrics),
+                       (new.params, new.opt_state, metrics))
 
 
 @pytest.mark.parametrize("impl", ["xla", "auto"])
@@ -142,17 +147,17 @@ def test_mask_as_lengths():
 
 def test_attention_impl_config_errors():
     with pytest.raises(ValueError, match=r"attention_impl.*no dropout.*attention_dropout=0\.1"):
-        config_schema.validate(tiny_config(attention_impl="cudnn", attention_dropout=0.1))
+        check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.1))
     with pytest.raises(ValueError, match="'cudnn' needs compute_dtype='bfloat16'"):
-        config_schema.validate(tiny_config(attention_impl="cudnn", attention_dropout=0.0))
-    config_schema.validate(tiny_config(attention_impl="cudnn", attention_dropout=0.0,
+        check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.0))
+    check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.0,
                                    compute_dtype="bfloat16"))
     with pytest.raises(ValueError, match="attention implementation 'flash'"):
-        config_schema.validate(tiny_config(attention_impl="flash", attention_dropout=0.0))
+        check_config(tiny_config(attention_impl="flash", attention_dropout=0.0))
     c = tiny_config()
     c.runtime.rng_impl = "philox"
     with pytest.raises(ValueError, match=r"runtime\.rng_impl='philox'"):
-        config_schema.validate(c)
+        check_config(c)
 
 
 def test_runtime_configure_sets_prng_and_xla_flags(monkeypatch):
@@ -192,9 +197,9 @@ def test_balance_normalization_per_batch_is_the_reference_weight(steps):
 
     def grad(weight, normalization):
         task = translation.TranslationTask(
-            label_smoothing=0.1, balance_weight=weight, z_loss_weight=0.0,
-            balance_normalization=normalization)
-        return loss_grad(steps.graphdef, task, steps.params, steps.batch_stats, steps.rest,
+            label_smoothing=0.1, router=RouterConfig(balance_weight=weight, z_loss_weight=0.0,
+                                                     balance_normalization=normalization))
+        return loss_grad(steps.graphdef, task, steps.params, steps.layer_state, steps.rest,
                          b, key)[0]
 
     per_batch = grad(1.0, "per_batch")
@@ -209,4 +214,4 @@ def test_balance_normalization_is_checked():
     config = tiny_config()
     config.router.balance_normalization = "per_sentence"
     with pytest.raises(ValueError, match="balance_normalization='per_sentence'"):
-        config_schema.validate(config)
+        check_config(config)

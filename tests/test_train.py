@@ -20,12 +20,11 @@ import numpy as np
 import pytest
 
 from sparsemixer_jax import cli, sharding, training, translate
-from sparsemixer_jax import config as config_schema
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.data.sources import read_split
 from sparsemixer_jax.data.translation import load_datasets
 from sparsemixer_jax.studies.curves import plot_losses, read_run
-from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.tasks import check_config, translation
 from sparsemixer_jax.training.hosts import BatchPlacer
 from sparsemixer_jax.training.logs import Progress
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule
@@ -142,9 +141,9 @@ def test_config_errors_are_caught_before_compiling(tmp_path):
     ]
     for overrides, message in cases:
         with pytest.raises(ValueError, match=message):
-            config_schema.validate(tiny(**overrides))
+            check_config(tiny(**overrides))
     with pytest.raises(ValueError, match=r"not divisible by config\.mesh\.expert"):
-        config_schema.validate(tiny(**{"mesh.data": 1, "mesh.expert": 4,
+        check_config(tiny(**{"mesh.data": 1, "mesh.expert": 4,
                                         "model.num_experts": 6}))
     with pytest.raises(ValueError, match="devices"):
         sharding.mesh_from_config(tiny(**{"mesh.data": 16, "mesh.expert": 1}))

@@ -14,13 +14,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import routers, training
-from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.moe.layer import MoEFeedForward
 from sparsemixer_jax.moe.unchosen import all_expert_outputs, update_expert_defaults
 from sparsemixer_jax.sharding import batch_sharding, make_mesh, shard_state
-from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.tasks import check_config, translation
+from sparsemixer_jax.training.state import restore_checkpoint
 from tests import tiny_wmt_config
 
 NEW_ROUTERS = ("densemixer", "densemixer_blog", "default_moe", "default_moe_st",
@@ -327,7 +326,7 @@ def test_decay_outside_the_open_interval_is_refused(decay):
     config.router.name = "default_moe"
     config.router.default_decay = decay
     with pytest.raises(ValueError, match=r"config.router.default_decay must lie in \(0, 1\)"):
-        config_schema.validate(config)
+        check_config(config)
 
 
 @pytest.mark.parametrize(("router", "options", "message"), [
@@ -351,7 +350,7 @@ def test_router_options_a_router_ignores_are_refused(router, options, message):
         return
     config.router.update(options)
     with pytest.raises(ValueError, match="config.router." + message):
-        config_schema.validate(config)
+        check_config(config)
 
 
 def test_routers_are_in_the_registry():
@@ -375,11 +374,8 @@ def tiny(**overrides):
 def last_state(workdir, config):
     steps = training.build_steps(translation.TranslationTask.from_config(config), config,
                                  config.data.vocab_size)
-    template = steps.train_state(steps.params, steps.init_opt(steps.params))
-    checkpoints = RunCheckpoints(workdir)
-    state, meta = checkpoints.restore(checkpoints.last, template)
-    checkpoints.close()
-    return jax.tree.map(np.asarray, state), meta
+    restored = restore_checkpoint(workdir, steps.abstract_state(), "last")
+    return jax.tree.map(np.asarray, restored.state), restored.meta
 
 
 def test_default_vectors_are_checkpointed_and_resumed_exactly(tmp_path):
@@ -391,6 +387,6 @@ def test_default_vectors_are_checkpointed_and_resumed_exactly(tmp_path):
     state, meta = last_state(resumed, tiny())
     expected, _ = last_state(straight, tiny())
     assert meta["step"] == 2
-    defaults = jax.tree.leaves(state["batch_stats"])
+    defaults = jax.tree.leaves(state.layer_state)
     assert defaults and all(np.abs(d).sum() > 0 for d in defaults)  # trained, not the zero init
     jax.tree.map(np.testing.assert_array_equal, state, expected)

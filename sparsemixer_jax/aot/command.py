@@ -10,6 +10,7 @@ whose step does not fit, says so in one line.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ import ml_collections
 from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import runtime
 from sparsemixer_jax.aot import analysis, targets
+from sparsemixer_jax.tasks import check_config
 
 SUPPORTED_TASKS = ("translation",)
 
@@ -52,7 +54,7 @@ def run(config: ml_collections.ConfigDict, target_specs: Sequence[str], *,
     """Compile for every target, print each report and a summary line; write JSON if asked.
     Returns the results (without the report objects)."""
     try:
-        config_schema.validate(config)
+        check_config(config)
         runtime.configure(config)  # the RNG implementation and matmul precision shape the program
     except ValueError as err:
         results = [{"target": spec, "error": str(err).splitlines()[0]} for spec in target_specs]
@@ -63,7 +65,7 @@ def run(config: ml_collections.ConfigDict, target_specs: Sequence[str], *,
     for spec in target_specs:
         result = compile_for_target(config, spec, decode_step=decode_step)
         if "reports" in result:
-            expert = int(config.mesh.expert)
+            expert = config.mesh.expert
             print(f"== {spec}: {result['devices']} x {result['device_kind']}, mesh "
                   f"data={result['devices'] // expert} x expert={expert}")
             for report in result.pop("reports"):
@@ -71,6 +73,7 @@ def run(config: ml_collections.ConfigDict, target_specs: Sequence[str], *,
         print(summary_line(result), flush=True)
         results.append(result)
     if json_path:
+        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
         with open(json_path, "w") as f:
             json.dump({"config": json.loads(config.to_json()), "results": results}, f, indent=1)
     return results

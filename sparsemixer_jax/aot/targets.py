@@ -4,7 +4,7 @@ A *target* is written ``platform:...``:
 
 * ``tpu:<generation>:<topology>``, e.g. ``tpu:v5e:4x4`` (16 chips), ``tpu:v5p:2x2x4``,
   ``tpu:v6e:4x4``, ``tpu:v4:2x2x2``: libtpu's own description of that slice (needs ``libtpu``,
-  ``pip install "jax[tpu]"``).
+  ``pip install "jax[tpu]==0.11.2"``, the jax version of requirements.txt).
 * ``h100:<hosts>x<gpus>`` or ``h100:1x<hosts>x<gpus>``, e.g. ``h100:1x8`` (one host of 8 GPUs),
   ``h100:2x8``: H100 SXM GPUs described by :data:`H100_SXM_TARGET_CONFIG` (needs the CUDA PJRT
   plugin, ``jax-cuda13-plugin``, ``jax-cuda13-pjrt`` and ``nvidia-nvshmem-cu13``, and ``ptxas``).
@@ -131,15 +131,16 @@ def missing_support(target: Target) -> str | None:
     """Why ``target`` cannot be compiled for in this environment (one line), or None."""
     if target.platform == "tpu":
         if importlib.util.find_spec("libtpu") is None:
-            return ('TPU targets need libtpu: pip install "jax[tpu]" '
+            return (f'TPU targets need libtpu: pip install "jax[tpu]=={jax.__version__}" '
                     "(or -r requirements-compile.txt)")
         return None
     if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
-        return ("H100 targets need the CUDA PJRT plugin: pip install jax-cuda13-plugin "
-                "jax-cuda13-pjrt nvidia-nvshmem-cu13 (or -r requirements-compile.txt)")
+        return (f"H100 targets need the CUDA PJRT plugin: pip install "
+                f"jax-cuda13-plugin=={jax.__version__} jax-cuda13-pjrt=={jax.__version__} "
+                "nvidia-nvshmem-cu13==3.8.0 (or -r requirements-compile.txt)")
     if not _ptxas_found():
         return ("H100 targets need ptxas: the CUDA toolkit on the PATH, or pip install "
-                "nvidia-cuda-nvcc")
+                "nvidia-cuda-nvcc==13.0.88 (as requirements-compile.txt)")
     return None
 
 

@@ -27,7 +27,9 @@ from sparsemixer_jax import decode, sharding
 from sparsemixer_jax.aot.analysis import ProgramReport, analyse
 from sparsemixer_jax.aot.targets import Target
 from sparsemixer_jax.data.batching import bucket_batch_size, bucket_lengths
+from sparsemixer_jax.data.sources import DataConfig
 from sparsemixer_jax.data.tokenizer import EOS_ID
+from sparsemixer_jax.moe import MoEConfig
 from sparsemixer_jax.moe.dispatch import resolve_dispatch
 from sparsemixer_jax.tasks.translation import TranslationTask, accumulation_steps
 from sparsemixer_jax.training.optim import OptimSettings
@@ -40,7 +42,7 @@ def config_for_target(config: ml_collections.ConfigDict,
     (not for this machine's, which ``"auto"`` would otherwise pick at trace time)."""
     config = copy.deepcopy(config)
     with config.unlocked():
-        config.model.dispatch = resolve_dispatch(str(config.model.dispatch),
+        config.model.dispatch = resolve_dispatch(MoEConfig.from_config(config.model).dispatch,
                                                  target.dispatch_platform)
     return config
 
@@ -48,11 +50,13 @@ def config_for_target(config: ml_collections.ConfigDict,
 def target_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device]):
     """The ``(data, expert)`` mesh of ``config.mesh`` over ``devices`` (all of them), or a
     ValueError naming the config field that does not fit the target."""
-    expert, data = int(config.mesh.expert), int(config.mesh.data)
+    sections = sharding.MeshConfig.from_config(config.mesh)
+    expert, data = sections.expert, sections.data
+    num_experts = MoEConfig.from_config(config.model).num_experts
     try:
         mesh = sharding.make_mesh(data, expert, devices)
-        if config.model.num_experts:
-            sharding.check_mesh(mesh, int(config.model.num_experts))
+        if num_experts:
+            sharding.check_mesh(mesh, num_experts)
     except ValueError as err:
         raise ValueError(f"config.mesh (data={data}, expert={expert}) does not shard over the "
                          f"target's {len(devices)} devices: {err}") from err
@@ -61,9 +65,10 @@ def target_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device]
 
 def batch_shape(config: ml_collections.ConfigDict, mesh) -> tuple[int, int]:
     """``(rows, length)`` of the longest bucket's batch, as the data pipeline would make it."""
-    step = int(config.data.get("bucket_step", 8))
-    length = bucket_lengths(int(config.data.max_len), min_len=step, step=step)[-1]
-    max_tokens = int(config.data.max_tokens)
+    data = DataConfig.of(config)
+    step = data.bucket_step
+    length = bucket_lengths(data.max_len, min_len=step, step=step)[-1]
+    max_tokens = data.max_tokens
     if max_tokens < mesh.size * length:
         raise ValueError(
             f"config.data.max_tokens={max_tokens} cannot hold one row of max_len={length} tokens "
@@ -75,8 +80,7 @@ def abstract_model(config: ml_collections.ConfigDict, mesh=None) -> nnx.Module:
     """The task's model of ``config`` as shapes, dtypes and shardings (``nnx.eval_shape``), with
     a vocabulary of ``data.vocab_size`` (the size the tokenizer is trained to)."""
     task = TranslationTask.from_config(config)
-    return nnx.eval_shape(
-        lambda: task.build_model(config, int(config.data.vocab_size), mesh))
+    return nnx.eval_shape(lambda: task.build_model(config, task.data.vocab_size, mesh))
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
@@ -112,13 +116,16 @@ def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
     # One device: no mesh in the model, as the training loop does (sharding.mesh_from_config).
     model = abstract_model(config, mesh if mesh.size > 1 else None)
     steps = Steps(model, task, OptimSettings.from_config(config.optim))
+    micro_batches = accumulation_steps(task.tokens_per_update, task.data.max_tokens)
     replicated = NamedSharding(mesh, P())
     params = _abstract(steps.params, nnx.to_pure_dict(
         sharding.state_shardings(nnx.state(model, nnx.Param), mesh)))
     stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
-                         steps.batch_stats)
+                         steps.layer_state)
     rest = _abstract(steps.rest, sharding.state_shardings(steps.rest, mesh))
-    opt_state = jax.eval_shape(steps.init_opt, params)
+    # The step and optimizer state's shapes; the parameters and layer state placed as above.
+    state = jax.eval_shape(steps.new_state, params, stats).replace(params=params,
+                                                                   layer_state=stats)
     tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding.batch_sharding(mesh))
     batch = {"inputs": tokens, "targets": tokens}
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
@@ -126,31 +133,31 @@ def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
     shape = f"[{rows}, {length}]"
 
     reports = []
-    if accumulation_steps(config) == 1:
-        def train_step(params, stats, rest, opt_state, batch, key):
-            return steps.with_rest(rest).train_step(params, stats, opt_state, [batch], key)
+    if micro_batches == 1:
+        def train_step(state, rest, batch, key):
+            return steps.with_rest(rest).train_step(state, [batch], key)
 
         reports.append(_compile(f"train step, batch {shape}", train_step,
-                                (params, stats, rest, opt_state, batch, key), donate=(0, 3)))
+                                (state, rest, batch, key), donate=(0,)))
     else:
-        def accumulate(params, stats, rest, acc, batch, key):
-            return steps.with_rest(rest).accumulate(params, stats, acc, batch, key)
+        def accumulate(state, rest, acc, batch, key):
+            return steps.with_rest(rest).accumulate(state, acc, batch, key)
 
-        acc = jax.eval_shape(lambda p, s, r, b: steps.with_rest(r).zeros(p, s, b),
-                             params, stats, rest, batch)
+        acc = jax.eval_shape(lambda s, r, b: steps.with_rest(r).zeros(s, b), state, rest, batch)
         reports.append(_compile(
-            f"accumulate (one of {accumulation_steps(config)} micro-batches), batch {shape}",
-            accumulate, (params, stats, rest, acc, batch, key), donate=(3,)))
-        reports.append(_compile("update", steps.update, (params, opt_state, acc), donate=(0, 1)))
+            f"accumulate (one of {micro_batches} micro-batches), batch {shape}",
+            accumulate, (state, rest, acc, batch, key), donate=(2,)))
+        reports.append(_compile("update", steps.update, (state, acc, stats), donate=(0,)))
     if decode_step:
-        def beam_search(params, stats, rest, inputs):
-            model = steps.with_rest(rest).model(params, stats)
+        beam = task.decode
+
+        def beam_search(state, rest, inputs):
+            model = steps.with_rest(rest).model(state)
             return decode.beam_search_model(
-                model, inputs, eos_id=EOS_ID, beam_size=int(config.decode.beam_size),
-                alpha=float(config.decode.length_penalty),
-                max_extra_len=int(config.decode.max_extra_len), max_len=int(config.data.max_len))
+                model, inputs, eos_id=EOS_ID, beam_size=beam.beam_size, alpha=beam.length_penalty,
+                max_extra_len=beam.max_extra_len, max_len=task.data.max_len)
 
         reports.append(_compile(
-            f"beam search (beam {int(config.decode.beam_size)}), batch {shape}", beam_search,
-            (params, stats, rest, tokens)))
+            f"beam search (beam {beam.beam_size}), batch {shape}", beam_search,
+            (state, rest, tokens)))
     return reports

@@ -110,24 +110,27 @@ def electra_flops_per_token(config) -> dict[str, float]:
     Returns float FLOPs per token: ``discriminator``, ``generator``, ``heads``, ``attention`` (the
     ``4 L e`` part of both encoders, included in theirs) and ``total``.
     """
+    from sparsemixer_jax.data.text import TextDataConfig
     from sparsemixer_jax.electra import generator_config, num_predictions
+    from sparsemixer_jax.encoder import EncoderConfig
 
-    e, length = int(config.model.emb_dim), int(config.data.seq_len)
-    vocab = int(config.data.vocab_size)
+    data = TextDataConfig.of(config)
+    discriminator = EncoderConfig.from_config(config.model)
+    e, length, vocab = discriminator.emb_dim, data.seq_len, data.vocab_size
 
-    def encoder(model) -> tuple[float, float, float]:
+    def encoder(model: EncoderConfig) -> tuple[float, float, float]:
         """Forward FLOPs, attention's share of them, and the router's extra training FLOPs."""
-        layers, m, n = int(model.num_layers), int(model.mlp_dim), int(model.num_experts)
-        moe_layers = len(range(0, layers, int(model.moe_every))) if n else 0
+        layers, m, n = model.num_layers, model.mlp_dim, model.moe.num_experts
+        moe_layers = len(range(0, layers, model.moe.moe_every)) if n else 0
         attention = layers * 4 * length * e
         extra = moe_layers * unchosen_flops_per_token(config.router.name, e, m, n)["total"] \
             if n else 0.0
         return (layers * (8 * e * e + 4 * e * m) + attention + moe_layers * 2 * e * n,
                 attention, extra)
 
-    disc, disc_attention, disc_extra = encoder(config.model)
-    gen, gen_attention, gen_extra = encoder(generator_config(config).model)
-    predicted = num_predictions(length, float(config.data.mask_prob)) / length
+    disc, disc_attention, disc_extra = encoder(discriminator)
+    gen, gen_attention, gen_extra = encoder(generator_config(config))
+    predicted = num_predictions(length, data.mask_prob) / length
     heads = (2 * e * e + 2 * e) + predicted * (2 * e * e + 2 * e * vocab)
     out = {"discriminator": 3.0 * disc + disc_extra, "generator": 3.0 * gen + gen_extra,
            "heads": 3.0 * heads, "attention": 3.0 * (disc_attention + gen_attention)}

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import sys
@@ -255,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                          "target": args.target},
               "rows": rows}
     if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return result

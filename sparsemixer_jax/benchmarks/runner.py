@@ -100,7 +100,7 @@ class BenchmarkSettings:
     None times ``DECODE_SHAPES``.
     """
 
-    out: str | None = "bench.json"
+    out: str | None = "runs/bench.json"  # under the git-ignored runs/ of a checkout
     backend: str | None = None
     sections: list[str] = dataclasses.field(
         default_factory=lambda: ["overhead", "router", "moe_vs_dense", "throughput"])
@@ -208,6 +208,7 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
                                           s.profile_dir, **model_options)
     result["load_average_end"] = load_average()
     if s.out:
+        os.makedirs(os.path.dirname(s.out) or ".", exist_ok=True)
         with open(s.out, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {s.out}")

@@ -61,7 +61,7 @@ def synthetic_batch(sizes: dict[str, int], seed: int = 0) -> dict[str, Any]:
 class TrainStep:
     """One update of ``train.py``'s training loop (one micro-batch), as a zero-argument call.
 
-    Owns the parameters and optimizer state, which the compiled update donates and returns.
+    Owns the train state, which the compiled update donates and returns.
     ``fused``: ``train.Steps.train_step``, one compiled call per update (what ``train.py`` runs
     without gradient accumulation); else the three calls of an accumulating update (zero the
     accumulator, forward + backward, optimizer update).
@@ -75,11 +75,10 @@ class TrainStep:
         from sparsemixer_jax.training.steps import count_params
 
         self.steps = build_steps(translation.TranslationTask.from_config(config), config, vocab)
-        self.params, self.batch_stats = self.steps.params, self.steps.batch_stats
-        self.opt_state = self.steps.init_opt(self.params)
+        self.state = self.steps.init_state()
         self.batch = batch
         self.key = jax.random.key(0)
-        self.num_params = count_params(self.params)
+        self.num_params = count_params(self.state.params)
         self.fused = fused
         self.calls = 0
 
@@ -88,16 +87,14 @@ class TrainStep:
 
         # The same key every call: the routers see the same jitter/mask draws each time.
         if self.fused:
-            self.params, self.batch_stats, self.opt_state, metrics = self.steps.train_step(
-                self.params, self.batch_stats, self.opt_state, [self.batch], self.key)
+            self.state, metrics = self.steps.train_step(self.state, [self.batch], self.key)
         else:
-            acc = self.steps.zeros(self.params, self.batch_stats, self.batch)
-            acc, self.batch_stats = self.steps.accumulate(
-                self.params, self.batch_stats, acc, self.batch, jax.random.fold_in(self.key, 0))
-            self.params, self.opt_state, metrics = self.steps.update(self.params,
-                                                                     self.opt_state, acc)
+            acc = self.steps.zeros(self.state, self.batch)
+            acc, layer_state = self.steps.accumulate(self.state, acc, self.batch,
+                                                     jax.random.fold_in(self.key, 0))
+            self.state, metrics = self.steps.update(self.state, acc, layer_state)
         self.calls += 1
-        return jax.tree.leaves(self.params)[0], metrics
+        return jax.tree.leaves(self.state.params)[0], metrics
 
 
 def bench_overhead(sizes, experts, dtype, warmup, repeats,

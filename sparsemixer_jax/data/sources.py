@@ -13,14 +13,18 @@ TensorFlow / TFDS are imported only inside :func:`read_tfds`.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import itertools
 import os
 import socket
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 from sparsemixer_jax.data import Pair
 from sparsemixer_jax.data.synthetic import synthetic_pairs, synthetic_split_sizes
+from sparsemixer_jax.section import cast, check_positive, read_fields
 
 SOURCES = ("tfds", "text", "synthetic")
 # Fields every source needs, then the extra ones each source reads.
@@ -44,35 +48,76 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 # -----------------------------------------------------------------------------------------------
-# Config checks.
+# The config section.
 # -----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """``config.data`` of a translation run (schema and meaning of each field:
+    ``configs/wmt.py``), with the run's ``seed`` (vocabulary sample, synthetic pair, batch order).
+    """
+
+    source: str
+    src: str
+    tgt: str
+    train_prefix: str
+    valid_prefix: str
+    test_prefix: str
+    vocab_size: int
+    vocab_sample_sentences: int
+    max_len: int
+    max_tokens: int
+    seed: int
+    dir: str = ""
+    tfds_name: str = ""
+    synthetic_size: int = 0
+    bucket_step: int = 8
+    character_coverage: float = 0.9995
+    spm_model_type: str = "unigram"
+
+    @classmethod
+    def from_config(cls, config: Any, where: str = "config.data.") -> DataConfig:
+        """``config.data`` (and ``config.seed``) of the experiment config ``config``, checked:
+        one-line ValueErrors naming every missing field, or the first bad one."""
+        if "data" not in config:
+            raise ValueError("config has no `data` section (see configs/wmt.py for the schema)")
+        data = config.data
+        if "source" not in data:
+            raise ValueError("config.data is missing field 'source' (one of tfds, text, "
+                             "synthetic)")
+        if data.source not in SOURCES:
+            raise ValueError(f"unknown config.data.source {data.source!r}: expected one of "
+                             f"{', '.join(SOURCES)}")
+        needed = _COMMON_FIELDS + _SOURCE_FIELDS[data.source]
+        missing = [f for f in needed if f not in data]
+        if "seed" not in config:
+            missing.append("seed (top level)")
+        if missing:
+            raise ValueError(f"config.data is missing fields for source {data.source!r}: "
+                             f"{missing} (see configs/wmt.py for the schema)")
+        section = cls(seed=cast(int, config.seed, "config.seed"),
+                      **read_fields(cls, data, where, skip=("seed",)))
+        if section.max_len < 2:
+            raise ValueError(f"{where}max_len must be >= 2 (text + EOS), got {section.max_len}")
+        if section.bucket_step < 1:
+            raise ValueError(f"{where}bucket_step must be >= 1, got {section.bucket_step}")
+        check_positive(where, vocab_size=section.vocab_size, max_tokens=section.max_tokens)
+        return section
+
+    @classmethod
+    def of(cls, config: Any) -> DataConfig:
+        """The typed data section of ``config``: ``config`` itself or its ``data`` if either is
+        one already, else read from the experiment config ``config``."""
+        if isinstance(config, cls):
+            return config
+        return config.data if isinstance(config.data, cls) else cls.from_config(config)
+
+
 def check_config(config: Any) -> None:
-    """Raises ``ValueError`` naming every missing ``config.data`` field, or an unknown source."""
-    if "data" not in config:
-        raise ValueError("config has no `data` section (see configs/wmt.py for the schema)")
-    data = config.data
-    if "source" not in data:
-        raise ValueError("config.data is missing field 'source' (one of tfds, text, synthetic)")
-    if data.source not in SOURCES:
-        raise ValueError(
-            f"unknown config.data.source {data.source!r}: expected one of {', '.join(SOURCES)}"
-        )
-    needed = _COMMON_FIELDS + _SOURCE_FIELDS[data.source]
-    missing = [f for f in needed if f not in data]
-    if "seed" not in config:
-        missing.append("seed (top level)")
-    if missing:
-        raise ValueError(
-            f"config.data is missing fields for source {data.source!r}: {missing} "
-            "(see configs/wmt.py for the schema)"
-        )
-    if data.max_len < 2:
-        raise ValueError(f"config.data.max_len must be >= 2 (text + EOS), got {data.max_len}")
+    """Raises ``ValueError`` naming every missing ``config.data`` field, or an unknown source
+    (:meth:`DataConfig.from_config`)."""
+    DataConfig.from_config(config)
 
 
-# -----------------------------------------------------------------------------------------------
-# Readers: one per source, each returning a list of raw (src, tgt) string pairs.
-# -----------------------------------------------------------------------------------------------
 def resolve_data_dir(path: str) -> str:
     """``path`` if it exists (absolute or relative to the cwd), else relative to the repo root.
 
@@ -110,8 +155,9 @@ def first_non_utf8(path: str) -> str:
     return f"{path}: not UTF-8 text"
 
 
-def read_lines(path: str, *, universal_newlines: bool = False) -> list[str]:
-    """The lines of a UTF-8 text file, plain or gzip-compressed (``.gz``), without line endings.
+def iter_lines(path: str, *, universal_newlines: bool = False) -> Iterator[str]:
+    """The lines of a UTF-8 text file, plain or gzip-compressed (``.gz``), without line endings,
+    one at a time (:func:`read_lines` reads them all).
 
     Lines end at ``\n`` only (a ``\r`` before it goes too): a stray carriage return inside a
     line of a parallel file must not split it in two, or the two files would seem misaligned
@@ -125,7 +171,8 @@ def read_lines(path: str, *, universal_newlines: bool = False) -> list[str]:
         with opener(path, "rt", encoding="utf-8",
                     newline=None if universal_newlines else "\n") as f:
             # Only the line ending goes: a line's own spaces are kept until the shared check.
-            return [line.removesuffix("\n").removesuffix("\r") for line in f]
+            for line in f:
+                yield line.removesuffix("\n").removesuffix("\r")
     except UnicodeDecodeError:
         raise ValueError(first_non_utf8(path)) from None
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # the stream ends early, bad data
@@ -133,6 +180,11 @@ def read_lines(path: str, *, universal_newlines: bool = False) -> list[str]:
                          "compress it again") from None
     except OSError as e:
         raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
+
+
+def read_lines(path: str, *, universal_newlines: bool = False) -> list[str]:
+    """All the lines of :func:`iter_lines` (same line endings, same one-line errors)."""
+    return list(iter_lines(path, universal_newlines=universal_newlines))
 
 
 def read_text(directory: str, prefix: str, src: str, tgt: str) -> list[Pair]:
@@ -146,12 +198,47 @@ def read_text(directory: str, prefix: str, src: str, tgt: str) -> list[Pair]:
     src_path = _find_text_file(directory, prefix, src)
     tgt_path = _find_text_file(directory, prefix, tgt)
     src_lines, tgt_lines = read_lines(src_path), read_lines(tgt_path)
-    if len(src_lines) != len(tgt_lines):
-        raise ValueError(
-            f"misaligned parallel files: {src_path} has {len(src_lines)} lines but {tgt_path} has "
-            f"{len(tgt_lines)} lines"
-        )
+    _check_aligned(src_path, len(src_lines), tgt_path, len(tgt_lines))
     return list(zip(src_lines, tgt_lines, strict=True))
+
+
+def _check_aligned(src_path: str, src_count: int, tgt_path: str, tgt_count: int) -> None:
+    if src_count != tgt_count:
+        raise ValueError(
+            f"misaligned parallel files: {src_path} has {src_count} lines but {tgt_path} has "
+            f"{tgt_count} lines"
+        )
+
+
+def check_text_files(config: Any) -> None:
+    """For ``config.data.source == "text"``: every split's two files are there, are UTF-8 text
+    (intact, for ``.gz``), have as many lines as each other and hold a pair with text on both
+    sides; raises the one-line error reading the split would raise later.
+
+    The run calls this before it writes anything or trains its vocabulary, so that a bad
+    validation or test file stops it at once instead of after the vocabulary is trained (and
+    leaves no workdir behind). Each file is read once more, a line at a time (constant memory).
+    """
+    data = config.data
+    if data.source != "text":  # TFDS checks its own files; the synthetic pair has none
+        return
+    directory = resolve_data_dir(data.dir)
+    for split in ("train", "valid", "test"):
+        prefix = data[f"{split}_prefix"]
+        src_path = _find_text_file(directory, prefix, data.src)
+        tgt_path = _find_text_file(directory, prefix, data.tgt)
+        src_count = tgt_count = 0
+        usable = False
+        for src, tgt in itertools.zip_longest(iter_lines(src_path), iter_lines(tgt_path)):
+            src_count += src is not None
+            tgt_count += tgt is not None
+            usable = usable or bool(src and tgt and src.strip() and tgt.strip())
+        _check_aligned(src_path, src_count, tgt_path, tgt_count)
+        if not usable:
+            raise ValueError(
+                f"the {split} split has no usable pairs ({src_count} read, all with an empty "
+                f"side): check config.data.{split}_prefix and config.data.source"
+            )
 
 
 def download_servers_reachable(name: str, timeout: float = 5.0) -> bool:
@@ -203,15 +290,16 @@ def read_tfds(name: str, split: str, src: str, tgt: str, data_dir: str = "") -> 
 
 
 def read_split(config: Any, split: str) -> list[Pair]:
-    """Raw pairs of ``split`` in {"train", "valid", "test"} from the source the config names."""
-    data = config.data
-    prefix = data[f"{split}_prefix"]
+    """Raw pairs of ``split`` in {"train", "valid", "test"} from the source the config names
+    (``config.data`` a :class:`DataConfig` or the section it is read from)."""
+    data = DataConfig.of(config)
+    prefix = getattr(data, f"{split}_prefix")
     if data.source == "text":
         return read_text(data.dir, prefix, data.src, data.tgt)
     if data.source == "tfds":
         return read_tfds(data.tfds_name, prefix, data.src, data.tgt, data.dir)
     if data.source == "synthetic":
         index = ("train", "valid", "test").index(split)
-        size = synthetic_split_sizes(int(data.synthetic_size))[index]
-        return synthetic_pairs(size, int(config.seed), index)
+        size = synthetic_split_sizes(data.synthetic_size)[index]
+        return synthetic_pairs(size, data.seed, index)
     raise ValueError(f"unknown config.data.source {data.source!r}: expected one of {SOURCES}")

@@ -22,6 +22,7 @@ for ``[CLS] a [SEP]`` and 1 for ``b [SEP]``: the layout GLUE's sentence pairs us
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from sparsemixer_jax.data.sources import read_lines, resolve_data_dir
+from sparsemixer_jax.data.sources import iter_lines, read_lines, resolve_data_dir
 from sparsemixer_jax.data.tokenizer import (  # noqa: F401  (every special id in one place)
     EOS_ID,
     PAD_ID,
@@ -41,6 +42,7 @@ from sparsemixer_jax.data.tokenizer import (  # noqa: F401  (every special id in
     train_tokenizer,
     vocabulary_sample,
 )
+from sparsemixer_jax.section import cast, check_positive, read_fields
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,21 @@ def text_files(path: str) -> list[str]:
     if not files:
         raise FileNotFoundError(f"pretraining text directory {path!r} holds no files")
     return files
+
+
+def check_pretraining_text(config: Any) -> None:
+    """The training and validation text of ``config.data`` are there, and the validation text is
+    UTF-8 (intact, for ``.gz``) and holds text; raises the one-line error reading them would.
+
+    The run calls this before it writes anything or trains its vocabulary, so that a bad
+    validation file stops it at once. The training text (gigabytes for Wikipedia) is only looked
+    for: it is read first in any case, before the vocabulary is trained.
+    """
+    text_files(config.data.train)
+    path = config.data.valid
+    if not any(line.strip() for file in text_files(path)
+               for line in iter_lines(file, universal_newlines=True)):
+        raise ValueError(f"pretraining text {path!r} holds no text")
 
 
 def detect_format(lines: Sequence[str]) -> str:
@@ -149,18 +166,73 @@ def read_documents(path: str) -> list[list[str]]:
 # --------------------------------------------------------------------------------- vocabulary
 
 
+@dataclasses.dataclass(frozen=True)
+class TextDataConfig:
+    """``config.data`` of a pretraining run (schema and meaning of each field:
+    ``configs/electra.py``), with the run's ``seed`` (vocabulary sample, packing, masking)."""
+
+    train: str
+    valid: str
+    vocab_size: int
+    seq_len: int
+    batch_size: int
+    seed: int
+    valid_sequences: int = 0
+    vocab_sample_sentences: int = 2_000_000
+    spm_model_type: str = "bpe"
+    character_coverage: float = 0.9995
+    pair_prob: float = 0.5
+    micro_batch_size: int = 0
+    mask_prob: float = 0.15
+    mask_token_prob: float = 0.85
+
+    @classmethod
+    def from_config(cls, config: Any, where: str = "config.data.") -> TextDataConfig:
+        """``config.data`` (and ``config.seed``) of the experiment config ``config``, checked:
+        one-line ValueErrors naming the first bad field."""
+        d = cls(seed=cast(int, config.seed, "config.seed"),
+                **read_fields(cls, config.data, where, skip=("seed",)))
+        check_positive(where, vocab_size=d.vocab_size, batch_size=d.batch_size)
+        if d.seq_len < 8:
+            raise ValueError(f"{where}seq_len must be >= 8, got {d.seq_len}")
+        if d.vocab_size <= FIRST_WORD_ID:
+            raise ValueError(f"{where}vocab_size must exceed {FIRST_WORD_ID} special ids")
+        if d.micro_batch_size < 0 or d.batch_size % d.micro:
+            raise ValueError(f"{where}micro_batch_size={d.micro_batch_size} must divide "
+                             f"{where}batch_size={d.batch_size} (0 = no accumulation)")
+        for name in ("mask_prob", "mask_token_prob", "pair_prob"):
+            if not 0.0 <= getattr(d, name) <= 1.0:
+                raise ValueError(f"{where}{name} must lie in [0, 1], got {getattr(d, name)}")
+        if not d.mask_prob > 0:
+            raise ValueError(f"{where}mask_prob must be > 0: nothing would be replaced")
+        return d
+
+    @classmethod
+    def of(cls, config: Any) -> TextDataConfig:
+        """The typed data section of ``config``: ``config`` itself or its ``data`` if either is
+        one already, else read from the experiment config ``config``."""
+        if isinstance(config, cls):
+            return config
+        return config.data if isinstance(config.data, cls) else cls.from_config(config)
+
+    @property
+    def micro(self) -> int:
+        """Sequences per accumulation micro-step."""
+        return self.micro_batch_size or self.batch_size
+
+
 def get_text_tokenizer(config: Any, workdir: str, paragraphs: Sequence[str]) -> Tokenizer:
     """Loads ``{workdir}/spm.model`` or trains it on a seeded sample of ``paragraphs``.
 
-    Raises ``ValueError`` if the model's size differs from ``config.data.vocab_size`` or its
-    special pieces are not ``[CLS] = 3, [SEP] = 4, [MASK] = 5``.
+    ``config`` is the experiment config or its :class:`TextDataConfig`. Raises ``ValueError``
+    if the model's size differs from ``config.data.vocab_size`` or its special pieces are not
+    ``[CLS] = 3, [SEP] = 4, [MASK] = 5``.
     """
-    data = config.data
+    data = TextDataConfig.of(config)
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "spm.model")
     if not os.path.exists(path):
-        sample = vocabulary_sample(list(paragraphs), int(data.vocab_sample_sentences),
-                                   int(config.seed))
+        sample = vocabulary_sample(list(paragraphs), data.vocab_sample_sentences, data.seed)
         logger.info(
             "training a %d-piece SentencePiece model on %d paragraphs -> %s",
             data.vocab_size, len(sample), path,
@@ -168,14 +240,14 @@ def get_text_tokenizer(config: Any, workdir: str, paragraphs: Sequence[str]) -> 
         train_tokenizer(
             sample,
             path,
-            int(data.vocab_size),
-            seed=int(config.seed),
-            character_coverage=float(data.character_coverage),
-            model_type=str(data.spm_model_type),
+            data.vocab_size,
+            seed=data.seed,
+            character_coverage=data.character_coverage,
+            model_type=data.spm_model_type,
             user_defined_symbols=SPECIAL_PIECES,
         )
     tokenizer = Tokenizer(path)
-    if tokenizer.vocab_size != int(data.vocab_size):
+    if tokenizer.vocab_size != data.vocab_size:
         raise ValueError(
             f"cached vocabulary {path} has {tokenizer.vocab_size} pieces but "
             f"config.data.vocab_size is {data.vocab_size}: delete the file to retrain, or use a "
@@ -449,9 +521,20 @@ class PretrainBatches:
         if self.index == self.batches_per_epoch:
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._epoch_order(self.epoch)
-        rows = self._order[self.index * self.batch_size : (self.index + 1) * self.batch_size]
-        rng = np.random.default_rng([self.seed, 31, self.epoch, self.index])
+        batch = self._batch(self._order, self.epoch, self.index)
         self.index += 1
+        return batch
+
+    def peek(self) -> dict[str, np.ndarray]:
+        """The micro-batch :meth:`__next__` would return, without moving the stream."""
+        if self.index == self.batches_per_epoch:
+            return self._batch(self._epoch_order(self.epoch + 1), self.epoch + 1, 0)
+        return self._batch(self._order, self.epoch, self.index)
+
+    def _batch(self, order: np.ndarray, epoch: int, index: int) -> dict[str, np.ndarray]:
+        """This host's rows of micro-batch ``index`` of ``epoch`` (rows in ``order``)."""
+        rows = order[index * self.batch_size : (index + 1) * self.batch_size]
+        rng = np.random.default_rng([self.seed, 31, epoch, index])
         batch = mlm_batch(
             self.tokens[rows], self.segments[rows], rng,
             mask_prob=self.mask_prob, mask_token_prob=self.mask_token_prob,

@@ -151,13 +151,17 @@ def vocabulary_sample(items: Sequence[Any], limit: int, seed: int) -> list[Any]:
 def get_tokenizer(config: Any, workdir: str, train_pairs: Sequence[Pair]) -> Tokenizer:
     """Loads ``{workdir}/spm.model`` or trains it on (a seeded sample of) ``train_pairs``.
 
-    Raises ``ValueError`` if a cached model's size differs from ``config.data.vocab_size``.
+    ``config`` is the experiment config or its typed data section
+    (:class:`sparsemixer_jax.data.sources.DataConfig`). Raises ``ValueError`` if a cached
+    model's size differs from ``config.data.vocab_size``.
     """
-    data = config.data
+    from sparsemixer_jax.data.sources import DataConfig  # sources imports this module's users
+
+    data = DataConfig.of(config)
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "spm.model")
     if not os.path.exists(path):
-        pairs = vocabulary_sample(train_pairs, int(data.vocab_sample_sentences), int(config.seed))
+        pairs = vocabulary_sample(train_pairs, data.vocab_sample_sentences, data.seed)
         pairs = [p for p in pairs if p[0].strip() and p[1].strip()]
         logger.info(
             "training a %d-piece SentencePiece model on %d pairs -> %s",
@@ -168,13 +172,13 @@ def get_tokenizer(config: Any, workdir: str, train_pairs: Sequence[Pair]) -> Tok
         train_tokenizer(
             (s for pair in pairs for s in pair),
             path,
-            int(data.vocab_size),
-            seed=int(config.seed),
-            character_coverage=float(data.get("character_coverage", 0.9995)),
-            model_type=str(data.get("spm_model_type", "unigram")),
+            data.vocab_size,
+            seed=data.seed,
+            character_coverage=data.character_coverage,
+            model_type=data.spm_model_type,
         )
     tokenizer = Tokenizer(path)
-    if tokenizer.vocab_size != int(data.vocab_size):
+    if tokenizer.vocab_size != data.vocab_size:
         raise ValueError(
             f"cached vocabulary {path} has {tokenizer.vocab_size} pieces but "
             f"config.data.vocab_size is {data.vocab_size}: delete the file to retrain, or use a "

@@ -24,7 +24,7 @@ from sparsemixer_jax.data.batching import (
     extend_buckets,
     tokenize_pairs,
 )
-from sparsemixer_jax.data.sources import check_config, read_split
+from sparsemixer_jax.data.sources import DataConfig, read_split
 from sparsemixer_jax.data.tokenizer import Tokenizer, get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def load_datasets(
         host gets rows ``[p * B / P, (p + 1) * B / P)`` of every global batch of ``B`` rows.
       raw_train: the train split as :func:`read_split` returns it, if already read.
     """
-    check_config(config)
+    data = DataConfig.of(config)
     if process_index is None or process_count is None:
         import jax
 
@@ -130,12 +130,8 @@ def load_datasets(
         process_count = jax.process_count() if process_count is None else process_count
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index={process_index} not in [0, process_count={process_count})")
-    data = config.data
-    max_len, max_tokens = int(data.max_len), int(data.max_tokens)
+    max_len, max_tokens, step = data.max_len, data.max_tokens, data.bucket_step
     multiple = math.lcm(int(batch_multiple), int(process_count))
-    step = int(data.get("bucket_step", 8))
-    if step < 1:
-        raise ValueError(f"config.data.bucket_step must be >= 1, got {step}")
     lengths = bucket_lengths(max_len, min_len=step, step=step)
     if max_tokens < multiple * lengths[-1]:
         raise ValueError(
@@ -146,13 +142,13 @@ def load_datasets(
     sizes = [bucket_batch_size(n, max_tokens, multiple) for n in lengths]
 
     if raw_train is None:
-        raw_train = read_split(config, "train")
+        raw_train = read_split(data, "train")
     if not any(src.strip() and tgt.strip() for src, tgt in raw_train):
         raise ValueError(
             f"the train split has no usable pairs ({len(raw_train)} read, all with an empty "
             "side): check config.data.train_prefix and config.data.source"
         )
-    tokenizer = get_tokenizer(config, workdir, raw_train)
+    tokenizer = get_tokenizer(data, workdir, raw_train)
     stats: dict[str, Any] = {
         "vocab_size": tokenizer.vocab_size,
         "buckets": list(zip(lengths, sizes, strict=True)),
@@ -171,7 +167,7 @@ def load_datasets(
         examples,
         lengths,
         sizes,
-        seed=int(config.seed),
+        seed=data.seed,
         process_index=process_index,
         process_count=process_count,
     )
@@ -199,7 +195,7 @@ def load_datasets(
     for name in ("valid", "test"):
         evals[name] = _eval_split(
             tokenizer,
-            read_split(config, name),
+            read_split(data, name),
             name,
             lengths,
             max_tokens,

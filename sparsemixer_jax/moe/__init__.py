@@ -1,5 +1,6 @@
 """Mixture-of-experts feed-forward layers: the routed layer, its dispatch, expert parallelism.
 
+* :mod:`~sparsemixer_jax.moe.config`: :class:`MoEConfig`, the layers' config section.
 * :mod:`~sparsemixer_jax.moe.layer`: :class:`MoEFeedForward`, the layer models use, and
   :func:`fold_omega` for after training.
 * :mod:`~sparsemixer_jax.moe.dispatch`: the expert FFN over rows, by layout (ragged, padded,
@@ -18,6 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from sparsemixer_jax.moe.config import MoEConfig
 from sparsemixer_jax.moe.dispatch import (
     ACTIVATIONS,
     AUTO_DISPATCH,
@@ -42,6 +44,7 @@ __all__ = [
     "AUTO_DISPATCH",
     "DISPATCHES",
     "GROUPED_IMPLS",
+    "MoEConfig",
     "MoEFeedForward",
     "activation_fn",
     "capacity_keep",

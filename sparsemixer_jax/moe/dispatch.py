@@ -49,13 +49,28 @@ from sparsemixer_jax.kernels.mosaic_grouped_matmul import (
 DISPATCHES = ("auto", "ragged", "padded", "grouped")
 GROUPED_IMPLS = ("mosaic", "xla", "tokamax")
 # The expert (and dense) FFN's nonlinearity: ReLU in the paper's fairseq translation Transformer,
-# GELU in BERT / ELECTRA / COCO-LM, whose setting the pretraining experiment follows.
-ACTIVATIONS = ("relu", "gelu", "tanh")
+# GELU in BERT / ELECTRA / COCO-LM, whose setting the pretraining experiment follows; SiLU in the
+# gated (SwiGLU) experts of the decoder-only language models (Mixtral, Qwen, OLMoE, Phi-3.5-MoE).
+ACTIVATIONS = ("relu", "gelu", "tanh", "silu")
+# Suffix of the internal activation name of gated experts: ``"silu_glu"`` maps the fused hidden
+# ``[..., 2 * mlp]`` (gate half first, then up) to ``silu(gate) * up`` ``[..., mlp]``.
+GLU_SUFFIX = "_glu"
 
 
 def activation_fn(name: str):
-    """The elementwise function ``name`` names: ``jax.nn.relu`` or exact (erf) ``jax.nn.gelu``
-    (BERT's GELU, not the tanh approximation)."""
+    """The function ``name`` names: ``jax.nn.relu``, exact (erf) ``jax.nn.gelu`` (BERT's GELU,
+    not the tanh approximation), ``tanh`` or ``jax.nn.silu``; ``"<name>_glu"`` is its gated
+    form, ``[..., 2 * m] -> [..., m]``: ``act(h[..., :m]) * h[..., m:]``."""
+    if name.endswith(GLU_SUFFIX):
+        act = activation_fn(name[: -len(GLU_SUFFIX)])
+
+        def glu(h: jax.Array) -> jax.Array:
+            gate, up = jnp.split(h, 2, axis=-1)
+            return act(gate) * up
+
+        return glu
+    if name == "silu":
+        return jax.nn.silu
     if name == "relu":
         return jax.nn.relu
     if name == "gelu":
@@ -115,6 +130,15 @@ def _rank_in_group(group: jax.Array, num_groups: int) -> jax.Array:
     return jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=-1)
 
 
+def _add_bias(h: jax.Array, bias: jax.Array | None, index, *, block: bool = False) -> jax.Array:
+    """``h + bias[index]`` per row (``block``: per block of rows, ``h [K, b, m]``); ``h`` itself
+    where the experts have no biases (gated experts), so they add no zeros."""
+    if bias is None:
+        return h
+    b = bias[index]
+    return h + (b[:, None, :] if block else b)
+
+
 def row_dropout(
     h: jax.Array, token_ids: jax.Array, key: jax.Array | None, rate: float
 ) -> jax.Array:
@@ -155,9 +179,9 @@ def ragged_ffn(
     sorted_group = group[order]
     group_sizes = jnp.bincount(group, length=num_groups + 1)[:num_groups].astype(jnp.int32)
     safe = jnp.minimum(sorted_group, num_groups - 1)
-    h = jax.lax.ragged_dot(x[order], wi, group_sizes) + bi[safe]
+    h = _add_bias(jax.lax.ragged_dot(x[order], wi, group_sizes), bi, safe)
     h = row_dropout(activation_fn(activation)(h), token_ids[order], drop_key, rate)
-    y = jax.lax.ragged_dot(h, wo, group_sizes) + bo[safe]
+    y = _add_bias(jax.lax.ragged_dot(h, wo, group_sizes), bo, safe)
     y = jnp.where((sorted_group < num_groups)[:, None], y, 0)
     # Undo the sort with a scatter (its transpose is a gather, cheaper than a second argsort).
     return jnp.zeros_like(y).at[order].set(y, unique_indices=True)
@@ -226,12 +250,12 @@ def padded_ffn(
     ids = jnp.zeros((size,), token_ids.dtype).at[slot].set(token_ids, mode="drop")
     xb = xb.reshape(num_blocks, block, emb)
     if capacity is not None:
-        wi_b, bi_b, wo_b, bo_b = wi, bi, wo, bo
+        wi_b, wo_b, pick = wi, wo, slice(None)
     else:
-        wi_b, bi_b, wo_b, bo_b = wi[block_group], bi[block_group], wo[block_group], bo[block_group]
-    h = jnp.einsum("kbe,kem->kbm", xb, wi_b) + bi_b[:, None, :]
+        wi_b, wo_b, pick = wi[block_group], wo[block_group], block_group
+    h = _add_bias(jnp.einsum("kbe,kem->kbm", xb, wi_b), bi, pick, block=True)
     h = row_dropout(activation_fn(activation)(h), ids.reshape(num_blocks, block), drop_key, rate)
-    yb = jnp.einsum("kbm,kme->kbe", h, wo_b) + bo_b[:, None, :]
+    yb = _add_bias(jnp.einsum("kbm,kme->kbe", h, wo_b), bo, pick, block=True)
     y = yb.reshape(size, emb).at[slot].get(mode="fill", fill_value=0)
     return jnp.where(valid[:, None], y, 0)
 
@@ -298,9 +322,10 @@ def grouped_ffn(
     safe = jnp.minimum(sorted_group, num_groups - 1)
 
     h = grouped_matmul(x.astype(dtype)[gather], wi.astype(dtype), group_sizes, config)
-    h = h + bi.astype(dtype)[safe]
+    h = _add_bias(h, None if bi is None else bi.astype(dtype), safe)
     h = row_dropout(activation_fn(activation)(h), token_ids[gather], drop_key, rate)
-    y = grouped_matmul(h, wo.astype(dtype), group_sizes, config) + bo.astype(dtype)[safe]
+    y = _add_bias(grouped_matmul(h, wo.astype(dtype), group_sizes, config),
+                  None if bo is None else bo.astype(dtype), safe)
     y = jnp.where(valid, y, 0)[:rows]
     # Undo the sort with a scatter (its transpose is a gather, cheaper than a second argsort).
     return jnp.zeros_like(y).at[order].set(y, unique_indices=True).astype(x.dtype)
@@ -310,7 +335,7 @@ def expert_ffn(
     x: jax.Array,
     group: jax.Array,
     token_ids: jax.Array,
-    params: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    params: tuple[jax.Array, ...],
     *,
     dispatch: str,
     dropout_key: jax.Array | None = None,
@@ -328,7 +353,10 @@ def expert_ffn(
         expert": the row outputs zeros.
       token_ids: int32 ``[R]``, a global id per row that seeds its dropout mask.
       params: ``(wi [G, emb, mlp], bi [G, mlp], wo [G, mlp, emb], bo [G, emb])`` in the compute
-        dtype.
+        dtype, or for gated experts without biases (:func:`is_gated`)
+        ``(w_gate [G, emb, mlp], w_up [G, emb, mlp], w_down [G, mlp, emb])``:
+        ``(act(x w_gate) * (x w_up)) w_down``, with ``activation`` as ``act`` (SwiGLU with
+        ``"silu"``).
       dispatch: ``"ragged"``, ``"padded"`` or ``"grouped"``.
       dropout_key: key of the activation dropout, or None for no dropout.
       capacity: ``"padded"`` only: the Switch layout with this many slots per group; rows past
@@ -338,13 +366,13 @@ def expert_ffn(
         backend inside ``force_gpu_interpret_mode()``), ``"tokamax"`` or ``"xla"``
         (:data:`GROUPED_IMPLS`). The first two compute in bfloat16 (float16 stays float16); a
         float32 ``x`` gets a one-line warning saying so.
-      activation: ``"relu"`` or ``"gelu"`` (:data:`ACTIVATIONS`).
+      activation: a name in :data:`ACTIVATIONS`.
       block_rows: ``"padded"`` dropless only: rows per block, default
         :func:`padded_block_rows`.
 
     Returns: ``[R, emb]`` in the dtype of ``x``, zeros on rows without expert.
     """
-    wi, bi, wo, bo = params
+    wi, bi, wo, bo, activation = ungate(params, activation)
     group = group.astype(jnp.int32)
     if dispatch == "ragged":
         return ragged_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
@@ -364,6 +392,33 @@ def expert_ffn(
                            interpret=grouped_impl == "mosaic" and interpret_mode_active())
     raise ValueError(
         f"expert_ffn: dispatch must be 'ragged', 'padded' or 'grouped', got {dispatch!r}")
+
+
+def is_gated(params: tuple[jax.Array, ...]) -> bool:
+    """Whether expert params are the gated, bias-free ``(w_gate, w_up, w_down)`` (three arrays)
+    rather than ``(wi, bi, wo, bo)``."""
+    if len(params) not in (3, 4):
+        raise ValueError(f"expert params must be (wi, bi, wo, bo) or (w_gate, w_up, w_down), "
+                         f"got {len(params)} arrays")
+    return len(params) == 3
+
+
+def ungate(params: tuple[jax.Array, ...], activation: str):
+    """``(wi, bi, wo, bo, activation)`` the dispatch functions take, for either kind of expert.
+
+    Gated experts become one first matmul with ``wi = [w_gate | w_up]`` ``[G, emb, 2 * mlp]``
+    and the activation ``activation + "_glu"`` that splits its output again (gate half first,
+    as Hugging Face's fused ``gate_up_proj`` is laid out); biases are None (none is added). One
+    wide matmul instead of two reads the rows once, and every dispatch (and the grouped
+    kernels) takes it unchanged.
+    """
+    if not is_gated(params):
+        return (*params, activation)
+    w_gate, w_up, w_down = params
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"gated experts: w_gate {w_gate.shape} and w_up {w_up.shape} differ")
+    return (jnp.concatenate([w_gate, w_up], axis=-1), None, w_down, None,
+            activation + GLU_SUFFIX)
 
 
 def capacity_keep(

@@ -37,7 +37,7 @@ def expert_parallel_ffn(
     x: jax.Array,
     group: jax.Array,
     token_ids: jax.Array,
-    params: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    params: tuple[jax.Array, ...],
     *,
     mesh: Mesh,
     dispatch: str,
@@ -54,8 +54,10 @@ def expert_parallel_ffn(
         per chosen expert), and nothing here depends on which.
       group: int32 ``[B, T]`` global expert per row, ``N`` (= number of experts) for none.
       token_ids: int32 ``[B, T]`` global row ids (seed the dropout masks).
-      params: ``(wi [N, emb, mlp], bi [N, mlp], wo [N, mlp, emb], bo [N, emb])``.
-      activation: the experts' nonlinearity, ``"relu"`` or ``"gelu"``.
+      params: ``(wi [N, emb, mlp], bi [N, mlp], wo [N, mlp, emb], bo [N, emb])``, or gated
+        experts' ``(w_gate, w_up, w_down)`` (:func:`sparsemixer_jax.moe.dispatch.is_gated`);
+        every array is split over the expert axis.
+      activation: the experts' nonlinearity (:data:`sparsemixer_jax.moe.ACTIVATIONS`).
 
     Returns: ``[B, T, emb]``, equal to the single-device ``expert_ffn`` (dropless).
     """
@@ -81,8 +83,11 @@ def expert_parallel_ffn(
     ids = to_chunks(token_ids.astype(jnp.int32), 0)
     has_key = dropout_key is not None and dropout_rate > 0
 
-    def local(xc, gc, ic, wi, bi, wo, bo, *key):
-        # xc [chunk, emb], gc/ic [chunk]; wi.. hold this device's local experts.
+    num_params = len(params)
+
+    def local(xc, gc, ic, *rest):
+        local_params, key = rest[:num_params], rest[num_params:]
+        # xc [chunk, emb], gc/ic [chunk]; local_params hold this device's local experts.
         dest = gc // local_experts  # owning device on the expert axis; n_exp_dev = none
         rank = jnp.sum(
             (jnp.cumsum(jax.nn.one_hot(dest, n_exp_dev, dtype=jnp.int32), axis=0) - 1)
@@ -102,7 +107,7 @@ def expert_parallel_ffn(
             return a.reshape(size, *a.shape[2:])
 
         recv_x, recv_g, recv_i = exchange(send_x), exchange(send_g), exchange(send_i)
-        out = expert_ffn(recv_x, recv_g, recv_i, (wi, bi, wo, bo), dispatch=dispatch,
+        out = expert_ffn(recv_x, recv_g, recv_i, tuple(local_params), dispatch=dispatch,
                          dropout_key=key[0] if key else None, dropout_rate=dropout_rate,
                          grouped_impl=grouped_impl,
                          activation=activation)
@@ -111,7 +116,7 @@ def expert_parallel_ffn(
 
     tokens = P(("data", "expert"))
     experts = P("expert")
-    in_specs = (tokens, tokens, tokens, experts, experts, experts, experts)
+    in_specs = (tokens, tokens, tokens) + (experts,) * num_params
     args = (xs, gs, ids, *params)
     if has_key:
         in_specs += (P(),)

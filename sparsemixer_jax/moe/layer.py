@@ -12,20 +12,16 @@ result.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax import routers, sharding
-from sparsemixer_jax.initializers import check_init_scheme, expert_init, router_init
+from sparsemixer_jax.initializers import expert_init, router_init
 from sparsemixer_jax.kernels.mosaic_grouped_matmul import check_grouped_supported
+from sparsemixer_jax.moe.config import MoEConfig
 from sparsemixer_jax.moe.diagnostics import router_diagnostics
 from sparsemixer_jax.moe.dispatch import (
-    ACTIVATIONS,
-    DISPATCHES,
-    GROUPED_IMPLS,
     capacity_keep,
     expert_capacity,
     expert_ffn,
@@ -33,6 +29,7 @@ from sparsemixer_jax.moe.dispatch import (
 )
 from sparsemixer_jax.moe.expert_parallel import expert_parallel_ffn
 from sparsemixer_jax.moe.unchosen import all_expert_outputs, update_expert_defaults
+from sparsemixer_jax.routers import check_top_k
 
 
 def _stream(rngs: nnx.Rngs, name: str, fallback: str) -> nnx.RngStream:
@@ -49,37 +46,27 @@ def _stream(rngs: nnx.Rngs, name: str, fallback: str) -> nnx.RngStream:
             ) from None
 
 
-def check_moe_args(*, activation_dropout: float, capacity_factor: float, dispatch: str,
-                   grouped_impl: str, activation: str, router_init_scale: float,
-                   where: str = "", router_where: str = "") -> None:
-    """The one check of :class:`MoEFeedForward`'s own settings (the router's are
-    :func:`sparsemixer_jax.routers.check_router`'s): one-line ValueErrors that name each setting
-    with the prefix ``where`` (``router_where`` for the router's initial scale), so the config
-    validator reports them as ``config.model.<name>`` before a run writes anything."""
-    if not 0.0 <= activation_dropout < 1.0:
-        raise ValueError(f"{where}activation_dropout must lie in [0, 1), got {activation_dropout}")
-    if capacity_factor < 0:
-        raise ValueError(
-            f"{where}capacity_factor must be >= 0 (0 = dropless), got {capacity_factor}")
-    for name, value, choices in (("dispatch", dispatch, DISPATCHES),
-                                 ("activation", activation, ACTIVATIONS)):
-        if value not in choices:
-            raise ValueError(f"{where}{name}={value!r}; choose one of {choices}" if where else
-                             f"unknown {name} {value!r}; expected one of {choices}")
-    if grouped_impl not in GROUPED_IMPLS:
-        raise ValueError(f"{where}grouped_impl={grouped_impl!r}; choose one of {GROUPED_IMPLS}")
-    if not router_init_scale > 0:
-        name = f"{router_where}init_scale" if router_where else "router_init_scale"
-        raise ValueError(f"{name} must be > 0, got {router_init_scale}")
+# The keyword settings of MoEFeedForward and their defaults: a layer built from config sections
+# takes none of them (they are the sections' fields).
+_KEYWORD_DEFAULTS = {"jitter_eps": 0.1, "top_k": 1, "activation_dropout": 0.1, "dispatch": "auto",
+                     "grouped_impl": "mosaic", "capacity_factor": 0.0, "activation": "relu",
+                     "router_init_scale": 1.0, "init": "flax", "default_decay": 0.9,
+                     "router_options": None}
 
 
 class MoEFeedForward(nnx.Module):
     """MoE feed-forward block: ``y = omega * sum_t gate_t * f_{D_t}(x)`` over ``top_k`` experts.
 
+    Built from keyword settings (below), or from config sections with :meth:`from_config`
+    (``num_experts`` a :class:`~sparsemixer_jax.moe.MoEConfig` and ``router`` a
+    :class:`~sparsemixer_jax.routers.RouterConfig`, then without the keyword settings), as the
+    models build it.
+
     Args:
       emb_dim, mlp_dim: model and expert hidden widths.
-      num_experts: ``N >= 1``.
-      router: a name in :data:`sparsemixer_jax.routers.ROUTERS`.
+      num_experts: ``N >= 1``, or the :class:`~sparsemixer_jax.moe.MoEConfig` of the layer.
+      router: a name in :data:`sparsemixer_jax.routers.ROUTERS`, or the layer's
+        :class:`~sparsemixer_jax.routers.RouterConfig`.
       jitter_eps: the router's jitter / mask threshold.
       top_k: experts per token, ``1 <= top_k <= N`` (distinct; see ``routers.sparsemixer_route``).
       activation_dropout: dropout rate after the expert nonlinearity.
@@ -97,7 +84,7 @@ class MoEFeedForward(nnx.Module):
         default) or ``"gelu"`` (BERT / ELECTRA).
       default_decay: the EMA decay ``beta`` of the default vectors of the ``default_moe``
         routers, in ``(0, 1)`` (0.9; see docs/routing.md for what is known of the paper's).
-      router_options: further fields of :class:`sparsemixer_jax.routers.RouterOptions`
+      router_options: further fields of :class:`sparsemixer_jax.routers.RouterConfig`
         (``normalize_top_k``, ``successor_jitter``, ``default_at_eval``, ``default_mean``,
         ``default_update``; a ``default_decay`` here overrides the argument), checked by
         :func:`sparsemixer_jax.routers.check_router`.
@@ -114,11 +101,18 @@ class MoEFeedForward(nnx.Module):
       mesh: optional mesh with axes ``("data", "expert")`` for expert parallelism
         (:mod:`sparsemixer_jax.moe.expert_parallel`); ``num_experts`` must divide by its
         expert axis.
+      gated: gated experts without biases, ``(act(x w_gate) * (x w_up)) w_down`` (SwiGLU with
+        ``activation="silu"``: Mixtral, Qwen-MoE, OLMoE, Phi-3.5-MoE), instead of
+        ``act(x wi + bi) wo + bo``. Every dispatch, capacity and expert parallelism take them.
+      router_bias: whether the router ``Linear`` has a bias (the Hugging Face MoE language
+        models' routers have none).
       rngs: params init plus the ``router`` and ``dropout`` streams (``router`` falls back to
         ``default`` then ``dropout``).
 
     Params: ``router`` (``Linear(emb -> N)``), ``wi [N, emb, mlp]``, ``bi [N, mlp]``,
-    ``wo [N, mlp, emb]``, ``bo [N, emb]``, and ``omega [emb]`` (SparseMixer routers only).
+    ``wo [N, mlp, emb]``, ``bo [N, emb]`` (gated: ``w_gate [N, emb, mlp]``,
+    ``w_up [N, emb, mlp]``, ``w_down [N, mlp, emb]`` instead), and ``omega [emb]`` (SparseMixer
+    routers only).
     State (``nnx.BatchStat``, updated by every training call, not by the optimizer):
     ``expert_defaults [N, emb]`` (``default_moe`` routers only, zeros at init).
 
@@ -132,9 +126,9 @@ class MoEFeedForward(nnx.Module):
         self,
         emb_dim: int,
         mlp_dim: int,
-        num_experts: int,
+        num_experts: int | MoEConfig,
         *,
-        router: str = "sparsemixer",
+        router: str | routers.RouterConfig = "sparsemixer",
         jitter_eps: float = 0.1,
         top_k: int = 1,
         activation_dropout: float = 0.1,
@@ -148,40 +142,59 @@ class MoEFeedForward(nnx.Module):
         router_options: dict | None = None,
         dtype=jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
+        gated: bool = False,
+        router_bias: bool = True,
         rngs: nnx.Rngs,
     ):
-        if num_experts < 1:
-            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-        check_moe_args(activation_dropout=activation_dropout, capacity_factor=capacity_factor,
-                       dispatch=dispatch, grouped_impl=grouped_impl, activation=activation,
-                       router_init_scale=router_init_scale)
-        check_init_scheme(init)
-        if dispatch == "grouped" and grouped_impl == "mosaic":
+        keywords = {"jitter_eps": jitter_eps, "top_k": top_k,
+                    "activation_dropout": activation_dropout, "dispatch": dispatch,
+                    "grouped_impl": grouped_impl, "capacity_factor": capacity_factor,
+                    "activation": activation, "router_init_scale": router_init_scale,
+                    "init": init, "default_decay": default_decay,
+                    "router_options": router_options}
+        if isinstance(num_experts, MoEConfig):
+            # From config sections, checked when they were built; only what joins them is left.
+            moe, router_config = num_experts, router
+            if not isinstance(router_config, routers.RouterConfig):
+                raise TypeError("MoEFeedForward with a MoEConfig takes a RouterConfig as router, "
+                                f"got {router!r}")
+            given = sorted(k for k, v in keywords.items() if v != _KEYWORD_DEFAULTS[k])
+            if given:
+                raise TypeError(f"MoEFeedForward with config sections takes no keyword "
+                                f"settings (they are the sections' fields), got {given}")
+            if moe.num_experts < 1:
+                raise ValueError(f"num_experts must be >= 1, got {moe.num_experts}")
+            check_top_k("", router_config.top_k, moe.num_experts)
+        else:
+            if num_experts < 1:
+                raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+            moe = MoEConfig(num_experts=num_experts, dispatch=dispatch,
+                            grouped_impl=grouped_impl, capacity_factor=capacity_factor,
+                            activation=activation, activation_dropout=activation_dropout,
+                            init=init)
+            options = {"default_decay": default_decay, "init_scale": router_init_scale,
+                       **(router_options or {})}
+            moe.check()  # the layer's settings first, then the router's
+            router_config = routers.check_router(router, top_k=top_k, jitter_eps=jitter_eps,
+                                                 num_experts=num_experts, where="", **options)
+        if moe.dispatch == "grouped" and moe.grouped_impl == "mosaic":
             check_grouped_supported(mesh=mesh)  # one line naming the target if it is no Hopper
-        # The router's own check owns every rule for its arguments.
-        self.router_options = routers.check_router(
-            router, top_k=top_k, jitter_eps=jitter_eps, num_experts=num_experts, where="",
-            **{"default_decay": default_decay, **(router_options or {})})
-        self.unchosen = routers.UNCHOSEN_EXPERT_RULES.get(router)
         if mesh is not None:
-            sharding.check_mesh(mesh, num_experts)
+            sharding.check_mesh(mesh, moe.num_experts)
 
-        self.emb_dim, self.mlp_dim, self.num_experts = emb_dim, mlp_dim, num_experts
-        # Names, not the router function: a per-instance lambda would make every layer's graph
-        # definition distinct and defeat nnx.jit's compilation cache.
-        self.router_name = router
-        self.jitter_eps = jitter_eps
-        self.top_k = top_k
-        self.activation_dropout = activation_dropout
-        self.dispatch = dispatch
-        self.grouped_impl = grouped_impl
-        self.capacity_factor = capacity_factor
-        self.activation = activation
+        # Hashable sections: static metadata of the layer's graph, so that every layer built
+        # alike shares nnx.jit's compilation cache.
+        self.moe, self.router_config = moe, router_config
+        self.unchosen = router_config.unchosen
+        self.emb_dim, self.mlp_dim, self.num_experts = emb_dim, mlp_dim, moe.num_experts
         self.dtype = dtype
         self.mesh = mesh
+        init, n = moe.init, moe.num_experts
+        router_init_scale = router_config.init_scale
 
         self.router = router_init(init, emb_dim, router_init_scale).linear(
-            emb_dim, num_experts, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
+            emb_dim, n, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs,
+            use_bias=router_bias)
 
         def sharded(value, spec):
             # Expert-stacked params are split over the mesh's "expert" axis.
@@ -189,23 +202,49 @@ class MoEFeedForward(nnx.Module):
                 return nnx.Param(value)
             return nnx.Param(value, out_sharding=spec, mesh=mesh)
 
-        n = num_experts
-        # Drawn in the order wi, bi, wo, bo; a zero bias draws no key.
         fc1, fc2 = expert_init(init, emb_dim), expert_init(init, mlp_dim)
-        self.wi = sharded(fc1.kernel(rngs.params(), (n, emb_dim, mlp_dim), jnp.float32),
-                          ("expert", None, None))
-        self.bi = sharded(fc1.draw_bias(rngs, (n, mlp_dim)), ("expert", None))
-        self.wo = sharded(fc2.kernel(rngs.params(), (n, mlp_dim, emb_dim), jnp.float32),
-                          ("expert", None, None))
-        self.bo = sharded(fc2.draw_bias(rngs, (n, emb_dim)), ("expert", None))
+        self.gated = gated
+        if gated:
+            # Drawn in the order w_gate, w_up, w_down.
+            self.w_gate, self.w_up = (
+                sharded(fc1.kernel(rngs.params(), (n, emb_dim, mlp_dim), jnp.float32),
+                        ("expert", None, None)) for _ in range(2))
+            self.w_down = sharded(fc2.kernel(rngs.params(), (n, mlp_dim, emb_dim), jnp.float32),
+                                  ("expert", None, None))
+        else:
+            # Drawn in the order wi, bi, wo, bo; a zero bias draws no key.
+            self.wi = sharded(fc1.kernel(rngs.params(), (n, emb_dim, mlp_dim), jnp.float32),
+                              ("expert", None, None))
+            self.bi = sharded(fc1.draw_bias(rngs, (n, mlp_dim)), ("expert", None))
+            self.wo = sharded(fc2.kernel(rngs.params(), (n, mlp_dim, emb_dim), jnp.float32),
+                              ("expert", None, None))
+            self.bo = sharded(fc2.draw_bias(rngs, (n, emb_dim)), ("expert", None))
         self.omega = nnx.Param(jnp.ones((emb_dim,), jnp.float32)) if routers.uses_omega(
-            router) else None
+            router_config.name) else None
         keeps_defaults = self.unchosen is not None and self.unchosen.values == "defaults"
         self.expert_defaults = nnx.BatchStat(
             jnp.zeros((n, emb_dim), jnp.float32)) if keeps_defaults else None
         self.router_rng = _stream(rngs, "router", "dropout").fork()
-        self.dropout_rng = _stream(rngs, "dropout", "router").fork() if activation_dropout > 0 \
-            else None
+        self.dropout_rng = _stream(rngs, "dropout", "router").fork() \
+            if moe.activation_dropout > 0 else None
+
+    # The settings by their keyword names (read-only; the sections hold them).
+    router_name = property(lambda self: self.router_config.name)
+    jitter_eps = property(lambda self: self.router_config.jitter_eps)
+    top_k = property(lambda self: self.router_config.top_k)
+    activation = property(lambda self: self.moe.activation)
+    activation_dropout = property(lambda self: self.moe.activation_dropout)
+    dispatch = property(lambda self: self.moe.dispatch)
+    grouped_impl = property(lambda self: self.moe.grouped_impl)
+    capacity_factor = property(lambda self: self.moe.capacity_factor)
+
+    @classmethod
+    def from_config(cls, emb_dim: int, mlp_dim: int, moe: MoEConfig,
+                    router: routers.RouterConfig, *, dtype=jnp.float32,
+                    mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs) -> MoEFeedForward:
+        """The layer of the config sections ``moe`` and ``router`` (built by their
+        ``from_config``, which checked them) at widths ``emb_dim``, ``mlp_dim``."""
+        return cls(emb_dim, mlp_dim, moe, router=router, dtype=dtype, mesh=mesh, rngs=rngs)
 
     def __call__(
         self,
@@ -236,22 +275,21 @@ class MoEFeedForward(nnx.Module):
         logits = self.router(x.astype(jnp.float32))
         training = not deterministic
         key = self.router_rng() if training else None
-        routed = routers.get_router(self.router_name, self.jitter_eps, self.top_k,
-                                    **dataclasses.asdict(self.router_options))(
-            logits, key, training)
+        routed = routers.router_fn(self.router_config)(logits, key, training)
         metrics = routers.routing_metrics(logits, routed, token_mask)
         metrics.update(router_diagnostics(
-            logits, routed, token_mask, jitter_eps=self.jitter_eps))
+            logits, routed, token_mask, jitter_eps=self.router_config.jitter_eps))
 
         # One row per token and chosen expert: [B, T, k], row id token * k + t.
-        k = self.top_k
+        k = self.router_config.top_k
         expert = routed.expert if k > 1 else routed.expert[..., None]
         gate = routed.gate if k > 1 else routed.gate[..., None]
         active = jnp.ones((batch, length), bool) if token_mask is None else token_mask.astype(bool)
         active = jnp.broadcast_to(active[..., None], (batch, length, k))
         capacity = None
-        if self.capacity_factor > 0 and not dropless:
-            capacity = expert_capacity(self.capacity_factor, batch * length * k, n)
+        moe = self.moe
+        if moe.capacity_factor > 0 and not dropless:
+            capacity = expert_capacity(moe.capacity_factor, batch * length * k, n)
             # Slot-major order: every token's first choice is served before any second choice.
             kept = jnp.moveaxis(capacity_keep(jnp.moveaxis(expert, -1, 0),
                                               jnp.moveaxis(active, -1, 0), n, capacity), 0, -1)
@@ -266,25 +304,25 @@ class MoEFeedForward(nnx.Module):
         drop_key = None
         if training and self.dropout_rng is not None:
             drop_key = self.dropout_rng()
-        params = tuple(p[...].astype(self.dtype) for p in (self.wi, self.bi, self.wo, self.bo))
-        dispatch = resolve_dispatch(self.dispatch)
+        params = tuple(p[...].astype(self.dtype) for p in self.expert_params())
+        dispatch = resolve_dispatch(moe.dispatch)
         xc = x.astype(self.dtype)
         xr = jnp.repeat(xc, k, axis=1) if k > 1 else xc  # [B, T * k, emb], row t*k+s = token t
 
         if self.mesh is None:
             f = expert_ffn(xr.reshape(batch * length * k, -1), group.reshape(-1),
                            row_ids.reshape(-1), params, dispatch=dispatch,
-                           dropout_key=drop_key, dropout_rate=self.activation_dropout,
+                           dropout_key=drop_key, dropout_rate=moe.activation_dropout,
                            capacity=capacity if dispatch == "padded" else None,
-                           grouped_impl=self.grouped_impl,
-                           activation=self.activation)
+                           grouped_impl=moe.grouped_impl,
+                           activation=moe.activation)
         else:
             f = expert_parallel_ffn(xr, group.reshape(batch, length * k),
                                     row_ids.reshape(batch, length * k), params, mesh=self.mesh,
                                     dispatch=dispatch, dropout_key=drop_key,
-                                    dropout_rate=self.activation_dropout,
-                                    grouped_impl=self.grouped_impl,
-                                    activation=self.activation)
+                                    dropout_rate=moe.activation_dropout,
+                                    grouped_impl=moe.grouped_impl,
+                                    activation=moe.activation)
         f = f.reshape(batch, length, k, -1)
         if k == 1:  # drop the k axis: the same ops (and float rounding) as the top-1 layer
             f, gate = f[:, :, 0], gate[..., 0]
@@ -300,12 +338,19 @@ class MoEFeedForward(nnx.Module):
                                                 training)
         return y.astype(x.dtype), {name: v.astype(jnp.float32) for name, v in metrics.items()}
 
+    def expert_params(self) -> tuple[nnx.Param, ...]:
+        """The experts' params in the order :func:`sparsemixer_jax.moe.expert_ffn` takes them:
+        ``(wi, bi, wo, bo)``, or ``(w_gate, w_up, w_down)`` when ``gated``."""
+        if self.gated:
+            return (self.w_gate, self.w_up, self.w_down)
+        return (self.wi, self.bi, self.wo, self.bo)
+
     def _unchosen_contribution(self, xc, routed, params, token_mask, f, gate, group,
                                training: bool) -> jax.Array:
         """``[B, T, emb]`` float32 added to the output for the experts a token did not choose
         (zero where the router has no such term at this call), and, for Default MoE in training,
         the EMA step of the default vectors (before or after the term reads them)."""
-        opts = self.router_options
+        opts = self.router_config
         in_eval = self.unchosen.in_forward and opts.default_at_eval
         if not (training or in_eval):
             return jnp.zeros(xc.shape, jnp.float32)
@@ -330,13 +375,14 @@ class MoEFeedForward(nnx.Module):
         padding."""
         batch, length, _ = xc.shape
         if self.unchosen.values == "outputs":
-            values = all_expert_outputs(xc.reshape(batch * length, -1), params, self.activation)
+            values = all_expert_outputs(xc.reshape(batch * length, -1), params,
+                                        self.moe.activation)
             values = values.reshape(batch, length, self.num_experts, -1)
         else:
             values = self.expert_defaults[...]
         term = routers.unchosen_expert_term(
             routed.probs, routed.expert, values, self.unchosen,
-            normalize_top_k=self.router_options.normalize_top_k)
+            normalize_top_k=self.router_config.normalize_top_k)
         if token_mask is not None:
             term = term * token_mask[..., None].astype(term.dtype)
         return term
@@ -347,8 +393,9 @@ def fold_omega(model: nnx.Module) -> int:
     :class:`MoEFeedForward` in ``model``, in place.
 
     The layer's output is ``omega * gate * (h @ wo + bo)`` for the chosen expert, so scaling every
-    expert's ``wo [N, mlp, emb]`` and ``bo [N, emb]`` by ``omega [emb]`` and then setting ``omega``
-    to ones leaves the function unchanged and saves one multiply at inference.
+    expert's ``wo [N, mlp, emb]`` and ``bo [N, emb]`` (gated experts: ``w_down``) by
+    ``omega [emb]`` and then setting ``omega`` to ones leaves the function unchanged and saves one
+    multiply at inference.
 
     Returns the number of layers folded (0 for a dense model or routers without ``omega``).
     """
@@ -357,7 +404,7 @@ def fold_omega(model: nnx.Module) -> int:
         if not isinstance(module, MoEFeedForward) or module.omega is None:
             continue
         scale = module.omega[...]
-        for param in (module.wo, module.bo):
+        for param in (module.w_down,) if module.gated else (module.wo, module.bo):
             param[...] = param[...] * scale.astype(param[...].dtype)
         module.omega[...] = jnp.ones_like(scale)
         folded += 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparsemixer_jax.moe.dispatch import activation_fn
+from sparsemixer_jax.moe.dispatch import activation_fn, ungate
 
 
 def all_expert_outputs(
@@ -29,16 +29,19 @@ def all_expert_outputs(
 
     Args:
       x: ``[rows, emb]``.
-      params: ``(wi [N, emb, mlp], bi [N, mlp], wo [N, mlp, emb], bo [N, emb])``.
+      params: ``(wi [N, emb, mlp], bi [N, mlp], wo [N, mlp, emb], bo [N, emb])``, or the gated
+        experts' ``(w_gate, w_up, w_down)`` (:func:`sparsemixer_jax.moe.dispatch.ungate`).
       activation: the experts' nonlinearity.
 
     No dropout: the result only stands for the expert's output in the router's gradient (the
     released DenseMixer code calls the experts as they are, and the models it patches have no
     dropout in their experts). Gradients are not taken through it.
     """
-    wi, bi, wo, bo = params
-    hidden = activation_fn(activation)(jnp.einsum("re,nem->rnm", x, wi) + bi)
-    return jnp.einsum("rnm,nme->rne", hidden, wo) + bo
+    wi, bi, wo, bo, activation = ungate(params, activation)
+    hidden = jnp.einsum("re,nem->rnm", x, wi)
+    hidden = activation_fn(activation)(hidden if bi is None else hidden + bi)
+    out = jnp.einsum("rnm,nme->rne", hidden, wo)
+    return out if bo is None else out + bo
 
 
 def update_expert_defaults(

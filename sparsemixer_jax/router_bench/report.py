@@ -7,13 +7,14 @@ rebuilt from the JSON alone (``python -m experiments.router_bench --report-only`
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import numpy as np
 
 from sparsemixer_jax.router_bench import metrics
 from sparsemixer_jax.router_bench.arms import Arm, baseline_of, robustness_table
-from sparsemixer_jax.router_bench.train import History
+from sparsemixer_jax.router_bench.train import History, TrainConfig
 from sparsemixer_jax.routers import UNCHOSEN_EXPERT_RULES
 
 THRESHOLD_FACTOR = 1.5  # steps to reach 1.5x the baseline's geometric-mean final eval MSE
@@ -340,3 +341,27 @@ def markdown_robustness_table(results: dict, routers: tuple[str, ...] = (
         cols.append(" / ".join("–" if not math.isfinite(x) else f"{x:.3f}" for x in shares))
         lines.append(f"| {setting} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
+
+
+def _same_training(a: Arm, b: Arm) -> bool:
+    """Whether ``a`` and ``b`` train identically (the gradient measurement is read-only)."""
+    strip = dict(name="", measure_gradient=False)
+    return dataclasses.replace(a, **strip) == dataclasses.replace(b, **strip)
+
+
+def reused(path: str, arms: list[Arm], cfg: TrainConfig, num_seeds: int) -> dict:
+    """Results in the JSON ``path`` of arms trained exactly as some of ``arms`` (same run
+    settings and seeds), under the names of ``arms``."""
+    with open(path) as f:
+        saved = json.load(f)
+    if saved.get("config") != cfg._asdict():
+        return {}
+    out = {}
+    for name, r in saved["arms"].items():
+        theirs = Arm(**r["arm"])
+        if len(r["per_seed"]["final_eval_mse"]) != num_seeds:
+            continue
+        for arm in arms:
+            if _same_training(arm, theirs):
+                out[arm.name] = {**r, "arm": dataclasses.asdict(arm), "reused_from": name}
+    return out

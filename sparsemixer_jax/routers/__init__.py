@@ -18,7 +18,8 @@ One module per concern; import the names from this package, not from the modules
   a token did not choose (the "unchosen-expert term"; the layer's side is
   :mod:`sparsemixer_jax.moe.unchosen`).
 * :mod:`~sparsemixer_jax.routers.losses`: load-balancing loss, z-loss, routing statistics.
-* :mod:`~sparsemixer_jax.routers.registry`: routers by name and their options.
+* :mod:`~sparsemixer_jax.routers.registry`: routers by name and their config section
+  :class:`RouterConfig` (``config.router``), which checks itself.
 """
 
 from sparsemixer_jax.routers.common import (
@@ -30,15 +31,17 @@ from sparsemixer_jax.routers.common import (
 )
 from sparsemixer_jax.routers.losses import load_balancing_loss, router_z_loss, routing_metrics
 from sparsemixer_jax.routers.registry import (
+    BALANCE_NORMALIZATIONS,
     DEFAULT_MEANS,
     DEFAULT_UPDATES,
+    ROUTER_OPTIONS,
     ROUTERS,
     UNCHOSEN_EXPERT_RULES,
+    RouterConfig,
     RouterFn,
-    RouterOptions,
     check_router,
     get_router,
-    options_from_config,
+    router_fn,
     uses_omega,
 )
 from sparsemixer_jax.routers.sparsemixer import (
@@ -56,16 +59,18 @@ from sparsemixer_jax.routers.switch import switch_route
 from sparsemixer_jax.routers.unchosen import UnchosenExperts, unchosen_expert_term
 
 __all__ = [
+    "BALANCE_NORMALIZATIONS",
     "DEFAULT_MEANS",
     "DEFAULT_UPDATES",
     "ESTIMATORS",
     "ROUTERS",
+    "ROUTER_OPTIONS",
     "UNCHOSEN_EXPERT_RULES",
     "Estimator",
     "EstimatorRule",
     "MaskRule",
+    "RouterConfig",
     "RouterFn",
-    "RouterOptions",
     "RouterOutput",
     "UnchosenExperts",
     "check_finite_logits",
@@ -75,7 +80,7 @@ __all__ = [
     "check_top_k",
     "get_router",
     "load_balancing_loss",
-    "options_from_config",
+    "router_fn",
     "router_probs",
     "router_z_loss",
     "routing_keys",

@@ -73,7 +73,8 @@ def check_jitter_eps(where: str, jitter_eps) -> None:
 
 
 def check_route_args(fn: str, logits, top_k, jitter_eps, training) -> None:
-    """ValueError naming the argument and its value for anything a router cannot use.
+    """ValueError naming the argument and its value for anything a router cannot use: logits
+    without an expert axis or of a dtype that is not a float, and the static arguments.
 
     These are static (Python) arguments: they pick code paths and shapes at trace time, so a
     traced value is refused too.
@@ -82,6 +83,14 @@ def check_route_args(fn: str, logits, top_k, jitter_eps, training) -> None:
         raise ValueError(
             f"{fn}: logits must have at least one axis (experts last, shape [..., N]), "
             f"got shape {jnp.shape(logits)}"
+        )
+    # Integer or boolean logits would route without error (an integer softmax is not one), so
+    # a cast the caller forgot would pass unseen.
+    dtype = logits.dtype if hasattr(logits, "dtype") else jnp.asarray(logits).dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"{fn}: logits must have a float dtype (float32, bfloat16, float16 or float64), got "
+            f"{dtype}; cast them first, e.g. logits.astype(jnp.float32)"
         )
     num_experts = jnp.shape(logits)[-1]
     if num_experts < 1:

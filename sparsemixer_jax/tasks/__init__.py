@@ -3,4 +3,53 @@
 * :mod:`~sparsemixer_jax.tasks.translation`: the Switch Transformer on a language pair (WMT'14).
 * :mod:`~sparsemixer_jax.tasks.pretraining`: ELECTRA-style pretraining of the MoE encoder.
 * :mod:`~sparsemixer_jax.tasks.finetuning`: GLUE fine-tuning of a pretrained encoder.
+
+A task's ``from_config`` builds the typed section of every part of its config (each checks its
+own fields) and then :func:`sparsemixer_jax.config.validate`'s rules between sections, once per
+run and before anything is read or written; :func:`check_config` does it for any task.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparsemixer_jax import config as config_schema
+from sparsemixer_jax.runtime import RuntimeConfig
+from sparsemixer_jax.section import cast, check_positive
+from sparsemixer_jax.sharding import MeshConfig
+
+LOOP_FIELDS = ("train_steps", "eval_every", "checkpoint_every", "log_every")
+
+
+def check_loop_sections(config: Any) -> None:
+    """Checks what every trained task shares: the loop's intervals (top-level fields), the
+    optimiser, the runtime and the mesh."""
+    from sparsemixer_jax.training.optim import OptimSettings  # needs Optax
+
+    check_positive("config.", **{name: cast(int, config[name], f"config.{name}")
+                                 for name in LOOP_FIELDS})
+    cast(int, config.seed, "config.seed")
+    OptimSettings.from_config(config.optim)
+    RuntimeConfig.from_config(config.runtime)
+    MeshConfig.from_config(config.mesh)
+
+
+def check_config(config: Any) -> Any:
+    """Builds every typed section of ``config``'s task, each checking its own fields, then
+    checks the rules between them (:func:`sparsemixer_jax.config.validate`); returns the task
+    (its sections). ValueError naming the first field that makes no sense."""
+    task = config_schema.task_of(config)
+    if task == "translation":
+        from sparsemixer_jax.tasks.translation import TranslationTask
+
+        return TranslationTask.from_config(config)
+    if task == "pretraining":
+        from sparsemixer_jax.tasks.pretraining import PretrainingTask
+
+        return PretrainingTask.from_config(config)
+    if task == "finetuning":
+        from sparsemixer_jax.tasks.finetuning import FinetuningConfig
+
+        return FinetuningConfig.from_config(config)
+    config_schema.validate(config)  # names the unknown task
+    return None

@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import math
 import os
 import time
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,9 +56,12 @@ from flax import nnx
 
 from sparsemixer_jax import glue_metrics
 from sparsemixer_jax.data import glue
-from sparsemixer_jax.glue_grid import GridPoint, check_config, grid_points
+from sparsemixer_jax.encoder import EncoderConfig
+from sparsemixer_jax.routers import RouterConfig
+from sparsemixer_jax.section import cast, check_fraction, read_fields
 from sparsemixer_jax.tasks.pretraining import load_pretrained
 from sparsemixer_jax.training.optim import linear_schedule, weight_decay_mask
+from sparsemixer_jax.training.state import TrainState
 from sparsemixer_jax.training.workdir_lock import hold_workdir
 
 logger = logging.getLogger(__name__)
@@ -71,6 +76,96 @@ _SOURCE_FIELDS = ("checkpoint_step", "checkpoint_digest")
 
 
 # -------------------------------------------------------------------------------- the grid
+
+
+@dataclasses.dataclass(frozen=True)
+class GridPoint:
+    """One fine-tuning setting of the search space."""
+
+    learning_rate: float
+    epochs: int
+    batch_size: int
+    weight_decay: float
+    warmup: float  # share of the training steps spent warming up
+
+    @property
+    def name(self) -> str:
+        return (f"lr{self.learning_rate:g}_ep{self.epochs}_bs{self.batch_size}"
+                f"_wd{self.weight_decay:g}_wu{self.warmup:g}")
+
+
+def grid_points(grid: Any) -> list[GridPoint]:
+    """Every combination of ``grid``'s lists (``config.grid``), in a fixed order (learning rate
+    outermost)."""
+    hints = typing.get_type_hints(GridPoint)
+    values = []
+    for f in dataclasses.fields(GridPoint):
+        options = [cast(hints[f.name], v, f"config.grid.{f.name}") for v in grid[f.name]]
+        if not options:
+            raise ValueError(f"config.grid.{f.name} is empty")
+        values.append(options)
+    points = [GridPoint(*combination) for combination in itertools.product(*values)]
+    for p in points:
+        if not (p.learning_rate > 0 and p.epochs > 0 and p.batch_size > 0
+                and p.weight_decay >= 0 and 0 <= p.warmup < 1):
+            raise ValueError(f"config.grid gives an invalid point {p}")
+    return points
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneOptim:
+    """``config.optim`` of a fine-tuning search: AdamW's betas and epsilon, and the gradient
+    clipping norm (0 = none); the rate and decay are the grid's."""
+
+    b1: float = 0.9
+    b2: float = 0.98
+    eps: float = 1e-6
+    clip_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuningConfig:
+    """A fine-tuning config (schema: ``configs/glue.py``) as a typed value, checked by
+    :meth:`from_config` before anything loads."""
+
+    glue_dir: str
+    max_len: int
+    length_step: int
+    eval_batch_size: int
+    head_dropout: float
+    seed: int
+    optim: FinetuneOptim
+    grid: tuple[GridPoint, ...]
+    train_limit: int = 0
+    dev_limit: int = 0
+
+    @classmethod
+    def from_config(cls, config: Any, where: str = "config.") -> FinetuningConfig:
+        """ValueError naming the first field that makes no sense."""
+        c = cls(optim=FinetuneOptim(**read_fields(FinetuneOptim, config.optim, where + "optim.")),
+                grid=tuple(grid_points(config.grid)),
+                **read_fields(cls, config, where, skip=("optim", "grid")))
+        for name in ("max_len", "eval_batch_size", "length_step"):
+            if not getattr(c, name) > 0:
+                raise ValueError(f"{where}{name} must be > 0, got {getattr(c, name)}")
+        for name in ("train_limit", "dev_limit"):
+            if getattr(c, name) < 0:
+                raise ValueError(f"{where}{name} must be >= 0 (0 = all), got "
+                                 f"{getattr(c, name)}")
+        if not 0 <= c.head_dropout < 1:
+            raise ValueError(f"{where}head_dropout must be in [0, 1), got {c.head_dropout}")
+        check_fraction(where + "optim.", b1=c.optim.b1, b2=c.optim.b2)
+        return c
+
+    @classmethod
+    def of(cls, config: Any) -> FinetuningConfig:
+        return config if isinstance(config, cls) else cls.from_config(config)
+
+
+def check_config(config: Any) -> None:
+    """Raises ``ValueError`` naming the first field that makes no sense, before anything loads
+    (:meth:`FinetuningConfig.from_config`)."""
+    FinetuningConfig.from_config(config)
 
 
 # ------------------------------------------------------------------------------- the model
@@ -151,22 +246,25 @@ def _loss(graphdef, settings: StepSettings, params, stats, rest, batch, key):
     return loss, (metrics, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
-def finetuning_step(graphdef, settings, params, stats, rest, opt_state, batch, key,
-                    learning_rate, weight_decay):
-    """One compiled fine-tuning update of a grid point: ``(params, stats, opt_state, metrics)``
-    (``opt_state`` is donated)."""
-    grads, (metrics, stats) = jax.grad(_loss, argnums=2, has_aux=True)(
-        graphdef, settings, params, stats, rest, batch, key)
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))
+def finetuning_step(graphdef: nnx.GraphDef, settings: StepSettings, state: TrainState,
+                    rest: Any, batch: dict[str, jax.Array], key: jax.Array,
+                    learning_rate: jax.Array, weight_decay: jax.Array
+                    ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One compiled fine-tuning update of a grid point: ``(next state, metrics)`` (``state`` is
+    donated; ``rest`` is the model's RNG streams, reseeded from ``key``)."""
+    grads, (metrics, layer_state) = jax.grad(_loss, argnums=2, has_aux=True)(
+        graphdef, settings, state.params, state.layer_state, rest, batch, key)
     updates, opt_state = _optimizer(settings, learning_rate, weight_decay).update(
-        grads, opt_state, params)
+        grads, state.opt_state, state.params)
     metrics["grad_norm"] = optax.tree.norm(grads)
-    return optax.apply_updates(params, updates), stats, opt_state, metrics
+    return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                      layer_state=layer_state, opt_state=opt_state), metrics
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _predict(graphdef, params, stats, rest, batch):
-    model = nnx.merge(graphdef, nnx.State(params), nnx.State(stats), rest)
+def _predict(graphdef, state: TrainState, rest, batch):
+    model = nnx.merge(graphdef, nnx.State(state.params), nnx.State(state.layer_state), rest)
     outputs, _ = model(batch["tokens"], batch["segments"], deterministic=True)
     return outputs
 
@@ -196,24 +294,25 @@ class GlueData:
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # file -> bad rows left out
 
 
-def predict(graphdef, params, stats, rest, data: glue.Encoded, batch_size: int, length_step: int,
-            regression: bool) -> np.ndarray:
-    """Class ids (or scores, for regression) of every row of ``data``, in order."""
+def predict(graphdef: nnx.GraphDef, state: TrainState, rest: Any, data: glue.Encoded,
+            batch_size: int, length_step: int, regression: bool) -> np.ndarray:
+    """Class ids (or scores, for regression) of every row of ``data``, in order: int ``[N]``
+    (float ``[N]`` for regression)."""
     out = []
     for batch in glue.batches(data, batch_size, length_step=length_step):
-        outputs = np.asarray(_predict(graphdef, params, stats, rest, batch))
+        outputs = np.asarray(_predict(graphdef, state, rest, batch))
         outputs = outputs[:, 0] if regression else outputs.argmax(-1)
         out.append(outputs[batch["weights"] > 0])
     return np.concatenate(out)
 
 
-def evaluate_dev(graphdef, params, stats, rest, task: GlueData,
-             config: Any) -> dict[str, dict[str, float]]:
+def evaluate_dev(graphdef: nnx.GraphDef, state: TrainState, rest: Any, task: GlueData,
+                 config: FinetuningConfig) -> dict[str, dict[str, float]]:
     """``{dev split: {metric: value}}`` of the task's standard metrics."""
     results = {}
     for split, data in task.dev.items():
-        predictions = predict(graphdef, params, stats, rest, data, int(config.eval_batch_size),
-                              int(config.length_step), task.spec.is_regression)
+        predictions = predict(graphdef, state, rest, data, config.eval_batch_size,
+                              config.length_step, task.spec.is_regression)
         results[split] = glue_metrics.compute(task.spec.metrics, predictions, data.labels)
     return results
 
@@ -224,20 +323,23 @@ def task_score(spec: glue.TaskSpec, dev: dict[str, dict[str, float]]) -> float:
 
 
 def finetune_point(encoder_graphdef, encoder_state, task: GlueData, point: GridPoint,
-                   config: Any, settings: StepSettings) -> dict[str, Any]:
+                   config: FinetuningConfig, settings: StepSettings) -> dict[str, Any]:
     """Fine-tunes a fresh copy of the encoder with a new head at ``point``; dev after each epoch.
 
     Returns ``{"epochs": [{"epoch", "train_loss", "balance_loss", "dev", "score"}], "best_epoch",
     "score", "dev", "steps", "seconds"}`` (``dev`` and ``score`` of the best epoch).
     """
     start = time.time()
-    seed = int(config.seed)
+    seed = config.seed
     encoder = nnx.merge(encoder_graphdef, encoder_state)
-    model = Classifier(encoder, task.spec.num_outputs, dropout=float(config.head_dropout),
+    model = Classifier(encoder, task.spec.num_outputs, dropout=config.head_dropout,
                        rngs=nnx.Rngs(params=seed, dropout=seed + 1))
-    graphdef, params, stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
-    params, stats = nnx.to_pure_dict(params), nnx.to_pure_dict(stats)
-    opt_state = _optimizer(settings, 0.0, 0.0).init(params)
+    graphdef, params, layer_state, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+    # Copies: the steps donate the state, and the encoder's arrays serve every grid point.
+    params, layer_state = (jax.tree.map(jnp.copy, nnx.to_pure_dict(tree))
+                           for tree in (params, layer_state))
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, layer_state=layer_state,
+                       opt_state=_optimizer(settings, 0.0, 0.0).init(params))
     steps_per_epoch = math.ceil(len(task.train) / point.batch_size)
     total = steps_per_epoch * point.epochs
     schedule = finetuning_schedule(point.learning_rate, total, point.warmup)
@@ -247,11 +349,11 @@ def finetune_point(encoder_graphdef, encoder_state, task: GlueData, point: GridP
         epoch_metrics = []  # kept on the device: no host sync per step
         # Shuffles and dropout depend on (seed, epoch, step) only: a rerun redoes the same point.
         rng = np.random.default_rng([seed, epoch])
-        for batch in glue.batches(task.train, point.batch_size, length_step=int(config.length_step),
+        for batch in glue.batches(task.train, point.batch_size, length_step=config.length_step,
                                   rng=rng):
             key = jax.random.fold_in(jax.random.key(seed), step)
-            params, stats, opt_state, metrics = finetuning_step(
-                graphdef, settings, params, stats, rest, opt_state, batch, key,
+            state, metrics = finetuning_step(
+                graphdef, settings, state, rest, batch, key,
                 jnp.float32(schedule(step)), jnp.float32(point.weight_decay))
             epoch_metrics.append(metrics)
             step += 1
@@ -264,7 +366,7 @@ def finetune_point(encoder_graphdef, encoder_state, task: GlueData, point: GridP
             history.append({"epoch": epoch, "train_loss": train_loss, "dev": None,
                             "score": float("nan")})
             break
-        dev = evaluate_dev(graphdef, params, stats, rest, task, config)
+        dev = evaluate_dev(graphdef, state, rest, task, config)
         history.append({"epoch": epoch, "train_loss": train_loss,
                         "balance_loss": means["balance_loss"],
                         "grad_norm": means["grad_norm"],
@@ -295,18 +397,19 @@ def settings_record(config: Any, pretrained_dir: str, checkpoint: str, *,
     """What a grid point's result depends on besides its hyper-parameters: the settings (with
     whether malformed GLUE rows were skipped), and the ``step`` and content ``digest`` of the
     pretrained checkpoint it started from."""
+    config = FinetuningConfig.of(config)
     return {
         "pretrained": os.path.abspath(pretrained_dir),
         "checkpoint": checkpoint,
         "checkpoint_step": step,
         "checkpoint_digest": digest,
         "glue_dir": os.path.abspath(glue_dir(config)),
-        "max_len": int(config.max_len),
-        "head_dropout": float(config.head_dropout),
-        "seed": int(config.seed),
-        "train_limit": int(config.train_limit),
-        "dev_limit": int(config.dev_limit),
-        "optim": config.optim.to_dict(),
+        "max_len": config.max_len,
+        "head_dropout": config.head_dropout,
+        "seed": config.seed,
+        "train_limit": config.train_limit,
+        "dev_limit": config.dev_limit,
+        "optim": dataclasses.asdict(config.optim),
         "skip_bad_rows": bool(skip_bad_rows),
     }
 
@@ -347,17 +450,18 @@ def glue_dir(config: Any) -> str:
 
 def load_task_data(config: Any, name: str, tokenizer, *, skip_bad_rows: bool = False
                    ) -> GlueData:
+    config = FinetuningConfig.of(config)
     """Reads and encodes a task, keeping the first ``train_limit`` / ``dev_limit`` rows if set;
     ``skip_bad_rows`` leaves malformed rows out (counted per file in ``GlueData.skipped``)."""
     task = glue.load_task(glue_dir(config), name, skip_bad_rows=skip_bad_rows)
     regression = task.spec.is_regression
-    train_limit, dev_limit = int(config.train_limit), int(config.dev_limit)
+    train_limit, dev_limit = config.train_limit, config.dev_limit
     train = task.train[:train_limit] if train_limit else task.train
     return GlueData(
         task.spec,
-        glue.encode(train, tokenizer, int(config.max_len), regression=regression),
+        glue.encode(train, tokenizer, config.max_len, regression=regression),
         {split: glue.encode(rows[:dev_limit] if dev_limit else rows, tokenizer,
-                            int(config.max_len), regression=regression)
+                            config.max_len, regression=regression)
          for split, rows in task.dev.items()},
         task.skipped,
     )
@@ -366,16 +470,18 @@ def load_task_data(config: Any, name: str, tokenizer, *, skip_bad_rows: bool = F
 def run_task(config: Any, task: GlueData, encoder: nnx.Module, pretrain_config: Any,
              workdir: str, settings: dict[str, Any]) -> dict[str, Any]:
     """The grid search on one task; writes each point, then ``{workdir}/{task}/results.json``."""
+    config = FinetuningConfig.of(config)
+    router = RouterConfig.from_config(pretrain_config.router)
     task_dir = os.path.join(workdir, task.spec.name)
     encoder_graphdef, encoder_state = nnx.split(encoder)
     step_settings = StepSettings(
         regression=task.spec.is_regression,
-        balance_weight=float(pretrain_config.router.balance_weight),
-        z_loss_weight=float(pretrain_config.router.z_loss_weight),
-        b1=float(config.optim.b1), b2=float(config.optim.b2), eps=float(config.optim.eps),
-        clip_norm=float(config.optim.clip_norm),
+        balance_weight=router.balance_weight,
+        z_loss_weight=router.z_loss_weight,
+        b1=config.optim.b1, b2=config.optim.b2, eps=config.optim.eps,
+        clip_norm=config.optim.clip_norm,
     )
-    points = grid_points(config.grid)
+    points = config.grid
     records = []
     for i, point in enumerate(points, start=1):
         path = os.path.join(task_dir, "points", point.name + ".json")
@@ -447,21 +553,20 @@ def run_tasks(config: ml_collections.ConfigDict, pretrained_dir: str, tasks: Seq
     missing split, a directory without a pretraining checkpoint, or finished points of
     ``workdir`` that started from another checkpoint.
     """
-
-    check_config(config)
+    config = FinetuningConfig.of(config)  # checks it before anything loads
     names = resolve_tasks(config, tasks)
     for name in names:  # fail on a missing file before any fine-tuning
         for split in ("train", *glue.TASKS[name].dev_splits):
             glue.split_path(glue_dir(config), glue.TASKS[name], split)
     pretrained = load_pretrained(pretrained_dir, checkpoint)
-    positions = int(pretrained.config.model.absolute_positions)
-    if positions and int(config.max_len) > positions:
+    positions = EncoderConfig.from_config(pretrained.config.model).absolute_positions
+    if positions and config.max_len > positions:
         raise ValueError(f"config.max_len={config.max_len} exceeds the {positions} learned "
                          f"positions of the model in {pretrained_dir}")
     settings = settings_record(config, pretrained_dir, checkpoint, step=pretrained.step,
                                digest=pretrained.digest, skip_bad_rows=skip_bad_rows)
     for name in names:  # refuse to mix checkpoints before any fine-tuning
-        for point in grid_points(config.grid):
+        for point in config.grid:
             _load_point(os.path.join(workdir, name, "points", point.name + ".json"), settings)
     logger.info("fine-tuning the %s checkpoint of %s (step %d, sha256 %s)", checkpoint,
                 pretrained_dir, pretrained.step, pretrained.digest[:12])

@@ -25,14 +25,19 @@ import numpy as np
 from flax import nnx
 
 from sparsemixer_jax import config as config_schema
-from sparsemixer_jax.checkpoint import RunCheckpoints, checkpoint_digest
+from sparsemixer_jax.checkpoint import checkpoint_digest, checkpoints_root, list_checkpoints
 from sparsemixer_jax.data import text
 from sparsemixer_jax.data.tokenizer import Tokenizer
-from sparsemixer_jax.electra import Electra, LossSettings, electra_loss
-from sparsemixer_jax.encoder import Encoder
+from sparsemixer_jax.electra import Electra, GeneratorConfig, LossSettings, electra_loss
+from sparsemixer_jax.encoder import Encoder, EncoderConfig
+from sparsemixer_jax.initializers import uses_admin
+from sparsemixer_jax.routers import RouterConfig
+from sparsemixer_jax.section import cast
+from sparsemixer_jax.tasks import check_loop_sections
 from sparsemixer_jax.training import Run, TaskData, train
 from sparsemixer_jax.training.hosts import is_main_process, wait_for_all_processes
 from sparsemixer_jax.training.loop import build_model, build_steps
+from sparsemixer_jax.training.state import restore_checkpoint
 from sparsemixer_jax.training.steps import count_params
 
 logger = logging.getLogger(__name__)
@@ -41,9 +46,13 @@ _EVAL_SUMS = ("mlm_nll", "mlm_correct", "mlm_count", "disc_nll", "disc_correct",
               "replaced", "replaced_correct")
 
 
-def _packed(config, tokenizer: Tokenizer, paragraphs: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    return text.tokenize_and_pack(tokenizer, paragraphs, int(config.data.seq_len),
-                                  pair_prob=float(config.data.pair_prob), seed=int(config.seed))
+def _packed(data: Any, tokenizer: Tokenizer,
+            paragraphs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``paragraphs`` packed as ``data`` (a :class:`~sparsemixer_jax.data.text.TextDataConfig`,
+    or an experiment config) says."""
+    data = text.TextDataConfig.of(data)
+    return text.tokenize_and_pack(tokenizer, paragraphs, data.seq_len, pair_prob=data.pair_prob,
+                                  seed=data.seed)
 
 
 def _stats(documents, paragraphs, tokens) -> dict[str, Any]:
@@ -54,7 +63,7 @@ def _stats(documents, paragraphs, tokens) -> dict[str, Any]:
 PACKED_DIR = "packed"  # {workdir}/packed: the packing cache
 
 
-def packed_split(config, workdir: str, split: str, path: str, tokenizer: Tokenizer,
+def packed_split(data: Any, workdir: str, split: str, path: str, tokenizer: Tokenizer,
                  documents: list[list[str]] | None = None
                  ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """``(tokens, segments, stats)`` of the text at ``path``, packed with ``tokenizer``.
@@ -63,11 +72,12 @@ def packed_split(config, workdir: str, split: str, path: str, tokenizer: Tokeniz
     vocabulary and the packing settings (:func:`sparsemixer_jax.data.text.packing_key`): a
     resumed run reads the arrays back instead of tokenizing the corpus again (minutes for the
     Wikipedia sample), and a changed setting, text or vocabulary packs anew. ``documents`` are
-    the already-read documents of ``path``, if the caller has them.
+    the already-read documents of ``path``, if the caller has them. ``data`` is the run's
+    :class:`~sparsemixer_jax.data.text.TextDataConfig` (or the experiment config).
     """
-    key = text.packing_key(text.text_files(path), tokenizer.path,
-                           seq_len=int(config.data.seq_len),
-                           pair_prob=float(config.data.pair_prob), seed=int(config.seed))
+    data = text.TextDataConfig.of(data)
+    key = text.packing_key(text.text_files(path), tokenizer.path, seq_len=data.seq_len,
+                           pair_prob=data.pair_prob, seed=data.seed)
     cache = os.path.join(workdir, PACKED_DIR)
     cached = text.load_packed(cache, split, key)
     if cached is not None:
@@ -78,7 +88,7 @@ def packed_split(config, workdir: str, split: str, path: str, tokenizer: Tokeniz
     if documents is None:
         documents = text.read_documents(path)
     paragraphs = [p for doc in documents for p in doc]
-    tokens, segments = _packed(config, tokenizer, paragraphs)
+    tokens, segments = _packed(data, tokenizer, paragraphs)
     if not len(tokens):
         raise ValueError(f"pretraining text {path!r} packs into no sequence: it holds no "
                          "token the vocabulary knows")
@@ -94,22 +104,39 @@ class PretrainingTask:
     ``disc_weight`` x discriminator loss + auxiliary losses, packed text, the generator +
     discriminator, and the discriminator's size at the end.
 
-    Hashable (a static argument of the compiled steps); :meth:`from_config` builds it.
+    Holds the run's typed config sections (hashable: a static argument of the compiled steps);
+    :meth:`from_config` builds and checks them once, and the task hands them down to the model
+    and the data.
     """
 
     settings: LossSettings
+    model: EncoderConfig
+    router: RouterConfig
+    generator: EncoderConfig  # the generator's encoder: config.model with config.generator
+    data: text.TextDataConfig
 
     batch_keys = ("tokens", "segments", "inputs", "selected")
     progress_keys = ("loss", "mlm_loss", "disc_loss")
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> PretrainingTask:
-        return cls(LossSettings(
-            disc_weight=float(config.optim.disc_weight),
-            balance_weight=float(config.router.balance_weight),
-            z_loss_weight=float(config.router.z_loss_weight),
-            mask_prob=float(config.data.mask_prob),
-        ))
+        """Every section of a pretraining config, each checked, and the rules between them
+        (:func:`sparsemixer_jax.config.validate`): a ValueError naming the first bad field."""
+        config_schema.validate_sections(config)
+        # The discriminator's own fields first: a bad model.* is reported as such, not through
+        # the generator that inherits it.
+        model = EncoderConfig.from_config(config.model)
+        router = RouterConfig.from_config(config.router)
+        data = text.TextDataConfig.from_config(config)
+        generator = GeneratorConfig.from_config(config.generator).encoder(model)
+        disc_weight = cast(float, config.optim.disc_weight, "config.optim.disc_weight")
+        if disc_weight < 0:
+            raise ValueError(f"config.optim.disc_weight must be >= 0, got {disc_weight}")
+        check_loop_sections(config)
+        config_schema.validate(config)
+        settings = LossSettings(disc_weight=disc_weight, balance_weight=router.balance_weight,
+                                z_loss_weight=router.z_loss_weight, mask_prob=data.mask_prob)
+        return cls(settings, model, router, generator, data)
 
     # -- in the compiled steps
 
@@ -151,36 +178,38 @@ class PretrainingTask:
     def load_data(self, config, workdir: str, batch_multiple: int) -> TaskData:
         """Reads, tokenizes (training the vocabulary if needed) and packs; the batch streams."""
         del batch_multiple  # data.batch_size is checked against the mesh by the MoE layer
-        d = config.data
+        d = self.data
         documents = None  # the training text is read only to train a vocabulary or to pack
         if not os.path.exists(os.path.join(workdir, "spm.model")):
             documents = text.read_documents(d.train)
         if not is_main_process():  # process 0 trains the vocabulary, the others then read it
             wait_for_all_processes("vocabulary ready")
         tokenizer = text.get_text_tokenizer(
-            config, workdir, [p for doc in documents or () for p in doc])
+            d, workdir, [p for doc in documents or () for p in doc])
         if is_main_process():
             wait_for_all_processes("vocabulary ready")
-        tokens, segments, train_stats = packed_split(config, workdir, "train", d.train, tokenizer,
+        tokens, segments, train_stats = packed_split(d, workdir, "train", d.train, tokenizer,
                                                      documents)
         stats = {"train": train_stats}
-        micro = int(d.micro_batch_size) or int(d.batch_size)
-        mask = {"mask_prob": float(d.mask_prob), "mask_token_prob": float(d.mask_token_prob)}
+        micro = d.micro
+        mask = {"mask_prob": d.mask_prob, "mask_token_prob": d.mask_token_prob}
         processes = {"process_index": jax.process_index(), "process_count": jax.process_count()}
-        batches = text.PretrainBatches(tokens, segments, micro, seed=int(config.seed), **mask,
+        batches = text.PretrainBatches(tokens, segments, micro, seed=d.seed, **mask,
                                        **processes)
-        v_tokens, v_segments, stats["valid"] = packed_split(config, workdir, "valid", d.valid,
+        v_tokens, v_segments, stats["valid"] = packed_split(d, workdir, "valid", d.valid,
                                                             tokenizer)
-        if int(d.valid_sequences) > 0:
+        if d.valid_sequences > 0:
             v_tokens, v_segments = v_tokens[: d.valid_sequences], v_segments[: d.valid_sequences]
         stats["valid"]["evaluated_sequences"] = len(v_tokens)
-        valid = text.eval_batches(v_tokens, v_segments, micro, seed=int(config.seed), **mask,
+        valid = text.eval_batches(v_tokens, v_segments, micro, seed=d.seed, **mask,
                                   **processes)
         return TaskData(train=batches, valid=valid, vocab_size=tokenizer.vocab_size, stats=stats,
-                        micro_batches=int(d.batch_size) // micro, extra=tokenizer)
+                        micro_batches=d.batch_size // micro, extra=tokenizer,
+                        init_model=_admin_profiling(batches) if uses_admin(self.model.init)
+                        else None)
 
     def build_model(self, config, vocab_size: int, mesh) -> Electra:
-        return build_model(config, Electra, vocab_size, mesh)
+        return build_model(config, Electra, vocab_size, mesh, sections=self)
 
     def validation_metrics(self, total) -> dict[str, float]:
         safe = lambda x: max(float(x), 1.0)
@@ -197,8 +226,21 @@ class PretrainingTask:
         }
 
     def finish(self, run: Run) -> dict[str, Any]:
-        discriminator = run.steps.model(run.params, run.batch_stats).discriminator
+        discriminator = run.steps.model(run.state).discriminator
         return {"num_params_discriminator": count_params(nnx.state(discriminator, nnx.Param))}
+
+
+def _admin_profiling(batches: text.PretrainBatches):
+    """Admin's profiling pass on the first training micro-batch, as its reference code takes
+    it; the stream is left where it was."""
+    first = batches.peek()
+
+    def init_model(model: Electra) -> None:
+        scales = model.set_admin_scales(first)
+        logger.info("Admin residual scales: %s", {name: [round(s, 4) for s in values]
+                                                  for name, values in scales.items()})
+
+    return init_model
 
 
 def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -207,8 +249,9 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     Raises :class:`sparsemixer_jax.training.TrainingDiverged` if the loss or gradient becomes
     non-finite.
     """
-    config_schema.validate(config)  # before the task reads its fields
-    return train(PretrainingTask.from_config(config), config, workdir)
+    task = PretrainingTask.from_config(config)  # checks the config before anything is written
+    text.check_pretraining_text(config)  # before the workdir is written or the vocabulary trained
+    return train(task, config, workdir)
 
 
 @dataclasses.dataclass
@@ -232,9 +275,12 @@ def load_pretrained(
     """The pretrained discriminator of ``workdir`` with its vocabulary, config and checkpoint.
 
     ``checkpoint`` is ``"last"`` (the final model, the default: what the paper fine-tunes) or
-    ``"best"`` (lowest validation loss). The encoder's RNG streams are those of a fresh model:
+    ``"best"`` (lowest validation loss): the newest readable one of that kind
+    (:func:`~sparsemixer_jax.training.state.restore_checkpoint`; an unreadable newer one is
+    named in a warning and skipped). The encoder's RNG streams are those of a fresh model:
     reseed them (``nnx.reseed``) for fine-tuning. Raises ``FileNotFoundError`` (one line) if
-    ``workdir`` is not a pretraining workdir or holds no such checkpoint.
+    ``workdir`` is not a pretraining workdir or holds no such checkpoint, and
+    :class:`~sparsemixer_jax.checkpoint.CheckpointError` if none of them is readable.
     """
     if checkpoint not in ("best", "last"):
         raise ValueError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
@@ -251,28 +297,19 @@ def load_pretrained(
     if config_schema.task_of(config) != "pretraining":
         raise ValueError(f"{workdir} holds a {config_schema.task_of(config)} run, not a "
                          "pretraining run (experiments.pretrain)")
-    kind_dir = os.path.join(os.path.abspath(workdir), "checkpoints", checkpoint)
-    steps = sorted(int(n) for n in os.listdir(kind_dir) if n.isdigit()) \
-        if os.path.isdir(kind_dir) else []
-    if not steps:  # checked before orbax, which would create the directories
+    kind_dir = os.path.join(checkpoints_root(workdir), checkpoint)
+    if not list_checkpoints(workdir, checkpoint):  # before building the model
         raise FileNotFoundError(f"{kind_dir} holds no checkpoint: has the pretraining run saved "
                                 "one yet?")
     tokenizer = Tokenizer(vocab_path)
     text.check_special_pieces(tokenizer)
     built = build_steps(PretrainingTask.from_config(config), config, tokenizer.vocab_size, mesh)
-    template = built.train_state(built.params, built.opt_state_shapes(built.params))
-    checkpoints = RunCheckpoints(workdir)
-    try:
-        step = checkpoints.manager(checkpoint).latest_step()
-        if step is None:
-            raise FileNotFoundError(f"{kind_dir} holds no checkpoint")
-        restored = checkpoints.restore_checked(checkpoint, step, template)
-        digest = checkpoint_digest(restored.directory)
-    finally:
-        checkpoints.close()
-    model = built.model(restored.state["params"], restored.state.get("batch_stats"))
-    return Pretrained(model.discriminator, tokenizer, config,
-                      checkpoint, int(step), digest)
+    restored = restore_checkpoint(workdir, built.abstract_state(), checkpoint)
+    if restored is None:  # removed since it was listed
+        raise FileNotFoundError(f"{kind_dir} holds no checkpoint")
+    model = built.model(restored.state)
+    return Pretrained(model.discriminator, tokenizer, config, checkpoint, restored.step,
+                      checkpoint_digest(restored.directory))
 
 
 def load_discriminator(

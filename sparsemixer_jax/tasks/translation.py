@@ -23,10 +23,14 @@ from sparsemixer_jax import bleu, decode
 from sparsemixer_jax import config as config_schema
 from sparsemixer_jax.checkpoint import CheckpointError
 from sparsemixer_jax.data.batching import restore_order
-from sparsemixer_jax.data.sources import read_split
+from sparsemixer_jax.data.sources import DataConfig, check_text_files, read_split
 from sparsemixer_jax.data.tokenizer import Tokenizer, get_tokenizer
 from sparsemixer_jax.data.translation import load_datasets
-from sparsemixer_jax.models import PAD_ID, Transformer
+from sparsemixer_jax.decode import DecodeConfig
+from sparsemixer_jax.models import PAD_ID, Transformer, TransformerConfig
+from sparsemixer_jax.routers import RouterConfig
+from sparsemixer_jax.section import cast, check_fraction
+from sparsemixer_jax.tasks import check_loop_sections
 from sparsemixer_jax.training import Run, TaskData, train
 from sparsemixer_jax.training.hosts import (
     BatchPlacer,
@@ -34,6 +38,7 @@ from sparsemixer_jax.training.hosts import (
     wait_for_all_processes,
 )
 from sparsemixer_jax.training.loop import build_model
+from sparsemixer_jax.training.state import TrainState, restore_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +64,10 @@ def token_losses(
     return jnp.sum(smoothed * weights), jnp.sum(nll * weights), jnp.sum(weights)
 
 
-def accumulation_steps(config: ml_collections.ConfigDict) -> int:
-    """Micro-batches per update so that an update sees about ``optim.tokens_per_update`` tokens."""
-    per_update = int(config.optim.tokens_per_update)
-    return max(1, math.ceil(per_update / int(config.data.max_tokens))) if per_update > 0 else 1
+def accumulation_steps(tokens_per_update: int, max_tokens: int) -> int:
+    """Micro-batches per update so that an update sees about ``optim.tokens_per_update`` tokens
+    with ``data.max_tokens`` per micro-batch."""
+    return max(1, math.ceil(tokens_per_update / max_tokens)) if tokens_per_update > 0 else 1
 
 
 def translate_batches(
@@ -70,7 +75,7 @@ def translate_batches(
     batches: list[dict[str, np.ndarray]],
     tokenizer: Tokenizer,
     num_sentences: int,
-    decode_config: ml_collections.ConfigDict,
+    decode_config: DecodeConfig,
     place: BatchPlacer,
 ) -> list[str]:
     """Beam search over eval ``batches``; detokenized hypotheses in file order."""
@@ -83,9 +88,9 @@ def translate_batches(
             model,
             inputs,
             eos_id=tokenizer.eos_id,
-            beam_size=int(decode_config.beam_size),
-            alpha=float(decode_config.length_penalty),
-            max_extra_len=int(decode_config.max_extra_len),
+            beam_size=decode_config.beam_size,
+            alpha=decode_config.length_penalty,
+            max_extra_len=decode_config.max_extra_len,
         )
         best = seqs[:, 0]
         index = batch["index"]
@@ -104,23 +109,40 @@ class TranslationTask:
     """The translation task (:class:`sparsemixer_jax.training.Task`): label-smoothed cross
     entropy plus the routers' auxiliary losses, the WMT-style data, the Transformer, test BLEU.
 
-    Hashable (a static argument of the compiled steps); :meth:`from_config` builds it.
+    Holds the run's typed config sections (hashable: a static argument of the compiled steps);
+    :meth:`from_config` builds and checks them once, and the task hands them down to the model
+    and the data. ``router`` gives the auxiliary losses' weights; ``model``, ``data`` and
+    ``decode`` may be None for a task that only computes the loss.
     """
 
     label_smoothing: float
-    balance_weight: float
-    z_loss_weight: float
-    balance_normalization: str = "per_token"
+    router: RouterConfig
+    model: TransformerConfig | None = None
+    data: DataConfig | None = None
+    decode: DecodeConfig | None = None
+    tokens_per_update: int = 0
 
     batch_keys = ("inputs", "targets")
     progress_keys = ("loss",)
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> TranslationTask:
-        return cls(label_smoothing=float(config.optim.label_smoothing),
-                   balance_weight=float(config.router.balance_weight),
-                   z_loss_weight=float(config.router.z_loss_weight),
-                   balance_normalization=str(config.router.balance_normalization))
+        """Every section of a translation config, each checked, and the rules between them
+        (:func:`sparsemixer_jax.config.validate`): a ValueError naming the first bad field."""
+        config_schema.validate_sections(config)
+        model = TransformerConfig.from_config(config.model)
+        router = RouterConfig.from_config(config.router)
+        data = DataConfig.from_config(config)
+        decode = DecodeConfig.from_config(config.decode)
+        label_smoothing = cast(float, config.optim.label_smoothing, "config.optim.label_smoothing")
+        check_fraction("config.optim.", label_smoothing=label_smoothing)
+        per_update = cast(int, config.optim.tokens_per_update, "config.optim.tokens_per_update")
+        if per_update < 0:
+            raise ValueError(f"config.optim.tokens_per_update must be >= 0 (0 = no "
+                             f"accumulation), got {per_update}")
+        check_loop_sections(config)
+        config_schema.validate(config)
+        return cls(label_smoothing, router, model, data, decode, per_update)
 
     # -- in the compiled steps
 
@@ -134,8 +156,10 @@ class TranslationTask:
         # tokens, so the update's objective is mean cross entropy + weight * loss. "per_batch"
         # adds them once per micro-batch to the token-summed cross entropy, as the reference
         # (fairseq) does: their weight per token is weight / tokens per micro-batch.
-        aux_loss = self.balance_weight * aux["balance_loss"] + self.z_loss_weight * aux["z_loss"]
-        aux_scale = tokens if self.balance_normalization == "per_token" else 1.0
+        router = self.router
+        aux_loss = (router.balance_weight * aux["balance_loss"]
+                    + router.z_loss_weight * aux["z_loss"])
+        aux_scale = tokens if router.balance_normalization == "per_token" else 1.0
         metrics = {
             "smoothed": smoothed,
             "nll": nll,
@@ -171,17 +195,19 @@ class TranslationTask:
         if jax.process_count() > 1:
             # Process 0 trains the vocabulary; then every host loads its data at the same time.
             if is_main_process():
-                raw_train = read_split(config, "train")
-                get_tokenizer(config, workdir, raw_train)
+                raw_train = read_split(self.data, "train")
+                get_tokenizer(self.data, workdir, raw_train)
             wait_for_all_processes("vocabulary ready")
-        data = load_datasets(config, workdir, batch_multiple=batch_multiple, raw_train=raw_train)
+        data = load_datasets(self.data, workdir, batch_multiple=batch_multiple,
+                             raw_train=raw_train)
         del raw_train
         wait_for_all_processes("data ready")
         return TaskData(train=data.train, valid=data.valid, vocab_size=data.tokenizer.vocab_size,
-                        stats=data.stats, micro_batches=accumulation_steps(config), extra=data)
+                        stats=data.stats, extra=data, micro_batches=accumulation_steps(
+                            self.tokens_per_update, self.data.max_tokens))
 
     def build_model(self, config, vocab_size: int, mesh) -> Transformer:
-        return build_model(config, Transformer, vocab_size, mesh)
+        return build_model(config, Transformer, vocab_size, mesh, sections=self)
 
     def validation_metrics(self, sums) -> dict[str, float]:
         smoothed, nll, tokens = (float(x) for x in sums)
@@ -192,32 +218,33 @@ class TranslationTask:
     def finish(self, run: Run) -> dict[str, Any]:
         """Beam search on the test split with the last and the best checkpoint; BLEU of each."""
         config = run.config
-        if not config.decode.test_bleu:
+        if not self.decode.test_bleu:
             return {}
         data = run.data.extra
 
-        def translate(params, batch_stats) -> list[str]:
-            return translate_batches(run.steps.model(params, batch_stats), data.test,
-                                     data.tokenizer, len(data.test_sources), config.decode,
-                                     run.place)
+        def translate(state: TrainState) -> list[str]:
+            return translate_batches(run.steps.model(state), data.test, data.tokenizer,
+                                     len(data.test_sources), self.decode, run.place)
 
-        hyps = {"last": translate(run.params, run.batch_stats)}
-        if run.best_step == int(config.train_steps):  # the best is the last: decode once
+        hyps = {"last": translate(run.state)}
+        if run.best_step == config.train_steps:  # the best is the last: decode once
             hyps["best"] = hyps["last"]
         elif run.best_step > 0:
-            template = run.steps.train_state(run.params, run.opt_state, run.batch_stats)
             try:
-                best = run.checkpoints.restore_checked("best", run.best_step, template).state
+                best = restore_checkpoint(run.workdir, run.state, "best")
+                if best is None or best.step != run.best_step:
+                    raise CheckpointError(f"best/{run.best_step} is not the newest readable "
+                                          "best checkpoint")
             except CheckpointError as e:  # the run's result stands; only its best BLEU is missing
                 logger.warning("no test BLEU of the best checkpoint: %s", e)
             else:
-                hyps["best"] = translate(best["params"], best.get("batch_stats"))
+                hyps["best"] = translate(best.state)
         results = {}
         for name, texts in hyps.items():
             suffix = "" if name == "last" else "_best"
             results[f"bleu{suffix}"] = bleu.sacre_bleu(texts, data.test_references)
             results[f"tokenized_bleu{suffix}"] = bleu.tokenized_bleu(
-                texts, data.test_references, lang=config.data.tgt)
+                texts, data.test_references, lang=self.data.tgt)
             if is_main_process():
                 with open(os.path.join(run.workdir, f"translations_{name}.txt"), "w") as f:
                     f.writelines(h + "\n" for h in texts)
@@ -229,5 +256,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     Returns the results also written to ``{workdir}/results.json``.
     """
-    config_schema.validate(config)  # before the task reads its fields
-    return train(TranslationTask.from_config(config), config, workdir)
+    task = TranslationTask.from_config(config)  # checks the config before anything is written
+    check_text_files(config)  # before the workdir is written or the vocabulary trained
+    return train(task, config, workdir)

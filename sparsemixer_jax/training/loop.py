@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import jax
@@ -23,7 +23,6 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import runtime, sharding
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.training.hosts import BatchPlacer, is_main_process, write_atomically
@@ -31,6 +30,7 @@ from sparsemixer_jax.training.logs import MetricLog, Progress, StepMetrics
 from sparsemixer_jax.training.optim import OptimSettings
 from sparsemixer_jax.training.preemption import StopSignals
 from sparsemixer_jax.training.resume import check_resume_config, resume_from_newest_intact
+from sparsemixer_jax.training.state import TrainState
 from sparsemixer_jax.training.steps import Steps, count_params
 from sparsemixer_jax.training.workdir_lock import hold_workdir
 
@@ -55,8 +55,10 @@ class TrainingStream(Protocol):
 class TaskData:
     """What a task's data gives the loop: ``train`` (this host's rows of every micro-batch),
     ``valid`` (a list of batches), the vocabulary size, statistics for ``results.json``, the
-    micro-batches per update (gradient accumulation), and anything else the task keeps for
-    itself (``extra``: e.g. the test split)."""
+    micro-batches per update (gradient accumulation), anything else the task keeps for
+    itself (``extra``: e.g. the test split), and ``init_model``: a data-dependent step of the
+    model's initialisation (Admin's profiling pass), run on the fresh model before the steps
+    are built; a resumed run's checkpoint then replaces what it set."""
 
     train: TrainingStream
     valid: list[dict[str, np.ndarray]]
@@ -64,18 +66,18 @@ class TaskData:
     stats: dict[str, Any]
     micro_batches: int = 1
     extra: Any = None
+    init_model: Callable[[nnx.Module], Any] | None = None
 
 
 @dataclasses.dataclass
 class Run:
-    """A trained run as the task's :meth:`Task.finish` sees it."""
+    """A trained run as the task's :meth:`Task.finish` sees it: ``state`` is the train state
+    after the last step."""
 
     config: ml_collections.ConfigDict
     workdir: str
     steps: Steps
-    params: Any
-    batch_stats: Any
-    opt_state: Any
+    state: TrainState
     checkpoints: RunCheckpoints
     best_step: int
     data: TaskData
@@ -131,31 +133,37 @@ class Task(Protocol):
 
 
 def build_model(config: ml_collections.ConfigDict, model_class: type, vocab_size: int,
-                mesh: jax.sharding.Mesh | None) -> nnx.Module:
-    """``model_class(config, vocab_size, mesh=..., rngs=...)`` seeded from ``config.seed``."""
-    seed = int(config.seed)
+                mesh: jax.sharding.Mesh | None, sections: Any = None) -> nnx.Module:
+    """``model_class(sections or config, vocab_size, mesh=..., rngs=...)`` seeded from
+    ``config.seed``; ``sections`` holds the model's typed config sections (the task's)."""
+    seed = config.seed
     rngs = nnx.Rngs(params=seed, dropout=seed + 1, router=seed + 2)
-    model = model_class(config, vocab_size, mesh=mesh, rngs=rngs)
+    model = model_class(config if sections is None else sections, vocab_size, mesh=mesh,
+                        rngs=rngs)
     if mesh is not None:
         sharding.shard_state(model, mesh)
     return model
 
 
 def build_steps(task: Task, config: ml_collections.ConfigDict, vocab_size: int,
-                mesh: jax.sharding.Mesh | None = None) -> Steps:
+                mesh: jax.sharding.Mesh | None = None,
+                init_model: Callable[[nnx.Module], Any] | None = None) -> Steps:
     """A fresh model of ``task`` under ``config`` (seeded from ``config.seed``, placed on
-    ``mesh``) with its compiled training and evaluation steps."""
-    return Steps(task.build_model(config, vocab_size, mesh), task,
-                 OptimSettings.from_config(config.optim))
+    ``mesh``, then ``init_model`` applied to it) with its compiled training and evaluation
+    steps."""
+    model = task.build_model(config, vocab_size, mesh)
+    if init_model is not None:
+        init_model(model)
+    return Steps(model, task, OptimSettings.from_config(config.optim))
 
 
-def evaluate(steps: Steps, params: Any, batch_stats: Any, batches: list, place: BatchPlacer,
+def evaluate(steps: Steps, state: TrainState, batches: list, place: BatchPlacer,
              task: Task, key: jax.Array) -> dict[str, float]:
     """The task's validation metrics over ``batches`` (sums accumulated in float64)."""
     total = None
     for batch in batches:
         sums = jax.tree.map(lambda x: np.asarray(x, np.float64),
-                            jax.device_get(steps.evaluate(params, batch_stats, place(batch), key)))
+                            jax.device_get(steps.evaluate(state, place(batch), key)))
         total = sums if total is None else jax.tree.map(np.add, total, sums)
     return task.validation_metrics(total)
 
@@ -174,16 +182,17 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
     """Trains ``task`` (resuming from ``workdir`` if it holds a checkpoint), evaluates, and
     writes ``{workdir}/results.json``, which it also returns.
 
-    Rerunning a finished run returns its results as they were. Raises ValueError for a bad
-    config before anything is written, :class:`~sparsemixer_jax.training.resume.ResumeError` for
+    Rerunning a finished run returns its results as they were. ``task`` is built by its
+    ``from_config``, which raised ValueError for a bad config before anything was written.
+    Raises :class:`~sparsemixer_jax.training.resume.ResumeError` for
     a workdir that cannot be resumed, :class:`TrainingDiverged` if the loss becomes non-finite,
     :class:`~sparsemixer_jax.training.workdir_lock.WorkdirError` for a workdir that is a file or
     that another run holds (one run per workdir), and
     :class:`~sparsemixer_jax.training.preemption.Stopped` after SIGTERM or SIGINT (the step in
     flight is finished and checkpointed; rerunning resumes there).
     """
-    # Start: the config is checked before anything is written; then the data, model and steps.
-    config_schema.validate(config)
+    # Start: the task's from_config checked the config before anything is written; then the
+    # data, model and steps.
     runtime.configure(config)  # before any key is made (the entry points call it earlier still)
     with hold_workdir(workdir):
         return _train_in(task, config, workdir)
@@ -197,24 +206,18 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
 
     mesh = sharding.mesh_from_config(config)
     data = task.load_data(config, workdir, 1 if mesh is None else mesh.size)
-    steps = build_steps(task, config, data.vocab_size, mesh)
+    steps = build_steps(task, config, data.vocab_size, mesh, data.init_model)
     place = BatchPlacer(mesh, task.batch_keys)
-    params, batch_stats = steps.params, steps.batch_stats
-    opt_state = steps.init_opt(params)
-
-    def train_state() -> dict[str, Any]:
-        return steps.train_state(params, opt_state, batch_stats)
-
+    state = steps.init_state()
     accum = data.micro_batches
     logger.info("model: %s parameters; %d micro-batches per update; mesh %s; data %s",
-                f"{count_params(params):,}", accum,
+                f"{count_params(state.params):,}", accum,
                 None if mesh is None else dict(mesh.shape), data.stats)
 
     # Resume from the newest intact checkpoint, if any (a finished run returns its results).
-    train_steps = int(config.train_steps)
-    checkpoints = RunCheckpoints(workdir)
+    train_steps = config.train_steps
     start_step, best_loss, best_step = 0, math.inf, -1
-    restored = resume_from_newest_intact(checkpoints, train_state(), workdir, train_steps)
+    restored, checkpoints = resume_from_newest_intact(state, workdir, train_steps)
     if restored is not None:
         if restored.step == train_steps:
             finished = _finished_results(workdir, train_steps)
@@ -223,8 +226,7 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
                 logger.info("%s already finished %d steps: results.json kept", workdir,
                             train_steps)
                 return finished
-        params, opt_state = restored.state["params"], restored.state["opt_state"]
-        batch_stats = restored.state.get("batch_stats", batch_stats)
+        state = restored.state
         start_step = restored.step
         best_loss = float(restored.meta["best_valid_loss"])
         best_step = int(restored.meta["best_step"])
@@ -232,8 +234,8 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
 
     # The step loop: one update per step, validation and checkpoints on their intervals.
     log = MetricLog(workdir, start_step)
-    key = jax.random.key(int(config.seed) + 3)
-    eval_key = jax.random.key(int(config.seed) + 5)
+    key = jax.random.key(config.seed + 3)
+    eval_key = jax.random.key(config.seed + 5)
     train_iter: Iterator = data.train
     progress = Progress(train_steps, start_step)
 
@@ -268,26 +270,25 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
             shapes = {tuple(b[k].shape for k in task.batch_keys) for b in micro}
             new_shapes = shapes - seen_shapes
             seen_shapes |= new_shapes
-            params, batch_stats, opt_state, metrics = steps.train_step(
-                params, batch_stats, opt_state, [place(batch) for batch in micro],
-                jax.random.fold_in(key, step))
+            state, metrics = steps.train_step(state, [place(batch) for batch in micro],
+                                              jax.random.fold_in(key, step))
             step_metrics.add(step, metrics, started,
-                             with_moe=step % int(config.log_every) == 0)
+                             with_moe=step % config.log_every == 0)
             progress.advance(compiled=bool(new_shapes))
 
             is_last = step == train_steps
-            if step % int(config.eval_every) == 0 or is_last:
+            if step % config.eval_every == 0 or is_last:
                 step_metrics.flush()
-                valid = evaluate(steps, params, batch_stats, data.valid, place, task, eval_key)
+                valid = evaluate(steps, state, data.valid, place, task, eval_key)
                 log.write({"step": step, **valid})
                 if valid["valid_loss"] < best_loss:
                     best_loss, best_step = valid["valid_loss"], step
-                    checkpoints.save_best(step, train_state(), meta_for(step))
+                    checkpoints.save_best(step, state, meta_for(step))
                 logger.info("step %d: %s", step, valid)
             stopping = stop.requested(step)  # SIGTERM or SIGINT: checkpoint this step and stop
-            if step % int(config.checkpoint_every) == 0 or is_last or stopping:
+            if step % config.checkpoint_every == 0 or is_last or stopping:
                 step_metrics.flush()
-                checkpoints.save_last(step, train_state(), meta_for(step))
+                checkpoints.save_last(step, state, meta_for(step))
             if stopping:
                 raise stop.stopped(step)
         step_metrics.flush()
@@ -298,18 +299,18 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
 
     # Finish: results.json with the task's own final results.
     if not valid:  # resumed a finished run that wrote no results: evaluate what is there
-        valid = evaluate(steps, params, batch_stats, data.valid, place, task, eval_key)
+        valid = evaluate(steps, state, data.valid, place, task, eval_key)
     results = {
         "steps": train_steps,
         **valid,
         "best_valid_loss": best_loss,
         "best_step": best_step,
         **step_metrics.results(),
-        "num_params": count_params(params),
+        "num_params": count_params(state.params),
         "data_stats": data.stats,
     }
-    results.update(task.finish(Run(config, workdir, steps, params, batch_stats, opt_state,
-                                   checkpoints, best_step, data, place)))
+    results.update(task.finish(Run(config, workdir, steps, state, checkpoints, best_step, data,
+                                   place)))
     results["config"] = json.loads(config.to_json())
     if is_main_process():
         write_atomically(os.path.join(workdir, "results.json"), json.dumps(results, indent=1))

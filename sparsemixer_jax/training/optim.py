@@ -12,10 +12,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
-from sparsemixer_jax.config import SCHEDULES, WEIGHT_DECAY_MASKS
+from sparsemixer_jax.section import check_fraction, check_positive, read_fields
+
+SCHEDULES = ("inverse_sqrt", "linear")
+WEIGHT_DECAY_MASKS = ("all", "matrices")
 
 __all__ = ["SCHEDULES", "WEIGHT_DECAY_MASKS", "OptimSettings", "learning_rate_schedule",
            "make_optimizer", "weight_decay_mask"]
@@ -45,11 +47,29 @@ class OptimSettings:
     clip_norm: float = 0.0
 
     @classmethod
-    def from_config(cls, optim: ml_collections.ConfigDict) -> OptimSettings:
-        """The fields of ``optim`` this class has (a section may hold task fields too)."""
-        cast = {"int": int, "float": float, "str": str}  # annotations are strings here
-        return cls(**{f.name: cast[f.type](optim[f.name]) for f in dataclasses.fields(cls)
-                      if f.name in optim})
+    def from_config(cls, optim: Any, where: str = "config.optim.") -> OptimSettings:
+        """The fields of ``optim`` this class has (a section may hold task fields too; the
+        task's own settings read those), checked (:meth:`check`)."""
+        return cls(**read_fields(cls, optim, where)).check(where)
+
+    def check(self, where: str = "") -> OptimSettings:
+        """``self`` if every field is usable, else a one-line ValueError naming the first one
+        that is not with the prefix ``where``."""
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"{where}schedule={self.schedule!r}; choose one of {SCHEDULES}")
+        check_positive(where, peak_lr=self.peak_lr)
+        if self.warmup_steps < 0 or self.init_lr < 0:
+            raise ValueError(f"{where}warmup_steps and init_lr must be >= 0")
+        if self.schedule == "linear" and not 0 <= self.warmup_steps < self.decay_steps:
+            raise ValueError(f"{where}warmup_steps={self.warmup_steps} must lie in [0, "
+                             f"decay_steps={self.decay_steps}) for the linear schedule")
+        if self.weight_decay < 0 or self.clip_norm < 0:
+            raise ValueError(f"{where}weight_decay and clip_norm must be >= 0")
+        if self.weight_decay_mask not in WEIGHT_DECAY_MASKS:
+            raise ValueError(f"{where}weight_decay_mask={self.weight_decay_mask!r}; choose one "
+                             f"of {WEIGHT_DECAY_MASKS}")
+        check_fraction(where, b1=self.b1, b2=self.b2)
+        return self
 
 
 def inverse_sqrt_schedule(peak_lr: float, init_lr: float,

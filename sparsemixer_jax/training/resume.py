@@ -1,9 +1,9 @@
 """Starting a run in a workdir: refusing a changed config, resuming the newest intact checkpoint.
 
-Exact resumption: the parameters, the optimizer state, the step and the data position are
-checkpointed; the random keys of step ``s`` are derived from ``(seed, s)``; the learning rate
-depends on the step only. A run stopped at step ``k`` and resumed to ``2k`` therefore ends with
-the parameters of an uninterrupted ``2k``-step run.
+Exact resumption: the train state (step, parameters, layer state, optimizer state) and the data
+position are checkpointed; the random keys of step ``s`` are derived from ``(seed, s)``; the
+learning rate depends on the step only. A run stopped at step ``k`` and resumed to ``2k``
+therefore ends with the parameters of an uninterrupted ``2k``-step run.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import jax
 import ml_collections
 
 from sparsemixer_jax import config as config_schema
-from sparsemixer_jax.checkpoint import CheckpointError, Restored, RunCheckpoints, has_checkpoint
+from sparsemixer_jax.checkpoint import CheckpointError, RunCheckpoints, has_checkpoint
+from sparsemixer_jax.sharding import MeshConfig
 from sparsemixer_jax.training.hosts import is_main_process
 from sparsemixer_jax.training.logs import flatten
+from sparsemixer_jax.training.state import Restored, TrainState, restore_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -101,33 +103,37 @@ def _resolved_mesh(config: dict) -> dict:
     mesh = config.get("mesh")
     if not isinstance(mesh, dict) or mesh.get("data") != -1:
         return config
-    expert = int(mesh.get("expert", 1)) or 1
+    expert = MeshConfig.from_config(mesh).expert
     return {**config, "mesh": {**mesh, "data": jax.device_count() // expert}}
 
 
-def resume_from_newest_intact(
-    checkpoints: RunCheckpoints, template: dict, workdir: str, train_steps: int
-) -> Restored | None:
-    """The newest intact checkpoint (``last`` or ``best``) to resume from, or None for a new run.
+def resume_from_newest_intact(template: TrainState, workdir: str,
+                              train_steps: int) -> tuple[Restored | None, RunCheckpoints]:
+    """The newest intact checkpoint (``last`` or ``best``) to resume from (None for a new run),
+    and the workdir's checkpoint managers to save the next ones with.
 
-    Raises :class:`ResumeError` (one line) when checkpoints exist but none can be read, or when
-    the run is already past ``train_steps``. A ``best`` checkpoint resumed from is copied to
-    ``last``: its full training state is nowhere else once later best checkpoints replace it.
+    :func:`~sparsemixer_jax.training.state.restore_checkpoint` with both kinds, setting the
+    unreadable ones aside (this run holds the workdir). Raises :class:`ResumeError` (one line)
+    when checkpoints exist but none can be read, or when the run is already past
+    ``train_steps``. A ``best`` checkpoint resumed from is copied to ``last``: its full train
+    state is nowhere else once later best checkpoints replace it.
     """
     try:
-        restored = checkpoints.restore_newest_intact(template)
+        restored = restore_checkpoint(workdir, template, set_aside=True)
     except CheckpointError as e:
-        checkpoints.close()
-        raise ResumeError(str(e)) from None
-    if restored is None:
-        return None
-    if restored.step > train_steps:
-        checkpoints.close()
+        raise ResumeError(f"{e}. To start over, use a fresh --workdir (or move this one's "
+                          "checkpoints/ and metrics.jsonl away)") from None
+    if restored is not None and restored.step > train_steps:
         raise ResumeError(
             f"config.train_steps={train_steps} but {workdir} holds a checkpoint of step "
             f"{restored.step}: set config.train_steps >= {restored.step}, or use a fresh --workdir"
         )
+    # Made after the restore: orbax's managers list the steps on disk when they are made, and
+    # the unreadable ones have been set aside by now.
+    checkpoints = RunCheckpoints(workdir)
+    if restored is None:
+        return None, checkpoints
     if restored.kind == "best" and restored.step not in checkpoints.last.all_steps():
         checkpoints.save_last(restored.step, restored.state, restored.meta)
     logger.info("resumed from %s (step %d)", restored.directory, restored.step)
-    return restored
+    return restored, checkpoints

@@ -1,5 +1,10 @@
 """The compiled steps of every task: gradient accumulation, the update, evaluation.
 
+Every step takes the train state (:class:`sparsemixer_jax.training.state.TrainState`: step,
+parameters, layer state, optimizer state) and returns the next one; the compiled functions donate
+it. The model's other state (``rest``: its RNG streams, reseeded from the step's key by the
+task) and its graph definition are held by :class:`Steps`.
+
 The task (:class:`sparsemixer_jax.training.Task`) is a hashable object (a frozen dataclass; a
 static argument of the compiled functions); the steps call three of its methods:
 
@@ -16,10 +21,9 @@ The functions are module-level, keyed by (graph definition, task, optimizer sett
 every model of the same structure and shapes in a process reuses one compilation. Parameters
 travel as a pure pytree (nested dict of arrays) so that optax and orbax see plain arrays.
 
-``batch_stats`` is the model's state that training forwards update and the optimizer does not
-(``nnx.BatchStat`` variables: Default MoE's default vectors); a pure pytree too, empty for most
-models. It travels beside the parameters through every step (micro-batch after micro-batch), is
-kept unchanged when an update is skipped, and is saved in checkpoints.
+The layer state (``nnx.BatchStat`` variables: Default MoE's running means of expert outputs;
+``{}`` for most models) is what training forwards update and the optimizer does not. It goes
+through every micro-batch's forward in order, and is kept unchanged when an update is skipped.
 """
 
 from __future__ import annotations
@@ -35,51 +39,53 @@ import optax
 from flax import nnx
 
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule, make_optimizer
+from sparsemixer_jax.training.state import TrainState
 
 
-def _merge(graphdef, params, batch_stats, rest) -> nnx.Module:
+def _merge(graphdef, params, layer_state, rest) -> nnx.Module:
     # A fresh copy of the RNG-stream variables at this trace level, so that reseeding them under
     # jax.grad does not mutate the caller's.
     rest = jax.tree.map(lambda x: x, rest)
-    return nnx.merge(graphdef, nnx.State(params), nnx.State(batch_stats), rest)
+    return nnx.merge(graphdef, nnx.State(params), nnx.State(layer_state), rest)
 
 
-def micro_batch_loss(graphdef: nnx.GraphDef, task: Any, params: Any, batch_stats: Any,
+def micro_batch_loss(graphdef: nnx.GraphDef, task: Any, params: Any, layer_state: Any,
                      rest: Any, batch: dict[str, jax.Array],
                      key: jax.Array) -> tuple[jax.Array, tuple]:
     """The task's loss of one micro-batch as a function of ``params`` (argument 2): what
-    the steps differentiate. Returns ``(loss, (metric sums, batch_stats after the forward))``.
+    the steps differentiate. Returns ``(loss, (metric sums, layer_state after the forward))``.
 
-    ``graphdef``, ``batch_stats`` and ``rest`` are those of :class:`Steps` (``steps.graphdef``,
-    ``steps.batch_stats``, ``steps.rest``); ``task`` may be another than the steps' own,
+    ``graphdef``, ``layer_state`` and ``rest`` are those of :class:`Steps` (``steps.graphdef``,
+    ``steps.layer_state``, ``steps.rest``); ``task`` may be another than the steps' own,
     e.g. to compare the gradients of two objectives on one model.
     """
-    model = _merge(graphdef, params, batch_stats, rest)
+    model = _merge(graphdef, params, layer_state, rest)
     loss, metrics = task.loss(model, batch, key)
     return loss, (metrics, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
 
 
-def _gradient(graphdef, task, params, batch_stats, rest, batch, key):
-    """``({"grads", "metrics"}, new batch_stats)`` of one micro-batch."""
-    grads, (metrics, batch_stats) = jax.grad(micro_batch_loss, argnums=2, has_aux=True)(
-        graphdef, task, params, batch_stats, rest, batch, key)
-    return {"grads": grads, "metrics": metrics}, batch_stats
+def _gradient(graphdef, task, params, layer_state, rest, batch, key):
+    """``({"grads", "metrics"}, new layer_state)`` of one micro-batch."""
+    grads, (metrics, layer_state) = jax.grad(micro_batch_loss, argnums=2, has_aux=True)(
+        graphdef, task, params, layer_state, rest, batch, key)
+    return {"grads": grads, "metrics": metrics}, layer_state
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _zero_accumulator(graphdef, task, params, batch_stats, rest, batch):
+def _zero_accumulator(graphdef, task, state, rest, batch):
     shapes = jax.eval_shape(
-        lambda p, s, r, b: micro_batch_loss(graphdef, task, p, s, r, b,
-                                            jax.random.key(0))[1][0],
-        params, batch_stats, rest, batch)
-    return {"grads": jax.tree.map(jnp.zeros_like, params),
+        lambda s, r, b: micro_batch_loss(graphdef, task, s.params, s.layer_state, r, b,
+                                         jax.random.key(0))[1][0],
+        state, rest, batch)
+    return {"grads": jax.tree.map(jnp.zeros_like, state.params),
             "metrics": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(5,))
-def _accumulate(graphdef, task, params, batch_stats, rest, acc, batch, key):
-    summand, batch_stats = _gradient(graphdef, task, params, batch_stats, rest, batch, key)
-    return jax.tree.map(jnp.add, acc, summand), batch_stats
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
+def _accumulate(graphdef, task, state, rest, acc, batch, key):
+    summand, layer_state = _gradient(graphdef, task, state.params, state.layer_state, rest,
+                                     batch, key)
+    return jax.tree.map(jnp.add, acc, summand), layer_state
 
 
 def _keep_if_finite(finite, new, old):
@@ -87,65 +93,98 @@ def _keep_if_finite(finite, new, old):
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
-_keep_if_finite_jit = jax.jit(_keep_if_finite)
-
-
-def _apply_update(task, optim: OptimSettings, params, opt_state, acc):
-    """One optimizer update from summed gradients; skipped if the loss or gradient is not finite."""
+def _apply_update(task, optim: OptimSettings, state: TrainState, acc,
+                  layer_state) -> tuple[TrainState, dict[str, Any]]:
+    """The next train state from summed gradients and the layer state after the update's
+    forwards; the parameters, layer and optimizer states are kept if the loss or gradient is not
+    finite. The step counts every update taken, skipped or not (the loop stops at a skip)."""
     divisor, out = task.summarize(acc["metrics"])
     grads = jax.tree.map(lambda g: g / divisor, acc["grads"])
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(out["loss"])
-    updates, new_opt_state = make_optimizer(optim).update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    params = _keep_if_finite(finite, new_params, params)
-    opt_state = _keep_if_finite(finite, new_opt_state, opt_state)
-    return params, opt_state, {**out, "grad_norm": grad_norm, "finite": finite}
+    updates, new_opt_state = make_optimizer(optim).update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    new = TrainState(step=state.step + 1,
+                     params=_keep_if_finite(finite, new_params, state.params),
+                     layer_state=_keep_if_finite(finite, layer_state, state.layer_state),
+                     opt_state=_keep_if_finite(finite, new_opt_state, state.opt_state))
+    return new, {**out, "grad_norm": grad_norm, "finite": finite}
 
 
-_update = functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))(_apply_update)
+_update = functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,))(_apply_update)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 6))
-def _train_step(graphdef, task, optim, params, batch_stats, rest, opt_state, batch, key):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3,))
+def _train_step(graphdef, task, optim, state, rest, batch, key):
     """A whole update from one micro-batch in one compiled call: gradient, then optimizer.
 
     The same arithmetic as accumulating into zeros then updating, without materialising the
     accumulator, with one dispatch instead of three, and with XLA free to fuse the gradient's
-    last ops into the optimizer's. Parameters and optimizer state are donated.
+    last ops into the optimizer's. The train state is donated.
     """
-    summand, new_batch_stats = _gradient(graphdef, task, params, batch_stats, rest, batch, key)
-    params, opt_state, metrics = _apply_update(task, optim, params, opt_state, summand)
-    batch_stats = _keep_if_finite(metrics["finite"], new_batch_stats, batch_stats)
-    return params, batch_stats, opt_state, metrics
+    summand, layer_state = _gradient(graphdef, task, state.params, state.layer_state, rest,
+                                     batch, key)
+    return _apply_update(task, optim, state, summand, layer_state)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _evaluate(graphdef, task, params, batch_stats, rest, batch, key):
-    return task.evaluate(_merge(graphdef, params, batch_stats, rest), batch, key)
+def _evaluate(graphdef, task, state, rest, batch, key):
+    return task.evaluate(_merge(graphdef, state.params, state.layer_state, rest), batch, key)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _init_optimizer(optim: OptimSettings, params):
-    return make_optimizer(optim).init(params)
+def _initial_state(optim: OptimSettings, params, layer_state):
+    # Under jit, so that the step and the optimizer's count are placed as its other outputs
+    # (replicated on the parameters' mesh) and the parameters are not copied: they are passed
+    # through, as the model holds them.
+    return jnp.zeros((), jnp.int32), make_optimizer(optim).init(params)
 
 
 class Steps:
-    """The compiled steps bound to one model, its task and optimizer settings."""
+    """The compiled steps bound to one model, its task and optimizer settings.
+
+    ``params`` and ``layer_state`` are the model's initial ones (pure dicts); ``graphdef`` and
+    ``rest`` (its RNG streams) are the parts of the model no update changes.
+    """
 
     def __init__(self, model: nnx.Module, task: Any, optim: OptimSettings):
-        self.graphdef, params, batch_stats, self.rest = nnx.split(model, nnx.Param, nnx.BatchStat,
-                                                                  ...)
+        self.graphdef, params, layer_state, self.rest = nnx.split(model, nnx.Param,
+                                                                  nnx.BatchStat, ...)
         # Committed to their devices, as arrays restored from a checkpoint are: jit keys its
         # cache on committedness, so a resumed run then reuses the compiled steps.
         self.params = _committed(nnx.to_pure_dict(params))
-        self.batch_stats = _committed(nnx.to_pure_dict(batch_stats))  # {} for most models
+        self.layer_state = _committed(nnx.to_pure_dict(layer_state))  # {} for most models
         self.task = task
         self.optim = optim
         self.schedule = learning_rate_schedule(optim)
 
-    def init_opt(self, params):
-        return _init_optimizer(self.optim, params)
+    def new_state(self, params: Any, layer_state: Any) -> TrainState:
+        """The train state of step 0 with ``params`` and ``layer_state`` and a fresh optimizer
+        state (abstract arguments give an abstract state under ``jax.eval_shape``)."""
+        step, opt_state = _initial_state(self.optim, params, layer_state)
+        # Replicated where the parameters are: jit put this constant on the default device
+        # alone, and a step takes no arguments on different devices.
+        replicated = _replicated_like(params)
+        if replicated is not None and isinstance(step, jax.Array):
+            step = jax.device_put(step, replicated)
+        return TrainState(step=step, params=params, layer_state=layer_state, opt_state=opt_state)
+
+    def init_state(self) -> TrainState:
+        """The train state of step 0: the model's parameters and layer state, a fresh
+        optimizer state. The first update donates it, and with it :attr:`params` and
+        :attr:`layer_state`: take a model after training from the state it returned."""
+        return self.new_state(self.params, self.layer_state)
+
+    def abstract_state(self) -> TrainState:
+        """The train state's shapes, dtypes and shardings (``jax.ShapeDtypeStruct`` leaves),
+        computing nothing: the template to restore a checkpoint into for reading only."""
+        def shapes(tree):  # placed as the model's arrays are (eval_shape drops placements)
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=getattr(a, "sharding", None)), tree)
+
+        params, layer_state = shapes(self.params), shapes(self.layer_state)
+        return jax.eval_shape(self.new_state, params, layer_state).replace(
+            params=params, layer_state=layer_state)
 
     def with_rest(self, rest: Any) -> Steps:
         """These steps with the model's other state (its RNG streams) replaced by ``rest``: an
@@ -155,63 +194,67 @@ class Steps:
         bound.rest = rest
         return bound
 
-    def opt_state_shapes(self, params):
-        """The optimizer state's shapes, without computing it (a restore template)."""
-        return jax.eval_shape(lambda p: make_optimizer(self.optim).init(p), params)
-
-    def zeros(self, params, batch_stats, batch):
+    def zeros(self, state: TrainState, batch: dict[str, jax.Array]) -> dict[str, Any]:
         """A zero accumulator of gradients and metric sums for batches shaped like ``batch``."""
-        return _zero_accumulator(self.graphdef, self.task, params, batch_stats, self.rest,
-                                 batch)
+        return _zero_accumulator(self.graphdef, self.task, state, self.rest, batch)
 
-    def accumulate(self, params, batch_stats, acc, batch, key):
-        """``(acc + the gradient and metric sums of batch, batch_stats after its forward)``;
-        ``acc`` is donated."""
-        return _accumulate(self.graphdef, self.task, params, batch_stats, self.rest, acc,
-                           batch, key)
+    def accumulate(self, state: TrainState, acc: dict[str, Any], batch: dict[str, jax.Array],
+                   key: jax.Array) -> tuple[dict[str, Any], Any]:
+        """``(acc + the gradient and metric sums of batch at state.params, the layer state
+        after its forward from state.layer_state)``; ``acc`` is donated."""
+        return _accumulate(self.graphdef, self.task, state, self.rest, acc, batch, key)
 
-    def update(self, params, opt_state, acc):
-        """The optimizer update from an accumulator: ``(params, opt_state, metrics)``."""
-        return _update(self.task, self.optim, params, opt_state, acc)
+    def update(self, state: TrainState, acc: dict[str, Any],
+               layer_state: Any = None) -> tuple[TrainState, dict[str, Any]]:
+        """The optimizer update from an accumulator: ``(next state, metrics)``. ``layer_state``
+        is the layer state after the update's forwards (None: ``state.layer_state``); ``state``
+        is donated."""
+        layer_state = state.layer_state if layer_state is None else layer_state
+        return _update(self.task, self.optim, state, acc, layer_state)
 
-    def train_step(self, params, batch_stats, opt_state, micro_batches, step_key):
+    def train_step(self, state: TrainState, micro_batches: list[dict[str, jax.Array]],
+                   step_key: jax.Array) -> tuple[TrainState, dict[str, Any]]:
         """One update from ``micro_batches`` (device batches); micro-batch ``j`` draws its
-        randomness from ``fold_in(step_key, j)``. Returns ``(params, batch_stats, opt_state,
-        metrics)``; ``batch_stats`` has gone through every micro-batch's forward, in order,
-        unless the update was skipped (then it is returned unchanged).
+        randomness from ``fold_in(step_key, j)``. Returns ``(next state, metrics)``: its step is
+        one more; its layer state has gone through every micro-batch's forward, in order,
+        unless the update was skipped (then parameters, layer and optimizer states are the
+        given ones).
 
         One micro-batch: a single compiled call. Several: zero, accumulate each, update. Both
-        donate ``params`` and ``opt_state``.
+        donate ``state``.
         """
         if len(micro_batches) == 1:
-            return _train_step(self.graphdef, self.task, self.optim, params, batch_stats,
-                               self.rest, opt_state, micro_batches[0],
-                               jax.random.fold_in(step_key, 0))
-        acc = self.zeros(params, batch_stats, micro_batches[0])
-        new_batch_stats = batch_stats
+            return _train_step(self.graphdef, self.task, self.optim, state, self.rest,
+                               micro_batches[0], jax.random.fold_in(step_key, 0))
+        acc = self.zeros(state, micro_batches[0])
+        layer_state = state.layer_state
         for j, batch in enumerate(micro_batches):
-            acc, new_batch_stats = self.accumulate(params, new_batch_stats, acc, batch,
-                                             jax.random.fold_in(step_key, j))
-        params, opt_state, metrics = self.update(params, opt_state, acc)
-        batch_stats = _keep_if_finite_jit(metrics["finite"], new_batch_stats, batch_stats)
-        return params, batch_stats, opt_state, metrics
+            acc, layer_state = self.accumulate(state.replace(layer_state=layer_state), acc,
+                                               batch, jax.random.fold_in(step_key, j))
+        return self.update(state, acc, layer_state)
 
-    def evaluate(self, params, batch_stats, batch, key):
-        return _evaluate(self.graphdef, self.task, params, batch_stats, self.rest, batch, key)
+    def evaluate(self, state: TrainState, batch: dict[str, jax.Array], key: jax.Array) -> Any:
+        """The task's evaluation sums of the deterministic forward on ``batch``."""
+        return _evaluate(self.graphdef, self.task, state, self.rest, batch, key)
 
-    def train_state(self, params: Any, opt_state: Any, batch_stats: Any = None) -> dict[str, Any]:
-        """What a checkpoint holds: ``params``, ``opt_state`` and, where the model has layer
-        state, ``batch_stats`` (the initial state if None). Models without layer state keep the
-        two-item layout of checkpoints written before layer state existed."""
-        batch_stats = self.batch_stats if batch_stats is None else batch_stats
-        state = {"params": params, "opt_state": opt_state}
-        return {**state, "batch_stats": batch_stats} if batch_stats else state
+    def model(self, state: TrainState | None = None) -> nnx.Module:
+        """The module holding ``state``'s parameters and layer state (the initial ones if None),
+        for decoding or to take a part of it."""
+        params = self.params if state is None else state.params
+        layer_state = self.layer_state if state is None else state.layer_state
+        return nnx.merge(self.graphdef, nnx.State(params), nnx.State(layer_state), self.rest)
 
-    def model(self, params: Any, batch_stats: Any = None) -> nnx.Module:
-        """The module holding ``params`` and ``batch_stats`` (the initial state if None), for
-        decoding or to take a part of it."""
-        batch_stats = self.batch_stats if batch_stats is None else batch_stats
-        return nnx.merge(self.graphdef, nnx.State(params), nnx.State(batch_stats), self.rest)
+
+def _replicated_like(tree: Any) -> jax.sharding.Sharding | None:
+    """A sharding that replicates over the devices of ``tree``'s first array (None if it holds
+    none with a placement: shapes only, or tracers)."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            sharding = leaf.sharding
+            if isinstance(sharding, jax.sharding.NamedSharding):
+                return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+            return sharding if len(sharding.device_set) == 1 else None
+    return None
 
 
 def _committed(tree: Any) -> Any:

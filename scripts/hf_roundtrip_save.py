@@ -1,0 +1,22 @@
+"""Loads each reference model of tests/data/hf with :func:`sparsemixer_jax.hf.load_pretrained`
+and saves it with :func:`sparsemixer_jax.hf.save_pretrained` into ``OUT/<type>``, for
+``scripts/make_hf_references.py --check OUT`` to load with transformers (the round trip back
+into transformers; run by hand, CI has no torch).
+
+    python scripts/hf_roundtrip_save.py /tmp/hf_saved
+"""
+
+import os
+import sys
+
+from sparsemixer_jax import hf
+from sparsemixer_jax.lm_config import MODEL_TYPES
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "hf")
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    for model_type in MODEL_TYPES:
+        model, config = hf.load_pretrained(os.path.join(DATA, model_type))
+        hf.save_pretrained(model, config, os.path.join(out, model_type))
+        print(f"{model_type}: saved to {os.path.join(out, model_type)}")

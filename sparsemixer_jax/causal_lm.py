@@ -1,0 +1,450 @@
+"""A decoder-only MoE language model (Flax NNX): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and
+Phi-3.5-MoE in one implementation, configured by :class:`sparsemixer_jax.lm_config.LMConfig`.
+
+Each block is pre-norm: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``, where ``attn`` is
+grouped-query attention with rotary positions (optional q/k norms, biases, value clipping,
+sliding window) and ``ffn`` is the project's :class:`sparsemixer_jax.moe.MoEFeedForward` with gated
+SwiGLU experts (plus Qwen2-MoE's shared expert) or a dense SwiGLU MLP.
+
+Layers are scanned: the layers are grouped into stacks of a repeating unit
+(:func:`sparsemixer_jax.lm_config.layer_pattern_stacks`), each stack's parameters carry a
+leading ``repeats`` axis, and :func:`jax.lax.scan` runs it, so compile time does not grow with
+depth. Parameters are float32; ``compute_dtype`` sets the matmuls' dtype (norm statistics,
+softmax, routing and the logits in float32).
+
+Modes: the model is built in training mode (routers sample, jitter applies); flax's
+``model.eval()`` sets ``deterministic`` and makes every call deterministic (routing by the
+router's evaluation rule). :func:`sparsemixer_jax.hf.load_pretrained` returns it in eval mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sparsemixer_jax.lm_config import LMConfig, layer_pattern_stacks
+from sparsemixer_jax.moe import MoEFeedForward
+
+# Large negative logit for masked attention entries; finite so that a fully masked row (padding)
+# gives a uniform distribution instead of NaN.
+MASK_VALUE = -1e9
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer for cached decoding.
+
+    Attributes:
+      keys, values: one array per stack and unit layer (in model order),
+        ``[repeats, B, S, num_kv_heads, head_dim]`` in the compute dtype; rotary positions are
+        applied to the keys already.
+      index: int32 scalar, the number of slots written.
+      valid: bool ``[B, S]``, slots that hold a real token (False: left padding of a prompt).
+      positions: int32 ``[B]``, the position the next token takes in each row.
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    index: jax.Array
+    valid: jax.Array
+    positions: jax.Array
+
+
+class LMOutput(NamedTuple):
+    """What :meth:`CausalLM.forward` returns.
+
+    Attributes:
+      logits: float32 ``[B, T, V]``.
+      cache: the updated :class:`KVCache`, or None when none was given.
+      aux: float32 scalars summed over the MoE layers: ``balance_loss``, ``z_loss``.
+    """
+
+    logits: jax.Array
+    cache: KVCache | None
+    aux: dict[str, jax.Array]
+
+
+def _dtype(config: LMConfig) -> jnp.dtype:
+    return jnp.dtype(config.compute_dtype)
+
+
+class RMSNorm(nnx.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, statistics in float32."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps, self.dtype = eps, dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(self.dtype) * y.astype(self.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with weight and bias (Phi-3.5-MoE), statistics in float32."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32))
+        self.eps, self.dtype = eps, dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.weight[...] + self.bias[...]
+        return y.astype(self.dtype)
+
+
+def make_norm(config: LMConfig, dim: int | None = None) -> RMSNorm | LayerNorm:
+    cls = RMSNorm if config.norm == "rms" else LayerNorm
+    return cls(dim or config.hidden_size, config.norm_eps, _dtype(config))
+
+
+def _linear(din: int, dout: int, bias: bool, config: LMConfig, rngs: nnx.Rngs) -> nnx.Linear:
+    # Initialised as the Hugging Face types are: normal(initializer_range), zero bias.
+    return nnx.Linear(din, dout, use_bias=bias, dtype=_dtype(config), param_dtype=jnp.float32,
+                      kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+
+
+def rope_cos_sin(config: LMConfig, positions: jax.Array, num_positions: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """cos and sin ``[B, T, head_dim]`` (float32) of the rotary embedding at int ``positions``
+    ``[B, T]``: frequencies ``1 / theta^(2i / d)``, each used twice (``rotate_half`` layout).
+
+    longrope (Phi-3.5-MoE) divides the frequencies by ``short_factor`` and scales cos/sin by
+    ``short_mscale``, or ``long_mscale`` once ``num_positions`` (the largest position of the
+    call plus one) exceeds ``original_max_position_embeddings``. As in transformers 5.23's
+    ``phimoe``, the frequencies keep the short factors beyond that point; only the scale
+    switches.
+    """
+    rope, d = config.rope, config.head_dim
+    inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    scale = jnp.ones((), jnp.float32)
+    if rope.kind == "longrope":
+        inv_freq = inv_freq / jnp.asarray(rope.short_factor, jnp.float32)
+        if num_positions is None:
+            num_positions = jnp.max(positions) + 1
+        long = num_positions > rope.original_max_position_embeddings
+        scale = jnp.where(long, rope.long_mscale, rope.short_mscale).astype(jnp.float32)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """``x [B, T, H, D]`` rotated: ``x cos + rotate_half(x) sin`` (cos/sin ``[B, T, D]``)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with rotary positions, as the Hugging Face types compute it:
+    projections (biases per config), q/k norms (per head or over the whole projection), value
+    clipping, rotary positions, softmax in float32 at scale ``head_dim^-0.5``."""
+
+    def __init__(self, config: LMConfig, rngs: nnx.Rngs):
+        h, kv, d, e = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        self.clip_qkv, self.qk_norm = config.clip_qkv, config.qk_norm
+        self.q_proj = _linear(e, h * d, config.qkv_bias, config, rngs)
+        self.k_proj = _linear(e, kv * d, config.qkv_bias, config, rngs)
+        self.v_proj = _linear(e, kv * d, config.qkv_bias, config, rngs)
+        self.o_proj = _linear(h * d, e, config.out_bias, config, rngs)
+        if config.qk_norm != "none":
+            per_head = config.qk_norm == "head"
+            self.q_norm = RMSNorm(d if per_head else h * d, config.norm_eps, _dtype(config))
+            self.k_norm = RMSNorm(d if per_head else kv * d, config.norm_eps, _dtype(config))
+
+    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries ``[B, T, H, D]``, keys and values ``[B, T, KV, D]`` of ``x [B, T, emb]``."""
+        b, t, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (jnp.clip(a, -self.clip_qkv, self.clip_qkv) for a in (q, k, v))
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":  # Qwen3-MoE: each head's query and key
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+        """``q [B, T, H, D]`` over ``k, v [B, S, KV, D]`` with bool ``mask [B, T, S]``: the
+        output projection of the heads, ``[B, T, emb]``. Query head ``h`` reads key/value head
+        ``h // (H / KV)``, as transformers' ``repeat_kv`` lays them out."""
+        b, t, h, d = q.shape
+        group = h // self.num_kv_heads
+        q = q.reshape(b, t, self.num_kv_heads, group, d) * jnp.asarray(d**-0.5, q.dtype)
+        logits = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype),
+                            preferred_element_type=jnp.float32)
+        logits = jnp.where(mask[:, None, None], logits, MASK_VALUE)
+        weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        heads = jnp.einsum("bkgts,bskd->btkgd", weights, v)
+        return self.o_proj(heads.reshape(b, t, h * d))
+
+
+class GatedMLP(nnx.Module):
+    """The dense SwiGLU MLP ``down(silu(gate(x)) * up(x))`` without biases."""
+
+    def __init__(self, config: LMConfig, width: int, rngs: nnx.Rngs):
+        e = config.hidden_size
+        self.gate_proj = _linear(e, width, False, config, rngs)
+        self.up_proj = _linear(e, width, False, config, rngs)
+        self.down_proj = _linear(width, e, False, config, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEBlock(nnx.Module):
+    """The routed sublayer: :class:`MoEFeedForward` with gated experts and a bias-free router,
+    the optional input jitter in training, and Qwen2-MoE's shared expert
+    ``sigmoid(x w_g) * mlp(x)`` added to the routed output."""
+
+    def __init__(self, config: LMConfig, mesh: jax.sharding.Mesh | None, rngs: nnx.Rngs):
+        self.moe = MoEFeedForward(
+            config.hidden_size, config.moe_intermediate_size, config.num_experts,
+            router=config.router, jitter_eps=config.jitter_eps, top_k=config.top_k,
+            activation_dropout=0.0, dispatch=config.dispatch, grouped_impl=config.grouped_impl,
+            capacity_factor=config.capacity_factor, activation="silu", gated=True,
+            router_bias=False, router_options=config.router_option_dict(),
+            dtype=_dtype(config), mesh=mesh, rngs=rngs)
+        # Initialised as the Hugging Face types are (normal(initializer_range) for the router
+        # and every expert), not by the layer's own scheme.
+        normal = nnx.initializers.normal(config.initializer_range)
+        for param in (self.moe.router.kernel, *self.moe.expert_params()):
+            param[...] = normal(rngs.params(), param.shape, jnp.float32)
+        self.input_jitter = config.moe_input_jitter
+        self.jitter_rng = rngs["router"].fork() if config.moe_input_jitter > 0 else None
+        if config.shared_expert_size:
+            self.shared_expert = GatedMLP(config, config.shared_expert_size, rngs)
+            self.shared_expert_gate = _linear(config.hidden_size, 1, False, config, rngs)
+        else:
+            self.shared_expert = None
+
+    def __call__(self, x: jax.Array, token_mask: jax.Array | None, deterministic: bool,
+                 dropless: bool) -> tuple[jax.Array, dict]:
+        """``x [B, T, emb]`` -> ``([B, T, emb], metrics)``."""
+        if not deterministic and self.jitter_rng is not None:
+            e = self.input_jitter
+            x = x * jax.random.uniform(self.jitter_rng(), x.shape, x.dtype, 1.0 - e, 1.0 + e)
+        y, metrics = self.moe(x, token_mask, deterministic=deterministic, dropless=dropless)
+        if self.shared_expert is not None:
+            gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
+            y = y + (gate * self.shared_expert(x).astype(jnp.float32)).astype(y.dtype)
+        return y, metrics
+
+
+class DecoderLayer(nnx.Module):
+    """One pre-norm block: attention, then the routed or dense feed-forward sublayer."""
+
+    def __init__(self, config: LMConfig, is_moe: bool, mesh, rngs: nnx.Rngs):
+        self.input_layernorm = make_norm(config)
+        self.self_attn = Attention(config, rngs)
+        self.post_attention_layernorm = make_norm(config)
+        self.is_moe = is_moe
+        if is_moe:
+            self.mlp = MoEBlock(config, mesh, rngs)
+        else:
+            self.mlp = GatedMLP(config, config.intermediate_size, rngs)
+
+    def __call__(self, x, cos, sin, mask, kv, token_mask, deterministic, dropless):
+        """``x [B, T, emb]``; ``kv``: this layer's cache ``(keys, values, index)`` or None.
+
+        Returns ``(x, (keys, values) or None, (balance_loss, z_loss))``."""
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+        new_kv = None
+        if kv is not None:
+            keys, values, index = kv
+            keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), index, 1)
+            values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), index, 1)
+            k, v, new_kv = keys, values, (keys, values)
+        x = x + self.self_attn.attend(q, k, v, mask).astype(x.dtype)
+        h = self.post_attention_layernorm(x)
+        zero = jnp.zeros((), jnp.float32)
+        if self.is_moe:
+            y, metrics = self.mlp(h, token_mask, deterministic, dropless)
+            losses = (metrics["balance_loss"], metrics["z_loss"])
+        else:
+            y, losses = self.mlp(h), (zero, zero)
+        return x + y.astype(x.dtype), new_kv, losses
+
+
+class LayerUnit(nnx.Module):
+    """The repeating unit of a stack: one or more :class:`DecoderLayer` in order."""
+
+    def __init__(self, config: LMConfig, pattern: tuple[bool, ...], mesh, rngs: nnx.Rngs):
+        self.layers = nnx.List([DecoderLayer(config, is_moe, mesh, rngs) for is_moe in pattern])
+
+
+def _make_stack(config: LMConfig, pattern: tuple[bool, ...], repeats: int, mesh,
+                rngs: nnx.Rngs) -> LayerUnit:
+    """``repeats`` copies of the unit ``pattern``, their params stacked on a leading axis (each
+    drawn from its own split of ``rngs``)."""
+    @nnx.split_rngs(splits=repeats)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs: nnx.Rngs) -> LayerUnit:
+        return LayerUnit(config, pattern, mesh, rngs)
+
+    return make(rngs)
+
+
+def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, mask, token_mask, deterministic,
+                dropless):
+    """Runs a stack (a :class:`LayerUnit` whose state has a leading ``repeats`` axis) with
+    ``jax.lax.scan``: each step merges one repeat's state, runs its layers, and returns the
+    state again (router RNG counts and Default MoE's vectors change in training)."""
+    graphdef, state = nnx.split(stack)
+
+    def body(h, xs):
+        unit_state, unit_kvs = xs
+        unit = nnx.merge(graphdef, unit_state)
+        new_kvs, losses = [], []
+        for i, layer in enumerate(unit.layers):
+            kv = None if unit_kvs is None else (*unit_kvs[i], index)
+            h, new_kv, loss = layer(h, cos, sin, mask, kv, token_mask, deterministic, dropless)
+            new_kvs.append(new_kv)
+            losses.append(loss)
+        out_kvs = None if unit_kvs is None else tuple(new_kvs)
+        return h, (nnx.state(unit), out_kvs, losses)
+
+    x, (new_state, new_kvs, losses) = jax.lax.scan(body, x, (state, kvs))
+    nnx.update(stack, new_state)
+    return x, new_kvs, losses
+
+
+class CausalLM(nnx.Module):
+    """The decoder-only MoE language model.
+
+    Args:
+      config: :class:`sparsemixer_jax.lm_config.LMConfig`.
+      mesh: optional ``("data", "expert")`` mesh: the MoE layers' experts are split over its
+        expert axis (:mod:`sparsemixer_jax.moe.expert_parallel`).
+      rngs: ``params`` for the initialisation (normal with ``initializer_range``, as each type's
+        own), ``router`` for the routers' sampling and the MoE input jitter in training.
+
+    Params: ``embed_tokens`` ``[V, emb]``, ``stacks`` (per stack a :class:`LayerUnit` with a
+    leading ``repeats`` axis), ``norm``, ``lm_head`` (absent when the embeddings are tied).
+    """
+
+    def __init__(self, config: LMConfig, *, mesh: jax.sharding.Mesh | None = None,
+                 rngs: nnx.Rngs):
+        self.config = config
+        self.deterministic = False
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=_dtype(config),
+            param_dtype=jnp.float32,
+            embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+        self.stack_patterns = layer_pattern_stacks(config.moe_layers)
+        self.stacks = nnx.List([_make_stack(config, pattern, repeats, mesh, rngs)
+                                for pattern, repeats in self.stack_patterns])
+        self.norm = make_norm(config)
+        self.lm_head = None if config.tie_word_embeddings else _linear(
+            config.hidden_size, config.vocab_size, config.lm_head_bias, config, rngs)
+
+    @staticmethod
+    def layer_index_of(config: LMConfig) -> list[tuple[int, int, int]]:
+        """For every model layer in order, ``(stack, repeat, position in the unit)``."""
+        return [(s, r, i) for s, (pattern, repeats) in
+                enumerate(layer_pattern_stacks(config.moe_layers))
+                for r in range(repeats) for i in range(len(pattern))]
+
+    def layer_index(self) -> list[tuple[int, int, int]]:
+        """:meth:`layer_index_of` this model's config."""
+        return self.layer_index_of(self.config)
+
+    def init_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty :class:`KVCache` of ``max_len`` slots."""
+        c, dtype = self.config, _dtype(self.config)
+        keys = tuple(jnp.zeros((repeats, batch_size, max_len, c.num_kv_heads, c.head_dim), dtype)
+                     for pattern, repeats in self.stack_patterns for _ in pattern)
+        return KVCache(keys, keys, jnp.zeros((), jnp.int32), jnp.zeros((batch_size, max_len),
+                                                                       bool),
+                       jnp.zeros((batch_size,), jnp.int32))
+
+    def forward(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
+                segment_ids: jax.Array | None = None, token_mask: jax.Array | None = None,
+                cache: KVCache | None = None, deterministic: bool | None = None) -> LMOutput:
+        """Logits of ``input_ids`` int ``[B, T]``.
+
+        Args:
+          positions: int ``[B, T]`` rotary positions; default ``0..T-1`` (with a cache: each
+            row's next positions, ``cache.positions + 0..T-1``).
+          segment_ids: int ``[B, T]`` for packed sequences: a token attends only to earlier
+            tokens of its own segment (documents do not see each other). None: one sequence.
+          token_mask: bool ``[B, T]``, False for padding: padding keys are never attended to and
+            padding is left out of the MoE metrics. None: all real.
+          cache: a :class:`KVCache` to decode with: the ``T`` new tokens are written at slots
+            ``cache.index ..`` and attend to every valid earlier slot.
+          deterministic: overrides ``self.deterministic`` (set by ``model.eval()`` /
+            ``model.train()``).
+        """
+        c = self.config
+        deterministic = self.deterministic if deterministic is None else deterministic
+        b, t = input_ids.shape
+        real = jnp.ones((b, t), bool) if token_mask is None else token_mask.astype(bool)
+        x = self.embed_tokens(input_ids)
+        q_slot = jnp.arange(t)
+        if cache is None:
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+            k_slot, k_real = q_slot, real
+        else:
+            if positions is None:
+                positions = cache.positions[:, None] + jnp.cumsum(real, axis=1) - 1
+                positions = jnp.maximum(positions, 0)
+            q_slot = cache.index + q_slot
+            k_slot = jnp.arange(cache.valid.shape[1])
+            k_real = jax.lax.dynamic_update_slice_in_dim(cache.valid, real, cache.index, 1)
+        # Causal over slots (queries see their own and earlier slots), real keys only.
+        mask = (k_slot[None, None, :] <= q_slot[None, :, None]) & k_real[:, None, :]
+        if c.sliding_window is not None:
+            # A key at most sliding_window - 1 positions back (transformers' sliding overlay);
+            # left padding holds no real key, so slot distance equals position distance.
+            mask &= (q_slot[None, :, None] - k_slot[None, None, :]) < c.sliding_window
+        if segment_ids is not None:
+            if cache is not None:
+                raise ValueError("segment_ids (packed sequences) are for full forward passes, "
+                                 "not for cached decoding")
+            mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+        num_positions = None
+        if cache is not None and c.rope.kind == "longrope":
+            num_positions = jnp.max(positions) + 1
+        cos, sin = rope_cos_sin(c, positions, num_positions)
+        dropless = cache is not None
+        kv_in = iter(zip(cache.keys, cache.values, strict=True)) if cache is not None else None
+        new_keys, new_values = [], []
+        balance, z_loss = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+        index = cache.index if cache is not None else None
+        for stack, (pattern, _) in zip(self.stacks, self.stack_patterns, strict=True):
+            kvs = None if kv_in is None else tuple(next(kv_in) for _ in pattern)
+            x, out_kvs, losses = _scan_stack(stack, x, kvs, index, cos, sin, mask, real,
+                                             deterministic, dropless)
+            for i in range(len(pattern)):
+                if out_kvs is not None:
+                    new_keys.append(out_kvs[i][0])
+                    new_values.append(out_kvs[i][1])
+                balance = balance + jnp.sum(losses[i][0])
+                z_loss = z_loss + jnp.sum(losses[i][1])
+        x = self.norm(x)
+        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(tuple(new_keys), tuple(new_values), cache.index + t, k_real,
+                                cache.positions + jnp.sum(real, axis=1, dtype=jnp.int32))
+        return LMOutput(logits.astype(jnp.float32), new_cache,
+                        {"balance_loss": balance, "z_loss": z_loss})
+
+    def __call__(self, input_ids: jax.Array, **kwargs: Any) -> jax.Array:
+        """Logits float32 ``[B, T, V]`` of ``input_ids [B, T]`` (keyword arguments as
+        :meth:`forward`)."""
+        return self.forward(input_ids, **kwargs).logits

@@ -1,0 +1,24 @@
+"""Hugging Face interop for the decoder-only MoE language model.
+
+::
+
+    from sparsemixer_jax import hf
+    model, config = hf.load_pretrained(path)    # config.json + *.safetensors (sharded too)
+    logits = model(input_ids)                   # [B, T, V], float32; the model is in eval mode
+    hf.save_pretrained(model, config, out_dir)  # loads in transformers' AutoModelForCausalLM
+
+Types: ``mixtral``, ``qwen3_moe``, ``olmoe``, ``qwen2_moe``, ``phimoe`` (docs/lm.md). Needs the
+``safetensors`` package (and ``tokenizers`` for :func:`load_tokenizer`): ``pip install
+'sparsemixer-jax[hf]'``; torch is never imported.
+"""
+
+from sparsemixer_jax.hf.checkpoint import (
+    load_pretrained,
+    load_tokenizer,
+    read_config,
+    save_pretrained,
+)
+from sparsemixer_jax.hf.config import from_hf, to_hf
+
+__all__ = ["from_hf", "load_pretrained", "load_tokenizer", "read_config", "save_pretrained",
+           "to_hf"]

@@ -1,0 +1,260 @@
+"""Loading and saving Hugging Face model directories (``config.json`` + safetensors).
+
+Loading streams: the model is built abstractly (no parameter is initialised), each parameter is
+allocated once on the device, and the safetensors files are read one at a time, tensor by tensor
+(memory-mapped by the ``safetensors`` package's numpy API), each written into its slice on the
+device; the host holds one tensor at a time, never the model. Saving reads back one slice at a
+time and writes a shard whenever ``max_shard_bytes`` is reached, with the index json transformers
+reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparsemixer_jax.causal_lm import CausalLM
+from sparsemixer_jax.hf.config import from_hf, to_hf
+from sparsemixer_jax.hf.weights import Path, convert, parse, saved_tensors
+from sparsemixer_jax.lm_config import LMConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def _safetensors():
+    try:
+        import safetensors.numpy as st_numpy
+        from safetensors import safe_open
+    except ImportError as err:  # pragma: no cover - depends on the install
+        raise ImportError("Hugging Face checkpoints need the safetensors package: pip install "
+                          "'sparsemixer-jax[hf]'") from err
+    return safe_open, st_numpy
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """``config.json`` of a Hugging Face model directory, or a one-line ValueError."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isdir(path) or not os.path.isfile(file):
+        raise ValueError(f"{path!r} is not a Hugging Face model directory (no config.json)")
+    with open(file) as f:
+        return json.load(f)
+
+
+def weight_files(path: str) -> list[str]:
+    """The safetensors files of a directory: the shards its index names (each checked to
+    exist) or ``model.safetensors``; a one-line ValueError otherwise."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        for shard in shards:
+            if not os.path.isfile(os.path.join(path, shard)):
+                raise ValueError(f"{path!r}: shard {shard!r} named in {INDEX_FILE} is missing")
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):
+        return [single]
+    raise ValueError(f"{path!r} has no {SINGLE_FILE} or {INDEX_FILE} (only safetensors "
+                     "checkpoints are read)")
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write(array: jax.Array, value: jax.Array, index: jax.Array) -> jax.Array:
+    """``array`` with ``array[index...] = value`` (updated in place: the input is donated)."""
+    start = tuple(index) + (0,) * (array.ndim - index.shape[0])
+    return jax.lax.dynamic_update_slice(array, value.reshape((1,) * index.shape[0] + value.shape),
+                                        start)
+
+
+def _get(tree: dict, path: Path):
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: Path, value) -> None:
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def _build(config: LMConfig, seed: int, mesh) -> tuple[Any, Any, Any]:
+    """``(graphdef, abstract params, other state)`` of the model, without initialising params:
+    the other state (router RNG keys, Default MoE's vectors) is computed under ``jit``, where
+    the unused parameter initialisers are dead code."""
+    def make() -> CausalLM:
+        return CausalLM(config, mesh=mesh, rngs=nnx.Rngs(params=seed, router=seed + 1))
+
+    graphdef, params, _ = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
+    rest = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2])()
+    return graphdef, params, rest
+
+
+def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None,
+                    **overrides: Any) -> tuple[CausalLM, LMConfig]:
+    """A :class:`CausalLM` and its :class:`LMConfig` from a Hugging Face model directory.
+
+    Args:
+      path: a directory with ``config.json`` and ``model.safetensors`` (or shards with
+        ``model.safetensors.index.json``).
+      seed: seeds the routers' sampling streams (training only).
+      mesh: optional ``("data", "expert")`` mesh for expert parallelism.
+      **overrides: :class:`LMConfig` fields to change, e.g. ``router="sparsemixer_v2star"``,
+        ``jitter_eps``, ``router_options``, ``compute_dtype="bfloat16"``, ``dispatch``,
+        ``capacity_factor``. The default router is the checkpoint's own (docs/lm.md).
+
+    Returns the model in eval mode (``model.train()`` for training) and its config. One-line
+    ValueErrors: not a model directory, unsupported ``model_type``, a refused config key, a
+    missing shard, a tensor of the wrong shape (named), a tensor missing or unexpected (named).
+    """
+    config = from_hf(read_config(path), **overrides)
+    files = weight_files(path)
+    safe_open, _ = _safetensors()
+    graphdef, abstract, rest = _build(config, seed, mesh)
+    pure = nnx.to_pure_dict(abstract)
+    arrays = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), pure)
+    filled: dict[Path, np.ndarray] = {}  # per param: which leading-index slices were written
+    layers = CausalLM.layer_index_of(config)
+    for file in files:
+        with safe_open(file, "np") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # recomputed from the config; some old checkpoints store it
+                if name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue  # tied: the embedding is the head
+                slots = parse(name, config, layers)
+                if not slots or any(_get(arrays, s.path) is None for s in slots):
+                    raise ValueError(f"{path!r}: tensor {name!r} has no place in a "
+                                     f"{config.model_type} model of this config.json")
+                value = f.get_tensor(name)
+                for slot in slots:
+                    target = _get(arrays, slot.path)
+                    expected = _hf_shape(target.shape, slot)
+                    if tuple(value.shape) != expected:
+                        raise ValueError(f"{path!r}: tensor {name!r} has shape "
+                                         f"{list(value.shape)}, expected {list(expected)}")
+                    got = convert(value, slot.transform)
+                    index = slot.index
+                    _set(arrays, slot.path, _write(target, jnp.asarray(got, target.dtype),
+                                                   jnp.asarray(index, jnp.int32)))
+                    mark = filled.setdefault(slot.path, np.zeros(
+                        target.shape[:2] if slot.path[-1] in ("w_gate", "w_up", "w_down")
+                        else target.shape[:1] if slot.path[0] == "stacks" else (), bool))
+                    mark[index] = True
+    for name, slot in saved_tensors(config, layers):
+        mark = filled.get(slot.path)
+        if mark is None or not mark[slot.index]:
+            raise ValueError(f"{path!r}: tensor {name!r} is missing from the checkpoint")
+    # SparseMixer routers scale the MoE output by omega, which checkpoints do not have: ones.
+    for leaf_path, _ in jax.tree_util.tree_flatten_with_path(arrays)[0]:
+        keys = tuple(k.key for k in leaf_path)
+        if keys[-1] == "omega":
+            _set(arrays, keys, jnp.ones_like(_get(arrays, keys)))
+    nnx.replace_by_pure_dict(abstract, arrays)
+    model = nnx.merge(graphdef, abstract, rest)
+    model.eval()
+    return model, config
+
+
+def _hf_shape(param_shape: tuple[int, ...], slot) -> tuple[int, ...]:
+    """The shape a checkpoint tensor must have to fill ``slot`` of a param of this shape."""
+    if slot.transform in ("gate", "up"):  # the whole [N, emb, I] -> fused [N, 2I, emb]
+        n, emb, width = param_shape[1:]
+        return (n, 2 * width, emb)
+    if slot.transform == "down":  # [N, I, emb] -> [N, emb, I]
+        n, width, emb = param_shape[1:]
+        return (n, emb, width)
+    shape = tuple(param_shape[len(slot.index):])
+    return shape[::-1] if slot.transform == "T" else shape
+
+
+def save_pretrained(model: CausalLM, config: LMConfig, out_dir: str, *,
+                    max_shard_bytes: int = 5 * 2**30, dtype: str = "float32",
+                    tokenizer: Any = None) -> None:
+    """Writes ``model`` as a Hugging Face directory that transformers'
+    ``AutoModelForCausalLM.from_pretrained`` loads: ``config.json`` (:func:`to_hf`), the
+    per-expert tensors in safetensors shards of at most ``max_shard_bytes`` (one file, or
+    ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``), and
+    ``tokenizer.json`` when a ``tokenizers.Tokenizer`` is given.
+
+    SparseMixer's ``omega`` is folded into the experts' down projections (the function is
+    unchanged; checkpoints have no ``omega``). ``dtype``: ``"float32"`` or ``"bfloat16"``.
+    """
+    _, st_numpy = _safetensors()
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    np_dtype = np.float32 if dtype == "float32" else jnp.bfloat16
+    hf_config = to_hf(config)
+    hf_config["dtype"] = dtype
+    os.makedirs(out_dir, exist_ok=True)
+    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    layers = model.layer_index()
+    shards: list[str] = []
+    weight_map: dict[str, int] = {}
+    pending: dict[str, np.ndarray] = {}
+    size = total = 0
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            shards.append(f"shard-{len(shards):05d}.tmp")
+            st_numpy.save_file(pending, os.path.join(out_dir, shards[-1]),
+                               metadata={"format": "pt"})
+            pending, size = {}, 0
+
+    for name, slot in saved_tensors(config, layers):
+        array = _get(pure, slot.path)
+        value = array[slot.index] if slot.index else array
+        if slot.path[-1] == "w_down":
+            omega = _get(pure, (*slot.path[:-1], "omega"))
+            if omega is not None:
+                value = value * omega[slot.index[0]]
+        value = np.asarray(jax.device_get(value))
+        value = np.ascontiguousarray(value.T if slot.transform == "T" else value).astype(np_dtype)
+        if size and size + value.nbytes > max_shard_bytes:
+            flush()
+        pending[name] = value
+        weight_map[name] = len(shards)
+        size += value.nbytes
+        total += value.nbytes
+    flush()
+    for stale in (SINGLE_FILE, INDEX_FILE):
+        if os.path.exists(os.path.join(out_dir, stale)):
+            os.remove(os.path.join(out_dir, stale))
+    if len(shards) == 1:
+        os.replace(os.path.join(out_dir, shards[0]), os.path.join(out_dir, SINGLE_FILE))
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                 for i in range(len(shards))]
+        for tmp, final in zip(shards, names, strict=True):
+            os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, final))
+        with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total},
+                       "weight_map": {k: names[v] for k, v in weight_map.items()}}, f, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+    if tokenizer is not None:
+        tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+
+
+def load_tokenizer(path: str):
+    """The ``tokenizers.Tokenizer`` of a Hugging Face directory's ``tokenizer.json``."""
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise ValueError(f"{path!r} has no tokenizer.json")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as err:  # pragma: no cover - depends on the install
+        raise ImportError("the tokenizer needs the tokenizers package: pip install "
+                          "'sparsemixer-jax[hf]'") from err
+    return Tokenizer.from_file(file)

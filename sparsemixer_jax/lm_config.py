@@ -1,0 +1,244 @@
+"""The configuration of the decoder-only MoE language model (:mod:`sparsemixer_jax.causal_lm`).
+
+One frozen, hashable dataclass describes every model type the library builds (Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE, Phi-3.5-MoE, and models trained from scratch): each difference between the
+types is a field, and :meth:`LMConfig.__post_init__` checks them all, so a model is never built
+from a config it cannot compute. :mod:`sparsemixer_jax.hf.config` builds one from a Hugging Face
+``config.json`` and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Literal
+
+from sparsemixer_jax import routers
+from sparsemixer_jax.moe.dispatch import DISPATCHES, GROUPED_IMPLS
+
+#: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
+MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe")
+NORMS = ("rms", "layer")
+QK_NORMS = ("none", "head", "full")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding settings.
+
+    Attributes:
+      theta: the base wavelength (``rope_theta``).
+      kind: ``"default"`` or ``"longrope"`` (Phi-3 / Phi-3.5-MoE).
+      short_factor, long_factor: longrope's per-frequency divisors (``head_dim / 2`` each).
+      short_mscale, long_mscale: longrope's scales of cos/sin below / above
+        ``original_max_position_embeddings``.
+      original_max_position_embeddings: longrope's switch point.
+    """
+
+    theta: float = 10000.0
+    kind: Literal["default", "longrope"] = "default"
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    short_mscale: float = 1.0
+    long_mscale: float = 1.0
+    original_max_position_embeddings: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    """A decoder-only MoE language model: pre-norm blocks of grouped-query attention with rotary
+    positions and a feed-forward sublayer that is routed (gated SwiGLU experts, optionally a
+    shared expert with a sigmoid gate) or dense (one SwiGLU MLP).
+
+    Attributes:
+      model_type: a name in :data:`MODEL_TYPES`, the Hugging Face type saved with the model.
+      vocab_size, hidden_size, num_layers: sizes.
+      num_heads, num_kv_heads, head_dim: query heads, key/value heads (``num_heads`` divisible
+        by it: grouped-query attention), width of a head (need not be hidden / heads).
+      intermediate_size: width of the dense layers' MLP.
+      moe_intermediate_size: width of each expert.
+      num_experts, top_k: experts per MoE layer and per token.
+      moe_layers: one bool per layer, True where the feed-forward sublayer is routed.
+      shared_expert_size: width of Qwen2-MoE's shared expert (0: none).
+      norm: ``"rms"`` (RMSNorm, weight only) or ``"layer"`` (LayerNorm with bias, Phi-3.5-MoE).
+      norm_eps: epsilon of every norm.
+      qk_norm: ``"none"``, ``"head"`` (RMSNorm over each head's query/key, Qwen3-MoE) or
+        ``"full"`` (RMSNorm over the whole query/key projection, OLMoE).
+      qkv_bias, out_bias, lm_head_bias: biases of the q/k/v projections, of the output
+        projection and of the LM head.
+      clip_qkv: clamp queries, keys and values to ``[-clip_qkv, clip_qkv]`` (OLMoE), or None.
+      rope: :class:`RopeConfig`.
+      sliding_window: keys further back than this many positions are masked (every layer), or
+        None.
+      tie_word_embeddings: the LM head is the token embedding.
+      max_position_embeddings: the longest sequence the checkpoint was made for (informational,
+        and longrope's factor).
+      initializer_range: std of the normal initialisation of every weight (as each type's own).
+      router: a name in :data:`sparsemixer_jax.routers.ROUTERS`; ``jitter_eps`` its jitter /
+        mask threshold; ``norm_topk_prob`` renormalises the ``k`` gates (routers with Switch's
+        forward only). The checkpoint's own routing: ``switch`` with ``jitter_eps=0`` (softmax
+        top-k) for every type but ``phimoe``, which routes by ``sparsemixer_v2``.
+      router_options: further :class:`sparsemixer_jax.routers.RouterOptions` fields, as sorted
+        ``(name, value)`` pairs.
+      moe_input_jitter: in training, the MoE sublayer's input is multiplied by
+        ``U(1 - e, 1 + e)`` per element (Mixtral's ``router_jitter_noise``, Phi-3.5-MoE's
+        ``input_jitter_noise``); 0: none.
+      router_aux_loss_coef: weight of the load-balancing loss in training (read by the task).
+      compute_dtype: ``"float32"`` or ``"bfloat16"`` (params stay float32; norms, softmax and
+        routing run in float32).
+      dispatch, grouped_impl, capacity_factor: the MoE layer's (:class:`MoEFeedForward`).
+      hf_config: the ``config.json`` this config was read from (JSON text), so that saving keeps
+        the keys that do not change the computation (token ids, ...); empty if none.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    moe_layers: tuple[bool, ...]
+    shared_expert_size: int = 0
+    norm: str = "rms"
+    norm_eps: float = 1e-5
+    qk_norm: str = "none"
+    qkv_bias: bool = False
+    out_bias: bool = False
+    lm_head_bias: bool = False
+    clip_qkv: float | None = None
+    rope: RopeConfig = RopeConfig()
+    sliding_window: int | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.02
+    router: str = "switch"
+    jitter_eps: float = 0.0
+    norm_topk_prob: bool = False
+    router_options: tuple[tuple[str, Any], ...] = ()
+    moe_input_jitter: float = 0.0
+    router_aux_loss_coef: float = 0.0
+    compute_dtype: str = "float32"
+    dispatch: str = "auto"
+    grouped_impl: str = "mosaic"
+    capacity_factor: float = 0.0
+    hf_config: str = ""
+
+    def __post_init__(self) -> None:
+        fail = self._fail
+        if self.model_type not in MODEL_TYPES:
+            fail(f"model_type={self.model_type!r} is not supported; supported: {MODEL_TYPES}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "num_experts", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                fail(f"{name} must be an int >= 1, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            fail(f"num_heads={self.num_heads} is not divisible by num_kv_heads="
+                 f"{self.num_kv_heads} (grouped-query attention shares each key/value head "
+                 "among num_heads / num_kv_heads query heads)")
+        if self.head_dim % 2:
+            fail(f"head_dim={self.head_dim} must be even (rotary positions rotate pairs)")
+        if len(self.moe_layers) != self.num_layers:
+            fail(f"moe_layers has {len(self.moe_layers)} entries for num_layers="
+                 f"{self.num_layers}")
+        if any(self.moe_layers) and self.moe_intermediate_size < 1:
+            fail(f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+        if not all(self.moe_layers) and self.intermediate_size < 1:
+            fail(f"intermediate_size must be >= 1 for the dense layers, got "
+                 f"{self.intermediate_size}")
+        if self.shared_expert_size < 0:
+            fail(f"shared_expert_size must be >= 0, got {self.shared_expert_size}")
+        for name, value, choices in (("norm", self.norm, NORMS),
+                                     ("qk_norm", self.qk_norm, QK_NORMS),
+                                     ("compute_dtype", self.compute_dtype, COMPUTE_DTYPES),
+                                     ("dispatch", self.dispatch, DISPATCHES),
+                                     ("grouped_impl", self.grouped_impl, GROUPED_IMPLS)):
+            if value not in choices:
+                fail(f"{name}={value!r}; choose one of {choices}")
+        if not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):
+            fail(f"norm_eps must be > 0, got {self.norm_eps}")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            fail(f"clip_qkv must be > 0 or None, got {self.clip_qkv}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            fail(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        rope = self.rope
+        if not rope.theta > 0:
+            fail(f"rope theta must be > 0, got {rope.theta}")
+        if rope.kind not in ("default", "longrope"):
+            fail(f"rope kind {rope.kind!r} is not implemented; implemented: default, longrope")
+        if rope.kind == "longrope":
+            half = self.head_dim // 2
+            if len(rope.short_factor) != half or len(rope.long_factor) != half:
+                fail(f"longrope needs short_factor and long_factor of head_dim / 2 = {half} "
+                     f"values, got {len(rope.short_factor)} and {len(rope.long_factor)}")
+            if rope.original_max_position_embeddings < 1:
+                fail("longrope needs original_max_position_embeddings >= 1")
+        if not 0.0 <= self.moe_input_jitter < 1.0:
+            fail(f"moe_input_jitter must lie in [0, 1), got {self.moe_input_jitter}")
+        if self.capacity_factor < 0:
+            fail(f"capacity_factor must be >= 0, got {self.capacity_factor}")
+        if self.hf_config:
+            json.loads(self.hf_config)  # must be JSON text
+        try:
+            routers.check_router(self.router, top_k=self.top_k, jitter_eps=self.jitter_eps,
+                                 num_experts=self.num_experts, where="",
+                                 **self.router_option_dict())
+        except ValueError as err:
+            fail(f"router {self.router!r}: {err}")
+
+    @staticmethod
+    def _fail(message: str) -> None:
+        raise ValueError(f"LMConfig: {message}")
+
+    def router_option_dict(self) -> dict[str, Any]:
+        """The router's options: ``router_options`` plus ``normalize_top_k`` from
+        ``norm_topk_prob`` for the routers that take it (the others cannot renormalise)."""
+        options = dict(self.router_options)
+        if self.norm_topk_prob and self.router in routers.registry._routers_taking(
+                "normalize_top_k"):
+            options.setdefault("normalize_top_k", True)
+        return options
+
+    @property
+    def hf(self) -> dict[str, Any]:
+        """The ``config.json`` this config was read from, as a dict (empty if none)."""
+        return json.loads(self.hf_config) if self.hf_config else {}
+
+    def replace(self, **changes: Any) -> LMConfig:
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def layer_pattern_stacks(moe_layers: tuple[bool, ...]) -> tuple[tuple[tuple[bool, ...], int], ...]:
+    """How the layers are scanned: ``((unit, repeats), ...)`` whose units, each repeated, give
+    ``moe_layers`` in order.
+
+    Each stack compiles its unit once, so compile time does not grow with depth. Runs of
+    identical layers are one stack each; when a pattern repeats with a short period (Qwen-MoE's
+    ``decoder_sparse_step=2``: dense, MoE, dense, MoE, ...), the period is the unit instead, so
+    the number of stacks stays small whatever the depth.
+    """
+    layers = tuple(moe_layers)
+    runs: list[tuple[tuple[bool, ...], int]] = []
+    for is_moe in layers:
+        if runs and runs[-1][0] == (is_moe,):
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append(((is_moe,), 1))
+    if len(runs) <= 4:
+        return tuple(runs)
+    for period in range(2, len(layers) // 2 + 1):
+        repeats = len(layers) // period
+        if layers[: period * repeats] == layers[:period] * repeats:
+            rest = layers[period * repeats:]
+            tail = layer_pattern_stacks(rest) if rest else ()
+            if len(tail) <= 2:
+                return ((layers[:period], repeats), *tail)
+    return tuple(runs)

@@ -1,0 +1,86 @@
+"""The feed-forward sublayers' config section :class:`MoEConfig`, which checks itself.
+
+Needs no Flax (the initialisation schemes' module, which does, is imported by :meth:`check`
+only), so that it imports with the layer's pure functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sparsemixer_jax.moe.dispatch import ACTIVATIONS, DISPATCHES, GROUPED_IMPLS
+from sparsemixer_jax.section import read_fields
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """How a model's feed-forward sublayers are built: which are MoE layers
+    (:class:`sparsemixer_jax.moe.MoEFeedForward`) and how they run, read from ``config.model``.
+
+    ``activation``, ``activation_dropout`` and ``init`` are the dense feed-forward layers' too
+    (``num_experts = 0`` makes every layer dense), and ``init`` is the whole model's
+    initialisation scheme; they are held here because the MoE layer, the one user of every
+    field, is configured by this section alone (with the router's :class:`RouterConfig`).
+
+    Attributes:
+      num_experts: experts per MoE layer; 0 = a dense model.
+      moe_every: MoE replaces the feed-forward layer of layers ``0, k, 2k, ...``.
+      dispatch: ``"auto"``, ``"ragged"``, ``"padded"`` or ``"grouped"``
+        (:mod:`sparsemixer_jax.moe.dispatch`).
+      grouped_impl: the kernels of ``"grouped"``: ``"mosaic"`` (Hopper GPUs), ``"tokamax"`` or
+        ``"xla"``.
+      capacity_factor: 0 for dropless; ``> 0`` caps every expert at
+        ``ceil(capacity_factor * rows / N)`` rows.
+      activation: the nonlinearity, ``"relu"`` (fairseq's translation Transformer) or
+        ``"gelu"`` (BERT / ELECTRA).
+      activation_dropout: dropout rate after the nonlinearity.
+      init: the initialisation scheme (:mod:`sparsemixer_jax.initializers`), e.g. ``"fairseq"``,
+        ``"flax"`` or ``"flax,router=fairseq"``. The default is the layer's (``"flax"``, as it
+        has always been initialised); the experiment configs set ``"fairseq"``.
+    """
+
+    num_experts: int = 0
+    moe_every: int = 1
+    dispatch: str = "auto"
+    grouped_impl: str = "mosaic"
+    capacity_factor: float = 0.0
+    activation: str = "relu"
+    activation_dropout: float = 0.1
+    init: str = "flax"
+
+    @classmethod
+    def from_config(cls, section: Any, where: str = "config.model.") -> MoEConfig:
+        """The fields of ``section`` (``config.model``), checked (:meth:`check`)."""
+        return cls(**read_fields(cls, section, where)).check(where)
+
+    def check(self, where: str = "") -> MoEConfig:
+        """``self`` if every field is usable, else a one-line ValueError naming the first one
+        that is not with the prefix ``where`` (``"config.model."`` names config fields)."""
+        if self.num_experts < 0:
+            raise ValueError(f"{where}num_experts must be >= 0 (0 = dense), got "
+                             f"{self.num_experts}")
+        if not self.moe_every > 0:
+            raise ValueError(f"{where}moe_every must be > 0, got {self.moe_every}")
+        if not 0.0 <= self.activation_dropout < 1.0:
+            raise ValueError(f"{where}activation_dropout must lie in [0, 1), got "
+                             f"{self.activation_dropout}")
+        if self.capacity_factor < 0:
+            raise ValueError(f"{where}capacity_factor must be >= 0 (0 = dropless), got "
+                             f"{self.capacity_factor}")
+        for name, choices in (("dispatch", DISPATCHES), ("activation", ACTIVATIONS)):
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{where}{name}={value!r}; choose one of {choices}" if where
+                                 else f"unknown {name} {value!r}; expected one of {choices}")
+        if self.grouped_impl not in GROUPED_IMPLS:
+            raise ValueError(f"{where}grouped_impl={self.grouped_impl!r}; choose one of "
+                             f"{GROUPED_IMPLS}")
+        from sparsemixer_jax.initializers import check_init_scheme
+
+        check_init_scheme(self.init, f"{where}init" if where else "init")
+        return self
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether the feed-forward sublayer of ``layer`` (from 0) is an MoE layer."""
+        return self.num_experts > 0 and layer % self.moe_every == 0

@@ -1,0 +1,251 @@
+"""Hugging Face checkpoints in and out, against transformers' own outputs.
+
+``tests/data/hf/<type>/`` holds tiny random models saved by transformers 5.23 and their float32
+logits and greedy generations (made by ``scripts/make_hf_references.py``; no torch here)."""
+
+import copy
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from sparsemixer_jax import hf
+from sparsemixer_jax.lm_config import MODEL_TYPES, layer_pattern_stacks
+from sparsemixer_jax.lm_generate import generate
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "hf")
+
+
+@nnx.jit
+def logits_of(model, ids):
+    """The model's logits, compiled once per model (eager op-by-op dispatch is slower)."""
+    return model(ids)
+
+
+@nnx.jit
+def forward(model, ids, mask, cache):
+    return model.forward(ids, token_mask=mask, cache=cache)
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def reference(model_type):
+    return dict(np.load(os.path.join(DATA, model_type, "reference.npz")))
+
+
+def relative_error(got, want):
+    return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """Each type loaded once: ``{type: (model, config)}``."""
+    return {t: hf.load_pretrained(os.path.join(DATA, t)) for t in MODEL_TYPES}
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_logits_and_greedy_generation_equal_transformers(loaded, model_type):
+    model, _ = loaded[model_type]
+    ref = reference(model_type)
+    assert relative_error(logits_of(model, ref["input_ids"]), ref["logits"]) <= 1e-4
+    got = generate(model, jnp.asarray(ref["input_ids"][:, :5]), 8)
+    np.testing.assert_array_equal(np.asarray(got), ref["generated"])
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_round_trip_writes_what_transformers_wrote(loaded, model_type, tmp_path):
+    """load -> save -> load gives the same logits; the saved directory has the tensor names and
+    shapes transformers' own save_pretrained wrote, and a config.json that reads back the same."""
+    model, config = loaded[model_type]
+    hf.save_pretrained(model, config, str(tmp_path))
+    again, config2 = hf.load_pretrained(str(tmp_path))
+    ids = reference(model_type)["input_ids"]
+    np.testing.assert_array_equal(np.asarray(logits_of(again, ids)),
+                                  np.asarray(logits_of(model, ids)))
+    assert config2.replace(hf_config="") == config.replace(hf_config="")
+
+    def shapes(directory):
+        with safe_open(os.path.join(directory, "model.safetensors"), "np") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+
+    assert shapes(str(tmp_path)) == shapes(os.path.join(DATA, model_type))
+    saved = read_json(tmp_path / "config.json")
+    assert saved["model_type"] == model_type and "rope_parameters" in saved
+
+
+def test_sharded_checkpoint_and_a_missing_shard(loaded, tmp_path):
+    model, config = loaded["qwen2_moe"]
+    hf.save_pretrained(model, config, str(tmp_path), max_shard_bytes=40_000)
+    index = read_json(tmp_path / "model.safetensors.index.json")
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and not (tmp_path / "model.safetensors").exists()
+    again, _ = hf.load_pretrained(str(tmp_path))
+    ids = reference("qwen2_moe")["input_ids"]
+    np.testing.assert_array_equal(np.asarray(logits_of(again, ids)),
+                                  np.asarray(logits_of(model, ids)))
+    os.remove(tmp_path / shards[1])
+    with pytest.raises(ValueError, match=f"shard '{shards[1]}' named in .* is missing"):
+        hf.load_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "phimoe"])
+def test_fused_expert_layout_loads_the_same(loaded, model_type, tmp_path):
+    """transformers 5's in-memory layout: experts fused into gate_up_proj [N, 2I, emb] and
+    down_proj [N, emb, I] under ``mlp.``; Phi-3.5-MoE's router as ``mlp.router.weight``."""
+    source = os.path.join(DATA, model_type)
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    cfg = read_json(os.path.join(source, "config.json"))
+    fused, layers, n = {}, cfg["num_hidden_layers"], cfg["num_local_experts"]
+    for name, value in tensors.items():
+        if ".experts." not in name:
+            name = name.replace("block_sparse_moe.gate", "mlp.router" if model_type == "phimoe"
+                                else "mlp.gate")
+            fused[name] = value
+    for layer in range(layers):
+        expert = f"model.layers.{layer}.block_sparse_moe.experts"
+
+        def stacked(w, expert=expert):
+            return np.stack([tensors[f"{expert}.{j}.{w}.weight"] for j in range(n)])
+
+        fused[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = np.concatenate(
+            [stacked("w1"), stacked("w3")], axis=1)
+        fused[f"model.layers.{layer}.mlp.experts.down_proj"] = stacked("w2")
+    save_file(fused, str(tmp_path / "model.safetensors"))
+    shutil.copy(os.path.join(source, "config.json"), tmp_path)
+    again, _ = hf.load_pretrained(str(tmp_path))
+    ids = reference(model_type)["input_ids"]
+    np.testing.assert_array_equal(np.asarray(logits_of(again, ids)),
+                                  np.asarray(logits_of(loaded[model_type][0], ids)))
+
+
+def test_config_spellings_read_the_same():
+    """4.x spellings (top-level rope_theta / rope_scaling with ``type``, Qwen3-MoE's
+    num_experts) give the config the 5.x spellings (rope_parameters, num_local_experts) give."""
+    for model_type in ("mixtral", "qwen3_moe", "phimoe"):
+        new = read_json(os.path.join(DATA, model_type, "config.json"))
+        old = copy.deepcopy(new)
+        rope = old.pop("rope_parameters")
+        old["rope_theta"] = rope.pop("rope_theta")
+        kind = rope.pop("rope_type")
+        old["rope_scaling"] = None if kind == "default" else {"type": kind, **rope}
+        if model_type == "qwen3_moe":
+            old["num_experts"] = old.pop("num_local_experts")
+        strip = {"hf_config": ""}
+        assert hf.from_hf(old).replace(**strip) == hf.from_hf(new).replace(**strip)
+    assert hf.from_hf(new).rope.kind == "longrope"
+
+
+def test_one_line_errors(tmp_path):
+    cfg = read_json(os.path.join(DATA, "mixtral", "config.json"))
+    with pytest.raises(ValueError, match="is not a Hugging Face model directory"):
+        hf.load_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="'llama' is not supported; supported: mixtral, "):
+        hf.from_hf({**cfg, "model_type": "llama"})
+    with pytest.raises(ValueError, match="key 'attn_logit_softcapping' is not known"):
+        hf.from_hf({**cfg, "attn_logit_softcapping": 30.0})
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not implemented"):
+        hf.from_hf({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match="'gelu'; only 'silu'"):
+        hf.from_hf({**cfg, "hidden_act": "gelu"})
+    # A wrong shape and a missing tensor, each named.
+    source = os.path.join(DATA, "mixtral")
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    name = "model.layers.1.self_attn.k_proj.weight"
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    save_file({**tensors, name: tensors[name][:, :-1].copy()},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"tensor '{name}' has shape \[16, 15\], expected "
+                                         r"\[16, 16\]"):
+        hf.load_pretrained(str(tmp_path))
+    del tensors[name]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"tensor '{name}' is missing"):
+        hf.load_pretrained(str(tmp_path))
+
+
+def test_cached_decoding_gives_the_full_forward_logits(loaded):
+    """Prefill 4 tokens (row 0 left-padded by one), then one token at a time: every logit equals
+    a full forward pass of the same real tokens (sliding window 5 < 12 tokens)."""
+    model, _ = loaded["mixtral"]
+    ids = jnp.asarray(reference("mixtral")["input_ids"])
+    full = np.asarray(logits_of(model, ids))
+    padded = jnp.concatenate([jnp.zeros((2, 1), ids.dtype), ids], axis=1)
+    mask = jnp.ones(padded.shape, bool).at[0, 0].set(False).at[1, 12].set(False)
+    padded = padded.at[1].set(jnp.concatenate([ids[1], jnp.zeros((1,), ids.dtype)]))
+    cache = model.init_cache(2, 13)
+    out = forward(model, padded[:, :4], mask[:, :4], cache)
+    steps, cache = [out.logits], out.cache
+    for t in range(4, 13):
+        out = forward(model, padded[:, t:t + 1], mask[:, t:t + 1], cache)
+        steps.append(out.logits)
+        cache = out.cache
+    cached = np.asarray(jnp.concatenate(steps, axis=1))
+    np.testing.assert_allclose(cached[0, 1:], full[0], rtol=1e-5, atol=1e-5 * np.abs(full).max())
+    np.testing.assert_allclose(cached[1, :12], full[1], rtol=1e-5,
+                               atol=1e-5 * np.abs(full).max())
+
+
+def test_sampled_generation(loaded):
+    model, _ = loaded["olmoe"]
+    prompt = jnp.asarray(reference("olmoe")["input_ids"][:, :5])
+    a = generate(model, prompt, 6, temperature=1.0, key=jax.random.key(1))
+    b = generate(model, prompt, 6, temperature=1.0, key=jax.random.key(1))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(a[:, :5]), np.asarray(prompt))
+    greedy = generate(model, prompt, 6)
+    top1 = generate(model, prompt, 6, temperature=0.7, top_k=1, key=jax.random.key(2))
+    np.testing.assert_array_equal(np.asarray(top1), np.asarray(greedy))
+    with pytest.raises(ValueError, match="needs a PRNG key"):
+        generate(model, prompt, 2, temperature=1.0)
+
+
+def test_routers_that_keep_or_change_the_forward():
+    """At evaluation DenseMixer and Default MoE route as the checkpoint (top-k softmax);
+    SparseMixer routes by its masked argmax, which changes a Mixtral checkpoint's logits; on a
+    phimoe checkpoint SparseMixer-v2 is the checkpoint's own router and plain top-2 changes it."""
+    ref = reference("mixtral")
+    path = os.path.join(DATA, "mixtral")
+    for router in ("densemixer",):
+        model, config = hf.load_pretrained(path, router=router)
+        assert config.router == router
+        assert relative_error(logits_of(model, ref["input_ids"]), ref["logits"]) <= 1e-4
+    model, _ = hf.load_pretrained(path, router="sparsemixer_v2", jitter_eps=0.1)
+    assert relative_error(logits_of(model, ref["input_ids"]), ref["logits"]) > 1e-3
+    ref = reference("phimoe")
+    model, _ = hf.load_pretrained(os.path.join(DATA, "phimoe"), router="switch", jitter_eps=0.0)
+    assert relative_error(logits_of(model, ref["input_ids"]), ref["logits"]) > 1e-3
+
+
+def test_bfloat16_compute_and_training_mode(loaded):
+    ref = reference("qwen3_moe")
+    model, _ = hf.load_pretrained(os.path.join(DATA, "qwen3_moe"), compute_dtype="bfloat16")
+    assert relative_error(logits_of(model, ref["input_ids"]), ref["logits"]) <= 5e-2
+    # Training mode: phimoe samples its experts and jitters its MoE input (different logits);
+    # the load-balancing loss is there for the task.
+    model, _ = hf.load_pretrained(os.path.join(DATA, "phimoe"))
+    model.train()
+    out = nnx.jit(lambda m, ids: m.forward(ids))(model, jnp.asarray(
+        reference("phimoe")["input_ids"]))
+    assert relative_error(out.logits, reference("phimoe")["logits"]) > 1e-4
+    assert float(out.aux["balance_loss"]) > 0
+
+
+def test_layers_are_scanned_in_few_stacks(loaded):
+    """Qwen2-MoE's dense/MoE alternation over 5 layers is one stack of a (dense, MoE) unit twice
+    plus a dense layer: the unit compiles once however deep the model."""
+    model, config = loaded["qwen2_moe"]
+    assert config.moe_layers == (False, True, False, True, False)
+    assert model.stack_patterns == (((False, True), 2), ((False,), 1))
+    assert layer_pattern_stacks((True,) * 48) == (((True,), 48),)
+    assert layer_pattern_stacks((False,) + (True,) * 7) == (((False,), 1), ((True,), 7))
