@@ -24,7 +24,7 @@ from typing import Any
 
 from sparsemixer_jax.data import Pair
 from sparsemixer_jax.data.synthetic import synthetic_pairs, synthetic_split_sizes
-from sparsemixer_jax.section import cast, check_positive, read_fields
+from sparsemixer_jax.section import cast, check_positive, read_fields, section_of
 
 SOURCES = ("tfds", "text", "synthetic")
 # Fields every source needs, then the extra ones each source reads.
@@ -105,11 +105,8 @@ class DataConfig:
 
     @classmethod
     def of(cls, config: Any) -> DataConfig:
-        """The typed data section of ``config``: ``config`` itself or its ``data`` if either is
-        one already, else read from the experiment config ``config``."""
-        if isinstance(config, cls):
-            return config
-        return config.data if isinstance(config.data, cls) else cls.from_config(config)
+        """The typed data section of ``config`` (:func:`~sparsemixer_jax.section.section_of`)."""
+        return section_of(cls, config, "data")
 
 
 def check_config(config: Any) -> None:

@@ -42,7 +42,7 @@ from sparsemixer_jax.data.tokenizer import (  # noqa: F401  (every special id in
     train_tokenizer,
     vocabulary_sample,
 )
-from sparsemixer_jax.section import cast, check_positive, read_fields
+from sparsemixer_jax.section import cast, check_positive, read_fields, section_of
 
 logger = logging.getLogger(__name__)
 
@@ -209,11 +209,8 @@ class TextDataConfig:
 
     @classmethod
     def of(cls, config: Any) -> TextDataConfig:
-        """The typed data section of ``config``: ``config`` itself or its ``data`` if either is
-        one already, else read from the experiment config ``config``."""
-        if isinstance(config, cls):
-            return config
-        return config.data if isinstance(config.data, cls) else cls.from_config(config)
+        """The typed data section of ``config`` (:func:`~sparsemixer_jax.section.section_of`)."""
+        return section_of(cls, config, "data")
 
     @property
     def micro(self) -> int:
