@@ -16,7 +16,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from sparsemixer_jax.benchmarks.layers import time_expert_ffn
+from lab.benchmarks.layers import time_expert_ffn
 
 
 def main() -> None:

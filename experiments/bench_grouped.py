@@ -8,7 +8,7 @@
 Every row records ``compile_time_model``: XLA's FLOPs, bytes and memory for the compiled
 executable and its Mosaic kernels, the compiler's figures, not a timing.
 
-The code lives in :mod:`sparsemixer_jax.benchmarks.grouped_ffn` (so tests can run it); options:
+The code lives in :mod:`lab.benchmarks.grouped_ffn` (so tests can run it); options:
 ``python -m experiments.bench_grouped --help``.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from sparsemixer_jax.benchmarks import grouped_ffn as benchmark
+from lab.benchmarks import grouped_ffn as benchmark
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@
     bash experiments/gpu_campaign.sh                                  # every GPU figure
 
 The sections (``--sections``), their JSON and the default sizes:
-:mod:`sparsemixer_jax.benchmarks.runner`. ``--report FILE`` prints the markdown tables of a
+:mod:`lab.benchmarks.runner`. ``--report FILE`` prints the markdown tables of a
 result file (or of each run of a file that ``gpu_campaign.sh`` merged) and exits.
 """
 
@@ -21,9 +21,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from sparsemixer_jax.benchmarks.decoding import DECODE_SHAPES, parse_shapes
-from sparsemixer_jax.benchmarks.report import print_report
-from sparsemixer_jax.benchmarks.runner import (
+from lab.benchmarks.decoding import DECODE_SHAPES, parse_shapes
+from lab.benchmarks.report import print_report
+from lab.benchmarks.runner import (
     ACCEL_SIZES,
     CPU_SIZES,
     DISPATCH_CHOICES,

@@ -7,10 +7,10 @@ baseline, several seeds.
 Every run trains ``configs/multi30k_compare.py`` (override with ``--config``) with the arm's
 fields and the seed set. The arms are ``--arms`` if given, else those of ``--study`` (``main``
 by default: Switch and SparseMixer for each of ``--experts``, and dense); arm names and target
-arms: :mod:`sparsemixer_jax.studies.arms`. ``--parallel K`` trains K runs at once in
+arms: :mod:`lab.studies.arms`. ``--parallel K`` trains K runs at once in
 subprocesses; ``--delete-checkpoints``/``--compact``, ``--pack FILE.tar.gz`` and
 ``--stop-launching-after MIN`` serve a study spread over several machines
-(:mod:`sparsemixer_jax.studies.runner`). Rerunning skips finished and diverged runs and resumes
+(:mod:`lab.studies.runner`). Rerunning skips finished and diverged runs and resumes
 unfinished ones. ``--summarize-only`` writes the tables (JSON, markdown), the loss curves and the
 router-diagnostics figure (``--plot-router``) without training; they go to ``--root`` unless
 ``--out-json``, ``--out-md``, ``--plot`` say otherwise.
@@ -25,8 +25,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from sparsemixer_jax.studies.arms import STUDIES, parse_arm, study_arms
-from sparsemixer_jax.studies.runner import (
+from lab.studies.arms import STUDIES, parse_arm, study_arms
+from lab.studies.runner import (
     StudyOptions,
     pack,
     run_all,
@@ -43,7 +43,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--root", default="/tmp/compare", help="one workdir per run under it")
     parser.add_argument("--experts", type=int, nargs="+", default=[4])
     parser.add_argument("--study", nargs="+", default=["main"], choices=sorted(STUDIES),
-                        help="named groups of arms (sparsemixer_jax.studies.arms.STUDIES)")
+                        help="named groups of arms (lab.studies.arms.STUDIES)")
     parser.add_argument("--arms", nargs="+", help="explicit arm names (instead of --study)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=None, help="train_steps (default: config)")

@@ -44,7 +44,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     cli.enable_compilation_cache()
-    from sparsemixer_jax.studies.glue_table import summary_table
+    from lab.studies.glue_table import summary_table
     from sparsemixer_jax.tasks import finetuning
 
     cli.quiet_libraries()

@@ -19,7 +19,7 @@ import os
 
 from absl import app, flags
 
-from sparsemixer_jax.studies.glue_table import load_summary, paper_rows, report, row_from_results
+from lab.studies.glue_table import load_summary, paper_rows, report, row_from_results
 
 flags.DEFINE_multi_string("run", None, "[LABEL=]DIR of a fine-tuning workdir; repeatable.")
 flags.DEFINE_integer("paper", None, "Add the paper's Table 2 rows for this many experts "

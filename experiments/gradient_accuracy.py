@@ -11,7 +11,7 @@ Top-k (``--top-k``, default 1 and 2): the same problems routed to ``k`` experts 
 sampling; for plain backpropagation, SparseMixer's mix, GRIN's SparseMixer-v2 and the corrected
 v2star, the norm ratio ``|E| / |exact|``, the cosine and the relative error (the bias) of the
 exact expected gradient against the exact top-k gradient
-(``sparsemixer_jax.exact.topk_accuracy_sweep``). GRIN's Appendix A reports v2 at about 0.5x the
+(``lab.exact_experiment.topk_accuracy_sweep``). GRIN's Appendix A reports v2 at about 0.5x the
 exact norm and its correction at about 1.0x.
 
 Both tables also hold DenseMixer (as released and as its blog writes it) and Default MoE (row
@@ -32,8 +32,8 @@ import json
 import os
 import sys
 
-from sparsemixer_jax.exact import SweepSettings, accuracy_experiment
-from sparsemixer_jax.studies.gradient_accuracy import plot, print_table
+from lab.exact_experiment import SweepSettings, accuracy_experiment
+from lab.studies.gradient_accuracy import plot, print_table
 
 
 def main(argv: list[str] | None = None) -> dict:

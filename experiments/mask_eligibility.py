@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import jax
 
-from sparsemixer_jax.studies.mask_eligibility import eligibility, router_logits
+from lab.studies.mask_eligibility import eligibility, router_logits
 
 
 def main() -> None:

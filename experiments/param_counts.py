@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from configs.wmt import get_config
-from sparsemixer_jax.studies.param_counts import EXPERTS, count
+from lab.studies.param_counts import EXPERTS, count
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from sparsemixer_jax.studies.curves import plot_diagnostics, plot_losses, read_run
+from lab.studies.curves import plot_diagnostics, plot_losses, read_run
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,10 +26,10 @@ import os
 import sys
 import time
 
-from sparsemixer_jax.router_bench import report
-from sparsemixer_jax.router_bench.arms import TABLES
-from sparsemixer_jax.router_bench.report import reused
-from sparsemixer_jax.router_bench.train import TrainConfig, time_steps, train_arm
+from lab.router_bench import report
+from lab.router_bench.arms import TABLES
+from lab.router_bench.report import reused
+from lab.router_bench.train import TrainConfig, time_steps, train_arm
 
 PLOT_ARMS = {
     "main": ["switch", "sparsemixer", "sparsemixer_nomask", "sparsemixer_eps0.5",

@@ -10,7 +10,7 @@ import os
 import sys
 
 from sparsemixer_jax import hf
-from sparsemixer_jax.lm_config import MODEL_TYPES
+from sparsemixer_jax.models.lm_config import MODEL_TYPES
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "hf")
 

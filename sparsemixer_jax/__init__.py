@@ -33,7 +33,7 @@ if TYPE_CHECKING:
         greedy_search,
         greedy_search_model,
     )
-    from sparsemixer_jax.models import DecodeCache, Encoded, Transformer
+    from sparsemixer_jax.models.encoder_decoder import DecodeCache, Encoded, Transformer
     from sparsemixer_jax.moe import MoEFeedForward, expert_ffn, fold_omega
     from sparsemixer_jax.sharding import make_mesh, shard_state
 
@@ -44,9 +44,9 @@ _LAZY = {
     "beam_search_model": "sparsemixer_jax.decode",
     "greedy_search": "sparsemixer_jax.decode",
     "greedy_search_model": "sparsemixer_jax.decode",
-    "DecodeCache": "sparsemixer_jax.models",
-    "Encoded": "sparsemixer_jax.models",
-    "Transformer": "sparsemixer_jax.models",
+    "DecodeCache": "sparsemixer_jax.models.encoder_decoder",
+    "Encoded": "sparsemixer_jax.models.encoder_decoder",
+    "Transformer": "sparsemixer_jax.models.encoder_decoder",
     "MoEFeedForward": "sparsemixer_jax.moe",
     "expert_ffn": "sparsemixer_jax.moe",
     "fold_omega": "sparsemixer_jax.moe",

@@ -4,7 +4,7 @@ The search functions are model-agnostic: they take ``tokens_to_logits(tokens [B'
 (logits [B', V], cache)`` and an initial cache (any pytree whose non-scalar leaves have the
 flattened batch(*beam) axis first), and run under ``jax.lax.while_loop``.
 :func:`beam_search_model` and :func:`greedy_search_model` wire them to a
-:class:`sparsemixer_jax.models.Transformer` and jit the whole search.
+:class:`sparsemixer_jax.models.encoder_decoder.Transformer` and jit the whole search.
 
 Search semantics (fairseq-style, with the GNMT length penalty that flax ``examples/wmt`` uses):
 
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax.models import PAD_ID, Transformer
+from sparsemixer_jax.models.encoder_decoder import PAD_ID, Transformer
 from sparsemixer_jax.section import check_positive, read_fields
 
 

@@ -18,7 +18,7 @@ zero.
 its ELECTRA models: each post-norm sublayer computes ``LayerNorm(omega_i * x + f_i(x))`` with a
 trainable ``omega_i [emb]`` that a profiling pass on a batch of data sets to the standard
 deviation the residual stream has reached, ``omega_i^2 = Var[omega_{i-1} x_{i-1}] +
-Var[f_{i-1}(x_{i-1})]`` (:meth:`sparsemixer_jax.encoder.Encoder.set_admin_scales`). The
+Var[f_{i-1}(x_{i-1})]`` (:meth:`sparsemixer_jax.models.encoder.Encoder.set_admin_scales`). The
 ELECTRA encoder has them; the translation model refuses the scheme.
 
 Token embeddings and LayerNorms are the models' own in every scheme (fairseq's

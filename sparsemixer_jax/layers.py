@@ -1,9 +1,10 @@
 """Layers shared by the models: attention, the dense feed-forward, LayerNorm, the FFN choice,
 and the model section every model's config extends (:class:`ModelConfig`).
 
-The translation Transformer (:mod:`sparsemixer_jax.models`) and the ELECTRA encoder
-(:mod:`sparsemixer_jax.encoder`) are built from these. Parameters are float32; ``dtype`` is the
-compute dtype (matmuls in bf16 when asked, softmax and LayerNorm statistics in float32).
+The translation Transformer (:mod:`sparsemixer_jax.models.encoder_decoder`) and the ELECTRA
+encoder (:mod:`sparsemixer_jax.models.encoder`) are built from these. Parameters are float32;
+``dtype`` is the compute dtype (matmuls in bf16 when asked, softmax and LayerNorm statistics in
+float32).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def compute_dtype(name: str) -> jnp.dtype:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The fields of ``config.model`` every model has; each model's section extends it
-    (:class:`sparsemixer_jax.models.TransformerConfig`,
-    :class:`sparsemixer_jax.encoder.EncoderConfig`).
+    (:class:`sparsemixer_jax.models.encoder_decoder.TransformerConfig`,
+    :class:`sparsemixer_jax.models.encoder.EncoderConfig`).
 
     Attributes:
       emb_dim, mlp_dim, num_heads: widths and attention heads (``num_heads`` divides

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax.config import moe_model_fields, router_config
-from sparsemixer_jax.encoder import Encoder
+from sparsemixer_jax.models.encoder import Encoder
 
 
 def admin_config(init="admin", num_layers=4):

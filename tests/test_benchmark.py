@@ -1,5 +1,5 @@
-"""Smoke tests of the benchmarks (sparsemixer_jax.benchmarks, run by experiments/benchmark.py) and
-of the summarising code of the convergence study (sparsemixer_jax.studies).
+"""Smoke tests of the benchmarks (lab.benchmarks, run by experiments/benchmark.py) and
+of the summarising code of the convergence study (lab.studies).
 
 Tiny sizes, one repeat: they check that the scripts run and write what docs/benchmarks.md reads,
 never how fast anything is (timings on shared CPU cores are no test material).
@@ -14,11 +14,11 @@ import os
 import numpy as np
 import pytest
 
-from sparsemixer_jax.benchmarks import decoding, flops, report, runner, trace, training_step
-from sparsemixer_jax.studies.arms import DIVERGED, arm_names, arm_settings, run_dir
-from sparsemixer_jax.studies.figures import plot_convergence
-from sparsemixer_jax.studies.runner import StudyOptions, make_config
-from sparsemixer_jax.studies.summary import markdown, summarize, updates_to_reach
+from lab.benchmarks import decoding, flops, report, runner, trace, training_step
+from lab.studies.arms import DIVERGED, arm_names, arm_settings, run_dir
+from lab.studies.figures import plot_convergence
+from lab.studies.runner import StudyOptions, make_config
+from lab.studies.summary import markdown, summarize, updates_to_reach
 
 TINY = {"emb": 16, "mlp": 32, "heads": 2, "layers": 1, "vocab": 64, "tokens": 64, "length": 8,
         "warmup": 1, "repeats": 1}
@@ -238,7 +238,7 @@ def test_layer_cost_section_runs(tmp_path):
     import jax.numpy as jnp
     from flax import nnx
 
-    from sparsemixer_jax.benchmarks.layers import layer_step
+    from lab.benchmarks.layers import layer_step
     from sparsemixer_jax.moe import MoEFeedForward
 
     out = tmp_path / "bench.json"

@@ -1,4 +1,4 @@
-"""Tests of the convergence study (sparsemixer_jax.studies, driven by experiments/compare.py) that
+"""Tests of the convergence study (lab.studies, driven by experiments/compare.py) that
 train nothing: arm names, target arms, the compact result files, packing, resuming and the
 process pool."""
 
@@ -11,11 +11,11 @@ import tarfile
 import numpy as np
 import pytest
 
-from sparsemixer_jax.studies import runner
-from sparsemixer_jax.studies.arms import arm_settings, parse_arm, run_dir, study_arms, target_arm
-from sparsemixer_jax.studies.curves import diagnostic_series
-from sparsemixer_jax.studies.figures import plot_convergence, plot_router
-from sparsemixer_jax.studies.summary import markdown, summarize
+from lab.studies import runner
+from lab.studies.arms import arm_settings, parse_arm, run_dir, study_arms, target_arm
+from lab.studies.curves import diagnostic_series
+from lab.studies.figures import plot_convergence, plot_router
+from lab.studies.summary import markdown, summarize
 
 
 def test_arm_names_parse_into_config_fields():

@@ -161,7 +161,7 @@ def test_grouped_moe_layer_variants_compile_for_one_h100(top_k, dtype):
 ], ids=["defaults", "tiles-64", "float16", "weight-grad-xla"])
 def test_benchmark_compiles_every_tile_configuration_for_one_h100(flags, kernels, tmp_path):
     _devices_or_skip("h100:1x1x1")
-    from sparsemixer_jax.benchmarks import grouped_ffn as benchmark
+    from lab.benchmarks import grouped_ffn as benchmark
 
     result = benchmark.main(["--target", "h100:1x1x1", "--experts", "4", "--capacities",
                              "--json", str(tmp_path / "b.json"), *flags])

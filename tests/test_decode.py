@@ -15,7 +15,7 @@ from flax import nnx
 
 from configs.wmt import get_config
 from sparsemixer_jax import decode
-from sparsemixer_jax.models import PAD_ID, Transformer
+from sparsemixer_jax.models.encoder_decoder import PAD_ID, Transformer
 
 VOCAB, EOS = 12, 1  # 0 = padding / start, 1 = EOS, 2..11 = symbols
 SRC_LEN = 8

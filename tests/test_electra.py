@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax import electra
 from sparsemixer_jax.data import text
+from sparsemixer_jax.models import electra
 from sparsemixer_jax.training import loop
 from tests import tiny_electra_config
 

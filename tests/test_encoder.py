@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax.config import moe_model_fields, router_config
-from sparsemixer_jax.encoder import Encoder, relative_position_bucket
+from sparsemixer_jax.models.encoder import Encoder, relative_position_bucket
 
 
 def tiny_config(num_experts=2, num_layers=2):

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lab import exact_experiment
+from lab.studies.gradient_accuracy import plot, print_table
 from sparsemixer_jax import exact as oracle
 from sparsemixer_jax.routers import router_probs
-from sparsemixer_jax.studies.gradient_accuracy import plot, print_table
 
 
 def _probs_fn(z):
@@ -43,7 +44,7 @@ def test_estimator_identities(problems):
     with jax.enable_x64(True):
         problem = problems[0]
         exact = oracle.exact_gradient(problem, _probs_fn)
-        table = oracle.estimator_table(problem, _probs_fn)
+        table = exact_experiment.estimator_table(problem, _probs_fn)
         # Plain backprop with D ~ pi is unbiased for nabla_1.
         plain = oracle.router_expected_gradient(
             problem, _probs_fn, estimator="euler", backward_scale=1.0
@@ -61,7 +62,7 @@ def test_orders_of_accuracy_on_nabla0(problems):
     scales = np.logspace(-1, -3, 5)
     with jax.enable_x64(True):
         for problem in problems:
-            sweep = oracle.accuracy_sweep(problem, scales, _probs_fn)
+            sweep = exact_experiment.accuracy_sweep(problem, scales, _probs_fn)
             euler = oracle.loglog_slope(scales, sweep["euler"]["relerr_nabla0"])
             midpoint = oracle.loglog_slope(scales, sweep["midpoint"]["relerr_nabla0"])
             assert 0.9 < euler < 1.1, euler
@@ -78,9 +79,9 @@ def test_loglog_slope_recovers_a_power_law():
 def test_experiment_writes_results(tmp_path):
     out = tmp_path / "results.json"
     png = tmp_path / "plot.png"
-    settings = oracle.SweepSettings(num_problems=2, num_scales=5, min_scale=1e-2,
+    settings = exact_experiment.SweepSettings(num_problems=2, num_scales=5, min_scale=1e-2,
                                             num_experts=4, dim=4, top_k=[2])
-    results = oracle.accuracy_experiment(settings)
+    results = exact_experiment.accuracy_experiment(settings)
     print_table(results)
     out.write_text(json.dumps(results, indent=1))
     plot(results, str(png))
@@ -96,7 +97,7 @@ def test_experiment_writes_results(tmp_path):
         assert np.isfinite(entry["slope_full"])
     assert set(results["topk"]) == {"2"}
     for table in results["topk"].values():
-        assert set(table) == set(oracle.TOPK_TABLE)
+        assert set(table) == set(exact_experiment.TOPK_TABLE)
         # Noisy defaults move Default MoE away from its oracle row; the oracle
         # straight-through row is DenseMixer's.
         assert table["default_moe_st"]["cos"] != table["default_moe_st_oracle"]["cos"]
@@ -109,11 +110,11 @@ def test_experiment_writes_results(tmp_path):
 
 def test_experiment_rejects_bad_arguments():
     with pytest.raises(ValueError, match="min-scale"):
-        oracle.SweepSettings(min_scale=2)
+        exact_experiment.SweepSettings(min_scale=2)
     with pytest.raises(ValueError, match="top-k"):
-        oracle.SweepSettings(num_experts=4, top_k=[5])
+        exact_experiment.SweepSettings(num_experts=4, top_k=[5])
     with pytest.raises(ValueError, match="default-noise"):
-        oracle.SweepSettings(default_noise=-0.1)
+        exact_experiment.SweepSettings(default_noise=-0.1)
 
 
 # ---------------------------------------------------------------- top-k oracle
@@ -161,14 +162,14 @@ def test_grin_appendix_a_norm_ratios(problems):
     """GRIN App. A: as expert outputs shrink, v2's expected router gradient tends to half the
     exact one (nabla_1 is missing and nabla_0 -> nabla_1), the corrected v2star to all of it."""
     with jax.enable_x64(True):
-        sweep = oracle.topk_accuracy_sweep(problems[0], [1e-3], _probs_fn, 1)
+        sweep = exact_experiment.topk_accuracy_sweep(problems[0], [1e-3], _probs_fn, 1)
         np.testing.assert_allclose(sweep["v2"]["norm_ratio"], 0.5, atol=2e-3)
         np.testing.assert_allclose(sweep["v2star"]["norm_ratio"], 1.0, atol=2e-3)
         np.testing.assert_allclose(sweep["backprop"]["norm_ratio"], 0.5, atol=2e-3)
         assert sweep["v2star"]["cos"][0] > 0.9999
         # Top-2: the choice of the first expert moves the second's distribution; no estimator
         # here sees that term, so a bias stays at every scale.
-        top2 = oracle.topk_accuracy_sweep(problems[0], [1e-2, 1e-3], _probs_fn, 2)
+        top2 = exact_experiment.topk_accuracy_sweep(problems[0], [1e-2, 1e-3], _probs_fn, 2)
         assert min(top2["v2star"]["relerr"]) > 1e-2
         np.testing.assert_allclose(top2["v2"]["relerr"][0], top2["v2"]["relerr"][1], rtol=0.05)
 

@@ -335,7 +335,7 @@ def test_rerun_skips_finished_points_and_refuses_other_settings(tiny, sst2_run, 
 
 
 def test_regression_task_and_summary_over_tasks(tiny, sst2_run):
-    from sparsemixer_jax.studies.glue_table import comparison_table, row_from_results, summary_table
+    from lab.studies.glue_table import comparison_table, row_from_results, summary_table
 
     workdir, _, _ = sst2_run
     stsb = finetuning.load_task_data(tiny.config, "STS-B", tiny.tokenizer)
@@ -442,7 +442,7 @@ def fake_summary(scores):
 
 
 def test_paper_table_averages_count_mnli_once():
-    from sparsemixer_jax.studies.glue_table import COLUMNS, PAPER_TABLE2, average, paper_row
+    from lab.studies.glue_table import COLUMNS, PAPER_TABLE2, average, paper_row
 
     # The paper's AVG is the mean over eight tasks with MNLI as the mean of -m and -mm: six of
     # its seven rows agree to rounding. The N=4 Switch+SparseMixer row prints 87.63 where its
@@ -456,7 +456,7 @@ def test_paper_table_averages_count_mnli_once():
 
 
 def test_comparison_and_summary_tables():
-    from sparsemixer_jax.studies.glue_table import comparison_table, row_from_results, summary_table
+    from lab.studies.glue_table import comparison_table, row_from_results, summary_table
 
     ours = row_from_results(fake_summary({"RTE": 0.7, "MRPC": 0.8, "MNLI": (0.6, 0.5)}))
     assert ours["MNLI"] == pytest.approx((60.0, 50.0))

@@ -512,7 +512,7 @@ def test_inside_shard_map_with_local_experts():
 
 @pytest.mark.slow  # kept out of the default run for time; python -m pytest -q -m slow
 def test_benchmark_runs_tiny_in_interpret_mode(tmp_path):
-    from sparsemixer_jax.benchmarks import grouped_ffn as benchmark
+    from lab.benchmarks import grouped_ffn as benchmark
 
     out = tmp_path / "grouped.json"
     result = benchmark.main(["--interpret", "--tiny", "--experts", "2", "--json", str(out)])

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from sparsemixer_jax import hf
-from sparsemixer_jax.lm_config import MODEL_TYPES, layer_pattern_stacks
-from sparsemixer_jax.lm_generate import generate
+from sparsemixer_jax.models.lm_config import MODEL_TYPES, layer_pattern_stacks
+from sparsemixer_jax.models.lm_generate import generate
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "hf")
 

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from configs import wmt_n4
-from sparsemixer_jax.models import Transformer
+from sparsemixer_jax.models.encoder_decoder import Transformer
 from sparsemixer_jax.moe import MoEFeedForward
 
 TRUNCATED_STD = 0.87962566103423978  # std of the standard normal truncated to [-2, 2]

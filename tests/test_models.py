@@ -15,7 +15,7 @@ from flax import nnx
 
 from configs.wmt import get_config
 from sparsemixer_jax.layers import FeedForward
-from sparsemixer_jax.models import (
+from sparsemixer_jax.models.encoder_decoder import (
     PAD_ID,
     Transformer,
     shift_right,

@@ -18,7 +18,7 @@ from flax import nnx
 
 from sparsemixer_jax import training
 from sparsemixer_jax.data import text
-from sparsemixer_jax.encoder import Encoder
+from sparsemixer_jax.models.encoder import Encoder
 from sparsemixer_jax.tasks import pretraining
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule, weight_decay_mask
 from tests import tiny_electra_config
@@ -335,7 +335,7 @@ def read_config(workdir):
 def test_electra_flops_per_token_by_hand():
     """The tiny config counted by hand: width 16, FFN 32, 16 tokens, 120 pieces; discriminator
     2 layers both MoE (N = 2, moe_every 1), generator 1 dense layer, 3 predicted positions."""
-    from sparsemixer_jax.benchmarks.flops import electra_flops_per_token
+    from lab.benchmarks.flops import electra_flops_per_token
 
     layer = 8 * 16 * 16 + 4 * 16 * 32 + 4 * 16 * 16  # projections, FFN, attention (L = 16)
     disc = 2 * layer + 2 * (2 * 16 * 2)  # plus two routers

@@ -1,4 +1,4 @@
-"""Known answers for the router-learning benchmark (sparsemixer_jax.router_bench).
+"""Known answers for the router-learning benchmark (lab.router_bench).
 
 The training tests share tiny configurations so that each compiled program is built once.
 """
@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax.router_bench import metrics, report
-from sparsemixer_jax.router_bench.arms import SUCCESSORS, TABLES, Arm, baseline_of
-from sparsemixer_jax.router_bench.student import Student
-from sparsemixer_jax.router_bench.teacher import (
+from lab.router_bench import metrics, report
+from lab.router_bench.arms import SUCCESSORS, TABLES, Arm, baseline_of
+from lab.router_bench.student import Student
+from lab.router_bench.teacher import (
     TeacherConfig,
     make_data,
     make_teacher,
     teacher_forward,
 )
-from sparsemixer_jax.router_bench.train import TrainConfig, train_arm
+from lab.router_bench.train import TrainConfig, train_arm
 from sparsemixer_jax.routers import ESTIMATORS, ROUTERS, router_probs
 
 TINY = TrainConfig(dim=8, hidden=16, teacher_hidden=4, batch=64, steps=300, eval_every=100,
@@ -52,7 +52,7 @@ def test_teacher_experts_differ_and_are_unit_rms():
     cfg = TeacherConfig(dim=8, num_experts=4, hidden=4)
     teacher = make_teacher(jax.random.key(3), cfg)
     x = jax.random.normal(jax.random.key(4), (2048, 8))
-    from sparsemixer_jax.router_bench.teacher import _experts_all
+    from lab.router_bench.teacher import _experts_all
 
     outputs = _experts_all(teacher, 0, x)
     rms = jnp.sqrt(jnp.mean(outputs**2, axis=(1, 2)))
@@ -466,7 +466,7 @@ def test_default_output_is_outside_the_tracked_files_and_reuse_matches_config(tm
 
 
 def test_robustness_summary_pairs_each_router_with_its_settings_switch(robust_run):
-    from sparsemixer_jax.router_bench.arms import robustness_arm
+    from lab.router_bench.arms import robustness_arm
 
     summary = report.summarise(ROBUST, robust_run, {})
     results = {arm.name: {**summary, "arm": dataclasses.asdict(arm)} for arm in (

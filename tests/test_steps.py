@@ -16,7 +16,7 @@ from flax import nnx
 
 from sparsemixer_jax import runtime, training
 from sparsemixer_jax.layers import Attention
-from sparsemixer_jax.models import Transformer
+from sparsemixer_jax.models.encoder_decoder import Transformer
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.tasks import check_config, translation
 from sparsemixer_jax.training import steps as training_steps

@@ -19,11 +19,11 @@ import jax
 import numpy as np
 import pytest
 
+from lab.studies.curves import plot_losses, read_run
 from sparsemixer_jax import cli, sharding, training, translate
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.data.sources import read_split
 from sparsemixer_jax.data.translation import load_datasets
-from sparsemixer_jax.studies.curves import plot_losses, read_run
 from sparsemixer_jax.tasks import check_config, translation
 from sparsemixer_jax.training.hosts import BatchPlacer
 from sparsemixer_jax.training.logs import Progress

@@ -40,14 +40,15 @@ tables) has the defaults in the forward, the router ``default_moe_forward``;
 router ``default_moe`` (also called ``default_moe_st``).
 
 One module per concern; import the names from this package: ``top1`` (the problem, the exact
-gradient, SparseMixer's expectations, the measures), ``dense`` (DenseMixer, Default MoE),
-``topk`` (ordered tuples) and ``experiment`` (the sweeps).
+gradient, SparseMixer's expectations, the measures), ``dense`` (DenseMixer, Default MoE) and
+``topk`` (ordered tuples).
 
-The accuracy experiment (:func:`accuracy_experiment`, ``python -m
-experiments.gradient_accuracy``) scales the expert outputs by ``s`` from 1 down to
-``min_scale`` on random problems: the slope of log(relative error) against log(s) is an
-estimator's order of accuracy (the paper claims 1 for forward Euler and 2 for the mid-point
-rule); top-k, the norm ratio, cosine and bias against the exact top-k gradient.
+The accuracy experiment (the sweeps: :func:`lab.exact_experiment.accuracy_experiment`, ``python
+-m experiments.gradient_accuracy``; part of the repository's lab, not of the library) scales the
+expert outputs by ``s`` from 1 down to ``min_scale`` on random problems: the slope of
+log(relative error) against log(s) is an estimator's order of accuracy (the paper claims 1 for
+forward Euler and 2 for the mid-point rule); top-k, the norm ratio, cosine and bias against the
+exact top-k gradient.
 """
 
 from __future__ import annotations
@@ -59,18 +60,6 @@ from sparsemixer_jax.exact.dense import (
     densemixer_gradient,
     noisy_defaults,
     outcome_slopes,
-)
-from sparsemixer_jax.exact.experiment import (
-    ESTIMATOR_NOTES,
-    METRICS,
-    ORACLE_DEFAULT_ESTIMATORS,
-    TOPK_ESTIMATORS,
-    TOPK_TABLE,
-    SweepSettings,
-    accuracy_experiment,
-    accuracy_sweep,
-    estimator_table,
-    topk_accuracy_sweep,
 )
 from sparsemixer_jax.exact.top1 import (
     Downstream,
@@ -100,18 +89,10 @@ from sparsemixer_jax.exact.topk import (
 
 __all__ = [
     "DENSE_ESTIMATORS",
-    "ESTIMATOR_NOTES",
-    "METRICS",
-    "ORACLE_DEFAULT_ESTIMATORS",
-    "TOPK_ESTIMATORS",
-    "TOPK_TABLE",
     "Downstream",
     "ExactGradient",
     "ProbsFn",
     "RoutingProblem",
-    "SweepSettings",
-    "accuracy_experiment",
-    "accuracy_sweep",
     "cosine_similarity",
     "default_moe_gradient",
     "default_moe_st_gradient",
@@ -119,7 +100,6 @@ __all__ = [
     "densemixer_gradient",
     "directional_slopes",
     "estimator_coefficients",
-    "estimator_table",
     "exact_gradient",
     "exact_topk_gradient",
     "loglog_slope",
@@ -132,7 +112,6 @@ __all__ = [
     "relative_error",
     "router_expected_gradient",
     "step_probs",
-    "topk_accuracy_sweep",
     "topk_dense_expected_gradient",
     "topk_expected_gradient",
     "tuple_gates",

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparsemixer_jax.causal_lm import CausalLM
 from sparsemixer_jax.hf.config import from_hf, to_hf
 from sparsemixer_jax.hf.weights import Path, convert, parse, saved_tensors
-from sparsemixer_jax.lm_config import LMConfig
+from sparsemixer_jax.models.causal_lm import CausalLM
+from sparsemixer_jax.models.lm_config import LMConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

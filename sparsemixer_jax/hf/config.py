@@ -1,7 +1,7 @@
-"""Hugging Face ``config.json`` <-> :class:`sparsemixer_jax.lm_config.LMConfig`, for the types of
-:data:`sparsemixer_jax.lm_config.MODEL_TYPES`, in every spelling checkpoints carry: written by
-transformers 4.x (top-level ``rope_theta`` and ``rope_scaling``, Qwen3-MoE's ``num_experts``) and by
-5.x (``rope_parameters``, ``num_local_experts``).
+"""Hugging Face ``config.json`` <-> :class:`sparsemixer_jax.models.lm_config.LMConfig`, for the
+types of :data:`sparsemixer_jax.models.lm_config.MODEL_TYPES`, in every spelling checkpoints
+carry: written by transformers 4.x (top-level ``rope_theta`` and ``rope_scaling``, Qwen3-MoE's
+``num_experts``) and by 5.x (``rope_parameters``, ``num_local_experts``).
 
 Every key is either read, or known not to change the computation (token ids, versions, ...); any
 other key, or a known key set to something this model does not compute, is refused in one line.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sparsemixer_jax.lm_config import MODEL_TYPES, LMConfig, RopeConfig
+from sparsemixer_jax.models.lm_config import MODEL_TYPES, LMConfig, RopeConfig
 
 # Keys that never change the forward pass: identity, token ids, bookkeeping, the training-only
 # auxiliary loss switch, attention backends.

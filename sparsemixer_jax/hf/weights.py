@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from sparsemixer_jax.lm_config import LMConfig
+from sparsemixer_jax.models.lm_config import LMConfig
 
 Path = tuple[Any, ...]
 

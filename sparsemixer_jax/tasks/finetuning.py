@@ -56,7 +56,7 @@ from flax import nnx
 
 from sparsemixer_jax import glue_metrics
 from sparsemixer_jax.data import glue
-from sparsemixer_jax.encoder import EncoderConfig
+from sparsemixer_jax.models.encoder import EncoderConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast, check_fraction, read_fields
 from sparsemixer_jax.tasks.pretraining import load_pretrained

@@ -1,7 +1,7 @@
 """ELECTRA-style pretraining of the MoE encoder (the paper's second experiment).
 
 ``pretrain(config, workdir)`` is the whole run: text, vocabulary, packing, the generator +
-discriminator (:mod:`sparsemixer_jax.electra`) trained by the loop of
+discriminator (:mod:`sparsemixer_jax.models.electra`) trained by the loop of
 :mod:`sparsemixer_jax.training`, validation on held-out text, checkpoints and ``results.json``.
 ``load_discriminator(workdir)`` gives the pretrained discriminator to fine-tune.
 
@@ -28,9 +28,9 @@ from sparsemixer_jax import config as config_schema
 from sparsemixer_jax.checkpoint import checkpoint_digest, checkpoints_root, list_checkpoints
 from sparsemixer_jax.data import text
 from sparsemixer_jax.data.tokenizer import Tokenizer
-from sparsemixer_jax.electra import Electra, GeneratorConfig, LossSettings, electra_loss
-from sparsemixer_jax.encoder import Encoder, EncoderConfig
 from sparsemixer_jax.initializers import uses_admin
+from sparsemixer_jax.models.electra import Electra, GeneratorConfig, LossSettings, electra_loss
+from sparsemixer_jax.models.encoder import Encoder, EncoderConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast
 from sparsemixer_jax.tasks import check_loop_sections

@@ -27,7 +27,7 @@ from sparsemixer_jax.data.sources import DataConfig, check_text_files, read_spli
 from sparsemixer_jax.data.tokenizer import Tokenizer, get_tokenizer
 from sparsemixer_jax.data.translation import load_datasets
 from sparsemixer_jax.decode import DecodeConfig
-from sparsemixer_jax.models import PAD_ID, Transformer, TransformerConfig
+from sparsemixer_jax.models.encoder_decoder import PAD_ID, Transformer, TransformerConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast, check_fraction
 from sparsemixer_jax.tasks import check_loop_sections

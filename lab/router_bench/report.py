@@ -12,9 +12,9 @@ import math
 
 import numpy as np
 
-from sparsemixer_jax.router_bench import metrics
-from sparsemixer_jax.router_bench.arms import Arm, baseline_of, robustness_table
-from sparsemixer_jax.router_bench.train import History, TrainConfig
+from lab.router_bench import metrics
+from lab.router_bench.arms import Arm, baseline_of, robustness_table
+from lab.router_bench.train import History, TrainConfig
 from sparsemixer_jax.routers import UNCHOSEN_EXPERT_RULES
 
 THRESHOLD_FACTOR = 1.5  # steps to reach 1.5x the baseline's geometric-mean final eval MSE
@@ -88,7 +88,7 @@ def _arms(results: dict) -> dict[str, Arm]:
 
 def paired_rows(results: dict, versus: str | None = None) -> list[dict]:
     """One row per arm: its own means ± SE and the paired differences against its baseline
-    (:func:`~sparsemixer_jax.router_bench.arms.baseline_of`, or the arm ``versus`` for every
+    (:func:`~lab.router_bench.arms.baseline_of`, or the arm ``versus`` for every
     arm with the same teacher setting).
 
     ``dlog_mse``: mean over seeds of ``ln(final eval MSE) - ln(baseline's)`` (negative: the arm
@@ -307,7 +307,7 @@ def markdown_robustness_table(results: dict, routers: tuple[str, ...] = (
     final eval MSE and agreement, then for each of ``routers`` its Δ ln MSE against Switch
     (paired by seed, ± SE), the seeds where it is better and its Δ agreement; last, the share
     of training tokens each sends off its argmax expert (end of training). Settings in the
-    order of :func:`~sparsemixer_jax.router_bench.arms.robustness_table`."""
+    order of :func:`~lab.router_bench.arms.robustness_table`."""
     rows = {row["arm"]: row for row in paired_rows(results)}
     settings: list[str] = []
     order = {arm.name: i for i, arm in enumerate(robustness_table())}

@@ -1,9 +1,9 @@
 """The summary of a convergence study's finished runs: statistics over seeds and markdown tables.
 
 The summary reads, per finished run (``results.json`` present), ``metrics.jsonl`` or, once only
-the small files are kept, ``curves.json`` (:func:`sparsemixer_jax.studies.curves.write_curves`).
+the small files are kept, ``curves.json`` (:func:`lab.studies.curves.write_curves`).
 Mean ± std over seeds (sample std, ``ddof=1``); paired differences by seed against the target
-arm (:func:`sparsemixer_jax.studies.arms.target_arm`; same seed: same initial weights where
+arm (:func:`lab.studies.arms.target_arm`; same seed: same initial weights where
 shapes agree, same data order, so seed-to-seed variation partly cancels) as mean ± standard
 error (``std / sqrt(n)``) with the seeds where the arm is better; updates to reach the target
 arm's final validation loss (linear interpolation between evaluations; the target is the mean
@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from sparsemixer_jax.studies.arms import arm_settings, parse_arm, run_dir, run_state, target_arm
-from sparsemixer_jax.studies.curves import read_run
+from lab.studies.arms import arm_settings, parse_arm, run_dir, run_state, target_arm
+from lab.studies.curves import read_run
 
 
 def _mean_std(values: Sequence[float | None]) -> dict[str, Any]:

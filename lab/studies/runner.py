@@ -3,7 +3,7 @@ subprocesses), the compact files a finished run keeps, packing, and writing the 
 
 Every run is ``tasks.translation.train_and_evaluate(config, workdir)`` on a config file
 with the arm's fields and the seed set (arm names and target arms:
-:mod:`sparsemixer_jax.studies.arms`). Runs are ordered seed by seed (all arms of seed 0, then
+:mod:`lab.studies.arms`). Runs are ordered seed by seed (all arms of seed 0, then
 seed 1, ...) so that a study cut short still compares the arms on the same seeds.
 
 Several runs on one accelerator: ``parallel = K`` trains K runs at once, each in its own
@@ -39,10 +39,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sparsemixer_jax.studies.arms import DIVERGED, parse_arm, run_dir, run_state
-from sparsemixer_jax.studies.curves import CURVES, write_curves
-from sparsemixer_jax.studies.figures import plot_convergence, plot_router
-from sparsemixer_jax.studies.summary import markdown, summarize
+from lab.studies.arms import DIVERGED, parse_arm, run_dir, run_state
+from lab.studies.curves import CURVES, write_curves
+from lab.studies.figures import plot_convergence, plot_router
+from lab.studies.summary import markdown, summarize
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ learned table of ``P`` positions to the token + segment embeddings before the em
 LayerNorm (BERT's place; ``P`` bounds the sequence length); ``0`` leaves the relative bias alone
 (configs saved before the field existed). The feed-forward nonlinearity is ``model.activation``
 (GELU in BERT / ELECTRA / COCO-LM). The attention, the feed-forward / MoE sublayers and the
-LayerNorms are the translation model's own (:mod:`sparsemixer_jax.models`); there is one MoE
-implementation.
+LayerNorms are the translation model's own (:mod:`sparsemixer_jax.models.encoder_decoder`);
+there is one MoE implementation.
 
 Conventions (shared with :mod:`sparsemixer_jax.data.text`): token id 0 is padding and is masked
 out of attention and of the MoE layers; segment ids are 0 for ``[CLS] a [SEP]`` and 1 for

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sparsemixer_jax.benchmarks.harness import (
+from lab.benchmarks.harness import (
     load_average,
     ratios_to,
     stats,
@@ -87,7 +87,7 @@ def bench_layer_cost(sizes, experts, routers, dtype, warmup, repeats, dispatch: 
     """One top-1 MoE layer's forward + backward (:func:`layer_step`) with each router, Switch
     first (the reference), interleaved, for each N: the cost of DenseMixer's dense pass and of
     Default MoE's terms next to their FLOP ratio
-    (:func:`sparsemixer_jax.benchmarks.flops.moe_layer_flops_per_token`).
+    (:func:`lab.benchmarks.flops.moe_layer_flops_per_token`).
 
     JSON per N: ``to_switch[router]`` (:func:`harness.ratios_to`: seconds, ratio of medians,
     paired wall and CPU-time ratios, FLOPs per call and FLOP ratio) and ``load_average``."""
@@ -95,7 +95,7 @@ def bench_layer_cost(sizes, experts, routers, dtype, warmup, repeats, dispatch: 
     import jax.numpy as jnp
     from flax import nnx
 
-    from sparsemixer_jax.benchmarks.flops import moe_layer_flops_per_token
+    from lab.benchmarks.flops import moe_layer_flops_per_token
     from sparsemixer_jax.moe import MoEFeedForward
 
     routers = with_switch_first(routers)

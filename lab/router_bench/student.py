@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lab.router_bench.arms import Arm
 from sparsemixer_jax.moe import MoEFeedForward
-from sparsemixer_jax.router_bench.arms import Arm
 
 ORACLE_ROUTER_SCALE = 20.0
 

@@ -111,8 +111,8 @@ def electra_flops_per_token(config) -> dict[str, float]:
     ``4 L e`` part of both encoders, included in theirs) and ``total``.
     """
     from sparsemixer_jax.data.text import TextDataConfig
-    from sparsemixer_jax.electra import generator_config, num_predictions
-    from sparsemixer_jax.encoder import EncoderConfig
+    from sparsemixer_jax.models.electra import generator_config, num_predictions
+    from sparsemixer_jax.models.encoder import EncoderConfig
 
     data = TextDataConfig.of(config)
     discriminator = EncoderConfig.from_config(config.model)

@@ -1,11 +1,11 @@
 """ELECTRA-style pretraining (Clark et al., 2020): a generator and a discriminator.
 
-The generator (a shallow :class:`~sparsemixer_jax.encoder.Encoder` with an MLM head) predicts the
-selected tokens of a masked sequence; a replacement for every selected position is sampled from
-its softmax (no gradient flows through the sample); the discriminator (the deep encoder that
-GLUE fine-tunes) reads the corrupted sequence and predicts, per token, whether it was replaced.
-A sampled token equal to the original counts as "original", so the labels are exactly
-``corrupted != original``. The embedding block (token, segment and, with
+The generator (a shallow :class:`~sparsemixer_jax.models.encoder.Encoder` with an MLM head)
+predicts the selected tokens of a masked sequence; a replacement for every selected position is
+sampled from its softmax (no gradient flows through the sample); the discriminator (the deep
+encoder that GLUE fine-tunes) reads the corrupted sequence and predicts, per token, whether it
+was replaced. A sampled token equal to the original counts as "original", so the labels are
+exactly ``corrupted != original``. The embedding block (token, segment and, with
 ``model.absolute_positions``, position tables and their LayerNorm) is shared by both, and the
 token table is also the generator's output projection.
 
@@ -28,7 +28,7 @@ from flax import nnx
 
 from sparsemixer_jax import layers
 from sparsemixer_jax.data.text import FIRST_WORD_ID, PAD_ID
-from sparsemixer_jax.encoder import Encoder, EncoderConfig
+from sparsemixer_jax.models.encoder import Encoder, EncoderConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import read_fields
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from sparsemixer_jax.studies.arms import run_dir, run_state
-from sparsemixer_jax.studies.curves import plot_diagnostics, read_run, smooth
+from lab.studies.arms import run_dir, run_state
+from lab.studies.curves import plot_diagnostics, read_run, smooth
 
 
 def plot_convergence(root: str, summary: dict[str, Any], out: str, window: int = 20) -> None:

@@ -1,5 +1,5 @@
 """A decoder-only MoE language model (Flax NNX): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and
-Phi-3.5-MoE in one implementation, configured by :class:`sparsemixer_jax.lm_config.LMConfig`.
+Phi-3.5-MoE in one implementation, configured by :class:`sparsemixer_jax.models.lm_config.LMConfig`.
 
 Each block is pre-norm: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``, where ``attn`` is
 grouped-query attention with rotary positions (optional q/k norms, biases, value clipping,
@@ -7,7 +7,7 @@ sliding window) and ``ffn`` is the project's :class:`sparsemixer_jax.moe.MoEFeed
 SwiGLU experts (plus Qwen2-MoE's shared expert) or a dense SwiGLU MLP.
 
 Layers are scanned: the layers are grouped into stacks of a repeating unit
-(:func:`sparsemixer_jax.lm_config.layer_pattern_stacks`), each stack's parameters carry a
+(:func:`sparsemixer_jax.models.lm_config.layer_pattern_stacks`), each stack's parameters carry a
 leading ``repeats`` axis, and :func:`jax.lax.scan` runs it, so compile time does not grow with
 depth. Parameters are float32; ``compute_dtype`` sets the matmuls' dtype (norm statistics,
 softmax, routing and the logits in float32).
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax.lm_config import LMConfig, layer_pattern_stacks
+from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
 from sparsemixer_jax.moe import MoEFeedForward
 
 # Large negative logit for masked attention entries; finite so that a fully masked row (padding)
@@ -326,7 +326,7 @@ class CausalLM(nnx.Module):
     """The decoder-only MoE language model.
 
     Args:
-      config: :class:`sparsemixer_jax.lm_config.LMConfig`.
+      config: :class:`sparsemixer_jax.models.lm_config.LMConfig`.
       mesh: optional ``("data", "expert")`` mesh: the MoE layers' experts are split over its
         expert axis (:mod:`sparsemixer_jax.moe.expert_parallel`).
       rngs: ``params`` for the initialisation (normal with ``initializer_range``, as each type's

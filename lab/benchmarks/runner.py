@@ -57,16 +57,16 @@ import json
 import os
 from typing import Any
 
-from sparsemixer_jax.benchmarks.decoding import bench_decode
-from sparsemixer_jax.benchmarks.harness import load_average, machine, with_switch_first
-from sparsemixer_jax.benchmarks.layers import (
+from lab.benchmarks.decoding import bench_decode
+from lab.benchmarks.harness import load_average, machine, with_switch_first
+from lab.benchmarks.layers import (
     bench_layer_cost,
     bench_moe_vs_dense,
     bench_padded_blocks,
     bench_router,
 )
-from sparsemixer_jax.benchmarks.report import markdown_tables
-from sparsemixer_jax.benchmarks.training_step import (
+from lab.benchmarks.report import markdown_tables
+from lab.benchmarks.training_step import (
     bench_fusion,
     bench_overhead,
     bench_profile,

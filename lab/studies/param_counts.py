@@ -12,7 +12,7 @@ import math
 import jax
 from flax import nnx
 
-from sparsemixer_jax.models import Transformer
+from sparsemixer_jax.models.encoder_decoder import Transformer
 from sparsemixer_jax.moe import MoEFeedForward
 
 EXPERTS = (0, 2, 4, 8, 16)

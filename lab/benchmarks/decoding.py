@@ -6,8 +6,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sparsemixer_jax.benchmarks.harness import load_average, stats, time_interleaved
-from sparsemixer_jax.benchmarks.training_step import model_config
+from lab.benchmarks.harness import load_average, stats, time_interleaved
+from lab.benchmarks.training_step import model_config
 
 # Decoding shapes: sentences per batch x padded source length. Multi30k's test_2016_flickr has
 # 1,000 sentences of about 12-16 subword tokens (at most ~40); WMT newstest2014 has 3,003
@@ -26,7 +26,7 @@ def bench_decode(sizes, experts, dtype, warmup, repeats, beam_size=4, max_extra_
     import numpy as np
 
     from sparsemixer_jax import decode
-    from sparsemixer_jax.models import Transformer
+    from sparsemixer_jax.models.encoder_decoder import Transformer
     from sparsemixer_jax.training import build_model
 
     shapes = shapes or DECODE_SHAPES

@@ -1,4 +1,5 @@
-"""The configuration of the decoder-only MoE language model (:mod:`sparsemixer_jax.causal_lm`).
+"""The configuration of the decoder-only MoE language model
+(:mod:`sparsemixer_jax.models.causal_lm`).
 
 One frozen, hashable dataclass describes every model type the library builds (Mixtral, Qwen2-MoE,
 Qwen3-MoE, OLMoE, Phi-3.5-MoE, and models trained from scratch): each difference between the

@@ -1,5 +1,6 @@
 """The accuracy experiment: every estimator against the exact gradient as the expert outputs
-shrink (``python -m experiments.gradient_accuracy``; see :mod:`sparsemixer_jax.exact`)."""
+shrink (``python -m experiments.gradient_accuracy``; the oracle it measures against is
+:mod:`sparsemixer_jax.exact`)."""
 
 from __future__ import annotations
 

@@ -10,15 +10,15 @@ import os
 import time
 from typing import Any
 
-from sparsemixer_jax.benchmarks.flops import device_peak, model_flops_per_step
-from sparsemixer_jax.benchmarks.harness import (
+from lab.benchmarks.flops import device_peak, model_flops_per_step
+from lab.benchmarks.harness import (
     load_average,
     ratios_to,
     stats,
     time_interleaved,
     with_switch_first,
 )
-from sparsemixer_jax.benchmarks.trace import summarize_trace
+from lab.benchmarks.trace import summarize_trace
 
 
 def model_config(sizes: dict[str, int], num_experts: int, router: str, dtype: str,

@@ -1,5 +1,5 @@
 """The exact-gradient accuracy experiment's printed tables and figure
-(:func:`sparsemixer_jax.exact.accuracy_experiment` computes the results)."""
+(:func:`lab.exact_experiment.accuracy_experiment` computes the results)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Text generation with :class:`sparsemixer_jax.causal_lm.CausalLM`'s key/value cache: greedy or
-sampled (temperature, top-k), one compiled prefill and one compiled step.
+"""Text generation with :class:`sparsemixer_jax.models.causal_lm.CausalLM`'s key/value cache:
+greedy or sampled (temperature, top-k), one compiled prefill and one compiled step.
 
 Longrope models (Phi-3.5-MoE) change their rotary scale once the sequence passes
 ``original_max_position_embeddings``; as transformers' ``generate`` does for them, the cache is
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax.causal_lm import CausalLM, KVCache
+from sparsemixer_jax.models.causal_lm import CausalLM, KVCache
 
 
 @nnx.jit

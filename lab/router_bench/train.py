@@ -21,10 +21,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sparsemixer_jax.router_bench import metrics
-from sparsemixer_jax.router_bench.arms import Arm
-from sparsemixer_jax.router_bench.student import Student, set_oracle_router
-from sparsemixer_jax.router_bench.teacher import (
+from lab.router_bench import metrics
+from lab.router_bench.arms import Arm
+from lab.router_bench.student import Student, set_oracle_router
+from lab.router_bench.teacher import (
     Data,
     Teacher,
     TeacherConfig,
