@@ -414,7 +414,9 @@ def test_schedule_losses_and_decay_mask(tiny):
     decayed = {k.rsplit("/", 1)[-1] for k, v in flat.items() if v}
     kept = {k.rsplit("/", 1)[-1] for k, v in flat.items() if not v}
     assert decayed == {"kernel", "embedding", "wi", "wo"}
-    assert kept == {"bias", "scale", "bi", "bo", "omega"}
+    # Admin's residual scales (the ELECTRA configs' model.init) are vectors: kept, like omega.
+    assert kept == {"bias", "scale", "bi", "bo", "omega", "attn_residual_scale",
+                    "ffn_residual_scale"}
 
 
 def jax_flatten(tree):

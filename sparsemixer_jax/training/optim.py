@@ -115,8 +115,8 @@ def learning_rate_schedule(optim: OptimSettings) -> Callable[[jax.Array], jax.Ar
 
 def weight_decay_mask(params: Any) -> Any:
     """True for the weights that decay: matrices and embedding tables (kernels, stacked experts),
-    not biases, LayerNorm scales, SparseMixer's omega, nor MoE expert biases ``bi``/``bo``
-    (``[E, F]``: matrices by shape, biases by role), as BERT / ELECTRA."""
+    not biases, LayerNorm scales, SparseMixer's omega, Admin's residual scales, nor MoE expert
+    biases ``bi``/``bo`` (``[E, F]``: matrices by shape, biases by role), as BERT / ELECTRA."""
 
     def decays(path, leaf) -> bool:
         name = str(getattr(path[-1], "key", path[-1])) if path else ""
