@@ -134,9 +134,10 @@ def moe_inputs(seed: int, shape: tuple[int, int, int], padding: dict[int, int]):
     return x, mask, jax.random.normal(kh, shape, jnp.float32)
 
 
-@nnx.jit(static_argnames="deterministic")
-def loss_and_grads(layer, x, mask, head, deterministic: bool = False):
-    """``(loss, y, metrics, param grads, input grad)`` of ``sum(y * head) + balance_loss``.
+@nnx.jit(static_argnames=("deterministic", "input_grad"))
+def loss_and_grads(layer, x, mask, head, deterministic: bool = False, input_grad: bool = False):
+    """``(loss, y, metrics, param grads, input grad)`` of ``sum(y * head) + balance_loss``; the
+    input gradient only with ``input_grad`` (None otherwise: nothing more is computed).
 
     Training mode by default (SparseMixer sampling, its custom router VJP, activation dropout).
     Compiled once per layer configuration (graph structure) and input shape, shared by the tests.
@@ -146,6 +147,9 @@ def loss_and_grads(layer, x, mask, head, deterministic: bool = False):
         y, metrics = layer(x, mask, deterministic=deterministic)
         return jnp.sum(y * head) + metrics["balance_loss"], (y, metrics)
 
-    (loss, (y, metrics)), (grads, dx) = nnx.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True)(layer, x)
-    return loss, y, metrics, grads, dx
+    if input_grad:
+        (loss, (y, metrics)), (grads, dx) = nnx.value_and_grad(
+            loss_fn, argnums=(0, 1), has_aux=True)(layer, x)
+        return loss, y, metrics, grads, dx
+    (loss, (y, metrics)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(layer, x)
+    return loss, y, metrics, grads, None
