@@ -36,3 +36,12 @@ def last_checkpoint():
         return jax.tree.map(np.asarray, restored.state.params), restored.meta
 
     return read
+
+
+@pytest.fixture(scope="module")
+def straight_run(task, tmp_path_factory):
+    """``(workdir, results)`` of an uninterrupted run of the module's ``task`` (a module-scoped
+    :class:`tests.kit.Task` fixture each training-run module defines) with its tiny config: the
+    reference for the resume tests. Module-scoped: the module's runs share its compilations."""
+    workdir = str(tmp_path_factory.mktemp("straight"))
+    return workdir, task.run(workdir)

@@ -13,9 +13,9 @@ import optax
 import pytest
 from flax import nnx
 
-from configs.wmt import get_config
 from sparsemixer_jax import decode
 from sparsemixer_jax.models.encoder_decoder import PAD_ID, Transformer
+from tests import kit
 
 VOCAB, EOS = 12, 1  # 0 = padding / start, 1 = EOS, 2..11 = symbols
 SRC_LEN = 8
@@ -26,21 +26,10 @@ MAX_LEN = SRC_LEN
 
 
 def tiny_config():
-    config = get_config()
-    config.model.update(
-        {
-            "encoder_layers": 1,
-            "decoder_layers": 1,
-            "emb_dim": 32,
-            "mlp_dim": 64,
-            "num_heads": 4,
-            "num_experts": 2,
-            "dropout": 0.0,
-            "attention_dropout": 0.0,
-            "activation_dropout": 0.0,
-        }
-    )
-    return config
+    """The tiny Transformer (tests/kit.py) at emb 32, mlp 64, 4 heads, 1 + 1 layers, no dropout."""
+    return kit.tiny_config("transformer", model={
+        "encoder_layers": 1, "decoder_layers": 1, "emb_dim": 32, "mlp_dim": 64, "num_heads": 4,
+        "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0})
 
 
 def copy_batch(rng: np.random.Generator, n: int) -> jax.Array:

@@ -2,24 +2,12 @@
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax.config import moe_model_fields, router_config
 from sparsemixer_jax.models.encoder import Encoder, relative_position_bucket
-
-
-def tiny_config(num_experts=2, num_layers=2):
-    c = ml_collections.ConfigDict()
-    c.model = moe_model_fields(ml_collections.ConfigDict(dict(
-        num_layers=num_layers, emb_dim=16, mlp_dim=32, num_heads=2, relative_buckets=32,
-        relative_max_distance=128, absolute_positions=0)))
-    c.model.num_experts = num_experts
-    c.router = router_config()
-    return c
-
+from tests import kit
 
 # Computed by hand from T5's definition with 32 buckets (16 per direction, 8 exact distances
 # each) and max_distance 128: distance d >= 8 goes to 8 + floor(ln(d / 8) / ln(16) * 8), capped
@@ -53,7 +41,8 @@ def encode(encoder, tokens, segments=None, deterministic=True):
 
 @pytest.fixture(scope="module")
 def encoder():
-    return Encoder(tiny_config(), vocab_size=50, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+    return Encoder(kit.tiny_config("encoder"), vocab_size=50,
+                   rngs=nnx.Rngs(params=0, dropout=1, router=2))
 
 
 def test_shapes_and_moe_aux(encoder):
@@ -90,7 +79,8 @@ def test_relative_bias_depends_on_offsets_only(encoder):
 
 
 def test_dense_encoder_has_no_moe_metrics():
-    enc = Encoder(tiny_config(num_experts=0), vocab_size=50, rngs=nnx.Rngs(0))
+    enc = Encoder(kit.tiny_config("encoder", model={"num_experts": 0}), vocab_size=50,
+                  rngs=nnx.Rngs(0))
     hidden, aux = encode(enc, jnp.array([[3, 9, 4]], jnp.int32))
     assert aux["moe"] == {} and float(aux["balance_loss"]) == 0.0
     assert hidden.shape == (1, 3, 16)
@@ -109,7 +99,7 @@ def test_absolute_positions_and_gelu_switches():
     """``absolute_positions = P`` adds a learned ``[P, emb]`` table: the output keeps its shape,
     the first ``L`` rows get a gradient and the rest none, a sequence longer than ``P`` is
     refused; ``activation`` reaches the dense and the MoE feed-forwards."""
-    c = tiny_config()
+    c = kit.tiny_config("encoder")
     c.model.absolute_positions, c.model.activation = 12, "gelu"
     enc = Encoder(c, vocab_size=50, rngs=nnx.Rngs(params=0, dropout=1, router=2))
     assert enc.layers[0].ffn.activation == enc.layers[1].ffn.activation == "gelu"
@@ -127,7 +117,8 @@ def test_absolute_positions_and_gelu_switches():
     assert hidden.shape == (2, 7, 16)
     with pytest.raises(ValueError, match=r"sequence of 13 tokens.*positions for 12"):
         enc(jnp.ones((1, 13), jnp.int32))
-    plain = Encoder(tiny_config(), vocab_size=50, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+    plain = Encoder(kit.tiny_config("encoder"), vocab_size=50,
+                    rngs=nnx.Rngs(params=0, dropout=1, router=2))
     assert plain.embeddings.position is None  # a config without the fields: none, ReLU
     assert plain.layers[0].ffn.activation == "relu"
 
@@ -147,7 +138,8 @@ def test_attention_impl_reaches_the_fused_attention(monkeypatch):
     tokens = jnp.array([[3, 10, 11, 4, 12, 4, 0, 0], [3, 7, 8, 9, 4, 0, 0, 0]], jnp.int32)
     hidden = {}
     for impl in ("einsum", "xla"):
-        c = tiny_config(num_experts=0)  # dense: the attention is what is tested
+        # Dense: the attention is what is tested.
+        c = kit.tiny_config("encoder", model={"num_experts": 0})
         c.model.attention_impl, c.model.attention_dropout = impl, 0.0
         enc = Encoder(c, vocab_size=50, rngs=nnx.Rngs(params=0, dropout=1, router=2))
         hidden[impl], _ = encode(enc, tokens)  # traced: the spy sees the call

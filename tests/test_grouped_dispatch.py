@@ -11,14 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
 
 from sparsemixer_jax import training
-from sparsemixer_jax.moe import GROUPED_IMPLS, MoEFeedForward, expert_ffn, resolve_dispatch
+from sparsemixer_jax.moe import GROUPED_IMPLS, expert_ffn, resolve_dispatch
 from sparsemixer_jax.tasks import translation
 from sparsemixer_jax.training import steps as training_steps
-from tests import tiny_wmt_config
+from tests import kit, tiny_wmt_config
 
 # Widths the Mosaic kernels accept on an H100 (the weight-gradient kernel's tiles are >= 64), so
 # the interpreted layer runs the kernels weight_grad="auto" picks on a GPU.
@@ -26,26 +25,18 @@ EMB, MLP, N, B, T = 64, 128, 4, 4, 8
 
 
 def layer(dispatch, **kw):
-    return MoEFeedForward(EMB, MLP, N, dispatch=dispatch, activation_dropout=0.2,
-                          rngs=nnx.Rngs(params=0, dropout=1, router=2), **kw)
+    return kit.moe_layer(EMB, MLP, N, dispatch=dispatch, activation_dropout=0.2, **kw)
 
 
-@nnx.jit
 def loss_and_grads(module, x, mask, head):
-    def loss_fn(module):
-        y, metrics = module(x, mask, deterministic=False)
-        return jnp.sum(y * head) + metrics["balance_loss"], y
-
-    (loss, y), grads = nnx.value_and_grad(loss_fn, has_aux=True)(module)
+    """``(loss, y, param grads)`` in training mode (tests/kit.py)."""
+    loss, y, _, grads, _ = kit.loss_and_grads(module, x, mask, head)
     return loss, y, grads
 
 
 @pytest.fixture(scope="module")
 def data():
-    kx, kh = jax.random.split(jax.random.key(4))
-    x = jax.random.normal(kx, (B, T, EMB), jnp.float32)
-    mask = jnp.ones((B, T), bool).at[1, 5:].set(False)
-    return x, mask, jax.random.normal(kh, (B, T, EMB), jnp.float32)
+    return kit.moe_inputs(4, (B, T, EMB), {1: 5})
 
 
 def assert_same(got, want, rtol, atol):

@@ -31,7 +31,7 @@ if __name__ == "__main__":  # the killed child process: the repository root on t
 
 from sparsemixer_jax import training
 from sparsemixer_jax.checkpoint import RunCheckpoints
-from tests import tiny_wmt_config
+from tests import kit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FEATURES, ROWS = 4, 8
@@ -39,15 +39,10 @@ TRUE_WEIGHTS = np.arange(1.0, FEATURES + 1, dtype=np.float32)
 
 
 def fake_config(**overrides):
-    config = tiny_wmt_config.get_config()
-    config.train_steps = 6
-    config.eval_every = 3
-    config.checkpoint_every = 3
-    config.log_every = 2
-    config.optim.peak_lr = 0.5
-    config.optim.warmup_steps = 0
-    config.update_from_flattened_dict(overrides)
-    return config
+    """The tiny translation config (6 steps, validation and checkpoints every 3, logs every 2)
+    with an inverse-sqrt learning rate of 0.5 and no warm-up, then ``overrides``."""
+    return kit.tiny_config("translation", **{"optim.peak_lr": 0.5, "optim.warmup_steps": 0,
+                                             **overrides})
 
 
 def rows(seed: int, index: int) -> dict[str, np.ndarray]:
@@ -130,26 +125,21 @@ class FakeTask:
                 "bias": np.asarray(run.state.params["linear"]["bias"]).tolist()}
 
 
-def read_metrics(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def without_clock(records):
     """Metric records without their wall-clock fields."""
     return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
 
 
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory):
-    """An uninterrupted 6-step run: the reference."""
-    workdir = str(tmp_path_factory.mktemp("straight"))
-    return workdir, training.train(FakeTask(), fake_config(), workdir)
+def task():
+    """The fake task for the shared ``straight_run`` fixture (tests/conftest.py): the reference."""
+    return kit.Task("fake", lambda workdir, **o: training.train(FakeTask(), fake_config(**o),
+                                                                workdir))
 
 
 def test_straight_run_learns_logs_every_step_and_validates_on_schedule(straight_run):
     workdir, results = straight_run
-    records = read_metrics(workdir)
+    records = kit.read_metrics(workdir)
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 7))
     assert [r["step"] for r in records if "valid_loss" in r] == [3, 6]
     valid = [r["valid_loss"] for r in records if "valid_loss" in r]
@@ -171,7 +161,8 @@ def test_extending_a_run_equals_the_uninterrupted_run(straight_run, tmp_path):
     for key in ("weights", "bias", "valid_loss", "best_valid_loss", "best_step"):
         assert extended[key] == reference[key], key
     # Each step is logged once although the run stopped and started again, with the same values.
-    assert without_clock(read_metrics(workdir)) == without_clock(read_metrics(reference_dir))
+    assert (without_clock(kit.read_metrics(workdir))
+            == without_clock(kit.read_metrics(reference_dir)))
 
 
 def test_rerunning_a_finished_run_returns_its_results(straight_run):
@@ -194,7 +185,8 @@ def test_sigkill_mid_run_then_resume_is_bit_for_bit(straight_run, tmp_path):
     resumed = training.train(FakeTask(), fake_config(checkpoint_every=1), workdir)
     reference_dir, reference = straight_run
     assert (resumed["weights"], resumed["bias"]) == (reference["weights"], reference["bias"])
-    assert without_clock(read_metrics(workdir)) == without_clock(read_metrics(reference_dir))
+    assert (without_clock(kit.read_metrics(workdir))
+            == without_clock(kit.read_metrics(reference_dir)))
 
 
 def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_good_checkpoint(
@@ -204,7 +196,7 @@ def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_good_checkpo
     config = fake_config(**{"optim.peak_lr": 1e30, "checkpoint_every": 1, "eval_every": 100})
     with pytest.raises(training.TrainingDiverged, match=r"step 2: .* not finite.*after step 1"):
         training.train(FakeTask(), config, workdir)
-    records = read_metrics(workdir)
+    records = kit.read_metrics(workdir)
     assert [r["step"] for r in records] == [1, 2] and "error" in records[-1]
     assert not os.path.exists(os.path.join(workdir, "results.json"))
     checkpoints = RunCheckpoints(workdir)
@@ -225,10 +217,10 @@ def test_accumulating_micro_batches_and_a_data_parallel_mesh_match_one_device(st
     training.train(FakeTask(micro_batches=2), fake_config(train_steps=3), one)
     training.train(FakeTask(micro_batches=2), fake_config(train_steps=3, **{"mesh.data": 2}),
                    mesh)
-    losses = [[r["loss"] for r in read_metrics(w) if "loss" in r] for w in (one, mesh)]
+    losses = [[r["loss"] for r in kit.read_metrics(w) if "loss" in r] for w in (one, mesh)]
     assert len(losses[0]) == 3
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
-    straight = [r["loss"] for r in read_metrics(straight_run[0]) if "loss" in r]
+    straight = [r["loss"] for r in kit.read_metrics(straight_run[0]) if "loss" in r]
     assert losses[0][0] != straight[0]  # 16 rows, not the first 8 alone
 
 

@@ -23,27 +23,18 @@ from sparsemixer_jax.models.encoder_decoder import (
 )
 from sparsemixer_jax.moe import MoEFeedForward, fold_omega
 from sparsemixer_jax.routers import ROUTERS, uses_omega
+from tests import kit
 
 VOCAB = 13
 BATCH, SRC_LEN, TGT_LEN = 3, 7, 6
 
 
 def tiny_config(num_experts: int = 2, router: str = "sparsemixer", layers: int = 2, **model):
-    """Transformer-base config shrunk to emb 16, mlp 32, 2 heads, ``layers`` + ``layers``."""
-    config = get_config()
-    config.model.update(
-        {
-            "encoder_layers": layers,
-            "decoder_layers": layers,
-            "emb_dim": 16,
-            "mlp_dim": 32,
-            "num_heads": 2,
-            "num_experts": num_experts,
-            **model,
-        }
-    )
-    config.router.name = router
-    return config
+    """Transformer-base config shrunk to emb 16, mlp 32, 2 heads (tests/kit.py), with
+    ``layers`` + ``layers`` layers, ``num_experts`` experts and ``router``."""
+    return kit.tiny_config("transformer", model=dict(
+        encoder_layers=layers, decoder_layers=layers, num_experts=num_experts, **model),
+        **{"router.name": router})
 
 
 def random_batch(seed: int, src_len: int = SRC_LEN, tgt_len: int = TGT_LEN):

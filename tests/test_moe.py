@@ -18,37 +18,24 @@ from sparsemixer_jax.moe import (
     expert_ffn,
     resolve_dispatch,
 )
+from tests import kit
 
 EMB, MLP, N, B, T = 16, 32, 4, 4, 8
 
 
 def make_layer(**kw) -> MoEFeedForward:
-    kw.setdefault("rngs", nnx.Rngs(params=0, dropout=1, router=2))
-    return MoEFeedForward(EMB, MLP, N, **kw)
+    return kit.moe_layer(EMB, MLP, N, **kw)
 
 
 @pytest.fixture(scope="module")
 def data():
-    kx, kw = jax.random.split(jax.random.key(42))
-    x = jax.random.normal(kx, (B, T, EMB), jnp.float32)
-    mask = jnp.ones((B, T), bool).at[1, 5:].set(False).at[3, 2:].set(False)
-    head = jax.random.normal(kw, (B, T, EMB), jnp.float32)  # fixed projection for the loss
-    return x, mask, head
+    """``(x, mask, head)``; ``head`` is a fixed projection for the loss."""
+    return kit.moe_inputs(42, (B, T, EMB), {1: 5, 3: 2})
 
 
-@nnx.jit(static_argnames="deterministic")
 def loss_and_grads(layer, x, mask, head, deterministic: bool = False):
-    """``(loss, y, metrics, param grads)`` of ``sum(y * head) + balance_loss``.
-
-    Compiled once per layer configuration (graph structure), shared by the tests.
-    """
-
-    def loss_fn(layer):
-        y, metrics = layer(x, mask, deterministic=deterministic)
-        return jnp.sum(y * head) + metrics["balance_loss"], (y, metrics)
-
-    (loss, (y, metrics)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(layer)
-    return loss, y, metrics, grads
+    """``(loss, y, metrics, param grads)`` of ``sum(y * head) + balance_loss`` (tests/kit.py)."""
+    return kit.loss_and_grads(layer, x, mask, head, deterministic=deterministic)[:4]
 
 
 def dense_reference(params, x, mask):

@@ -21,10 +21,14 @@ from sparsemixer_jax.data import text
 from sparsemixer_jax.models.encoder import Encoder
 from sparsemixer_jax.tasks import pretraining
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule, weight_decay_mask
-from tests import tiny_electra_config
+from tests import kit, tiny_electra_config
 from tests.tiny_electra_config import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The resume test every training task runs, here with this module's ``task`` and ``task_steps``.
+test_extending_a_run_equals_the_uninterrupted_run = (
+    kit.test_extending_a_run_equals_the_uninterrupted_run)
 
 
 @pytest.fixture(scope="module")
@@ -32,20 +36,15 @@ def corpus(tmp_path_factory):
     return tiny_electra_config.write_corpus(str(tmp_path_factory.mktemp("corpus")))
 
 
-def read_metrics(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+@pytest.fixture(scope="module")
+def task(corpus):
+    """ELECTRA pretraining for the shared ``straight_run`` fixture and resume test (tests/kit)."""
+    return kit.Task("pretraining", lambda workdir, **o: pretraining.pretrain(tiny(corpus, **o),
+                                                                             workdir))
 
 
 @pytest.fixture(scope="module")
-def straight_run(corpus, tmp_path_factory):
-    """An uninterrupted 6-step run: the reference for the resume tests."""
-    workdir = str(tmp_path_factory.mktemp("straight"))
-    return workdir, pretraining.pretrain(tiny(corpus), workdir)
-
-
-@pytest.fixture(scope="module")
-def electra_steps(corpus, straight_run):
+def task_steps(corpus, straight_run):
     """The steps of the tiny model (the straight run's vocabulary): the template checkpoints are
     read into."""
     vocab = text.Tokenizer(os.path.join(straight_run[0], "spm.model")).vocab_size
@@ -58,7 +57,7 @@ def test_straight_run_logs_the_electra_metrics(straight_run):
     assert results["steps"] == 6
     with open(os.path.join(workdir, "results.json")) as f:
         assert json.load(f)["valid_loss"] == results["valid_loss"]
-    records = read_metrics(workdir)
+    records = kit.read_metrics(workdir)
     steps = [r for r in records if "loss" in r and "error" not in r]
     assert [r["step"] for r in steps] == list(range(1, 7))
     for key in ("mlm_loss", "mlm_accuracy", "disc_loss", "disc_accuracy", "replaced_fraction",
@@ -79,27 +78,12 @@ def test_straight_run_logs_the_electra_metrics(straight_run):
     assert results["num_params_discriminator"] < results["num_params"]
 
 
-def test_extending_a_run_equals_the_uninterrupted_run(corpus, straight_run, tmp_path,
-                                                      electra_steps, last_checkpoint):
-    workdir = str(tmp_path / "extended")
-    pretraining.pretrain(tiny(corpus, train_steps=3), workdir)
-    resumed = pretraining.pretrain(tiny(corpus), workdir)
-    reference_dir, reference = straight_run
-    assert resumed["valid_loss"] == reference["valid_loss"]
-    params, meta = last_checkpoint(workdir, electra_steps)
-    expected, expected_meta = last_checkpoint(reference_dir, electra_steps)
-    assert meta["step"] == expected_meta["step"] == 6
-    assert meta["data"] == expected_meta["data"]
-    jax.tree.map(np.testing.assert_array_equal, params, expected)
-    assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == list(range(1, 7))
-
-
 class Interrupted(Exception):
     pass
 
 
 def test_an_interrupted_run_resumes_to_the_uninterrupted_result(
-    corpus, straight_run, tmp_path, monkeypatch, electra_steps, last_checkpoint):
+    corpus, straight_run, tmp_path, monkeypatch, task_steps, last_checkpoint):
     """A run that dies in step 5 (after the checkpoint of step 4, the best of step 3, and log
     lines of step 4) and is started again ends where the straight run does."""
     workdir = str(tmp_path / "interrupted")
@@ -117,24 +101,24 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_result(
     with pytest.raises(Interrupted):
         pretraining.pretrain(config, workdir)
     monkeypatch.undo()
-    _, meta = last_checkpoint(workdir, electra_steps)
+    _, meta = last_checkpoint(workdir, task_steps)
     assert meta["step"] == 4
     pretraining.pretrain(config, workdir)
-    params, meta = last_checkpoint(workdir, electra_steps)
-    expected, _ = last_checkpoint(straight_run[0], electra_steps)
+    params, meta = last_checkpoint(workdir, task_steps)
+    expected, _ = last_checkpoint(straight_run[0], task_steps)
     assert meta["step"] == 6
     jax.tree.map(np.testing.assert_array_equal, params, expected)
-    assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == list(range(1, 7))
+    assert [r["step"] for r in kit.read_metrics(workdir) if "loss" in r] == list(range(1, 7))
 
 
 @pytest.mark.slow  # fast counterpart: the GLUE tests load the pretrained encoder the same way
-def test_load_discriminator_returns_the_trained_encoder(straight_run, electra_steps,
+def test_load_discriminator_returns_the_trained_encoder(straight_run, task_steps,
                                                        last_checkpoint):
     workdir, _ = straight_run
     encoder, tokenizer, config = pretraining.load_discriminator(workdir, "last")
     assert isinstance(encoder, Encoder)
     assert tokenizer.vocab_size == config.data.vocab_size == encoder.vocab_size
-    params, _ = last_checkpoint(workdir, electra_steps)
+    params, _ = last_checkpoint(workdir, task_steps)
     loaded = nnx.to_pure_dict(nnx.state(encoder, nnx.Param))
     jax.tree.map(np.testing.assert_array_equal, loaded, params["discriminator"])
     ids = [text.CLS_ID, *tokenizer.encode("the king walked"), text.SEP_ID]
@@ -150,7 +134,7 @@ def test_load_discriminator_returns_the_trained_encoder(straight_run, electra_st
 
 
 def test_load_pretrained_skips_a_corrupt_newest_checkpoint_and_says_so(straight_run, tmp_path,
-                                                                       electra_steps, caplog):
+                                                                       task_steps, caplog):
     """The pretrained model comes through the one restore path: a corrupt newest ``last``
     checkpoint is named on one warning line and the one before it is loaded (it used to be the
     newest or an error), and a reader moves no file of the pretraining run."""
@@ -170,7 +154,7 @@ def test_load_pretrained_skips_a_corrupt_newest_checkpoint_and_says_so(straight_
     assert pretrained.step == 3
     older = os.path.join(workdir, "checkpoints", "last", "3")
     assert pretrained.digest == checkpoint_digest(older)
-    saved, _ = read_checkpoint(older, electra_steps.abstract_state(), 3)
+    saved, _ = read_checkpoint(older, task_steps.abstract_state(), 3)
     loaded = nnx.to_pure_dict(nnx.state(pretrained.encoder, nnx.Param))
     jax.tree.map(np.testing.assert_array_equal, loaded, saved.params["discriminator"])
     assert os.path.isdir(bad) and not os.path.exists(
@@ -255,7 +239,7 @@ def test_readme_command_runs_a_few_steps(corpus, tmp_path):
 
 @pytest.mark.slow  # its own compilation of every step: minutes on 2 shared cores
 def test_pretraining_on_an_expert_mesh_matches_one_device(corpus, straight_run, tmp_path,
-                                                         electra_steps, last_checkpoint):
+                                                         task_steps, last_checkpoint):
     """Two simulated devices, experts split over them: the same run as on one device (float32
     on CPU; the tolerance covers the different order of the cross-device sums)."""
     workdir = str(tmp_path / "mesh")
@@ -263,8 +247,8 @@ def test_pretraining_on_an_expert_mesh_matches_one_device(corpus, straight_run, 
     results = pretraining.pretrain(config, workdir)
     reference = straight_run[1]
     np.testing.assert_allclose(results["valid_loss"], reference["valid_loss"], rtol=1e-4)
-    params, _ = last_checkpoint(workdir, electra_steps)
-    expected, _ = last_checkpoint(straight_run[0], electra_steps)
+    params, _ = last_checkpoint(workdir, task_steps)
+    expected, _ = last_checkpoint(straight_run[0], task_steps)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
                  params, expected)
 

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsemixer_jax.moe import MoEFeedForward
 from sparsemixer_jax.sharding import batch_sharding, make_mesh, shard_state
+from tests import kit
 
 EMB, MLP, N, B, T = 16, 32, 8, 8, 6
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
@@ -24,36 +25,20 @@ MESH_DISPATCH = {(2, 4): "ragged"}
 
 
 def make_layer(mesh=None, **kw) -> MoEFeedForward:
-    layer = MoEFeedForward(EMB, MLP, N, mesh=mesh, dispatch=kw.pop("dispatch", "padded"),
-                           rngs=nnx.Rngs(params=0, dropout=1, router=2), **kw)
-    if mesh is not None:
-        shard_state(layer, mesh)
-    return layer
+    return kit.moe_layer(EMB, MLP, N, mesh, dispatch=kw.pop("dispatch", "padded"), **kw)
 
 
-@nnx.jit
 def loss_and_grads(layer, x, mask, head):
     """Training mode: SparseMixer sampling, its custom router VJP and activation dropout.
 
-    Returns ``(loss, y, metrics, param grads, input grad)``.
+    Returns ``(loss, y, metrics, param grads, input grad)`` (tests/kit.py).
     """
-
-    def loss_fn(layer, x):
-        y, metrics = layer(x, mask)
-        return jnp.sum(y * head) + metrics["balance_loss"], (y, metrics)
-
-    (loss, (y, metrics)), (grads, dx) = nnx.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True)(layer, x)
-    return loss, y, metrics, grads, dx
+    return kit.loss_and_grads(layer, x, mask, head, input_grad=True)
 
 
 @pytest.fixture(scope="module")
 def data():
-    kx, kh = jax.random.split(jax.random.key(7))
-    x = jax.random.normal(kx, (B, T, EMB))
-    mask = jnp.ones((B, T), bool).at[2, 3:].set(False).at[5, 1:].set(False)
-    head = jax.random.normal(kh, (B, T, EMB))
-    return x, mask, head
+    return kit.moe_inputs(7, (B, T, EMB), {2: 3, 5: 1})
 
 
 @pytest.fixture(scope="module")

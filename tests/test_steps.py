@@ -20,16 +20,14 @@ from sparsemixer_jax.models.encoder_decoder import Transformer
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.tasks import check_config, translation
 from sparsemixer_jax.training import steps as training_steps
-from tests import tiny_wmt_config
+from tests import kit, tiny_wmt_config
 
 VOCAB = 40
 
 
 def tiny_config(**model):
-    c = tiny_wmt_config.get_config()
-    for k, v in model.items():
-        c.model[k] = v
-    return c
+    """The tiny translation config (tests/kit.py) with ``model`` fields."""
+    return kit.tiny_config("translation", model=model)
 
 
 def batch(seed=0, rows=4, length=8):

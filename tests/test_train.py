@@ -29,29 +29,28 @@ from sparsemixer_jax.training.hosts import BatchPlacer
 from sparsemixer_jax.training.logs import Progress
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule
 from sparsemixer_jax.training.resume import check_resume_config
+from tests import kit
 from tests.tiny_wmt_config import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The resume test every training task runs, here with this module's ``task`` and ``task_steps``.
+test_extending_a_run_equals_the_uninterrupted_run = (
+    kit.test_extending_a_run_equals_the_uninterrupted_run)
+
 
 @pytest.fixture(scope="module")
-def wmt_steps():
+def task():
+    """Translation training for the shared ``straight_run`` fixture and resume test (tests/kit)."""
+    return kit.Task("translation",
+                    lambda workdir, **o: translation.train_and_evaluate(tiny(**o), workdir))
+
+
+@pytest.fixture(scope="module")
+def task_steps():
     """The steps of the tiny model: the template checkpoints are read into."""
     return training.build_steps(translation.TranslationTask.from_config(tiny()), tiny(),
                                 tiny().data.vocab_size)
-
-
-def read_metrics(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def straight_run(tmp_path_factory):
-    """An uninterrupted 6-step run: the reference for the resume tests."""
-    workdir = str(tmp_path_factory.mktemp("straight"))
-    results = translation.train_and_evaluate(tiny(), workdir)
-    return workdir, results
 
 
 def test_straight_run_learns_and_writes_results(straight_run):
@@ -62,7 +61,7 @@ def test_straight_run_learns_and_writes_results(straight_run):
     with open(os.path.join(workdir, "results.json")) as f:
         on_disk = json.load(f)
     assert on_disk["valid_loss"] == results["valid_loss"]
-    records = read_metrics(workdir)
+    records = kit.read_metrics(workdir)
     train_steps = [r["step"] for r in records if "loss" in r]
     assert train_steps == list(range(1, 7))
     losses = [r["loss"] for r in records if "loss" in r]
@@ -79,24 +78,8 @@ def test_straight_run_learns_and_writes_results(straight_run):
     assert os.path.exists(os.path.join(workdir, "translations_last.txt"))
 
 
-def test_extending_a_run_equals_the_uninterrupted_run(straight_run, tmp_path, wmt_steps,
-                                                      last_checkpoint):
-    workdir = str(tmp_path / "resumed")
-    translation.train_and_evaluate(tiny(train_steps=3), workdir)
-    resumed = translation.train_and_evaluate(tiny(train_steps=6), workdir)
-    reference_dir, reference = straight_run
-    assert resumed["valid_loss"] == reference["valid_loss"]
-    params, meta = last_checkpoint(workdir, wmt_steps)
-    expected, expected_meta = last_checkpoint(reference_dir, wmt_steps)
-    assert meta["step"] == expected_meta["step"] == 6
-    assert meta["data"] == expected_meta["data"]
-    jax.tree.map(np.testing.assert_array_equal, params, expected)
-    # Each step is logged once, although the run was stopped and started again.
-    assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == list(range(1, 7))
-
-
 @pytest.mark.slow  # fast counterparts: a SIGKILL during a save (test_checkpoint), exact resume
-def test_sigkill_mid_run_then_resume(straight_run, tmp_path, wmt_steps, last_checkpoint):
+def test_sigkill_mid_run_then_resume(straight_run, tmp_path, task_steps, last_checkpoint):
     workdir = str(tmp_path / "killed")
     command = [sys.executable, "-m", "experiments.wmt", "--config", "tests/tiny_wmt_config.py",
                "--workdir", workdir, "--config.checkpoint_every=1"]
@@ -125,8 +108,8 @@ def test_sigkill_mid_run_then_resume(straight_run, tmp_path, wmt_steps, last_che
     with open(os.path.join(workdir, "config.json")) as f:
         config = json.load(f)
     assert config["checkpoint_every"] == 1  # the command-line override reached the run
-    params, meta = last_checkpoint(workdir, wmt_steps)
-    expected, _ = last_checkpoint(straight_run[0], wmt_steps)
+    params, meta = last_checkpoint(workdir, task_steps)
+    expected, _ = last_checkpoint(straight_run[0], task_steps)
     assert meta["step"] == 6
     jax.tree.map(np.testing.assert_array_equal, params, expected)
 
@@ -174,7 +157,7 @@ def test_resuming_with_a_different_model_is_refused(straight_run):
 
 
 def test_resume_after_a_kill_between_the_best_and_the_last_save(straight_run, tmp_path,
-                                                                wmt_steps, last_checkpoint):
+                                                                task_steps, last_checkpoint):
     """Step 6 saved its best checkpoint but not its last one: the rerun resumes from best/6 (a
     best checkpoint holds the whole training state) and ends like the straight run."""
     workdir = str(tmp_path / "copy")
@@ -186,9 +169,9 @@ def test_resume_after_a_kill_between_the_best_and_the_last_save(straight_run, tm
     results = translation.train_and_evaluate(tiny(), workdir)
     assert results["valid_loss"] == straight_run[1]["valid_loss"]
     assert results["bleu_best"] == straight_run[1]["bleu_best"]
-    params, meta = last_checkpoint(workdir, wmt_steps)
+    params, meta = last_checkpoint(workdir, task_steps)
     assert meta["step"] == 6
-    expected, _ = last_checkpoint(straight_run[0], wmt_steps)
+    expected, _ = last_checkpoint(straight_run[0], task_steps)
     jax.tree.map(np.testing.assert_array_equal, params, expected)
 
 
@@ -250,7 +233,7 @@ def test_translate_and_plot(straight_run, tmp_path):
 
 
 @pytest.mark.slow  # kept out of the default run for time; python -m pytest -q -m slow
-def test_training_on_an_expert_mesh_matches_one_device(straight_run, tmp_path, wmt_steps,
+def test_training_on_an_expert_mesh_matches_one_device(straight_run, tmp_path, task_steps,
                                                        last_checkpoint):
     """The whole model on a (data 2, expert 2) mesh: batch split over all four devices, experts
     over two, tokens exchanged with all_to_all; losses follow the one-device run, and the test-set
@@ -259,11 +242,11 @@ def test_training_on_an_expert_mesh_matches_one_device(straight_run, tmp_path, w
     config = tiny(**{"mesh.data": 2, "mesh.expert": 2, "train_steps": 3, "eval_every": 3,
                      "checkpoint_every": 3})
     translation.train_and_evaluate(config, workdir)
-    mesh_losses = [r["loss"] for r in read_metrics(workdir) if "loss" in r]
-    one_device = [r["loss"] for r in read_metrics(straight_run[0]) if "loss" in r][:3]
+    mesh_losses = [r["loss"] for r in kit.read_metrics(workdir) if "loss" in r]
+    one_device = [r["loss"] for r in kit.read_metrics(straight_run[0]) if "loss" in r][:3]
     np.testing.assert_allclose(mesh_losses, one_device, rtol=1e-5)
 
-    params, _ = last_checkpoint(workdir, wmt_steps)
+    params, _ = last_checkpoint(workdir, task_steps)
     steps = training.build_steps(translation.TranslationTask.from_config(tiny()), tiny(),
                                  config.data.vocab_size)
     data = load_datasets(config, workdir, batch_multiple=4)  # the mesh's batches

@@ -15,12 +15,11 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax import routers, training
-from sparsemixer_jax.moe.layer import MoEFeedForward
 from sparsemixer_jax.moe.unchosen import all_expert_outputs, update_expert_defaults
-from sparsemixer_jax.sharding import batch_sharding, make_mesh, shard_state
+from sparsemixer_jax.sharding import batch_sharding, make_mesh
 from sparsemixer_jax.tasks import check_config, translation
 from sparsemixer_jax.training.state import restore_checkpoint
-from tests import tiny_wmt_config
+from tests import kit, tiny_wmt_config
 
 NEW_ROUTERS = ("densemixer", "densemixer_blog", "default_moe", "default_moe_st",
                "default_moe_forward")
@@ -142,21 +141,13 @@ EMB, MLP, N, B, T = 8, 16, 4, 3, 5
 
 
 def make_layer(router, mesh=None, **kw):
-    layer = MoEFeedForward(EMB, MLP, N, router=router, mesh=mesh,
-                           dispatch=kw.pop("dispatch", "padded"),
-                           rngs=nnx.Rngs(params=0, dropout=1, router=2), **kw)
-    if mesh is not None:
-        shard_state(layer, mesh)
-    return layer
+    return kit.moe_layer(EMB, MLP, N, mesh, router=router, dispatch=kw.pop("dispatch", "padded"),
+                         **kw)
 
 
 @pytest.fixture(scope="module")
 def data():
-    kx, kh = jax.random.split(jax.random.key(3))
-    x = jax.random.normal(kx, (B, T, EMB))
-    mask = jnp.ones((B, T), bool).at[1, 3:].set(False)
-    head = jax.random.normal(kh, (B, T, EMB))
-    return x, mask, head
+    return kit.moe_inputs(3, (B, T, EMB), {1: 3})
 
 
 @nnx.jit

@@ -1,0 +1,155 @@
+"""The tests' shared kit: tiny configs by task, the metrics reader, the MoE layer helpers and the
+resume test every training task runs.
+
+Plain functions, imported by the test modules (``from tests import kit``); the fixtures that
+build on them (``straight_run``, ``last_checkpoint``) are in ``tests/conftest.py``. Nothing here
+imports jax at module level before conftest has set XLA's flags: conftest runs first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from tests import tiny_electra_config, tiny_wmt_config
+
+# ------------------------------------------------------------------------------ tiny configs
+
+
+def _transformer_config():
+    """Transformer-base (``configs/wmt.py``) shrunk to emb 16, mlp 32, 2 heads, 2 + 2 layers,
+    2 experts: the model-level tests' config (the whole model, not a training run)."""
+    from configs.wmt import get_config
+
+    config = get_config()
+    config.model.update({"encoder_layers": 2, "decoder_layers": 2, "emb_dim": 16, "mlp_dim": 32,
+                         "num_heads": 2, "num_experts": 2})
+    config.router.name = "sparsemixer"
+    return config
+
+
+def _encoder_config():
+    """The pretraining encoder alone: 2 layers, emb 16, mlp 32, 2 heads, T5 buckets 32 / 128,
+    no absolute positions, 2 experts."""
+    from sparsemixer_jax.config import moe_model_fields, router_config
+
+    c = ml_collections.ConfigDict()
+    c.model = moe_model_fields(ml_collections.ConfigDict(dict(
+        num_layers=2, emb_dim=16, mlp_dim=32, num_heads=2, relative_buckets=32,
+        relative_max_distance=128, absolute_positions=0)))
+    c.model.num_experts = 2
+    c.router = router_config()
+    return c
+
+
+TINY_CONFIGS: dict[str, Callable[..., ml_collections.ConfigDict]] = {
+    "translation": tiny_wmt_config.get_config,  # a training run: one padded shape
+    "pretraining": tiny_electra_config.get_config,  # a training run on a generated corpus
+    "transformer": _transformer_config,
+    "encoder": _encoder_config,
+}
+
+
+def tiny_config(task: str = "translation", corpus: str | None = None, *,
+                model: dict | None = None, **overrides) -> ml_collections.ConfigDict:
+    """The tiny config of ``task`` (a key of :data:`TINY_CONFIGS`), its ``model`` section updated
+    with ``model``, then ``overrides`` (dotted paths, e.g. ``**{"optim.peak_lr": 1e-3}``, or
+    top-level fields, e.g. ``train_steps=3``). ``corpus``: the pretraining corpus directory."""
+    config = TINY_CONFIGS[task](corpus) if corpus is not None else TINY_CONFIGS[task]()
+    if model:
+        config.model.update(model)
+    config.update_from_flattened_dict(overrides)
+    return config
+
+
+# ------------------------------------------------------------------------------ training runs
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The records of ``workdir/metrics.jsonl``, in order."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A training task as the shared fixtures and tests see it: ``run(workdir, **overrides)``
+    trains the task's tiny config with ``overrides`` in ``workdir`` and returns its results."""
+
+    name: str
+    run: Callable[..., dict]
+
+
+def test_extending_a_run_equals_the_uninterrupted_run(task, straight_run, tmp_path, task_steps,
+                                                      last_checkpoint):
+    """Run for every training task (imported by ``test_train.py`` and ``test_pretrain.py``, each
+    with its ``task`` and ``task_steps`` fixtures, so the test shares its module's compilations):
+    3 steps, then extended to 6, equals the straight 6-step run bit for bit."""
+    workdir = str(tmp_path / "extended")
+    task.run(workdir, train_steps=3)
+    resumed = task.run(workdir, train_steps=6)
+    reference_dir, reference = straight_run
+    assert resumed["valid_loss"] == reference["valid_loss"]
+    params, meta = last_checkpoint(workdir, task_steps)
+    expected, expected_meta = last_checkpoint(reference_dir, task_steps)
+    assert meta["step"] == expected_meta["step"] == 6
+    assert meta["data"] == expected_meta["data"]
+    jax.tree.map(np.testing.assert_array_equal, params, expected)
+    # Each step is logged once, although the run was stopped and started again.
+    assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == list(range(1, 7))
+
+
+# --------------------------------------------------------------------------- the MoE layer
+
+
+def moe_layer(emb: int, mlp: int, experts: int, mesh=None, **kw):
+    """``MoEFeedForward(emb, mlp, experts, mesh=mesh, **kw)`` with fixed rngs (unless ``kw``
+    names them), its state sharded over ``mesh`` when one is given."""
+    from sparsemixer_jax.moe import MoEFeedForward
+    from sparsemixer_jax.sharding import shard_state
+
+    kw.setdefault("rngs", nnx.Rngs(params=0, dropout=1, router=2))
+    layer = MoEFeedForward(emb, mlp, experts, mesh=mesh, **kw)
+    if mesh is not None:
+        shard_state(layer, mesh)
+    return layer
+
+
+def moe_inputs(seed: int, shape: tuple[int, int, int], padding: dict[int, int]):
+    """``(x, mask, head)``: normal ``x`` and ``head`` of ``shape`` ``[B, T, emb]`` from
+    ``seed``, and a ``[B, T]`` mask that is False from ``padding[row]`` on in those rows."""
+    kx, kh = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, shape, jnp.float32)
+    mask = jnp.ones(shape[:2], bool)
+    for row, start in padding.items():
+        mask = mask.at[row, start:].set(False)
+    return x, mask, jax.random.normal(kh, shape, jnp.float32)
+
+
+@nnx.jit(static_argnames=("deterministic", "input_grad"))
+def loss_and_grads(layer, x, mask, head, deterministic: bool = False, input_grad: bool = False):
+    """``(loss, y, metrics, param grads, input grad)`` of ``sum(y * head) + balance_loss``; the
+    input gradient only with ``input_grad`` (None otherwise: nothing more is computed).
+
+    Training mode by default (SparseMixer sampling, its custom router VJP, activation dropout).
+    Compiled once per layer configuration (graph structure) and input shape, shared by the tests.
+    """
+
+    def loss_fn(layer, x):
+        y, metrics = layer(x, mask, deterministic=deterministic)
+        return jnp.sum(y * head) + metrics["balance_loss"], (y, metrics)
+
+    if input_grad:
+        (loss, (y, metrics)), (grads, dx) = nnx.value_and_grad(
+            loss_fn, argnums=(0, 1), has_aux=True)(layer, x)
+        return loss, y, metrics, grads, dx
+    (loss, (y, metrics)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(layer, x)
+    return loss, y, metrics, grads, None
