@@ -16,9 +16,9 @@ pure functions (dispatch, expert parallelism, diagnostics) import with JAX alone
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from sparsemixer_jax.lazy_names import lazy_names
 from sparsemixer_jax.moe.config import MoEConfig
 from sparsemixer_jax.moe.dispatch import (
     ACTIVATIONS,
@@ -56,9 +56,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
