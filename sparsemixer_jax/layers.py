@@ -281,6 +281,12 @@ class FeedForward(nnx.Module):
         return self.wo(h), None
 
 
+def make_attention(model: ModelConfig, dtype, rngs: nnx.Rngs) -> Attention:
+    """An attention sublayer with ``model``'s width, heads, dropout, implementation and init."""
+    return Attention(model.emb_dim, model.num_heads, attention_dropout=model.attention_dropout,
+                     dtype=dtype, implementation=model.attention_impl, init=model.init, rngs=rngs)
+
+
 def make_ffn(model: ModelConfig, router: RouterConfig, layer: int, dtype, mesh,
              rngs: nnx.Rngs) -> MoEFeedForward | FeedForward:
     """The feed-forward sublayer of ``layer``: MoE where ``model.moe`` puts one, else dense."""

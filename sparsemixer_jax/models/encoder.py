@@ -178,15 +178,7 @@ class EncoderLayer(nnx.Module):
     def __init__(self, model: EncoderConfig, router: RouterConfig, layer: int, *, dtype, mesh,
                  rngs: nnx.Rngs):
         emb = model.emb_dim
-        self.self_attn = layers.Attention(
-            emb,
-            model.num_heads,
-            attention_dropout=model.attention_dropout,
-            dtype=dtype,
-            implementation=model.attention_impl,
-            init=model.init,
-            rngs=rngs,
-        )
+        self.self_attn = layers.make_attention(model, dtype, rngs)
         self.self_attn_norm = layers.layer_norm(emb, dtype, rngs)
         self.ffn = layers.make_ffn(model, router, layer, dtype, mesh, rngs)
         self.ffn_norm = layers.layer_norm(emb, dtype, rngs)

@@ -31,10 +31,10 @@ from flax import nnx
 
 from sparsemixer_jax.initializers import uses_admin
 from sparsemixer_jax.layers import (
-    Attention,
     ModelConfig,
     collect_moe_metrics,
     layer_norm,
+    make_attention,
     make_ffn,
     model_sections,
 )
@@ -90,15 +90,7 @@ class EncoderLayer(nnx.Module):
     def __init__(self, model: ModelConfig, router: RouterConfig, layer: int, *, dtype, mesh,
                  rngs: nnx.Rngs):
         emb = model.emb_dim
-        self.self_attn = Attention(
-            emb,
-            model.num_heads,
-            attention_dropout=model.attention_dropout,
-            dtype=dtype,
-            implementation=model.attention_impl,
-            init=model.init,
-            rngs=rngs,
-        )
+        self.self_attn = make_attention(model, dtype, rngs)
         self.self_attn_norm = layer_norm(emb, dtype, rngs)
         self.ffn = make_ffn(model, router, layer, dtype, mesh, rngs)
         self.ffn_norm = layer_norm(emb, dtype, rngs)
@@ -126,13 +118,10 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, model: ModelConfig, router: RouterConfig, layer: int, *, dtype, mesh,
                  rngs: nnx.Rngs):
-        emb, heads = model.emb_dim, model.num_heads
-        att_drop, impl, init = model.attention_dropout, model.attention_impl, model.init
-        self.self_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype,
-                                   implementation=impl, init=init, rngs=rngs)
+        emb = model.emb_dim
+        self.self_attn = make_attention(model, dtype, rngs)
         self.self_attn_norm = layer_norm(emb, dtype, rngs)
-        self.cross_attn = Attention(emb, heads, attention_dropout=att_drop, dtype=dtype,
-                                    implementation=impl, init=init, rngs=rngs)
+        self.cross_attn = make_attention(model, dtype, rngs)
         self.cross_attn_norm = layer_norm(emb, dtype, rngs)
         self.ffn = make_ffn(model, router, layer, dtype, mesh, rngs)
         self.ffn_norm = layer_norm(emb, dtype, rngs)
