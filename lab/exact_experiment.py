@@ -35,7 +35,7 @@ from sparsemixer_jax.exact.topk import (
     topk_dense_expected_gradient,
     topk_expected_gradient,
 )
-from sparsemixer_jax.routers import router_probs
+from sparsemixer_jax.routers import limit_to_groups, router_probs
 
 
 def estimator_table(
@@ -198,7 +198,9 @@ class SweepSettings:
     ``mask`` with ``jitter_eps``; ``num_scales`` output scales from 1 down to ``min_scale``,
     slopes fitted on the scales <= ``fit_below`` (the asymptotic regime); top-k sweeps for each
     ``top_k`` (empty: none); Default MoE's defaults with noise ``default_noise``
-    (:func:`noisy_defaults`)."""
+    (:func:`noisy_defaults`); group-limited routing over ``num_groups`` groups keeping
+    ``top_groups`` (1, 1: none; the experts outside the kept groups are excluded, as the router
+    excludes them, and the exact gradient holds that choice fixed, as it holds the mask)."""
 
     num_problems: int = 16
     num_experts: int = 8
@@ -211,6 +213,8 @@ class SweepSettings:
     seed: int = 0
     top_k: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
     default_noise: float = 0.5
+    num_groups: int = 1
+    top_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.num_problems < 1 or self.num_experts < 2 or self.dim < 1:
@@ -221,6 +225,14 @@ class SweepSettings:
             raise ValueError(f"--top-k values must lie in [1, --num-experts={self.num_experts}]")
         if not self.default_noise >= 0:
             raise ValueError(f"--default-noise must be >= 0, got {self.default_noise}")
+        if self.num_groups < 1 or self.num_experts % self.num_groups or not (
+                1 <= self.top_groups <= self.num_groups):
+            raise ValueError("need --num-groups >= 1 dividing --num-experts and --top-groups in "
+                             "[1, --num-groups]")
+        kept = self.top_groups * self.num_experts // self.num_groups
+        if any(k > kept for k in self.top_k) or kept < 2:
+            raise ValueError(f"--top-groups={self.top_groups} keeps {kept} experts: need at "
+                             f"least 2 and every --top-k")
         if (self.scales() <= self.fit_below * (1 + 1e-9)).sum() < 2:
             raise ValueError(f"--fit-below {self.fit_below} leaves fewer than 2 scales to fit")
 
@@ -243,6 +255,7 @@ def _accuracy_experiment(settings: SweepSettings) -> dict:
     fit = scales <= settings.fit_below * (1 + 1e-9)
 
     def probs_fn(z):
+        z = limit_to_groups(z, settings.num_groups, settings.top_groups)
         return router_probs(z, settings.jitter_eps, settings.mask)
 
     keys = jax.random.split(jax.random.key(settings.seed), settings.num_problems)
