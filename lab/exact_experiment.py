@@ -240,6 +240,19 @@ class SweepSettings:
         return np.logspace(0.0, math.log10(self.min_scale), self.num_scales)
 
 
+def grouped_probs_fn(probs_fn, logits: jax.Array, num_groups: int, top_groups: int):
+    """``probs_fn`` restricted to the experts of the groups that ``logits`` (a problem's, all
+    experts) keep: the router chooses the groups once, on every expert's logit, before it draws
+    any expert, so the top-k steps (which call this with the chosen experts at ``-inf``) must
+    not choose them again. No gradient flows through the choice, as through the mask."""
+    keep = jnp.isfinite(limit_to_groups(jax.lax.stop_gradient(logits), num_groups, top_groups))
+
+    def grouped(z):
+        return probs_fn(jnp.where(keep, z, -jnp.inf))
+
+    return grouped
+
+
 def accuracy_experiment(settings: SweepSettings) -> dict:
     """Every estimator's accuracy on ``settings.num_problems`` random problems as the expert
     outputs shrink (:func:`accuracy_sweep`), and on the same problems routed top-k
@@ -255,17 +268,20 @@ def _accuracy_experiment(settings: SweepSettings) -> dict:
     fit = scales <= settings.fit_below * (1 + 1e-9)
 
     def probs_fn(z):
-        z = limit_to_groups(z, settings.num_groups, settings.top_groups)
         return router_probs(z, settings.jitter_eps, settings.mask)
 
     keys = jax.random.split(jax.random.key(settings.seed), settings.num_problems)
     problems = [random_problem(k, settings.num_experts, settings.dim) for k in keys]
+    probs_fns = [probs_fn] * len(problems)
+    if settings.num_groups > 1:
+        probs_fns = [grouped_probs_fn(probs_fn, p.logits, settings.num_groups,
+                                      settings.top_groups) for p in problems]
     defaults = [
         noisy_defaults(p.expert_outputs, jax.random.fold_in(k, 1), settings.default_noise)
         for p, k in zip(problems, keys, strict=True)
     ]
-    sweeps = [accuracy_sweep(p, scales, probs_fn, v) for p, v in zip(problems, defaults,
-                                                                      strict=True)]
+    sweeps = [accuracy_sweep(p, scales, fn, v)
+              for p, fn, v in zip(problems, probs_fns, defaults, strict=True)]
     summary = {}
     for name in sweeps[0]:
         entry = {"note": ESTIMATOR_NOTES.get(name, "")}
@@ -286,17 +302,17 @@ def _accuracy_experiment(settings: SweepSettings) -> dict:
         "settings": dataclasses.asdict(settings),
         "estimators": summary,
         "topk": {
-            str(k): _topk_summary(problems, defaults, scales, fit, probs_fn, k)
+            str(k): _topk_summary(problems, defaults, scales, fit, probs_fns, k)
             for k in settings.top_k
         },
     }
 
 
-def _topk_summary(problems, defaults, scales, fit, probs_fn, top_k: int) -> dict:
+def _topk_summary(problems, defaults, scales, fit, probs_fns, top_k: int) -> dict:
     """Per estimator: mean norm ratio and cosine, geometric-mean bias and its slope."""
     sweeps = [
-        topk_accuracy_sweep(p, scales, probs_fn, top_k, defaults=v)
-        for p, v in zip(problems, defaults, strict=True)
+        topk_accuracy_sweep(p, scales, fn, top_k, defaults=v)
+        for p, fn, v in zip(problems, probs_fns, defaults, strict=True)
     ]
     summary = {}
     for name in sweeps[0]:
