@@ -474,3 +474,33 @@ def test_bad_options_are_refused_in_one_line(overrides, message):
     with pytest.raises(ValueError, match=message) as err:
         check_config(config)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow  # a whole LM's compilation; test_end_of_update_... steps stacked layers
+def test_decoder_lm_counts_loads_through_its_layer_scan():
+    """A Hugging Face type (qwen2_moe, tests/data) with the router options: each stacked MoE
+    layer counts its own loads through the scan, and the update's bias step reads them."""
+    from sparsemixer_jax import hf
+    from sparsemixer_jax.moe import balance_plan
+
+    model, config = hf.load_pretrained(
+        "tests/data/hf/qwen2_moe", router_options=(
+            ("balance_scope", "global_batch"), ("bias_update_rate", 0.01), ("score", "sigmoid")))
+    plan = balance_plan(model)
+    assert [rate for _, rate in plan] == [0.01]
+    model.train()
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 100, (2, 8)), jnp.int32)
+    nnx.jit(lambda m, ids: m(ids))(model, ids)
+    state = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    load = np.asarray(_at(state, plan[0][0])["expert_load"])
+    repeats = load.shape[0]
+    np.testing.assert_array_equal(load.sum(-1), [2 * 8 * config.top_k] * repeats)
+    stepped = _at(end_of_update(state, plan), plan[0][0])
+    np.testing.assert_array_equal(stepped["expert_bias"],
+                                  0.01 * np.sign(load.mean(-1, keepdims=True) - load))
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
