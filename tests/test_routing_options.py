@@ -504,3 +504,34 @@ def _at(tree, path):
     for key in path:
         tree = tree[key]
     return tree
+
+
+@pytest.mark.slow  # ELECTRA's compilation; the one-layer steps tests are its fast counterpart
+def test_electra_generator_and_discriminator_take_the_options():
+    """ELECTRA with every option: both networks' MoE layers count their loads (one row per
+    token and expert, padding left out), their balance losses enter the objective, and the
+    update's bias step finds every layer."""
+    from sparsemixer_jax.data import text
+    from sparsemixer_jax.models import electra
+    from sparsemixer_jax.moe import balance_plan
+    from sparsemixer_jax.training import loop
+    from tests import tiny_electra_config
+    from tests.test_electra import SETTINGS, VOCAB, make_batch
+
+    config = tiny_electra_config.get_config()
+    config.generator.num_experts = 2
+    config.router.update(name="default_moe", top_k=2, bias_update_rate=0.01,
+                         balance_scope="sequence")
+    config.model.update(num_shared_experts=1, shared_expert_gate=True)
+    check_config(config)
+    model = loop.build_model(config, electra.Electra, VOCAB, None)
+    plan = balance_plan(model)
+    assert len(plan) == 3  # generator layer 0, discriminator layers 0 and 1
+    batch = make_batch(1)
+    _, metrics = nnx.jit(electra.electra_loss, static_argnums=(3,))(
+        model, batch, jax.random.key(3), SETTINGS)
+    assert np.isfinite(float(metrics["balance_loss"]))
+    state = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    tokens = int(np.sum(np.asarray(batch["tokens"]) != text.PAD_ID))
+    for path, _ in plan:
+        assert float(np.sum(_at(state, path)["expert_load"])) == 2 * tokens, path
