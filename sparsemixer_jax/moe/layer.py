@@ -30,7 +30,6 @@ from sparsemixer_jax.moe.dispatch import (
 from sparsemixer_jax.moe.expert_parallel import expert_parallel_ffn
 from sparsemixer_jax.moe.shared import SharedExperts
 from sparsemixer_jax.moe.unchosen import all_expert_outputs, update_expert_defaults
-from sparsemixer_jax.routers import check_top_k
 
 
 def _stream(rngs: nnx.Rngs, name: str, fallback: str) -> nnx.RngStream:
@@ -170,7 +169,7 @@ class MoEFeedForward(nnx.Module):
                                 f"settings (they are the sections' fields), got {given}")
             if moe.num_experts < 1:
                 raise ValueError(f"num_experts must be >= 1, got {moe.num_experts}")
-            check_top_k("", router_config.top_k, moe.num_experts)
+            router_config.check("", moe.num_experts)  # top_k and groups against the experts
         else:
             if num_experts < 1:
                 raise ValueError(f"num_experts must be >= 1, got {num_experts}")
