@@ -226,6 +226,9 @@ def _check_experts(config: Any) -> None:
     from sparsemixer_jax.routers.registry import RouterConfig  # jax, not model code
 
     RouterConfig.from_config(config.router, num_experts=n or None)  # groups against experts
+    generator = config.get("generator") or {}
+    if generator.get("num_experts"):  # ELECTRA's generator routes with the same router
+        RouterConfig.from_config(config.router, num_experts=generator["num_experts"])
     expert = config.mesh.expert
     if n and expert >= 1 and n % expert:
         raise ValueError(f"config.model.num_experts={n} is not divisible by "
