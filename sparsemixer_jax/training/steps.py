@@ -167,6 +167,10 @@ class Steps:
         replicated = _replicated_like(params)
         if replicated is not None and isinstance(step, jax.Array):
             step = jax.device_put(step, replicated)
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(opt_state)):
+            # Committed as the updated state will be (jit leaves its constant outputs, the
+            # optimizer's zeros, uncommitted): otherwise the first update compiles twice.
+            opt_state = _committed(opt_state)
         return TrainState(step=step, params=params, layer_state=layer_state, opt_state=opt_state)
 
     def init_state(self) -> TrainState:
