@@ -25,6 +25,7 @@ from sparsemixer_jax.data import lm_text, text
 from sparsemixer_jax.tasks import language_model
 from sparsemixer_jax.tasks.language_model import LMTask, train_lm
 from sparsemixer_jax.training.preemption import Stopped
+from sparsemixer_jax.training.state import restore_checkpoint
 from sparsemixer_jax.training.workdir_lock import WorkdirInUse, WorkdirLock
 from tests import kit, tiny_lm_config
 from tests.test_preemption import SignalOnFetch
@@ -97,7 +98,7 @@ def test_packed_documents_do_not_see_each_other(task_steps):
     def rows(*docs):
         tokens, segments = np.zeros((4, 16), np.int32), np.zeros((4, 16), np.int32)
         for r, doc in enumerate(docs):
-            ids = sum(doc, [])
+            ids = [t for d in doc for t in d]
             tokens[r, :len(ids)] = ids
             segments[r, :len(ids)] = np.repeat(np.arange(1, len(doc) + 1), [len(d) for d in doc])
         return {"tokens": jnp.asarray(tokens), "segments": jnp.asarray(segments),
@@ -205,19 +206,20 @@ def test_export_then_load_pretrained_gives_the_trained_models_logits(
     written = language_model.export_run(straight_run[0], out)
     assert written["step"] == 6 and {"config.json", "model.safetensors",
                                      "spm.model"} <= set(written["files"])
-    loaded, config = hf.load_pretrained(out)
-    assert config.model_type == "mixtral" and config.router == "switch"  # the type's own
+    saved = hf.read_config(out)
+    assert saved["model_type"] == "mixtral" and hf.from_hf(saved).router == "switch"
     params, _ = last_checkpoint(straight_run[0], task_steps)
     trained = task_steps.model(training.TrainState(0, params, {}, None))
     trained.eval()
+    # config.json reads back as the trained model's config (with the router the run used: the
+    # type's own top-2 softmax routes otherwise than SparseMixer's masked argmax).
+    routed = {"router": trained.config.router, "jitter_eps": trained.config.jitter_eps}
+    assert hf.from_hf(saved, **routed).replace(hf_config="") == \
+        trained.config.replace(hf_config="")
+    exported, _ = hf.load_pretrained(out, hf_config=trained.config.hf_config, **routed)
     ids = jnp.asarray([[1, 9, 30, 31, 60, 7, 8, 99]])
-    # The export keeps the weights; the type's top-2 softmax routes otherwise than SparseMixer's
-    # masked argmax, so the comparison loads it with the router the run used.
-    rerouted, _ = hf.load_pretrained(out, router=trained.config.router,
-                                     jitter_eps=trained.config.jitter_eps)
-    np.testing.assert_allclose(logits_of(rerouted, ids), logits_of(trained, ids), rtol=1e-5,
+    np.testing.assert_allclose(logits_of(exported, ids), logits_of(trained, ids), rtol=1e-5,
                                atol=1e-6)
-    del loaded
 
 
 # ------------------------------------------------------------------------------- fine-tuning
@@ -248,17 +250,42 @@ def checkpoint(corpus, tmp_path_factory):
     return path
 
 
-def test_fine_tuning_a_converted_checkpoint_then_exporting_it(corpus, checkpoint, tmp_path):
-    config = tiny(corpus, init_from=checkpoint, train_steps=2, eval_every=2,
-                  checkpoint_every=2, **{"data.wikitext": "", "sample.tokens": 0})
+def _finetune_config(corpus, checkpoint, **overrides):
+    return tiny(corpus, init_from=checkpoint, train_steps=2, eval_every=2, checkpoint_every=2,
+                **{"data.wikitext": "", "sample.tokens": 0, **overrides})
+
+
+def test_fine_tuning_starts_from_the_checkpoint_with_its_tokenizer(corpus, checkpoint, tmp_path):
+    """The fast counterpart of the fine-tuning run below: the model and data a fine-tuning run
+    starts from (nothing compiled)."""
+    config = _finetune_config(corpus, checkpoint)
     task = LMTask.from_config(config)
     assert task.lm.model_type == "mixtral" and task.lm.router == "switch"  # the checkpoint's
-    # The model fine-tuning starts from is the checkpoint's.
     original, _ = hf.load_pretrained(checkpoint)
     start = task.build_model(config, task.lm.vocab_size, None)
-    start.eval()
-    ids = jnp.asarray([[0, 5, 6, 7, 8, 9]])
-    np.testing.assert_array_equal(logits_of(start, ids), logits_of(original, ids))
+    assert start.deterministic is False  # training mode
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(start, nnx.Param)),
+                 nnx.to_pure_dict(nnx.state(original, nnx.Param)))
+    data = task.load_data(config, str(tmp_path / "w"), 1)
+    tokenizer = data.extra["tokenizer"]
+    assert isinstance(tokenizer, lm_text.HFTokenizerLM) and tokenizer.bos_id == 0
+    assert not os.path.exists(tmp_path / "w" / "spm.model")
+    # The held-out rows hold the last documents' words, each document after a bos (id 0).
+    valid = data.extra["valid_split"]
+    first = valid.tokens[0][valid.segments[0] == 1]
+    held_out = text.read_documents(os.path.join(corpus, "wiki.txt"))[-6]
+    assert first[0] == 0 and tokenizer.decode(first[1:]) == \
+        " ".join(held_out).lower().replace(".", " .")[: len(tokenizer.decode(first[1:]))]
+    # The router section replaces the checkpoint's routing when asked to.
+    rerouted = LMTask.from_config(_finetune_config(corpus, checkpoint, init_router="config"))
+    assert (rerouted.lm.router, rerouted.lm.top_k) == ("sparsemixer_v2star", 2)
+
+
+@pytest.mark.slow  # fast counterpart: the test above (the model and data it starts from)
+def test_fine_tuning_a_converted_checkpoint_then_exporting_it(corpus, checkpoint, tmp_path):
+    config = _finetune_config(corpus, checkpoint)
+    task = LMTask.from_config(config)
+    original, _ = hf.load_pretrained(checkpoint)
     workdir = str(tmp_path / "finetune")
     results = train_lm(config, workdir)
     assert results["steps"] == 2 and np.isfinite(results["valid_bits_per_byte"])
@@ -266,17 +293,14 @@ def test_fine_tuning_a_converted_checkpoint_then_exporting_it(corpus, checkpoint
     out = str(tmp_path / "hf")
     written = language_model.export_run(workdir, out)
     assert "tokenizer.json" in written["files"]
-    exported, _ = hf.load_pretrained(out)
+    exported, _ = hf.load_pretrained(out, hf_config=task.lm.hf_config)
     steps = training.build_steps(task, config, task.lm.vocab_size)
-    from sparsemixer_jax.training.state import restore_checkpoint
     trained = steps.model(restore_checkpoint(workdir, steps.abstract_state(), "last").state)
     trained.eval()
+    ids = jnp.asarray([[0, 5, 6, 7, 8, 9]])
     np.testing.assert_allclose(logits_of(exported, ids), logits_of(trained, ids), rtol=1e-5,
                                atol=1e-6)
     assert not np.allclose(logits_of(exported, ids), logits_of(original, ids))  # trained
-    # The router section replaces the checkpoint's routing when asked to.
-    rerouted = LMTask.from_config(tiny(corpus, init_from=checkpoint, init_router="config"))
-    assert (rerouted.lm.router, rerouted.lm.top_k) == ("sparsemixer_v2star", 2)
 
 
 # ------------------------------------------------------------------------------------ errors

@@ -292,7 +292,7 @@ def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
         overrides = model_overrides(model)
         if init_router == "config":
             check_router_for_lm(router, cfg.get("model_type", ""))
-            overrides.update(router_overrides(router))
+            overrides.update(router_overrides(router, cfg.get("model_type", "")))
         lm = hf.from_hf(cfg, **overrides)
         weight_files(path)
     except ValueError as err:

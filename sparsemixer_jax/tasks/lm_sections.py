@@ -136,13 +136,18 @@ def hf_config_of(model: LMModelConfig, router: RouterConfig, vocab_size: int
     return cfg
 
 
-def router_overrides(router: RouterConfig) -> dict[str, Any]:
-    """The :class:`LMConfig` fields that route by the config's router section."""
+def router_overrides(router: RouterConfig, hf_type: str) -> dict[str, Any]:
+    """The :class:`LMConfig` fields that route by the config's router section. ``norm_topk_prob``
+    is the type's own for ``mixtral`` (always on; :func:`check_router_for_lm` refuses a
+    normalising router without it) and ``phimoe`` (its router never renormalises)."""
     defaults = RouterConfig()
     options = tuple(sorted((name, getattr(router, name)) for name in ROUTER_OPTIONS
                            if getattr(router, name) != getattr(defaults, name)))
-    return {"router": router.name, "jitter_eps": router.jitter_eps, "top_k": router.top_k,
-            "norm_topk_prob": router.normalize_top_k, "router_options": options}
+    fields = {"router": router.name, "jitter_eps": router.jitter_eps, "top_k": router.top_k,
+              "router_options": options}
+    if hf_type not in ("mixtral", "phimoe"):
+        fields["norm_topk_prob"] = router.normalize_top_k
+    return fields
 
 
 def check_router_for_lm(router: RouterConfig, hf_type: str, where: str = "config.router."
@@ -171,7 +176,8 @@ def from_scratch_config(model: LMModelConfig, router: RouterConfig, vocab_size: 
     from sparsemixer_jax.hf.config import from_hf
 
     check_router_for_lm(router, model.hf_type)
-    return from_hf(hf_config_of(model, router, vocab_size), **router_overrides(router),
+    return from_hf(hf_config_of(model, router, vocab_size),
+                   **router_overrides(router, model.hf_type),
                    **model_overrides(model))
 
 
