@@ -388,3 +388,13 @@ def test_the_command_reports_a_bad_checkpoint_on_one_line(corpus, tmp_path, caps
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a Hugging Face model directory" in err
+
+
+def test_export_refuses_a_workdir_that_is_not_a_language_modelling_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"is .* a run of experiments\.lm\?"):
+        language_model.export_run(str(tmp_path), str(tmp_path / "out"))
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"task": "translation"}, f)
+    with pytest.raises(ValueError, match="holds a translation run, not a language-modelling"):
+        language_model.export_run(str(tmp_path), str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
