@@ -3,11 +3,12 @@ SparseMixer-v2* routing) trained from scratch on the Wikipedia sample on a CPU i
 
     python -m experiments.lm --config configs/lm_quickstart.py --workdir runs/lm_quickstart
 
-The last 1,000 articles of the sample are the validation text, WikiText-2's validation and test
-files a second held-out set; ``results.json`` holds the validation perplexity, the unigram
-baseline's (``unigram_ppl``: the training tokens' unigram model on the same text), bits per byte
-and a generated sample (also in ``sample.txt``). Fine-tune a converted checkpoint instead with
-``--config.init_from=<Hugging Face dir>`` (its shapes and tokenizer; docs/lm.md).
+The last 1,000 articles of the sample are the validation text, WikiText-2's test file a second
+held-out set; ``results.json`` holds the validation perplexity, the unigram baseline's
+(``unigram_ppl``: the training tokens' unigram model on the same text), bits per byte and a
+generated sample (also in ``sample.txt``). On 2 busy CPU cores: validation perplexity 136.9
+against 337.8 for the unigram model, in about 6 minutes (docs/lm.md). Fine-tune a converted
+checkpoint instead with ``--config.init_from=<Hugging Face dir>`` (its shapes and tokenizer).
 """
 
 import ml_collections
