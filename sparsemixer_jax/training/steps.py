@@ -167,10 +167,13 @@ class Steps:
         replicated = _replicated_like(params)
         if replicated is not None and isinstance(step, jax.Array):
             step = jax.device_put(step, replicated)
-        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(opt_state)):
-            # Committed as the updated state will be (jit leaves its constant outputs, the
-            # optimizer's zeros, uncommitted): otherwise the first update compiles twice.
-            opt_state = _committed(opt_state)
+            # Likewise the optimizer's constant outputs (its step counts): jit leaves them
+            # uncommitted, the updated state has them committed, and the first update would
+            # compile twice.
+            opt_state = jax.tree.map(
+                lambda a: jax.device_put(a, replicated)
+                if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+                and not a.committed else a, opt_state)
         return TrainState(step=step, params=params, layer_state=layer_state, opt_state=opt_state)
 
     def init_state(self) -> TrainState:
