@@ -1,9 +1,9 @@
 """The config schema: shared section builders, the one validator, defaults for older configs.
 
 Every experiment config (``configs/*.py``) is an ``ml_collections.ConfigDict`` with a ``task``
-(``"translation"``, ``"pretraining"`` or ``"finetuning"``) and sections ``data``, ``model``,
-``router``, ``optim``, ``runtime``, ``mesh`` plus the loop's intervals. The sections every task
-shares are built here, so they hold the same fields with the same defaults everywhere;
+(``"translation"``, ``"pretraining"``, ``"finetuning"`` or ``"lm"``) and sections ``data``,
+``model``, ``router``, ``optim``, ``runtime``, ``mesh`` plus the loop's intervals. The sections
+every task shares are built here, so they hold the same fields with the same defaults everywhere;
 :data:`ADDED_FIELD_DEFAULTS` says how to read a config saved before a field existed; and
 :func:`validate` checks the rules between sections. Each section's own fields are checked by
 its typed value, owned by the code it configures (``RouterConfig.from_config``,
@@ -19,7 +19,7 @@ from typing import Any
 
 import ml_collections
 
-TASKS = ("translation", "pretraining", "finetuning")
+TASKS = ("translation", "pretraining", "finetuning", "lm")
 
 # Fields added after runs were saved without them, with the value that reproduces the behaviour
 # those runs had; a value may depend on the saved run's task ({task: value}).
@@ -200,6 +200,8 @@ TASK_SECTIONS = {
     "pretraining": (("data", "model", "generator", "router", "optim", "runtime", "mesh"),
                     "configs/electra.py"),
     "finetuning": ((), "configs/glue.py"),
+    "lm": (("data", "model", "router", "optim", "runtime", "mesh", "sample"),
+           "configs/lm_quickstart.py"),
 }
 
 

@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from tests import tiny_electra_config, tiny_wmt_config
+from tests import tiny_electra_config, tiny_lm_config, tiny_wmt_config
 
 # ------------------------------------------------------------------------------ tiny configs
 
@@ -53,6 +53,7 @@ def _encoder_config():
 TINY_CONFIGS: dict[str, Callable[..., ml_collections.ConfigDict]] = {
     "translation": tiny_wmt_config.get_config,  # a training run: one padded shape
     "pretraining": tiny_electra_config.get_config,  # a training run on a generated corpus
+    "lm": tiny_lm_config.get_config,  # a language-modelling run on a generated corpus
     "transformer": _transformer_config,
     "encoder": _encoder_config,
 }

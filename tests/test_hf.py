@@ -18,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from sparsemixer_jax import hf
 from sparsemixer_jax.models.lm_config import MODEL_TYPES, layer_pattern_stacks
+from sparsemixer_jax.models.lm_generate import _extend as extend
 from sparsemixer_jax.models.lm_generate import generate
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "hf")
@@ -27,11 +28,6 @@ DATA = os.path.join(os.path.dirname(__file__), "data", "hf")
 def logits_of(model, ids):
     """The model's logits, compiled once per model (eager op-by-op dispatch is slower)."""
     return model(ids)
-
-
-@nnx.jit
-def forward(model, ids, mask, cache):
-    return model.forward(ids, token_mask=mask, cache=cache)
 
 
 def read_json(path):
@@ -45,6 +41,15 @@ def reference(model_type):
 
 def relative_error(got, want):
     return float(np.abs(np.asarray(got) - want).max() / np.abs(want).max())
+
+
+def reload(path, config):
+    """The checkpoint at ``path`` with ``config``'s ``hf_config`` text (the file it was first
+    read from), so its logits reuse the first model's compiled forward: the config's other
+    fields come from ``path`` and must equal ``config``'s for the model to build alike."""
+    model, again = hf.load_pretrained(path, hf_config=config.hf_config)
+    assert again == config
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +73,12 @@ def test_round_trip_writes_what_transformers_wrote(loaded, model_type, tmp_path)
     shapes transformers' own save_pretrained wrote, and a config.json that reads back the same."""
     model, config = loaded[model_type]
     hf.save_pretrained(model, config, str(tmp_path))
-    again, config2 = hf.load_pretrained(str(tmp_path))
+    assert hf.from_hf(hf.read_config(str(tmp_path))).replace(hf_config="") == \
+        config.replace(hf_config="")
+    again = reload(str(tmp_path), config)
     ids = reference(model_type)["input_ids"]
     np.testing.assert_array_equal(np.asarray(logits_of(again, ids)),
                                   np.asarray(logits_of(model, ids)))
-    assert config2.replace(hf_config="") == config.replace(hf_config="")
 
     def shapes(directory):
         with safe_open(os.path.join(directory, "model.safetensors"), "np") as f:
@@ -89,7 +95,7 @@ def test_sharded_checkpoint_and_a_missing_shard(loaded, tmp_path):
     index = read_json(tmp_path / "model.safetensors.index.json")
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and not (tmp_path / "model.safetensors").exists()
-    again, _ = hf.load_pretrained(str(tmp_path))
+    again = reload(str(tmp_path), config)
     ids = reference("qwen2_moe")["input_ids"]
     np.testing.assert_array_equal(np.asarray(logits_of(again, ids)),
                                   np.asarray(logits_of(model, ids)))
@@ -122,7 +128,7 @@ def test_fused_expert_layout_loads_the_same(loaded, model_type, tmp_path):
         fused[f"model.layers.{layer}.mlp.experts.down_proj"] = stacked("w2")
     save_file(fused, str(tmp_path / "model.safetensors"))
     shutil.copy(os.path.join(source, "config.json"), tmp_path)
-    again, _ = hf.load_pretrained(str(tmp_path))
+    again = reload(str(tmp_path), loaded[model_type][1])
     ids = reference(model_type)["input_ids"]
     np.testing.assert_array_equal(np.asarray(logits_of(again, ids)),
                                   np.asarray(logits_of(loaded[model_type][0], ids)))
@@ -175,36 +181,36 @@ def test_one_line_errors(tmp_path):
 
 
 def test_cached_decoding_gives_the_full_forward_logits(loaded):
-    """Prefill 4 tokens (row 0 left-padded by one), then one token at a time: every logit equals
-    a full forward pass of the same real tokens (sliding window 5 < 12 tokens)."""
+    """Prefill 5 slots (row 0 left-padded by one), then one token at a time: every step's logits
+    equal a full forward pass of the same real tokens (sliding window 5 < 12 tokens). Through
+    ``generate``'s own compiled step, at the shapes the generation test compiled it for."""
     model, _ = loaded["mixtral"]
     ids = jnp.asarray(reference("mixtral")["input_ids"])
     full = np.asarray(logits_of(model, ids))
     padded = jnp.concatenate([jnp.zeros((2, 1), ids.dtype), ids], axis=1)
     mask = jnp.ones(padded.shape, bool).at[0, 0].set(False).at[1, 12].set(False)
     padded = padded.at[1].set(jnp.concatenate([ids[1], jnp.zeros((1,), ids.dtype)]))
-    cache = model.init_cache(2, 13)
-    out = forward(model, padded[:, :4], mask[:, :4], cache)
-    steps, cache = [out.logits], out.cache
-    for t in range(4, 13):
-        out = forward(model, padded[:, t:t + 1], mask[:, t:t + 1], cache)
-        steps.append(out.logits)
-        cache = out.cache
-    cached = np.asarray(jnp.concatenate(steps, axis=1))
-    np.testing.assert_allclose(cached[0, 1:], full[0], rtol=1e-5, atol=1e-5 * np.abs(full).max())
-    np.testing.assert_allclose(cached[1, :12], full[1], rtol=1e-5,
-                               atol=1e-5 * np.abs(full).max())
+    logits, cache = extend(model, padded[:, :5], mask[:, :5], model.init_cache(2, 13))
+    steps = [logits]
+    for t in range(5, 13):
+        logits, cache = extend(model, padded[:, t:t + 1], mask[:, t:t + 1], cache)
+        steps.append(logits)
+    cached = np.stack([np.asarray(x) for x in steps], axis=1)  # positions 4..12
+    atol = 1e-5 * np.abs(full).max()
+    np.testing.assert_allclose(cached[0], full[0, 3:], rtol=1e-5, atol=atol)
+    np.testing.assert_allclose(cached[1, :8], full[1, 4:], rtol=1e-5, atol=atol)
 
 
 def test_sampled_generation(loaded):
     model, _ = loaded["olmoe"]
     prompt = jnp.asarray(reference("olmoe")["input_ids"][:, :5])
-    a = generate(model, prompt, 6, temperature=1.0, key=jax.random.key(1))
-    b = generate(model, prompt, 6, temperature=1.0, key=jax.random.key(1))
+    # 8 new tokens: the shapes the generation test compiled generate's steps for.
+    a = generate(model, prompt, 8, temperature=1.0, key=jax.random.key(1))
+    b = generate(model, prompt, 8, temperature=1.0, key=jax.random.key(1))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(a[:, :5]), np.asarray(prompt))
-    greedy = generate(model, prompt, 6)
-    top1 = generate(model, prompt, 6, temperature=0.7, top_k=1, key=jax.random.key(2))
+    greedy = generate(model, prompt, 8)
+    top1 = generate(model, prompt, 8, temperature=0.7, top_k=1, key=jax.random.key(2))
     np.testing.assert_array_equal(np.asarray(top1), np.asarray(greedy))
     with pytest.raises(ValueError, match="needs a PRNG key"):
         generate(model, prompt, 2, temperature=1.0)

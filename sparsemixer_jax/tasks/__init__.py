@@ -3,6 +3,8 @@
 * :mod:`~sparsemixer_jax.tasks.translation`: the Switch Transformer on a language pair (WMT'14).
 * :mod:`~sparsemixer_jax.tasks.pretraining`: ELECTRA-style pretraining of the MoE encoder.
 * :mod:`~sparsemixer_jax.tasks.finetuning`: GLUE fine-tuning of a pretrained encoder.
+* :mod:`~sparsemixer_jax.tasks.language_model`: decoder-only MoE language models, from scratch
+  or fine-tuned from a Hugging Face checkpoint.
 
 A task's ``from_config`` builds the typed section of every part of its config (each checks its
 own fields) and then :func:`sparsemixer_jax.config.validate`'s rules between sections, once per
@@ -59,6 +61,10 @@ def check_config(config: Any) -> Any:
         from sparsemixer_jax.tasks.finetuning import FinetuningConfig
 
         return FinetuningConfig.from_config(config)
+    if task == "lm":
+        from sparsemixer_jax.tasks.language_model import LMTask
+
+        return LMTask.from_config(config)
     config_schema.validate(config)  # names the unknown task
     return None
 

@@ -173,6 +173,13 @@ class Steps:
         replicated = _replicated_like(params)
         if replicated is not None and isinstance(step, jax.Array):
             step = jax.device_put(step, replicated)
+            # Likewise the optimizer's constant outputs (its step counts): jit leaves them
+            # uncommitted, the updated state has them committed, and the first update would
+            # compile twice.
+            opt_state = jax.tree.map(
+                lambda a: jax.device_put(a, replicated)
+                if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+                and not a.committed else a, opt_state)
         return TrainState(step=step, params=params, layer_state=layer_state, opt_state=opt_state)
 
     def init_state(self) -> TrainState:

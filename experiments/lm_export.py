@@ -1,0 +1,44 @@
+"""Exports a language-modelling run's checkpoint as a Hugging Face model directory.
+
+    python -m experiments.lm_export --workdir runs/lm_quickstart --out runs/lm_quickstart_hf
+    python -m experiments.lm_export --workdir runs/lm_finetune --out hf_dir --checkpoint best
+
+Writes ``config.json`` and safetensors that transformers' ``AutoModelForCausalLM`` loads (and
+:func:`sparsemixer_jax.hf.load_pretrained`), plus the tokenizer: a fine-tuned run's
+``tokenizer.json``, a run from scratch's SentencePiece ``spm.model`` (docs/lm.md).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+
+from sparsemixer_jax import cli
+
+flags.DEFINE_string("workdir", None, "The run's directory (experiments.lm).")
+flags.DEFINE_string("out", None, "The Hugging Face directory to write.")
+flags.DEFINE_enum("checkpoint", "last", ["last", "best"], "Which checkpoint to export.")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "The saved tensors' dtype.")
+flags.mark_flags_as_required(["workdir", "out"])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    cli.quiet_libraries()
+    from sparsemixer_jax.checkpoint import CheckpointError
+    from sparsemixer_jax.tasks.language_model import export_run
+
+    f = flags.FLAGS
+    try:
+        written = export_run(f.workdir, f.out, f.checkpoint, f.dtype)
+    except (ValueError, FileNotFoundError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote step {written['step']} of {f.workdir} as a {written['model_type']} "
+          f"checkpoint to {f.out}: {', '.join(written['files'])}")
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,405 @@
+"""Language-modelling text: held-out splits, documents packed with segment ids, the batch
+streams, the unigram baseline and bits per byte.
+
+Documents are read as pretraining reads them (:func:`sparsemixer_jax.data.text.read_documents`:
+WikiExtractor, WikiText or plain text). The training file's last ``valid_articles`` documents are
+held out as validation text; ``train_articles`` (when > 0) keeps only the first that many of the
+rest, for small runs.
+
+Packing: each document is ``[bos] + tokens of its paragraphs`` (each paragraph encoded on its
+own); the documents are laid end to end in one stream whose segment id is the document's number
+(1, 2, ...), and the stream is cut into rows of ``seq_len`` tokens that overlap by one token
+(row ``r`` holds stream positions ``r (seq_len - 1) .. r (seq_len - 1) + seq_len - 1``; the last
+row is padded with segment 0). Position ``t >= 1`` of a row is a target when its segment equals
+that of position ``t - 1`` and is not 0: so every token of every document but its ``bos`` is
+predicted exactly once, from the tokens of its own document before it (the model masks attention
+across segments), and a document cut between rows keeps one token of context.
+
+Bits per byte: the summed negative log-likelihood of the targets divided by ``ln 2`` times the
+UTF-8 bytes of the documents' text as read (paragraphs joined by newlines; WikiText's headings
+dropped and its ``@-@`` escapes undone). Each row carries the bytes of the targets it holds
+(each document's bytes spread evenly over its targets), so sums over any set of rows add up to
+the text they predict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from sparsemixer_jax.data import text
+from sparsemixer_jax.data.tokenizer import EOS_ID, Tokenizer
+from sparsemixer_jax.section import cast, check_positive, read_fields, section_of
+
+logger = logging.getLogger(__name__)
+
+# Bump when packing changes what it produces for the same text, settings and vocabulary.
+LM_PACKING_VERSION = 1
+
+
+class LMTokenizer(Protocol):
+    """What the task needs of a tokenizer: SentencePiece (:class:`SentencePieceLM`) for models
+    trained from scratch, a checkpoint's ``tokenizer.json`` (:class:`HFTokenizerLM`)."""
+
+    path: str  # the vocabulary file (its content keys the packing cache)
+    bos_id: int  # separates documents; the first token of each
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class SentencePieceLM:
+    """The project's SentencePiece vocabulary (pretraining's): ``eos`` (1) starts documents."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.path, self.bos_id = tokenizer, tokenizer.path, EOS_ID
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.tokenizer.encode_batch(texts)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)  # stops at the first eos: the end of a document
+
+
+class HFTokenizerLM:
+    """A Hugging Face ``tokenizers.Tokenizer`` (a checkpoint's ``tokenizer.json``); documents
+    start with the checkpoint's ``bos_token_id`` (else its ``eos_token_id``, else 0)."""
+
+    def __init__(self, tokenizer: Any, path: str, bos_id: int):
+        self.tokenizer, self.path, self.bos_id = tokenizer, path, int(bos_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+
+def hf_bos_id(hf_config: dict[str, Any]) -> int:
+    """The id that starts a document for a checkpoint: ``bos_token_id``, else ``eos_token_id``
+    (the first of a list), else 0."""
+    for key in ("bos_token_id", "eos_token_id"):
+        value = hf_config.get(key)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
+# ------------------------------------------------------------------------------- the section
+
+
+@dataclasses.dataclass(frozen=True)
+class LMDataConfig:
+    """``config.data`` of a language-modelling run (schema: ``configs/lm_quickstart.py``) with
+    the run's ``seed`` (vocabulary sample, batch order).
+
+    Attributes:
+      train: the training text (file or directory); its last ``valid_articles`` documents are
+        the validation text.
+      valid_articles: documents held out at the end of ``train``.
+      train_articles: training documents kept (the first ones; 0 = all).
+      wikitext: a second held-out set evaluated at the end (file or directory: every file is
+        evaluated on its own, e.g. WikiText-2's validation and test files); "" = none.
+      vocab_size, vocab_sample_sentences, spm_model_type, character_coverage: the SentencePiece
+        vocabulary of a run from scratch (a checkpoint brings its own tokenizer).
+      seq_len: tokens per packed row; batch_size: rows per update; micro_batch_size: rows per
+        accumulation micro-step (0 = batch_size); eval_batch_size: rows per evaluation batch
+        (0 = micro-batch size).
+    """
+
+    train: str
+    seq_len: int
+    batch_size: int
+    seed: int
+    valid_articles: int = 1000
+    train_articles: int = 0
+    wikitext: str = ""
+    vocab_size: int = 8000
+    vocab_sample_sentences: int = 200_000
+    spm_model_type: str = "unigram"
+    character_coverage: float = 0.9995
+    micro_batch_size: int = 0
+    eval_batch_size: int = 0
+
+    @classmethod
+    def from_config(cls, config: Any, where: str = "config.data.") -> LMDataConfig:
+        """``config.data`` (and ``config.seed``) checked: one-line ValueErrors naming the
+        first bad field."""
+        d = cls(seed=cast(int, config.seed, "config.seed"),
+                **read_fields(cls, config.data, where, skip=("seed",)))
+        check_positive(where, batch_size=d.batch_size, valid_articles=d.valid_articles,
+                       vocab_size=d.vocab_size)
+        if d.seq_len < 4:
+            raise ValueError(f"{where}seq_len must be >= 4, got {d.seq_len}")
+        if d.vocab_size <= text.FIRST_WORD_ID:
+            raise ValueError(f"{where}vocab_size must exceed {text.FIRST_WORD_ID} special ids")
+        if d.train_articles < 0 or d.eval_batch_size < 0:
+            raise ValueError(f"{where}train_articles and eval_batch_size must be >= 0 (0 = all "
+                             f"/ the micro-batch size), got {d.train_articles}, "
+                             f"{d.eval_batch_size}")
+        if d.micro_batch_size < 0 or d.batch_size % d.micro:
+            raise ValueError(f"{where}micro_batch_size={d.micro_batch_size} must divide "
+                             f"{where}batch_size={d.batch_size} (0 = no accumulation)")
+        return d
+
+    @classmethod
+    def of(cls, config: Any) -> LMDataConfig:
+        return section_of(cls, config, "data")
+
+    @property
+    def micro(self) -> int:
+        """Rows per accumulation micro-step."""
+        return self.micro_batch_size or self.batch_size
+
+    @property
+    def eval_rows(self) -> int:
+        return self.eval_batch_size or self.micro
+
+    def check_files(self) -> None:
+        """The text files are there (a one-line FileNotFoundError otherwise)."""
+        text.text_files(self.train)
+        if self.wikitext:
+            text.text_files(self.wikitext)
+
+
+def split_documents(data: LMDataConfig, documents: list[list[str]]
+                    ) -> tuple[list[list[str]], list[list[str]]]:
+    """``(train, valid)``: all but the last ``valid_articles`` documents (the first
+    ``train_articles`` of them when > 0), and those last ones."""
+    held = data.valid_articles
+    if len(documents) <= held:
+        raise ValueError(f"{data.train!r} holds {len(documents)} documents; holding out "
+                         f"config.data.valid_articles={held} leaves none to train on")
+    train = documents[:-held]
+    if data.train_articles:
+        train = train[: data.train_articles]
+    return train, documents[-held:]
+
+
+def held_out_name(path: str) -> str:
+    """A short name for a held-out file: ``valid`` / ``test`` for WikiText's files, else the
+    file name before its first dot."""
+    base = os.path.basename(path)
+    for name in ("valid", "test", "train"):
+        if f".{name}." in f".{base}":
+            return name
+    return base.split(".")[0]
+
+
+# ------------------------------------------------------------------------------------ packing
+
+
+def document_bytes(documents: Sequence[Sequence[str]]) -> np.ndarray:
+    """UTF-8 bytes of each document's text, paragraphs joined by newlines: int64 ``[D]``."""
+    return np.asarray([len("\n".join(doc).encode("utf-8")) for doc in documents], np.int64)
+
+
+def encode_documents(tokenizer: LMTokenizer, documents: Sequence[Sequence[str]],
+                     chunk: int = 10_000) -> list[np.ndarray]:
+    """``[bos] + paragraph tokens`` of every document (int32)."""
+    paragraphs = [p for doc in documents for p in doc]
+    ids: list[list[int]] = []
+    for start in range(0, len(paragraphs), chunk):
+        ids.extend(tokenizer.encode_batch(paragraphs[start: start + chunk]))
+    out, i = [], 0
+    for doc in documents:
+        parts = [np.asarray([tokenizer.bos_id], np.int32)]
+        parts += [np.asarray(p, np.int32) for p in ids[i: i + len(doc)]]
+        i += len(doc)
+        out.append(np.concatenate(parts))
+    return out
+
+
+def pack_documents(encoded: Sequence[np.ndarray], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens, segments)`` int32 ``[N, seq_len]``: the documents laid end to end, cut into
+    rows that overlap by one token (module docstring); segment ``d + 1`` is document ``d``,
+    0 is padding."""
+    if not encoded:
+        empty = np.zeros((0, seq_len), np.int32)
+        return empty, empty.copy()
+    stream = np.concatenate(encoded).astype(np.int32)
+    segment = np.repeat(np.arange(1, len(encoded) + 1, dtype=np.int32),
+                        [len(e) for e in encoded])
+    step = seq_len - 1
+    rows = max(1, math.ceil((len(stream) - 1) / step))
+    tokens = np.zeros((rows, seq_len), np.int32)
+    segments = np.zeros((rows, seq_len), np.int32)
+    for r in range(rows):
+        piece = slice(r * step, r * step + seq_len)
+        n = len(stream[piece])
+        tokens[r, :n], segments[r, :n] = stream[piece], segment[piece]
+    return tokens, segments
+
+
+def target_mask(segments: np.ndarray) -> np.ndarray:
+    """bool ``[N, seq_len - 1]``: position ``t + 1`` of a row is a target (same segment as
+    position ``t``, not padding)."""
+    return (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
+
+
+def row_bytes(segments: np.ndarray, doc_bytes: np.ndarray) -> np.ndarray:
+    """float32 ``[N]``: the text bytes of each row's targets (each document's bytes spread
+    evenly over its targets; the rows' sum is the documents' bytes)."""
+    targets = target_mask(segments)
+    seg = segments[:, 1:]
+    per_doc = np.bincount(seg[targets], minlength=len(doc_bytes) + 1)[1:]
+    weight = np.zeros(len(doc_bytes) + 1, np.float64)
+    weight[1:] = doc_bytes / np.maximum(per_doc, 1)
+    return np.where(targets, weight[seg], 0.0).sum(axis=1).astype(np.float32)
+
+
+def lm_packing_key(data: LMDataConfig, split: str, files: Sequence[str],
+                   tokenizer: LMTokenizer) -> str:
+    """A SHA-256 of everything the packed rows of ``split`` depend on: the text files'
+    contents, the vocabulary file's, the split and its article counts, the row length."""
+    base = text.packing_key(files, tokenizer.path, seq_len=data.seq_len, pair_prob=0.0, seed=0)
+    record = {"base": base, "version": LM_PACKING_VERSION, "split": split,
+              "bos": tokenizer.bos_id, "valid_articles": data.valid_articles,
+              "train_articles": data.train_articles}
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+@dataclasses.dataclass
+class PackedSplit:
+    """A packed split: ``tokens``, ``segments`` int32 ``[N, seq_len]``, ``row_bytes`` float32
+    ``[N]`` and statistics (documents, tokens, bytes, sequences)."""
+
+    tokens: np.ndarray
+    segments: np.ndarray
+    row_bytes: np.ndarray
+    stats: dict[str, Any]
+
+
+def pack_split(data: LMDataConfig, cache_dir: str, split: str, files: Sequence[str],
+               tokenizer: LMTokenizer, documents: Any, write: bool = True) -> PackedSplit:
+    """The packed rows of ``split``, read from ``{cache_dir}/{split}-{key}.npz`` when an equal
+    packing is cached, else packed from ``documents()`` (a callable returning the documents:
+    read only when needed) and cached (when ``write``)."""
+    key = lm_packing_key(data, split, files, tokenizer)
+    cached = text.load_packed(cache_dir, split, key)
+    if cached is not None:
+        tokens, segments, stats = cached
+        logger.info("%s: %d packed rows read from the cache (%s)", split, len(tokens), cache_dir)
+    else:
+        docs = documents()
+        doc_bytes = document_bytes(docs)
+        tokens, segments = pack_documents(encode_documents(tokenizer, docs), data.seq_len)
+        stats = {"documents": len(docs), "sequences": len(tokens),
+                 "targets": int(target_mask(segments).sum()), "bytes": int(doc_bytes.sum()),
+                 "doc_bytes": doc_bytes.tolist()}
+        if write:
+            text.save_packed(cache_dir, split, key, tokens, segments, stats)
+    stats = {k: v for k, v in stats.items() if k != "key"}
+    bytes_per_row = row_bytes(segments, np.asarray(stats.pop("doc_bytes"), np.int64))
+    return PackedSplit(tokens, segments, bytes_per_row, stats)
+
+
+# ------------------------------------------------------------------------------------ batches
+
+
+def _batch(tokens: np.ndarray, segments: np.ndarray, nbytes: np.ndarray) -> dict[str, np.ndarray]:
+    return {"tokens": tokens.astype(np.int32), "segments": segments.astype(np.int32),
+            "bytes": nbytes.astype(np.float32)}
+
+
+class LMBatches:
+    """Endless, resumable stream of packed rows: every epoch visits them in a fresh order drawn
+    from ``(seed, epoch)``, so the stream is a function of the seed and its position
+    (:meth:`state` / :meth:`restore`): exact resumption. Each of several processes keeps its
+    rows ``[process_index * rows, (process_index + 1) * rows)`` of every global batch."""
+
+    def __init__(self, split: PackedSplit, batch_size: int, *, seed: int,
+                 process_index: int = 0, process_count: int = 1):
+        if batch_size % process_count:
+            raise ValueError(f"batch size {batch_size} is not divisible by the {process_count} "
+                             "processes")
+        if len(split.tokens) < batch_size:
+            raise ValueError(f"the training text packs into {len(split.tokens)} rows, fewer "
+                             f"than one batch of {batch_size}: use more text "
+                             "(config.data.train_articles), or a smaller batch or seq_len")
+        self.split, self.batch_size, self.seed = split, batch_size, seed
+        rows = batch_size // process_count
+        self.rows = slice(process_index * rows, (process_index + 1) * rows)
+        self.batches_per_epoch = len(split.tokens) // batch_size  # the last partial one dropped
+        self.epoch, self.index = 0, 0
+        self._order = self._epoch_order(0)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, 41, epoch]).permutation(len(self.split.tokens))
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order = self._epoch_order(self.epoch)
+
+    def __iter__(self) -> LMBatches:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self.index == self.batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._epoch_order(self.epoch)
+        rows = self._order[self.index * self.batch_size: (self.index + 1) * self.batch_size]
+        self.index += 1
+        s = self.split
+        batch = _batch(s.tokens[rows], s.segments[rows], s.row_bytes[rows])
+        return {k: v[self.rows] for k, v in batch.items()}
+
+
+def eval_batches(split: PackedSplit, batch_size: int, *, process_index: int = 0,
+                 process_count: int = 1) -> list[dict[str, np.ndarray]]:
+    """Fixed batches over every row of ``split`` (the last padded with empty rows)."""
+    batches = []
+    rows = batch_size // process_count
+    own = slice(process_index * rows, (process_index + 1) * rows)
+    s = split
+    for start in range(0, len(s.tokens), batch_size):
+        t, g, b = (a[start: start + batch_size] for a in (s.tokens, s.segments, s.row_bytes))
+        pad = batch_size - len(t)
+        if pad:
+            t = np.concatenate([t, np.zeros((pad, t.shape[1]), np.int32)])
+            g = np.concatenate([g, np.zeros((pad, g.shape[1]), np.int32)])
+            b = np.concatenate([b, np.zeros((pad,), np.float32)])
+        batches.append({k: v[own] for k, v in _batch(t, g, b).items()})
+    return batches
+
+
+# --------------------------------------------------------------------------- unigram baseline
+
+
+def unigram_log_probs(train: PackedSplit, vocab_size: int) -> np.ndarray:
+    """float64 ``[V]``: log-probabilities of the unigram model of the training targets
+    (add-one smoothed, so every token has a probability)."""
+    targets = train.tokens[:, 1:][target_mask(train.segments)]
+    counts = np.bincount(targets, minlength=vocab_size)[:vocab_size].astype(np.float64) + 1.0
+    return np.log(counts / counts.sum())
+
+
+def unigram_metrics(log_probs: np.ndarray, split: PackedSplit, prefix: str) -> dict[str, float]:
+    """``{prefix}_ppl`` and ``{prefix}_bits_per_byte`` of the unigram model on ``split``."""
+    targets = split.tokens[:, 1:][target_mask(split.segments)]
+    nll = -float(np.sum(log_probs[targets]))
+    return {f"{prefix}_ppl": math.exp(nll / max(len(targets), 1)),
+            f"{prefix}_bits_per_byte": nll / (math.log(2) * max(float(split.row_bytes.sum()),
+                                                                1.0))}

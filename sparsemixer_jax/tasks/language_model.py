@@ -1,0 +1,384 @@
+"""Language modelling: a decoder-only MoE model
+(:class:`~sparsemixer_jax.models.causal_lm.CausalLM`) trained on packed documents by the one
+training loop, from scratch (the project's SentencePiece) or fine-tuned from a Hugging Face
+checkpoint (``config.init_from``, its own tokenizer).
+
+``train_lm(config, workdir)`` is the whole run: next-token loss plus the routers' auxiliary
+losses, validation perplexity and bits per byte on held-out text, and at the end the second
+held-out set (WikiText-2), the unigram baseline and generated text. :func:`export_run` writes a
+run's checkpoint as a Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from sparsemixer_jax import config as config_schema
+from sparsemixer_jax import sharding
+from sparsemixer_jax.data import lm_text, text
+from sparsemixer_jax.models.causal_lm import CausalLM
+from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.routers import RouterConfig
+from sparsemixer_jax.section import cast
+from sparsemixer_jax.tasks import check_loop_sections
+from sparsemixer_jax.tasks.lm_sections import (
+    INIT_ROUTERS,
+    LMModelConfig,
+    SampleConfig,
+    check_router_for_lm,
+    from_scratch_config,
+    model_overrides,
+    router_overrides,
+)
+from sparsemixer_jax.training import Run, TaskData, train
+from sparsemixer_jax.training.hosts import is_main_process, wait_for_all_processes
+from sparsemixer_jax.training.loop import build_steps, evaluate
+
+logger = logging.getLogger(__name__)
+
+_SUMS = ("nll", "tokens", "correct", "bytes")
+
+
+def next_token_sums(logits: jax.Array, tokens: jax.Array, segments: jax.Array,
+                    row_bytes: jax.Array) -> dict[str, jax.Array]:
+    """Sums over the targets of packed rows (:func:`sparsemixer_jax.data.lm_text.target_mask`):
+    ``nll``, ``tokens``, ``correct`` (argmax hits) and ``bytes`` (their text's UTF-8 bytes).
+
+    ``logits`` float32 ``[B, T, V]``; ``tokens``, ``segments`` int ``[B, T]``; ``row_bytes``
+    ``[B]``."""
+    targets = tokens[:, 1:]
+    weights = ((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)).astype(
+        jnp.float32)
+    log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    correct = (jnp.argmax(logits[:, :-1], axis=-1) == targets).astype(jnp.float32)
+    return {"nll": jnp.sum(nll * weights), "tokens": jnp.sum(weights),
+            "correct": jnp.sum(correct * weights), "bytes": jnp.sum(row_bytes)}
+
+
+def _forward(model: CausalLM, batch, deterministic: bool):
+    segments = batch["segments"]
+    return model.forward(batch["tokens"], segment_ids=segments, token_mask=segments != 0,
+                         deterministic=deterministic)
+
+
+def per_token_metrics(nll: float, tokens: float, nbytes: float, prefix: str) -> dict[str, float]:
+    """``{prefix}_loss`` (mean NLL), ``_ppl`` and ``_bits_per_byte``."""
+    loss = nll / max(tokens, 1.0)
+    return {f"{prefix}_loss": loss, f"{prefix}_ppl": math.exp(min(loss, 700.0)),
+            f"{prefix}_bits_per_byte": nll / (math.log(2) * max(nbytes, 1.0))}
+
+
+@dataclasses.dataclass(frozen=True)
+class LMTask:
+    """The language-modelling task (:class:`sparsemixer_jax.training.Task`).
+
+    ``lm`` is the model's config: built from ``config.model`` for a run from scratch, or read
+    from the checkpoint's ``config.json`` for fine-tuning (``init_from``), both before anything
+    is read or written.
+    """
+
+    lm: LMConfig
+    router: RouterConfig
+    data: lm_text.LMDataConfig
+    sample: SampleConfig
+    init_from: str = ""
+
+    batch_keys = ("tokens", "segments", "bytes")
+    progress_keys = ("loss", "ppl")
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> LMTask:
+        """Every section, each checked, and the rules between them: a ValueError naming the
+        first bad field (or what is wrong with ``init_from``)."""
+        config_schema.validate_sections(config)
+        model = LMModelConfig.from_config(config.model)
+        router = RouterConfig.from_config(config.router)
+        data = lm_text.LMDataConfig.from_config(config)
+        sample = SampleConfig.from_config(config.sample)
+        init_from = cast(str, config.init_from, "config.init_from")
+        init_router = cast(str, config.init_router, "config.init_router")
+        if init_router not in INIT_ROUTERS:
+            raise ValueError(f"config.init_router={init_router!r}; choose one of {INIT_ROUTERS}")
+        check_loop_sections(config)
+        if init_from:
+            lm = _checkpoint_config(init_from, router, model, init_router)
+        else:
+            config_schema.validate(config)
+            lm = from_scratch_config(model, router, data.vocab_size)
+        return cls(lm, router, data, sample, init_from)
+
+    # -- in the compiled steps
+
+    def loss(self, model: CausalLM, batch, key):
+        """The token-summed next-token NLL plus the auxiliary losses, and metric sums."""
+        # The scanned stacks hold one key per layer: match_shape splits the new one to them.
+        nnx.reseed(model, policy="match_shape", router=key)
+        out = _forward(model, batch, deterministic=False)
+        sums = next_token_sums(out.logits, batch["tokens"], batch["segments"], batch["bytes"])
+        router, tokens = self.router, sums["tokens"]
+        aux = router.balance_weight * out.aux["balance_loss"] + \
+            router.z_loss_weight * out.aux["z_loss"]
+        # As in translation: "per_token" weights the micro-batch's auxiliary losses by its
+        # tokens (the update's objective is mean NLL + weight * loss), "per_batch" adds them once.
+        aux_scale = tokens if router.balance_normalization == "per_token" else 1.0
+        metrics = {**sums, "balance_loss": out.aux["balance_loss"] * tokens,
+                   "z_loss": out.aux["z_loss"] * tokens}
+        return sums["nll"] + aux * aux_scale, metrics
+
+    def summarize(self, m):
+        tokens = jnp.maximum(m["tokens"], 1.0)
+        loss = m["nll"] / tokens
+        return tokens, {
+            "loss": loss,
+            "ppl": jnp.exp(jnp.minimum(loss, 700.0)),
+            "bits_per_byte": m["nll"] / (math.log(2) * jnp.maximum(m["bytes"], 1.0)),
+            "accuracy": m["correct"] / tokens,
+            "balance_loss": m["balance_loss"] / tokens,
+            "z_loss": m["z_loss"] / tokens,
+            "tokens": m["tokens"],
+        }
+
+    def evaluate(self, model: CausalLM, batch, key):
+        del key  # the deterministic forward draws nothing
+        out = _forward(model, batch, deterministic=True)
+        return next_token_sums(out.logits, batch["tokens"], batch["segments"], batch["bytes"])
+
+    # -- on the host
+
+    def tokenizer(self, workdir: str, paragraphs=None) -> lm_text.LMTokenizer:
+        """The run's tokenizer: the checkpoint's ``tokenizer.json``, or ``{workdir}/spm.model``
+        (trained on ``paragraphs()`` on first use)."""
+        if self.init_from:
+            from sparsemixer_jax import hf
+
+            return lm_text.HFTokenizerLM(hf.load_tokenizer(self.init_from),
+                                         os.path.join(self.init_from, "tokenizer.json"),
+                                         lm_text.hf_bos_id(self.lm.hf))
+        d = self.data
+        needed = not os.path.exists(os.path.join(workdir, "spm.model"))
+        spm = text.get_text_tokenizer(
+            text.TextDataConfig(train=d.train, valid="", vocab_size=d.vocab_size, seq_len=8,
+                                batch_size=1, seed=d.seed,
+                                vocab_sample_sentences=d.vocab_sample_sentences,
+                                spm_model_type=d.spm_model_type,
+                                character_coverage=d.character_coverage),
+            workdir, paragraphs() if needed and paragraphs is not None else ())
+        return lm_text.SentencePieceLM(spm)
+
+    def load_data(self, config, workdir: str, batch_multiple: int) -> TaskData:
+        """Reads the documents (only when the packing cache lacks them), trains the vocabulary
+        on first use, packs every split."""
+        del batch_multiple  # data.batch_size is checked against the mesh by the MoE layer
+        d = self.data
+        documents: dict[str, Any] = {}
+
+        def split(name: str):
+            if not documents:
+                documents["train"], documents["valid"] = lm_text.split_documents(
+                    d, text.read_documents(d.train))
+            return documents[name]
+
+        if not is_main_process():  # process 0 trains the vocabulary, the others then read it
+            wait_for_all_processes("vocabulary ready")
+        tokenizer = self.tokenizer(workdir, lambda: [p for doc in split("train") for p in doc])
+        if is_main_process():
+            wait_for_all_processes("vocabulary ready")
+        if self.init_from:
+            check_tokenizer_fits(tokenizer, self.lm.vocab_size, self.init_from)
+        cache = os.path.join(workdir, "packed")
+        files = text.text_files(d.train)
+        write = is_main_process()
+        train_split = lm_text.pack_split(d, cache, "lm-train", files, tokenizer,
+                                         lambda: split("train"), write)
+        valid_split = lm_text.pack_split(d, cache, "lm-valid", files, tokenizer,
+                                         lambda: split("valid"), write)
+        held_out = {}
+        for file in text.text_files(d.wikitext) if d.wikitext else ():
+            name = lm_text.held_out_name(file)
+            held_out[name] = lm_text.pack_split(d, cache, f"lm-wikitext-{name}", [file],
+                                                tokenizer, lambda f=file: text.read_documents(f),
+                                                write)
+        processes = {"process_index": jax.process_index(), "process_count": jax.process_count()}
+        batches = lm_text.LMBatches(train_split, d.micro, seed=d.seed, **processes)
+        valid = lm_text.eval_batches(valid_split, d.eval_rows, **processes)
+        stats = {"train": train_split.stats, "valid": valid_split.stats,
+                 **{f"wikitext_{k}": v.stats for k, v in held_out.items()}}
+        extra = {"tokenizer": tokenizer, "held_out": held_out, "valid_split": valid_split,
+                 "unigram": lm_text.unigram_log_probs(train_split, self.lm.vocab_size)}
+        return TaskData(train=batches, valid=valid, vocab_size=self.lm.vocab_size, stats=stats,
+                        micro_batches=d.batch_size // d.micro, extra=extra)
+
+    def build_model(self, config, vocab_size: int, mesh) -> CausalLM:
+        """From scratch: a fresh model seeded from ``config.seed``; fine-tuning: the
+        checkpoint's weights. In training mode either way."""
+        del vocab_size  # the LMConfig's (checked against the tokenizer)
+        seed = config.seed
+        if self.init_from:
+            from sparsemixer_jax import hf
+
+            model, _ = hf.load_pretrained(self.init_from, seed=seed, mesh=mesh,
+                                          **_changes(self.lm, self.init_from))
+        else:
+            model = CausalLM(self.lm, mesh=mesh, rngs=nnx.Rngs(params=seed, router=seed + 2))
+            if mesh is not None:
+                sharding.shard_state(model, mesh)
+        model.train()
+        return model
+
+    def validation_metrics(self, total) -> dict[str, float]:
+        t = {k: float(total[k]) for k in _SUMS}
+        return {**per_token_metrics(t["nll"], t["tokens"], t["bytes"], "valid"),
+                "valid_accuracy": t["correct"] / max(t["tokens"], 1.0),
+                "valid_tokens": t["tokens"], "valid_bytes": t["bytes"]}
+
+    def finish(self, run: Run) -> dict[str, Any]:
+        """The second held-out set, the unigram baseline and the generated sample."""
+        extra = run.data.extra
+        key = jax.random.key(run.config.seed + 5)
+        out = lm_text.unigram_metrics(extra["unigram"], extra["valid_split"], "unigram")
+        d = self.data
+        for name, split in extra["held_out"].items():
+            batches = lm_text.eval_batches(split, d.eval_rows,
+                                           process_index=jax.process_index(),
+                                           process_count=jax.process_count())
+            metrics = evaluate(run.steps, run.state, batches, run.place, self, key)
+            for k in ("loss", "ppl", "bits_per_byte"):
+                out[f"wikitext_{name}_{k}"] = metrics[f"valid_{k}"]
+            out.update(lm_text.unigram_metrics(extra["unigram"], split,
+                                               f"wikitext_{name}_unigram"))
+        if self.sample.tokens and jax.process_count() == 1:
+            out["samples"] = generate_samples(run.steps.model(run.state), extra["tokenizer"],
+                                              self.sample, run.config.seed)
+            if is_main_process():
+                with open(os.path.join(run.workdir, "sample.txt"), "w") as f:
+                    f.write("\n\n".join(out["samples"]) + "\n")
+        return out
+
+
+def _changes(lm: LMConfig, path: str) -> dict[str, Any]:
+    """The fields of ``lm`` that differ from the checkpoint's own config (the overrides)."""
+    from sparsemixer_jax import hf
+
+    own = hf.from_hf(hf.read_config(path))
+    return {f.name: getattr(lm, f.name) for f in dataclasses.fields(LMConfig)
+            if getattr(lm, f.name) != getattr(own, f.name)}
+
+
+def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
+                       init_router: str) -> LMConfig:
+    """The :class:`LMConfig` a fine-tuning run trains: the checkpoint's, with the model
+    section's dispatch and compute settings and (``init_router="config"``) the router section.
+    One-line ValueErrors for a directory that is not a checkpoint, an unsupported type, a
+    refused key, a missing shard or tokenizer."""
+    from sparsemixer_jax import hf
+    from sparsemixer_jax.hf.checkpoint import weight_files
+
+    where = f"config.init_from={path!r}"
+    try:
+        cfg = hf.read_config(path)
+        overrides = model_overrides(model)
+        if init_router == "config":
+            check_router_for_lm(router, cfg.get("model_type", ""))
+            overrides.update(router_overrides(router, cfg.get("model_type", "")))
+        lm = hf.from_hf(cfg, **overrides)
+        weight_files(path)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise ValueError(f"{where}: no tokenizer.json (fine-tuning tokenizes with the "
+                         "checkpoint's own tokenizer)")
+    return lm
+
+
+def check_tokenizer_fits(tokenizer: lm_text.HFTokenizerLM, vocab_size: int, path: str) -> None:
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"{path!r}: tokenizer.json has {tokenizer.vocab_size} tokens but the "
+                         f"model's vocab_size is {vocab_size}")
+
+
+def generate_samples(model: CausalLM, tokenizer: lm_text.LMTokenizer, sample: SampleConfig,
+                     seed: int) -> list[str]:
+    """``prompt + continuation`` for each prompt of ``sample`` (deterministic routing)."""
+    from sparsemixer_jax.models.lm_generate import generate
+
+    model.eval()
+    texts = []
+    key = jax.random.key(seed + 7)
+    for i, prompt in enumerate(sample.prompts()):
+        ids = [tokenizer.bos_id] + (tokenizer.encode_batch([prompt])[0] if prompt else [])
+        out = generate(model, jnp.asarray([ids], jnp.int32), sample.tokens,
+                       temperature=sample.temperature, top_k=sample.top_k or None,
+                       key=jax.random.fold_in(key, i) if sample.temperature else None)
+        continuation = [int(t) for t in np.asarray(out[0, len(ids):])]
+        if tokenizer.bos_id in continuation:  # a new document: the sample ends there
+            continuation = continuation[: continuation.index(tokenizer.bos_id)]
+        texts.append(tokenizer.decode(ids[1:] + continuation))
+    return texts
+
+
+def train_lm(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+    """Trains (resuming from ``workdir`` if it holds a checkpoint); writes results.json.
+
+    Raises ValueError (one line) for a bad config or checkpoint before anything is written,
+    :class:`sparsemixer_jax.training.TrainingDiverged` if the loss becomes non-finite."""
+    task = LMTask.from_config(config)
+    task.data.check_files()
+    return train(task, config, workdir)
+
+
+# ------------------------------------------------------------------------------------ export
+
+
+def export_run(workdir: str, out_dir: str, checkpoint: str = "last",
+               dtype: str = "float32") -> dict[str, Any]:
+    """Writes the ``checkpoint`` (``"last"`` or ``"best"``) of the language-modelling run in
+    ``workdir`` as a Hugging Face directory (:func:`sparsemixer_jax.hf.save_pretrained`).
+
+    A fine-tuned run writes the checkpoint's ``tokenizer.json`` too; a run from scratch copies
+    its SentencePiece model as ``spm.model`` (documents start with its id 1). Returns what was
+    written: ``{"step", "model_type", "files"}``. One-line errors for a workdir that is not a
+    language-modelling run or holds no such checkpoint.
+    """
+    from sparsemixer_jax import hf
+    from sparsemixer_jax.checkpoint import list_checkpoints
+    from sparsemixer_jax.training.state import restore_checkpoint
+
+    if checkpoint not in ("best", "last"):
+        raise ValueError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
+    config_path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{config_path} not found: is {workdir} a run of experiments.lm?")
+    with open(config_path) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    if config_schema.task_of(config) != "lm":
+        raise ValueError(f"{workdir} holds a {config_schema.task_of(config)} run, not a "
+                         "language-modelling run (experiments.lm)")
+    if not list_checkpoints(workdir, checkpoint):
+        raise FileNotFoundError(f"{workdir} holds no {checkpoint} checkpoint yet")
+    task = LMTask.from_config(config)
+    steps = build_steps(task, config, task.lm.vocab_size, sharding.mesh_from_config(config))
+    restored = restore_checkpoint(workdir, steps.abstract_state(), checkpoint)
+    if restored is None:
+        raise FileNotFoundError(f"{workdir} holds no {checkpoint} checkpoint")
+    model = steps.model(restored.state)
+    tokenizer = None
+    if task.init_from:
+        tokenizer = hf.load_tokenizer(task.init_from)
+    hf.save_pretrained(model, task.lm, out_dir, dtype=dtype, tokenizer=tokenizer)
+    if not task.init_from:
+        shutil.copyfile(os.path.join(workdir, "spm.model"), os.path.join(out_dir, "spm.model"))
+    return {"step": restored.step, "model_type": task.lm.model_type,
+            "files": sorted(os.listdir(out_dir))}

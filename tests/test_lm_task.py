@@ -1,0 +1,400 @@
+"""The language-modelling task: packing, the metrics, every guarantee of the loop (exact resume,
+SIGTERM, one run per workdir, corrupt-checkpoint fallback), fine-tuning a converted checkpoint,
+the export to a Hugging Face directory, one-line errors.
+
+The from-scratch runs use ``tests/tiny_lm_config.py`` on a generated corpus (one row shape:
+each step function compiles once and the module's runs share it); fine-tuning uses the tiny
+Mixtral of ``tests/data/hf/mixtral`` with a word-level ``tokenizer.json`` made here.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparsemixer_jax import hf, training
+from sparsemixer_jax.data import lm_text, text
+from sparsemixer_jax.tasks import language_model
+from sparsemixer_jax.tasks.language_model import LMTask, train_lm
+from sparsemixer_jax.training.preemption import Stopped
+from sparsemixer_jax.training.state import restore_checkpoint
+from sparsemixer_jax.training.workdir_lock import WorkdirInUse, WorkdirLock
+from tests import kit, tiny_lm_config
+from tests.test_preemption import SignalOnFetch
+from tests.tiny_lm_config import tiny
+
+
+@nnx.jit
+def logits_of(model, ids):
+    return model(ids)
+
+
+HF_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf")
+
+# The resume test every training task runs, here with this module's ``task`` and ``task_steps``.
+test_extending_a_run_equals_the_uninterrupted_run = (
+    kit.test_extending_a_run_equals_the_uninterrupted_run)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return tiny_lm_config.write_corpus(str(tmp_path_factory.mktemp("corpus")))
+
+
+@pytest.fixture(scope="module")
+def task(corpus):
+    """The LM task for the shared ``straight_run`` fixture and resume test (tests/kit)."""
+    return kit.Task("lm", lambda workdir, **o: train_lm(tiny(corpus, **o), workdir))
+
+
+@pytest.fixture(scope="module")
+def task_steps(corpus, straight_run):
+    """The steps of the tiny model: the template checkpoints are read into."""
+    config = tiny(corpus)
+    return training.build_steps(LMTask.from_config(config), config, config.data.vocab_size)
+
+
+# ------------------------------------------------------------------------------------ packing
+
+
+def test_packing_predicts_every_document_token_once_within_its_document():
+    docs = [np.arange(10, 10 + n, dtype=np.int32) for n in (1, 7, 3, 12)]
+    encoded = [np.concatenate([[1], d]) for d in docs]
+    tokens, segments = lm_text.pack_documents(encoded, seq_len=6)
+    targets = lm_text.target_mask(segments)
+    # Rows overlap by one token: row r starts where row r - 1 ended.
+    np.testing.assert_array_equal(tokens[1:, 0], tokens[:-1, -1][: len(tokens) - 1])
+    predicted = tokens[:, 1:][targets]
+    np.testing.assert_array_equal(predicted, np.concatenate(docs))  # each once, in order
+    # A target's previous token is of its own document.
+    assert np.all(segments[:, :-1][targets] == segments[:, 1:][targets])
+    nbytes = np.asarray([5, 70, 30, 120])
+    per_row = lm_text.row_bytes(segments, nbytes)
+    assert per_row.sum() == pytest.approx(nbytes.sum())
+
+
+def test_split_documents_holds_out_the_last_articles_and_caps_the_training_ones(corpus):
+    documents = text.read_documents(os.path.join(corpus, "wiki.txt"))
+    data = lm_text.LMDataConfig.from_config(tiny(corpus, **{"data.train_articles": 10}))
+    train, valid = lm_text.split_documents(data, documents)
+    assert valid == documents[-6:] and train == documents[:10]
+    with pytest.raises(ValueError, match="valid_articles=60 leaves none to train on"):
+        lm_text.split_documents(dataclasses.replace(data, valid_articles=60), documents)
+
+
+def test_packed_documents_do_not_see_each_other(task_steps):
+    """The task's loss on two documents packed in one row equals their losses each alone (the
+    run's compiled evaluation step, on the fresh model)."""
+    a, b = [1, 7, 8, 9, 10, 11], [1, 20, 21, 22, 23, 24, 25, 26, 27]
+
+    def rows(*docs):
+        tokens, segments = np.zeros((4, 16), np.int32), np.zeros((4, 16), np.int32)
+        for r, doc in enumerate(docs):
+            ids = [t for d in doc for t in d]
+            tokens[r, :len(ids)] = ids
+            segments[r, :len(ids)] = np.repeat(np.arange(1, len(doc) + 1), [len(d) for d in doc])
+        return {"tokens": jnp.asarray(tokens), "segments": jnp.asarray(segments),
+                "bytes": jnp.zeros((4,), jnp.float32)}
+
+    state, key = task_steps.init_state(), jax.random.key(0)
+    together = task_steps.evaluate(state, rows([a, b]), key)
+    alone = task_steps.evaluate(state, rows([a], [b]), key)
+    assert float(together["tokens"]) == float(alone["tokens"]) == len(a) + len(b) - 2
+    np.testing.assert_allclose(together["nll"], alone["nll"], rtol=1e-6)
+    # Without segment ids the second document would see the first: a different loss.
+    mixed = rows([a + b])
+    mixed["segments"] = jnp.where(mixed["segments"] > 0, 1, 0)
+    mixed_nll = task_steps.evaluate(state, mixed, key)["nll"]
+    assert abs(float(mixed_nll) - float(together["nll"])) > 1e-3
+
+
+# ------------------------------------------------------------------------------- a whole run
+
+
+def test_a_run_reports_perplexity_bits_per_byte_the_unigram_baseline_and_a_sample(
+        corpus, straight_run):
+    workdir, results = straight_run
+    assert results["steps"] == 6
+    steps = [r for r in kit.read_metrics(workdir) if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    for r in steps:
+        assert r["ppl"] == pytest.approx(math.exp(r["loss"]), rel=1e-5)
+        assert np.isfinite(r["balance_loss"]) and r["balance_loss"] > 0
+    # The held-out bytes are the last 6 articles' text, counted independently here.
+    held_out = text.read_documents(os.path.join(corpus, "wiki.txt"))[-6:]
+    assert results["valid_bytes"] == pytest.approx(
+        sum(len("\n".join(doc).encode()) for doc in held_out), rel=1e-6)
+    assert results["valid_ppl"] == pytest.approx(math.exp(results["valid_loss"]))
+    assert results["valid_bits_per_byte"] == pytest.approx(
+        results["valid_loss"] * results["valid_tokens"] / (math.log(2) * results["valid_bytes"]))
+    # The unigram baseline, recomputed from the packed training rows.
+    tokenizer = lm_text.SentencePieceLM(text.Tokenizer(os.path.join(workdir, "spm.model")))
+    train_docs = text.read_documents(os.path.join(corpus, "wiki.txt"))[:-6]
+    ids = np.concatenate([e[1:] for e in lm_text.encode_documents(tokenizer, train_docs)])
+    counts = np.bincount(ids, minlength=120) + 1.0
+    valid_ids = np.concatenate([e[1:] for e in lm_text.encode_documents(tokenizer, held_out)])
+    expected = math.exp(-np.mean(np.log(counts / counts.sum())[valid_ids]))
+    assert results["unigram_ppl"] == pytest.approx(expected, rel=1e-9)
+    for key in ("wikitext_test_ppl", "wikitext_test_bits_per_byte", "wikitext_test_unigram_ppl"):
+        assert np.isfinite(results[key]) and results[key] > 0, key
+    with open(os.path.join(workdir, "sample.txt")) as f:
+        assert f.read().startswith("The river")
+    assert results["samples"][0].startswith("The river")
+
+
+def test_sigterm_checkpoints_the_step_and_the_rerun_ends_like_the_straight_run(
+        corpus, straight_run, tmp_path, task_steps, last_checkpoint, monkeypatch):
+    load_data = LMTask.load_data
+
+    def signalled(self, config, workdir, batch_multiple):  # SIGTERM at step 4's first batch
+        data = load_data(self, config, workdir, batch_multiple)
+        return dataclasses.replace(data, train=SignalOnFetch(data.train, 4, signal.SIGTERM))
+
+    # Patched on the class: the task stays equal to the straight run's, so is its compiled step.
+    config, workdir = tiny(corpus), str(tmp_path / "stopped")
+    monkeypatch.setattr(LMTask, "load_data", signalled)
+    with pytest.raises(Stopped) as stop:
+        train_lm(config, workdir)
+    monkeypatch.undo()
+    assert stop.value.step == 4
+    assert last_checkpoint(workdir, task_steps)[1]["step"] == 4
+    resumed = train_lm(config, workdir)
+    assert resumed["valid_loss"] == straight_run[1]["valid_loss"]
+    params, _ = last_checkpoint(workdir, task_steps)
+    expected, _ = last_checkpoint(straight_run[0], task_steps)
+    jax.tree.map(np.testing.assert_array_equal, params, expected)
+
+
+def test_corrupt_newest_checkpoints_fall_back_and_end_like_the_straight_run(
+        corpus, straight_run, tmp_path, task_steps, last_checkpoint):
+    copy = str(tmp_path / "copy")
+    shutil.copytree(straight_run[0], copy)
+    for kind in ("last", "best"):
+        os.remove(os.path.join(copy, "checkpoints", kind, "6", "state", "_METADATA"))
+    results = train_lm(tiny(corpus), copy)
+    assert results["valid_loss"] == straight_run[1]["valid_loss"]
+    assert sorted(os.listdir(os.path.join(copy, "checkpoints", "unreadable"))) == [
+        "best-6", "last-6"]
+    params, _ = last_checkpoint(copy, task_steps)
+    expected, _ = last_checkpoint(straight_run[0], task_steps)
+    jax.tree.map(np.testing.assert_array_equal, params, expected)
+
+
+def test_one_run_per_workdir(corpus, tmp_path):
+    workdir = str(tmp_path / "held")
+    os.makedirs(workdir)
+    lock = WorkdirLock(workdir)
+    try:
+        with pytest.raises(WorkdirInUse):
+            train_lm(tiny(corpus), workdir)
+    finally:
+        lock.release()
+    assert not os.path.exists(os.path.join(workdir, "config.json"))
+
+
+def test_export_then_load_pretrained_gives_the_trained_models_logits(
+        corpus, straight_run, tmp_path, task_steps, last_checkpoint):
+    out = str(tmp_path / "hf")
+    written = language_model.export_run(straight_run[0], out)
+    assert written["step"] == 6 and {"config.json", "model.safetensors",
+                                     "spm.model"} <= set(written["files"])
+    saved = hf.read_config(out)
+    assert saved["model_type"] == "mixtral" and hf.from_hf(saved).router == "switch"
+    params, _ = last_checkpoint(straight_run[0], task_steps)
+    trained = task_steps.model(training.TrainState(0, params, {}, None))
+    trained.eval()
+    # config.json reads back as the trained model's config (with the router the run used: the
+    # type's own top-2 softmax routes otherwise than SparseMixer's masked argmax).
+    routed = {"router": trained.config.router, "jitter_eps": trained.config.jitter_eps}
+    assert hf.from_hf(saved, **routed).replace(hf_config="") == \
+        trained.config.replace(hf_config="")
+    exported, _ = hf.load_pretrained(out, hf_config=trained.config.hf_config, **routed)
+    ids = jnp.asarray([[1, 9, 30, 31, 60, 7, 8, 99]])
+    np.testing.assert_allclose(logits_of(exported, ids), logits_of(trained, ids), rtol=1e-5,
+                               atol=1e-6)
+
+
+# ------------------------------------------------------------------------------- fine-tuning
+
+
+def _word_tokenizer(corpus: str, vocab_limit: int):
+    """A lower-cased word-level ``tokenizers.Tokenizer`` of the corpus' words (ids below
+    ``vocab_limit``)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    documents = text.read_documents(os.path.join(corpus, "wiki.txt"))
+    words = sorted({w for doc in documents for p in doc
+                    for w in p.lower().replace(".", " .").split()})
+    vocab = {"<s>": 0, "<unk>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    assert len(vocab) <= vocab_limit
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(corpus, tmp_path_factory):
+    """``tests/data/hf/mixtral`` with a word-level ``tokenizer.json``."""
+    path = str(tmp_path_factory.mktemp("ckpt") / "mixtral")
+    shutil.copytree(os.path.join(HF_DATA, "mixtral"), path)
+    _word_tokenizer(corpus, 97).save(os.path.join(path, "tokenizer.json"))
+    return path
+
+
+def _finetune_config(corpus, checkpoint, **overrides):
+    return tiny(corpus, init_from=checkpoint, train_steps=2, eval_every=2, checkpoint_every=2,
+                **{"data.wikitext": "", "sample.tokens": 0, **overrides})
+
+
+def test_fine_tuning_starts_from_the_checkpoint_with_its_tokenizer(corpus, checkpoint, tmp_path):
+    """The fast counterpart of the fine-tuning run below: the model and data a fine-tuning run
+    starts from (nothing compiled)."""
+    config = _finetune_config(corpus, checkpoint)
+    task = LMTask.from_config(config)
+    assert task.lm.model_type == "mixtral" and task.lm.router == "switch"  # the checkpoint's
+    original, _ = hf.load_pretrained(checkpoint)
+    start = task.build_model(config, task.lm.vocab_size, None)
+    assert start.deterministic is False  # training mode
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(start, nnx.Param)),
+                 nnx.to_pure_dict(nnx.state(original, nnx.Param)))
+    data = task.load_data(config, str(tmp_path / "w"), 1)
+    tokenizer = data.extra["tokenizer"]
+    assert isinstance(tokenizer, lm_text.HFTokenizerLM) and tokenizer.bos_id == 0
+    assert not os.path.exists(tmp_path / "w" / "spm.model")
+    # The held-out rows hold the last documents' words, each document after a bos (id 0).
+    valid = data.extra["valid_split"]
+    first = valid.tokens[0][valid.segments[0] == 1]
+    held_out = text.read_documents(os.path.join(corpus, "wiki.txt"))[-6]
+    assert first[0] == 0 and tokenizer.decode(first[1:]) == \
+        " ".join(held_out).lower().replace(".", " .")[: len(tokenizer.decode(first[1:]))]
+    # The router section replaces the checkpoint's routing when asked to.
+    rerouted = LMTask.from_config(_finetune_config(corpus, checkpoint, init_router="config"))
+    assert (rerouted.lm.router, rerouted.lm.top_k) == ("sparsemixer_v2star", 2)
+
+
+@pytest.mark.slow  # fast counterpart: the test above (the model and data it starts from)
+def test_fine_tuning_a_converted_checkpoint_then_exporting_it(corpus, checkpoint, tmp_path):
+    config = _finetune_config(corpus, checkpoint)
+    task = LMTask.from_config(config)
+    original, _ = hf.load_pretrained(checkpoint)
+    workdir = str(tmp_path / "finetune")
+    results = train_lm(config, workdir)
+    assert results["steps"] == 2 and np.isfinite(results["valid_bits_per_byte"])
+    assert 1 < results["unigram_ppl"] < 97  # the word-level tokenizer's unigram model
+    out = str(tmp_path / "hf")
+    written = language_model.export_run(workdir, out)
+    assert "tokenizer.json" in written["files"]
+    exported, _ = hf.load_pretrained(out, hf_config=task.lm.hf_config)
+    steps = training.build_steps(task, config, task.lm.vocab_size)
+    trained = steps.model(restore_checkpoint(workdir, steps.abstract_state(), "last").state)
+    trained.eval()
+    ids = jnp.asarray([[0, 5, 6, 7, 8, 9]])
+    np.testing.assert_allclose(logits_of(exported, ids), logits_of(trained, ids), rtol=1e-5,
+                               atol=1e-6)
+    assert not np.allclose(logits_of(exported, ids), logits_of(original, ids))  # trained
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def _broken(checkpoint, tmp_path, name, change):
+    path = str(tmp_path / name)
+    shutil.copytree(checkpoint, path)
+    change(path)
+    return path
+
+
+def _edit_config(path, **changes):
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(file, "w") as f:
+        json.dump(cfg, f)
+
+
+def _missing_shard(path):
+    os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "part-1.safetensors"))
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {"a": "part-1.safetensors", "b": "part-2.safetensors"}}, f)
+
+
+def _wrong_shape(path):
+    from safetensors.numpy import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.norm.weight"] = np.ones((5,), np.float32)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_bad_checkpoints_are_one_line_errors_before_anything_is_written(
+        corpus, checkpoint, tmp_path):
+    cases = [
+        (str(tmp_path / "nowhere"), "is not a Hugging Face model directory"),
+        (_broken(checkpoint, tmp_path, "llama", lambda p: _edit_config(p, model_type="llama")),
+         "model_type 'llama' is not supported; supported: mixtral, qwen3_moe, olmoe"),
+        (_broken(checkpoint, tmp_path, "shard", _missing_shard),
+         "shard 'part-2.safetensors' named in model.safetensors.index.json is missing"),
+        (_broken(checkpoint, tmp_path, "notok",
+                 lambda p: os.remove(os.path.join(p, "tokenizer.json"))), "no tokenizer.json"),
+    ]
+    for path, message in cases:
+        workdir = str(tmp_path / "w")
+        with pytest.raises(ValueError) as error:
+            train_lm(tiny(corpus, init_from=path), workdir)
+        assert message in str(error.value) and "\n" not in str(error.value)
+        assert not os.path.exists(workdir)
+    # A tensor of the wrong shape is found while loading: named, on one line.
+    bad = _broken(checkpoint, tmp_path, "shape", _wrong_shape)
+    with pytest.raises(ValueError) as error:
+        train_lm(tiny(corpus, init_from=bad, **{"data.wikitext": ""}), str(tmp_path / "s"))
+    assert "tensor 'model.norm.weight' has shape [5], expected [16]" in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"model.hf_type": "llama"}, "config.model.hf_type='llama' is not supported; supported:"),
+    ({"model.dropout": 0.1}, "config.model.dropout=0.1: the language model has no dropout"),
+    ({"model.moe_every": 2}, "config.model.moe_every=2: mixtral routes every layer"),
+    ({"router.name": "switch"}, "config.router.normalize_top_k=False: mixtral renormalises"),
+    ({"data.seq_len": 2}, "config.data.seq_len must be >= 4"),
+    ({"init_router": "mine"}, "config.init_router='mine'; choose one of"),
+])
+def test_config_errors_are_one_line(corpus, override, message):
+    with pytest.raises(ValueError) as error:
+        LMTask.from_config(tiny(corpus, **override))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_command_reports_a_bad_checkpoint_on_one_line(corpus, tmp_path, capsys):
+    from absl import flags
+
+    from sparsemixer_jax import cli
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    with pytest.raises(SystemExit) as exit_:
+        cli.train_or_exit(train_lm, tiny(corpus, init_from=str(tmp_path)), str(tmp_path / "w"))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a Hugging Face model directory" in err
+
+
+def test_export_refuses_a_workdir_that_is_not_a_language_modelling_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"is .* a run of experiments\.lm\?"):
+        language_model.export_run(str(tmp_path), str(tmp_path / "out"))
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump({"task": "translation"}, f)
+    with pytest.raises(ValueError, match="holds a translation run, not a language-modelling"):
+        language_model.export_run(str(tmp_path), str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")
