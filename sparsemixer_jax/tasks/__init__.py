@@ -26,6 +26,7 @@ from sparsemixer_jax.sharding import MeshConfig
 TRAINERS = {
     "translation": ("sparsemixer_jax.tasks.translation", "train_and_evaluate"),
     "pretraining": ("sparsemixer_jax.tasks.pretraining", "pretrain"),
+    "lm": ("sparsemixer_jax.tasks.language_model", "train_lm"),
 }
 
 LOOP_FIELDS = ("train_steps", "eval_every", "checkpoint_every", "log_every")
