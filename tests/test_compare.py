@@ -124,7 +124,14 @@ def test_a_run_trains_its_configs_own_task(monkeypatch, tmp_path):
         tasks.train_task(glue_smoke.get_config(), str(tmp_path / "glue"))
 
 
-def _run(root, arm, seed, valid, finished=True, moe=True):
+def test_norm_modifier_sets_normalize_top_k_as_a_switch():
+    config = runner.make_config("configs/multi30k_compare.py", "switch_n8_eps0_norm1", 0, None)
+    assert config.router.normalize_top_k is True and config.router.jitter_eps == 0.0
+    with pytest.raises(ValueError, match="normalize_top_k is a switch"):
+        runner.make_config("configs/multi30k_compare.py", "switch_n8_norm2", 0, None)
+
+
+def _run(root, arm, seed, valid, finished=True, moe=True, results=None):
     """A run directory as train.py leaves it: config, metrics (with router metrics), results."""
     workdir = run_dir(str(root), arm, seed)
     os.makedirs(os.path.join(workdir, "checkpoints", "last"))
@@ -143,7 +150,7 @@ def _run(root, arm, seed, valid, finished=True, moe=True):
             f.write(json.dumps({"step": 10 * i, "valid_loss": loss}) + "\n")
     if finished:
         with open(os.path.join(workdir, "results.json"), "w") as f:
-            json.dump({"bleu": 1.0, "tokens_per_second": 10.0}, f)
+            json.dump(results or {"bleu": 1.0, "tokens_per_second": 10.0}, f)
     return workdir
 
 
@@ -174,6 +181,19 @@ def test_summary_from_compact_files_equals_summary_from_logs(tmp_path):
     plot_convergence(str(root), after, str(tmp_path / "curves.png"))
     plot_router(str(root), after, str(tmp_path / "router.png"))
     assert (tmp_path / "router.png").stat().st_size > 0
+
+
+def test_language_model_study_reports_perplexities_not_bleu(tmp_path):
+    arms = ["switch_n8_eps0", "sparsemixer_v2star_n8"]
+    for seed, ppl in ((0, 100.0), (1, 120.0)):
+        _run(tmp_path, arms[0], seed, [5.0, 4.7], results={"valid_ppl": ppl})
+        _run(tmp_path, arms[1], seed, [5.0, 4.6], results={"valid_ppl": ppl - 5 - seed})
+    summary = summarize(str(tmp_path), arms, [0, 1], versus=arms[0])
+    paired = summary["arms"][arms[1]]["paired_minus_target_arm"]
+    assert paired["valid_ppl"]["values"] == pytest.approx([-5.0, -6.0])
+    table = markdown(summary)
+    assert "valid ppl" in table and "BLEU" not in table
+    assert "-5.50 ± 0.50 (2/2)" in table  # lower perplexity is better
 
 
 def test_pack_then_unpack_makes_runs_count_as_done(tmp_path):

@@ -88,10 +88,14 @@ def _set_field(config, key: str, value) -> None:
     *parents, leaf = key.split(".")
     for part in parents:
         node = node[part]
+    current = node[leaf]
     if isinstance(value, str):  # from the command line: the field's own type
-        current = node[leaf]
         value = (value.lower() in ("1", "true", "yes")) if isinstance(current, bool) \
             else type(current)(value)
+    elif isinstance(current, bool) and not isinstance(value, bool):  # an arm's _norm1
+        if value not in (0, 1):
+            raise ValueError(f"{key} is a switch: 0 or 1, got {value!r}")
+        value = bool(value)
     node[leaf] = value
 
 

@@ -23,6 +23,16 @@ import numpy as np
 from lab.studies.arms import arm_settings, parse_arm, run_dir, run_state, target_arm
 from lab.studies.curves import read_run
 
+#: Final results a run writes that the summary reports, by key of ``results.json``:
+#: ``(column title, digits, which sign is better)``. Translation writes BLEU, the language model
+#: perplexities; a study shows the ones its runs have.
+RESULT_METRICS = {
+    "bleu": ("BLEU last", 2, "positive"),
+    "bleu_best": ("BLEU best", 2, "positive"),
+    "valid_ppl": ("valid ppl", 2, "negative"),
+    "wikitext_test_ppl": ("WikiText-2 test ppl", 2, "negative"),
+}
+
 
 def _mean_std(values: Sequence[float | None]) -> dict[str, Any]:
     """Mean, sample std (ddof=1) and standard error of the values that exist; n counts them,
@@ -138,7 +148,7 @@ def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
         entry["final_valid_loss"] = _mean_std([float(v[1][-1]) if len(v[1]) else None
                                                for v in valid])
         entry["final_step"] = _mean_std([float(v[0][-1]) if len(v[0]) else None for v in valid])
-        for key in ("bleu", "bleu_best", "best_valid_loss", "tokens_per_second"):
+        for key in (*RESULT_METRICS, "best_valid_loss", "tokens_per_second"):
             entry[key] = _mean_std([r["results"].get(key) for r in per_seed.values()])
         finals = [_final_diagnostics(r["curves"]["moe"]) for r in per_seed.values()]
         entry["final_router"] = {k: _mean_std([f.get(k) for f in finals])
@@ -164,15 +174,15 @@ def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
         reference = entry["target_arm"]
         if arm == reference or reference not in runs:
             continue
-        diffs: dict[str, list[float | None]] = {"final_valid_loss": [], "bleu": [],
-                                                "bleu_best": []}
+        diffs: dict[str, list[float | None]] = {"final_valid_loss": [],
+                                                **{key: [] for key in RESULT_METRICS}}
         for seed, run in runs.get(arm, {}).items():
             other = runs[reference].get(seed)
             if other is None:
                 continue
             diffs["final_valid_loss"].append(float(run["curves"]["valid"][1][-1])
                                              - float(other["curves"]["valid"][1][-1]))
-            for key in ("bleu", "bleu_best"):
+            for key in RESULT_METRICS:
                 a, b = run["results"].get(key), other["results"].get(key)
                 diffs[key].append(None if a is None or b is None else a - b)
         entry["paired_minus_target_arm"] = {k: _mean_std(v) for k, v in diffs.items()}
@@ -212,9 +222,14 @@ def markdown(summary: dict[str, Any]) -> str:
         e = summary["arms"][arm]
         lines.append(f"| {arm} | " + " | ".join(fmt(e["valid_loss_at"][str(c)]) for c in shown)
                      + " |")
+    # The results each task's runs write: BLEU (translation) or perplexities (language model).
+    shown_metrics = [key for key in RESULT_METRICS
+                     if any(summary["arms"][a][key].get("mean") is not None for a in arms)]
+    shown_metrics = shown_metrics or ["bleu", "bleu_best"]
+    titles = " | ".join(RESULT_METRICS[key][0] for key in shown_metrics)
     lines += ["", "| arm | runs finished | final valid loss | updates to the target's final loss "
-                  "| BLEU last | BLEU best | train tokens/s |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+                  f"| {titles} | train tokens/s |",
+              "| --- | --- | --- | --- |" + " --- |" * len(shown_metrics) + " --- |"]
     for arm in arms:
         e = summary["arms"][arm]
         reach = fmt(e["updates_to_target"], 0)
@@ -226,20 +241,19 @@ def markdown(summary: dict[str, Any]) -> str:
             reach += f" (target {e['target_arm']} {e['target_valid_loss']:.3f})"
         lines.append(
             f"| {arm} | {e['finished']}{diverged} | {fmt(e['final_valid_loss'])} | {reach} | "
-            f"{fmt(e['bleu'], 2)} | {fmt(e['bleu_best'], 2)} | "
-            f"{fmt(e['tokens_per_second'], 0)} |")
+            + "".join(f"{fmt(e[key], RESULT_METRICS[key][1])} | " for key in shown_metrics)
+            + f"{fmt(e['tokens_per_second'], 0)} |")
     paired = [a for a in arms if "paired_minus_target_arm" in summary["arms"][a]]
     if paired:
         lines += ["", "| arm minus its target arm, same seed: mean ± standard error (seeds "
-                      "where the arm is better / seeds) | final valid loss | BLEU last "
-                      "| BLEU best |", "| --- | --- | --- | --- |"]
+                      f"where the arm is better / seeds) | final valid loss | {titles} |",
+                  "| --- | --- |" + " --- |" * len(shown_metrics)]
         for arm in paired:
             e = summary["arms"][arm]
             d = e["paired_minus_target_arm"]
-            lines.append(f"| {arm} − {e['target_arm']} | "
-                         f"{_fmt_paired(d['final_valid_loss'], 3, 'negative')} | "
-                         f"{_fmt_paired(d['bleu'], 2, 'positive')} | "
-                         f"{_fmt_paired(d['bleu_best'], 2, 'positive')} |")
+            cells = [_fmt_paired(d["final_valid_loss"], 3, "negative")]
+            cells += [_fmt_paired(d[key], *RESULT_METRICS[key][1:]) for key in shown_metrics]
+            lines.append(f"| {arm} − {e['target_arm']} | " + " | ".join(cells) + " |")
     routed = [a for a in arms if summary["arms"][a]["final_router"]]
     if routed:
         keys = ("num_unmasked", "one_eligible_share", "max_logit", "z_loss", "load_max",
