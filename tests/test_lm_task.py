@@ -369,11 +369,29 @@ def test_bad_checkpoints_are_one_line_errors_before_anything_is_written(
     ({"router.name": "switch"}, "config.router.normalize_top_k=False: mixtral renormalises"),
     ({"data.seq_len": 2}, "config.data.seq_len must be >= 4"),
     ({"init_router": "mine"}, "config.init_router='mine'; choose one of"),
+    ({"model.num_shared_experts": 1}, "the language model's shared expert is its type's own"),
 ])
 def test_config_errors_are_one_line(corpus, override, message):
     with pytest.raises(ValueError) as error:
         LMTask.from_config(tiny(corpus, **override))
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_routing_options_reach_every_moe_layer_of_the_model(corpus):
+    """Scores, bias balancing, the balance scope and groups go from the router section to the
+    model's MoE layers (scanned: one bias per layer), with the Mixtral type's renormalised
+    gates implied by sigmoid scores."""
+    config = tiny(corpus, **{"router.name": "switch", "router.jitter_eps": 0.0,
+                             "router.score": "sigmoid", "router.bias_update_rate": 1e-3,
+                             "router.balance_scope": "global_batch", "router.num_groups": 2})
+    lm = LMTask.from_config(config).lm
+    options = lm.router_option_dict()
+    assert options == {"score": "sigmoid", "bias_update_rate": 1e-3,
+                       "balance_scope": "global_batch", "num_groups": 2}
+    model = nnx.eval_shape(lambda: language_model.CausalLM(lm, rngs=nnx.Rngs(0)))
+    biases = [v for path, v in nnx.iter_graph(model)
+              if path and path[-1] == "expert_bias" and isinstance(v, nnx.Variable)]
+    assert [b.shape for b in biases] == [(lm.num_layers, lm.num_experts)]
 
 
 def test_the_command_reports_a_bad_checkpoint_on_one_line(corpus, tmp_path, capsys):

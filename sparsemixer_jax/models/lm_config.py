@@ -202,8 +202,9 @@ class LMConfig:
         """The router's options: ``router_options`` plus ``normalize_top_k`` from
         ``norm_topk_prob`` for the routers that take it (the others cannot renormalise)."""
         options = dict(self.router_options)
-        if self.norm_topk_prob and self.router in routers.registry._routers_taking(
-                "normalize_top_k"):
+        # Sigmoid scores renormalise their gates by definition (and refuse normalize_top_k).
+        if self.norm_topk_prob and options.get("score", "softmax") == "softmax" and \
+                self.router in routers.registry._routers_taking("normalize_top_k"):
             options.setdefault("normalize_top_k", True)
         return options
 

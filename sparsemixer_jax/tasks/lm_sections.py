@@ -17,6 +17,11 @@ from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.routers.registry import ROUTER_OPTIONS
 from sparsemixer_jax.section import check_positive, read_fields
 
+# The routing options of the router section that every type's MoE layers take as they are
+# (docs/routing.md): scores, bias balancing, the balance loss's scope, groups.
+SELECTION_OPTIONS = ("score", "routed_scaling_factor", "bias_update_rate", "balance_scope",
+                     "num_groups", "top_groups")
+
 # The checkpoint's routing is kept on fine-tuning unless config.init_router says "config".
 INIT_ROUTERS = ("checkpoint", "config")
 
@@ -38,10 +43,12 @@ class LMModelConfig:
       tie_embeddings, rope_theta, norm_eps, initializer_range, max_position_embeddings: as the
         type's ``config.json`` keys.
       dispatch, grouped_impl, capacity_factor, compute_dtype: the MoE layer's and the matmuls'.
-      dropout, attention_dropout, activation_dropout, activation, attention_impl, init: the
-        fields every model section has (:func:`sparsemixer_jax.config.moe_model_fields`);
-        the language model has no dropout, SwiGLU (``silu``) experts, einsum attention and the
-        types' own normal initialisation (``init="normal"``), so only those values are taken.
+      dropout, attention_dropout, activation_dropout, activation, attention_impl, init,
+        num_shared_experts, shared_expert_gate: the fields every model section has
+        (:func:`sparsemixer_jax.config.moe_model_fields`); the language model has no dropout,
+        SwiGLU (``silu``) experts, einsum attention, the types' own normal initialisation
+        (``init="normal"``) and only Qwen2-MoE's own shared expert, so only the defaults are
+        taken.
     """
 
     hidden_size: int
@@ -69,6 +76,8 @@ class LMModelConfig:
     activation: str = "silu"
     attention_impl: str = "einsum"
     init: str = "normal"
+    num_shared_experts: int = 0
+    shared_expert_gate: bool = False
 
     @classmethod
     def from_config(cls, section: Any, where: str = "config.model.") -> LMModelConfig:
@@ -91,6 +100,10 @@ class LMModelConfig:
         if m.moe_every != 1 and m.hf_type not in ("qwen3_moe", "qwen2_moe"):
             raise ValueError(f"{where}moe_every={m.moe_every}: {m.hf_type} routes every layer; "
                              "dense layers need hf_type qwen3_moe or qwen2_moe")
+        if m.num_shared_experts or m.shared_expert_gate:
+            raise ValueError(f"{where}num_shared_experts / shared_expert_gate: the language "
+                             "model's shared expert is its type's own (gated, Hugging Face's "
+                             "layout): use model.hf_type='qwen2_moe' with model.shared_expert_dim")
         if m.shared_expert_dim and m.hf_type != "qwen2_moe":
             raise ValueError(f"{where}shared_expert_dim: only qwen2_moe has a shared expert")
         return m
@@ -141,7 +154,8 @@ def router_overrides(router: RouterConfig, hf_type: str) -> dict[str, Any]:
     is the type's own for ``mixtral`` (always on; :func:`check_router_for_lm` refuses a
     normalising router without it) and ``phimoe`` (its router never renormalises)."""
     defaults = RouterConfig()
-    options = tuple(sorted((name, getattr(router, name)) for name in ROUTER_OPTIONS
+    options = tuple(sorted((name, getattr(router, name))
+                           for name in (*ROUTER_OPTIONS, *SELECTION_OPTIONS)
                            if getattr(router, name) != getattr(defaults, name)))
     fields = {"router": router.name, "jitter_eps": router.jitter_eps, "top_k": router.top_k,
               "router_options": options}
@@ -158,7 +172,7 @@ def check_router_for_lm(router: RouterConfig, hf_type: str, where: str = "config
                          "is initialised as its type's (normal with initializer_range); "
                          "leave it at 1.0")
     if hf_type == "mixtral" and router.name in _routers_normalizing() and \
-            not router.normalize_top_k:
+            not router.renormalises:
         raise ValueError(f"{where}normalize_top_k=False: mixtral renormalises its top-k gates; "
                          "set it True, or choose model.hf_type qwen3_moe or olmoe "
                          "(norm_topk_prob)")
