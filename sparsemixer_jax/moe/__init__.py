@@ -12,7 +12,8 @@
 * :mod:`~sparsemixer_jax.moe.unchosen`: what DenseMixer and Default MoE compute for the experts
   a token did not choose.
 
-Only :mod:`~sparsemixer_jax.moe.layer` needs Flax; its names are loaded on first use, so the
+Only :mod:`~sparsemixer_jax.moe.layer` (with :mod:`~sparsemixer_jax.moe.shared`) and
+:mod:`~sparsemixer_jax.moe.balancing` need Flax; their names are loaded on first use, so the
 pure functions (dispatch, expert parallelism, diagnostics) import with JAX alone.
 """
 

@@ -306,7 +306,7 @@ def check_router(
         if name not in ROUTERS:  # the name is the first thing wrong
             RouterConfig(name).check(where)
         raise ValueError(f"unknown router option(s) {unknown} ({where.strip()}); known: "
-                         f"{sorted(ROUTER_OPTIONS)}")
+                         f"{sorted(known)}")
     return RouterConfig(name=name, top_k=top_k, jitter_eps=jitter_eps, **options).check(
         where, num_experts)
 
