@@ -302,3 +302,38 @@ def test_rules_are_config_fields():
     # A dimension the axes do not divide stays whole: 6 experts over 4 devices.
     assert partitioning.Partitioner(sharding.make_mesh(2, 4)).spec(
         ("expert", "embed"), (6, 16)) == P()
+
+
+# ------------------------------------------------------------------------- Hugging Face in and out
+
+
+@nnx.jit
+def logits_of(model, ids):
+    return model(ids)
+
+
+def test_hf_checkpoint_loads_onto_the_mesh_and_exports_the_same(tmp_path):
+    """A Hugging Face checkpoint loaded straight onto a 1x4x2 mesh: its parameters sharded as
+    the rules say, its logits those of the one-device model, and its export (gathered one
+    tensor at a time) the same files."""
+    from safetensors.numpy import load_file
+
+    path = os.path.join(os.path.dirname(__file__), "data", "hf", "mixtral")
+    mesh = sharding.make_mesh(1, 2, fsdp=4)
+    model, config = hf.load_pretrained(path, mesh=mesh)
+    reference, _ = hf.load_pretrained(path)
+    moe = model.stacks[0].layers[0].mlp.moe
+    assert moe.w_gate[...].sharding.spec == P(None, "expert", "fsdp")
+    assert moe.w_gate[...].sharding.shard_shape(moe.w_gate[...].shape) == (3, 3, 4, 24)
+    assert model.embed_tokens.embedding[...].sharding.spec == P(None, "fsdp")
+    ids = jax.random.randint(jax.random.key(5), (8, 6), 0, config.vocab_size)
+    np.testing.assert_allclose(
+        logits_of(model, jax.device_put(ids, sharding.batch_sharding(mesh))),
+        logits_of(reference, ids), rtol=1e-5, atol=1e-6)
+    hf.save_pretrained(model, config, str(tmp_path / "sharded"))
+    hf.save_pretrained(reference, config, str(tmp_path / "one"))
+    written = load_file(str(tmp_path / "sharded" / "model.safetensors"))
+    expected = load_file(str(tmp_path / "one" / "model.safetensors"))
+    assert written.keys() == expected.keys()
+    for name, value in expected.items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)

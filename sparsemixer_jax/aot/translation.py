@@ -48,18 +48,18 @@ def config_for_target(config: ml_collections.ConfigDict,
 
 
 def target_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device]):
-    """The ``(data, expert)`` mesh of ``config.mesh`` over ``devices`` (all of them), or a
-    ValueError naming the config field that does not fit the target."""
+    """The ``(data, fsdp, expert)`` mesh of ``config.mesh`` over ``devices`` (all of them), or
+    a ValueError naming the config field that does not fit the target."""
     sections = sharding.MeshConfig.from_config(config.mesh)
-    expert, data = sections.expert, sections.data
+    expert, fsdp, data = sections.expert, sections.fsdp, sections.data
     num_experts = MoEConfig.from_config(config.model).num_experts
     try:
-        mesh = sharding.make_mesh(data, expert, devices)
+        mesh = sharding.make_mesh(data, expert, devices, fsdp=fsdp)
         if num_experts:
             sharding.check_mesh(mesh, num_experts)
     except ValueError as err:
-        raise ValueError(f"config.mesh (data={data}, expert={expert}) does not shard over the "
-                         f"target's {len(devices)} devices: {err}") from err
+        raise ValueError(f"config.mesh (data={data}, fsdp={fsdp}, expert={expert}) does not "
+                         f"shard over the target's {len(devices)} devices: {err}") from err
     return mesh
 
 
@@ -115,17 +115,22 @@ def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
     task = TranslationTask.from_config(config)
     # One device: no mesh in the model, as the training loop does (sharding.mesh_from_config).
     model = abstract_model(config, mesh if mesh.size > 1 else None)
-    steps = Steps(model, task, OptimSettings.from_config(config.optim))
+    # Placed as the training loop places them: parameters, gradients and optimizer state by
+    # config.mesh.rules, everything else replicated.
+    partitioner = sharding.partitioner_from_config(config, mesh)
+    steps = Steps(model, task, OptimSettings.from_config(config.optim),
+                  partitioner if mesh.size > 1 else None)
     micro_batches = accumulation_steps(task.tokens_per_update, task.data.max_tokens)
     replicated = NamedSharding(mesh, P())
-    params = _abstract(steps.params, nnx.to_pure_dict(
-        sharding.state_shardings(nnx.state(model, nnx.Param), mesh)))
-    stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
-                         steps.layer_state)
-    rest = _abstract(steps.rest, sharding.state_shardings(steps.rest, mesh))
-    # The step and optimizer state's shapes; the parameters and layer state placed as above.
+    params = _abstract(steps.params, partitioner.shardings(steps.params))
+    stats = _abstract(steps.layer_state, partitioner.shardings(steps.layer_state))
+    rest = _abstract(steps.rest, sharding.state_shardings(steps.rest, partitioner))
+    # The step and optimizer state's shapes, placed by the same rules.
     state = jax.eval_shape(steps.new_state, params, stats).replace(params=params,
                                                                    layer_state=stats)
+    state = state.replace(opt_state=_abstract(state.opt_state,
+                                              partitioner.shardings(state.opt_state)),
+                          step=_abstract(state.step, replicated))
     tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding.batch_sharding(mesh))
     batch = {"inputs": tokens, "targets": tokens}
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
