@@ -197,3 +197,64 @@ def test_design_card_decode_step_compiles_for_a_tpu_v5e_4x4():
     assert [r.name.split(" ")[0] for r in reports] == ["train", "beam"]
     assert all(r.total < target.hbm_bytes for r in reports)
     assert reports[1].collectives.get("all-to-all", 0) >= 2 * MOE_LAYERS
+
+
+@functools.cache
+def _fsdp_programs():
+    """The two-layer design card on the TPU slice with parameters and Adam state sharded 4 ways
+    (mesh 1 x 4 x 4: fsdp 4, experts 4), one micro-batch per update: the fused step."""
+    target, devices = _devices_or_skip("tpu:v5e:4x4")
+    config = _small_design_card()
+    config.mesh.update(data=1, fsdp=4)
+    config.optim.tokens_per_update = 0
+    (report,) = translation.compile_translation(config, target, devices, decode_step=False)
+    return target, config, report
+
+
+def test_fsdp_training_step_shards_parameters_and_adam_state():
+    """Each device holds a quarter of the dense weights and a sixteenth of the experts' (experts
+    over 4, their width over 4), and as much of Adam's two moments; XLA gathers the weights
+    before use and reduce-scatters their gradients."""
+    target, config, report = _fsdp_programs()
+    model = translation.abstract_model(config)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    expert_bytes = sum(4 * a.size for path, a in jax.tree_util.tree_leaves_with_path(params)
+                       if path[-1].key in ("wi", "wo", "bi", "bo"))
+    total = 4 * count_params(params)
+    # Every matrix's width divides by 4; the biases and norms split too (the width is 64).
+    assert report.parameters == expert_bytes // 16 + (total - expert_bytes) // 4, report
+    assert report.optimizer_state - report.parameters * 2 < 1024  # mu, nu (and counts)
+    assert report.collectives.get("all-gather", 0) >= 1
+    assert report.collectives.get("reduce-scatter", 0) + report.collectives.get(
+        "all-reduce", 0) >= 1
+    assert report.total < target.hbm_bytes
+    assert report.largest_buffer is not None and report.largest_buffer[1] > 0
+
+
+def test_a_config_that_does_not_fit_names_its_largest_buffer():
+    from sparsemixer_jax.aot.command import summary_line
+
+    result = {"target": "tpu:v5e:4x4", "hbm_bytes": 16 * GiB, "programs": [
+        {"name": "update", "total": 2 * GiB, "largest_buffer": ["f32[8]", 32]},
+        {"name": "train step", "total": 20 * GiB,
+         "largest_buffer": ["f32[4096,4096,64]", 4 * GiB]}]}
+    assert summary_line(result) == (
+        "tpu:v5e:4x4: DOES NOT FIT: the largest program (train step) needs 20.00 GiB of 16.00 "
+        "GiB per device, over by 4.00 GiB; its largest buffer is f32[4096,4096,64] (4.00 GiB)")
+
+
+def test_largest_buffer_leaves_fusions_out():
+    from sparsemixer_jax.aot.analysis import largest_buffer
+
+    hlo = """HloModule m
+%fused_computation (p: f32[4,4]) -> f32[4] {
+  %big = f32[1024,1024]{1,0} broadcast(%p), dimensions={}
+  ROOT %r = f32[4]{0} reduce(%big)
+}
+ENTRY %main (a: f32[4,4]) -> f32[4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %b = bf16[16,16]{1,0} convert(%a)
+  ROOT %f = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation
+}
+"""
+    assert largest_buffer(hlo) == ("bf16[16,16]", 512)

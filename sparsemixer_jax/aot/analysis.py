@@ -34,6 +34,11 @@ class ProgramReport:
     allocator must find free. ``flops`` and ``bytes_accessed`` come from XLA's cost analysis
     (None where the backend gives none). ``collectives`` counts each collective of the optimised
     program; ``kernels`` counts Pallas kernels (Mosaic GPU or Mosaic TPU custom calls).
+
+    Of the arguments, ``parameters`` and ``optimizer_state`` are the bytes of the train state's
+    parameters and optimizer state that one device holds (their shards; None for a program
+    without them). ``largest_buffer`` is the largest array an instruction of the optimised
+    program outputs, per device: ``(its type and shape, bytes)``.
     """
 
     name: str
@@ -46,6 +51,9 @@ class ProgramReport:
     bytes_accessed: float | None
     collectives: dict[str, int]
     kernels: int
+    parameters: int | None = None
+    optimizer_state: int | None = None
+    largest_buffer: tuple[str, int] | None = None
 
     @property
     def total(self) -> int:
@@ -63,6 +71,52 @@ def kernel_count(hlo_text: str) -> int:
     return len(_MOSAIC_GPU.findall(hlo_text)) + len(_TPU_KERNEL.findall(hlo_text))
 
 
+# Bytes per element of HLO's array types.
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+               "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+               "c64": 8, "c128": 16}
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\w+)\[([\d,]*)\]")
+
+
+def largest_buffer(hlo_text: str) -> tuple[str, int] | None:
+    """``("f32[8,1024,4096]", bytes)`` of the largest array an instruction of the optimised HLO
+    outputs, leaving out the instructions inside fusions (XLA never materialises those)."""
+    best: tuple[str, int] | None = None
+    fused = False
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and "=" not in line.split("{")[0]:
+            fused = "fus" in header.group(2) or "wrapped" in header.group(2)
+            continue
+        match = _INSTRUCTION.match(line)
+        if fused or not match or match.group(1) not in _ITEM_BYTES:
+            continue
+        dims = [int(d) for d in match.group(2).split(",") if d]
+        size = _ITEM_BYTES[match.group(1)]
+        for d in dims:
+            size *= d
+        if best is None or size > best[1]:
+            best = (f"{match.group(1)}[{match.group(2)}]", size)
+    return best
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of a tree of arrays or ``jax.ShapeDtypeStruct`` (with shardings:
+    the largest shard of each; without, the whole array)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = tuple(leaf.shape)
+        placement = getattr(leaf, "sharding", None)
+        if placement is not None:
+            shape = tuple(placement.shard_shape(shape))
+        count = 1
+        for d in shape:
+            count *= d
+        total += count * jax.numpy.dtype(leaf.dtype).itemsize
+    return total
+
+
 def _cost(compiled: Any) -> dict[str, float]:
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
@@ -70,8 +124,10 @@ def _cost(compiled: Any) -> dict[str, float]:
     return dict(cost or {})
 
 
-def analyse(name: str, compiled: jax.stages.Compiled, compile_seconds: float) -> ProgramReport:
-    """The :class:`ProgramReport` of ``compiled``."""
+def analyse(name: str, compiled: jax.stages.Compiled, compile_seconds: float,
+            state: Any = None) -> ProgramReport:
+    """The :class:`ProgramReport` of ``compiled``; ``state``: the train state it takes
+    (abstract, with shardings), whose parameters and optimizer state are counted."""
     memory = compiled.memory_analysis()
     cost = _cost(compiled)
     text = compiled.as_text()
@@ -86,6 +142,9 @@ def analyse(name: str, compiled: jax.stages.Compiled, compile_seconds: float) ->
         bytes_accessed=cost.get("bytes accessed"),
         collectives=collective_counts(text),
         kernels=kernel_count(text),
+        parameters=None if state is None else bytes_per_device(state.params),
+        optimizer_state=None if state is None else bytes_per_device(state.opt_state),
+        largest_buffer=largest_buffer(text),
     )
 
 
@@ -99,14 +158,23 @@ def format_report(report: ProgramReport, hbm_bytes: int) -> str:
     flops = "n/a" if report.flops is None else f"{report.flops / 1e12:.3f} TFLOP"
     moved = "n/a" if report.bytes_accessed is None else _gib(report.bytes_accessed)
     collectives = ", ".join(f"{n} {op}" for op, n in report.collectives.items()) or "none"
+    state, largest = [], []
+    if report.parameters is not None:
+        state.append(f"  of the arguments: parameters {_gib(report.parameters)}, optimizer "
+                     f"state {_gib(report.optimizer_state)}")
+    if report.largest_buffer is not None:
+        largest.append(f"  largest buffer: {report.largest_buffer[0]} "
+                       f"({_gib(report.largest_buffer[1])})")
     return "\n".join([
         f"{report.name} (compiled in {report.compile_seconds:.1f} s), per device:",
+        *state,
         f"  memory: arguments {_gib(report.arguments)}, outputs {_gib(report.outputs)} "
         f"({_gib(report.aliased)} aliased to donated inputs), temporaries "
         f"{_gib(report.temporaries)}; total {_gib(report.total)} of {_gib(hbm_bytes)} HBM "
         f"({100 * report.total / hbm_bytes:.1f}%): {fits}",
         f"  cost analysis (compile-time model, not a timing): {flops}, {moved} accessed",
         f"  collectives: {collectives}; Pallas kernels: {report.kernels}",
+        *largest,
     ])
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import ml_collections
 
 from sparsemixer_jax import config as config_schema
-from sparsemixer_jax import runtime
+from sparsemixer_jax import runtime, sharding
 from sparsemixer_jax.aot import analysis, targets
 from sparsemixer_jax.tasks import check_config
 
@@ -43,7 +43,9 @@ def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
                                                   decode_step=decode_step)
     except (ValueError, RuntimeError) as err:
         return {"target": spec, "error": str(err).splitlines()[0]}
+    data, fsdp, expert = sharding.MeshConfig.from_config(config.mesh).sizes(len(devices))
     return {"target": spec, "device_kind": devices[0].device_kind, "devices": len(devices),
+            "mesh": f"data={data} x fsdp={fsdp} x expert={expert}",
             "hbm_bytes": target.hbm_bytes,
             "programs": [analysis.as_dict(r) for r in reports],
             "reports": reports}
@@ -65,9 +67,8 @@ def run(config: ml_collections.ConfigDict, target_specs: Sequence[str], *,
     for spec in target_specs:
         result = compile_for_target(config, spec, decode_step=decode_step)
         if "reports" in result:
-            expert = config.mesh.expert
             print(f"== {spec}: {result['devices']} x {result['device_kind']}, mesh "
-                  f"data={result['devices'] // expert} x expert={expert}")
+                  f"{result['mesh']}")
             for report in result.pop("reports"):
                 print(analysis.format_report(report, result["hbm_bytes"]))
         print(summary_line(result), flush=True)
@@ -84,10 +85,16 @@ def summary_line(result: dict[str, Any]) -> str:
     if "error" in result:
         return f"{result['target']}: cannot compile: {result['error']}"
     worst = max(result["programs"], key=lambda p: p["total"])
-    verdict = "fits" if worst["total"] <= result["hbm_bytes"] else "DOES NOT FIT"
-    return (f"{result['target']}: {verdict}: the largest program ({worst['name']}) needs "
-            f"{worst['total'] / 2**30:.2f} GiB of {result['hbm_bytes'] / 2**30:.2f} GiB per "
-            "device")
+    need, have = worst["total"], result["hbm_bytes"]
+    line = (f"{result['target']}: {'fits' if need <= have else 'DOES NOT FIT'}: the largest "
+            f"program ({worst['name']}) needs {need / 2**30:.2f} GiB of {have / 2**30:.2f} GiB "
+            "per device")
+    if need <= have:
+        return line
+    largest = worst.get("largest_buffer")
+    buffer = "" if not largest else (f"; its largest buffer is {largest[0]} "
+                                     f"({largest[1] / 2**30:.2f} GiB)")
+    return f"{line}, over by {(need - have) / 2**30:.2f} GiB{buffer}"
 
 
 def exit_code(results: Sequence[dict[str, Any]]) -> int:

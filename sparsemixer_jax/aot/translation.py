@@ -12,19 +12,16 @@ many rows as ``data.max_tokens`` allows on the mesh): the one that needs the mos
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from sparsemixer_jax import decode, sharding
-from sparsemixer_jax.aot.analysis import ProgramReport, analyse
+from sparsemixer_jax.aot import steps as aot_steps
+from sparsemixer_jax.aot.analysis import ProgramReport
 from sparsemixer_jax.aot.targets import Target
 from sparsemixer_jax.data.batching import bucket_batch_size, bucket_lengths
 from sparsemixer_jax.data.sources import DataConfig
@@ -83,17 +80,6 @@ def abstract_model(config: ml_collections.ConfigDict, mesh=None) -> nnx.Module:
     return nnx.eval_shape(lambda: task.build_model(config, task.data.vocab_size, mesh))
 
 
-def _abstract(tree: Any, shardings: Any) -> Any:
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        tree, shardings)
-
-
-def _compile(name: str, fn, args: tuple, donate: tuple[int, ...] = ()) -> ProgramReport:
-    started = time.perf_counter()
-    compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
-    return analyse(name, compiled, time.perf_counter() - started)
-
-
 def compile_translation(config: ml_collections.ConfigDict, target: Target,
                         devices: Sequence[jax.Device], *, decode_step: bool = True,
                         ) -> list[ProgramReport]:
@@ -121,38 +107,11 @@ def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
     steps = Steps(model, task, OptimSettings.from_config(config.optim),
                   partitioner if mesh.size > 1 else None)
     micro_batches = accumulation_steps(task.tokens_per_update, task.data.max_tokens)
-    replicated = NamedSharding(mesh, P())
-    params = _abstract(steps.params, partitioner.shardings(steps.params))
-    stats = _abstract(steps.layer_state, partitioner.shardings(steps.layer_state))
-    rest = _abstract(steps.rest, sharding.state_shardings(steps.rest, partitioner))
-    # The step and optimizer state's shapes, placed by the same rules.
-    state = jax.eval_shape(steps.new_state, params, stats).replace(params=params,
-                                                                   layer_state=stats)
-    state = state.replace(opt_state=_abstract(state.opt_state,
-                                              partitioner.shardings(state.opt_state)),
-                          step=_abstract(state.step, replicated))
+    state, rest = aot_steps.train_state(steps, mesh, partitioner)
     tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding.batch_sharding(mesh))
     batch = {"inputs": tokens, "targets": tokens}
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
-                               sharding=replicated)
     shape = f"[{rows}, {length}]"
-
-    reports = []
-    if micro_batches == 1:
-        def train_step(state, rest, batch, key):
-            return steps.with_rest(rest).train_step(state, [batch], key)
-
-        reports.append(_compile(f"train step, batch {shape}", train_step,
-                                (state, rest, batch, key), donate=(0,)))
-    else:
-        def accumulate(state, rest, acc, batch, key):
-            return steps.with_rest(rest).accumulate(state, acc, batch, key)
-
-        acc = jax.eval_shape(lambda s, r, b: steps.with_rest(r).zeros(s, b), state, rest, batch)
-        reports.append(_compile(
-            f"accumulate (one of {micro_batches} micro-batches), batch {shape}",
-            accumulate, (state, rest, acc, batch, key), donate=(2,)))
-        reports.append(_compile("update", steps.update, (state, acc, stats), donate=(0,)))
+    reports = aot_steps.compile_training(steps, state, rest, batch, micro_batches, shape)
     if decode_step:
         beam = task.decode
 
@@ -162,7 +121,7 @@ def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
                 model, inputs, eos_id=EOS_ID, beam_size=beam.beam_size, alpha=beam.length_penalty,
                 max_extra_len=beam.max_extra_len, max_len=task.data.max_len)
 
-        reports.append(_compile(
+        reports.append(aot_steps.compile_program(
             f"beam search (beam {beam.beam_size}), batch {shape}", beam_search,
             (state, rest, tokens)))
     return reports
