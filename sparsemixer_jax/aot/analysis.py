@@ -76,7 +76,21 @@ _ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2
                "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
                "c64": 8, "c128": 16}
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(\w+)\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def _output_type(rhs: str) -> str:
+    """The output type of an instruction's right-hand side: ``f32[4,8]{1,0}``, or a tuple
+    ``(f32[4]{0}, bf16[2,2]{1,0})`` (a multi-output fusion: one buffer per element)."""
+    if not rhs.startswith("("):
+        return rhs.split(" ", 1)[0]
+    depth = 0
+    for i, char in enumerate(rhs):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return rhs[:i + 1]
+    return rhs
 
 
 def largest_buffer(hlo_text: str) -> tuple[str, int] | None:
@@ -90,14 +104,16 @@ def largest_buffer(hlo_text: str) -> tuple[str, int] | None:
             fused = "fus" in header.group(2) or "wrapped" in header.group(2)
             continue
         match = _INSTRUCTION.match(line)
-        if fused or not match or match.group(1) not in _ITEM_BYTES:
+        if fused or not match:
             continue
-        dims = [int(d) for d in match.group(2).split(",") if d]
-        size = _ITEM_BYTES[match.group(1)]
-        for d in dims:
-            size *= d
-        if best is None or size > best[1]:
-            best = (f"{match.group(1)}[{match.group(2)}]", size)
+        for dtype, dims in _ARRAY.findall(_output_type(match.group(1))):
+            if dtype not in _ITEM_BYTES:
+                continue
+            size = _ITEM_BYTES[dtype]
+            for d in dims.split(","):
+                size *= int(d) if d else 1
+            if best is None or size > best[1]:
+                best = (f"{dtype}[{dims}]", size)
     return best
 
 
@@ -113,8 +129,15 @@ def bytes_per_device(tree: Any) -> int:
         count = 1
         for d in shape:
             count *= d
-        total += count * jax.numpy.dtype(leaf.dtype).itemsize
+        total += count * _itemsize(leaf.dtype)
     return total
+
+
+def _itemsize(dtype: Any) -> int:
+    try:
+        return jax.numpy.dtype(dtype).itemsize
+    except TypeError:  # an RNG key: its raw data (two uint32 for threefry)
+        return int(getattr(dtype, "itemsize", 8))
 
 
 def _cost(compiled: Any) -> dict[str, float]:
