@@ -7,6 +7,7 @@ model has logical axis names."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import jax
@@ -336,3 +337,21 @@ def test_hf_checkpoint_loads_onto_the_mesh_and_exports_the_same(tmp_path):
     assert written.keys() == expected.keys()
     for name, value in expected.items():
         np.testing.assert_array_equal(written[name], value, err_msg=name)
+
+
+def test_a_run_resumes_on_another_layout_of_as_many_devices(tmp_path):
+    """A workdir saved before the fsdp axis and the rules existed resumes with them, also on
+    another layout of its 8 devices; another number of devices is refused (its batches would
+    differ), naming the device counts."""
+    from sparsemixer_jax.training.resume import ResumeError, check_resume_config
+
+    os.makedirs(tmp_path / "checkpoints" / "last" / "3")  # a trained run
+    saved = json.loads(tiny(**{"mesh.data": 8}).to_json())
+    del saved["mesh"]["fsdp"], saved["mesh"]["rules"]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(saved, f)
+    check_resume_config(str(tmp_path), tiny(**{"mesh.data": -1}))
+    check_resume_config(str(tmp_path), tiny(**{"mesh.data": 1, "mesh.fsdp": 4,
+                                               "mesh.expert": 2, "mesh.rules.mlp": "fsdp"}))
+    with pytest.raises(ResumeError, match=r"config\.mesh\.devices \(saved 8, now 4\)"):
+        check_resume_config(str(tmp_path), tiny(**{"mesh.data": 1, "mesh.fsdp": 4}))
