@@ -192,6 +192,9 @@ class NoTestDecoding(translation.TranslationTask):
 
 
 def run_translation(workdir, **mesh):
+    """5 steps of the tiny translation run on ``mesh`` (``config.mesh`` fields). Routers drawn
+    100 times the usual variance: logits of order 1, so that rounding cannot move a token to
+    another expert (the SparseMixer draws are the same on every mesh: threefry partitions)."""
     config = tiny(**{"train_steps": STEPS, "eval_every": STEPS, "checkpoint_every": STEPS,
                      "log_every": 1, "router.init_scale": 100.0, "optim.eps": ADAM_EPS,
                      **{f"mesh.{k}": v for k, v in mesh.items()}})

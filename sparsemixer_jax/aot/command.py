@@ -9,6 +9,7 @@ whose step does not fit, says so in one line.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Sequence
@@ -21,7 +22,11 @@ from sparsemixer_jax import runtime, sharding
 from sparsemixer_jax.aot import analysis, targets
 from sparsemixer_jax.tasks import check_config
 
-SUPPORTED_TASKS = ("translation",)
+# The compile function of each task's aot module, ``(config, target, devices, decode_step=)`` ->
+# reports: a task joins the command by adding its module here (the task-independent part is
+# sparsemixer_jax.aot.steps).
+COMPILERS = {"translation": ("sparsemixer_jax.aot.translation", "compile_translation")}
+SUPPORTED_TASKS = tuple(COMPILERS)
 
 
 def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
@@ -37,10 +42,9 @@ def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
     try:
         target = targets.parse_target(spec)
         devices = targets.target_devices(target)
-        from sparsemixer_jax.aot import translation
-
-        reports = translation.compile_translation(config, target, devices,
-                                                  decode_step=decode_step)
+        module, function = COMPILERS[task]
+        compile_task = getattr(importlib.import_module(module), function)
+        reports = compile_task(config, target, devices, decode_step=decode_step)
     except (ValueError, RuntimeError) as err:
         return {"target": spec, "error": str(err).splitlines()[0]}
     data, fsdp, expert = sharding.MeshConfig.from_config(config.mesh).sizes(len(devices))
