@@ -257,10 +257,12 @@ def test_largest_buffer_leaves_fusions_out():
   %big = f32[1024,1024]{1,0} broadcast(%p), dimensions={}
   ROOT %r = f32[4]{0} reduce(%big)
 }
-ENTRY %main (a: f32[4,4]) -> f32[4] {
+ENTRY %main (a: f32[4,4], /*index=1*/b: f32[2]) -> f32[4] {
   %a = f32[4,4]{1,0} parameter(0)
-  %b = bf16[16,16]{1,0} convert(%a)
+  %b = bf16[16,16]{1,0:T(8,128)} convert(%a)
+  %t = (f32[2]{0}, s8[300]{0}) fusion(%a), kind=kLoop, calls=%fused_computation
   ROOT %f = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation
 }
 """
     assert largest_buffer(hlo) == ("bf16[16,16]", 512)
+    assert largest_buffer(hlo.replace("bf16[16,16]", "bf16[1,16]")) == ("s8[300]", 300)

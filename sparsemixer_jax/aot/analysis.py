@@ -99,8 +99,9 @@ def largest_buffer(hlo_text: str) -> tuple[str, int] | None:
     best: tuple[str, int] | None = None
     fused = False
     for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header and "=" not in line.split("{")[0]:
+        # A computation's header starts at the margin (its instructions are indented).
+        header = None if line[:1].isspace() else _COMPUTATION.match(line)
+        if header:
             fused = "fus" in header.group(2) or "wrapped" in header.group(2)
             continue
         match = _INSTRUCTION.match(line)
