@@ -202,11 +202,15 @@ class Steps:
             params=params, layer_state=layer_state)
         if self.partitioner is None:
             return state
-        # eval_shape keeps no placements: the optimizer state's are the partitioner's.
-        return state.replace(opt_state=jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state.opt_state,
-            self.partitioner.shardings(state.opt_state)),
-            step=jax.ShapeDtypeStruct((), state.step.dtype, sharding=self.partitioner.replicated()))
+
+        def placed(tree):  # by the rules, whatever the model's arrays hold (shapes only, too)
+            return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                tree, self.partitioner.shardings(tree))
+
+        return TrainState(step=jax.ShapeDtypeStruct((), state.step.dtype,
+                                                    sharding=self.partitioner.replicated()),
+                          params=placed(params), layer_state=placed(layer_state),
+                          opt_state=placed(state.opt_state))
 
     def with_rest(self, rest: Any) -> Steps:
         """These steps with the model's other state (its RNG streams) replaced by ``rest``: an
