@@ -35,10 +35,11 @@ class ProgramReport:
     (None where the backend gives none). ``collectives`` counts each collective of the optimised
     program; ``kernels`` counts Pallas kernels (Mosaic GPU or Mosaic TPU custom calls).
 
-    Of the arguments, ``parameters`` and ``optimizer_state`` are the bytes of the train state's
-    parameters and optimizer state that one device holds (their shards; None for a program
-    without them). ``largest_buffer`` is the largest array an instruction of the optimised
-    program outputs, per device: ``(its type and shape, bytes)``.
+    ``parameters`` and ``optimizer_state`` are the bytes of the train state's parameters and
+    optimizer state that one device holds (their shards; None for a program without a train
+    state); a program that does not read one (``accumulate``: the optimizer state) has it
+    outside its ``arguments``. ``largest_buffer`` is the largest array an instruction of the
+    optimised program outputs, per device: ``(its type and shape, bytes)``.
     """
 
     name: str
@@ -184,8 +185,9 @@ def format_report(report: ProgramReport, hbm_bytes: int) -> str:
     collectives = ", ".join(f"{n} {op}" for op, n in report.collectives.items()) or "none"
     state, largest = [], []
     if report.parameters is not None:
-        state.append(f"  of the arguments: parameters {_gib(report.parameters)}, optimizer "
-                     f"state {_gib(report.optimizer_state)}")
+        state.append(f"  train state held: parameters {_gib(report.parameters)}, optimizer "
+                     f"state {_gib(report.optimizer_state)} (a program that does not read a "
+                     "part leaves it out of its arguments)")
     if report.largest_buffer is not None:
         largest.append(f"  largest buffer: {report.largest_buffer[0]} "
                        f"({_gib(report.largest_buffer[1])})")
