@@ -10,7 +10,9 @@ Two tables, in the style of MaxText's and t5x's logical-axis partitioning:
 * The *rules* (``config.mesh.rules``, :data:`DEFAULT_RULES`) map each logical name to a mesh
   axis (``"data"``, ``"fsdp"``, ``"expert"``), a list of them, or None (not split). The defaults
   split the model width ``embed`` over ``fsdp`` and the experts over ``expert``: expert weights
-  ``[N, emb, mlp]`` are split over both, every other matrix over ``fsdp``.
+  ``[N, emb, mlp]`` are split over both, every other matrix over ``fsdp``. Norm scales (and
+  ``omega``) are ``"norm"``, left whole: they are small, and split they would make XLA reshard
+  the activations they scale to compute their gradient.
 
 :class:`Partitioner` (a mesh and its rules; hashable, a static argument of the compiled steps)
 turns a tree of arrays into its shardings and constrains a traced tree to them, so parameters,
@@ -44,6 +46,7 @@ LOGICAL_AXES = (
     "expert",  # the experts of an MoE layer
     "routes",  # the router's logits (one per expert; the router runs whole)
     "score",  # a projection to one value (a gate, the discriminator's score)
+    "norm",  # scales and shifts multiplying or added to activations: norms, omega, Admin
     "qk_norm",  # per-head or full query/key norm weights
     "position",  # learned absolute positions
     "segment",  # segment (sentence A/B) embeddings
@@ -64,6 +67,7 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "expert": "expert",
     "routes": None,
     "score": None,
+    "norm": None,
     "qk_norm": None,
     "position": None,
     "segment": None,
@@ -84,7 +88,7 @@ PARAMETER_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"(^|/)(wo|w_down)", ("expert", "mlp", "embed")),
     (r"(^|/)bi", ("expert", "mlp")),
     (r"(^|/)bo", ("expert", "embed")),
-    (r"(^|/)omega", ("embed",)),
+    (r"(^|/)omega", ("norm",)),
     (r"router/kernel", ("embed", "routes")),
     (r"router/[a-z_]+", ("routes",)),  # its bias, and any per-expert vector of a router
     # heads projecting to one value, or from the width to the width
@@ -111,8 +115,8 @@ PARAMETER_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"position/embedding", ("position", "embed")),
     (r"segment/embedding", ("segment", "embed")),
     # norms and residual scales
-    (r"norm/(scale|bias|weight)", ("embed",)),
-    (r"residual_scale", ("embed",)),
+    (r"norm/(scale|bias|weight)", ("norm",)),
+    (r"residual_scale", ("norm",)),
 )
 _COMPILED = tuple((re.compile(pattern + "$"), names) for pattern, names in PARAMETER_AXES)
 
