@@ -224,9 +224,9 @@ def test_fsdp_training_programs_shard_parameters_and_adam_state():
                        if path[-1].key in ("wi", "wo", "bi", "bo"))
     dense_bytes = 4 * count_params(params) - expert_bytes
     assert replicated["update"].parameters == expert_bytes // 4 + dense_bytes
-    # A few vectors stay whole (attention biases, the experts' hidden biases: their logical
-    # axes map to no mesh axis), hence the small allowance.
-    assert sharded["update"].parameters < 1.05 * (expert_bytes // 16 + dense_bytes // 4)
+    # Vectors whose logical axes map to no mesh axis stay whole (norm scales, attention and
+    # expert hidden biases): 4% more than an even split here.
+    assert sharded["update"].parameters < 1.1 * (expert_bytes // 16 + dense_bytes // 4)
     for program in ("update", "accumulate"):
         assert sharded[program].optimizer_state < 2.01 * sharded[program].parameters
         # XLA's memory analysis (TPU layouts pad small arrays): well under a third as much.
