@@ -22,6 +22,7 @@ default vectors are the expert outputs plus noise (``--default-noise``, relative
 output's norm); the ``*_oracle`` rows use the expert outputs themselves.
 
     python -m experiments.gradient_accuracy     # runs/gradient_accuracy.json and .png
+    python -m experiments.gradient_accuracy --num-groups 4 --top-groups 2   # group-limited
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def main(argv: list[str] | None = None) -> dict:
         help="also sweep top-k routing for these k (none: skip)")
     add("--default-noise", type=float, default=default.default_noise,
         help="noise of Default MoE's default vectors, relative to each expert output's norm")
+    add("--num-groups", type=int, default=default.num_groups,
+        help="group-limited routing: the experts in this many groups (1: none)")
+    add("--top-groups", type=int, default=default.top_groups,
+        help="group-limited routing: the groups each token keeps")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         settings = SweepSettings(**{f.name: getattr(args, f.name)

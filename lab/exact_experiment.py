@@ -35,7 +35,7 @@ from sparsemixer_jax.exact.topk import (
     topk_dense_expected_gradient,
     topk_expected_gradient,
 )
-from sparsemixer_jax.routers import router_probs
+from sparsemixer_jax.routers import limit_to_groups, router_probs
 
 
 def estimator_table(
@@ -198,7 +198,9 @@ class SweepSettings:
     ``mask`` with ``jitter_eps``; ``num_scales`` output scales from 1 down to ``min_scale``,
     slopes fitted on the scales <= ``fit_below`` (the asymptotic regime); top-k sweeps for each
     ``top_k`` (empty: none); Default MoE's defaults with noise ``default_noise``
-    (:func:`noisy_defaults`)."""
+    (:func:`noisy_defaults`); group-limited routing over ``num_groups`` groups keeping
+    ``top_groups`` (1, 1: none; the experts outside the kept groups are excluded, as the router
+    excludes them, and the exact gradient holds that choice fixed, as it holds the mask)."""
 
     num_problems: int = 16
     num_experts: int = 8
@@ -211,6 +213,8 @@ class SweepSettings:
     seed: int = 0
     top_k: list[int] = dataclasses.field(default_factory=lambda: [1, 2])
     default_noise: float = 0.5
+    num_groups: int = 1
+    top_groups: int = 1
 
     def __post_init__(self) -> None:
         if self.num_problems < 1 or self.num_experts < 2 or self.dim < 1:
@@ -221,11 +225,32 @@ class SweepSettings:
             raise ValueError(f"--top-k values must lie in [1, --num-experts={self.num_experts}]")
         if not self.default_noise >= 0:
             raise ValueError(f"--default-noise must be >= 0, got {self.default_noise}")
+        if self.num_groups < 1 or self.num_experts % self.num_groups or not (
+                1 <= self.top_groups <= self.num_groups):
+            raise ValueError("need --num-groups >= 1 dividing --num-experts and --top-groups in "
+                             "[1, --num-groups]")
+        kept = self.top_groups * self.num_experts // self.num_groups
+        if any(k > kept for k in self.top_k) or kept < 2:
+            raise ValueError(f"--top-groups={self.top_groups} keeps {kept} experts: need at "
+                             f"least 2 and every --top-k")
         if (self.scales() <= self.fit_below * (1 + 1e-9)).sum() < 2:
             raise ValueError(f"--fit-below {self.fit_below} leaves fewer than 2 scales to fit")
 
     def scales(self) -> np.ndarray:
         return np.logspace(0.0, math.log10(self.min_scale), self.num_scales)
+
+
+def grouped_probs_fn(probs_fn, logits: jax.Array, num_groups: int, top_groups: int):
+    """``probs_fn`` restricted to the experts of the groups that ``logits`` (a problem's, all
+    experts) keep: the router chooses the groups once, on every expert's logit, before it draws
+    any expert, so the top-k steps (which call this with the chosen experts at ``-inf``) must
+    not choose them again. No gradient flows through the choice, as through the mask."""
+    keep = jnp.isfinite(limit_to_groups(jax.lax.stop_gradient(logits), num_groups, top_groups))
+
+    def grouped(z):
+        return probs_fn(jnp.where(keep, z, -jnp.inf))
+
+    return grouped
 
 
 def accuracy_experiment(settings: SweepSettings) -> dict:
@@ -247,12 +272,16 @@ def _accuracy_experiment(settings: SweepSettings) -> dict:
 
     keys = jax.random.split(jax.random.key(settings.seed), settings.num_problems)
     problems = [random_problem(k, settings.num_experts, settings.dim) for k in keys]
+    probs_fns = [probs_fn] * len(problems)
+    if settings.num_groups > 1:
+        probs_fns = [grouped_probs_fn(probs_fn, p.logits, settings.num_groups,
+                                      settings.top_groups) for p in problems]
     defaults = [
         noisy_defaults(p.expert_outputs, jax.random.fold_in(k, 1), settings.default_noise)
         for p, k in zip(problems, keys, strict=True)
     ]
-    sweeps = [accuracy_sweep(p, scales, probs_fn, v) for p, v in zip(problems, defaults,
-                                                                      strict=True)]
+    sweeps = [accuracy_sweep(p, scales, fn, v)
+              for p, fn, v in zip(problems, probs_fns, defaults, strict=True)]
     summary = {}
     for name in sweeps[0]:
         entry = {"note": ESTIMATOR_NOTES.get(name, "")}
@@ -273,17 +302,17 @@ def _accuracy_experiment(settings: SweepSettings) -> dict:
         "settings": dataclasses.asdict(settings),
         "estimators": summary,
         "topk": {
-            str(k): _topk_summary(problems, defaults, scales, fit, probs_fn, k)
+            str(k): _topk_summary(problems, defaults, scales, fit, probs_fns, k)
             for k in settings.top_k
         },
     }
 
 
-def _topk_summary(problems, defaults, scales, fit, probs_fn, top_k: int) -> dict:
+def _topk_summary(problems, defaults, scales, fit, probs_fns, top_k: int) -> dict:
     """Per estimator: mean norm ratio and cosine, geometric-mean bias and its slope."""
     sweeps = [
-        topk_accuracy_sweep(p, scales, probs_fn, top_k, defaults=v)
-        for p, v in zip(problems, defaults, strict=True)
+        topk_accuracy_sweep(p, scales, fn, top_k, defaults=v)
+        for p, fn, v in zip(problems, probs_fns, defaults, strict=True)
     ]
     summary = {}
     for name in sweeps[0]:

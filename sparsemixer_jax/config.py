@@ -45,6 +45,14 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     "router.default_at_eval": True,
     "router.default_mean": "ungated",
     "router.default_update": "after",
+    "router.score": "softmax",
+    "router.routed_scaling_factor": 1.0,
+    "router.bias_update_rate": 0.0,
+    "router.balance_scope": "micro_batch",
+    "router.num_groups": 1,
+    "router.top_groups": 1,
+    "model.num_shared_experts": 0,
+    "model.shared_expert_gate": False,
     # Runs saved before the scheme was a choice were initialised by the "flax" scheme.
     "model.init": "flax",
 }
@@ -71,6 +79,13 @@ def router_config(name: str = "sparsemixer", **overrides: Any) -> ml_collections
     c.default_at_eval = True  # default_moe_forward: the defaults in the output at inference too
     c.default_mean = "ungated"  # default_moe*: EMA of expert outputs | "gated": of gate * output
     c.default_update = "after"  # default_moe*: EMA step after the term reads it | "before"
+    # Routing options (docs/routing.md: how each composes with each router).
+    c.score = "softmax"  # | "sigmoid": DeepSeek-V3 scores, gates renormalised over the chosen
+    c.routed_scaling_factor = 1.0  # sigmoid: multiplies the renormalised gates (DeepSeek-V3: 2.5)
+    c.bias_update_rate = 0.0  # > 0: loss-free balancing by a selection-only bias (0 = off)
+    c.balance_scope = "micro_batch"  # | "sequence" | "global_batch": the balance loss's counts
+    c.num_groups = 1  # group-limited routing: experts in num_groups groups (1 = off) ...
+    c.top_groups = 1  # ... of which each token keeps top_groups
     c.update(overrides)
     return c
 
@@ -129,6 +144,8 @@ def moe_model_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.dispatch = "auto"  # see sparsemixer_jax.moe.DISPATCHES
     c.grouped_impl = "mosaic"  # dispatch "grouped": Hopper kernels ("mosaic"), "tokamax", "xla"
     c.capacity_factor = 0.0  # 0 = dropless; > 0 = Switch-style capacity with dropping
+    c.num_shared_experts = 0  # always-on experts beside the routed ones (DeepSeek, Qwen2-MoE)
+    c.shared_expert_gate = False  # the shared experts' output times sigmoid(x w) (Qwen2-MoE)
     c.compute_dtype = "float32"  # | "bfloat16" (params stay float32)
     c.attention_impl = "einsum"  # | "xla" | "cudnn" | "auto" (jax.nn.dot_product_attention)
     c.activation = "relu"  # FFN and experts: fairseq's Transformer; BERT / ELECTRA use "gelu"
@@ -215,6 +232,12 @@ def _check_experts(config: Any) -> None:
         raise ValueError(
             f"config.router.top_k={top_k} is larger than num_experts={n} (a token picks "
             f"distinct experts); top_k must be an int in [1, num_experts={n}], got {top_k}")
+    from sparsemixer_jax.routers.registry import RouterConfig  # jax, not model code
+
+    RouterConfig.from_config(config.router, num_experts=n or None)  # groups against experts
+    generator = config.get("generator") or {}
+    if generator.get("num_experts"):  # ELECTRA's generator routes with the same router
+        RouterConfig.from_config(config.router, num_experts=generator["num_experts"])
     expert = config.mesh.expert
     if n and expert >= 1 and n % expert:
         raise ValueError(f"config.model.num_experts={n} is not divisible by "

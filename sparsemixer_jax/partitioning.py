@@ -92,7 +92,7 @@ PARAMETER_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"router/kernel", ("embed", "routes")),
     (r"router/[a-z_]+", ("routes",)),  # its bias, and any per-expert vector of a router
     # heads projecting to one value, or from the width to the width
-    (r"(discriminator_head/out|shared_expert_gate)/kernel", ("embed", "score")),
+    (r"(discriminator_head/out|shared_expert_gate|shared_experts/gate)/kernel", ("embed", "score")),
     (r"discriminator_head/out/bias", ("score",)),
     (r"(generator_head|discriminator_head)/dense/kernel", ("embed", "mlp")),
     (r"(generator_head|discriminator_head)/dense/bias", ("mlp",)),
@@ -105,11 +105,11 @@ PARAMETER_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (_ATTENTION_OUT + r"/bias", ("embed",)),
     (r"(q_norm|k_norm)/weight", ("qk_norm",)),
     (r"position_bias/table/embedding", ("buckets", "bias_heads")),
-    # dense feed-forward layers
-    (r"(wi|gate_proj|up_proj)/kernel", ("embed", "mlp")),
-    (r"(wi|gate_proj|up_proj)/bias", ("mlp",)),
-    (r"(wo|down_proj)/kernel", ("mlp", "embed")),
-    (r"(wo|down_proj)/bias", ("embed",)),
+    # dense feed-forward layers (and the MoE layer's shared experts)
+    (r"(wi|w_gate|w_up|gate_proj|up_proj)/kernel", ("embed", "mlp")),
+    (r"(wi|w_gate|w_up|gate_proj|up_proj)/bias", ("mlp",)),
+    (r"(wo|w_down|down_proj)/kernel", ("mlp", "embed")),
+    (r"(wo|w_down|down_proj)/bias", ("embed",)),
     # embeddings
     (r"(^|/)(embed|embed_tokens|token)/embedding", ("vocab", "embed")),
     (r"position/embedding", ("position", "embed")),

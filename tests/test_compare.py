@@ -106,6 +106,24 @@ def test_make_config_applies_arm_modifiers_and_refuses_overriding_them():
                             ["optim.peak_lr=1e-3"])
 
 
+def test_a_run_trains_its_configs_own_task(monkeypatch, tmp_path):
+    """A study of pretraining (or any task of the loop) trains that task, not translation."""
+    import sparsemixer_jax.tasks as tasks
+    from sparsemixer_jax.tasks import pretraining
+
+    trained = []
+    monkeypatch.setattr(pretraining, "pretrain",
+                        lambda config, workdir: trained.append((config.task, workdir)))
+    options = runner.StudyOptions(config="configs/electra_smoke.py", root=str(tmp_path),
+                                  arms=["switch_n4"], seeds=[3])
+    runner.train_one(options, "switch_n4", 3)
+    assert trained == [("pretraining", run_dir(str(tmp_path), "switch_n4", 3))]
+    from configs import glue_smoke
+
+    with pytest.raises(ValueError, match="not trained by the loop"):
+        tasks.train_task(glue_smoke.get_config(), str(tmp_path / "glue"))
+
+
 def _run(root, arm, seed, valid, finished=True, moe=True):
     """A run directory as train.py leaves it: config, metrics (with router metrics), results."""
     workdir = run_dir(str(root), arm, seed)

@@ -277,9 +277,9 @@ def test_sharded_checkpoint_restores_onto_another_mesh(translation_runs):
 
 
 def test_every_parameter_of_every_model_has_logical_names():
-    """The tiny translation, ELECTRA (with Admin's scales) and every decoder-only LM type (built
-    abstractly): each parameter is named by the table, one name per dimension, scanned stacks
-    led by "layers"."""
+    """The tiny translation model (also with gated shared experts), ELECTRA (with Admin's scales)
+    and every decoder-only LM type (built abstractly): each parameter is named by the table, one
+    name per dimension, scanned stacks led by "layers"."""
     from sparsemixer_jax.hf.checkpoint import read_config
     from sparsemixer_jax.hf.config import from_hf
     from sparsemixer_jax.tasks import pretraining
@@ -287,8 +287,12 @@ def test_every_parameter_of_every_model_has_logical_names():
     def abstract(build):
         return nnx.eval_shape(build)
 
-    models = {"translation": abstract(
-        lambda: translation.TranslationTask.from_config(tiny()).build_model(tiny(), 128, None))}
+    models = {}
+    for label, overrides in (("translation", {}), ("translation-shared", {
+            "model.num_shared_experts": 1, "model.shared_expert_gate": True})):
+        config = tiny(**overrides)
+        models[label] = abstract(lambda c=config: translation.TranslationTask.from_config(
+            c).build_model(c, 128, None))
     for init in ("fairseq", "admin"):
         config = kit.tiny_config("pretraining", "unused", **{"model.init": init})
         task = pretraining.PretrainingTask.from_config(config)

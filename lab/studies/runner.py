@@ -1,8 +1,9 @@
 """Running a convergence study: one config per arm and seed, training (one after another or in
 subprocesses), the compact files a finished run keeps, packing, and writing the summary.
 
-Every run is ``tasks.translation.train_and_evaluate(config, workdir)`` on a config file
-with the arm's fields and the seed set (arm names and target arms:
+Every run is ``sparsemixer_jax.tasks.train_task(config, workdir)`` (the config's own task:
+translation, pretraining, language modelling) on a config file with the arm's fields and the
+seed set (arm names and target arms:
 :mod:`lab.studies.arms`). Runs are ordered seed by seed (all arms of seed 0, then
 seed 1, ...) so that a study cut short still compares the arms on the same seeds.
 
@@ -141,7 +142,7 @@ def finish_run(workdir: str, delete_checkpoints: bool = False, compact: bool = F
 
 def train_one(options: StudyOptions, arm: str, seed: int) -> str:
     """Trains (or resumes) one run in this process; returns its final state."""
-    from sparsemixer_jax.tasks import translation
+    from sparsemixer_jax.tasks import train_task
     from sparsemixer_jax.training import TrainingDiverged
 
     workdir = run_dir(options.root, arm, seed)
@@ -149,7 +150,7 @@ def train_one(options: StudyOptions, arm: str, seed: int) -> str:
     logger.info("%s: training (%s)", workdir, "resuming" if os.path.isdir(workdir) else "fresh")
     started = time.time()
     try:
-        translation.train_and_evaluate(config, workdir)
+        train_task(config, workdir)
     except TrainingDiverged as err:  # the study goes on without this run
         logger.error("%s diverged: %s", workdir, err)
         with open(os.path.join(workdir, DIVERGED), "w") as f:

@@ -7,6 +7,8 @@
   capacity) and the measured choice behind ``dispatch="auto"``.
 * :mod:`~sparsemixer_jax.moe.expert_parallel`: the same FFN with experts split over a mesh.
 * :mod:`~sparsemixer_jax.moe.diagnostics`: per-layer router diagnostics.
+* :mod:`~sparsemixer_jax.moe.shared`: shared experts beside the routed ones.
+* :mod:`~sparsemixer_jax.moe.balancing`: bias balancing's step after each update.
 * :mod:`~sparsemixer_jax.moe.unchosen`: what DenseMixer and Default MoE compute for the experts
   a token did not choose.
 
@@ -34,10 +36,13 @@ from sparsemixer_jax.moe.dispatch import (
 from sparsemixer_jax.moe.expert_parallel import expert_parallel_ffn
 
 if TYPE_CHECKING:
+    from sparsemixer_jax.moe.balancing import balance_plan, end_of_update
     from sparsemixer_jax.moe.layer import MoEFeedForward, fold_omega
 
 # Names that need Flax: module that defines each.
-_LAZY = {"MoEFeedForward": "sparsemixer_jax.moe.layer", "fold_omega": "sparsemixer_jax.moe.layer"}
+_LAZY = {"MoEFeedForward": "sparsemixer_jax.moe.layer", "fold_omega": "sparsemixer_jax.moe.layer",
+         "balance_plan": "sparsemixer_jax.moe.balancing",
+         "end_of_update": "sparsemixer_jax.moe.balancing"}
 
 __all__ = [
     "ACTIVATIONS",
@@ -47,7 +52,9 @@ __all__ = [
     "MoEConfig",
     "MoEFeedForward",
     "activation_fn",
+    "balance_plan",
     "capacity_keep",
+    "end_of_update",
     "expert_capacity",
     "expert_ffn",
     "expert_parallel_ffn",

@@ -38,6 +38,11 @@ class MoEConfig:
       init: the initialisation scheme (:mod:`sparsemixer_jax.initializers`), e.g. ``"fairseq"``,
         ``"flax"`` or ``"flax,router=fairseq"``. The default is the layer's (``"flax"``, as it
         has always been initialised); the experiment configs set ``"fairseq"``.
+      num_shared_experts: always-on experts beside the routed ones (DeepSeek, Qwen2-MoE), run
+        as one dense feed-forward of width ``num_shared_experts * mlp_dim`` on every token;
+        0 = none.
+      shared_expert_gate: the shared experts' output is multiplied by ``sigmoid(x w)``, a
+        learned scalar gate per token (Qwen2-MoE).
     """
 
     num_experts: int = 0
@@ -48,6 +53,8 @@ class MoEConfig:
     activation: str = "relu"
     activation_dropout: float = 0.1
     init: str = "flax"
+    num_shared_experts: int = 0
+    shared_expert_gate: bool = False
 
     @classmethod
     def from_config(cls, section: Any, where: str = "config.model.") -> MoEConfig:
@@ -60,6 +67,16 @@ class MoEConfig:
         if self.num_experts < 0:
             raise ValueError(f"{where}num_experts must be >= 0 (0 = dense), got "
                              f"{self.num_experts}")
+        shared = self.num_shared_experts
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ValueError(f"{where}num_shared_experts must be an int >= 0 (0 = none), got "
+                             f"{shared!r}")
+        if shared and not self.num_experts:
+            raise ValueError(f"{where}num_shared_experts={shared} needs routed experts beside "
+                             f"them, but num_experts=0 (a dense model)")
+        if self.shared_expert_gate and not shared:
+            raise ValueError(f"{where}shared_expert_gate=True has no effect with "
+                             f"num_shared_experts=0")
         if not self.moe_every > 0:
             raise ValueError(f"{where}moe_every must be > 0, got {self.moe_every}")
         if not 0.0 <= self.activation_dropout < 1.0:

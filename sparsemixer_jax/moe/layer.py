@@ -28,8 +28,8 @@ from sparsemixer_jax.moe.dispatch import (
     resolve_dispatch,
 )
 from sparsemixer_jax.moe.expert_parallel import expert_parallel_ffn
+from sparsemixer_jax.moe.shared import SharedExperts
 from sparsemixer_jax.moe.unchosen import all_expert_outputs, update_expert_defaults
-from sparsemixer_jax.routers import check_top_k
 
 
 def _stream(rngs: nnx.Rngs, name: str, fallback: str) -> nnx.RngStream:
@@ -114,7 +114,12 @@ class MoEFeedForward(nnx.Module):
     ``w_up [N, emb, mlp]``, ``w_down [N, mlp, emb]`` instead), and ``omega [emb]`` (SparseMixer
     routers only).
     State (``nnx.BatchStat``, updated by every training call, not by the optimizer):
-    ``expert_defaults [N, emb]`` (``default_moe`` routers only, zeros at init).
+    ``expert_defaults [N, emb]`` (``default_moe`` routers only, zeros at init);
+    ``expert_load [N]`` (bias balancing and the global-batch balance loss: the routed rows per
+    expert since the last update) and ``expert_bias [N]`` (bias balancing: the selection bias,
+    moved after each update by :func:`sparsemixer_jax.moe.balancing.end_of_update`).
+    Shared experts (``moe.num_shared_experts``): ``shared_experts``
+    (:class:`sparsemixer_jax.moe.shared.SharedExperts`), added to the routed output.
 
     Routers with an entry in :data:`sparsemixer_jax.routers.UNCHOSEN_EXPERT_RULES` also give
     the router a gradient for the experts a token did not choose: DenseMixer from every
@@ -164,7 +169,7 @@ class MoEFeedForward(nnx.Module):
                                 f"settings (they are the sections' fields), got {given}")
             if moe.num_experts < 1:
                 raise ValueError(f"num_experts must be >= 1, got {moe.num_experts}")
-            check_top_k("", router_config.top_k, moe.num_experts)
+            router_config.check("", moe.num_experts)  # top_k and groups against the experts
         else:
             if num_experts < 1:
                 raise ValueError(f"num_experts must be >= 1, got {num_experts}")
@@ -227,6 +232,17 @@ class MoEFeedForward(nnx.Module):
         self.router_rng = _stream(rngs, "router", "dropout").fork()
         self.dropout_rng = _stream(rngs, "dropout", "router").fork() \
             if moe.activation_dropout > 0 else None
+        # Bias balancing's selection bias, and the per-expert loads of the update so far (read
+        # by the bias step after the update and by the global-batch balance loss).
+        self.expert_bias = nnx.BatchStat(jnp.zeros((n,), jnp.float32)) \
+            if router_config.bias_update_rate > 0 else None
+        self.expert_load = nnx.BatchStat(jnp.zeros((n,), jnp.float32)) \
+            if router_config.counts_load else None
+        # Drawn last, so that a layer without them draws every other param as before.
+        self.shared_experts = SharedExperts(
+            emb_dim, moe.num_shared_experts * mlp_dim, gated=gated, activation=moe.activation,
+            use_gate=moe.shared_expert_gate, init=init, dtype=dtype,
+            rngs=rngs) if moe.num_shared_experts else None
 
     # The settings by their keyword names (read-only; the sections hold them).
     router_name = property(lambda self: self.router_config.name)
@@ -275,8 +291,10 @@ class MoEFeedForward(nnx.Module):
         logits = self.router(x.astype(jnp.float32))
         training = not deterministic
         key = self.router_rng() if training else None
-        routed = routers.router_fn(self.router_config)(logits, key, training)
+        bias = None if self.expert_bias is None else self.expert_bias[...]
+        routed = routers.router_fn(self.router_config)(logits, key, training, bias)
         metrics = routers.routing_metrics(logits, routed, token_mask)
+        metrics["balance_loss"] = self._balance_loss(routed, token_mask, training)
         metrics.update(router_diagnostics(
             logits, routed, token_mask, jitter_eps=self.router_config.jitter_eps))
 
@@ -336,7 +354,28 @@ class MoEFeedForward(nnx.Module):
         if self.unchosen is not None:
             y = y + self._unchosen_contribution(xc, routed, params, token_mask, f, gate, group,
                                                 training)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(xc)
+            if token_mask is not None:
+                shared = shared * token_mask[..., None].astype(shared.dtype)
+            y = y + shared
         return y.astype(x.dtype), {name: v.astype(jnp.float32) for name, v in metrics.items()}
+
+    def _balance_loss(self, routed, token_mask, training: bool) -> jax.Array:
+        """The balance loss over the router's ``balance_scope``; in training, also adds this
+        call's per-expert loads to the update's (``expert_load``)."""
+        config, n = self.router_config, self.num_experts
+        load = None
+        if self.expert_load is not None:
+            load = routers.expert_load(routed.expert, n, token_mask)
+            if training:
+                load = self.expert_load[...] + load
+                self.expert_load[...] = load
+        if config.balance_scope == "sequence":
+            return routers.sequence_balancing_loss(routed.probs, routed.expert, token_mask)
+        if config.balance_scope == "global_batch":
+            return routers.global_balancing_loss(routed.probs, load, token_mask)
+        return routers.load_balancing_loss(routed.probs, routed.expert, token_mask)
 
     def expert_params(self) -> tuple[nnx.Param, ...]:
         """The experts' params in the order :func:`sparsemixer_jax.moe.expert_ffn` takes them:
@@ -380,9 +419,14 @@ class MoEFeedForward(nnx.Module):
             values = values.reshape(batch, length, self.num_experts, -1)
         else:
             values = self.expert_defaults[...]
-        term = routers.unchosen_expert_term(
-            routed.probs, routed.expert, values, self.unchosen,
-            normalize_top_k=self.router_config.normalize_top_k)
+        # Under sigmoid scores the dense weights are the scores over the chosen ones' sum, as
+        # the gates are, times the gates' scale.
+        config = self.router_config
+        weights = routed.probs if routed.scores is None else routed.scores
+        term = routers.unchosen_expert_term(weights, routed.expert, values, self.unchosen,
+                                            normalize_top_k=config.renormalises)
+        if config.score == "sigmoid":
+            term = term * config.routed_scaling_factor
         if token_mask is not None:
             term = term * token_mask[..., None].astype(term.dtype)
         return term

@@ -17,7 +17,10 @@ One module per concern; import the names from this package, not from the modules
 * :mod:`~sparsemixer_jax.routers.unchosen`: DenseMixer's and Default MoE's term for the experts
   a token did not choose (the "unchosen-expert term"; the layer's side is
   :mod:`sparsemixer_jax.moe.unchosen`).
-* :mod:`~sparsemixer_jax.routers.losses`: load-balancing loss, z-loss, routing statistics.
+* :mod:`~sparsemixer_jax.routers.losses`: load-balancing losses (micro-batch, sequence,
+  global batch), z-loss, routing statistics.
+* :mod:`~sparsemixer_jax.routers.selection`: group-limited selection, per-expert loads and the
+  bias step of auxiliary-loss-free balancing.
 * :mod:`~sparsemixer_jax.routers.registry`: routers by name and their config section
   :class:`RouterConfig` (``config.router``), which checks itself.
 """
@@ -29,7 +32,13 @@ from sparsemixer_jax.routers.common import (
     check_route_args,
     check_top_k,
 )
-from sparsemixer_jax.routers.losses import load_balancing_loss, router_z_loss, routing_metrics
+from sparsemixer_jax.routers.losses import (
+    global_balancing_loss,
+    load_balancing_loss,
+    router_z_loss,
+    routing_metrics,
+    sequence_balancing_loss,
+)
 from sparsemixer_jax.routers.registry import (
     BALANCE_NORMALIZATIONS,
     DEFAULT_MEANS,
@@ -43,6 +52,13 @@ from sparsemixer_jax.routers.registry import (
     get_router,
     router_fn,
     uses_omega,
+)
+from sparsemixer_jax.routers.selection import (
+    BALANCE_SCOPES,
+    SCORES,
+    bias_step,
+    expert_load,
+    limit_to_groups,
 )
 from sparsemixer_jax.routers.sparsemixer import (
     ESTIMATORS,
@@ -60,11 +76,13 @@ from sparsemixer_jax.routers.unchosen import UnchosenExperts, unchosen_expert_te
 
 __all__ = [
     "BALANCE_NORMALIZATIONS",
+    "BALANCE_SCOPES",
     "DEFAULT_MEANS",
     "DEFAULT_UPDATES",
     "ESTIMATORS",
     "ROUTERS",
     "ROUTER_OPTIONS",
+    "SCORES",
     "UNCHOSEN_EXPERT_RULES",
     "Estimator",
     "EstimatorRule",
@@ -73,12 +91,16 @@ __all__ = [
     "RouterFn",
     "RouterOutput",
     "UnchosenExperts",
+    "bias_step",
     "check_finite_logits",
     "check_jitter_eps",
     "check_route_args",
     "check_router",
     "check_top_k",
+    "expert_load",
     "get_router",
+    "global_balancing_loss",
+    "limit_to_groups",
     "load_balancing_loss",
     "router_fn",
     "router_probs",
@@ -87,6 +109,7 @@ __all__ = [
     "routing_mask",
     "routing_metrics",
     "scaled_gate",
+    "sequence_balancing_loss",
     "sparsemixer_route",
     "switch_route",
     "unchosen_expert_term",

@@ -25,12 +25,16 @@ class RouterOutput(NamedTuple):
         (before ``omega``). Its backward pass carries the router gradient estimator.
       probs: float32 ``[..., N]``, the router probabilities the (first) expert was drawn from
         (masked softmax for SparseMixer, softmax of the jittered logits for Switch); zero where
-        masked.
+        masked. Under sigmoid scores: the scores normalised to sum to 1 over all experts (what
+        the balance loss and the statistics read).
+      scores: float32 ``[..., N]``, the sigmoid scores the gates are made of (before their
+        renormalisation over the chosen experts), or None under softmax scores.
     """
 
     expert: jax.Array
     gate: jax.Array
     probs: jax.Array
+    scores: jax.Array | None = None
 
 
 def routing_dtype(logits: jax.Array) -> jnp.dtype:

@@ -78,3 +78,29 @@ def routing_metrics(
         "num_unmasked": token_mean(jnp.sum(probs > 0, axis=-1).astype(jnp.float32), token_mask),
         "entropy": token_mean(-jnp.sum(probs * safe_log, axis=-1), token_mask),
     }
+
+
+def sequence_balancing_loss(
+    probs: jax.Array, expert: jax.Array, token_mask: jax.Array | None = None
+) -> jax.Array:
+    """:func:`load_balancing_loss` of each sequence (``probs [B, T, N]``, ``expert [B, T]`` or
+    ``[B, T, k]``, ``token_mask [B, T]``), averaged over the sequences that hold a token
+    (DeepSeek-V3's sequence-wise balance loss, Megatron's ``seq_aux_loss``). Scalar float32."""
+    if token_mask is None:
+        token_mask = jnp.ones(probs.shape[:2], bool)
+    per_sequence = jax.vmap(load_balancing_loss)(probs, expert, token_mask)
+    has_tokens = jnp.any(token_mask, axis=1).astype(jnp.float32)
+    return jnp.sum(per_sequence * has_tokens) / jnp.maximum(jnp.sum(has_tokens), 1.0)
+
+
+def global_balancing_loss(
+    probs: jax.Array, load: jax.Array, token_mask: jax.Array | None = None
+) -> jax.Array:
+    """``N * sum_i f_i P_i`` with the expert fractions ``f = load / sum(load)`` of ``load [N]``
+    (the routed rows per expert counted over the update's micro-batches so far, this one
+    included: Megatron's ``global_aux_loss``) and ``P_i`` this micro-batch's mean probability
+    (its gradient). Scalar float32; 1.0 for uniform routing."""
+    load = jax.lax.stop_gradient(load.astype(jnp.float32))
+    fraction = load / jnp.maximum(jnp.sum(load), 1.0)
+    return probs.shape[-1] * jnp.sum(fraction * token_mean(probs.astype(jnp.float32),
+                                                            token_mask))

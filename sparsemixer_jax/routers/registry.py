@@ -8,18 +8,20 @@ keyword arguments build a :class:`RouterConfig` through :func:`check_router`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 
 from sparsemixer_jax.routers.common import RouterOutput, check_jitter_eps, check_top_k
+from sparsemixer_jax.routers.selection import BALANCE_SCOPES, SCORES, limit_to_groups
 from sparsemixer_jax.routers.sparsemixer import sparsemixer_route
 from sparsemixer_jax.routers.switch import switch_route
 from sparsemixer_jax.routers.unchosen import UnchosenExperts
 from sparsemixer_jax.section import read_fields
 
-RouterFn = Callable[[jax.Array, "jax.Array | None", bool], RouterOutput]
+RouterFn = Callable[..., RouterOutput]
 
 #: Routers selectable by name from a config: the routing function and its keyword arguments.
 ROUTERS: dict[str, tuple[Callable[..., RouterOutput], dict]] = {
@@ -96,6 +98,21 @@ class RouterConfig:
         ``f_D(x)``, ``"gated"`` its contribution ``gate * f_D(x)``.
       default_update: ``"after"``: the step's term uses the defaults as they were before this
         batch, then the EMA takes the batch in; ``"before"``: the EMA takes the batch in first.
+      score: ``"softmax"`` (router probabilities) or ``"sigmoid"`` (DeepSeek-V3: experts
+        selected on per-expert sigmoid scores, the chosen ones' gates renormalised to sum to
+        ``routed_scaling_factor``). Routers with Switch's forward, ``top_k >= 2``.
+      routed_scaling_factor: multiplies the renormalised sigmoid gates (DeepSeek-V3: 2.5).
+      bias_update_rate: auxiliary-loss-free balancing: a per-expert bias added to the selection
+        scores only (the logits under softmax), moved by ``rate * sign(mean load - load_i)``
+        after every optimizer update from that update's loads; 0 turns it off. Routers with
+        Switch's forward.
+      balance_scope: over which tokens the balance loss's expert fractions are counted:
+        ``"micro_batch"`` (all tokens of a micro-batch, on every data-parallel device),
+        ``"sequence"`` (each sequence's own loss, averaged), ``"global_batch"`` (the counts of
+        the update's micro-batches so far).
+      num_groups, top_groups: group-limited routing: the experts form ``num_groups`` groups of
+        consecutive experts, a token keeps the ``top_groups`` groups with the largest best
+        selection score and picks its experts among theirs; ``num_groups=1`` turns it off.
     """
 
     name: str = "sparsemixer"
@@ -111,6 +128,12 @@ class RouterConfig:
     default_at_eval: bool = True
     default_mean: Literal["ungated", "gated"] = "ungated"
     default_update: Literal["after", "before"] = "after"
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    routed_scaling_factor: float = 1.0
+    bias_update_rate: float = 0.0
+    balance_scope: Literal["micro_batch", "sequence", "global_batch"] = "micro_batch"
+    num_groups: int = 1
+    top_groups: int = 1
 
     @classmethod
     def from_config(cls, section: Any, where: str = "config.router.",
@@ -155,7 +178,20 @@ class RouterConfig:
         if not self.init_scale > 0:
             name = f"{where}init_scale" if where.endswith(".") else "router_init_scale"
             raise ValueError(f"{name} must be > 0, got {self.init_scale}")
+        check_routing_options(self, where, num_experts)
         return self
+
+    @property
+    def renormalises(self) -> bool:
+        """Whether the chosen experts' gates are renormalised over them (``normalize_top_k``,
+        or sigmoid scores, which always are)."""
+        return self.normalize_top_k or self.score == "sigmoid"
+
+    @property
+    def counts_load(self) -> bool:
+        """Whether the layer keeps the per-expert load of the update in its state (bias
+        balancing and the global-batch balance loss read it)."""
+        return self.bias_update_rate > 0 or self.balance_scope == "global_batch"
 
     @property
     def unchosen(self) -> UnchosenExperts | None:
@@ -165,6 +201,71 @@ class RouterConfig:
 
 
 _DEFAULTS = RouterConfig()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_routing_options(config: RouterConfig, where: str, num_experts: int | None) -> None:
+    """The score, bias balancing, balance scope and group options of ``config``, and the
+    estimators they do not compose with (docs/routing.md gives each reason): a one-line
+    ValueError for the first that fails."""
+    name, sampled = config.name, ROUTERS[config.name][0] is sparsemixer_route
+    if config.score not in SCORES:
+        raise ValueError(f"{where}score={config.score!r}; choose one of {SCORES}")
+    scale = config.routed_scaling_factor
+    if not _is_number(scale) or not scale > 0:
+        raise ValueError(f"{where}routed_scaling_factor must be a finite number > 0, got "
+                         f"{scale!r}")
+    if config.score == "sigmoid":
+        if sampled:
+            raise ValueError(f"{where}score='sigmoid' does not compose with router {name!r}: "
+                             f"SparseMixer's estimator is defined for the masked softmax it "
+                             f"samples from; use score='softmax'")
+        if name == "densemixer_blog":
+            raise ValueError(f"{where}score='sigmoid' does not compose with router {name!r}: "
+                             f"its formula is not defined for renormalised gates")
+        if config.top_k < 2:
+            raise ValueError(f"{where}score='sigmoid' needs top_k >= 2: its gates are "
+                             f"renormalised over the chosen experts, so one expert's gate is "
+                             f"always 1 and the router gets no gradient")
+        if config.normalize_top_k:
+            raise ValueError(f"{where}normalize_top_k=True is implied by score='sigmoid' "
+                             f"(its gates are always renormalised); leave it False")
+    elif scale != 1.0:
+        raise ValueError(f"{where}routed_scaling_factor={scale!r} has no effect with "
+                         f"score={config.score!r}; only score='sigmoid' takes it")
+    rate = config.bias_update_rate
+    if not _is_number(rate) or rate < 0:
+        raise ValueError(f"{where}bias_update_rate must be a finite number >= 0 (0 = off), got "
+                         f"{rate!r}")
+    if rate > 0 and sampled:
+        raise ValueError(f"{where}bias_update_rate={rate!r} does not compose with router "
+                         f"{name!r}: a selection bias changes the distribution SparseMixer "
+                         f"samples from, which its estimator assumes is the gates' own")
+    if config.balance_scope not in BALANCE_SCOPES:
+        raise ValueError(f"{where}balance_scope={config.balance_scope!r}; choose one of "
+                         f"{BALANCE_SCOPES}")
+    groups, top_groups = config.num_groups, config.top_groups
+    if not _is_int(groups) or groups < 1:
+        raise ValueError(f"{where}num_groups must be an int >= 1 (1 = no groups), got "
+                         f"{groups!r}")
+    if not _is_int(top_groups) or not 1 <= top_groups <= groups:
+        raise ValueError(f"{where}top_groups must be an int in [1, num_groups={groups}], got "
+                         f"{top_groups!r}")
+    if num_experts is not None and groups > 1:
+        if num_experts % groups:
+            raise ValueError(f"{where}num_groups={groups} does not divide num_experts="
+                             f"{num_experts}")
+        if top_groups * (num_experts // groups) < config.top_k:
+            raise ValueError(f"{where}top_groups={top_groups} groups of "
+                             f"{num_experts // groups} experts hold fewer than top_k="
+                             f"{config.top_k} experts")
 
 
 def _routers_taking(option: str) -> list[str]:
@@ -221,17 +322,30 @@ def get_router(
 
 
 def router_fn(config: RouterConfig) -> RouterFn:
-    """The routing function of a checked :class:`RouterConfig` as ``fn(logits, key,
-    training)``."""
+    """The routing function of a checked :class:`RouterConfig` as ``fn(logits, key, training,
+    selection_bias=None)``; ``selection_bias [N]`` is bias balancing's (routers with Switch's
+    forward)."""
     top_k, jitter_eps = config.top_k, config.jitter_eps
     route, fixed = ROUTERS[config.name]
     kwargs = dict(fixed)
+    groups = {"num_groups": config.num_groups, "top_groups": config.top_groups}
     if route is switch_route:
         kwargs["normalize_top_k"] = config.normalize_top_k
+        kwargs.update(groups, score=config.score,
+                      routed_scaling_factor=config.routed_scaling_factor)
         if config.successor_jitter:
             kwargs["jitter"] = True
 
-    def router(logits: jax.Array, key: jax.Array | None, training: bool) -> RouterOutput:
+    def router(logits: jax.Array, key: jax.Array | None, training: bool,
+               selection_bias: jax.Array | None = None) -> RouterOutput:
+        if route is switch_route:
+            return route(logits, key, training=training, top_k=top_k, jitter_eps=jitter_eps,
+                         selection_bias=selection_bias, **kwargs)
+        if selection_bias is not None:
+            raise ValueError(f"router {config.name!r} takes no selection bias")
+        # SparseMixer samples among the experts of the kept groups: the others are excluded
+        # (-inf), as its own mask excludes experts, and no gradient flows through the choice.
+        logits = limit_to_groups(logits, config.num_groups, config.top_groups)
         return route(logits, key, training=training, top_k=top_k, jitter_eps=jitter_eps,
                      **kwargs)
 

@@ -13,6 +13,7 @@ from sparsemixer_jax.routers.common import (
     routing_dtype,
     take_expert,
 )
+from sparsemixer_jax.routers.selection import limit_to_groups
 
 
 def switch_route(
@@ -24,6 +25,11 @@ def switch_route(
     training: bool = True,
     jitter: bool = True,
     normalize_top_k: bool = False,
+    score: str = "softmax",
+    routed_scaling_factor: float = 1.0,
+    selection_bias: jax.Array | None = None,
+    num_groups: int = 1,
+    top_groups: int = 1,
 ) -> RouterOutput:
     """Switch Transformer routing, as the reference baseline (``switchgate.py``), top-1 or top-k.
 
@@ -46,6 +52,14 @@ def switch_route(
         ``S = sum_t pi_{D_t}`` (differentiated through ``S`` too), as Mixtral, and Qwen and
         DeepSeek models with ``norm_topk_prob``, route. Off: the gates are the softmax values
         themselves (Switch, GRIN's top-2). With ``top_k = 1`` every gate is 1.
+      score: ``"softmax"``, or ``"sigmoid"`` (DeepSeek-V3): experts are selected on the
+        sigmoid scores ``s = sigmoid(logits)`` and the gates are
+        ``routed_scaling_factor * s_{D_t} / sum_t s_{D_t}`` (always renormalised).
+      selection_bias: float ``[N]`` added to the selection scores only (the logits under
+        softmax, the sigmoid scores under sigmoid); the gates never see it and it gets no
+        gradient. None: no bias.
+      num_groups, top_groups: group-limited selection
+        (:func:`sparsemixer_jax.routers.selection.limit_to_groups`), on the biased scores.
 
     Returns:
       :class:`RouterOutput` with int32 ``expert`` and float32 ``gate`` of shape ``[...]``
@@ -63,6 +77,9 @@ def switch_route(
             key, logits.shape, logits.dtype, minval=1.0 - jitter_eps, maxval=1.0 + jitter_eps
         )
         logits = logits * noise
+    if score == "sigmoid" or selection_bias is not None or num_groups > 1:
+        return _select_and_gate(logits, invalid, top_k, normalize_top_k, score,
+                                routed_scaling_factor, selection_bias, num_groups, top_groups)
     probs = jax.nn.softmax(logits, axis=-1)
     probs = jnp.where(invalid[..., None], jnp.nan, probs)
     if top_k == 1:
@@ -75,3 +92,37 @@ def switch_route(
     if normalize_top_k:
         gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
     return RouterOutput(expert=expert.astype(jnp.int32), gate=gate, probs=probs)
+
+
+def _select_and_gate(logits, invalid, top_k, normalize_top_k, score, routed_scaling_factor,
+                     selection_bias, num_groups, top_groups) -> RouterOutput:
+    """Switch routing with a selection that differs from the gates' scores: by sigmoid scores,
+    with a bias, or within groups. The selection is held constant (no gradient); the gates are
+    the scores (softmax probabilities or renormalised sigmoid scores) at the chosen experts."""
+    if score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        scores = jnp.where(invalid[..., None], jnp.nan, scores)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+        selection, gates_of, renormalise = scores, scores, True
+    else:
+        probs = jax.nn.softmax(logits, axis=-1)
+        probs = jnp.where(invalid[..., None], jnp.nan, probs)
+        scores = None
+        # Without a bias the probabilities are selected on, as the plain router does (float32
+        # ties in probability go to the first index); with one, the logits plus the bias.
+        selection, gates_of, renormalise = (
+            probs if selection_bias is None else logits), probs, normalize_top_k
+    selection = jax.lax.stop_gradient(selection)
+    if selection_bias is not None:
+        selection = selection + jax.lax.stop_gradient(selection_bias).astype(selection.dtype)
+    selection = limit_to_groups(selection, num_groups, top_groups)
+    _, expert = jax.lax.top_k(selection, top_k)
+    expert = expert.astype(jnp.int32)
+    gate = jnp.take_along_axis(gates_of, expert, axis=-1)
+    if renormalise:
+        gate = gate / jnp.sum(gate, axis=-1, keepdims=True)
+    if score == "sigmoid":
+        gate = gate * routed_scaling_factor
+    if top_k == 1:
+        expert, gate = expert[..., 0], gate[..., 0]
+    return RouterOutput(expert=expert, gate=gate, probs=probs, scores=scores)

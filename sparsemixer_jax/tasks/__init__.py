@@ -11,12 +11,20 @@ run and before anything is read or written; :func:`check_config` does it for any
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from sparsemixer_jax import config as config_schema
 from sparsemixer_jax.runtime import RuntimeConfig
 from sparsemixer_jax.section import cast, check_positive
 from sparsemixer_jax.sharding import MeshConfig
+
+#: The function that trains each task of the one loop, as ``(module, name)``: imported only when
+#: called, so naming a task does not import its data pipeline.
+TRAINERS = {
+    "translation": ("sparsemixer_jax.tasks.translation", "train_and_evaluate"),
+    "pretraining": ("sparsemixer_jax.tasks.pretraining", "pretrain"),
+}
 
 LOOP_FIELDS = ("train_steps", "eval_every", "checkpoint_every", "log_every")
 
@@ -53,3 +61,15 @@ def check_config(config: Any) -> Any:
         return FinetuningConfig.from_config(config)
     config_schema.validate(config)  # names the unknown task
     return None
+
+
+def train_task(config: Any, workdir: str) -> dict[str, Any]:
+    """Trains ``config``'s task in ``workdir`` (resuming) with its own training function
+    (:data:`TRAINERS`); returns the run's ``results.json``. ValueError for a task the loop does
+    not train (GLUE fine-tuning runs its own grid: ``experiments.glue``)."""
+    task = config_schema.task_of(config)
+    if task not in TRAINERS:
+        raise ValueError(f"config.task={task!r} is not trained by the loop; tasks: "
+                         f"{', '.join(TRAINERS)}")
+    module, name = TRAINERS[task]
+    return getattr(importlib.import_module(module), name)(config, workdir)

@@ -21,7 +21,8 @@ The functions are module-level, keyed by (graph definition, task, optimizer sett
 every model of the same structure and shapes in a process reuses one compilation. Parameters
 travel as a pure pytree (nested dict of arrays) so that optax and orbax see plain arrays.
 
-The layer state (``nnx.BatchStat`` variables: Default MoE's running means of expert outputs;
+The layer state (``nnx.BatchStat`` variables: Default MoE's running means of expert outputs,
+bias balancing's selection biases and per-expert loads;
 ``{}`` for most models) is what training forwards update and the optimizer does not. It goes
 through every micro-batch's forward in order, and is kept unchanged when an update is skipped.
 """
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from sparsemixer_jax.moe.balancing import BalancePlan, balance_plan, end_of_update
 from sparsemixer_jax.partitioning import Partitioner, constrain
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule, make_optimizer
 from sparsemixer_jax.training.state import TrainState
@@ -102,16 +104,21 @@ def _keep_if_finite(finite, new, old):
 
 
 def _apply_update(task, optim: OptimSettings, state: TrainState, acc, layer_state,
-                  partitioner: Partitioner | None = None) -> tuple[TrainState, dict[str, Any]]:
+                  balance: BalancePlan = (), partitioner: Partitioner | None = None
+                  ) -> tuple[TrainState, dict[str, Any]]:
     """The next train state from summed gradients and the layer state after the update's
     forwards; the parameters, layer and optimizer states are kept if the loss or gradient is not
-    finite. The step counts every update taken, skipped or not (the loop stops at a skip)."""
+    finite. The step counts every update taken, skipped or not (the loop stops at a skip).
+    ``balance``: the MoE layers whose bias and loads the update steps (:class:`Steps`);
+    ``partitioner``: keeps the new state sharded (module comment above)."""
     divisor, out = task.summarize(acc["metrics"])
     grads = constrain(partitioner, jax.tree.map(lambda g: g / divisor, acc["grads"]))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(out["loss"])
     updates, new_opt_state = make_optimizer(optim).update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
+    # -- bias balancing: the selection biases move after the step, outside the optimizer.
+    layer_state = end_of_update(layer_state, balance)
     new = TrainState(step=state.step + 1,
                      params=_keep_if_finite(finite, new_params, state.params),
                      layer_state=_keep_if_finite(finite, layer_state, state.layer_state),
@@ -119,13 +126,14 @@ def _apply_update(task, optim: OptimSettings, state: TrainState, acc, layer_stat
     return constrain(partitioner, new), {**out, "grad_norm": grad_norm, "finite": finite}
 
 
-_update = functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2,),
+_update = functools.partial(jax.jit, static_argnums=(0, 1, 5), donate_argnums=(2,),
                             static_argnames=("partitioner",))(_apply_update)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3,),
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 7), donate_argnums=(3,),
                    static_argnames=("partitioner",))
-def _train_step(graphdef, task, optim, state, rest, batch, key, partitioner=None):
+def _train_step(graphdef, task, optim, state, rest, batch, key, balance: BalancePlan = (),
+                partitioner=None):
     """A whole update from one micro-batch in one compiled call: gradient, then optimizer.
 
     The same arithmetic as accumulating into zeros then updating, without materialising the
@@ -134,7 +142,7 @@ def _train_step(graphdef, task, optim, state, rest, batch, key, partitioner=None
     """
     summand, layer_state = _gradient(graphdef, task, state.params, state.layer_state, rest,
                                      batch, key)
-    return _apply_update(task, optim, state, summand, layer_state, partitioner)
+    return _apply_update(task, optim, state, summand, layer_state, balance, partitioner)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -170,6 +178,7 @@ class Steps:
         self.task = task
         self.optim = optim
         self.partitioner = partitioner
+        self.balance = balance_plan(model)  # the MoE layers whose loads each update reads
         self.schedule = learning_rate_schedule(optim)
 
     def new_state(self, params: Any, layer_state: Any) -> TrainState:
@@ -238,7 +247,7 @@ class Steps:
         is the layer state after the update's forwards (None: ``state.layer_state``); ``state``
         is donated."""
         layer_state = state.layer_state if layer_state is None else layer_state
-        return _update(self.task, self.optim, state, acc, layer_state,
+        return _update(self.task, self.optim, state, acc, layer_state, self.balance,
                        partitioner=self.partitioner)
 
     def train_step(self, state: TrainState, micro_batches: list[dict[str, jax.Array]],
@@ -255,7 +264,7 @@ class Steps:
         if len(micro_batches) == 1:
             return _train_step(self.graphdef, self.task, self.optim, state, self.rest,
                                micro_batches[0], jax.random.fold_in(step_key, 0),
-                               partitioner=self.partitioner)
+                               self.balance, partitioner=self.partitioner)
         acc = self.zeros(state, micro_batches[0])
         layer_state = state.layer_state
         for j, batch in enumerate(micro_batches):

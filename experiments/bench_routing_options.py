@@ -1,0 +1,126 @@
+"""What each routing option costs per training step, against the plain router.
+
+The translation Transformer (``configs/wmt.py``, shrunk by ``--emb``, ``--mlp``, ``--layers``;
+Transformer-base is ``--emb 512 --mlp 2048 --layers 6``) with ``--experts`` experts in every
+other feed-forward layer, trained on random tokens: one whole update (``--micro-batches``
+micro-batches of ``--tokens`` source and target tokens each, the optimizer step and, for bias
+balancing, the bias step) per timed step. The plain router is Switch top-2 (softmax scores,
+micro-batch balance loss); each option changes one field:
+
+    python -m experiments.bench_routing_options            # the CPU figures in docs/routing.md
+    python -m experiments.bench_routing_options --emb 512 --mlp 2048 --layers 6 --tokens 4096
+
+Options are timed in turns (``--repeats`` rounds of ``--steps`` steps each, every option once
+per round), so that a machine whose load changes affects them alike; the table gives each
+option's median step and its fastest round's (the least disturbed by other work on the
+machine), the ratios of both to the plain router's, and the spread of the per-round ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from configs.wmt import get_config
+from sparsemixer_jax import training
+from sparsemixer_jax.tasks import check_config, translation
+
+#: The options timed, each a set of config overrides on top of the plain router.
+OPTIONS: dict[str, dict] = {
+    "plain": {},
+    "bias_balancing": {"router.bias_update_rate": 1e-3},
+    "bias_only (no loss)": {"router.bias_update_rate": 1e-3, "router.balance_weight": 0.0},
+    "global_batch_loss": {"router.balance_scope": "global_batch"},
+    "sequence_loss": {"router.balance_scope": "sequence"},
+    "sigmoid": {"router.score": "sigmoid"},
+    "groups_1_of_2": {"router.num_groups": 2, "router.top_groups": 1},
+    "shared_expert": {"model.num_shared_experts": 1},
+}
+
+
+def bench_config(args: argparse.Namespace, overrides: dict):
+    config = get_config()
+    config.model.update(emb_dim=args.emb, mlp_dim=args.mlp, encoder_layers=args.layers,
+                        decoder_layers=args.layers, num_heads=max(1, args.emb // 64),
+                        num_experts=args.experts, dispatch="auto")
+    config.router.update(name="switch", top_k=2)
+    config.data.vocab_size = args.vocab
+    config.update_from_flattened_dict(overrides)
+    check_config(config)
+    return config
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--emb", type=int, default=128)
+    add("--mlp", type=int, default=512)
+    add("--layers", type=int, default=2, help="encoder and decoder layers each")
+    add("--experts", type=int, default=4)
+    add("--tokens", type=int, default=1024, help="source (and target) tokens per micro-batch")
+    add("--length", type=int, default=64, help="sequence length")
+    add("--micro-batches", type=int, default=2)
+    add("--vocab", type=int, default=1000)
+    add("--steps", type=int, default=5, help="timed steps per option per round")
+    add("--repeats", type=int, default=3, help="rounds")
+    add("--options", nargs="*", default=list(OPTIONS), choices=list(OPTIONS))
+    args = parser.parse_args(argv)
+    if "plain" not in args.options:
+        args.options = ["plain", *args.options]
+    rows = args.tokens // args.length
+    rng = np.random.default_rng(0)
+    batches = [{k: jnp.asarray(rng.integers(3, args.vocab, (rows, args.length), np.int32))
+                for k in ("inputs", "targets")} for _ in range(args.micro_batches)]
+
+    runs = {}
+    for name in args.options:
+        config = bench_config(args, OPTIONS[name])
+        steps = training.build_steps(translation.TranslationTask.from_config(config), config,
+                                     args.vocab)
+        state = steps.init_state()
+        for i in range(2):  # compile, then one more outside the timing
+            state, _ = steps.train_step(state, batches, jax.random.key(i))
+        jax.block_until_ready(state)
+        runs[name] = [steps, state]
+
+    times = {name: [] for name in args.options}  # [round] -> median seconds per step
+    for r in range(args.repeats):
+        for name in args.options:
+            steps, state = runs[name]
+            per_step = []
+            for i in range(args.steps):
+                start = time.perf_counter()
+                state, _ = steps.train_step(state, batches, jax.random.key(100 * r + i))
+                jax.block_until_ready(state)
+                per_step.append(time.perf_counter() - start)
+            runs[name][1] = state
+            times[name].append(float(np.median(per_step)))
+
+    plain = np.array(times["plain"])
+    print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} "
+          f"emb={args.emb} mlp={args.mlp} layers={args.layers}+{args.layers} "
+          f"experts={args.experts} tokens={args.tokens}x{args.micro_batches} micro-batches, "
+          f"{args.repeats} rounds x {args.steps} steps")
+    print(f"{'option':22s} {'median ms':>10s} {'ratio':>7s} {'fastest ms':>11s} {'ratio':>7s} "
+          f"{'per-round ratio range':>22s}")
+    results = {}
+    for name in args.options:
+        t = np.array(times[name])
+        ratio = t / plain
+        results[name] = {"ms": float(np.median(t) * 1e3),
+                         "ratio": float(np.median(t) / np.median(plain)),
+                         "fastest_ms": float(t.min() * 1e3),
+                         "fastest_ratio": float(t.min() / plain.min()),
+                         "ratio_min": float(ratio.min()), "ratio_max": float(ratio.max())}
+        r = results[name]
+        print(f"{name:22s} {r['ms']:10.1f} {r['ratio']:7.3f} {r['fastest_ms']:11.1f} "
+              f"{r['fastest_ratio']:7.3f} {ratio.min():13.3f}..{ratio.max():.3f}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
