@@ -220,7 +220,7 @@ class Encoder(nnx.Module):
         check them; a field a saved config lacks takes its default), or any object whose
         ``model`` and ``router`` are those typed sections already.
       vocab_size: vocabulary size (id 0 is padding).
-      mesh: optional ``("data", "expert")`` mesh handed to the MoE layers.
+      mesh: optional ``("data", "fsdp", "expert")`` mesh handed to the MoE layers.
       rngs: ``params`` for initialisation; ``dropout`` and ``router`` streams for training.
       embeddings: an :class:`Embeddings` block to share (ELECTRA's tied embeddings); a new one
         is made if None.

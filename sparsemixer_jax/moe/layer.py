@@ -98,7 +98,7 @@ class MoEFeedForward(nnx.Module):
         every weight and bias), or a spec setting the ``router`` or ``experts`` apart, e.g.
         ``"flax,router=fairseq"``.
       dtype: compute dtype of the experts (params stay float32; the router runs in float32).
-      mesh: optional mesh with axes ``("data", "expert")`` for expert parallelism
+      mesh: optional mesh with axes ``("data", "fsdp", "expert")`` for expert parallelism
         (:mod:`sparsemixer_jax.moe.expert_parallel`); ``num_experts`` must divide by its
         expert axis.
       gated: gated experts without biases, ``(act(x w_gate) * (x w_up)) w_down`` (SwiGLU with
