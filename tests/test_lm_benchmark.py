@@ -37,7 +37,7 @@ def test_lm_throughput_section_writes_sane_json(tmp_path):
     assert lm["top2"]["num_params"] - lm["top2"]["active_params"] == (8 - 2) * 3 * 16 * 16
     assert lm["top2"]["model_flops_per_token"]["ffn"] == \
         lm["dense"]["model_flops_per_token"]["ffn"]
-    assert lm["moe_to_dense"]["paired"]["n"] == 1
+    assert lm["moe_to_dense"]["paired"]["n"] == lm["moe_to_dense"]["paired_cpu"]["n"] == 1
     assert lm["top2"]["to_top2"]["ratio"] == 1.0
     tables = report.markdown_tables({"lm_throughput": lm})
     assert "| top2 |" in tables and "| dense |" in tables

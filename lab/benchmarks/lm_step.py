@@ -32,12 +32,16 @@ from lab.benchmarks.harness import load_average, ratios_to, stats, time_interlea
 REFERENCE = "top2"
 LM_ROUTERS = ("sparsemixer_v2", "sparsemixer_v2star", "densemixer")
 
-# Default sizes: a model a loaded 2-core CPU runs in a couple of minutes, and one that fills an
-# H100 (bf16, sequences of 2048). ``mlp`` is each expert's width.
+# Default sizes (``mlp`` is each expert's width): a model a loaded 2-core CPU runs in a couple
+# of minutes, and one for an H100 (bf16, sequences of 2048). Every arm's train state stays on
+# the device while the others run: compiled for one H100 (jax's compile-only GPU target), the
+# largest arm's step (DenseMixer's) needs 25.7 GiB, its state 4.3 GiB of it, so the five arms
+# take about 43 GiB, within the 75% of HBM jax allocates by default (a DenseMixer arm of 8 layers,
+# experts of width 2816 and 16,384 tokens a step needed 65.7 GiB alone).
 LM_CPU_SIZES = {"emb": 128, "mlp": 256, "heads": 4, "kv_heads": 2, "layers": 2,
                 "vocab": 2048, "tokens": 1024, "length": 128, "experts": 8, "top_k": 2}
-LM_ACCEL_SIZES = {"emb": 1024, "mlp": 2816, "heads": 16, "kv_heads": 4, "layers": 8,
-                  "vocab": 32000, "tokens": 16384, "length": 2048, "experts": 8, "top_k": 2}
+LM_ACCEL_SIZES = {"emb": 1024, "mlp": 2048, "heads": 16, "kv_heads": 4, "layers": 6,
+                  "vocab": 32000, "tokens": 8192, "length": 2048, "experts": 8, "top_k": 2}
 
 
 def lm_model_config(sizes: dict[str, int], router: str, dtype: str,
@@ -156,7 +160,8 @@ def bench_lm_throughput(sizes: dict[str, int], dtype: str, warmup: int, repeats:
     ``model_flops_per_token`` (:func:`flops.lm_flops_per_token`'s parts), ``mfu``, and
     ``to_top2`` (:func:`harness.ratios_to` against ``top2``: ratio of medians, paired ratios and
     CPU-time ratios, FLOP ratio). ``moe_to_dense``: ``top2``'s tokens/s over ``dense``'s (ratio of
-    medians) and the stats of the per-round ratios.
+    medians) and the stats of the per-round ratios of wall time (``paired``) and of the process's
+    CPU time (``paired_cpu``: on shared CPU cores, the work done).
     """
     load_before = load_average()
     arms = build_arms(sizes, dtype, routers, dispatch)
@@ -185,7 +190,8 @@ def bench_lm_throughput(sizes: dict[str, int], dtype: str, warmup: int, repeats:
     # Per round, dense's time over top2's: top2's tokens/s over dense's.
     out["moe_to_dense"] = {"tokens_per_s_ratio": out[REFERENCE]["tokens_per_s"]
                            / out["dense"]["tokens_per_s"],
-                           "paired": stats(_paired(times, REFERENCE, "dense"))}
+                           "paired": stats(_paired(times, REFERENCE, "dense")),
+                           "paired_cpu": stats(_paired(cpu, REFERENCE, "dense"))}
     out["load_average"] = [load_before, load_average()]
     for name in arms:
         a = out[name]

@@ -57,8 +57,9 @@ def _lm_table(lm: dict[str, Any]) -> list[str]:
                      f"{'–' if ref else _spread(r.get('paired_cpu_ratio'))} | {mfu} | "
                      f"{_load(lm['load_average'])} |")
     m = lm["moe_to_dense"]
+    cpu = f", CPU time per round {_spread(m['paired_cpu'])}" if "paired_cpu" in m else ""
     lines += ["", f"MoE (top2) tokens/s over dense: {m['tokens_per_s_ratio']:.3f}, per round "
-              f"{_spread(m['paired'])} ({lm['dtype']}, {lm['device_kind']}).", ""]
+              f"{_spread(m['paired'])}{cpu} ({lm['dtype']}, {lm['device_kind']}).", ""]
     return lines
 
 
