@@ -35,9 +35,10 @@ LM_ROUTERS = ("sparsemixer_v2", "sparsemixer_v2star", "densemixer")
 # Default sizes (``mlp`` is each expert's width): a model a loaded 2-core CPU runs in a couple
 # of minutes, and one for an H100 (bf16, sequences of 2048). Every arm's train state stays on
 # the device while the others run: compiled for one H100 (jax's compile-only GPU target), the
-# largest arm's step (DenseMixer's) needs 25.7 GiB, its state 4.3 GiB of it, so the five arms
-# take about 43 GiB, within the 75% of HBM jax allocates by default (a DenseMixer arm of 8 layers,
-# experts of width 2816 and 16,384 tokens a step needed 65.7 GiB alone).
+# largest arm's step (DenseMixer's, padded dispatch: what "auto" picks on a GPU) needs 28.7 GiB,
+# 4.3 GiB of it its state; the five arms' states and that step's temporaries come to about
+# 43 GiB, within the 75% of HBM jax allocates by default (a DenseMixer arm of 8 layers, experts
+# of width 2816 and 16,384 tokens a step needed 65.7 GiB alone).
 LM_CPU_SIZES = {"emb": 128, "mlp": 256, "heads": 4, "kv_heads": 2, "layers": 2,
                 "vocab": 2048, "tokens": 1024, "length": 128, "experts": 8, "top_k": 2}
 LM_ACCEL_SIZES = {"emb": 1024, "mlp": 2048, "heads": 16, "kv_heads": 4, "layers": 6,
