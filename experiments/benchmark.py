@@ -5,6 +5,8 @@
     python -m experiments.benchmark --emb 128 --mlp 256 --tokens 512 --experts 2 4 --repeats 2
     python -m experiments.benchmark --sections layer_cost overhead --experts 4 8 \
         --routers switch sparsemixer densemixer default_moe          # DenseMixer's cost
+    python -m experiments.benchmark --sections lm_throughput --out runs/bench_lm.json
+        # the language model: MoE (8 experts, top-2) vs dense, SparseMixer / DenseMixer vs top-2
     bash experiments/gpu_campaign.sh                                  # every GPU figure
 
 The sections (``--sections``), their JSON and the default sizes:
@@ -22,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lab.benchmarks.decoding import DECODE_SHAPES, parse_shapes
+from lab.benchmarks.lm_step import LM_ACCEL_SIZES, LM_CPU_SIZES
 from lab.benchmarks.report import print_report
 from lab.benchmarks.runner import (
     ACCEL_SIZES,
@@ -51,6 +54,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--routers", nargs="+", default=DEFAULT.routers, metavar="ROUTER",
         help="overhead and layer_cost: the routers timed against Switch (always timed), e.g. "
              "switch sparsemixer densemixer default_moe (names: sparsemixer_jax.routers.ROUTERS)")
+    add("--lm-routers", nargs="+", default=DEFAULT.lm_routers, metavar="ROUTER",
+        help="lm_throughput: the routers timed against top-2 softmax routing (always timed)")
+    add("--kv-heads", type=int, default=None,
+        help=f"lm_throughput: key/value heads (default: {LM_CPU_SIZES['kv_heads']} on CPU, "
+             f"{LM_ACCEL_SIZES['kv_heads']} else)")
+    add("--lm-experts", type=int, default=None,
+        help=f"lm_throughput: experts per MoE layer (default {LM_CPU_SIZES['experts']})")
+    add("--top-k", type=int, default=None,
+        help=f"lm_throughput: experts per token (default {LM_CPU_SIZES['top_k']})")
     add("--layer-dispatches", nargs="+", default=DEFAULT.layer_dispatches,
         choices=["ragged", "padded", "grouped"],
         help="moe_vs_dense: the dispatch implementations timed against dense")
@@ -84,7 +96,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--repeats", type=int, default=DEFAULT.repeats)
     for name in CPU_SIZES:
         add(f"--{name}", type=int, default=None,
-            help=f"default: {CPU_SIZES[name]} on CPU, {ACCEL_SIZES[name]} else")
+            help=f"default: {CPU_SIZES[name]} on CPU, {ACCEL_SIZES[name]} else; "
+                 f"lm_throughput: {LM_CPU_SIZES[name]}, {LM_ACCEL_SIZES[name]}")
     return parser.parse_args(argv)
 
 

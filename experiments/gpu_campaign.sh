@@ -2,11 +2,11 @@
 # Every GPU figure of docs/benchmarks.md ("GPU") in one command, from the repository root of a
 # machine with an NVIDIA GPU and jax[cuda]:
 #
-#     bash experiments/gpu_campaign.sh              # all parts, ~25 min on an H100
+#     bash experiments/gpu_campaign.sh              # all parts, ~30 min on an H100
 #     bash experiments/gpu_campaign.sh layer step   # some parts
 #
 # Parts (each takes <= ~8 min on one H100, so they can also run one or two at a time): env,
-# layer, grouped, step, variants, flags, profile, decode, tests.
+# layer, grouped, step, lm, variants, flags, profile, decode, tests.
 # Results go to $OUT (default runs/gpu_campaign, git-ignored) as each run finishes, 8 files:
 #   campaign.txt     GPU, driver, jax/jaxlib/CUDA/cuDNN versions, then each run's start and exit
 #   layer.json       one MoE layer fwd+bwd vs dense FFN, N=2,4,8,16: ragged (XLA's lowering),
@@ -17,7 +17,11 @@
 #   step.json        whole training step: throughput + MFU (dense vs N=4), SparseMixer/Switch
 #                    overhead and the routers alone at N=2,4,8,16; default config (dispatch auto);
 #                    with ROUTERS set, also runs "router_cost_layer" and "router_cost": those
-#                    routers against Switch, one MoE layer and the whole step, N=4 and 8
+#                    routers against Switch, one MoE layer and the whole step, N=4 and 8;
+#                    part "lm" adds runs "lm_throughput" and "lm_throughput_grouped": the
+#                    decoder-only language model's step (emb 1024, 6 layers, sequences of 2048,
+#                    bf16), MoE (8 experts, top-2) vs dense of equal active parameters, and
+#                    SparseMixer-v2 / v2* / DenseMixer vs top-2, with model FLOPs and MFU
 #   variants.json    throughput with cuDNN flash attention, unsafe_rbg dropout PRNG, both,
 #                    deterministic GPU ops (its cost), the one-call vs three-call update, and
 #                    (part "flags") two XLA:GPU flags
@@ -41,7 +45,7 @@ BENCH_ARGS=${BENCH_ARGS:-}  # appended to every benchmark run (e.g. smaller size
 GROUPED_ARGS=${GROUPED_ARGS:-}  # appended to the grouped part (on a CPU: "--interpret --tiny --experts 2")
 ROUTERS=${ROUTERS:-}  # e.g. "sparsemixer densemixer default_moe": part "step" times them against Switch
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env layer grouped step variants flags profile decode tests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env layer grouped step lm variants flags profile decode tests)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)
@@ -123,6 +127,13 @@ for part in "${PARTS[@]}"; do
         bench step router_cost --sections overhead --experts 4 8 --routers $ROUTERS
       fi
       ;;
+    lm)
+      # The language model's whole training step (targets on one H100: the MoE model's tokens/s
+      # >= 0.85x the dense model's at equal active parameters; SparseMixer-v2 and v2* step time
+      # <= 1.01x top-2's); into step.json, beside the translation model's.
+      bench step lm_throughput --sections lm_throughput
+      bench step lm_throughput_grouped --sections lm_throughput --dispatch grouped
+      ;;
     variants)
       bench variants cudnn_attention --sections throughput --attention-impl cudnn
       bench variants unsafe_rbg --sections throughput --rng-impl unsafe_rbg
@@ -161,7 +172,7 @@ for part in "${PARTS[@]}"; do
         tests/test_gpu.py tests/test_train.py tests/test_grouped_ffn.py >"$OUT/tests.txt" 2>&1
       log "tests: exit $? ($(tail -n 1 "$OUT/tests.txt"))"
       ;;
-    *) log "unknown part $part (env layer grouped step variants flags profile decode tests)" ;;
+    *) log "unknown part $part (env layer grouped step lm variants flags profile decode tests)" ;;
   esac
 done
 log "done: $OUT"

@@ -144,7 +144,7 @@ def test_backend_gpu_means_cuda(tmp_path):
 def test_gpu_campaign_script_parses_and_names_real_files():
     """experiments/gpu_campaign.sh is valid bash, its test files exist, and it writes at most the
     8 files a remote GPU run may bring back. (Run on CPU at tiny sizes with PLATFORM=cpu: see
-    docs/benchmarks.md, section 6.)"""
+    docs/benchmarks.md, GPU, "On CPU".)"""
     import re
     import subprocess
 

@@ -13,14 +13,15 @@ PEAK_FLOPS = {
 }
 
 
-def unchosen_flops_per_token(router: str, emb: int, mlp: int, num_experts: int
-                             ) -> dict[str, float]:
+def unchosen_flops_per_token(router: str, emb: int, mlp: int, num_experts: int,
+                             gated: bool = False) -> dict[str, float]:
     """Extra model FLOPs per token and MoE layer of one training step (forward + backward) that
     ``router`` adds to Switch's top-1 layer: what DenseMixer and Default MoE
     (``routers.UNCHOSEN_EXPERT_RULES``) compute for the experts a token did not choose.
 
     * ``dense_pass``: DenseMixer's pass of every token through all ``N`` experts,
-      ``N * 4 e m`` (two matmuls per expert), forward only: no gradient flows into it, so it has
+      ``N * 4 e m`` (two matmuls per expert; ``gated`` SwiGLU experts three, ``N * 6 e m``),
+      forward only: no gradient flows into it, so it has
       no backward (``moe.unchosen.all_expert_outputs``). Zero for the other routers.
     * ``unchosen_term``: the contraction ``sum_j c_j pi_j v_j`` of ``routers.unchosen_expert_term``
       (``[N] x [N, e]`` per token), ``2 N e`` forward and ``2 N e`` backward (the gradient of the
@@ -38,7 +39,9 @@ def unchosen_flops_per_token(router: str, emb: int, mlp: int, num_experts: int
     if router not in routers.ROUTERS:
         raise ValueError(f"unknown router {router!r}; choose one of {sorted(routers.ROUTERS)}")
     e, m, n = emb, mlp, num_experts
-    dense_pass = float(n * 4 * e * m) if rule is not None and rule.values == "outputs" else 0.0
+    matmuls = 3 if gated else 2
+    outputs = rule is not None and rule.values == "outputs"
+    dense_pass = float(n * 2 * matmuls * e * m) if outputs else 0.0
     term = float(4 * n * e) if rule is not None else 0.0
     return {"dense_pass": dense_pass, "unchosen_term": term, "total": dense_pass + term}
 
@@ -79,6 +82,51 @@ def model_flops_per_step(sizes: dict[str, int], num_experts: int,
     forward = tokens * (encoder + cross_kv + decoder + 2 * e * v)
     extra = unchosen_flops_per_token(router, e, m, num_experts)["total"] if num_experts else 0.0
     return 3.0 * forward + tokens * 2 * moe_layers * extra  # 2: encoder and decoder
+
+
+def lm_flops_per_token(lm, seq_len: int) -> dict[str, float]:
+    """Model FLOPs per token of one training step of the decoder-only language model
+    (``lm``: a :class:`sparsemixer_jax.models.lm_config.LMConfig`) on rows of ``seq_len``
+    tokens, by part: forward + backward = ``3 x`` the forward's matmul FLOPs.
+
+    Per layer and token, forward, with ``e`` the hidden size, ``H`` query heads and ``K``
+    key/value heads of width ``d``:
+
+    * ``attention_proj``: q ``2 e H d``, k and v ``2 x 2 e K d`` (grouped-query attention: ``K``
+      heads), out ``2 H d e``.
+    * ``attention_scores``: scores and weighted sum, ``2 x 2 L H d`` over ``L = seq_len`` keys
+      (causal attention is computed in full, so counted in full).
+    * ``ffn``: SwiGLU (gate, up, down: ``6 e m``); a routed layer runs ``top_k`` experts of width
+      ``moe_intermediate_size`` (and a shared expert and its gate where there is one), a dense
+      layer one MLP of width ``intermediate_size``.
+    * ``router``: ``2 e N`` in each routed layer.
+    * ``lm_head``: ``2 e V`` once per token (tied or not).
+    * ``unchosen``: what the router adds (:func:`unchosen_flops_per_token`, gated experts;
+      already a training count, not multiplied by 3): DenseMixer's forward-only pass of every
+      token through all ``N`` experts and the unchosen-expert term.
+
+    Left out (model FLOPs, not hardware FLOPs): the embedding gather, norms, rotary positions,
+    softmax, the loss and dispatch. Returns float FLOPs per token for each part (already
+    ``x 3``) and their ``total``.
+    """
+    e, h, kv, d = lm.hidden_size, lm.num_heads, lm.num_kv_heads, lm.head_dim
+    routed = sum(lm.moe_layers)
+    dense = lm.num_layers - routed
+    expert = 6 * e * lm.moe_intermediate_size
+    shared = (6 * e * lm.shared_expert_size + 2 * e) if lm.shared_expert_size else 0
+    forward = {
+        "attention_proj": lm.num_layers * (2 * e * h * d + 4 * e * kv * d + 2 * h * d * e),
+        "attention_scores": lm.num_layers * 4 * seq_len * h * d,
+        "ffn": routed * (lm.top_k * expert + shared) + dense * 6 * e * lm.intermediate_size,
+        "router": routed * 2 * e * lm.num_experts,
+        "lm_head": 2 * e * lm.vocab_size,
+    }
+    out = {k: 3.0 * v for k, v in forward.items()}
+    out["unchosen"] = routed * unchosen_flops_per_token(
+        lm.router, e, lm.moe_intermediate_size, lm.num_experts, gated=True)["total"] \
+        if routed else 0.0
+    out["total"] = sum(out.values())
+    return out
 
 
 def device_peak(dtype: str) -> tuple[str, float | None]:

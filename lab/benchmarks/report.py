@@ -38,6 +38,31 @@ def _to_switch_table(section: dict[str, Any], unit: str) -> list[str]:
     return [*lines, ""]
 
 
+def _lm_table(lm: dict[str, Any]) -> list[str]:
+    """The ``lm_throughput`` section: one row per arm, top-2 the reference of the ratios."""
+    arms = [k for k, v in lm.items() if isinstance(v, dict) and "to_top2" in v]
+    lines = ["| arm | params (active) | model MFLOP/token | ms/step | tokens/s [range] "
+             "| step time / top2 (medians) | paired ratios: median [min, max] "
+             "| paired CPU-time ratios | MFU | load avg |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name in arms:
+        a, r = lm[name], lm[name]["to_top2"]
+        ref = name == "top2"
+        lo, hi = a["tokens_per_s_range"]
+        mfu = "–" if a["mfu"] is None else f"{a['mfu']:.1%}"
+        lines.append(f"| {name} | {a['num_params']:,} ({a['active_params']:,}) | "
+                     f"{a['model_flops_per_token']['total']/1e6:.4g} | {_ms(a['step_s'])} | "
+                     f"{a['tokens_per_s']:.0f} [{lo:.0f}, {hi:.0f}] | {r['ratio']:.3f} | "
+                     f"{'–' if ref else _spread(r['paired_ratio'])} | "
+                     f"{'–' if ref else _spread(r.get('paired_cpu_ratio'))} | {mfu} | "
+                     f"{_load(lm['load_average'])} |")
+    m = lm["moe_to_dense"]
+    cpu = f", CPU time per round {_spread(m['paired_cpu'])}" if "paired_cpu" in m else ""
+    lines += ["", f"MoE (top2) tokens/s over dense: {m['tokens_per_s_ratio']:.3f}, per round "
+              f"{_spread(m['paired'])}{cpu} ({lm['dtype']}, {lm['device_kind']}).", ""]
+    return lines
+
+
 def markdown_tables(result: dict[str, Any]) -> str:
     """The sections of a benchmark JSON as markdown tables (what docs/benchmarks.md shows):
     medians with [min, max] in milliseconds, and the 1-minute load average before → after."""
@@ -113,6 +138,8 @@ def markdown_tables(result: dict[str, Any]) -> str:
                          f"{a['achieved_flops_per_s']/1e9:.1f} | {mfu} | "
                          f"{_load(t['load_average'])} |")
         lines.append("")
+    if "lm_throughput" in result:
+        lines += _lm_table(result["lm_throughput"])
     if "profile" in result and "categories" in result["profile"]:
         p = result["profile"]
         lines += ["| op category | share of device time |", "| --- | --- |"]

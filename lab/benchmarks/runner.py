@@ -28,6 +28,12 @@ Sections (``sections`` picks some):
   ``moe.dispatch.padded_block_rows`` picks, against dense: the evidence for a change of that rule.
 * ``throughput``: target tokens per second of the whole training step, dense against N=4
   (SparseMixer), and model FLOPs utilisation against the device's peak on an accelerator.
+* ``lm_throughput`` (not run by default): the decoder-only language model's whole training step
+  (:mod:`lab.benchmarks.lm_step`): tokens per second of an MoE model (``lm_experts`` experts,
+  top-``top_k``, Mixtral's routing) against a dense model of equal active parameters, model
+  FLOPs per token and MFU, and each router of ``lm_routers`` (SparseMixer-v2, v2*, DenseMixer)
+  against top-k, interleaved. Its own sizes (``LM_CPU_SIZES``, ``LM_ACCEL_SIZES``; ``mlp`` is
+  each expert's width), which the size settings override. JSON: ``lm_throughput[arm]``.
 * ``fusion`` (not run by default): the one-call update against the three calls of an
   accumulating update (zero, accumulate, update), dense and each N.
 * ``decode`` (not run by default): beam search (beam 4) in sentences per second on Multi30k-test
@@ -65,6 +71,7 @@ from lab.benchmarks.layers import (
     bench_padded_blocks,
     bench_router,
 )
+from lab.benchmarks.lm_step import LM_ACCEL_SIZES, LM_CPU_SIZES, LM_ROUTERS, bench_lm_throughput
 from lab.benchmarks.report import markdown_tables
 from lab.benchmarks.training_step import (
     bench_fusion,
@@ -85,7 +92,7 @@ ACCEL_SIZES = {"emb": 512, "mlp": 2048, "heads": 8, "layers": 6, "vocab": 32000,
                "tokens": 2**15, "length": 128}
 
 SECTIONS = ("overhead", "router", "moe_vs_dense", "layer_cost", "throughput", "profile",
-            "padded_blocks", "fusion", "decode")
+            "padded_blocks", "fusion", "decode", "lm_throughput")
 
 
 @dataclasses.dataclass
@@ -95,6 +102,8 @@ class BenchmarkSettings:
     A size left None takes its value from ``CPU_SIZES`` on CPU and ``ACCEL_SIZES`` elsewhere;
     ``dtype`` None is float32 on CPU and bfloat16 elsewhere; ``routers`` are those the
     ``overhead`` and ``layer_cost`` sections time (Switch is always timed, as the reference);
+    ``lm_routers`` those ``lm_throughput`` times against top-2 (``kv_heads``, ``lm_experts`` and
+    ``top_k`` are its sizes alone; None takes ``LM_CPU_SIZES`` / ``LM_ACCEL_SIZES``);
     ``step_seconds`` None relates the
     routers' cost to the fastest Switch step of this run's overhead section; ``decode_shapes``
     None times ``DECODE_SHAPES``.
@@ -106,6 +115,7 @@ class BenchmarkSettings:
         default_factory=lambda: ["overhead", "router", "moe_vs_dense", "throughput"])
     dispatch: str = "auto"
     routers: list[str] = dataclasses.field(default_factory=lambda: ["switch", "sparsemixer"])
+    lm_routers: list[str] = dataclasses.field(default_factory=lambda: list(LM_ROUTERS))
     layer_dispatches: list[str] = dataclasses.field(default_factory=lambda: ["ragged", "padded"])
     attention_impl: str = "einsum"
     rng_impl: str | None = None
@@ -129,6 +139,18 @@ class BenchmarkSettings:
     vocab: int | None = None
     tokens: int | None = None
     length: int | None = None
+    kv_heads: int | None = None
+    lm_experts: int | None = None
+    top_k: int | None = None
+
+
+def lm_sizes(settings: BenchmarkSettings, backend: str) -> dict[str, int]:
+    """The ``lm_throughput`` section's sizes: its defaults for ``backend``, each overridden by
+    the setting of that name (``experts`` by ``lm_experts``)."""
+    defaults = LM_CPU_SIZES if backend == "cpu" else LM_ACCEL_SIZES
+    names = {k: "lm_experts" if k == "experts" else k for k in defaults}
+    return {k: v if getattr(settings, names[k]) is None else getattr(settings, names[k])
+            for k, v in defaults.items()}
 
 
 def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
@@ -150,7 +172,7 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
     if s.rng_impl:
         jax.config.update("jax_default_prng_impl", s.rng_impl)
     triton = triton_ragged_dot.enable_triton_ragged_dot() if s.triton_ragged_dot else False
-    unknown = [r for r in s.routers if r not in ROUTERS]
+    unknown = [r for r in [*s.routers, *s.lm_routers] if r not in ROUTERS]
     if unknown:
         raise ValueError(f"unknown routers {unknown}; choose from {sorted(ROUTERS)}")
     routers = with_switch_first(s.routers)
@@ -195,6 +217,10 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
     if "throughput" in s.sections:
         result["throughput"] = bench_throughput(sizes, dtype, s.warmup, s.repeats,
                                                 **model_options)
+    if "lm_throughput" in s.sections:
+        result["lm_throughput"] = bench_lm_throughput(
+            lm_sizes(s, backend), dtype, s.warmup, s.repeats, routers=s.lm_routers,
+            dispatch=s.dispatch)
     if "fusion" in s.sections:
         result["fusion"] = bench_fusion(sizes, s.experts, dtype, s.warmup, s.repeats,
                                         **model_options)

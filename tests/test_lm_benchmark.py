@@ -1,0 +1,77 @@
+"""The language model's benchmark section (``lm_throughput``, lab.benchmarks.lm_step) and its
+model-FLOP count. Tiny sizes, one repeat: the section runs end to end and writes what
+docs/benchmarks.md reads, never how fast anything is."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from lab.benchmarks import flops, report, runner
+from sparsemixer_jax.models.lm_config import LMConfig
+
+TINY_LM = {"emb": 16, "mlp": 16, "heads": 2, "kv_heads": 1, "layers": 1, "vocab": 64,
+           "tokens": 32, "length": 16, "warmup": 1, "repeats": 1}
+
+
+def test_lm_throughput_section_writes_sane_json(tmp_path):
+    out = tmp_path / "bench.json"
+    runner.run(runner.BenchmarkSettings(out=str(out), sections=["lm_throughput"],
+                                        lm_routers=["sparsemixer_v2"], **TINY_LM),
+               command="test")
+    lm = json.loads(out.read_text())["lm_throughput"]
+    arms = ("top2", "sparsemixer_v2", "dense")
+    assert lm["tokens_per_step"] == 32 and lm["sizes"]["experts"] == 8
+    for name in arms:
+        a = lm[name]
+        assert a["tokens_per_s"] > 0 and math.isfinite(a["tokens_per_s"])
+        lo, hi = a["tokens_per_s_range"]
+        assert lo <= a["tokens_per_s"] <= hi
+        assert a["to_top2"]["paired_ratio"]["n"] == 1
+        assert a["model_flops_per_token"]["total"] > 0
+    assert lm["top2"]["router"] == "switch" and lm["dense"]["router"] is None
+    assert lm["sparsemixer_v2"]["router"] == "sparsemixer_v2"
+    # Equal active parameters: the dense MLP (width 2 x 16) has the two chosen experts'
+    # matmul parameters; the MoE model adds its router (16 x 8) and nothing else.
+    assert lm["top2"]["active_params"] - lm["dense"]["active_params"] == 16 * 8
+    assert lm["top2"]["num_params"] - lm["top2"]["active_params"] == (8 - 2) * 3 * 16 * 16
+    assert lm["top2"]["model_flops_per_token"]["ffn"] == \
+        lm["dense"]["model_flops_per_token"]["ffn"]
+    assert lm["moe_to_dense"]["paired"]["n"] == lm["moe_to_dense"]["paired_cpu"]["n"] == 1
+    assert lm["top2"]["to_top2"]["ratio"] == 1.0
+    tables = report.markdown_tables({"lm_throughput": lm})
+    assert "| top2 |" in tables and "| dense |" in tables
+
+
+def _tiny_lm(router: str = "switch") -> LMConfig:
+    # head_dim 6 apart from hidden / heads = 2, grouped-query attention (4 query heads on 2
+    # key/value heads), one dense layer and one routed layer.
+    return LMConfig(model_type="qwen3_moe", vocab_size=50, hidden_size=8, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=6, intermediate_size=20,
+                    moe_intermediate_size=12, num_experts=4, top_k=2,
+                    moe_layers=(False, True), router=router,
+                    norm_topk_prob=router != "sparsemixer_v2")
+
+
+def test_lm_flops_match_a_hand_count():
+    seq = 10
+    # Forward, per token. Attention projections per layer: q 2*8*24 = 384, k and v 2*8*12 = 192
+    # each, out 2*24*8 = 384: 1152, two layers 2304. Scores and weighted sum: 4*10*4*6 = 960 per
+    # layer, 1920. Feed-forward: dense 6*8*20 = 960, routed two experts 2*6*8*12 = 1152: 2112.
+    # Router 2*8*4 = 64 (one routed layer). LM head 2*8*50 = 800. Sum 7200; training x 3.
+    got = flops.lm_flops_per_token(_tiny_lm(), seq)
+    assert got["attention_proj"] == 3 * 2304
+    assert got["attention_scores"] == 3 * 1920
+    assert got["ffn"] == 3 * 2112
+    assert got["router"] == 3 * 64
+    assert got["lm_head"] == 3 * 800
+    assert got["unchosen"] == 0
+    assert got["total"] == 21600
+    # SparseMixer runs the same matmuls as top-k.
+    assert flops.lm_flops_per_token(_tiny_lm("sparsemixer_v2"), seq)["total"] == 21600
+    # DenseMixer: every token through all 4 SwiGLU experts, forward only (4*6*8*12 = 2304),
+    # plus the unchosen-expert term, 2*4*8 forward and as much backward (128).
+    dm = flops.lm_flops_per_token(_tiny_lm("densemixer"), seq)
+    assert dm["unchosen"] == 2304 + 128
+    assert dm["total"] == 21600 + 2432
+
