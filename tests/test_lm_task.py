@@ -394,6 +394,26 @@ def test_the_routing_options_reach_every_moe_layer_of_the_model(corpus):
     assert [b.shape for b in biases] == [(lm.num_layers, lm.num_experts)]
 
 
+def test_a_micro_batch_that_does_not_split_over_the_mesh_is_one_line(corpus, tmp_path):
+    config = tiny(corpus, **{"mesh.data": 8, "data.batch_size": 4})
+    with pytest.raises(ValueError) as error:
+        train_lm(config, str(tmp_path / "run"))
+    assert "micro-batch of 4 rows does not split over the mesh's 8 devices" in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_a_run_on_a_data_fsdp_expert_mesh_equals_one_device(corpus, straight_run, tmp_path):
+    """The whole task on a 2 x 2 x 2 mesh (batches split over all 8 devices, parameters over
+    fsdp, experts over expert; evaluation batches padded to the mesh, samples decoded as a batch
+    of 8 copies) ends where the one-device run does."""
+    config = tiny(corpus, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.expert": 2,
+                             "data.eval_batch_size": 4})
+    results = train_lm(config, str(tmp_path / "mesh"))
+    for key in ("valid_loss", "wikitext_test_loss"):
+        assert results[key] == pytest.approx(straight_run[1][key], rel=1e-5), key
+
+
 def test_the_command_reports_a_bad_checkpoint_on_one_line(corpus, tmp_path, capsys):
     from absl import flags
 

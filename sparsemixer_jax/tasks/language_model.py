@@ -181,8 +181,11 @@ class LMTask:
     def load_data(self, config, workdir: str, batch_multiple: int) -> TaskData:
         """Reads the documents (only when the packing cache lacks them), trains the vocabulary
         on first use, packs every split."""
-        del batch_multiple  # data.batch_size is checked against the mesh by the MoE layer
         d = self.data
+        if d.micro % batch_multiple:
+            raise ValueError(f"config.data: a micro-batch of {d.micro} rows does not split over "
+                             f"the mesh's {batch_multiple} devices; make data.micro_batch_size "
+                             f"(or data.batch_size) a multiple of {batch_multiple}")
         documents: dict[str, Any] = {}
 
         def split(name: str):
@@ -213,10 +216,13 @@ class LMTask:
                                                 write)
         processes = {"process_index": jax.process_index(), "process_count": jax.process_count()}
         batches = lm_text.LMBatches(train_split, d.micro, seed=d.seed, **processes)
-        valid = lm_text.eval_batches(valid_split, d.eval_rows, **processes)
+        # Evaluation batches split over the mesh too: padded with empty rows to a multiple.
+        eval_rows = -(-d.eval_rows // batch_multiple) * batch_multiple
+        valid = lm_text.eval_batches(valid_split, eval_rows, **processes)
         stats = {"train": train_split.stats, "valid": valid_split.stats,
                  **{f"wikitext_{k}": v.stats for k, v in held_out.items()}}
         extra = {"tokenizer": tokenizer, "held_out": held_out, "valid_split": valid_split,
+                 "eval_rows": eval_rows, "batch_multiple": batch_multiple,
                  "unigram": lm_text.unigram_log_probs(train_split, self.lm.vocab_size)}
         return TaskData(train=batches, valid=valid, vocab_size=self.lm.vocab_size, stats=stats,
                         micro_batches=d.batch_size // d.micro, extra=extra)
@@ -249,9 +255,8 @@ class LMTask:
         extra = run.data.extra
         key = jax.random.key(run.config.seed + 5)
         out = lm_text.unigram_metrics(extra["unigram"], extra["valid_split"], "unigram")
-        d = self.data
         for name, split in extra["held_out"].items():
-            batches = lm_text.eval_batches(split, d.eval_rows,
+            batches = lm_text.eval_batches(split, extra["eval_rows"],
                                            process_index=jax.process_index(),
                                            process_count=jax.process_count())
             metrics = evaluate(run.steps, run.state, batches, run.place, self, key)
@@ -261,7 +266,8 @@ class LMTask:
                                                f"wikitext_{name}_unigram"))
         if self.sample.tokens and jax.process_count() == 1:
             out["samples"] = generate_samples(run.steps.model(run.state), extra["tokenizer"],
-                                              self.sample, run.config.seed)
+                                              self.sample, run.config.seed,
+                                              rows=extra["batch_multiple"])
             if is_main_process():
                 with open(os.path.join(run.workdir, "sample.txt"), "w") as f:
                     f.write("\n\n".join(out["samples"]) + "\n")
@@ -310,8 +316,10 @@ def check_tokenizer_fits(tokenizer: lm_text.HFTokenizerLM, vocab_size: int, path
 
 
 def generate_samples(model: CausalLM, tokenizer: lm_text.LMTokenizer, sample: SampleConfig,
-                     seed: int) -> list[str]:
-    """``prompt + continuation`` for each prompt of ``sample`` (deterministic routing)."""
+                     seed: int, rows: int = 1) -> list[str]:
+    """``prompt + continuation`` for each prompt of ``sample`` (deterministic routing). Each
+    prompt is decoded as a batch of ``rows`` copies (the rows a mesh splits a batch into) and
+    the first row is kept."""
     from sparsemixer_jax.models.lm_generate import generate
 
     model.eval()
@@ -319,7 +327,7 @@ def generate_samples(model: CausalLM, tokenizer: lm_text.LMTokenizer, sample: Sa
     key = jax.random.key(seed + 7)
     for i, prompt in enumerate(sample.prompts()):
         ids = [tokenizer.bos_id] + (tokenizer.encode_batch([prompt])[0] if prompt else [])
-        out = generate(model, jnp.asarray([ids], jnp.int32), sample.tokens,
+        out = generate(model, jnp.asarray([ids] * rows, jnp.int32), sample.tokens,
                        temperature=sample.temperature, top_k=sample.top_k or None,
                        key=jax.random.fold_in(key, i) if sample.temperature else None)
         continuation = [int(t) for t in np.asarray(out[0, len(ids):])]
