@@ -101,10 +101,19 @@ def runtime_config(**overrides: Any) -> ml_collections.ConfigDict:
     return c
 
 
-def mesh_config(data: int = -1, expert: int = 1) -> ml_collections.ConfigDict:
-    """``config.mesh``: the ``(data, expert)`` device mesh; ``data = -1`` takes every device the
-    expert axis leaves."""
-    return ml_collections.ConfigDict({"data": data, "expert": expert})
+def mesh_config(data: int = -1, expert: int = 1, fsdp: int = 1,
+                **rules: str | list[str] | None) -> ml_collections.ConfigDict:
+    """``config.mesh``: the ``(data, fsdp, expert)`` device mesh (``data = -1`` takes every
+    device the other axes leave) and ``rules``, the mesh axes of each logical axis name
+    (:mod:`sparsemixer_jax.partitioning`; keyword arguments override its defaults)."""
+    from sparsemixer_jax.partitioning import DEFAULT_RULES  # plain Python tables, JAX only
+
+    c = ml_collections.ConfigDict({"data": data, "fsdp": fsdp, "expert": expert})
+    # Lists, not tuples: the rules must read the same after a round trip through config.json.
+    c.rules = ml_collections.ConfigDict(
+        {name: list(axes) if isinstance(axes, tuple) else axes
+         for name, axes in {**DEFAULT_RULES, **rules}.items()}, type_safe=False)
+    return c
 
 
 def optim_config(schedule: str, **overrides: Any) -> ml_collections.ConfigDict:

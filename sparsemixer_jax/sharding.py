@@ -1,8 +1,12 @@
-"""The ``("data", "expert")`` device mesh and how model state and batches are placed on it.
+"""The ``("data", "fsdp", "expert")`` device mesh and how model state and batches are placed on it.
 
-Expert weights ``[N, ...]`` are split over ``"expert"``; everything else is replicated; batches
-are split over every device (:func:`batch_sharding`). The exchange of tokens between expert
-devices is :mod:`sparsemixer_jax.moe.expert_parallel`.
+Batches are split over every device (:func:`batch_sharding`). Parameters and optimizer state are
+placed by logical axis names and the rules of ``config.mesh.rules``
+(:mod:`sparsemixer_jax.partitioning`): by default the model width over ``"fsdp"`` (FSDP, ZeRO-3
+style: each device holds ``1 / fsdp`` of every matrix and of its Adam moments) and expert weights
+``[N, ...]`` over ``"expert"`` too; ``"data"`` replicates them (data parallelism across groups of
+``fsdp x expert`` devices). The exchange of tokens between expert devices is
+:mod:`sparsemixer_jax.moe.expert_parallel`.
 """
 
 from __future__ import annotations
@@ -17,43 +21,53 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparsemixer_jax.section import read_fields
+from sparsemixer_jax.partitioning import Partitioner, read_rules
+from sparsemixer_jax.section import has_field, read_fields
 
 if TYPE_CHECKING:  # only for annotations: the mesh and its checks need JAX alone
     from flax import nnx
 
-AXES = ("data", "expert")
+AXES = ("data", "fsdp", "expert")
 
 
-def make_mesh(data: int, expert: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A ``(data, expert)`` mesh with axis names ``("data", "expert")``.
+def make_mesh(data: int, expert: int, devices: Sequence[jax.Device] | None = None, *,
+              fsdp: int = 1) -> Mesh:
+    """A ``(data, fsdp, expert)`` mesh with axis names ``("data", "fsdp", "expert")``.
 
-    ``data=-1`` uses every device not taken by the expert axis. Raises ValueError when the sizes
-    do not multiply to the number of devices.
+    ``data=-1`` uses every device not taken by the fsdp and expert axes. Neighbouring devices
+    (in ``devices`` order) share an expert group, then an fsdp group: the axes that exchange the
+    most (all-to-all of tokens, all-gathers of weights) stay on the fastest links. Raises
+    ValueError when the sizes do not multiply to the number of devices.
     """
     devices = list(jax.devices() if devices is None else devices)
-    if expert < 1:
-        raise ValueError(f"mesh expert axis must be >= 1, got {expert}")
+    if expert < 1 or fsdp < 1:
+        raise ValueError(f"mesh expert and fsdp axes must be >= 1, got expert={expert}, "
+                         f"fsdp={fsdp}")
+    inner = fsdp * expert
     if data == -1:
-        if len(devices) % expert:
-            raise ValueError(
-                f"mesh: {len(devices)} devices do not divide into expert axis {expert}"
-            )
-        data = len(devices) // expert
+        if len(devices) % inner:
+            what = f"expert axis {expert}" if fsdp == 1 else f"fsdp x expert = {inner}"
+            raise ValueError(f"mesh: {len(devices)} devices do not divide into {what}")
+        data = len(devices) // inner
     if data < 1:
         raise ValueError(f"mesh data axis must be >= 1 (or -1), got {data}")
-    if data * expert != len(devices):
-        raise ValueError(
-            f"mesh data={data} x expert={expert} = {data * expert} devices, but "
-            f"{len(devices)} devices are available"
-        )
-    grid = np.array(devices, dtype=object).reshape(data, expert)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+    if data * inner != len(devices):
+        sizes = f"data={data} x expert={expert}" if fsdp == 1 else \
+            f"data={data} x fsdp={fsdp} x expert={expert}"
+        raise ValueError(f"mesh {sizes} = {data * inner} devices, but {len(devices)} devices "
+                         "are available")
+    grid = np.array(devices, dtype=object).reshape(data, fsdp, expert)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def batch_groups(mesh: Mesh) -> int:
+    """Into how many parts the batch is split before the expert axis: ``data x fsdp``."""
+    return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def check_mesh(mesh: Mesh, num_experts: int) -> None:
-    """Raise ValueError unless ``mesh`` has axes ``("data", "expert")`` and the expert axis
-    divides ``num_experts``."""
+    """Raise ValueError unless ``mesh`` has axes ``("data", "fsdp", "expert")`` and the expert
+    axis divides ``num_experts``."""
     if set(mesh.axis_names) != set(AXES):
         raise ValueError(f"mesh axes must be {AXES}, got {mesh.axis_names}")
     expert = mesh.shape["expert"]
@@ -64,44 +78,40 @@ def check_mesh(mesh: Mesh, num_experts: int) -> None:
 
 
 def check_batch(mesh: Mesh, batch: int) -> None:
-    """Raise ValueError unless the batch divides by the mesh's data axis."""
-    data = mesh.shape["data"]
-    if batch % data:
-        raise ValueError(f"batch size {batch} is not divisible by the mesh data axis ({data})")
+    """Raise ValueError unless the batch divides by the mesh's data (x fsdp) axes."""
+    groups = batch_groups(mesh)
+    if batch % groups:
+        what = "data axis" if mesh.shape["fsdp"] == 1 else "data x fsdp axes"
+        raise ValueError(f"batch size {batch} is not divisible by the mesh {what} ({groups})")
 
 
-def _trimmed(spec: P) -> P:
-    """``spec`` without trailing ``None``s: ``P("expert", None)`` -> ``P("expert")``.
-
-    Same layout, but jit compares shardings by their spec: outputs come back trimmed, so
-    untrimmed inputs would make the second training step recompile.
-    """
-    parts = list(spec)
-    while parts and parts[-1] is None:
-        parts.pop()
-    return P(*parts)
+def state_shardings(state: Any, partitioner: Partitioner) -> Any:
+    """NamedShardings for an ``nnx.State`` (or any tree of arrays): parameters, their gradients
+    and optimizer moments by the partitioner's logical-axis rules; other arrays (RNG streams,
+    counts) replicated."""
+    return partitioner.shardings(state)
 
 
-def state_shardings(state, mesh: Mesh):
-    """NamedShardings for an ``nnx.State``: from each variable's ``out_sharding`` annotation
-    (the MoE expert weights carry ``("expert", ...)``), replicated where there is none."""
-    # Imported here: the expert-parallel FFN uses this module's mesh checks without Flax.
-    from flax import nnx
-
-    return jax.tree.map(lambda spec: NamedSharding(mesh, _trimmed(spec)),
-                        nnx.get_partition_spec(state))
-
-
-def shard_state(obj: nnx.Module | nnx.Pytree, mesh: Mesh) -> None:
-    """Place the state of ``obj`` (a model, or an ``nnx.Optimizer``) on ``mesh``, in place.
+def shard_state(obj: nnx.Module | nnx.Pytree, mesh: Mesh | Partitioner,
+                rules: Any = None) -> None:
+    """Place the state of ``obj`` (a model, or an ``nnx.Optimizer``) on the mesh, in place: by
+    the logical-axis rules (``rules``: ``config.mesh.rules``, None for the defaults) when given
+    a mesh, or by ``mesh`` itself when it is a :class:`Partitioner`.
 
     Shard every stateful object passed to a jitted step, the optimizer included, so the step's
-    outputs come back with the shardings of its inputs (otherwise the second step recompiles).
+    inputs are placed as its outputs come back (otherwise the second step recompiles).
     """
-    from flax import nnx  # see state_shardings
+    from flax import nnx  # here: the expert-parallel FFN uses this module's checks without Flax
 
-    state = nnx.state(obj)
-    nnx.update(obj, jax.tree.map(_place, state, state_shardings(state, mesh)))
+    partitioner = mesh if isinstance(mesh, Partitioner) else Partitioner(mesh, rules)
+    params, rest = nnx.state(obj, nnx.Param, ...)
+    nnx.update(obj, place(params, partitioner.shardings(params, warn=True)),
+               place(rest, state_shardings(rest, partitioner)))
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """``tree``'s arrays placed as ``shardings`` says (one process or several)."""
+    return jax.tree.map(_place, tree, shardings)
 
 
 def _place(value: jax.Array, target: NamedSharding) -> jax.Array:
@@ -121,30 +131,64 @@ def _place(value: jax.Array, target: NamedSharding) -> jax.Array:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of ``[B, ...]`` inputs: batch over every device, ``("data", "expert")``.
+    """Sharding of ``[B, ...]`` inputs: batch over every device, ``("data", "fsdp", "expert")``.
 
     The layers outside the MoE blocks are then split over the whole mesh rather than repeated
-    on each device of an expert group, and the MoE block finds each device's tokens already
-    where :func:`expert_parallel_ffn` wants them (``B`` a multiple of the mesh size).
+    on each device of an expert group (FSDP splits the batch as data parallelism does; only the
+    weights are gathered), and the MoE block finds each device's tokens already where
+    :func:`expert_parallel_ffn` wants them (``B`` a multiple of the mesh size).
     """
-    return NamedSharding(mesh, P(("data", "expert")))
+    return NamedSharding(mesh, P(AXES))
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """``config.mesh``: the ``(data, expert)`` device mesh; ``data = -1`` takes every device the
-    expert axis leaves."""
+    """``config.mesh``: the ``(data, fsdp, expert)`` device mesh and the rules placing logical
+    axis names on it.
+
+    ``data = -1`` takes every device the fsdp and expert axes leave. ``fsdp`` splits parameters,
+    gradients and optimizer state (and the batch); ``expert`` splits the experts (and the batch);
+    ``data`` replicates the parameters. ``rules``: ``(logical name, mesh axes)`` pairs
+    (:func:`sparsemixer_jax.partitioning.read_rules`; in a config, a mapping of logical name to a
+    mesh axis, a list of them, or None).
+    """
 
     data: int = -1
+    fsdp: int = 1
     expert: int = 1
+    rules: tuple[tuple[str, tuple[str, ...]], ...] = read_rules(None)
 
     @classmethod
     def from_config(cls, section: Any, where: str = "config.mesh.") -> MeshConfig:
-        mesh = cls(**read_fields(cls, section, where))
-        if mesh.expert < 1 or (mesh.data < 1 and mesh.data != -1):
-            raise ValueError(f"{where.rstrip('.')}: expert must be >= 1 and data >= 1 or -1, got "
-                             f"{dataclasses.asdict(mesh)}")
+        fields = read_fields(cls, section, where, skip=("rules",))
+        rules = section["rules"] if has_field(section, "rules") else None
+        if rules is not None and not hasattr(rules, "items"):
+            raise ValueError(f"{where}rules must map logical axis names to mesh axes, got "
+                             f"{rules!r}")
+        mesh = cls(**fields, rules=read_rules(
+            None if rules is None else dict(rules.items()), where + "rules"))
+        if mesh.expert < 1 or mesh.fsdp < 1 or (mesh.data < 1 and mesh.data != -1):
+            raise ValueError(f"{where.rstrip('.')}: expert and fsdp must be >= 1 and data >= 1 "
+                             f"or -1, got data={mesh.data}, fsdp={mesh.fsdp}, "
+                             f"expert={mesh.expert}")
         return mesh
+
+    def sizes(self, devices: int) -> tuple[int, int, int]:
+        """``(data, fsdp, expert)`` over ``devices`` (``data = -1`` resolved); ValueError when
+        the fsdp and expert axes do not divide them."""
+        inner = self.fsdp * self.expert
+        if self.data != -1:
+            return self.data, self.fsdp, self.expert
+        if devices % inner:
+            raise ValueError(f"config.mesh: fsdp={self.fsdp} x expert={self.expert} does not "
+                             f"divide the {devices} devices")
+        return devices // inner, self.fsdp, self.expert
+
+
+def mesh_config_of(config: Any) -> MeshConfig:
+    """``config.mesh`` as a :class:`MeshConfig` (built from the section if it is one)."""
+    return config.mesh if isinstance(config.mesh, MeshConfig) else MeshConfig.from_config(
+        config.mesh)
 
 
 def mesh_from_config(config: Any) -> Mesh | None:
@@ -152,23 +196,23 @@ def mesh_from_config(config: Any) -> Mesh | None:
     None for a single device; ``config.model.num_experts`` must divide by its expert axis
     (:func:`sparsemixer_jax.config.validate`).
 
-    ``mesh.data = -1`` takes every device the expert axis leaves. A single process may ask for
-    fewer devices than it has (the first ones are used); several processes must use them all.
+    ``mesh.data = -1`` takes every device the fsdp and expert axes leave. A single process may
+    ask for fewer devices than it has (the first ones are used); several processes must use
+    them all.
     """
     available = jax.device_count()
-    mesh = config.mesh if isinstance(config.mesh, MeshConfig) else MeshConfig.from_config(
-        config.mesh)
-    expert, data = mesh.expert, mesh.data
-    if data == -1:
-        if available % expert:
-            raise ValueError(f"config.mesh.expert={expert} does not divide the {available} devices")
-        data = available // expert
-    wanted = data * expert
+    data, fsdp, expert = mesh_config_of(config).sizes(available)
+    wanted = data * fsdp * expert
     if wanted > available or (wanted < available and jax.process_count() > 1):
         raise ValueError(
-            f"config.mesh asks for data={data} x expert={expert} = {wanted} devices but "
-            f"{available} are visible"
+            f"config.mesh asks for data={data} x fsdp={fsdp} x expert={expert} = {wanted} "
+            f"devices but {available} are visible"
         )
     if wanted == 1:
         return None
-    return make_mesh(data, expert, jax.devices()[:wanted])
+    return make_mesh(data, expert, jax.devices()[:wanted], fsdp=fsdp)
+
+
+def partitioner_from_config(config: Any, mesh: Mesh | None) -> Partitioner | None:
+    """The :class:`Partitioner` of ``mesh`` with ``config.mesh.rules``; None without a mesh."""
+    return None if mesh is None else Partitioner(mesh, mesh_config_of(config).rules)

@@ -197,3 +197,72 @@ def test_design_card_decode_step_compiles_for_a_tpu_v5e_4x4():
     assert [r.name.split(" ")[0] for r in reports] == ["train", "beam"]
     assert all(r.total < target.hbm_bytes for r in reports)
     assert reports[1].collectives.get("all-to-all", 0) >= 2 * MOE_LAYERS
+
+
+@functools.cache
+def _fsdp_programs():
+    """The two-layer design card on the TPU slice with parameters and Adam state sharded 4 ways
+    as well (mesh 1 x 4 x 4: fsdp 4, experts over 4)."""
+    target, devices = _devices_or_skip("tpu:v5e:4x4")
+    config = _small_design_card()
+    config.mesh.update(data=1, fsdp=4)
+    reports = translation.compile_translation(config, target, devices, decode_step=False)
+    return {r.name.split(" ")[0]: r for r in reports}
+
+
+def test_fsdp_training_programs_shard_parameters_and_adam_state():
+    """Against the design card's mesh (4 x 4: experts split, the rest replicated), the same
+    model with the width over an fsdp axis of 4: each device holds a quarter of the dense
+    weights and a sixteenth of the experts', of their gradient accumulator and of Adam's
+    moments (XLA's own count of the programs' arguments shrinks accordingly), and XLA gathers
+    the weights before use."""
+    target, config, replicated = _programs("tpu:v5e:4x4", "small")
+    sharded = _fsdp_programs()
+    model = translation.abstract_model(config)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    expert_bytes = sum(4 * a.size for path, a in jax.tree_util.tree_leaves_with_path(params)
+                       if path[-1].key in ("wi", "wo", "bi", "bo"))
+    dense_bytes = 4 * count_params(params) - expert_bytes
+    assert replicated["update"].parameters == expert_bytes // 4 + dense_bytes
+    # Vectors whose logical axes map to no mesh axis stay whole (norm scales, attention and
+    # expert hidden biases): 4% more than an even split here.
+    assert sharded["update"].parameters < 1.1 * (expert_bytes // 16 + dense_bytes // 4)
+    for program in ("update", "accumulate"):
+        assert sharded[program].optimizer_state < 2.01 * sharded[program].parameters
+        # XLA's memory analysis (TPU layouts pad small arrays): well under a third as much.
+        assert sharded[program].arguments < 0.33 * replicated[program].arguments, program
+        assert sharded[program].total < target.hbm_bytes
+    assert sharded["accumulate"].collectives.get("all-gather", 0) >= 1
+    assert "all-gather" not in replicated["accumulate"].collectives
+    assert sharded["accumulate"].largest_buffer[1] > 0
+
+
+def test_a_config_that_does_not_fit_names_its_largest_buffer():
+    from sparsemixer_jax.aot.command import summary_line
+
+    result = {"target": "tpu:v5e:4x4", "hbm_bytes": 16 * GiB, "programs": [
+        {"name": "update", "total": 2 * GiB, "largest_buffer": ["f32[8]", 32]},
+        {"name": "train step", "total": 20 * GiB,
+         "largest_buffer": ["f32[4096,4096,64]", 4 * GiB]}]}
+    assert summary_line(result) == (
+        "tpu:v5e:4x4: DOES NOT FIT: the largest program (train step) needs 20.00 GiB of 16.00 "
+        "GiB per device, over by 4.00 GiB; its largest buffer is f32[4096,4096,64] (4.00 GiB)")
+
+
+def test_largest_buffer_leaves_fusions_out():
+    from sparsemixer_jax.aot.analysis import largest_buffer
+
+    hlo = """HloModule m
+%fused_computation (p: f32[4,4]) -> f32[4] {
+  %big = f32[1024,1024]{1,0} broadcast(%p), dimensions={}
+  ROOT %r = f32[4]{0} reduce(%big)
+}
+ENTRY %main (a: f32[4,4], /*index=1*/b: f32[2]) -> f32[4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %b = bf16[16,16]{1,0:T(8,128)} convert(%a)
+  %t = (f32[2]{0}, s8[300]{0}) fusion(%a), kind=kLoop, calls=%fused_computation
+  ROOT %f = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_computation
+}
+"""
+    assert largest_buffer(hlo) == ("bf16[16,16]", 512)
+    assert largest_buffer(hlo.replace("bf16[16,16]", "bf16[1,16]")) == ("s8[300]", 300)

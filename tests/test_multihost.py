@@ -19,13 +19,13 @@ from tests import tiny_wmt_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
 OVERRIDES = {
-    "mesh.data": 2,
     "train_steps": STEPS,
     "eval_every": STEPS,
     "checkpoint_every": STEPS,
 }
-ARGS = ["--config", "tests/tiny_wmt_config.py"]
-ARGS += [f"--config.{key}={value}" for key, value in OVERRIDES.items()]
+# Two devices, one per process: data parallelism (parameters replicated), or FSDP (each process
+# holds half of every matrix and of its Adam moments).
+MESHES = {"data": {"mesh.data": 2}, "fsdp": {"mesh.data": 1, "mesh.fsdp": 2}}
 
 
 def _free_port() -> int:
@@ -55,9 +55,13 @@ def _losses(workdir: str) -> tuple[list[float], float]:
 
 
 @pytest.mark.slow  # kept out of the default run for time; python -m pytest -q -m slow
-def test_two_processes_match_one_process(tmp_path):
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_two_processes_match_one_process(tmp_path, mesh):
+    overrides = {**OVERRIDES, **MESHES[mesh]}
+    args = ["--config", "tests/tiny_wmt_config.py"]
+    args += [f"--config.{key}={value}" for key, value in overrides.items()]
     config = tiny_wmt_config.get_config()
-    for key, value in OVERRIDES.items():
+    for key, value in overrides.items():
         section, _, field = key.rpartition(".")
         (config[section] if section else config)[field] = value
     single = str(tmp_path / "single")
@@ -68,7 +72,7 @@ def test_two_processes_match_one_process(tmp_path):
     address = f"127.0.0.1:{_free_port()}"
     processes = [
         subprocess.Popen(
-            [*command, *ARGS, "--workdir", multi], cwd=REPO,
+            [*command, *args, "--workdir", multi], cwd=REPO,
             env=_env(1, JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2",
                      JAX_PROCESS_ID=str(i)),
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

@@ -162,7 +162,12 @@ def test_mesh_errors():
         make_mesh(3, 2)
     with pytest.raises(ValueError, match="8 devices do not divide into expert axis 3"):
         make_mesh(-1, 3)
-    assert make_mesh(-1, 2).shape == {"data": 4, "expert": 2}
+    assert make_mesh(-1, 2).shape == {"data": 4, "fsdp": 1, "expert": 2}
+    assert make_mesh(-1, 2, fsdp=2).shape == {"data": 2, "fsdp": 2, "expert": 2}
+    with pytest.raises(ValueError, match=r"data=2 x fsdp=2 x expert=4 = 16 devices, but 8"):
+        make_mesh(2, 4, fsdp=2)
+    with pytest.raises(ValueError, match=r"8 devices do not divide into fsdp x expert = 6"):
+        make_mesh(-1, 2, fsdp=3)
     with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by .* axis \(4\)"):
         MoEFeedForward(EMB, MLP, 6, mesh=make_mesh(2, 4), rngs=nnx.Rngs(0))
     layer = make_layer(make_mesh(4, 2))

@@ -34,6 +34,12 @@ class ProgramReport:
     allocator must find free. ``flops`` and ``bytes_accessed`` come from XLA's cost analysis
     (None where the backend gives none). ``collectives`` counts each collective of the optimised
     program; ``kernels`` counts Pallas kernels (Mosaic GPU or Mosaic TPU custom calls).
+
+    ``parameters`` and ``optimizer_state`` are the bytes of the train state's parameters and
+    optimizer state that one device holds (their shards; None for a program without a train
+    state); a program that does not read one (``accumulate``: the optimizer state) has it
+    outside its ``arguments``. ``largest_buffer`` is the largest array an instruction of the
+    optimised program outputs, per device: ``(its type and shape, bytes)``.
     """
 
     name: str
@@ -46,6 +52,9 @@ class ProgramReport:
     bytes_accessed: float | None
     collectives: dict[str, int]
     kernels: int
+    parameters: int | None = None
+    optimizer_state: int | None = None
+    largest_buffer: tuple[str, int] | None = None
 
     @property
     def total(self) -> int:
@@ -63,6 +72,76 @@ def kernel_count(hlo_text: str) -> int:
     return len(_MOSAIC_GPU.findall(hlo_text)) + len(_TPU_KERNEL.findall(hlo_text))
 
 
+# Bytes per element of HLO's array types.
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+               "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
+               "c64": 8, "c128": 16}
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def _output_type(rhs: str) -> str:
+    """The output type of an instruction's right-hand side: ``f32[4,8]{1,0}``, or a tuple
+    ``(f32[4]{0}, bf16[2,2]{1,0})`` (a multi-output fusion: one buffer per element)."""
+    if not rhs.startswith("("):
+        return rhs.split(" ", 1)[0]
+    depth = 0
+    for i, char in enumerate(rhs):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return rhs[:i + 1]
+    return rhs
+
+
+def largest_buffer(hlo_text: str) -> tuple[str, int] | None:
+    """``("f32[8,1024,4096]", bytes)`` of the largest array an instruction of the optimised HLO
+    outputs, leaving out the instructions inside fusions (XLA never materialises those)."""
+    best: tuple[str, int] | None = None
+    fused = False
+    for line in hlo_text.splitlines():
+        # A computation's header starts at the margin (its instructions are indented).
+        header = None if line[:1].isspace() else _COMPUTATION.match(line)
+        if header:
+            fused = "fus" in header.group(2) or "wrapped" in header.group(2)
+            continue
+        match = _INSTRUCTION.match(line)
+        if fused or not match:
+            continue
+        for dtype, dims in _ARRAY.findall(_output_type(match.group(1))):
+            if dtype not in _ITEM_BYTES:
+                continue
+            size = _ITEM_BYTES[dtype]
+            for d in dims.split(","):
+                size *= int(d) if d else 1
+            if best is None or size > best[1]:
+                best = (f"{dtype}[{dims}]", size)
+    return best
+
+
+def bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of a tree of arrays or ``jax.ShapeDtypeStruct`` (with shardings:
+    the largest shard of each; without, the whole array)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = tuple(leaf.shape)
+        placement = getattr(leaf, "sharding", None)
+        if placement is not None:
+            shape = tuple(placement.shard_shape(shape))
+        count = 1
+        for d in shape:
+            count *= d
+        total += count * _itemsize(leaf.dtype)
+    return total
+
+
+def _itemsize(dtype: Any) -> int:
+    try:
+        return jax.numpy.dtype(dtype).itemsize
+    except TypeError:  # an RNG key: its raw data (two uint32 for threefry)
+        return int(getattr(dtype, "itemsize", 8))
+
+
 def _cost(compiled: Any) -> dict[str, float]:
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
@@ -70,8 +149,10 @@ def _cost(compiled: Any) -> dict[str, float]:
     return dict(cost or {})
 
 
-def analyse(name: str, compiled: jax.stages.Compiled, compile_seconds: float) -> ProgramReport:
-    """The :class:`ProgramReport` of ``compiled``."""
+def analyse(name: str, compiled: jax.stages.Compiled, compile_seconds: float,
+            state: Any = None) -> ProgramReport:
+    """The :class:`ProgramReport` of ``compiled``; ``state``: the train state it takes
+    (abstract, with shardings), whose parameters and optimizer state are counted."""
     memory = compiled.memory_analysis()
     cost = _cost(compiled)
     text = compiled.as_text()
@@ -86,6 +167,9 @@ def analyse(name: str, compiled: jax.stages.Compiled, compile_seconds: float) ->
         bytes_accessed=cost.get("bytes accessed"),
         collectives=collective_counts(text),
         kernels=kernel_count(text),
+        parameters=None if state is None else bytes_per_device(state.params),
+        optimizer_state=None if state is None else bytes_per_device(state.opt_state),
+        largest_buffer=largest_buffer(text),
     )
 
 
@@ -99,14 +183,24 @@ def format_report(report: ProgramReport, hbm_bytes: int) -> str:
     flops = "n/a" if report.flops is None else f"{report.flops / 1e12:.3f} TFLOP"
     moved = "n/a" if report.bytes_accessed is None else _gib(report.bytes_accessed)
     collectives = ", ".join(f"{n} {op}" for op, n in report.collectives.items()) or "none"
+    state, largest = [], []
+    if report.parameters is not None:
+        state.append(f"  train state held: parameters {_gib(report.parameters)}, optimizer "
+                     f"state {_gib(report.optimizer_state)} (a program that does not read a "
+                     "part leaves it out of its arguments)")
+    if report.largest_buffer is not None:
+        largest.append(f"  largest buffer: {report.largest_buffer[0]} "
+                       f"({_gib(report.largest_buffer[1])})")
     return "\n".join([
         f"{report.name} (compiled in {report.compile_seconds:.1f} s), per device:",
+        *state,
         f"  memory: arguments {_gib(report.arguments)}, outputs {_gib(report.outputs)} "
         f"({_gib(report.aliased)} aliased to donated inputs), temporaries "
         f"{_gib(report.temporaries)}; total {_gib(report.total)} of {_gib(hbm_bytes)} HBM "
         f"({100 * report.total / hbm_bytes:.1f}%): {fits}",
         f"  cost analysis (compile-time model, not a timing): {flops}, {moved} accessed",
         f"  collectives: {collectives}; Pallas kernels: {report.kernels}",
+        *largest,
     ])
 
 

@@ -9,6 +9,7 @@ whose step does not fit, says so in one line.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Sequence
@@ -17,11 +18,15 @@ from typing import Any
 import ml_collections
 
 from sparsemixer_jax import config as config_schema
-from sparsemixer_jax import runtime
+from sparsemixer_jax import runtime, sharding
 from sparsemixer_jax.aot import analysis, targets
 from sparsemixer_jax.tasks import check_config
 
-SUPPORTED_TASKS = ("translation",)
+# The compile function of each task's aot module, ``(config, target, devices, decode_step=)`` ->
+# reports: a task joins the command by adding its module here (the task-independent part is
+# sparsemixer_jax.aot.steps).
+COMPILERS = {"translation": ("sparsemixer_jax.aot.translation", "compile_translation")}
+SUPPORTED_TASKS = tuple(COMPILERS)
 
 
 def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
@@ -37,13 +42,14 @@ def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
     try:
         target = targets.parse_target(spec)
         devices = targets.target_devices(target)
-        from sparsemixer_jax.aot import translation
-
-        reports = translation.compile_translation(config, target, devices,
-                                                  decode_step=decode_step)
+        module, function = COMPILERS[task]
+        compile_task = getattr(importlib.import_module(module), function)
+        reports = compile_task(config, target, devices, decode_step=decode_step)
     except (ValueError, RuntimeError) as err:
         return {"target": spec, "error": str(err).splitlines()[0]}
+    data, fsdp, expert = sharding.MeshConfig.from_config(config.mesh).sizes(len(devices))
     return {"target": spec, "device_kind": devices[0].device_kind, "devices": len(devices),
+            "mesh": f"data={data} x fsdp={fsdp} x expert={expert}",
             "hbm_bytes": target.hbm_bytes,
             "programs": [analysis.as_dict(r) for r in reports],
             "reports": reports}
@@ -65,9 +71,8 @@ def run(config: ml_collections.ConfigDict, target_specs: Sequence[str], *,
     for spec in target_specs:
         result = compile_for_target(config, spec, decode_step=decode_step)
         if "reports" in result:
-            expert = config.mesh.expert
             print(f"== {spec}: {result['devices']} x {result['device_kind']}, mesh "
-                  f"data={result['devices'] // expert} x expert={expert}")
+                  f"{result['mesh']}")
             for report in result.pop("reports"):
                 print(analysis.format_report(report, result["hbm_bytes"]))
         print(summary_line(result), flush=True)
@@ -84,10 +89,16 @@ def summary_line(result: dict[str, Any]) -> str:
     if "error" in result:
         return f"{result['target']}: cannot compile: {result['error']}"
     worst = max(result["programs"], key=lambda p: p["total"])
-    verdict = "fits" if worst["total"] <= result["hbm_bytes"] else "DOES NOT FIT"
-    return (f"{result['target']}: {verdict}: the largest program ({worst['name']}) needs "
-            f"{worst['total'] / 2**30:.2f} GiB of {result['hbm_bytes'] / 2**30:.2f} GiB per "
-            "device")
+    need, have = worst["total"], result["hbm_bytes"]
+    line = (f"{result['target']}: {'fits' if need <= have else 'DOES NOT FIT'}: the largest "
+            f"program ({worst['name']}) needs {need / 2**30:.2f} GiB of {have / 2**30:.2f} GiB "
+            "per device")
+    if need <= have:
+        return line
+    largest = worst.get("largest_buffer")
+    buffer = "" if not largest else (f"; its largest buffer is {largest[0]} "
+                                     f"({largest[1] / 2**30:.2f} GiB)")
+    return f"{line}, over by {(need - have) / 2**30:.2f} GiB{buffer}"
 
 
 def exit_code(results: Sequence[dict[str, Any]]) -> int:

@@ -12,19 +12,16 @@ many rows as ``data.max_tokens`` allows on the mesh): the one that needs the mos
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from sparsemixer_jax import decode, sharding
-from sparsemixer_jax.aot.analysis import ProgramReport, analyse
+from sparsemixer_jax.aot import steps as aot_steps
+from sparsemixer_jax.aot.analysis import ProgramReport
 from sparsemixer_jax.aot.targets import Target
 from sparsemixer_jax.data.batching import bucket_batch_size, bucket_lengths
 from sparsemixer_jax.data.sources import DataConfig
@@ -48,18 +45,18 @@ def config_for_target(config: ml_collections.ConfigDict,
 
 
 def target_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device]):
-    """The ``(data, expert)`` mesh of ``config.mesh`` over ``devices`` (all of them), or a
-    ValueError naming the config field that does not fit the target."""
+    """The ``(data, fsdp, expert)`` mesh of ``config.mesh`` over ``devices`` (all of them), or
+    a ValueError naming the config field that does not fit the target."""
     sections = sharding.MeshConfig.from_config(config.mesh)
-    expert, data = sections.expert, sections.data
+    expert, fsdp, data = sections.expert, sections.fsdp, sections.data
     num_experts = MoEConfig.from_config(config.model).num_experts
     try:
-        mesh = sharding.make_mesh(data, expert, devices)
+        mesh = sharding.make_mesh(data, expert, devices, fsdp=fsdp)
         if num_experts:
             sharding.check_mesh(mesh, num_experts)
     except ValueError as err:
-        raise ValueError(f"config.mesh (data={data}, expert={expert}) does not shard over the "
-                         f"target's {len(devices)} devices: {err}") from err
+        raise ValueError(f"config.mesh (data={data}, fsdp={fsdp}, expert={expert}) does not "
+                         f"shard over the target's {len(devices)} devices: {err}") from err
     return mesh
 
 
@@ -83,17 +80,6 @@ def abstract_model(config: ml_collections.ConfigDict, mesh=None) -> nnx.Module:
     return nnx.eval_shape(lambda: task.build_model(config, task.data.vocab_size, mesh))
 
 
-def _abstract(tree: Any, shardings: Any) -> Any:
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        tree, shardings)
-
-
-def _compile(name: str, fn, args: tuple, donate: tuple[int, ...] = ()) -> ProgramReport:
-    started = time.perf_counter()
-    compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
-    return analyse(name, compiled, time.perf_counter() - started)
-
-
 def compile_translation(config: ml_collections.ConfigDict, target: Target,
                         devices: Sequence[jax.Device], *, decode_step: bool = True,
                         ) -> list[ProgramReport]:
@@ -115,39 +101,17 @@ def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
     task = TranslationTask.from_config(config)
     # One device: no mesh in the model, as the training loop does (sharding.mesh_from_config).
     model = abstract_model(config, mesh if mesh.size > 1 else None)
-    steps = Steps(model, task, OptimSettings.from_config(config.optim))
+    # Placed as the training loop places them: parameters, gradients and optimizer state by
+    # config.mesh.rules, everything else replicated.
+    partitioner = sharding.partitioner_from_config(config, mesh)
+    steps = Steps(model, task, OptimSettings.from_config(config.optim),
+                  partitioner if mesh.size > 1 else None)
     micro_batches = accumulation_steps(task.tokens_per_update, task.data.max_tokens)
-    replicated = NamedSharding(mesh, P())
-    params = _abstract(steps.params, nnx.to_pure_dict(
-        sharding.state_shardings(nnx.state(model, nnx.Param), mesh)))
-    stats = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
-                         steps.layer_state)
-    rest = _abstract(steps.rest, sharding.state_shardings(steps.rest, mesh))
-    # The step and optimizer state's shapes; the parameters and layer state placed as above.
-    state = jax.eval_shape(steps.new_state, params, stats).replace(params=params,
-                                                                   layer_state=stats)
+    state, rest = aot_steps.train_state(steps, mesh, partitioner)
     tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding.batch_sharding(mesh))
     batch = {"inputs": tokens, "targets": tokens}
-    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
-                               sharding=replicated)
     shape = f"[{rows}, {length}]"
-
-    reports = []
-    if micro_batches == 1:
-        def train_step(state, rest, batch, key):
-            return steps.with_rest(rest).train_step(state, [batch], key)
-
-        reports.append(_compile(f"train step, batch {shape}", train_step,
-                                (state, rest, batch, key), donate=(0,)))
-    else:
-        def accumulate(state, rest, acc, batch, key):
-            return steps.with_rest(rest).accumulate(state, acc, batch, key)
-
-        acc = jax.eval_shape(lambda s, r, b: steps.with_rest(r).zeros(s, b), state, rest, batch)
-        reports.append(_compile(
-            f"accumulate (one of {micro_batches} micro-batches), batch {shape}",
-            accumulate, (state, rest, acc, batch, key), donate=(2,)))
-        reports.append(_compile("update", steps.update, (state, acc, stats), donate=(0,)))
+    reports = aot_steps.compile_training(steps, state, rest, batch, micro_batches, shape)
     if decode_step:
         beam = task.decode
 
@@ -157,7 +121,7 @@ def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
                 model, inputs, eos_id=EOS_ID, beam_size=beam.beam_size, alpha=beam.length_penalty,
                 max_extra_len=beam.max_extra_len, max_len=task.data.max_len)
 
-        reports.append(_compile(
+        reports.append(aot_steps.compile_program(
             f"beam search (beam {beam.beam_size}), batch {shape}", beam_search,
             (state, rest, tokens)))
     return reports

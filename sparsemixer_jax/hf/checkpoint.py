@@ -20,10 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sparsemixer_jax import sharding
 from sparsemixer_jax.hf.config import from_hf, to_hf
 from sparsemixer_jax.hf.weights import Path, convert, parse, saved_tensors
 from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.partitioning import Partitioner
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -66,12 +68,32 @@ def weight_files(path: str) -> list[str]:
                      "checkpoints are read)")
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _write(array: jax.Array, value: jax.Array, index: jax.Array) -> jax.Array:
-    """``array`` with ``array[index...] = value`` (updated in place: the input is donated)."""
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("placement",))
+def _write(array: jax.Array, value: jax.Array, index: jax.Array,
+           placement: jax.sharding.Sharding | None = None) -> jax.Array:
+    """``array`` with ``array[index...] = value`` (updated in place: the input is donated),
+    kept sharded as ``placement`` says (a parameter loaded onto a mesh)."""
     start = tuple(index) + (0,) * (array.ndim - index.shape[0])
-    return jax.lax.dynamic_update_slice(array, value.reshape((1,) * index.shape[0] + value.shape),
-                                        start)
+    out = jax.lax.dynamic_update_slice(array, value.reshape((1,) * index.shape[0] + value.shape),
+                                       start)
+    return out if placement is None else jax.lax.with_sharding_constraint(out, placement)
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, placement: jax.sharding.Sharding | None
+           ) -> jax.Array:
+    """Zeros of ``shape``, made in place on the mesh (each device its part) when placed."""
+    if placement is None:
+        return jnp.zeros(shape, dtype)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=placement)()
+
+
+def _to_host(value: jax.Array) -> np.ndarray:
+    """One tensor on this host, also when its shards are spread over several processes."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(jax.device_get(value))
 
 
 def _get(tree: dict, path: Path):
@@ -101,14 +123,20 @@ def _build(config: LMConfig, seed: int, mesh) -> tuple[Any, Any, Any]:
 
 
 def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None,
-                    **overrides: Any) -> tuple[CausalLM, LMConfig]:
+                    rules: Any = None, **overrides: Any) -> tuple[CausalLM, LMConfig]:
     """A :class:`CausalLM` and its :class:`LMConfig` from a Hugging Face model directory.
 
     Args:
       path: a directory with ``config.json`` and ``model.safetensors`` (or shards with
         ``model.safetensors.index.json``).
       seed: seeds the routers' sampling streams (training only).
-      mesh: optional ``("data", "expert")`` mesh for expert parallelism.
+      mesh: optional ``("data", "fsdp", "expert")`` mesh
+        (:func:`sparsemixer_jax.sharding.make_mesh`): each parameter is made sharded on it as
+        the logical-axis ``rules`` say (:mod:`sparsemixer_jax.partitioning`; None: the
+        defaults, the width over ``fsdp`` and experts over ``expert``) and each tensor of the
+        checkpoint is written into its shards as it is read, so no device (and no host beyond
+        one tensor) ever holds the whole model.
+      rules: ``config.mesh.rules``-style mapping of logical axis names to mesh axes.
       **overrides: :class:`LMConfig` fields to change, e.g. ``router="sparsemixer_v2star"``,
         ``jitter_eps``, ``router_options``, ``compute_dtype="bfloat16"``, ``dispatch``,
         ``capacity_factor``. The default router is the checkpoint's own (docs/lm.md).
@@ -122,7 +150,11 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     safe_open, _ = _safetensors()
     graphdef, abstract, rest = _build(config, seed, mesh)
     pure = nnx.to_pure_dict(abstract)
-    arrays = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), pure)
+    partitioner = None if mesh is None else Partitioner(mesh, rules)
+    placements = (jax.tree.map(lambda _: None, pure) if partitioner is None
+                  else partitioner.shardings(pure, warn=True))
+    arrays = jax.tree.map(lambda a, p: _zeros(a.shape, a.dtype, p), pure, placements)
+    replicated = None if partitioner is None else partitioner.replicated()
     filled: dict[Path, np.ndarray] = {}  # per param: which leading-index slices were written
     layers = CausalLM.layer_index_of(config)
     for file in files:
@@ -143,10 +175,13 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
                     if tuple(value.shape) != expected:
                         raise ValueError(f"{path!r}: tensor {name!r} has shape "
                                          f"{list(value.shape)}, expected {list(expected)}")
-                    got = convert(value, slot.transform)
+                    got = np.asarray(convert(value, slot.transform), target.dtype)
+                    start = np.asarray(slot.index, np.int32)
+                    if replicated is not None:  # several processes: global arrays only
+                        got, start = sharding.place((got, start), (replicated, replicated))
+                    _set(arrays, slot.path, _write(target, got, start,
+                                                   placement=_get(placements, slot.path)))
                     index = slot.index
-                    _set(arrays, slot.path, _write(target, jnp.asarray(got, target.dtype),
-                                                   jnp.asarray(index, jnp.int32)))
                     mark = filled.setdefault(slot.path, np.zeros(
                         target.shape[:2] if slot.path[-1] in ("w_gate", "w_up", "w_down")
                         else target.shape[:1] if slot.path[0] == "stacks" else (), bool))
@@ -159,8 +194,11 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     for leaf_path, _ in jax.tree_util.tree_flatten_with_path(arrays)[0]:
         keys = tuple(k.key for k in leaf_path)
         if keys[-1] == "omega":
-            _set(arrays, keys, jnp.ones_like(_get(arrays, keys)))
+            omega = _get(arrays, keys)
+            _set(arrays, keys, _zeros(omega.shape, omega.dtype, _get(placements, keys)) + 1)
     nnx.replace_by_pure_dict(abstract, arrays)
+    if partitioner is not None:  # RNG streams and layer state: replicated on the mesh
+        rest = sharding.place(rest, partitioner.shardings(rest))
     model = nnx.merge(graphdef, abstract, rest)
     model.eval()
     return model, config
@@ -189,6 +227,11 @@ def save_pretrained(model: CausalLM, config: LMConfig, out_dir: str, *,
 
     SparseMixer's ``omega`` is folded into the experts' down projections (the function is
     unchanged; checkpoints have no ``omega``). ``dtype``: ``"float32"`` or ``"bfloat16"``.
+
+    A model sharded over a mesh is written one tensor at a time, each gathered from its shards
+    as it is written: no host holds more of the model than one tensor and the file being filled
+    (``max_shard_bytes``). With several processes every one calls this (the gathers are
+    collective) and process 0 writes.
     """
     _, st_numpy = _safetensors()
     if dtype not in ("float32", "bfloat16"):
@@ -204,12 +247,15 @@ def save_pretrained(model: CausalLM, config: LMConfig, out_dir: str, *,
     pending: dict[str, np.ndarray] = {}
     size = total = 0
 
+    writer = jax.process_index() == 0  # every process gathers each tensor; one writes it
+
     def flush() -> None:
         nonlocal pending, size
         if pending:
             shards.append(f"shard-{len(shards):05d}.tmp")
-            st_numpy.save_file(pending, os.path.join(out_dir, shards[-1]),
-                               metadata={"format": "pt"})
+            if writer:
+                st_numpy.save_file(pending, os.path.join(out_dir, shards[-1]),
+                                   metadata={"format": "pt"})
             pending, size = {}, 0
 
     for name, slot in saved_tensors(config, layers):
@@ -219,7 +265,7 @@ def save_pretrained(model: CausalLM, config: LMConfig, out_dir: str, *,
             omega = _get(pure, (*slot.path[:-1], "omega"))
             if omega is not None:
                 value = value * omega[slot.index[0]]
-        value = np.asarray(jax.device_get(value))
+        value = _to_host(value)  # one tensor at a time, gathered from its shards
         value = np.ascontiguousarray(value.T if slot.transform == "T" else value).astype(np_dtype)
         if size and size + value.nbytes > max_shard_bytes:
             flush()
@@ -228,6 +274,8 @@ def save_pretrained(model: CausalLM, config: LMConfig, out_dir: str, *,
         size += value.nbytes
         total += value.nbytes
     flush()
+    if not writer:
+        return
     for stale in (SINGLE_FILE, INDEX_FILE):
         if os.path.exists(os.path.join(out_dir, stale)):
             os.remove(os.path.join(out_dir, stale))

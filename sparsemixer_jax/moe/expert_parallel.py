@@ -1,8 +1,11 @@
-"""Expert parallelism: the expert FFN with experts split over a ``("data", "expert")`` mesh.
+"""Expert parallelism: the expert FFN with experts split over a ``("data", "fsdp", "expert")``
+mesh.
 
 * Expert weights ``[N, ...]`` are split over ``"expert"``: each device of an expert group holds
-  ``N / E`` consecutive experts (``E`` = size of the expert axis). Everything else (router,
-  ``omega``, the rest of the model) is replicated, and the batch is split over ``"data"``.
+  ``N / E`` consecutive experts (``E`` = size of the expert axis) while they run. At rest they
+  may be split over ``"fsdp"`` too (:mod:`sparsemixer_jax.partitioning`); XLA gathers them over
+  ``"fsdp"`` on the way in. The batch is split over ``"data"`` and ``"fsdp"`` (together: the
+  data groups) and, inside this function, over ``"expert"``.
 * The router runs outside :func:`jax.shard_map`, under plain ``jit`` partitioning, on the full
   logits with one key: routing decisions and random draws do not depend on the mesh (threefry is
   partitionable), and the router's custom VJP stays in ordinary autodiff.
@@ -13,8 +16,8 @@
   what it received (any dispatch of :func:`sparsemixer_jax.moe.dispatch.expert_ffn`), and sends
   the outputs back with a second ``all_to_all``.
 * Gradients: the transpose of ``shard_map`` sums the gradient of the expert weights over
-  ``"data"`` (they are unvarying there) and ``jit`` reduces the replicated params; no manual
-  ``psum`` is written here.
+  ``"data"`` and ``"fsdp"`` (they are unvarying there) and ``jit`` reduces (or reduce-scatters,
+  for sharded parameters) the rest; no manual ``psum`` is written here.
 
 Cost note: buffers are sized for the worst case (all tokens of a chunk to one device), so each
 device runs its local experts over ``E * c`` rows, i.e. the whole data shard, padded. Capacity
@@ -30,7 +33,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from sparsemixer_jax.moe.dispatch import expert_ffn
-from sparsemixer_jax.sharding import check_batch, check_mesh
+from sparsemixer_jax.sharding import AXES, batch_groups, check_batch, check_mesh
 
 
 def expert_parallel_ffn(
@@ -49,7 +52,7 @@ def expert_parallel_ffn(
     """:func:`sparsemixer_jax.moe.expert_ffn` with experts split over the mesh's expert axis.
 
     Args:
-      x: ``[B, T, emb]`` in the compute dtype, ``B`` divisible by the data axis. ``T`` counts
+      x: ``[B, T, emb]`` in the compute dtype, ``B`` divisible by the data x fsdp axes. ``T`` counts
         rows: for top-k the layer passes ``T * k`` rows per sequence (each token repeated once
         per chosen expert), and nothing here depends on which.
       group: int32 ``[B, T]`` global expert per row, ``N`` (= number of experts) for none.
@@ -64,7 +67,7 @@ def expert_parallel_ffn(
     check_batch(mesh, x.shape[0])
     num_experts = params[0].shape[0]
     check_mesh(mesh, num_experts)
-    data, n_exp_dev = mesh.shape["data"], mesh.shape["expert"]
+    data, n_exp_dev = batch_groups(mesh), mesh.shape["expert"]
     local_experts = num_experts // n_exp_dev
     batch, length, emb = x.shape
     per_shard = batch // data * length  # tokens of one data shard
@@ -73,7 +76,7 @@ def expert_parallel_ffn(
 
     def to_chunks(a: jax.Array, fill) -> jax.Array:
         # [B, T, ...] -> [data * E * chunk, ...]: data shard d, chunk e sits at block d * E + e,
-        # which is exactly how P(("data", "expert")) splits the leading axis.
+        # which is exactly how P(("data", "fsdp", "expert")) splits the leading axis.
         a = a.reshape(data, per_shard, *a.shape[2:])
         a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
         return a.reshape(data * n_exp_dev * chunk, *a.shape[2:])
@@ -114,7 +117,7 @@ def expert_parallel_ffn(
         back = exchange(out)  # back[slot] = output for the token sent into that slot
         return back.at[slot].get(mode="fill", fill_value=0)
 
-    tokens = P(("data", "expert"))
+    tokens = P(AXES)
     experts = P("expert")
     in_specs = (tokens, tokens, tokens) + (experts,) * num_params
     args = (xs, gs, ids, *params)

@@ -140,8 +140,8 @@ def build_model(config: ml_collections.ConfigDict, model_class: type, vocab_size
     rngs = nnx.Rngs(params=seed, dropout=seed + 1, router=seed + 2)
     model = model_class(config if sections is None else sections, vocab_size, mesh=mesh,
                         rngs=rngs)
-    if mesh is not None:
-        sharding.shard_state(model, mesh)
+    if mesh is not None:  # parameters by the logical-axis rules of config.mesh, the rest replicated
+        sharding.shard_state(model, sharding.partitioner_from_config(config, mesh))
     return model
 
 
@@ -154,7 +154,8 @@ def build_steps(task: Task, config: ml_collections.ConfigDict, vocab_size: int,
     model = task.build_model(config, vocab_size, mesh)
     if init_model is not None:
         init_model(model)
-    return Steps(model, task, OptimSettings.from_config(config.optim))
+    return Steps(model, task, OptimSettings.from_config(config.optim),
+                 sharding.partitioner_from_config(config, mesh))
 
 
 def evaluate(steps: Steps, state: TrainState, batches: list, place: BatchPlacer,

@@ -100,11 +100,14 @@ def config_differences(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]
 
 
 def _resolved_mesh(config: dict) -> dict:
+    """The mesh section as the number of devices it spans: a run resumes on any layout of as
+    many devices (its checkpoint is restored onto the new layout, and the numbers do not depend
+    on it), but not on another number of devices (its batches would change)."""
     mesh = config.get("mesh")
-    if not isinstance(mesh, dict) or mesh.get("data") != -1:
+    if not isinstance(mesh, dict):
         return config
-    expert = MeshConfig.from_config(mesh).expert
-    return {**config, "mesh": {**mesh, "data": jax.device_count() // expert}}
+    data, fsdp, expert = MeshConfig.from_config(mesh).sizes(jax.device_count())
+    return {**config, "mesh": {"devices": data * fsdp * expert}}
 
 
 def resume_from_newest_intact(template: TrainState, workdir: str,

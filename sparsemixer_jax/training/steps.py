@@ -40,6 +40,7 @@ import optax
 from flax import nnx
 
 from sparsemixer_jax.moe.balancing import BalancePlan, balance_plan, end_of_update
+from sparsemixer_jax.partitioning import Partitioner, constrain
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule, make_optimizer
 from sparsemixer_jax.training.state import TrainState
 
@@ -73,21 +74,28 @@ def _gradient(graphdef, task, params, layer_state, rest, batch, key):
     return {"grads": grads, "metrics": metrics}, layer_state
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _zero_accumulator(graphdef, task, state, rest, batch):
+# ``partitioner`` (static; None on one device) places parameters, gradients and optimizer state
+# on the mesh by logical axis names: constraining what each step returns keeps them sharded as
+# its inputs were, and XLA gathers and reduce-scatters around the constraints.
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("partitioner",))
+def _zero_accumulator(graphdef, task, state, rest, batch, partitioner=None):
     shapes = jax.eval_shape(
         lambda s, r, b: micro_batch_loss(graphdef, task, s.params, s.layer_state, r, b,
                                          jax.random.key(0))[1][0],
         state, rest, batch)
-    return {"grads": jax.tree.map(jnp.zeros_like, state.params),
+    return {"grads": constrain(partitioner, jax.tree.map(jnp.zeros_like, state.params)),
             "metrics": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,))
-def _accumulate(graphdef, task, state, rest, acc, batch, key):
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,),
+                   static_argnames=("partitioner",))
+def _accumulate(graphdef, task, state, rest, acc, batch, key, partitioner=None):
     summand, layer_state = _gradient(graphdef, task, state.params, state.layer_state, rest,
                                      batch, key)
-    return jax.tree.map(jnp.add, acc, summand), layer_state
+    acc = jax.tree.map(jnp.add, acc, summand)
+    return {**acc, "grads": constrain(partitioner, acc["grads"])}, layer_state
 
 
 def _keep_if_finite(finite, new, old):
@@ -96,13 +104,15 @@ def _keep_if_finite(finite, new, old):
 
 
 def _apply_update(task, optim: OptimSettings, state: TrainState, acc, layer_state,
-                  balance: BalancePlan = ()) -> tuple[TrainState, dict[str, Any]]:
+                  balance: BalancePlan = (), partitioner: Partitioner | None = None
+                  ) -> tuple[TrainState, dict[str, Any]]:
     """The next train state from summed gradients and the layer state after the update's
     forwards; the parameters, layer and optimizer states are kept if the loss or gradient is not
     finite. The step counts every update taken, skipped or not (the loop stops at a skip).
-    ``balance``: the MoE layers whose bias and loads the update steps (:class:`Steps`)."""
+    ``balance``: the MoE layers whose bias and loads the update steps (:class:`Steps`);
+    ``partitioner``: keeps the new state sharded (module comment above)."""
     divisor, out = task.summarize(acc["metrics"])
-    grads = jax.tree.map(lambda g: g / divisor, acc["grads"])
+    grads = constrain(partitioner, jax.tree.map(lambda g: g / divisor, acc["grads"]))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(out["loss"])
     updates, new_opt_state = make_optimizer(optim).update(grads, state.opt_state, state.params)
@@ -113,14 +123,17 @@ def _apply_update(task, optim: OptimSettings, state: TrainState, acc, layer_stat
                      params=_keep_if_finite(finite, new_params, state.params),
                      layer_state=_keep_if_finite(finite, layer_state, state.layer_state),
                      opt_state=_keep_if_finite(finite, new_opt_state, state.opt_state))
-    return new, {**out, "grad_norm": grad_norm, "finite": finite}
+    return constrain(partitioner, new), {**out, "grad_norm": grad_norm, "finite": finite}
 
 
-_update = functools.partial(jax.jit, static_argnums=(0, 1, 5), donate_argnums=(2,))(_apply_update)
+_update = functools.partial(jax.jit, static_argnums=(0, 1, 5), donate_argnums=(2,),
+                            static_argnames=("partitioner",))(_apply_update)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 7), donate_argnums=(3,))
-def _train_step(graphdef, task, optim, state, rest, batch, key, balance: BalancePlan = ()):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 7), donate_argnums=(3,),
+                   static_argnames=("partitioner",))
+def _train_step(graphdef, task, optim, state, rest, batch, key, balance: BalancePlan = (),
+                partitioner=None):
     """A whole update from one micro-batch in one compiled call: gradient, then optimizer.
 
     The same arithmetic as accumulating into zeros then updating, without materialising the
@@ -129,7 +142,7 @@ def _train_step(graphdef, task, optim, state, rest, batch, key, balance: Balance
     """
     summand, layer_state = _gradient(graphdef, task, state.params, state.layer_state, rest,
                                      batch, key)
-    return _apply_update(task, optim, state, summand, layer_state, balance)
+    return _apply_update(task, optim, state, summand, layer_state, balance, partitioner)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -137,22 +150,25 @@ def _evaluate(graphdef, task, state, rest, batch, key):
     return task.evaluate(_merge(graphdef, state.params, state.layer_state, rest), batch, key)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _initial_state(optim: OptimSettings, params, layer_state):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("partitioner",))
+def _initial_state(optim: OptimSettings, params, layer_state, partitioner=None):
     # Under jit, so that the step and the optimizer's count are placed as its other outputs
     # (replicated on the parameters' mesh) and the parameters are not copied: they are passed
-    # through, as the model holds them.
-    return jnp.zeros((), jnp.int32), make_optimizer(optim).init(params)
+    # through, as the model holds them. The moments are sharded as their parameters.
+    return jnp.zeros((), jnp.int32), constrain(partitioner, make_optimizer(optim).init(params))
 
 
 class Steps:
     """The compiled steps bound to one model, its task and optimizer settings.
 
     ``params`` and ``layer_state`` are the model's initial ones (pure dicts); ``graphdef`` and
-    ``rest`` (its RNG streams) are the parts of the model no update changes.
+    ``rest`` (its RNG streams) are the parts of the model no update changes. ``partitioner``
+    (:class:`sparsemixer_jax.partitioning.Partitioner`, for a model placed on a mesh by it)
+    keeps parameters, gradients and optimizer state sharded; None on one device.
     """
 
-    def __init__(self, model: nnx.Module, task: Any, optim: OptimSettings):
+    def __init__(self, model: nnx.Module, task: Any, optim: OptimSettings,
+                 partitioner: Partitioner | None = None):
         self.graphdef, params, layer_state, self.rest = nnx.split(model, nnx.Param,
                                                                   nnx.BatchStat, ...)
         # Committed to their devices, as arrays restored from a checkpoint are: jit keys its
@@ -161,13 +177,15 @@ class Steps:
         self.layer_state = _committed(nnx.to_pure_dict(layer_state))  # {} for most models
         self.task = task
         self.optim = optim
+        self.partitioner = partitioner
         self.balance = balance_plan(model)  # the MoE layers whose loads each update reads
         self.schedule = learning_rate_schedule(optim)
 
     def new_state(self, params: Any, layer_state: Any) -> TrainState:
         """The train state of step 0 with ``params`` and ``layer_state`` and a fresh optimizer
         state (abstract arguments give an abstract state under ``jax.eval_shape``)."""
-        step, opt_state = _initial_state(self.optim, params, layer_state)
+        step, opt_state = _initial_state(self.optim, params, layer_state,
+                                         partitioner=self.partitioner)
         # Replicated where the parameters are: jit put this constant on the default device
         # alone, and a step takes no arguments on different devices.
         replicated = _replicated_like(params)
@@ -196,8 +214,19 @@ class Steps:
                 a.shape, a.dtype, sharding=getattr(a, "sharding", None)), tree)
 
         params, layer_state = shapes(self.params), shapes(self.layer_state)
-        return jax.eval_shape(self.new_state, params, layer_state).replace(
+        state = jax.eval_shape(self.new_state, params, layer_state).replace(
             params=params, layer_state=layer_state)
+        if self.partitioner is None:
+            return state
+
+        def placed(tree):  # by the rules, whatever the model's arrays hold (shapes only, too)
+            return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                tree, self.partitioner.shardings(tree))
+
+        return TrainState(step=jax.ShapeDtypeStruct((), state.step.dtype,
+                                                    sharding=self.partitioner.replicated()),
+                          params=placed(params), layer_state=placed(layer_state),
+                          opt_state=placed(state.opt_state))
 
     def with_rest(self, rest: Any) -> Steps:
         """These steps with the model's other state (its RNG streams) replaced by ``rest``: an
@@ -209,13 +238,15 @@ class Steps:
 
     def zeros(self, state: TrainState, batch: dict[str, jax.Array]) -> dict[str, Any]:
         """A zero accumulator of gradients and metric sums for batches shaped like ``batch``."""
-        return _zero_accumulator(self.graphdef, self.task, state, self.rest, batch)
+        return _zero_accumulator(self.graphdef, self.task, state, self.rest, batch,
+                                 partitioner=self.partitioner)
 
     def accumulate(self, state: TrainState, acc: dict[str, Any], batch: dict[str, jax.Array],
                    key: jax.Array) -> tuple[dict[str, Any], Any]:
         """``(acc + the gradient and metric sums of batch at state.params, the layer state
         after its forward from state.layer_state)``; ``acc`` is donated."""
-        return _accumulate(self.graphdef, self.task, state, self.rest, acc, batch, key)
+        return _accumulate(self.graphdef, self.task, state, self.rest, acc, batch, key,
+                           partitioner=self.partitioner)
 
     def update(self, state: TrainState, acc: dict[str, Any],
                layer_state: Any = None) -> tuple[TrainState, dict[str, Any]]:
@@ -223,7 +254,8 @@ class Steps:
         is the layer state after the update's forwards (None: ``state.layer_state``); ``state``
         is donated."""
         layer_state = state.layer_state if layer_state is None else layer_state
-        return _update(self.task, self.optim, state, acc, layer_state, self.balance)
+        return _update(self.task, self.optim, state, acc, layer_state, self.balance,
+                       partitioner=self.partitioner)
 
     def train_step(self, state: TrainState, micro_batches: list[dict[str, jax.Array]],
                    step_key: jax.Array) -> tuple[TrainState, dict[str, Any]]:
@@ -239,7 +271,7 @@ class Steps:
         if len(micro_batches) == 1:
             return _train_step(self.graphdef, self.task, self.optim, state, self.rest,
                                micro_batches[0], jax.random.fold_in(step_key, 0),
-                               self.balance)
+                               self.balance, partitioner=self.partitioner)
         acc = self.zeros(state, micro_batches[0])
         layer_state = state.layer_state
         for j, batch in enumerate(micro_batches):

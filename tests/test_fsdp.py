@@ -1,0 +1,377 @@
+"""Sharded parameters and optimizer state (FSDP over ``"fsdp"``, experts over ``"expert"``) on
+the 8 simulated CPU devices: a few training steps equal the same steps on one device, for the
+translation task through the training loop and for the decoder-only LM through the compiled
+steps; a sharded run's checkpoint restores onto other mesh shapes; every parameter of every
+model has logical axis names."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from sparsemixer_jax import hf, partitioning, sharding, training
+from sparsemixer_jax.models.causal_lm import CausalLM, rope_cos_sin
+from sparsemixer_jax.models.lm_config import MODEL_TYPES, LMConfig
+from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.training.optim import OptimSettings
+from sparsemixer_jax.training.state import restore_checkpoint
+from sparsemixer_jax.training.steps import Steps
+from tests import kit
+from tests.tiny_wmt_config import tiny
+
+STEPS = 5
+RTOL, ATOL = 2e-5, 1e-6  # float32 rounding of a different reduction order, over 5 steps
+# Adam's epsilon for these runs. At the usual 1e-8, a gradient that is zero in exact arithmetic
+# (the attention key bias: softmax ignores a shift shared by every key) or nearly cancels is
+# rounding noise that Adam normalises into a learning-rate-sized step, different for every
+# summation order (one device included). At 1e-6 such gradients move their parameters by about
+# gradient / epsilon, and every parameter agrees to float32 rounding.
+ADAM_EPS = 1e-6
+
+# ------------------------------------------------------------------------- the decoder-only LM
+
+LM = LMConfig(model_type="mixtral", vocab_size=64, hidden_size=16, num_layers=3, num_heads=4,
+              num_kv_heads=2, head_dim=8, intermediate_size=32, moe_intermediate_size=16,
+              num_experts=4, top_k=2, moe_layers=(True, True, True), router="switch",
+              jitter_eps=0.0, dispatch="padded")
+LM_BATCH, LM_LEN = 8, 12
+ROUTER_SCALE = 40.0  # routers' logits of order 1: a clear margin between the k-th and next
+
+
+@dataclasses.dataclass(frozen=True)
+class NextTokenTask:
+    """Next-token cross-entropy plus the routers' balance loss: what the steps call."""
+
+    balance_weight: float = 0.01
+
+    def loss(self, model, batch, key):
+        del key  # the switch router without jitter draws nothing
+        out = model.forward(batch["ids"][:, :-1])
+        targets = batch["ids"][:, 1:]
+        nll = optax.softmax_cross_entropy_with_integer_labels(out.logits, targets)
+        tokens = jnp.asarray(targets.size, jnp.float32)
+        sums = {"nll": jnp.sum(nll), "tokens": tokens, "balance_loss": out.aux["balance_loss"],
+                "z_loss": out.aux["z_loss"]}
+        return jnp.sum(nll) / tokens + self.balance_weight * out.aux["balance_loss"], sums
+
+    def summarize(self, sums):
+        return 1.0, {"loss": sums["nll"] / sums["tokens"], "balance_loss": sums["balance_loss"],
+                     "z_loss": sums["z_loss"]}
+
+    def evaluate(self, model, batch, key):
+        return self.loss(model, batch, key)[1]
+
+
+def lm_model(mesh, initial=None):
+    """The LM on ``mesh`` (None: one device) with its routers scaled up; ``initial``: the state
+    of the one-device model to start from instead (built abstractly, then filled: the same
+    numbers on every mesh, without drawing them again)."""
+    def build():
+        return CausalLM(LM, mesh=mesh, rngs=nnx.Rngs(params=0, router=1))
+
+    if initial is not None:
+        model = nnx.eval_shape(build)
+        nnx.update(model, initial)
+        return model
+    model = build()
+    for stack in model.stacks:  # every router scaled up: logits of order 1
+        for layer in stack.layers:
+            if layer.is_moe:
+                layer.mlp.moe.router.kernel[...] = layer.mlp.moe.router.kernel[...] * ROUTER_SCALE
+    return model
+
+
+@nnx.jit
+def routing_margin(model, ids):
+    """The smallest gap between a token's k-th and (k+1)-th router logit over every MoE layer
+    of the deterministic forward of ``ids``: what float32 rounding would have to bridge to
+    change a routing decision."""
+    t = ids.shape[1]
+    cos, sin = rope_cos_sin(LM, jnp.broadcast_to(jnp.arange(t), ids.shape))
+    mask = jnp.tril(jnp.ones((t, t), bool))[None]
+    h, margins = model.embed_tokens(ids), []
+    for s, r, i in model.layer_index():
+        graphdef, state = nnx.split(model.stacks[s])
+        layer = nnx.merge(graphdef, jax.tree.map(lambda a, r=r: a[r], state)).layers[i]
+        if layer.is_moe:
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(h), cos, sin)
+            after_attention = h + layer.self_attn.attend(q, k, v, mask)
+            logits = layer.mlp.moe.router(
+                layer.post_attention_layernorm(after_attention).astype(jnp.float32))
+            top = jnp.sort(logits, axis=-1)[..., ::-1]
+            margins.append(jnp.min(top[..., LM.top_k - 1] - top[..., LM.top_k]))
+        h, _, _ = layer(h, cos, sin, mask, None, None, True, False)
+    return jnp.min(jnp.stack(margins))
+
+
+def train_lm(mesh_shape, initial):
+    """5 AdamW steps of the LM on a mesh ``(data, fsdp, expert)`` (None: one device) from the
+    one-device model's state ``initial``: the metrics of each step, the final train state and
+    (one device) the routing margins before and after."""
+    mesh = None if mesh_shape is None else sharding.make_mesh(
+        mesh_shape[0], mesh_shape[2], fsdp=mesh_shape[1])
+    partitioner = None if mesh is None else partitioning.Partitioner(mesh)
+    model = lm_model(mesh, jax.tree.map(jnp.copy, initial))
+    if partitioner is not None:
+        sharding.shard_state(model, partitioner)
+    optim = OptimSettings.from_config(kit.tiny_config("translation").optim)
+    steps = Steps(model, NextTokenTask(), dataclasses.replace(optim, peak_lr=1e-2, eps=ADAM_EPS),
+                  partitioner)
+    ids = jax.random.randint(jax.random.key(3), (LM_BATCH, LM_LEN + 1), 0, LM.vocab_size)
+    batch = {"ids": ids if mesh is None else jax.device_put(ids, sharding.batch_sharding(mesh))}
+    margins = [float(routing_margin(model, ids))] if mesh is None else []
+    state = steps.init_state()
+    metrics = []
+    for step in range(STEPS):
+        state, out = steps.train_step(state, [batch], jax.random.key(step))
+        metrics.append(jax.device_get(out))
+    if mesh is None:
+        margins.append(float(routing_margin(steps.model(state), ids)))
+    return state, metrics, margins
+
+
+@pytest.fixture(scope="module")
+def lm_runs():
+    initial = nnx.state(lm_model(None))
+    return {shape: train_lm(shape, initial) for shape in (None, (1, 4, 2))}
+
+
+def test_lm_sharded_training_equals_one_device(lm_runs):
+    state0, metrics0, margins = lm_runs[None]
+    # Before and after the steps, every token's k-th choice leads the next by more than 1e-3:
+    # float32 rounding of logits of order 1 (about 1e-6) cannot change a routing decision.
+    assert min(margins) > 1e-3, margins
+    assert metrics0[-1]["loss"] < metrics0[0]["loss"]
+    for shape in ((1, 4, 2),):
+        state, metrics, _ = lm_runs[shape]
+        for got, want in zip(metrics, metrics0, strict=True):
+            for name in ("loss", "balance_loss", "z_loss", "grad_norm"):
+                np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL,
+                                           err_msg=f"{shape} {name}")
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL),
+                     jax.device_get(state.params), jax.device_get(state0.params))
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL),
+                     jax.device_get(state.opt_state), jax.device_get(state0.opt_state))
+
+
+def test_lm_state_stays_sharded(lm_runs):
+    """After 5 steps the parameters and Adam moments are held as the rules say: the scanned
+    experts ``[layers, N, emb, mlp]`` over expert and fsdp, matrices over fsdp, each device
+    holding its part only."""
+    state, _, _ = lm_runs[(1, 4, 2)]
+    moe = state.params["stacks"][0]["layers"][0]["mlp"]["moe"]
+    assert moe["w_gate"].sharding.spec == P(None, "expert", "fsdp")
+    assert moe["w_gate"].sharding.shard_shape(moe["w_gate"].shape) == (3, 2, 4, 16)
+    assert moe["w_down"].sharding.spec == P(None, "expert", None, "fsdp")
+    attention = state.params["stacks"][0]["layers"][0]["self_attn"]["o_proj"]["kernel"]
+    assert attention.sharding.spec == P(None, None, "fsdp")
+    assert state.params["embed_tokens"]["embedding"].sharding.spec == P(None, "fsdp")
+    moments = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state)
+               if partitioning.path_name(path).endswith("moe/w_gate")]
+    assert len(moments) == 2  # Adam's mu and nu
+    assert all(m.sharding.spec == P(None, "expert", "fsdp") for m in moments)
+
+
+# ------------------------------------------------------------------- translation, through the loop
+
+
+class NoTestDecoding(translation.TranslationTask):
+    """The translation task without its final test-set decoding (not what these tests check)."""
+
+    def finish(self, run):
+        return {}
+
+
+def run_translation(workdir, **mesh):
+    """5 steps of the tiny translation run on ``mesh`` (``config.mesh`` fields). Routers drawn
+    100 times the usual variance: logits of order 1, so that rounding cannot move a token to
+    another expert (the SparseMixer draws are the same on every mesh: threefry partitions)."""
+    config = tiny(**{"train_steps": STEPS, "eval_every": STEPS, "checkpoint_every": STEPS,
+                     "log_every": 1, "router.init_scale": 100.0, "optim.eps": ADAM_EPS,
+                     **{f"mesh.{k}": v for k, v in mesh.items()}})
+    return config, training.train(NoTestDecoding.from_config(config), config, workdir)
+
+
+@pytest.fixture(scope="module")
+def translation_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    runs = {}
+    for name, mesh in (("one", {"data": 1}), ("sharded", {"data": 1, "fsdp": 4, "expert": 2})):
+        workdir = str(root / name)
+        if runs:  # the first run's vocabulary: trained once (the same data, the same model)
+            os.makedirs(workdir)
+            shutil.copy(os.path.join(runs["one"][0], "spm.model"), workdir)
+        config, results = run_translation(workdir, **mesh)
+        runs[name] = (workdir, config, results)
+    return runs
+
+
+def test_translation_sharded_run_equals_one_device(translation_runs, last_checkpoint):
+    one, config0, results0 = translation_runs["one"]
+    sharded, _, results = translation_runs["sharded"]
+    records0, records = kit.read_metrics(one), kit.read_metrics(sharded)
+    train0 = [r for r in records0 if "loss" in r]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    for got, want in zip(train, train0, strict=True):
+        for name in ("loss", "grad_norm", "nll_loss", "balance_loss"):
+            if name in want:
+                np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL,
+                                           err_msg=f"step {want['step']} {name}")
+        # The same routing decisions: each layer's share of tokens per expert.
+        for layer, values in want["moe"].items():
+            np.testing.assert_allclose(got["moe"][layer]["expert_fraction"],
+                                       values["expert_fraction"], rtol=1e-6, atol=0,
+                                       err_msg=f"step {want['step']} {layer}")
+    np.testing.assert_allclose(results["valid_loss"], results0["valid_loss"], rtol=RTOL)
+    steps0 = training.build_steps(NoTestDecoding.from_config(config0), config0,
+                                  config0.data.vocab_size)
+    params0, _ = last_checkpoint(one, steps0)
+    params, _ = last_checkpoint(sharded, steps0)  # restored onto one device
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL),
+                 params, params0)
+
+
+def test_sharded_checkpoint_restores_onto_another_mesh(translation_runs):
+    """The 1x4x2 run's checkpoint (parameters and Adam state) restored onto a 2x2x2 mesh:
+    placed as that mesh's rules say, with the values restored onto one device."""
+    sharded = translation_runs["sharded"][0]
+    config = tiny(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.expert": 2})
+    device_mesh = sharding.mesh_from_config(config)
+    # The model is only the template's shapes: built abstractly, as a reader would.
+    model = nnx.eval_shape(lambda: NoTestDecoding.from_config(config).build_model(
+        config, config.data.vocab_size, device_mesh))
+    steps = Steps(model, NoTestDecoding.from_config(config),
+                  OptimSettings.from_config(config.optim),
+                  sharding.partitioner_from_config(config, device_mesh))
+    restored = restore_checkpoint(sharded, steps.abstract_state(), "last")
+    assert restored.step == STEPS
+    one = nnx.eval_shape(lambda: NoTestDecoding.from_config(tiny()).build_model(
+        tiny(), tiny().data.vocab_size, None))
+    reference = restore_checkpoint(sharded, Steps(
+        one, NoTestDecoding.from_config(tiny()),
+        OptimSettings.from_config(tiny().optim)).abstract_state(), "last")
+    wi = restored.state.params["encoder_layers"][0]["ffn"]["wi"]
+    assert wi.sharding.mesh.shape == device_mesh.shape
+    assert wi.sharding.spec == P("expert", "fsdp")
+    moments = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(restored.state.opt_state)
+               if partitioning.path_name(path).endswith("encoder_layers/0/ffn/wi")]
+    assert len(moments) == 2 and all(m.sharding.spec == P("expert", "fsdp") for m in moments)
+    for tree in ("params", "opt_state"):
+        jax.tree.map(np.testing.assert_array_equal,
+                     jax.device_get(getattr(restored.state, tree)),
+                     jax.device_get(getattr(reference.state, tree)))
+
+
+# ------------------------------------------------------------------------- logical axis names
+
+
+def test_every_parameter_of_every_model_has_logical_names():
+    """The tiny translation model (also with gated shared experts), ELECTRA (with Admin's scales)
+    and every decoder-only LM type (built abstractly): each parameter is named by the table, one
+    name per dimension, scanned stacks led by "layers"."""
+    from sparsemixer_jax.hf.checkpoint import read_config
+    from sparsemixer_jax.hf.config import from_hf
+    from sparsemixer_jax.tasks import pretraining
+
+    def abstract(build):
+        return nnx.eval_shape(build)
+
+    models = {}
+    for label, overrides in (("translation", {}), ("translation-shared", {
+            "model.num_shared_experts": 1, "model.shared_expert_gate": True})):
+        config = tiny(**overrides)
+        models[label] = abstract(lambda c=config: translation.TranslationTask.from_config(
+            c).build_model(c, 128, None))
+    for init in ("fairseq", "admin"):
+        config = kit.tiny_config("pretraining", "unused", **{"model.init": init})
+        task = pretraining.PretrainingTask.from_config(config)
+        models[f"electra-{init}"] = abstract(lambda c=config, t=task: t.build_model(c, 128, None))
+    data = os.path.join(os.path.dirname(__file__), "data", "hf")
+    for model_type in MODEL_TYPES:
+        lm = from_hf(read_config(os.path.join(data, model_type)))
+        models[model_type] = abstract(lambda c=lm: CausalLM(c, rngs=nnx.Rngs(0)))
+    for label, model in models.items():
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+            name = partitioning.path_name(path)
+            names = partitioning.logical_axes_of(name, len(leaf.shape))
+            assert names is not None, f"{label}: {name} {leaf.shape}"
+            assert len(names) == len(leaf.shape)
+            assert (names[0] == "layers") == name.startswith("stacks/"), (label, name, names)
+
+
+def test_rules_are_config_fields():
+    config = tiny(**{"mesh.fsdp": 8, "mesh.rules.mlp": "fsdp", "mesh.rules.embed": None})
+    mesh_config = sharding.MeshConfig.from_config(config.mesh)
+    assert dict(mesh_config.rules)["mlp"] == ("fsdp",)
+    partitioner = sharding.partitioner_from_config(config, sharding.make_mesh(1, 1, fsdp=8))
+    assert partitioner.spec(("expert", "embed", "mlp"), (2, 16, 32)) == P(None, None, "fsdp")
+    assert partitioner.spec(("vocab", "embed"), (100, 16)) == P()
+    with pytest.raises(ValueError, match=r"config.mesh.rules.hidden: unknown logical axis"):
+        sharding.MeshConfig.from_config({"rules": {"hidden": "fsdp"}})
+    with pytest.raises(ValueError, match=r"config.mesh.rules.embed='model': mesh axes are"):
+        sharding.MeshConfig.from_config(tiny(**{"mesh.rules.embed": "model"}).mesh)
+    # A dimension the axes do not divide stays whole: 6 experts over 4 devices.
+    assert partitioning.Partitioner(sharding.make_mesh(2, 4)).spec(
+        ("expert", "embed"), (6, 16)) == P()
+
+
+# ------------------------------------------------------------------------- Hugging Face in and out
+
+
+@nnx.jit
+def logits_of(model, ids):
+    return model(ids)
+
+
+def test_hf_checkpoint_loads_onto_the_mesh_and_exports_the_same(tmp_path):
+    """A Hugging Face checkpoint loaded straight onto a 1x2x2 mesh: its parameters sharded as
+    the rules say, its logits transformers' own, and its export (gathered one tensor at a time)
+    the tensors it was loaded from."""
+    from safetensors.numpy import load_file
+
+    path = os.path.join(os.path.dirname(__file__), "data", "hf", "mixtral")
+    mesh = sharding.make_mesh(1, 2, jax.devices()[:4], fsdp=2)
+    model, config = hf.load_pretrained(path, mesh=mesh)
+    moe = model.stacks[0].layers[0].mlp.moe
+    assert moe.w_gate[...].sharding.spec == P(None, "expert", "fsdp")
+    assert moe.w_gate[...].sharding.shard_shape(moe.w_gate[...].shape) == (3, 3, 8, 24)
+    assert model.embed_tokens.embedding[...].sharding.spec == P(None, "fsdp")
+    reference = dict(np.load(os.path.join(path, "reference.npz")))
+    logits = np.asarray(logits_of(model, reference["input_ids"]))
+    assert np.abs(logits - reference["logits"]).max() <= 1e-4 * np.abs(reference["logits"]).max()
+    hf.save_pretrained(model, config, str(tmp_path))
+    written = load_file(str(tmp_path / "model.safetensors"))
+    expected = load_file(os.path.join(path, "model.safetensors"))
+    assert written.keys() == expected.keys()
+    for name, value in expected.items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
+
+
+def test_a_run_resumes_on_another_layout_of_as_many_devices(tmp_path):
+    """A workdir saved before the fsdp axis and the rules existed resumes with them, also on
+    another layout of its 8 devices; another number of devices is refused (its batches would
+    differ), naming the device counts."""
+    from sparsemixer_jax.training.resume import ResumeError, check_resume_config
+
+    os.makedirs(tmp_path / "checkpoints" / "last" / "3")  # a trained run
+    saved = json.loads(tiny(**{"mesh.data": 8}).to_json())
+    del saved["mesh"]["fsdp"], saved["mesh"]["rules"]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(saved, f)
+    check_resume_config(str(tmp_path), tiny(**{"mesh.data": -1}))
+    check_resume_config(str(tmp_path), tiny(**{"mesh.data": 1, "mesh.fsdp": 4,
+                                               "mesh.expert": 2, "mesh.rules.mlp": "fsdp"}))
+    with pytest.raises(ResumeError, match=r"config\.mesh\.devices \(saved 8, now 4\)"):
+        check_resume_config(str(tmp_path), tiny(**{"mesh.data": 1, "mesh.fsdp": 4}))
