@@ -299,10 +299,11 @@ def _make_stack(config: LMConfig, pattern: tuple[bool, ...], repeats: int, mesh,
 
 
 def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, mask, token_mask, deterministic,
-                dropless):
+                dropless, remat: str = "none"):
     """Runs a stack (a :class:`LayerUnit` whose state has a leading ``repeats`` axis) with
     ``jax.lax.scan``: each step merges one repeat's state, runs its layers, and returns the
-    state again (router RNG counts and Default MoE's vectors change in training)."""
+    state again (router RNG counts and Default MoE's vectors change in training). ``remat``:
+    :data:`~sparsemixer_jax.models.lm_config.REMAT_POLICIES`, applied to the step."""
     graphdef, state = nnx.split(stack)
 
     def body(h, xs):
@@ -317,6 +318,11 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, mask, token_mask, det
         out_kvs = None if unit_kvs is None else tuple(new_kvs)
         return h, (nnx.state(unit), out_kvs, losses)
 
+    if remat != "none":
+        # The backward pass recomputes the layer body (keeping what the policy names) instead of
+        # holding its activations for every layer; prevent_cse is unneeded inside scan.
+        policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     x, (new_state, new_kvs, losses) = jax.lax.scan(body, x, (state, kvs))
     nnx.update(stack, new_state)
     return x, new_kvs, losses
@@ -428,7 +434,7 @@ class CausalLM(nnx.Module):
         for stack, (pattern, _) in zip(self.stacks, self.stack_patterns, strict=True):
             kvs = None if kv_in is None else tuple(next(kv_in) for _ in pattern)
             x, out_kvs, losses = _scan_stack(stack, x, kvs, index, cos, sin, mask, real,
-                                             deterministic, dropless)
+                                             deterministic, dropless, c.remat)
             for i in range(len(pattern)):
                 if out_kvs is not None:
                     new_keys.append(out_kvs[i][0])
