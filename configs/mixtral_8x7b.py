@@ -17,7 +17,7 @@ The variant after ``:`` picks the layout (``tpu``, the default, or ``h100``):
 on a 64-chip slice or 64 GPUs, experts split 8 ways and the model width 8 ways, one
 sequence per device per micro-batch (256 sequences per update on the TPU slice, 128 on the
 GPUs), full rematerialisation of each layer, the ``ragged`` dispatch on a TPU and the
-``grouped`` Mosaic GPU kernels on H100s.
+``padded`` dispatch on H100s (docs/gpu.md says why not ``grouped``).
 Fine-tune the real checkpoint with ``--config.init_from=<Hugging Face dir>``: the shapes then come
 from its ``config.json`` and its tokenizer is used; the model section still sets the dispatch,
 compute dtype and rematerialisation.
@@ -37,7 +37,7 @@ LAYOUTS = {
     # TPU v5p 4x4x4 (64 chips): experts 8 ways, model width 8 ways; 256 sequences per update.
     "tpu": Layout(fsdp=8, expert=8, batch_size=256, micro_batch_size=64, dispatch="ragged"),
     # 8 hosts of 8 H100s: the same mesh; 128 sequences per update.
-    "h100": Layout(fsdp=8, expert=8, batch_size=128, micro_batch_size=64, dispatch="grouped"),
+    "h100": Layout(fsdp=8, expert=8, batch_size=128, micro_batch_size=64, dispatch="padded"),
 }
 
 

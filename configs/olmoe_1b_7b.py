@@ -17,7 +17,8 @@ The variant after ``:`` picks the layout (``tpu``, the default, or ``h100``):
 on a TPU v5e 4x4 slice experts and model width split 4 ways each, on one host of 8 H100s
 experts 8 ways; one sequence per device per micro-batch (256 sequences per update on the TPU
 slice, 128 on the GPUs), full rematerialisation of each layer, the ``ragged`` dispatch on a TPU
-and the ``grouped`` Mosaic GPU kernels on H100s.
+and the ``padded`` dispatch on H100s
+(docs/gpu.md says why not ``grouped``).
 Fine-tune the real checkpoint with ``--config.init_from=<Hugging Face dir>``: the shapes then come
 from its ``config.json`` and its tokenizer is used; the model section still sets the dispatch,
 compute dtype and rematerialisation.
@@ -38,7 +39,7 @@ LAYOUTS = {
     # update in micro-batches of one sequence per chip.
     "tpu": Layout(fsdp=4, expert=4, batch_size=256, micro_batch_size=16, dispatch="ragged"),
     # One host of 8 H100s: experts 8 ways; 128 sequences per update.
-    "h100": Layout(fsdp=1, expert=8, batch_size=128, micro_batch_size=8, dispatch="grouped"),
+    "h100": Layout(fsdp=1, expert=8, batch_size=128, micro_batch_size=8, dispatch="padded"),
 }
 
 
