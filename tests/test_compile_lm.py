@@ -38,7 +38,7 @@ def _two_layer_olmoe():
     config = olmoe_1b_7b.get_config("tpu")
     config.model.update(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=4,
                         mlp_dim=64, num_experts=16)
-    config.data.update(vocab_size=512, seq_len=128, batch_size=32, micro_batch_size=16)
+    config.data.update(vocab_size=4096, seq_len=128, batch_size=32, micro_batch_size=16)
     return config
 
 
@@ -68,17 +68,18 @@ def test_two_layer_olmoe_training_step_is_sharded_on_the_v5e_slice():
     # FSDP: weights gathered before use; expert parallelism: tokens to their experts and back.
     assert accumulate.collectives.get("all-gather", 0) >= 1
     assert accumulate.collectives.get("all-to-all", 0) >= 2 * config.model.num_layers
-    # Rows stay split: no device holds every row's logits ([16, 128, 512] in bfloat16).
-    rows, length, vocab = 16, 128, 512
-    assert accumulate.largest_buffer[1] < rows * length * vocab * 2
+    # Rows stay split: no device holds every row's logits ([16, 128, 4096], 16 MiB in bfloat16;
+    # a device's row is 1 MiB), the largest array a step of this size would otherwise make.
+    rows, length, vocab = 16, 128, 4096
+    assert accumulate.largest_buffer[1] < rows * length * vocab * 2 // 4
     assert "all-to-all" not in programs["update"].collectives
 
 
 def test_a_mesh_that_does_not_fit_the_slice_is_one_line():
     target, devices = _devices_or_skip("tpu:v5e:4x4")
     config = _two_layer_olmoe()
-    config.mesh.expert = 32
-    with pytest.raises(ValueError, match=r"config.mesh .* does not shard over the target's 16"):
+    config.mesh.fsdp = 3
+    with pytest.raises(ValueError, match=r"^config.mesh: fsdp=3 x expert=4 does not divide the 16"):
         lm.compile_lm(config, target, devices)
 
 
