@@ -67,6 +67,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.activation_dropout = 0.0
     c.model.activation = "silu"
     c.model.init = "normal"
+    # What the scanned layers' backward pass recomputes: "none" | "full" | a jax.checkpoint_policies
+    # name ("dots_saveable", "nothing_saveable", ...): memory for compute, same numbers.
+    c.model.remat = "none"
 
     c.router = router_config("sparsemixer_v2star", top_k=2, jitter_eps=0.1)
     c.optim = optim_config("linear", peak_lr=3e-3, warmup_steps=30, decay_steps=300,

@@ -6,5 +6,6 @@
   FLOPs, collectives, kernels).
 * :mod:`~sparsemixer_jax.aot.translation`: the translation task's training and decode steps,
   built abstractly on a target's mesh and compiled.
+* :mod:`~sparsemixer_jax.aot.lm`: the language model's training step, likewise.
 * :mod:`~sparsemixer_jax.aot.command`: ``python -m experiments.compile``.
 """

@@ -25,7 +25,8 @@ from sparsemixer_jax.tasks import check_config
 # The compile function of each task's aot module, ``(config, target, devices, decode_step=)`` ->
 # reports: a task joins the command by adding its module here (the task-independent part is
 # sparsemixer_jax.aot.steps).
-COMPILERS = {"translation": ("sparsemixer_jax.aot.translation", "compile_translation")}
+COMPILERS = {"translation": ("sparsemixer_jax.aot.translation", "compile_translation"),
+             "lm": ("sparsemixer_jax.aot.lm", "compile_lm")}
 SUPPORTED_TASKS = tuple(COMPILERS)
 
 

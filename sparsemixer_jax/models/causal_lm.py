@@ -299,13 +299,17 @@ def _make_stack(config: LMConfig, pattern: tuple[bool, ...], repeats: int, mesh,
 
 
 def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, mask, token_mask, deterministic,
-                dropless):
+                dropless, remat: str = "none", rows_sharding=None):
     """Runs a stack (a :class:`LayerUnit` whose state has a leading ``repeats`` axis) with
     ``jax.lax.scan``: each step merges one repeat's state, runs its layers, and returns the
-    state again (router RNG counts and Default MoE's vectors change in training)."""
+    state again (router RNG counts and Default MoE's vectors change in training). ``remat``:
+    :data:`~sparsemixer_jax.models.lm_config.REMAT_POLICIES`, applied to the step.
+    ``rows_sharding``: the sharding each step's activations keep (see :func:`_keep_rows_split`).
+    """
     graphdef, state = nnx.split(stack)
 
     def body(h, xs):
+        h = _keep_rows_split(h, rows_sharding)
         unit_state, unit_kvs = xs
         unit = nnx.merge(graphdef, unit_state)
         new_kvs, losses = [], []
@@ -317,9 +321,24 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, mask, token_mask, det
         out_kvs = None if unit_kvs is None else tuple(new_kvs)
         return h, (nnx.state(unit), out_kvs, losses)
 
+    if remat != "none":
+        # The backward pass recomputes the layer body (keeping what the policy names) instead of
+        # holding its activations for every layer; prevent_cse is unneeded inside scan.
+        policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     x, (new_state, new_kvs, losses) = jax.lax.scan(body, x, (state, kvs))
     nnx.update(stack, new_state)
     return x, new_kvs, losses
+
+
+def _keep_rows_split(x: jax.Array, rows_sharding) -> jax.Array:
+    """``x [B, ...]`` constrained to stay split by rows over the mesh (``rows_sharding``, or
+    unchanged when None or ``B`` does not divide): with parameters split over the model width
+    (FSDP), XLA could otherwise gather the activations instead of the weights, e.g. compute
+    every row's logits on every device."""
+    if rows_sharding is None or x.shape[0] % rows_sharding.mesh.size:
+        return x
+    return jax.lax.with_sharding_constraint(x, rows_sharding)
 
 
 class CausalLM(nnx.Module):
@@ -340,6 +359,9 @@ class CausalLM(nnx.Module):
                  rngs: nnx.Rngs):
         self.config = config
         self.deterministic = False
+        # Activations split by rows over every mesh axis, as the batch arrives.
+        self.rows_sharding = None if mesh is None or mesh.size == 1 else (
+            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(mesh.axis_names)))
         self.embed_tokens = nnx.Embed(
             config.vocab_size, config.hidden_size, dtype=_dtype(config),
             param_dtype=jnp.float32,
@@ -392,7 +414,7 @@ class CausalLM(nnx.Module):
         deterministic = self.deterministic if deterministic is None else deterministic
         b, t = input_ids.shape
         real = jnp.ones((b, t), bool) if token_mask is None else token_mask.astype(bool)
-        x = self.embed_tokens(input_ids)
+        x = _keep_rows_split(self.embed_tokens(input_ids), self.rows_sharding)
         q_slot = jnp.arange(t)
         if cache is None:
             if positions is None:
@@ -428,7 +450,8 @@ class CausalLM(nnx.Module):
         for stack, (pattern, _) in zip(self.stacks, self.stack_patterns, strict=True):
             kvs = None if kv_in is None else tuple(next(kv_in) for _ in pattern)
             x, out_kvs, losses = _scan_stack(stack, x, kvs, index, cos, sin, mask, real,
-                                             deterministic, dropless)
+                                             deterministic, dropless, c.remat,
+                                             self.rows_sharding)
             for i in range(len(pattern)):
                 if out_kvs is not None:
                     new_keys.append(out_kvs[i][0])
@@ -437,6 +460,7 @@ class CausalLM(nnx.Module):
                 z_loss = z_loss + jnp.sum(losses[i][1])
         x = self.norm(x)
         logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        logits = _keep_rows_split(logits, self.rows_sharding)
         new_cache = None
         if cache is not None:
             new_cache = KVCache(tuple(new_keys), tuple(new_values), cache.index + t, k_real,

@@ -23,6 +23,11 @@ MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe")
 NORMS = ("rms", "layer")
 QK_NORMS = ("none", "head", "full")
 COMPUTE_DTYPES = ("float32", "bfloat16")
+#: Rematerialisation of the scanned layers: ``"none"`` (keep every activation the backward pass
+#: needs), ``"full"`` (keep only each layer's input; recompute the rest in the backward pass), or
+#: a policy of :data:`jax.checkpoint_policies` naming what the recomputation may keep.
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
+                  "nothing_saveable", "everything_saveable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +95,8 @@ class LMConfig:
       compute_dtype: ``"float32"`` or ``"bfloat16"`` (params stay float32; norms, softmax and
         routing run in float32).
       dispatch, grouped_impl, capacity_factor: the MoE layer's (:class:`MoEFeedForward`).
+      remat: a name in :data:`REMAT_POLICIES`: what the backward pass of the scanned layers
+        recomputes instead of keeping (memory for compute; the numbers are unchanged).
       hf_config: the ``config.json`` this config was read from (JSON text), so that saving keeps
         the keys that do not change the computation (token ids, ...); empty if none.
     """
@@ -129,6 +136,7 @@ class LMConfig:
     dispatch: str = "auto"
     grouped_impl: str = "mosaic"
     capacity_factor: float = 0.0
+    remat: str = "none"
     hf_config: str = ""
 
     def __post_init__(self) -> None:
@@ -160,7 +168,8 @@ class LMConfig:
                                      ("qk_norm", self.qk_norm, QK_NORMS),
                                      ("compute_dtype", self.compute_dtype, COMPUTE_DTYPES),
                                      ("dispatch", self.dispatch, DISPATCHES),
-                                     ("grouped_impl", self.grouped_impl, GROUPED_IMPLS)):
+                                     ("grouped_impl", self.grouped_impl, GROUPED_IMPLS),
+                                     ("remat", self.remat, REMAT_POLICIES)):
             if value not in choices:
                 fail(f"{name}={value!r}; choose one of {choices}")
         if not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):

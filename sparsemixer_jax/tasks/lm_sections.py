@@ -43,6 +43,8 @@ class LMModelConfig:
       tie_embeddings, rope_theta, norm_eps, initializer_range, max_position_embeddings: as the
         type's ``config.json`` keys.
       dispatch, grouped_impl, capacity_factor, compute_dtype: the MoE layer's and the matmuls'.
+      remat: what the scanned layers' backward pass recomputes
+        (:data:`~sparsemixer_jax.models.lm_config.REMAT_POLICIES`).
       dropout, attention_dropout, activation_dropout, activation, attention_impl, init,
         num_shared_experts, shared_expert_gate: the fields every model section has
         (:func:`sparsemixer_jax.config.moe_model_fields`); the language model has no dropout,
@@ -70,6 +72,7 @@ class LMModelConfig:
     grouped_impl: str = "mosaic"
     capacity_factor: float = 0.0
     compute_dtype: str = "float32"
+    remat: str = "none"
     dropout: float = 0.0
     attention_dropout: float = 0.0
     activation_dropout: float = 0.0
@@ -198,7 +201,8 @@ def from_scratch_config(model: LMModelConfig, router: RouterConfig, vocab_size: 
 def model_overrides(model: LMModelConfig) -> dict[str, Any]:
     """The :class:`LMConfig` fields the model section sets on a checkpoint too."""
     return {"dispatch": model.dispatch, "grouped_impl": model.grouped_impl,
-            "capacity_factor": model.capacity_factor, "compute_dtype": model.compute_dtype}
+            "capacity_factor": model.capacity_factor, "compute_dtype": model.compute_dtype,
+            "remat": model.remat}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,61 @@
+"""The real models' shapes as language-modelling configs: ``configs/lm_quickstart.py``'s schema
+with a model section of a published checkpoint's sizes, sequences of 4096 tokens, bfloat16
+compute, and per target platform the mesh, the batch and its micro-batches, the MoE dispatch
+and the rematerialisation (:func:`real_size_config`). Used by ``configs/mixtral_8x7b.py``,
+``configs/phi35_moe.py``, ``configs/qwen3_30b_a3b.py`` and ``configs/olmoe_1b_7b.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+
+from configs import lm_quickstart
+from sparsemixer_jax.config import mesh_config
+
+SEQ_LEN = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one target platform runs a model: ``fsdp`` x ``expert`` devices (``data`` takes the
+    rest), ``batch_size`` sequences per update in micro-batches of ``micro_batch_size``, the
+    MoE ``dispatch`` and ``remat`` (what the scanned layers' backward pass recomputes)."""
+
+    fsdp: int
+    expert: int
+    batch_size: int
+    micro_batch_size: int
+    dispatch: str
+    remat: str = "full"
+
+
+def real_size_config(model: dict[str, Any], router: ml_collections.ConfigDict,
+                     layouts: dict[str, Layout], variant: str | None) -> ml_collections.ConfigDict:
+    """``lm_quickstart``'s config with ``model`` fields, ``router``, and the layout of
+    ``variant`` (a key of ``layouts``; None or "" = the first)."""
+    variant = variant or next(iter(layouts))
+    if variant not in layouts:
+        raise ValueError(f"config variant {variant!r}: choose one of {', '.join(layouts)}")
+    layout = layouts[variant]
+    c = lm_quickstart.get_config()
+    model = dict(model)
+    c.data.vocab_size = model.pop("vocab_size")  # from scratch, SentencePiece's size
+    c.model.update(model)
+    c.model.compute_dtype = "bfloat16"
+    c.model.dispatch = layout.dispatch
+    c.model.remat = layout.remat
+    c.router = router
+    c.data.seq_len = SEQ_LEN
+    c.data.batch_size = layout.batch_size
+    c.data.micro_batch_size = layout.micro_batch_size
+    c.data.eval_batch_size = layout.micro_batch_size
+    # Parameters, gradients and Adam state split over every device: expert weights over the
+    # experts (expert axis) and the model width (fsdp axis); every other matrix's model width
+    # over both axes (ZeRO-3 / FSDP over the whole mesh).
+    c.mesh = mesh_config(data=-1, fsdp=layout.fsdp, expert=layout.expert,
+                         embed=["fsdp", "expert"])
+    c.sample.tokens = 0
+    return c

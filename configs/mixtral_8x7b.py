@@ -1,0 +1,47 @@
+"""Mixtral-8x7B's shapes (about 46.7 B parameters, 12.9 B active per token).
+
+Sizes from the ``config.json`` of mistralai/Mixtral-8x7B-v0.1 on the Hugging Face Hub
+(``model_type`` mixtral): hidden_size 4096, num_hidden_layers 32, num_attention_heads 32,
+num_key_value_heads 8 (head_dim 128), intermediate_size 14336 (each expert), num_local_experts 8,
+num_experts_per_tok 2, vocab_size 32000, rope_theta 1e6, rms_norm_eps 1e-5,
+tie_word_embeddings false, max_position_embeddings 32768, router_aux_loss_coef 0.02. Routing is
+the checkpoint's own (softmax top-2, gates renormalised); ``--config.router.name`` trains with
+another estimator.
+
+Compile it for a target (docs/tpu.md, docs/gpu.md: what fits where)::
+
+    python -m experiments.compile --config configs/mixtral_8x7b.py:tpu --target tpu:v5p:4x4x4
+    python -m experiments.compile --config configs/mixtral_8x7b.py:h100 --target h100:1x8x8
+
+The variant after ``:`` picks the layout (``tpu``, the default, or ``h100``):
+on a 64-chip slice or 64 GPUs, experts split 8 ways and the model width 8 ways, one
+sequence per device per micro-batch (256 sequences per update on the TPU slice, 128 on the
+GPUs), full rematerialisation of each layer, the ``ragged`` dispatch on a TPU and the
+``padded`` dispatch on H100s (docs/gpu.md says why not ``grouped``).
+Fine-tune the real checkpoint with ``--config.init_from=<Hugging Face dir>``: the shapes then come
+from its ``config.json`` and its tokenizer is used; the model section still sets the dispatch,
+compute dtype and rematerialisation.
+"""
+
+import ml_collections
+
+from configs.lm_sizes import Layout, real_size_config
+from sparsemixer_jax.config import router_config
+
+MODEL = dict(
+    hf_type="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+    num_kv_heads=8, head_dim=128, mlp_dim=14336, num_experts=8, rope_theta=1e6, norm_eps=1e-5,
+    tie_embeddings=False, max_position_embeddings=32768)
+
+LAYOUTS = {
+    # TPU v5p 4x4x4 (64 chips): experts 8 ways, model width 8 ways; 256 sequences per update.
+    "tpu": Layout(fsdp=8, expert=8, batch_size=256, micro_batch_size=64, dispatch="ragged"),
+    # 8 hosts of 8 H100s: the same mesh; 128 sequences per update.
+    "h100": Layout(fsdp=8, expert=8, batch_size=128, micro_batch_size=64, dispatch="padded"),
+}
+
+
+def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
+    router = router_config("switch", top_k=2,
+                           jitter_eps=0.0, normalize_top_k=True, balance_weight=0.02)
+    return real_size_config(MODEL, router, LAYOUTS, variant)

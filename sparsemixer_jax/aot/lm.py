@@ -1,0 +1,103 @@
+"""The language-modelling task's training step, compiled for a target without its hardware.
+
+The model (:class:`~sparsemixer_jax.models.causal_lm.CausalLM` of the task's
+:class:`~sparsemixer_jax.models.lm_config.LMConfig`: ``config.model`` from scratch, or the
+checkpoint's ``config.json`` with ``config.init_from``) is built abstractly (``nnx.eval_shape``:
+shapes, dtypes and shardings, no values, no weights read) on a mesh of the target's compile-only
+devices laid out as ``config.mesh`` says; parameters, gradients and Adam state are placed by the
+partitioner's rules, as the training loop places them. The batch is one micro-batch of
+``data.micro_batch_size`` packed rows of ``data.seq_len`` tokens; several micro-batches per
+update compile the loop's two programs, ``accumulate`` and ``update``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from sparsemixer_jax import sharding
+from sparsemixer_jax.aot import steps as aot_steps
+from sparsemixer_jax.aot.analysis import ProgramReport
+from sparsemixer_jax.aot.targets import Target
+from sparsemixer_jax.models.causal_lm import CausalLM
+from sparsemixer_jax.moe.dispatch import resolve_dispatch
+from sparsemixer_jax.tasks.language_model import LMTask
+from sparsemixer_jax.training.optim import OptimSettings
+from sparsemixer_jax.training.steps import Steps
+
+
+def config_for_target(config: ml_collections.ConfigDict,
+                      target: Target) -> ml_collections.ConfigDict:
+    """A copy of ``config`` with ``model.dispatch = "auto"`` resolved for the target's platform
+    (not for this machine's, which ``"auto"`` would otherwise pick at trace time)."""
+    config = copy.deepcopy(config)
+    with config.unlocked():
+        config.model.dispatch = resolve_dispatch(str(config.model.dispatch),
+                                                 target.dispatch_platform)
+    return config
+
+
+def target_mesh(task: LMTask, config: ml_collections.ConfigDict,
+                devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
+    """The ``(data, fsdp, expert)`` mesh of ``config.mesh`` over ``devices`` (all of them), or a
+    ValueError naming the config field that does not fit the target."""
+    sections = sharding.MeshConfig.from_config(config.mesh)
+    data, fsdp, expert = sections.sizes(len(devices))
+    try:
+        mesh = sharding.make_mesh(data, expert, devices, fsdp=fsdp)
+        sharding.check_mesh(mesh, task.lm.num_experts)
+    except ValueError as err:
+        raise ValueError(f"config.mesh (data={data}, fsdp={fsdp}, expert={expert}) does not "
+                         f"shard over the target's {len(devices)} devices: {err}") from err
+    rows = task.data.micro
+    if rows % mesh.size:
+        raise ValueError(f"config.data.micro_batch_size: {rows} rows per micro-batch do not "
+                         f"split over the target's {mesh.size} devices (a multiple of "
+                         f"{mesh.size} is needed)")
+    return mesh
+
+
+def abstract_model(task: LMTask, mesh: jax.sharding.Mesh | None) -> CausalLM:
+    """The task's model as shapes, dtypes and shardings, in training mode. Fine-tuning builds
+    the checkpoint's shapes without reading its weights (they do not change the program)."""
+    def build() -> CausalLM:
+        model = CausalLM(task.lm, mesh=mesh, rngs=nnx.Rngs(params=0, router=2))
+        if mesh is not None:
+            sharding.shard_state(model, mesh)
+        model.train()
+        return model
+
+    return nnx.eval_shape(build)
+
+
+def compile_lm(config: ml_collections.ConfigDict, target: Target,
+               devices: Sequence[jax.Device], *, decode_step: bool = True,
+               ) -> list[ProgramReport]:
+    """Compile the training programs of ``config`` for ``target``: the fused step (one
+    micro-batch per update) or ``accumulate`` and ``update``. ``decode_step`` is accepted for
+    the command's sake; generation is not compiled. Raises ValueError (one line) when the config
+    does not shard over the target."""
+    del decode_step
+    config = config_for_target(config, target)
+    task = LMTask.from_config(config)
+    mesh = target_mesh(task, config, devices)
+    with jax.default_device(devices[0]):  # what the grouped kernels' device check asks
+        model = abstract_model(task, mesh if mesh.size > 1 else None)
+        partitioner = sharding.partitioner_from_config(config, mesh)
+        steps = Steps(model, task, OptimSettings.from_config(config.optim),
+                      partitioner if mesh.size > 1 else None)
+        state, rest = aot_steps.train_state(steps, mesh, partitioner)
+        rows, length = task.data.micro, task.data.seq_len
+        placement = sharding.batch_sharding(mesh)
+        batch = {"tokens": jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=placement),
+                 "segments": jax.ShapeDtypeStruct((rows, length), jnp.int32,
+                                                  sharding=placement),
+                 "bytes": jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=placement)}
+        micro_batches = task.data.batch_size // task.data.micro
+        return aot_steps.compile_training(steps, state, rest, batch, micro_batches,
+                                          f"[{rows}, {length}]")

@@ -1,0 +1,104 @@
+"""Deviceless compiles of the language model's training step (``sparsemixer_jax.aot.lm``).
+
+The default run compiles a two-layer model of the OLMoE family (q/k norms over the projection,
+top-8 of 16 experts) on the TPU v5e 4x4 slice with ``configs/olmoe_1b_7b.py``'s layout: experts
+split 4 ways, the model width 4 ways, every other matrix over both axes, two micro-batches per
+update. It checks what sharding promises: a device holds about a sixteenth of the parameters
+and twice that of Adam state, the weights are gathered (all-gather) and the tokens travel to
+their experts (all-to-all), and no device computes every row's logits. The real sizes
+(``configs/{olmoe_1b_7b,mixtral_8x7b,phi35_moe,qwen3_30b_a3b}.py`` on the slices of docs/tpu.md)
+take minutes of CPU each and run with ``-m slow``. The packages are in
+requirements-compile.txt; without them these tests skip, saying which is missing.
+"""
+
+import functools
+
+import jax
+import pytest
+from flax import nnx
+
+from configs import mixtral_8x7b, olmoe_1b_7b, phi35_moe, qwen3_30b_a3b
+from sparsemixer_jax.aot import lm, targets
+from sparsemixer_jax.tasks.language_model import LMTask
+from sparsemixer_jax.training.steps import count_params
+
+CONFIGS = {"olmoe_1b_7b": olmoe_1b_7b, "mixtral_8x7b": mixtral_8x7b, "phi35_moe": phi35_moe,
+           "qwen3_30b_a3b": qwen3_30b_a3b}
+
+
+def _devices_or_skip(spec: str) -> tuple[targets.Target, list]:
+    target = targets.parse_target(spec)
+    reason = targets.missing_support(target)
+    if reason is not None:
+        pytest.skip(reason)
+    return target, targets.target_devices(target)
+
+
+def _two_layer_olmoe():
+    config = olmoe_1b_7b.get_config("tpu")
+    config.model.update(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=4,
+                        mlp_dim=64, num_experts=16)
+    config.data.update(vocab_size=4096, seq_len=128, batch_size=32, micro_batch_size=16)
+    return config
+
+
+@functools.cache
+def _programs(name: str, variant: str, spec: str):
+    target, devices = _devices_or_skip(spec)
+    config = _two_layer_olmoe() if name == "small" else CONFIGS[name].get_config(variant)
+    # As the command compiles it (runtime.matmul_precision "default"), not at the precision
+    # the test session sets for CPU comparisons (bfloat16 TPU kernels refuse "highest").
+    with jax.default_matmul_precision("default"):
+        reports = lm.compile_lm(config, target, devices)
+    return target, config, {r.name.split(" ")[0]: r for r in reports}
+
+
+def test_two_layer_olmoe_training_step_is_sharded_on_the_v5e_slice():
+    target, config, programs = _programs("small", "tpu", "tpu:v5e:4x4")
+    assert set(programs) == {"accumulate", "update"}
+    accumulate = programs["accumulate"]
+    assert accumulate.total < target.hbm_bytes
+    task = LMTask.from_config(config)
+    model = lm.abstract_model(task, None)
+    param_bytes = 4 * count_params(nnx.state(model, nnx.Param))
+    # Every matrix split 16 ways (norm scales whole): about a sixteenth per device.
+    assert param_bytes / 16 <= accumulate.parameters < 1.05 * param_bytes / 16
+    # Adam's two moments (and its step counts)
+    assert 2 * accumulate.parameters <= accumulate.optimizer_state < 2 * accumulate.parameters + 64
+    # FSDP: weights gathered before use; expert parallelism: tokens to their experts and back.
+    assert accumulate.collectives.get("all-gather", 0) >= 1
+    assert accumulate.collectives.get("all-to-all", 0) >= 2 * config.model.num_layers
+    # Rows stay split: no device holds every row's logits ([16, 128, 4096], 16 MiB in bfloat16;
+    # a device's row is 1 MiB), the largest array a step of this size would otherwise make.
+    rows, length, vocab = 16, 128, 4096
+    assert accumulate.largest_buffer[1] < rows * length * vocab * 2 // 4
+    assert "all-to-all" not in programs["update"].collectives
+
+
+def test_a_mesh_that_does_not_fit_the_slice_is_one_line():
+    target, devices = _devices_or_skip("tpu:v5e:4x4")
+    config = _two_layer_olmoe()
+    config.mesh.fsdp = 3
+    with pytest.raises(ValueError, match=r"^config.mesh: fsdp=3 x expert=4 does not divide the 16"):
+        lm.compile_lm(config, target, devices)
+
+
+REAL_SIZES = [("olmoe_1b_7b", "tpu", "tpu:v5e:4x4"), ("olmoe_1b_7b", "h100", "h100:1x1x8")] + [
+    (name, variant, spec) for name in ("mixtral_8x7b", "phi35_moe", "qwen3_30b_a3b")
+    for variant, spec in (("tpu", "tpu:v5p:4x4x4"), ("h100", "h100:1x8x8"))]
+
+
+@pytest.mark.slow  # minutes of CPU each
+@pytest.mark.parametrize("name, variant, spec", REAL_SIZES)
+def test_real_size_training_step_fits(name, variant, spec):
+    target, config, programs = _programs(name, variant, spec)
+    for report in programs.values():
+        assert report.total <= target.hbm_bytes, (report.name, report.total)
+    accumulate = programs["accumulate"]
+    assert accumulate.collectives.get("all-to-all", 0) >= 1
+    # The train state is split over every device: a device holds at most about 1/16 of it.
+    task = LMTask.from_config(config)
+    model = lm.abstract_model(task, None)
+    param_bytes = 4 * count_params(nnx.state(model, nnx.Param))
+    assert accumulate.parameters < 1.05 * param_bytes / min(16, len(targets.target_devices(
+        target)))
