@@ -30,8 +30,8 @@ import sys
 import time
 
 from lab.router_bench import report
-from lab.router_bench.balancing_report import markdown_balancing_table, refusals
 from lab.router_bench.arms import TABLES
+from lab.router_bench.balancing_report import markdown_balancing_table, refusals
 from lab.router_bench.report import reused
 from lab.router_bench.train import TrainConfig, time_steps, train_arm
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from sparsemixer_jax import routers
+from sparsemixer_jax.routers import check_router
 
 FAMILIES = ("mlp", "tanh")
 """Expert families of teacher and student (:class:`Arm`'s ``family``)."""
@@ -100,7 +100,7 @@ class Arm:
         if self.dense is not None:
             return None
         try:
-            routers.check_router(self.router, top_k=self.top_k, jitter_eps=self.jitter_eps,
+            check_router(self.router, top_k=self.top_k, jitter_eps=self.jitter_eps,
                                  num_experts=self.num_experts, **self.router_options())
         except ValueError as err:
             return str(err)

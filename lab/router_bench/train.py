@@ -24,7 +24,6 @@ from flax import nnx
 from lab.router_bench import metrics
 from lab.router_bench.arms import Arm
 from lab.router_bench.student import Student, set_oracle_router
-from sparsemixer_jax.moe.balancing import balance_plan, end_of_update
 from lab.router_bench.teacher import (
     Data,
     Teacher,
@@ -33,6 +32,7 @@ from lab.router_bench.teacher import (
     make_teacher,
     teacher_forward,
 )
+from sparsemixer_jax.moe.balancing import balance_plan, end_of_update
 
 # Fresh inputs at a positive margin: draw this many times the batch and keep the first inputs
 # the margin accepts (the main setting's margins accept well over half of all inputs, so a
