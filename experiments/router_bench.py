@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> dict:
     for name, why in refused.items():
         print(f"{name}: refused: {why}", flush=True)
     arms = [a for a in arms if a.name not in refused]
+    if refused and not args.report_only:  # the refusals are results too
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"config": cfg._asdict(), "arms": results, "refused": refused}, f)
     seeds = list(range(args.seeds))
     for path in args.reuse:
         results = {**reused(path, arms, cfg, len(seeds)), **results}
