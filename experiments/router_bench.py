@@ -8,12 +8,15 @@ trained on all seeds at once and compared with Switch seed by seed (docs/router_
     python -m experiments.router_bench --table gate      # a soft-gated (Switch-family) teacher
     python -m experiments.router_bench --table successors  # DenseMixer, Default MoE vs Switch
     python -m experiments.router_bench --table robustness  # which setup choices decide the sign
+    python -m experiments.router_bench --table balancing   # every estimator x every balancing
     python -m experiments.router_bench --quick           # 3 arms, 4 seeds, 200 steps
     python -m experiments.router_bench --report-only     # tables and plot from the JSON
 
 Results are written to the JSON (default ``runs/router_bench/<table>.json``, outside the
 tracked files) after every arm; a rerun skips arms already there. ``--reuse`` takes the results
-of arms trained before under other names (the same configuration and run settings).
+of arms trained before under other names (the same configuration and run settings). Arms the
+router's config refuses (SparseMixer with bias balancing) are not trained: the JSON lists them
+under ``refused`` with the reason.
 ``--time-rounds R`` then times one training step of every arm after compilation (R interleaved
 rounds of ``--time-steps`` steps); the cost table reports it beside the quality columns.
 """
@@ -28,6 +31,7 @@ import time
 
 from lab.router_bench import report
 from lab.router_bench.arms import TABLES
+from lab.router_bench.balancing_report import markdown_balancing_table, refusals
 from lab.router_bench.report import reused
 from lab.router_bench.train import TrainConfig, time_steps, train_arm
 
@@ -42,6 +46,8 @@ PLOT_ARMS = {
                    "default_moe_forward"],
     "robustness": ["switch_i16", "sparsemixer_i16", "densemixer_i16", "switch_p16",
                    "sparsemixer_p16", "densemixer_p16"],
+    "balancing": ["switch_k2_n8_mb", "switch_k2_n8_gb", "switch_k2_n8_bias", "switch_k2_n8_none",
+                  "sparsemixer_v2_k2_n8_mb", "sparsemixer_v2_k2_n8_gb"],
     "quick": ["switch", "sparsemixer", "dense_flops"],
 }
 
@@ -90,6 +96,14 @@ def main(argv: list[str] | None = None) -> dict:
         if saved.get("config") == cfg._asdict():
             results = saved["arms"]
     arms = [a for a in TABLES[args.table]() if not args.arms or a.name in args.arms]
+    refused = refusals(arms)
+    for name, why in refused.items():
+        print(f"{name}: refused: {why}", flush=True)
+    arms = [a for a in arms if a.name not in refused]
+    if refused and not args.report_only:  # the refusals are results too
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"config": cfg._asdict(), "arms": results, "refused": refused}, f)
     seeds = list(range(args.seeds))
     for path in args.reuse:
         results = {**reused(path, arms, cfg, len(seeds)), **results}
@@ -105,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{arm.name}: {timings['total_s']:.0f} s", flush=True)
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"config": cfg._asdict(), "arms": results}, f)
+            json.dump({"config": cfg._asdict(), "arms": results, "refused": refused}, f)
     if args.time_rounds > 0:
         timed = [a for a in arms if a.name in results]
         load_before = os.getloadavg()[0]
@@ -117,12 +131,15 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name}: {1e3 * min(per_round):.2f} ms per step (min of "
                   f"{len(per_round)} rounds)", flush=True)
         with open(args.out, "w") as f:
-            json.dump({"config": cfg._asdict(), "arms": results}, f)
+            json.dump({"config": cfg._asdict(), "arms": results, "refused": refused}, f)
     for path in args.merge:
         with open(path) as f:
             results = {**json.load(f)["arms"], **results}
     print(report.markdown_table(results, args.versus))
     print()
+    if args.table == "balancing":
+        print(markdown_balancing_table(results, refused))
+        print()
     if args.table == "robustness":  # expert widths differ by family: no cost table
         print(report.markdown_robustness_table(results))
     else:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from sparsemixer_jax.routers import check_router
+
 FAMILIES = ("mlp", "tanh")
 """Expert families of teacher and student (:class:`Arm`'s ``family``)."""
 
@@ -36,6 +38,13 @@ class Arm:
     ``omega``: False freezes SparseMixer's ``omega`` at its initial 1 (no effect on routers
     without it). ``student_family``: the student's experts of that family instead of
     ``family``'s (None: the same), to tell which half of the family matters.
+
+    Balancing (the balancing table): ``balance_scope`` (the router's, ``"micro_batch"`` or
+    ``"global_batch"``: the counts of the update's micro-batches so far), ``bias_update_rate``
+    (> 0: bias balancing, the selection bias stepped after every optimizer step) and
+    ``micro_batches``: the step's batch split into this many micro-batches whose gradients are
+    averaged before the one optimizer step (the step's tokens and its task gradient are
+    unchanged; the balance loss and the loads are counted per micro-batch or over the update).
     """
 
     name: str
@@ -57,8 +66,14 @@ class Arm:
     batch: int | None = None
     omega: bool = True
     student_family: str | None = None
+    balance_scope: str = "micro_batch"
+    bias_update_rate: float = 0.0
+    micro_batches: int = 1
 
     def __post_init__(self):
+        if self.micro_batches < 1:
+            raise ValueError(f"arm {self.name!r}: micro_batches must be >= 1, got "
+                             f"{self.micro_batches}")
         for field in ("family", "student_family"):
             value = getattr(self, field)
             if value not in FAMILIES and not (field == "student_family" and value is None):
@@ -73,6 +88,23 @@ class Arm:
     @property
     def k_teacher(self) -> int:
         return self.num_experts if self.teacher_experts is None else self.teacher_experts
+
+    def router_options(self) -> dict:
+        """The balancing fields of the router's config (:class:`~sparsemixer_jax.routers.
+        RouterConfig`)."""
+        return {"balance_scope": self.balance_scope, "bias_update_rate": self.bias_update_rate}
+
+    def refusal(self) -> str | None:
+        """Why the router's config refuses this arm (e.g. SparseMixer with bias balancing), in
+        one line; None if it composes."""
+        if self.dense is not None:
+            return None
+        try:
+            check_router(self.router, top_k=self.top_k, jitter_eps=self.jitter_eps,
+                                 num_experts=self.num_experts, **self.router_options())
+        except ValueError as err:
+            return str(err)
+        return None
 
     def setting(self) -> tuple:
         """What pairs arms: the same teacher and the same data stream per seed."""
@@ -266,6 +298,45 @@ def robustness_table() -> list[Arm]:
     return arms
 
 
+BALANCINGS = {
+    "mb": {},
+    "gb": {"balance_scope": "global_batch"},
+    "bias": {"balance_weight": 0.0, "bias_update_rate": 0.01},
+    "none": {"balance_weight": 0.0},
+}
+"""The balancings of :func:`balancing_table`, by arm-name suffix: the Switch balance loss over
+each micro-batch (``mb``, the benchmark's default weight 0.01), the same loss over the update's
+micro-batches (``gb``: its expert fractions count the micro-batches so far), bias balancing at
+rate 0.01 without a loss (``bias``), and no balancing (``none``)."""
+
+BALANCING_MICRO_BATCHES = 2
+"""Micro-batches per step in :func:`balancing_table` (every balancing, so that they differ in
+the balancing only)."""
+
+
+def balancing_estimators(top_k: int) -> tuple[str, ...]:
+    """The estimators of the balancing table at ``top_k``: top-k (Switch), SparseMixer (v1 for
+    ``k = 1``, v2 and v2* for ``k = 2``), DenseMixer and Default MoE."""
+    sparse = ("sparsemixer",) if top_k == 1 else ("sparsemixer_v2", "sparsemixer_v2star")
+    return ("switch", *sparse, "densemixer", "default_moe")
+
+
+def balancing_table() -> list[Arm]:
+    """Every estimator under every balancing (:data:`BALANCINGS`), main setting (margin 0.5,
+    ``N = K``), ``{router}_k{k}_n{N}_{balancing}``; ordered by priority: ``k = 2, N = 8``, then
+    ``k = 1, N = 8``, then ``N = 16`` (``k = 2``, then ``k = 1``). The pairs the router's
+    config refuses (SparseMixer with bias balancing) are in the table; the driver reports them
+    and trains none (:meth:`Arm.refusal`)."""
+    arms = []
+    for k, n in ((2, 8), (1, 8), (2, 16), (1, 16)):
+        for balancing, fields in BALANCINGS.items():
+            for router in balancing_estimators(k):
+                arms.append(_arm(f"{router}_k{k}_n{n}_{balancing}", router=router, top_k=k,
+                                 num_experts=n, measure_gradient=False,
+                                 micro_batches=BALANCING_MICRO_BATCHES, **fields))
+    return arms
+
+
 TABLES = {"main": main_table, "depth": depth_table, "gate": gate_table,
           "successors": successors_table, "robustness": robustness_table,
-          "quick": quick_table}
+          "balancing": balancing_table, "quick": quick_table}

@@ -67,6 +67,9 @@ def summarise(arm: Arm, history: History, timings: dict) -> dict:
             "final_non_argmax": _rounded(history.non_argmax[:, -1], 4),
             "final_load_max": _rounded(history.load_max[:, -1], 4),
             "mean_grad_cos": _rounded(nanmean(history.grad_cos), 4),
+            **({} if history.load_imbalance is None else {
+                "mean_load_imbalance": _rounded(nanmean(history.load_imbalance), 4),
+                "final_load_imbalance": _rounded(history.load_imbalance[:, -1], 4)}),
             "mean_grad_norm_ratio": _rounded(nanmean(history.grad_norm_ratio), 4),
         },
         "curves_per_seed": {

@@ -42,7 +42,7 @@ class Student(nnx.Module):
                                        jitter_eps=arm.jitter_eps, top_k=arm.top_k,
                                        activation_dropout=0.0, dispatch=dispatch,
                                        activation=activation,
-                                       rngs=rngs)
+                                       router_options=arm.router_options(), rngs=rngs)
             layers.append(layer)
         self.layers = nnx.List(layers)
 
@@ -52,24 +52,30 @@ class Student(nnx.Module):
 
         ``aux``: ``balance_loss`` (sum over layers), ``zero_grad`` (mean over layers of the
         share of tokens with one eligible expert, whose router gets no gradient),
-        ``non_argmax``, ``load_max`` (means over layers) and ``choices`` int32 ``[L, B]``: each
-        layer's argmax expert (the expert at evaluation).
+        ``non_argmax``, ``load_max`` (means over layers), ``expert_share`` ``[L, N]`` (each
+        layer's share of routed rows per expert) and ``choices`` int32 ``[L, B]``: each layer's
+        argmax expert (the expert at evaluation; with bias balancing, of the biased logits).
         """
         h = x
-        balance, zero_grad, non_argmax, load_max, choices = 0.0, [], [], [], []
+        balance, zero_grad, non_argmax, load_max, choices, share = 0.0, [], [], [], [], []
         for layer in self.layers:
-            choices.append(jnp.argmax(layer.router(h), axis=-1).astype(jnp.int32))
+            logits = layer.router(h)
+            if layer.expert_bias is not None:
+                logits = logits + layer.expert_bias[...]
+            choices.append(jnp.argmax(logits, axis=-1).astype(jnp.int32))
             out, metrics = layer(h[None], deterministic=deterministic)
             h = h + out[0]
             balance = balance + metrics["balance_loss"]
             zero_grad.append(metrics["eligible_fraction"][0])
             non_argmax.append(metrics["non_argmax_share"])
             load_max.append(metrics["load_max"])
+            share.append(metrics["expert_fraction"])
         aux = {
             "balance_loss": jnp.asarray(balance, jnp.float32),
             "zero_grad": jnp.mean(jnp.stack(zero_grad)),
             "non_argmax": jnp.mean(jnp.stack(non_argmax)),
             "load_max": jnp.mean(jnp.stack(load_max)),
+            "expert_share": jnp.stack(share),
             "choices": jnp.stack(choices),
         }
         return h - x, aux

@@ -32,6 +32,7 @@ from lab.router_bench.teacher import (
     make_teacher,
     teacher_forward,
 )
+from sparsemixer_jax.moe.balancing import balance_plan, end_of_update
 
 # Fresh inputs at a positive margin: draw this many times the batch and keep the first inputs
 # the margin accepts (the main setting's margins accept well over half of all inputs, so a
@@ -77,7 +78,9 @@ class History(NamedTuple):
 
     ``train_mse`` ``[S, E]`` (mean over the steps since the last log; at step 0 the eval MSE),
     ``eval_mse`` (clean labels, argmax routing), ``zero_grad``, ``non_argmax``, ``load_max``
-    (training-mode routing, means since the last log), ``grad_cos``, ``grad_norm_ratio``
+    (training-mode routing, means since the last log), ``load_imbalance`` (max load over mean
+    load of each step's whole batch, all its micro-batches, in training mode; mean over layers,
+    then over the steps since the last log), ``grad_cos``, ``grad_norm_ratio``
     (realised / exact router gradient, NaN where not measured), ``confusion`` ``[S, E, L, N, K]``
     on the evaluation set. ``acceptance [S]``: the margin's acceptance rate.
     ``final_state``: the students' split state after the last step, ``(params, rest)`` with a
@@ -96,6 +99,7 @@ class History(NamedTuple):
     confusion: np.ndarray
     acceptance: np.ndarray
     final_state: tuple | None = None
+    load_imbalance: np.ndarray | None = None
 
 
 def seed_keys(seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -131,10 +135,15 @@ def _router_grad(grads) -> jax.Array:
 @functools.cache
 def _compiled(arm: Arm, cfg: TrainConfig):
     """The jitted, seed-vmapped init and run functions of ``arm`` (cached per arm)."""
-    graphdef = nnx.split(_student(arm, cfg, jax.random.key(0), None, None), nnx.Param, ...)[0]
+    template = _student(arm, cfg, jax.random.key(0), None, None)
+    graphdef = nnx.split(template, nnx.Param, ...)[0]
+    plan = balance_plan(template)  # the layers whose loads the bias step and global loss read
     optimizer = optax.adam(cfg.lr * arm.lr_mult)
     n, k = (1 if arm.dense else arm.num_experts), arm.k_teacher
     batch = arm.batch or cfg.batch
+    if batch % arm.micro_batches:
+        raise ValueError(f"arm {arm.name!r}: micro_batches={arm.micro_batches} does not divide "
+                         f"the batch of {batch} tokens")
     balance_weight = cfg.balance_weight if arm.balance_weight is None else arm.balance_weight
     tcfg = cfg.teacher(arm)
     probs_fn = metrics.oracle_probs_fn(arm.router, arm.jitter_eps)
@@ -173,13 +182,34 @@ def _compiled(arm: Arm, cfg: TrainConfig):
         x = data.train_x[idx]
         return x, data.train_y[idx] + cfg.noise * jax.random.normal(k_noise, x.shape)
 
+    def after_update(rest):
+        """Bias balancing's step and the reset of the update's loads (the library's own)."""
+        if not plan:
+            return rest
+        pure = end_of_update(nnx.to_pure_dict(rest), plan)
+        rest = jax.tree.map(lambda a: a, rest)  # a copy: the carry is not mutated in place
+        nnx.replace_by_pure_dict(rest, pure)
+        return rest
+
     def train_step(carry, key, data: Data, teacher: Teacher):
+        """One optimizer step on ``batch`` tokens: the gradients of ``arm.micro_batches``
+        equal micro-batches, averaged (micro-batches in order, each seeing the loads that the
+        earlier ones added to the layer state), then the step after the update."""
         params, rest, opt_state = carry
         x, y = batch_of(key, data, teacher)
-        grads, (mse, aux, rest) = jax.grad(loss_fn, has_aux=True)(params, rest, x, y)
+        m = arm.micro_batches
+        grads, logs, share = None, [], 0.0
+        for xm, ym in zip(jnp.split(x, m), jnp.split(y, m), strict=True):
+            g, (mse, aux, rest) = jax.grad(loss_fn, has_aux=True)(params, rest, xm, ym)
+            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+            logs.append(jnp.stack([mse, aux["zero_grad"], aux["non_argmax"], aux["load_max"]]))
+            share = share + aux["expert_share"] / m
+        grads = jax.tree.map(lambda g: g / m, grads)
         updates, opt_state = optimizer.update(freeze(grads), opt_state, params)
         params = optax.apply_updates(params, updates)
-        logged = jnp.stack([mse, aux["zero_grad"], aux["non_argmax"], aux["load_max"]])
+        rest = after_update(rest)
+        imbalance = jnp.mean(share.shape[-1] * jnp.max(share, axis=-1))
+        logged = jnp.concatenate([jnp.mean(jnp.stack(logs), axis=0), imbalance[None]])
         return (params, rest, opt_state), logged
 
     def gradient_check(params, rest, data: Data):
@@ -225,7 +255,7 @@ def _compiled(arm: Arm, cfg: TrainConfig):
         final, (logged, mse, cos, ratio, conf) = jax.lax.scan(
             chunk, (params, rest, opt_state), jax.random.split(key, num_logs))
         head = lambda a, b: jnp.concatenate([a[None], b])
-        train0 = jnp.stack([first[0], jnp.nan, jnp.nan, jnp.nan])
+        train0 = jnp.stack([first[0], jnp.nan, jnp.nan, jnp.nan, jnp.nan])
         return (head(train0, logged), head(first[0], mse), head(first[1], cos),
                 head(first[2], ratio), head(first[3], conf)), final[:2]
 
@@ -331,6 +361,6 @@ def train_arm(arm: Arm, cfg: TrainConfig, seeds: list[int], data_cache: dict | N
                       zero_grad=logged[..., 1], non_argmax=logged[..., 2],
                       load_max=logged[..., 3], grad_cos=cos, grad_norm_ratio=ratio,
                       confusion=conf, acceptance=np.asarray(data.acceptance),
-                      final_state=final_state)
+                      final_state=final_state, load_imbalance=logged[..., 4])
     return history, {"data_s": t1 - t0, "compile_s": t2 - t1, "run_s": t3 - t2,
                      "load_1m": os.getloadavg()[0]}

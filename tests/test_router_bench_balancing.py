@@ -1,0 +1,111 @@
+"""The balancing table of the router benchmark and the commands of its language-model half.
+
+One tiny two-step run (bias balancing beside a global-batch balance loss, two micro-batches)
+is shared by the training tests.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import router_bench
+from lab.router_bench import report
+from lab.router_bench.arms import BALANCINGS, TABLES, Arm, balancing_estimators
+from lab.router_bench.balancing_report import markdown_balancing_table
+from lab.router_bench.train import TrainConfig, train_arm
+from lab.studies import lm_balancing
+from lab.studies.runner import make_config
+from sparsemixer_jax.tasks import check_config
+
+TINY = TrainConfig(dim=8, hidden=16, teacher_hidden=4, batch=32, steps=2, eval_every=1,
+                   train_size=256, eval_size=64, grad_tokens=32, measure_gradient=False)
+RATE = 0.01
+BIAS_ARM = Arm("switch_bias_gb", router="switch", top_k=2, num_experts=4, measure_gradient=False,
+               bias_update_rate=RATE, balance_scope="global_batch", micro_batches=2)
+SAMPLED = ("sparsemixer", "sparsemixer_v2", "sparsemixer_v2star")
+
+
+def test_balancing_table_has_every_cell_and_refuses_only_sparsemixer_with_bias():
+    arms = TABLES["balancing"]()
+    names = {a.name for a in arms}
+    assert len(names) == len(arms)
+    for k in (1, 2):
+        for n in (8, 16):
+            for balancing in BALANCINGS:
+                for router in balancing_estimators(k):
+                    assert f"{router}_k{k}_n{n}_{balancing}" in names
+    for arm in arms:
+        refused = arm.refusal()
+        if arm.router in SAMPLED and arm.bias_update_rate > 0:
+            assert refused is not None and "does not compose" in refused, arm.name
+        else:
+            assert refused is None, (arm.name, refused)
+    # Every balancing splits the step alike, so that the arms differ in the balancing only.
+    assert {a.micro_batches for a in arms} == {2}
+
+
+@pytest.fixture(scope="module")
+def bias_run():
+    return train_arm(BIAS_ARM, TINY, [0, 1])
+
+
+def test_bias_balancing_moves_the_bias_after_each_step_and_resets_the_loads(bias_run):
+    history, _ = bias_run
+    layer = nnx.to_pure_dict(history.final_state[1])["layers"][0]
+    bias, load = np.asarray(layer["expert_bias"]), np.asarray(layer["expert_load"])
+    assert bias.shape == (2, 4) and load.shape == (2, 4)  # [seeds, N]
+    np.testing.assert_array_equal(load, 0.0)  # reset after the update
+    steps = bias / RATE  # two sign steps of the rate: each entry -2, -1, 0, 1 or 2 rates
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
+    assert np.all(np.abs(steps) <= TINY.steps + 1e-4)
+    assert np.all(np.any(bias != 0, axis=1))  # every seed's bias moved
+
+
+def test_balancing_arm_trains_and_logs_the_update_imbalance(bias_run):
+    history, _ = bias_run
+    assert np.all(np.isfinite(history.eval_mse))
+    imbalance = history.load_imbalance[:, 1:]  # step 0 has no training step
+    assert np.all(np.isnan(history.load_imbalance[:, 0]))
+    assert np.all((imbalance >= 1.0) & (imbalance <= BIAS_ARM.num_experts))
+    summary = report.summarise(BIAS_ARM, history, {"run_s": 1.0})
+    np.testing.assert_allclose(summary["per_seed"]["mean_load_imbalance"],
+                               np.mean(imbalance, axis=1), rtol=1e-4)
+
+
+def test_refused_pair_is_reported_and_not_trained(tmp_path, capsys):
+    out = tmp_path / "balancing.json"
+    router_bench.main(["--table", "balancing", "--arms", "sparsemixer_k1_n8_bias", "--seeds",
+                       "2", "--steps", "2", "--eval-every", "2", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["arms"] == {}
+    assert "does not compose" in saved["refused"]["sparsemixer_k1_n8_bias"]
+    printed = capsys.readouterr().out
+    assert "sparsemixer_k1_n8_bias: refused" in printed
+    row = [line for line in printed.splitlines() if "| sparsemixer | bias, no loss |" in line]
+    assert len(row) == 1 and "| refused |" in row[0]
+    assert "refused" in markdown_balancing_table({}, saved["refused"])
+
+
+@pytest.mark.parametrize("balancing", sorted(lm_balancing.LM_BALANCINGS))
+def test_lm_study_commands_build_configs_that_check(balancing):
+    overrides, arms = lm_balancing.LM_BALANCINGS[balancing]
+    for arm in arms:
+        config = make_config(lm_balancing.CONFIG, arm, 0, None, overrides)
+        check_config(config)  # raises on anything the run would refuse
+        assert config.data.micro_batch_size == 4
+    left_out = set(lm_balancing.ALL_ARMS) - set(arms)
+    for arm in left_out:  # only the pairs the config refuses are left out
+        with pytest.raises(ValueError, match="does not compose"):
+            check_config(make_config(lm_balancing.CONFIG, arm, 0, None, overrides))
+    assert left_out == (set(lm_balancing.SPARSEMIXER_ARMS) if balancing == "bias" else set())
+
+
+def test_lm_study_commands_are_the_documented_ones():
+    docs = (pathlib.Path(__file__).parents[1] / "docs" / "router_bench.md").read_text()
+    for command in lm_balancing.commands():
+        assert command in docs
