@@ -78,7 +78,8 @@ def test_report_total_and_verdicts():
 def test_a_config_that_does_not_shard_says_so_in_one_line():
     config = wmt.get_config("n4")
     config.mesh.expert = 3
-    with pytest.raises(ValueError, match=r"^config.mesh \(data=-1, fsdp=1, expert=3\) does not shard"):
+    with pytest.raises(ValueError,
+                       match=r"^config.mesh \(data=-1, fsdp=1, expert=3\) does not shard"):
         translation.target_mesh(config, list(range(16)))
     result = command.compile_for_target(config, "tpu:v5e:nope")
     assert "\n" not in result["error"] and "tpu:<generation>" in result["error"]
