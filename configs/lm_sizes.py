@@ -3,6 +3,14 @@ with a model section of a published checkpoint's sizes, sequences of 4096 tokens
 compute, and per target platform the mesh, the batch and its micro-batches, the MoE dispatch
 and the rematerialisation (:func:`real_size_config`). Used by ``configs/mixtral_8x7b.py``,
 ``configs/phi35_moe.py``, ``configs/qwen3_30b_a3b.py`` and ``configs/olmoe_1b_7b.py``.
+
+The variant after ``:`` in ``--config configs/<model>.py:<variant>`` picks the layout (``tpu``,
+the default, or ``h100``). One sequence per device per micro-batch, full rematerialisation of
+each layer, the ``ragged`` dispatch on a TPU and the ``padded`` dispatch on H100s (docs/gpu.md
+says why not ``grouped``). Fine-tune the real checkpoint with
+``--config.init_from=<Hugging Face dir>``: the shapes then come from its ``config.json`` and its
+tokenizer is used; the model section still sets the dispatch, compute dtype and
+rematerialisation.
 """
 
 from __future__ import annotations
@@ -30,6 +38,16 @@ class Layout:
     micro_batch_size: int
     dispatch: str
     remat: str = "full"
+
+
+#: The layouts of the models compiled for 64 devices (Mixtral-8x7B, Phi-3.5-MoE,
+#: Qwen3-30B-A3B): experts split 8 ways and the model width 8 ways.
+POD_LAYOUTS = {
+    # TPU v5p 4x4x4 (64 chips): 256 sequences per update.
+    "tpu": Layout(fsdp=8, expert=8, batch_size=256, micro_batch_size=64, dispatch="ragged"),
+    # 8 hosts of 8 H100s: the same mesh; 128 sequences per update.
+    "h100": Layout(fsdp=8, expert=8, batch_size=128, micro_batch_size=64, dispatch="padded"),
+}
 
 
 def real_size_config(model: dict[str, Any], router: ml_collections.ConfigDict,

@@ -13,15 +13,10 @@ Compile it for a target (docs/tpu.md, docs/gpu.md: what fits where)::
     python -m experiments.compile --config configs/olmoe_1b_7b.py:tpu --target tpu:v5e:4x4
     python -m experiments.compile --config configs/olmoe_1b_7b.py:h100 --target h100:1x1x8
 
-The variant after ``:`` picks the layout (``tpu``, the default, or ``h100``):
-on a TPU v5e 4x4 slice experts and model width split 4 ways each, on one host of 8 H100s
+On a TPU v5e 4x4 slice experts and model width split 4 ways each, on one host of 8 H100s
 experts 8 ways; one sequence per device per micro-batch (256 sequences per update on the TPU
-slice, 128 on the GPUs), full rematerialisation of each layer, the ``ragged`` dispatch on a TPU
-and the ``padded`` dispatch on H100s
-(docs/gpu.md says why not ``grouped``).
-Fine-tune the real checkpoint with ``--config.init_from=<Hugging Face dir>``: the shapes then come
-from its ``config.json`` and its tokenizer is used; the model section still sets the dispatch,
-compute dtype and rematerialisation.
+slice, 128 on the GPUs). Variants, dispatch, rematerialisation and
+fine-tuning: ``configs/lm_sizes.py``.
 """
 
 import ml_collections

@@ -15,19 +15,14 @@ Compile it for a target (docs/tpu.md, docs/gpu.md: what fits where)::
     python -m experiments.compile --config configs/phi35_moe.py:tpu --target tpu:v5p:4x4x4
     python -m experiments.compile --config configs/phi35_moe.py:h100 --target h100:1x8x8
 
-The variant after ``:`` picks the layout (``tpu``, the default, or ``h100``):
-on a 64-chip slice or 64 GPUs, experts split 8 ways and the model width 8 ways, one
-sequence per device per micro-batch (256 sequences per update on the TPU slice, 128 on the
-GPUs), full rematerialisation of each layer, the ``ragged`` dispatch on a TPU and the
-``padded`` dispatch on H100s (docs/gpu.md says why not ``grouped``).
-Fine-tune the real checkpoint with ``--config.init_from=<Hugging Face dir>``: the shapes then come
-from its ``config.json`` and its tokenizer is used; the model section still sets the dispatch,
-compute dtype and rematerialisation.
+On a 64-chip TPU slice or 64 H100s (``configs/lm_sizes.py``: ``POD_LAYOUTS``): experts split
+8 ways and the model width 8 ways; 256 sequences per update on the TPU slice, 128 on the GPUs.
+Variants, dispatch, rematerialisation and fine-tuning: ``configs/lm_sizes.py``.
 """
 
 import ml_collections
 
-from configs.lm_sizes import Layout, real_size_config
+from configs.lm_sizes import POD_LAYOUTS, real_size_config
 from sparsemixer_jax.config import router_config
 
 MODEL = dict(
@@ -35,15 +30,8 @@ MODEL = dict(
     num_kv_heads=8, head_dim=128, mlp_dim=6400, num_experts=16, rope_theta=10000.0,
     norm_eps=1e-5, tie_embeddings=False, max_position_embeddings=4096)
 
-LAYOUTS = {
-    # TPU v5p 4x4x4 (64 chips): experts 8 ways (2 per device), model width 8 ways.
-    "tpu": Layout(fsdp=8, expert=8, batch_size=256, micro_batch_size=64, dispatch="ragged"),
-    # 8 hosts of 8 H100s: the same mesh; 128 sequences per update.
-    "h100": Layout(fsdp=8, expert=8, batch_size=128, micro_batch_size=64, dispatch="padded"),
-}
-
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     router = router_config("sparsemixer_v2", top_k=2,
                            jitter_eps=0.01, balance_weight=0.0)
-    return real_size_config(MODEL, router, LAYOUTS, variant)
+    return real_size_config(MODEL, router, POD_LAYOUTS, variant)
