@@ -8,6 +8,7 @@ Mixtral of ``tests/data/hf/mixtral`` with a word-level ``tokenizer.json`` made h
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -29,7 +30,9 @@ from sparsemixer_jax.training.state import restore_checkpoint
 from sparsemixer_jax.training.workdir_lock import WorkdirInUse, WorkdirLock
 from tests import kit, tiny_lm_config
 from tests.test_preemption import SignalOnFetch
-from tests.tiny_lm_config import tiny
+
+# The tiny lm config with overrides (dotted paths): the kit's, for this module's corpus.
+tiny = functools.partial(kit.tiny_config, "lm")
 
 
 @nnx.jit

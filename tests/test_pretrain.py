@@ -6,6 +6,7 @@ All runs use ``tests/tiny_electra_config.py`` on a generated corpus (one sequenc
 step function compiles once and the in-process runs share the compilations).
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -22,13 +23,15 @@ from sparsemixer_jax.models.encoder import Encoder
 from sparsemixer_jax.tasks import pretraining
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule, weight_decay_mask
 from tests import kit, tiny_electra_config
-from tests.tiny_electra_config import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The resume test every training task runs, here with this module's ``task`` and ``task_steps``.
 test_extending_a_run_equals_the_uninterrupted_run = (
     kit.test_extending_a_run_equals_the_uninterrupted_run)
+
+# The tiny pretraining config with overrides (dotted paths): the kit's, for this module's corpus.
+tiny = functools.partial(kit.tiny_config, "pretraining")
 
 
 @pytest.fixture(scope="module")

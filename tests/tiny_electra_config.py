@@ -1,7 +1,8 @@
 """A tiny ELECTRA config and a generated plain-text corpus for the pretraining tests.
 
 ``get_config()`` points at ``tests/.../corpus`` files written by :func:`write_corpus`; tests
-call ``tiny(corpus, **overrides)`` to get a config reading their own copy. One sequence shape,
+call ``kit.tiny_config("pretraining", corpus, **overrides)`` to get a config reading their own
+copy. One sequence shape,
 so each step function compiles once per process.
 """
 
@@ -63,10 +64,3 @@ def get_config(corpus: str = "tests/corpus"):
     c.checkpoint_every = 3
     c.log_every = 2
     return c
-
-
-def tiny(corpus: str, **overrides):
-    """:func:`get_config` reading ``corpus`` with ``overrides`` (dotted paths)."""
-    config = get_config(corpus)
-    config.update_from_flattened_dict(overrides)
-    return config

@@ -68,10 +68,3 @@ def get_config(corpus: str = "tests/corpus"):
     c.checkpoint_every = 3
     c.log_every = 2
     return c
-
-
-def tiny(corpus: str, **overrides):
-    """:func:`get_config` reading ``corpus`` with ``overrides`` (dotted paths)."""
-    config = get_config(corpus)
-    config.update_from_flattened_dict(overrides)
-    return config
