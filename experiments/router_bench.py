@@ -9,6 +9,8 @@ trained on all seeds at once and compared with Switch seed by seed (docs/router_
     python -m experiments.router_bench --table successors  # DenseMixer, Default MoE vs Switch
     python -m experiments.router_bench --table robustness  # which setup choices decide the sign
     python -m experiments.router_bench --table balancing   # every estimator x every balancing
+    python -m experiments.router_bench --table balancing_settings \
+        --merge docs/results/router_bench_balancing.json   # 8 micro-batches, other bias rates
     python -m experiments.router_bench --quick           # 3 arms, 4 seeds, 200 steps
     python -m experiments.router_bench --report-only     # tables and plot from the JSON
 
@@ -48,6 +50,9 @@ PLOT_ARMS = {
                    "sparsemixer_p16", "densemixer_p16"],
     "balancing": ["switch_k2_n8_mb", "switch_k2_n8_gb", "switch_k2_n8_bias", "switch_k2_n8_none",
                   "sparsemixer_v2_k2_n8_mb", "sparsemixer_v2_k2_n8_gb"],
+    "balancing_settings": ["switch_k2_n8_mb8", "switch_k2_n8_gb8", "switch_k2_n8_bias0.001",
+                           "switch_k2_n8_bias0.1", "densemixer_k2_n8_mb8",
+                           "densemixer_k2_n8_gb8"],
     "quick": ["switch", "sparsemixer", "dense_flops"],
 }
 
@@ -137,8 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
             results = {**json.load(f)["arms"], **results}
     print(report.markdown_table(results, args.versus))
     print()
-    if args.table == "balancing":
-        print(markdown_balancing_table(results, refused))
+    if args.table in ("balancing", "balancing_settings"):
+        print(markdown_balancing_table(results, refused, TABLES[args.table]()))
         print()
     if args.table == "robustness":  # expert widths differ by family: no cost table
         print(report.markdown_robustness_table(results))

@@ -15,7 +15,7 @@ from flax import nnx
 
 from experiments import router_bench
 from lab.router_bench import report
-from lab.router_bench.arms import BALANCINGS, TABLES, Arm, balancing_estimators
+from lab.router_bench.arms import BALANCING_SETTINGS, BALANCINGS, TABLES, Arm, balancing_estimators
 from lab.router_bench.balancing_report import markdown_balancing_table
 from lab.router_bench.train import TrainConfig, train_arm
 from lab.studies import lm_balancing
@@ -47,6 +47,45 @@ def test_balancing_table_has_every_cell_and_refuses_only_sparsemixer_with_bias()
             assert refused is None, (arm.name, refused)
     # Every balancing splits the step alike, so that the arms differ in the balancing only.
     assert {a.micro_batches for a in arms} == {2}
+
+
+def test_balancing_settings_table_varies_micro_batches_and_bias_rate_only():
+    arms = {a.name: a for a in TABLES["balancing_settings"]()}
+    for k in (1, 2):
+        for router in balancing_estimators(k):
+            for suffix in BALANCING_SETTINGS:
+                arm = arms[f"{router}_k{k}_n8_{suffix}"]
+                sampled_with_bias = router in SAMPLED and arm.bias_update_rate > 0
+                assert (arm.refusal() is not None) == sampled_with_bias, arm.name
+            mb8, gb8 = arms[f"{router}_k{k}_n8_mb8"], arms[f"{router}_k{k}_n8_gb8"]
+            assert (mb8.micro_batches, gb8.micro_batches) == (8, 8)
+            assert (mb8.balance_scope, gb8.balance_scope) == ("micro_batch", "global_batch")
+    assert {a.bias_update_rate for a in arms.values()} == {0.0, 0.001, 0.1}
+    assert {a.micro_batches for a in arms.values() if a.bias_update_rate} == {2}
+
+
+def _fake_result(ln_mse: list[float]) -> dict:
+    return {"per_seed": {"final_eval_mse": list(np.exp(ln_mse)),
+                         "mean_load_imbalance": [1.5] * len(ln_mse),
+                         "final_load_imbalance": [1.4] * len(ln_mse)},
+            "steps": [0, 10], "timings_s": {"run_s": 1.0, "load_1m": 2.0}}
+
+
+def test_settings_report_compares_each_arm_with_its_reference_balancing():
+    ln = [0.0, 0.5, 1.0, 1.5]
+    results = {"switch_k2_n8_mb8": _fake_result(ln),
+               "switch_k2_n8_gb8": _fake_result([x - 0.25 for x in ln]),
+               "densemixer_k2_n8_gb8": _fake_result([x - 0.5 for x in ln]),
+               "switch_k2_n8_bias": _fake_result(ln),
+               "switch_k2_n8_bias0.1": _fake_result([x + 1.0 for x in ln])}
+    table = markdown_balancing_table(results, {}, TABLES["balancing_settings"]())
+    rows = {line.split(" | ")[2] + " | " + line.split(" | ")[3]: line
+            for line in table.splitlines()[2:]}
+    gb8 = rows["switch | global-batch loss, 8 micro-batches"]
+    assert "-0.250 ± 0.000 (4/4) * vs micro-batch loss, 8 micro-batches" in gb8
+    assert "+1.000 ± 0.000 (0/4) * vs bias, no loss" in rows["switch | bias at rate 0.1, no loss"]
+    # DenseMixer against top-k under the same balancing: 0.25 lower in every seed.
+    assert "| -0.250 ± 0.000 (4/4) * |" in rows["densemixer | global-batch loss, 8 micro-batches"]
 
 
 @pytest.fixture(scope="module")

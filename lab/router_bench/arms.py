@@ -337,6 +337,42 @@ def balancing_table() -> list[Arm]:
     return arms
 
 
+BALANCING_SETTINGS = {
+    "mb8": {"micro_batches": 8},
+    "gb8": {"micro_batches": 8, "balance_scope": "global_batch"},
+    "bias0.001": {"balance_weight": 0.0, "bias_update_rate": 0.001},
+    "bias0.1": {"balance_weight": 0.0, "bias_update_rate": 0.1},
+}
+"""The balancing-settings table's balancings, by arm-name suffix: the two balance losses with
+the step's 128 tokens split into 8 micro-batches of 16 (``mb8``, ``gb8``: with 2 tokens per
+expert in a micro-batch at ``N = 8`` the micro-batch loss's expert fractions are noisy, where a
+global-batch loss should differ from it if anywhere), and bias balancing at a tenth and ten
+times the balancing table's rate (``bias0.001`` is Megatron-Core's and DeepSeek-V3's default;
+2 micro-batches as in the balancing table)."""
+
+BALANCING_REFERENCE = {"gb": "mb", "bias": "mb", "none": "mb", "mb8": "mb", "gb8": "mb8",
+                       "bias0.001": "bias", "bias0.1": "bias"}
+"""Suffix -> the balancing each arm is compared with, same estimator: every balancing of the
+balancing table with the micro-batch loss; ``mb8`` with ``mb`` (what 8 micro-batches do to the
+micro-batch loss), ``gb8`` with ``mb8`` (the global-batch loss against the micro-batch loss at
+8 micro-batches) and each bias rate with the balancing table's rate 0.01."""
+
+
+def balancing_settings_table() -> list[Arm]:
+    """The balancing table's estimators at ``N = 8`` (``k = 2``, then ``k = 1``) under
+    :data:`BALANCING_SETTINGS`: more micro-batches for the two balance losses, other bias
+    rates. Read with the balancing table's arms (``--merge``), which it is compared with."""
+    arms = []
+    for k, n in ((2, 8), (1, 8)):
+        for balancing, fields in BALANCING_SETTINGS.items():
+            fields = {"micro_batches": BALANCING_MICRO_BATCHES, **fields}
+            for router in balancing_estimators(k):
+                arms.append(_arm(f"{router}_k{k}_n{n}_{balancing}", router=router, top_k=k,
+                                 num_experts=n, measure_gradient=False, **fields))
+    return arms
+
+
 TABLES = {"main": main_table, "depth": depth_table, "gate": gate_table,
           "successors": successors_table, "robustness": robustness_table,
-          "balancing": balancing_table, "quick": quick_table}
+          "balancing": balancing_table, "balancing_settings": balancing_settings_table,
+          "quick": quick_table}

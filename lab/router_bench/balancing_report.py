@@ -1,8 +1,9 @@
-"""The balancing table's report: every estimator under every balancing, paired by seed.
+"""The balancing tables' report: every estimator under every balancing, paired by seed.
 
 Each arm is compared with two others of the same seeds: top-k (Switch) under the same balancing
-(does the estimator's gain survive this balancing?) and the same estimator under the micro-batch
-balance loss (what does the balancing itself do?).
+(does the estimator's gain survive this balancing?) and the same estimator under its reference
+balancing (:data:`~lab.router_bench.arms.BALANCING_REFERENCE`: the micro-batch balance loss for
+the balancing table; what does the balancing itself do?).
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import math
 import numpy as np
 
 from lab.router_bench import metrics
-from lab.router_bench.arms import Arm, balancing_table
+from lab.router_bench.arms import BALANCING_REFERENCE, Arm, balancing_table
 
 BALANCING_NAMES = {"mb": "micro-batch loss", "gb": "global-batch loss", "bias": "bias, no loss",
-                   "none": "none"}
+                   "none": "none", "mb8": "micro-batch loss, 8 micro-batches",
+                   "gb8": "global-batch loss, 8 micro-batches",
+                   "bias0.001": "bias at rate 0.001, no loss",
+                   "bias0.1": "bias at rate 0.1, no loss"}
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -41,14 +45,15 @@ def _paired(a: dict, b: dict | None) -> str:
     return f"{d.fmt()} ({d.below}/{d.n}){mark}"
 
 
-def balancing_rows(results: dict, refused: dict[str, str]) -> list[dict]:
-    """One row per arm of the balancing table that was trained or refused, in the table's
-    order: its quality (ln final eval MSE), the paired differences, the load imbalance (max load
-    over mean load of a step's batch in training, per seed the mean over the logged steps and
-    the value at the end) and the step time (the training run's seconds per step, its logged
-    evaluations included, and the machine's load when it ended)."""
+def balancing_rows(results: dict, refused: dict[str, str], arms: list[Arm] | None = None
+                   ) -> list[dict]:
+    """One row per arm of ``arms`` (default: the balancing table) that was trained or refused,
+    in their order: its quality (ln final eval MSE), the paired differences, the load
+    imbalance (max load over mean load of a step's batch in training, per seed the mean over
+    the logged steps and the value at the end) and the step time (the training run's seconds
+    per step, its logged evaluations included, and the machine's load when it ended)."""
     rows = []
-    for arm in balancing_table():
+    for arm in balancing_table() if arms is None else arms:
         if arm.name in refused:
             rows.append({"arm": arm, "refused": refused[arm.name]})
             continue
@@ -57,7 +62,8 @@ def balancing_rows(results: dict, refused: dict[str, str]) -> list[dict]:
             continue
         prefix, balancing = _split(arm.name)
         topk = results.get(f"switch_k{arm.top_k}_n{arm.num_experts}_{balancing}")
-        same_loss = results.get(f"{prefix}_mb")
+        reference = BALANCING_REFERENCE.get(balancing)
+        same_estimator = results.get(f"{prefix}_{reference}") if reference else None
         ps = r["per_seed"]
         timings = r.get("timings_s", {})
         rows.append({
@@ -65,7 +71,8 @@ def balancing_rows(results: dict, refused: dict[str, str]) -> list[dict]:
             "seeds": len(ps["final_eval_mse"]),
             "ln_mse": metrics.mean_se(_ln_mse(r)),
             "vs_topk": _paired(r, topk) if arm.router != "switch" else "–",
-            "vs_mb": _paired(r, same_loss) if balancing != "mb" else "–",
+            "reference": BALANCING_NAMES[reference] if reference else "–",
+            "vs_reference": _paired(r, same_estimator),
             "imbalance": metrics.mean_se(np.asarray(ps.get("mean_load_imbalance", [math.nan]))),
             "final_imbalance": metrics.mean_se(
                 np.asarray(ps.get("final_load_imbalance", [math.nan]))),
@@ -75,22 +82,25 @@ def balancing_rows(results: dict, refused: dict[str, str]) -> list[dict]:
     return rows
 
 
-def markdown_balancing_table(results: dict, refused: dict[str, str]) -> str:
-    """The balancing table as Markdown: means ± standard errors over seeds; paired differences
-    of ln final eval MSE with how many seeds the arm is lower, marked ``*`` where they separate
-    from zero by more than 2 standard errors."""
+def markdown_balancing_table(results: dict, refused: dict[str, str],
+                             arms: list[Arm] | None = None) -> str:
+    """The balancing table (or ``arms``) as Markdown: means ± standard errors over seeds;
+    paired differences of ln final eval MSE with how many seeds the arm is lower, marked ``*``
+    where they separate from zero by more than 2 standard errors."""
     head = ("| k | N | estimator | balancing | seeds | ln eval MSE | Δ vs top-k, same balancing | "
-            "Δ vs micro-batch loss, same estimator | max/mean load (mean over training) | "
+            "Δ vs reference balancing, same estimator | max/mean load (mean over training) | "
             "max/mean load (end) | ms per step (load) |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
-    for row in balancing_rows(results, refused):
+    for row in balancing_rows(results, refused, arms):
         arm: Arm = row["arm"]
         balancing = BALANCING_NAMES[_split(arm.name)[1]]
         cells = [str(arm.top_k), str(arm.num_experts), arm.router, balancing]
         if "refused" in row:
             cells += ["refused"] + ["–"] * 6
         else:
-            cells += [str(row["seeds"]), _ms(row["ln_mse"]), row["vs_topk"], row["vs_mb"],
+            vs_reference = (f"{row['vs_reference']} vs {row['reference']}"
+                            if row["vs_reference"] != "–" else "–")
+            cells += [str(row["seeds"]), _ms(row["ln_mse"]), row["vs_topk"], vs_reference,
                       _ms(row["imbalance"], 2), _ms(row["final_imbalance"], 2),
                       f"{row['ms_per_step']:.1f} ({row['load_1m']:.0f})"]
         lines.append("| " + " | ".join(cells) + " |")
