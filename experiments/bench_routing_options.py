@@ -19,6 +19,7 @@ machine), the ratios of both to the plain router's, and the spread of the per-ro
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import jax
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     add("--steps", type=int, default=5, help="timed steps per option per round")
     add("--repeats", type=int, default=3, help="rounds")
     add("--options", nargs="*", default=list(OPTIONS), choices=list(OPTIONS))
+    add("--json", help="also write the settings and the table here")
     args = parser.parse_args(argv)
     if "plain" not in args.options:
         args.options = ["plain", *args.options]
@@ -119,6 +121,12 @@ def main(argv: list[str] | None = None) -> dict:
         r = results[name]
         print(f"{name:22s} {r['ms']:10.1f} {r['ratio']:7.3f} {r['fastest_ms']:11.1f} "
               f"{r['fastest_ratio']:7.3f} {ratio.min():13.3f}..{ratio.max():.3f}")
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if k != "json"}
+        with open(args.json, "w") as f:
+            json.dump({"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+                       "settings": settings, "options": results,
+                       "rounds_s": times}, f, indent=1)
     return results
 
 

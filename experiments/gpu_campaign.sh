@@ -3,10 +3,11 @@
 # machine with an NVIDIA GPU and jax[cuda]:
 #
 #     bash experiments/gpu_campaign.sh              # all parts, ~30 min on an H100
-#     bash experiments/gpu_campaign.sh layer step   # some parts
+#     bash experiments/gpu_campaign.sh env lm routing   # some parts
 #
-# Parts (each takes <= ~8 min on one H100, so they can also run one or two at a time): env,
-# layer, grouped, step, lm, variants, flags, profile, decode, tests.
+# Parts (each takes <= ~8 min on one H100, so they can also run one or two at a time), in the
+# order they run, the parts that measure open targets first: env, lm, routing, layer, grouped,
+# step, variants, flags, profile, decode, tests.
 # Results go to $OUT (default runs/gpu_campaign, git-ignored) as each run finishes, 8 files:
 #   campaign.txt     GPU, driver, jax/jaxlib/CUDA/cuDNN versions, then each run's start and exit
 #   layer.json       one MoE layer fwd+bwd vs dense FFN, N=2,4,8,16: ragged (XLA's lowering),
@@ -21,7 +22,11 @@
 #                    part "lm" adds runs "lm_throughput" and "lm_throughput_grouped": the
 #                    decoder-only language model's step (emb 1024, 6 layers, sequences of 2048,
 #                    bf16), MoE (8 experts, top-2) vs dense of equal active parameters, and
-#                    SparseMixer-v2 / v2* / DenseMixer vs top-2, with model FLOPs and MFU
+#                    SparseMixer-v2 / v2* / DenseMixer vs top-2, with model FLOPs and MFU;
+#                    part "routing" adds run "routing_options": each routing option's update
+#                    (sigmoid, bias balancing, global/sequence loss, groups, a shared expert)
+#                    against the plain router, Transformer-base N=4, 2 x 4,096 tokens
+#                    (experiments/bench_routing_options.py)
 #   variants.json    throughput with cuDNN flash attention, unsafe_rbg dropout PRNG, both,
 #                    deterministic GPU ops (its cost), the one-call vs three-call update, and
 #                    (part "flags") two XLA:GPU flags
@@ -43,9 +48,10 @@ RUN_LIMIT=${RUN_LIMIT:-560}  # seconds; one run past it is stopped and the campa
 PLATFORM=${PLATFORM:-cuda}  # PLATFORM=cpu BENCH_ARGS="--emb 16 ..." checks the script on a CPU
 BENCH_ARGS=${BENCH_ARGS:-}  # appended to every benchmark run (e.g. smaller sizes)
 GROUPED_ARGS=${GROUPED_ARGS:-}  # appended to the grouped part (on a CPU: "--interpret --tiny --experts 2")
+ROUTING_ARGS=${ROUTING_ARGS:-}  # appended to the routing part (on a CPU: "--emb 32 --mlp 64 ...")
 ROUTERS=${ROUTERS:-}  # e.g. "sparsemixer densemixer default_moe": part "step" times them against Switch
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env layer grouped step lm variants flags profile decode tests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env lm routing layer grouped step variants flags profile decode tests)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)
@@ -126,6 +132,18 @@ for part in "${PARTS[@]}"; do
         # shellcheck disable=SC2086
         bench step router_cost --sections overhead --experts 4 8 --routers $ROUTERS
       fi
+      ;;
+    routing)
+      # Each routing option's cost per update of Transformer-base N = 4 against the plain router
+      # (target on one H100: at most 1% each); into step.json. Its own script, like "grouped".
+      log "step/routing_options: python -m experiments.bench_routing_options"
+      # shellcheck disable=SC2086  # ROUTING_ARGS is a list of words
+      timeout "$RUN_LIMIT" python -m experiments.bench_routing_options --emb 512 --mlp 2048 \
+        --layers 6 --experts 4 --tokens 4096 --length 128 --vocab 32000 --steps 10 \
+        --repeats 5 --json "$WORK/step.routing_options.json" $ROUTING_ARGS 2>&1 | tail -n 20 \
+        | tee "$WORK/step.routing_options.log" >>"$OUT/campaign.txt"
+      log "step/routing_options: exit ${PIPESTATUS[0]}"
+      merge step routing_options
       ;;
     lm)
       # The language model's whole training step (targets on one H100: the MoE model's tokens/s

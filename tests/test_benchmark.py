@@ -400,3 +400,21 @@ def test_compare_writes_its_tables_under_root_by_default(tmp_path):
                                      arms=["switch_n4"], seeds=[0])
     assert args.out_json == str(tmp_path / "compare.json")
     assert args.plot == str(tmp_path / "convergence.png")
+
+
+def test_routing_options_benchmark_writes_its_table(tmp_path):
+    """The campaign's ``routing`` part reads this JSON (one option, the plain router, keeps the
+    test to one compile)."""
+    from experiments import bench_routing_options
+
+    out = tmp_path / "routing.json"
+    results = bench_routing_options.main([
+        "--emb", "16", "--mlp", "32", "--layers", "1", "--tokens", "64", "--length", "16",
+        "--vocab", "50", "--steps", "1", "--repeats", "2", "--options", "plain",
+        "--json", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["options"] == results
+    assert set(results) == {"plain"}
+    assert results["plain"]["ratio"] == 1.0
+    assert all(len(rounds) == 2 for rounds in saved["rounds_s"].values())
+    assert saved["settings"]["emb"] == 16 and saved["backend"] == "cpu"
