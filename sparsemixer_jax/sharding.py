@@ -143,9 +143,10 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def rows_sharding(mesh: Mesh | None) -> NamedSharding | None:
     """The sharding the models keep their activations ``[B, ...]`` in between layers: rows over
-    every mesh axis, as :func:`batch_sharding` places the batch; None without a mesh (or on one
-    device), where :func:`keep_rows_split` changes nothing."""
-    return None if mesh is None or mesh.size == 1 else batch_sharding(mesh)
+    every mesh axis (for the ``(data, fsdp, expert)`` mesh, as :func:`batch_sharding` places the
+    batch); None without a mesh (or on one device), where :func:`keep_rows_split` changes
+    nothing."""
+    return None if mesh is None or mesh.size == 1 else NamedSharding(mesh, P(mesh.axis_names))
 
 
 def keep_rows_split(x: jax.Array, rows: NamedSharding | None) -> jax.Array:
