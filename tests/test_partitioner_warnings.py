@@ -1,13 +1,13 @@
 """What XLA's SPMD partitioner says about the models' sharded training programs.
 
 Where the partitioner cannot move an array between two shardings efficiently it replicates it
-and logs "Involuntary full rematerialization". The translation model on a mesh whose batch
-split (``data x fsdp x expert``) and width split (``fsdp``) use different axes did so for the
-gradient of its embedding lookup, until the lookup read the table gathered whole
-(:func:`sparsemixer_jax.sharding.lookup_rows`). The partitioner is the same for CPUs and GPUs,
-so the default run compiles a one-layer model's training step on the 8 simulated CPU devices
-(mesh 1 x 2 x 4) in a subprocess whose XLA log is read; the compile for 8 H100s
-(``h100:1x1x8``, minutes of CPU) is slow. The grouped dispatch under expert parallelism in a
+and logs "Involuntary full rematerialization". The translation model and ELECTRA on a mesh
+whose batch split (``data x fsdp x expert``) and width split (``fsdp``) use different axes did
+so for the gradients of their embedding lookups, until the lookups read the tables gathered
+whole (:func:`sparsemixer_jax.sharding.lookup_rows`). The partitioner is the same for CPUs and
+GPUs, so the default run compiles small models' training steps on the 8 simulated CPU devices
+(mesh 1 x 2 x 4) in a subprocess whose XLA log is read; the translation model's compile for 8
+H100s (``h100:1x1x8``, minutes of CPU) is slow. The grouped dispatch under expert parallelism in a
 differentiated scan compiles (XLA once crashed on it: ``lab/shardy_zero_size_residual.py``).
 """
 
@@ -26,20 +26,42 @@ WARNING = "Involuntary full rematerialization"
 SMALL = dict(encoder_layers=1, decoder_layers=1, emb_dim=64, mlp_dim=128, num_heads=2)
 SMALL_DATA = dict(vocab_size=512, max_len=32, max_tokens=1024)
 
-_CPU_STEP = f"""
+_CPU_STEPS = f"""
 import jax
-from configs import wmt
+import jax.numpy as jnp
+from flax import nnx
+from configs import electra, wmt
 from sparsemixer_jax import sharding
-from sparsemixer_jax.aot import translation
+from sparsemixer_jax.aot import steps, translation
+from sparsemixer_jax.tasks.pretraining import PretrainingTask
+from sparsemixer_jax.training.optim import OptimSettings
+from sparsemixer_jax.training.steps import Steps
 
+mesh = sharding.make_mesh(1, 4, jax.devices()[:8], fsdp=2)
 config = wmt.get_config("n4")
 config.model.update(dispatch="padded", **{SMALL!r})
 config.data.update(**{SMALL_DATA!r})
 config.optim.tokens_per_update = 0  # one micro-batch: the fused training step
 config.mesh.update(data=1, fsdp=2, expert=4)
-mesh = sharding.make_mesh(1, 4, jax.devices()[:8], fsdp=2)
 (report,) = translation._compile_all(config, mesh, decode_step=False)
-print("compiled", report.name)
+print("compiled translation", report.name)
+
+# ELECTRA: a two-layer discriminator (the second an MoE layer), a one-layer generator.
+config = electra.get_config("n4")
+config.model.update(num_layers=2, emb_dim=64, mlp_dim=128, num_heads=2, dispatch="padded")
+config.generator.num_layers = 1
+config.data.update(vocab_size=512, seq_len=32, batch_size=16, micro_batch_size=0)
+config.mesh.update(data=1, fsdp=2, expert=4)
+task = PretrainingTask.from_config(config)
+model = nnx.eval_shape(lambda: task.build_model(config, 512, mesh))
+partitioner = sharding.partitioner_from_config(config, mesh)
+pretraining = Steps(model, task, OptimSettings.from_config(config.optim), partitioner)
+state, rest = steps.train_state(pretraining, mesh, partitioner)
+ids = jax.ShapeDtypeStruct((16, 32), jnp.int32, sharding=sharding.batch_sharding(mesh))
+batch = dict(tokens=ids, segments=ids, inputs=ids, selected=jax.ShapeDtypeStruct(
+    (16, 32), jnp.bool_, sharding=sharding.batch_sharding(mesh)))
+(report,) = steps.compile_training(pretraining, state, rest, batch, 1, "[16, 32]")
+print("compiled pretraining", report.name)
 """
 
 
@@ -52,9 +74,10 @@ def _xla_log(args: list[str], timeout: float) -> str:
     return done.stdout + done.stderr
 
 
-def test_translation_step_on_a_fsdp_and_expert_mesh_is_partitioned_without_replicating():
-    log = _xla_log(["-c", _CPU_STEP], timeout=600)
-    assert "compiled train step" in log
+def test_training_steps_on_a_fsdp_and_expert_mesh_are_partitioned_without_replicating():
+    """The translation model and ELECTRA, whose embedding lookups read width-split tables."""
+    log = _xla_log(["-c", _CPU_STEPS], timeout=600)
+    assert "compiled translation train step" in log and "compiled pretraining train step" in log
     assert WARNING not in log, [line for line in log.splitlines() if WARNING in line][:2]
 
 
