@@ -177,10 +177,11 @@ def lookup_rows(table: jax.Array, ids: jax.Array, whole: NamedSharding | None) -
     The gradient of the lookup is a scatter-add of the rows' gradients into the table; left to
     itself, XLA scatters into the width-split table, so it must reshard the row-split gradient
     to the width split. Where the two splits use different mesh axes (rows over
-    ``fsdp x expert``, width over ``fsdp``), XLA's GPU partitioner does that by replicating the
-    gradient ("involuntary full rematerialization"). From the whole table (FSDP's all-gather
-    before use, which the lookup's forward pass does anyway) each device scatters its own rows
-    and XLA reduce-scatters the table's gradient to its width split, as for any matmul weight.
+    ``fsdp x expert``, width over ``fsdp``), the SPMD partitioner of XLA's GPU and CPU
+    compilers does that by replicating the gradient ("involuntary full rematerialization").
+    From the whole table (FSDP's all-gather before use) each device scatters its own rows into
+    a whole-table gradient and XLA reduce-scatters it to the width split, as for any matmul
+    weight; that buffer is the price (docs/tpu.md gives the translation model's figures).
     """
     if whole is not None:
         table = jax.lax.with_sharding_constraint(table, whole)

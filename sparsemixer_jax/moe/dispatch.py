@@ -317,9 +317,10 @@ def grouped_ffn(
     padded_rows = -(-rows // block_m) * block_m if impl == "mosaic" else rows
     gather, sorted_group = order, group[order]
     if padded_rows > rows:
-        # Only where there is padding: a zero-size array under expert parallelism becomes a
-        # zero-size residual of the shard_map, and XLA's compiler for GPUs (Shardy's
-        # ManualComputationUnusedInputsPattern, jax 0.11.2) crashes on it.
+        # Only where there is padding: under expert parallelism, in a differentiated scan, a
+        # zero-size array here becomes a zero-size residual between the two parts JAX splits
+        # the shard_map into, and XLA's Shardy import crashes on it (a segmentation fault in
+        # ManualComputationUnusedInputsPattern, jax 0.11.2; lab/shardy_zero_size_residual.py).
         gather = jnp.concatenate([order, jnp.zeros((padded_rows - rows,), order.dtype)])
         sorted_group = jnp.concatenate(
             [sorted_group, jnp.full((padded_rows - rows,), num_groups, jnp.int32)])
