@@ -6,11 +6,11 @@ and the rematerialisation (:func:`real_size_config`). Used by ``configs/mixtral_
 
 The variant after ``:`` in ``--config configs/<model>.py:<variant>`` picks the layout (``tpu``,
 the default, or ``h100``). One sequence per device per micro-batch, full rematerialisation of
-each layer, the ``ragged`` dispatch on a TPU and the ``padded`` dispatch on H100s (docs/gpu.md
-says why not ``grouped``). Fine-tune the real checkpoint with
-``--config.init_from=<Hugging Face dir>``: the shapes then come from its ``config.json`` and its
-tokenizer is used; the model section still sets the dispatch, compute dtype and
-rematerialisation.
+each layer, the ``ragged`` dispatch on a TPU and the ``grouped`` dispatch (Mosaic GPU grouped
+matmuls) on H100s, which needs less memory per GPU than ``padded`` (docs/gpu.md has both).
+Fine-tune the real checkpoint with ``--config.init_from=<Hugging Face dir>``: the shapes then
+come from its ``config.json`` and its tokenizer is used; the model section still sets the
+dispatch, compute dtype and rematerialisation.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ POD_LAYOUTS = {
     # TPU v5p 4x4x4 (64 chips): 256 sequences per update.
     "tpu": Layout(fsdp=8, expert=8, batch_size=256, micro_batch_size=64, dispatch="ragged"),
     # 8 hosts of 8 H100s: the same mesh; 128 sequences per update.
-    "h100": Layout(fsdp=8, expert=8, batch_size=128, micro_batch_size=64, dispatch="padded"),
+    "h100": Layout(fsdp=8, expert=8, batch_size=128, micro_batch_size=64, dispatch="grouped"),
 }
 
 

@@ -34,7 +34,7 @@ LAYOUTS = {
     # update in micro-batches of one sequence per chip.
     "tpu": Layout(fsdp=4, expert=4, batch_size=256, micro_batch_size=16, dispatch="ragged"),
     # One host of 8 H100s: experts 8 ways; 128 sequences per update.
-    "h100": Layout(fsdp=1, expert=8, batch_size=128, micro_batch_size=8, dispatch="padded"),
+    "h100": Layout(fsdp=1, expert=8, batch_size=128, micro_batch_size=8, dispatch="grouped"),
 }
 
 

@@ -141,6 +141,53 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(AXES))
 
 
+def rows_sharding(mesh: Mesh | None) -> NamedSharding | None:
+    """The sharding the models keep their activations ``[B, ...]`` in between layers: rows over
+    every mesh axis (for the ``(data, fsdp, expert)`` mesh, as :func:`batch_sharding` places the
+    batch); None without a mesh (or on one device), where :func:`keep_rows_split` changes
+    nothing."""
+    return None if mesh is None or mesh.size == 1 else NamedSharding(mesh, P(mesh.axis_names))
+
+
+def keep_rows_split(x: jax.Array, rows: NamedSharding | None) -> jax.Array:
+    """``x [B, ...]`` constrained to stay split by rows (``rows``: :func:`rows_sharding`), or
+    unchanged when ``rows`` is None or the mesh does not divide ``B``.
+
+    With parameters split over the model width (FSDP), XLA could otherwise gather the
+    activations instead of the weights (compute every row's logits on every device), or carry
+    an activation's gradient in the width split of the weight it meets and reshard it back.
+    The constraint holds in both passes: the transpose of a sharding constraint is the same
+    constraint on the cotangent."""
+    if rows is None or x.shape[0] % rows.mesh.size:
+        return x
+    return jax.lax.with_sharding_constraint(x, rows)
+
+
+def whole_sharding(mesh: Mesh | None) -> NamedSharding | None:
+    """Replicated on every device of ``mesh``; None without a mesh (or on one device)."""
+    return None if mesh is None or mesh.size == 1 else NamedSharding(mesh, P())
+
+
+def lookup_rows(table: jax.Array, ids: jax.Array, whole: NamedSharding | None) -> jax.Array:
+    """``table[ids]`` (``jnp.take`` along axis 0, as ``nnx.Embed``): ``table [V, emb]``, int
+    ``ids [...]`` -> ``[..., emb]``, from the table gathered whole first (``whole``:
+    :func:`whole_sharding`; None: as it is).
+
+    Why whole: the table is split over its width (``embed`` over ``fsdp``) and the ids by rows.
+    The gradient of the lookup is a scatter-add of the rows' gradients into the table; left to
+    itself, XLA scatters into the width-split table, so it must reshard the row-split gradient
+    to the width split. Where the two splits use different mesh axes (rows over
+    ``fsdp x expert``, width over ``fsdp``), the SPMD partitioner of XLA's GPU and CPU
+    compilers does that by replicating the gradient ("involuntary full rematerialization").
+    From the whole table (FSDP's all-gather before use) each device scatters its own rows into
+    a whole-table gradient and XLA reduce-scatters it to the width split, as for any matmul
+    weight; that buffer is the price (docs/tpu.md gives the translation model's figures).
+    """
+    if whole is not None:
+        table = jax.lax.with_sharding_constraint(table, whole)
+    return jnp.take(table, ids, axis=0)
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """``config.mesh``: the ``(data, fsdp, expert)`` device mesh and the rules placing logical

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparsemixer_jax import sharding
 from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
 from sparsemixer_jax.moe import MoEFeedForward
 
@@ -304,12 +305,13 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, mask, token_mask, det
     ``jax.lax.scan``: each step merges one repeat's state, runs its layers, and returns the
     state again (router RNG counts and Default MoE's vectors change in training). ``remat``:
     :data:`~sparsemixer_jax.models.lm_config.REMAT_POLICIES`, applied to the step.
-    ``rows_sharding``: the sharding each step's activations keep (see :func:`_keep_rows_split`).
+    ``rows_sharding``: the sharding each step's activations keep
+    (:func:`sparsemixer_jax.sharding.keep_rows_split`).
     """
     graphdef, state = nnx.split(stack)
 
     def body(h, xs):
-        h = _keep_rows_split(h, rows_sharding)
+        h = sharding.keep_rows_split(h, rows_sharding)
         unit_state, unit_kvs = xs
         unit = nnx.merge(graphdef, unit_state)
         new_kvs, losses = [], []
@@ -331,16 +333,6 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, mask, token_mask, det
     return x, new_kvs, losses
 
 
-def _keep_rows_split(x: jax.Array, rows_sharding) -> jax.Array:
-    """``x [B, ...]`` constrained to stay split by rows over the mesh (``rows_sharding``, or
-    unchanged when None or ``B`` does not divide): with parameters split over the model width
-    (FSDP), XLA could otherwise gather the activations instead of the weights, e.g. compute
-    every row's logits on every device."""
-    if rows_sharding is None or x.shape[0] % rows_sharding.mesh.size:
-        return x
-    return jax.lax.with_sharding_constraint(x, rows_sharding)
-
-
 class CausalLM(nnx.Module):
     """The decoder-only MoE language model.
 
@@ -360,8 +352,7 @@ class CausalLM(nnx.Module):
         self.config = config
         self.deterministic = False
         # Activations split by rows over every mesh axis, as the batch arrives.
-        self.rows_sharding = None if mesh is None or mesh.size == 1 else (
-            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(mesh.axis_names)))
+        self.rows_sharding = sharding.rows_sharding(mesh)
         self.embed_tokens = nnx.Embed(
             config.vocab_size, config.hidden_size, dtype=_dtype(config),
             param_dtype=jnp.float32,
@@ -414,7 +405,7 @@ class CausalLM(nnx.Module):
         deterministic = self.deterministic if deterministic is None else deterministic
         b, t = input_ids.shape
         real = jnp.ones((b, t), bool) if token_mask is None else token_mask.astype(bool)
-        x = _keep_rows_split(self.embed_tokens(input_ids), self.rows_sharding)
+        x = sharding.keep_rows_split(self.embed_tokens(input_ids), self.rows_sharding)
         q_slot = jnp.arange(t)
         if cache is None:
             if positions is None:
@@ -460,7 +451,7 @@ class CausalLM(nnx.Module):
                 z_loss = z_loss + jnp.sum(losses[i][1])
         x = self.norm(x)
         logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        logits = _keep_rows_split(logits, self.rows_sharding)
+        logits = sharding.keep_rows_split(logits, self.rows_sharding)
         new_cache = None
         if cache is not None:
             new_cache = KVCache(tuple(new_keys), tuple(new_values), cache.index + t, k_real,

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax import layers
+from sparsemixer_jax import layers, sharding
 from sparsemixer_jax.data.tokenizer import PAD_ID
 from sparsemixer_jax.initializers import uses_admin
 from sparsemixer_jax.routers import RouterConfig
@@ -125,15 +125,17 @@ class Embeddings(nnx.Module):
 
     ELECTRA ties this whole block between the generator and the discriminator; the token table
     also serves as the generator's output projection. ``absolute_positions = P > 0`` adds a
-    learned ``[P, emb]`` table (N(0, 0.02), as BERT) indexed by position; 0 adds none.
+    learned ``[P, emb]`` table (N(0, 0.02), as BERT) indexed by position; 0 adds none. With a
+    ``mesh`` the tables are read gathered whole (:func:`sparsemixer_jax.sharding.lookup_rows`).
     """
 
     def __init__(self, vocab_size: int, emb_dim: int, *, dropout: float, dtype, rngs: nnx.Rngs,
-                 absolute_positions: int = 0):
+                 absolute_positions: int = 0, mesh=None):
         if absolute_positions < 0:
             raise ValueError(f"absolute_positions must be >= 0 (0 = none), got "
                              f"{absolute_positions}")
         self.dtype = dtype
+        self.whole_sharding = sharding.whole_sharding(mesh)
         self.absolute_positions = int(absolute_positions)
         self.position = nnx.Embed(
             absolute_positions, emb_dim, embedding_init=_embedding_init, dtype=dtype, rngs=rngs
@@ -149,16 +151,21 @@ class Embeddings(nnx.Module):
 
     def __call__(self, tokens: jax.Array, segments: jax.Array, *, deterministic: bool):
         """``tokens``, ``segments`` int ``[B, L]`` -> ``[B, L, emb]`` in the compute dtype."""
-        x = self.token(tokens) + self.segment(segments)
+        x = self._lookup(self.token, tokens) + self._lookup(self.segment, segments)
         if self.position is not None:
             length = tokens.shape[1]
             if length > self.absolute_positions:
                 raise ValueError(f"sequence of {length} tokens, but the model has learned "
                                  f"positions for {self.absolute_positions} "
                                  "(model.absolute_positions)")
-            x = x + self.position(jnp.arange(length))[None]
+            x = x + self._lookup(self.position, jnp.arange(length))[None]
         x = self.norm(x)
         return self.dropout(x, deterministic=deterministic)
+
+    def _lookup(self, table: nnx.Embed, ids: jax.Array) -> jax.Array:
+        """``table``'s rows at ``ids``, as ``nnx.Embed`` computes them (in the compute dtype)."""
+        rows = table.embedding[...].astype(self.dtype)
+        return sharding.lookup_rows(rows, ids, self.whole_sharding)
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Tied output projection ``[..., emb] -> float32 [..., V]`` (f32 accumulation)."""
@@ -243,7 +250,7 @@ class Encoder(nnx.Module):
         if embeddings is None:
             embeddings = Embeddings(
                 self.vocab_size, self.emb_dim, dropout=m.dropout, dtype=self.dtype,
-                rngs=rngs, absolute_positions=m.absolute_positions,
+                rngs=rngs, absolute_positions=m.absolute_positions, mesh=mesh,
             )
         self.embeddings = embeddings
         self.position_bias = RelativePositionBias(

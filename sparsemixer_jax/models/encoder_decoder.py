@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparsemixer_jax import sharding
 from sparsemixer_jax.initializers import uses_admin
 from sparsemixer_jax.layers import (
     ModelConfig,
@@ -205,7 +206,10 @@ class Transformer(nnx.Module):
         check them; see ``configs/wmt.py``), or any object whose ``model`` and ``router`` are
         those typed sections already.
       vocab_size: size of the shared vocabulary (id 0 is padding / decoder start).
-      mesh: optional ``jax.sharding.Mesh`` handed to the MoE layers.
+      mesh: optional ``jax.sharding.Mesh`` handed to the MoE layers; with one, the activations
+        stay split by rows between layers and the embedding lookup reads the table gathered
+        whole (:func:`sparsemixer_jax.sharding.keep_rows_split`,
+        :func:`~sparsemixer_jax.sharding.lookup_rows`).
       rngs: ``nnx.Rngs``; ``params`` for initialisation, ``dropout`` (and whatever the MoE layer
         uses for routing) at training time.
     """
@@ -217,6 +221,8 @@ class Transformer(nnx.Module):
         self.num_heads = m.num_heads
         self.num_experts = m.moe.num_experts
         self.dtype = dtype = m.dtype
+        self.rows_sharding = sharding.rows_sharding(mesh)
+        self.whole_sharding = sharding.whole_sharding(mesh)
         self.embed = nnx.Embed(
             self.vocab_size,
             self.emb_dim,
@@ -242,7 +248,9 @@ class Transformer(nnx.Module):
 
     def _embed(self, tokens: jax.Array, positions: jax.Array, deterministic: bool) -> jax.Array:
         """``tokens [B, T]`` at ``positions`` (broadcastable to ``[B, T]``) -> ``[B, T, emb]``."""
-        x = self.embed(tokens) * jnp.asarray(math.sqrt(self.emb_dim), self.dtype)
+        table = self.embed.embedding[...].astype(self.dtype)
+        x = sharding.lookup_rows(table, tokens, self.whole_sharding)
+        x = x * jnp.asarray(math.sqrt(self.emb_dim), self.dtype)
         x = x + sinusoidal_positions(positions, self.emb_dim).astype(self.dtype)
         return self.embed_dropout(x, deterministic=deterministic)
 
@@ -261,6 +269,7 @@ class Transformer(nnx.Module):
         attn_mask = src_mask[:, None, None, :]
         metrics = {}
         for i, layer in enumerate(self.encoder_layers):
+            x = sharding.keep_rows_split(x, self.rows_sharding)
             x, layer_metrics = layer(
                 x, attn_mask, src_mask, deterministic=deterministic, dropless=dropless
             )
@@ -291,6 +300,7 @@ class Transformer(nnx.Module):
           scalars, 0 for the dense model).
         """
         hidden, src_mask, metrics = self._encode(inputs, deterministic)
+        hidden = sharding.keep_rows_split(hidden, self.rows_sharding)
         cross_k, cross_v = self._cross_kv(hidden)
 
         tgt_mask = targets != PAD_ID
@@ -303,6 +313,7 @@ class Transformer(nnx.Module):
 
         x = self._embed(shift_right(targets), jnp.arange(length)[None, :], deterministic)
         for i, layer in enumerate(self.decoder_layers):
+            x = sharding.keep_rows_split(x, self.rows_sharding)
             self_kv = layer.self_attn.project_kv(x)
             x, layer_metrics = layer(
                 x,
@@ -315,6 +326,7 @@ class Transformer(nnx.Module):
             )
             if layer_metrics is not None:
                 metrics[f"decoder/layer_{i}"] = layer_metrics
+        x = sharding.keep_rows_split(x, self.rows_sharding)
         return self._logits(x), collect_moe_metrics(metrics)
 
     # -- incremental decoding --------------------------------------------------------------------

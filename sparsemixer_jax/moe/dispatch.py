@@ -315,9 +315,15 @@ def grouped_ffn(
     # Pad once here (gather the pad rows from row 0: they lie past the groups and are ignored)
     # so the kernels get whole row tiles without copying the activations again.
     padded_rows = -(-rows // block_m) * block_m if impl == "mosaic" else rows
-    gather = jnp.concatenate([order, jnp.zeros((padded_rows - rows,), order.dtype)])
-    sorted_group = jnp.concatenate(
-        [group[order], jnp.full((padded_rows - rows,), num_groups, jnp.int32)])
+    gather, sorted_group = order, group[order]
+    if padded_rows > rows:
+        # Only where there is padding: under expert parallelism, in a differentiated scan, a
+        # zero-size array here becomes a zero-size residual between the two parts JAX splits
+        # the shard_map into, and XLA's Shardy import crashes on it (a segmentation fault in
+        # ManualComputationUnusedInputsPattern, jax 0.11.2; lab/shardy_zero_size_residual.py).
+        gather = jnp.concatenate([order, jnp.zeros((padded_rows - rows,), order.dtype)])
+        sorted_group = jnp.concatenate(
+            [sorted_group, jnp.full((padded_rows - rows,), num_groups, jnp.int32)])
     valid = (sorted_group < num_groups)[:, None]
     safe = jnp.minimum(sorted_group, num_groups - 1)
 
