@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +68,9 @@ def _report(finished: list[Finished], why: str) -> str:
 
 def run_processes(args: list[str], *, processes: int = 2, devices: int = 2,
                   timeout: float = 300, cwd: str = REPO, check: bool = True,
-                  stop_on_failure: bool = True) -> list[Finished]:
+                  stop_on_failure: bool = True,
+                  while_running: Callable[[list[subprocess.Popen]], None] | None = None,
+                  ) -> list[Finished]:
     """Runs ``python args...`` as ``processes`` JAX processes of ``devices`` CPU devices each
     (``processes * devices`` global devices) joined through a coordinator on this machine, and
     returns each one's :class:`Finished`, in process order.
@@ -75,7 +78,8 @@ def run_processes(args: list[str], *, processes: int = 2, devices: int = 2,
     Stops every process still running when ``timeout`` seconds pass, and (``stop_on_failure``)
     when one exits with an error; with ``check`` (the default) raises AssertionError then, or
     when any exit code is not 0, with every process's stderr. ``stop_on_failure=False`` waits
-    for every process: for a test of how each one fails."""
+    for every process: for a test of how each one fails. ``while_running(processes)`` is
+    called once they have started (to signal one, say); the timeout counts its time too."""
     address = f"127.0.0.1:{free_port()}"
     with contextlib.ExitStack() as files:
         outs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(processes)]
@@ -90,6 +94,8 @@ def run_processes(args: list[str], *, processes: int = 2, devices: int = 2,
         deadline = time.monotonic() + timeout
         why = None
         try:
+            if while_running is not None:
+                while_running(running)
             while None in (codes := [p.poll() for p in running]):  # polls every process
                 if stop_on_failure and any(code not in (None, 0) for code in codes):
                     why = "a process failed; the others were stopped"
