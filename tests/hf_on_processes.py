@@ -7,8 +7,10 @@ exports it.
 Each process joins the others (:func:`sparsemixer_jax.cli.initialize_distributed`), loads
 ``CHECKPOINT`` onto a ``data=1 x fsdp=2 x expert=2`` mesh (the fsdp axis across the processes:
 no process holds a whole tensor), runs the model on the input ids of the checkpoint's
-``reference.npz``, and calls ``hf.save_pretrained`` into ``OUT/<its process index>``; process 0
-also writes the logits, gathered from every process, to ``OUT/logits.npy``.
+``reference.npz``, and calls ``hf.save_pretrained`` into ``OUT/<its process index>``. Then it
+places the model again by other rules (:data:`WIDTH_WHOLE`: the shards move between the
+processes' devices) and runs it again. Process 0 writes both logits, gathered from every
+process, to ``OUT/logits.npy`` and ``OUT/logits_width_whole.npy``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 from sparsemixer_jax import cli
 
 MAX_SHARD_BYTES = 40_000  # several safetensors files and an index, as a large model has
+WIDTH_WHOLE = {"embed": None}  # rules that no longer split the model width over fsdp
 
 
 def main(checkpoint: str, out: str) -> None:
@@ -29,16 +32,23 @@ def main(checkpoint: str, out: str) -> None:
     from jax.experimental import multihost_utils
 
     from sparsemixer_jax import hf, sharding
+    from sparsemixer_jax.partitioning import Partitioner
 
     mesh = sharding.make_mesh(1, 2, fsdp=2)
     model, config = hf.load_pretrained(checkpoint, mesh=mesh)
     ids = np.load(os.path.join(checkpoint, "reference.npz"))["input_ids"]
-    logits = nnx.jit(lambda m, x: m(x))(model, ids)
-    logits = np.asarray(multihost_utils.process_allgather(logits, tiled=True))
-    if jax.process_index() == 0:
-        np.save(os.path.join(out, "logits.npy"), logits)
+    logits_of = nnx.jit(lambda m, x: m(x))
+
+    def write_logits(name: str) -> None:
+        logits = multihost_utils.process_allgather(logits_of(model, ids), tiled=True)
+        if jax.process_index() == 0:
+            np.save(os.path.join(out, name), np.asarray(logits))
+
+    write_logits("logits.npy")
     hf.save_pretrained(model, config, os.path.join(out, str(jax.process_index())),
                        max_shard_bytes=MAX_SHARD_BYTES)
+    sharding.shard_state(model, Partitioner(mesh, WIDTH_WHOLE))
+    write_logits("logits_width_whole.npy")
 
 
 if __name__ == "__main__":

@@ -34,8 +34,9 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax import hf, sharding
+from sparsemixer_jax.partitioning import Partitioner
 from tests import kit, tiny_lm_config
-from tests.hf_on_processes import MAX_SHARD_BYTES
+from tests.hf_on_processes import MAX_SHARD_BYTES, WIDTH_WHOLE
 from tests.multiprocess import run_processes
 
 LOSS_RTOL = 1e-6  # relative (module docstring)
@@ -87,7 +88,8 @@ def test_hf_checkpoint_loads_onto_two_processes_and_exports_from_process_0(tmp_p
     """``hf.load_pretrained`` onto a mesh whose fsdp axis spans two processes (no process holds
     a whole matrix) gives one process's logits bit for bit; ``hf.save_pretrained`` there
     writes, from process 0 alone, the files one process writes, byte for byte (three shards
-    and the index)."""
+    and the index). Placed again by other rules (``sharding.shard_state``: the shards move
+    between the processes), the model still gives one process's logits."""
     out = str(tmp_path / "two")
     os.makedirs(out)
     run_processes(["-m", "tests.hf_on_processes", HF_CHECKPOINT, out], timeout=240)
@@ -108,6 +110,11 @@ def test_hf_checkpoint_loads_onto_two_processes_and_exports_from_process_0(tmp_p
         assert written[name] == content, name
     # Process 1 gathered every tensor with process 0 and wrote nothing.
     assert os.listdir(os.path.join(out, "1")) == []
+    # Placed again by other rules: each process's shards of the loaded weights resharded.
+    sharding.shard_state(model, Partitioner(mesh, WIDTH_WHOLE))
+    assert model.embed_tokens.embedding[...].sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.load(os.path.join(out, "logits_width_whole.npy")),
+                                  np.asarray(logits_of(model, ids)))
 
 
 # ------------------------------------------------------------------------ training commands
@@ -189,9 +196,11 @@ def test_a_workdir_in_use_stops_both_processes_before_anything_is_written(tmp_pa
 
 
 # Four devices: two data-parallel halves each splitting the experts over its own two devices;
-# or the experts split inside each process and every weight split across the processes (fsdp).
+# the experts split inside each process and every weight split across the processes (fsdp);
+# four experts, one per device, the tokens sent between the processes (all-to-all).
 MESHES = {"data_expert": {"mesh.data": 2, "mesh.expert": 2},
-          "fsdp_expert": {"mesh.data": 1, "mesh.fsdp": 2, "mesh.expert": 2}}
+          "fsdp_expert": {"mesh.data": 1, "mesh.fsdp": 2, "mesh.expert": 2},
+          "expert": {"mesh.data": 1, "mesh.expert": 4, "model.num_experts": 4}}
 STEPS = 4  # 2 updates, stop, resume, 2 more
 
 
@@ -211,8 +220,10 @@ def test_translation_trains_and_resumes_on_two_processes_as_on_one(tmp_path, mes
     runs = _stop_and_resume("experiments.wmt", "tests/tiny_wmt_config.py", workdir, overrides,
                             first_steps=2)
     _check_written_once(runs, workdir, STEPS)
-    steps = training.build_steps(translation.TranslationTask.from_config(kit.tiny_config()),
-                                 kit.tiny_config(), config.data.vocab_size)
+    one_device = kit.tiny_config(**{k: v for k, v in overrides.items()
+                                    if not k.startswith("mesh.")})
+    steps = training.build_steps(translation.TranslationTask.from_config(one_device),
+                                 one_device, config.data.vocab_size)
     _check_same_training(workdir, reference, steps, last_checkpoint)
     # Test-set beam search: each process decodes its rows; process 0 writes them in file order.
     for name in ("translations_last.txt", "translations_best.txt"):
