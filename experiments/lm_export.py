@@ -6,6 +6,9 @@
 Writes ``config.json`` and safetensors that transformers' ``AutoModelForCausalLM`` loads (and
 :func:`sparsemixer_jax.hf.load_pretrained`), plus the tokenizer: a fine-tuned run's
 ``tokenizer.json``, a run from scratch's SentencePiece ``spm.model`` (docs/lm.md).
+
+On several hosts, run the same command on every host, as for training: each restores its own
+shards of the checkpoint, every tensor is gathered from them in turn, and process 0 writes.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ flags.mark_flags_as_required(["workdir", "out"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    cli.initialize_distributed()
     cli.quiet_libraries()
+    import jax
+
     from sparsemixer_jax.checkpoint import CheckpointError
     from sparsemixer_jax.tasks.language_model import export_run
 
@@ -36,8 +42,9 @@ def main(argv: list[str]) -> None:
     except (ValueError, FileNotFoundError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    print(f"wrote step {written['step']} of {f.workdir} as a {written['model_type']} "
-          f"checkpoint to {f.out}: {', '.join(written['files'])}")
+    if jax.process_index() == 0:
+        print(f"wrote step {written['step']} of {f.workdir} as a {written['model_type']} "
+              f"checkpoint to {f.out}: {', '.join(written['files'])}")
 
 
 if __name__ == "__main__":

@@ -118,10 +118,17 @@ def _place(value: jax.Array, target: NamedSharding) -> jax.Array:
     """``jax.device_put`` that also works when the mesh spans several processes.
 
     ``device_put`` only reaches this process's devices. With several processes every host holds
-    the same initial value (same seed), and each builds its own shards from it.
+    the same initial value (same seed), and each builds its own shards from it; a value already
+    on the mesh is resharded by the devices that hold it.
     """
     if jax.process_count() == 1:
         return jax.device_put(value, target)
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        # Already global (the MoE layers make their expert weights on the mesh): no host may
+        # hold all of it (an expert axis across processes), so it is resharded where it is.
+        if value.sharding.is_equivalent_to(target, value.ndim):
+            return value
+        return jax.jit(lambda x: x, out_shardings=target)(value)
     if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):  # RNG stream keys: place the raw data
         data = np.asarray(jax.random.key_data(value))
         placed = jax.make_array_from_callback(data.shape, target, lambda index: data[index])

@@ -80,6 +80,14 @@ def template():
     return steps.abstract_state()
 
 
+def test_a_one_device_template_places_every_leaf_on_that_device(template):
+    """The step and the optimizer state too, not only the parameters: orbax restores an
+    unplaced leaf onto the devices that saved it, which for a run saved on several hosts are
+    other processes' devices (tests/test_multiprocess.py reads such a run in this process)."""
+    placements = {frozenset(leaf.sharding.device_set) for leaf in jax.tree.leaves(template)}
+    assert placements == {frozenset({jax.devices()[0]})}
+
+
 def read_last(workdir, step, template):
     """The train state and meta of ``last/<step>`` (with its manifest check, no fallback)."""
     directory = step_dir(workdir, "last", step)

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from sparsemixer_jax.tasks import translation
 from sparsemixer_jax.training import build_steps, train
 from sparsemixer_jax.training.preemption import Stopped, StopSignals
 from tests import tiny_wmt_config
+from tests.multiprocess import run_processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STOP_AT = 4  # not a multiple of checkpoint_every (3): only the stop itself saves it
@@ -203,36 +203,26 @@ def test_sigterm_to_the_command_line_then_rerun(tmp_path, last_checkpoint):
 
 @pytest.mark.slow  # two processes; the one-process stop above is the fast counterpart
 def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
-    with socket.socket() as s:  # a free port for the coordinator
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
-    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split()
-                                 if "device_count" not in f])  # one device per process
-    env.update(JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2")
     workdir = str(tmp_path / "run")
-    command = [sys.executable, "-m", "experiments.wmt", "--config", "tests/tiny_wmt_config.py",
-               "--workdir", workdir, "--config.mesh.data=2", "--config.train_steps=300",
-               "--config.eval_every=100", "--config.checkpoint_every=100",
-               "--config.decode.test_bleu=False"]
-    processes = [
-        subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         text=True, env=dict(env, JAX_PROCESS_ID=str(i)))
-        for i in range(2)
-    ]
-    try:
-        metrics, deadline = os.path.join(workdir, "metrics.jsonl"), time.monotonic() + 400
+    args = ["-m", "experiments.wmt", "--config", "tests/tiny_wmt_config.py",
+            "--workdir", workdir, "--config.mesh.data=2", "--config.train_steps=300",
+            "--config.eval_every=100", "--config.checkpoint_every=100",
+            "--config.decode.test_bleu=False"]
+    metrics = os.path.join(workdir, "metrics.jsonl")
+
+    def preempt_one(processes):  # once the first step is logged
+        deadline = time.monotonic() + 400
         while time.monotonic() < deadline and all(p.poll() is None for p in processes):
             if os.path.exists(metrics) and os.path.getsize(metrics) > 0:
                 break
             time.sleep(0.05)
         processes[1].send_signal(signal.SIGTERM)  # the preemption notice reaches one host only
-        errors = [p.communicate(timeout=400)[1] for p in processes]
-    finally:
-        for p in processes:
-            p.kill()
+
+    finished = run_processes(args, devices=1, timeout=800, check=False, stop_on_failure=False,
+                             while_running=preempt_one)
+    errors = [f.stderr for f in finished]
+    assert [f.returncode for f in finished] == [143, 143], "\n".join(e[-3000:] for e in errors)
     lines = [err.strip().splitlines()[-1] for err in errors]
-    assert [p.returncode for p in processes] == [143, 143], "\n".join(e[-3000:] for e in errors)
     assert lines[0] == lines[1], lines
     stopped_at = int(lines[0].split()[3].rstrip(","))
     assert lines[0] == f"stopped at step {stopped_at}, checkpoint saved; rerun to resume"

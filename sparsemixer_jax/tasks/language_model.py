@@ -359,6 +359,9 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last",
     its SentencePiece model as ``spm.model`` (documents start with its id 1). Returns what was
     written: ``{"step", "model_type", "files"}``. One-line errors for a workdir that is not a
     language-modelling run or holds no such checkpoint.
+
+    With several processes every one calls this (each restores its shards; the gathers are
+    collective) and process 0 writes.
     """
     from sparsemixer_jax import hf
     from sparsemixer_jax.checkpoint import list_checkpoints
@@ -386,7 +389,7 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last",
     if task.init_from:
         tokenizer = hf.load_tokenizer(task.init_from)
     hf.save_pretrained(model, task.lm, out_dir, dtype=dtype, tokenizer=tokenizer)
-    if not task.init_from:
+    if not task.init_from and jax.process_index() == 0:
         shutil.copyfile(os.path.join(workdir, "spm.model"), os.path.join(out_dir, "spm.model"))
     return {"step": restored.step, "model_type": task.lm.model_type,
             "files": sorted(os.listdir(out_dir))}

@@ -217,7 +217,14 @@ class Steps:
         state = jax.eval_shape(self.new_state, params, layer_state).replace(
             params=params, layer_state=layer_state)
         if self.partitioner is None:
-            return state
+            # eval_shape leaves the step and the optimizer state unplaced, and orbax restores
+            # an unplaced leaf onto the devices that saved it: devices of other processes, for
+            # a run saved on several hosts. Every leaf goes where the model's arrays are.
+            device = next((s for s in (getattr(a, "sharding", None)
+                                       for a in jax.tree.leaves(self.params)) if s is not None),
+                          jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+            return jax.tree.map(lambda a: a if a.sharding is not None else jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=device), state)
 
         def placed(tree):  # by the rules, whatever the model's arrays hold (shapes only, too)
             return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
