@@ -375,3 +375,18 @@ def test_a_run_resumes_on_another_layout_of_as_many_devices(tmp_path):
                                                "mesh.expert": 2, "mesh.rules.mlp": "fsdp"}))
     with pytest.raises(ResumeError, match=r"config\.mesh\.devices \(saved 8, now 4\)"):
         check_resume_config(str(tmp_path), tiny(**{"mesh.data": 1, "mesh.fsdp": 4}))
+
+
+def test_lm_model_is_placed_by_the_configs_rules():
+    """A language model from scratch is placed by ``config.mesh.rules``, not the defaults: the
+    optimizer state follows the config's rules, so the two must agree."""
+    from sparsemixer_jax.tasks.language_model import LMTask
+
+    config = kit.tiny_config("lm", **{"mesh.fsdp": 4, "mesh.expert": 2, "mesh.rules.embed": None,
+                                      "mesh.rules.mlp": "fsdp"})
+    task = LMTask.from_config(config)
+    model = task.build_model(config, task.lm.vocab_size, sharding.mesh_from_config(config))
+    params = nnx.state(model, nnx.Param)
+    assert params["embed_tokens"]["embedding"][...].sharding.spec in (P(), P(None, None))
+    w_gate = params["stacks"][0]["layers"][0]["mlp"]["moe"]["w_gate"][...]
+    assert w_gate.sharding.spec == P(None, "expert", None, "fsdp")

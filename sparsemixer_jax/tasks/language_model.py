@@ -236,11 +236,12 @@ class LMTask:
             from sparsemixer_jax import hf
 
             model, _ = hf.load_pretrained(self.init_from, seed=seed, mesh=mesh,
+                                          rules=sharding.mesh_config_of(config).rules,
                                           **_changes(self.lm, self.init_from))
         else:
             model = CausalLM(self.lm, mesh=mesh, rngs=nnx.Rngs(params=seed, router=seed + 2))
-            if mesh is not None:
-                sharding.shard_state(model, mesh)
+            if mesh is not None:  # by config.mesh.rules, as the optimizer state will be
+                sharding.shard_state(model, sharding.partitioner_from_config(config, mesh))
         model.train()
         return model
 
