@@ -227,7 +227,7 @@ def padded_ffn(
     if capacity is not None:
         valid = valid & (rank < capacity)  # over-capacity rows would spill into the next block
         block, num_blocks = capacity, num_groups
-        slot = jnp.where(valid, group * capacity + rank, num_blocks * block)
+        slot = jnp.where(valid, group * capacity + rank, num_blocks * block + jnp.arange(rows))
         block_group = jnp.arange(num_groups)
     else:
         block = padded_block_rows(rows, num_groups) if block_rows is None else block_rows
@@ -238,16 +238,19 @@ def padded_ffn(
         padded = (counts + block - 1) // block * block
         start = jnp.cumsum(padded) - padded  # first slot of each group
         first = start[jnp.minimum(group, num_groups - 1)]
-        slot = jnp.where(valid, first + rank, num_blocks * block)
+        slot = jnp.where(valid, first + rank, num_blocks * block + jnp.arange(rows))
         # Block k belongs to the group whose padded range holds slot k * b; blocks past the last
         # group hold no rows and reuse the last group's weights (their output is discarded).
         block_group = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(num_blocks) * block,
                                        side="right")
         block_group = jnp.minimum(block_group, num_groups - 1)
     size = num_blocks * block
-    # Rows without expert all point one past the end and are dropped, so slots are not unique.
-    xb = jnp.zeros((size, emb), x.dtype).at[slot].set(x, mode="drop")
-    ids = jnp.zeros((size,), token_ids.dtype).at[slot].set(token_ids, mode="drop")
+    # Rows without expert point past the end, each to its own slot, and are dropped: every slot
+    # is unique and the scatter says so. Differentiating a scatter that may write a slot twice
+    # makes JAX scatter an id per element, a uint32 array of the whole [size, emb] buffer.
+    xb = jnp.zeros((size, emb), x.dtype).at[slot].set(x, mode="drop", unique_indices=True)
+    ids = jnp.zeros((size,), token_ids.dtype).at[slot].set(token_ids, mode="drop",
+                                                            unique_indices=True)
     xb = xb.reshape(num_blocks, block, emb)
     if capacity is not None:
         wi_b, wo_b, pick = wi, wo, slice(None)
@@ -256,7 +259,7 @@ def padded_ffn(
     h = _add_bias(jnp.einsum("kbe,kem->kbm", xb, wi_b), bi, pick, block=True)
     h = row_dropout(activation_fn(activation)(h), ids.reshape(num_blocks, block), drop_key, rate)
     yb = _add_bias(jnp.einsum("kbm,kme->kbe", h, wo_b), bo, pick, block=True)
-    y = yb.reshape(size, emb).at[slot].get(mode="fill", fill_value=0)
+    y = yb.reshape(size, emb).at[slot].get(mode="fill", fill_value=0, unique_indices=True)
     return jnp.where(valid[:, None], y, 0)
 
 

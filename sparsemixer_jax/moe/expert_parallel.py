@@ -97,12 +97,18 @@ def expert_parallel_ffn(
             * jax.nn.one_hot(dest, n_exp_dev, dtype=jnp.int32),
             axis=-1,
         )  # position among this chunk's tokens bound to the same device
-        slot = jnp.where(dest < n_exp_dev, dest * chunk + rank, n_exp_dev * chunk)
         size = n_exp_dev * chunk
-        send_x = jnp.zeros((size, emb), xc.dtype).at[slot].set(xc, mode="drop")
+        # Rows without expert get distinct slots past the end (dropped), so every slot is
+        # unique and the scatter can say so: differentiating a scatter that may write a slot
+        # twice makes JAX scatter an id per element, a uint32 array of the whole buffer's shape
+        # ([E * chunk, emb]) kept for the backward pass.
+        slot = jnp.where(dest < n_exp_dev, dest * chunk + rank, size + jnp.arange(chunk))
+        send_x = jnp.zeros((size, emb), xc.dtype).at[slot].set(
+            xc, mode="drop", unique_indices=True)
         send_g = jnp.full((size,), local_experts, jnp.int32).at[slot].set(
-            gc - dest * local_experts, mode="drop")
-        send_i = jnp.zeros((size,), jnp.int32).at[slot].set(ic, mode="drop")
+            gc - dest * local_experts, mode="drop", unique_indices=True)
+        send_i = jnp.zeros((size,), jnp.int32).at[slot].set(ic, mode="drop",
+                                                            unique_indices=True)
 
         def exchange(a):
             a = a.reshape(n_exp_dev, chunk, *a.shape[1:])
@@ -115,7 +121,7 @@ def expert_parallel_ffn(
                          grouped_impl=grouped_impl,
                          activation=activation)
         back = exchange(out)  # back[slot] = output for the token sent into that slot
-        return back.at[slot].get(mode="fill", fill_value=0)
+        return back.at[slot].get(mode="fill", fill_value=0, unique_indices=True)
 
     tokens = P(AXES)
     experts = P("expert")
