@@ -279,3 +279,47 @@ def test_lm_export_on_two_processes_writes_one_process_export(lm_runs, tmp_path)
     assert written.keys() == reference.keys()
     for name, content in reference.items():
         assert written[name] == content, name
+
+
+@pytest.mark.slow
+def test_pretraining_trains_and_resumes_on_two_processes_as_on_one(tmp_path, last_checkpoint):
+    """ELECTRA pretraining (generator and discriminator, both with MoE layers) by
+    ``python -m experiments.pretrain`` on a ``fsdp=2 x expert=2`` mesh, stopped after 2 updates
+    and resumed, against one process; with ``model.init='fairseq'`` (Admin's profiling pass is
+    refused on several processes, below)."""
+    from sparsemixer_jax import training
+    from sparsemixer_jax.tasks import pretraining
+    from tests import tiny_electra_config
+
+    corpus = tiny_electra_config.write_corpus(str(tmp_path / "corpus"))
+    model = {"model.init": "fairseq"}
+    overrides = {"train_steps": STEPS, "eval_every": 2, "checkpoint_every": 2,
+                 "optim.eps": ADAM_EPS, "mesh.fsdp": 2, "mesh.expert": 2, **model}
+    reference = str(tmp_path / "one")
+    pretraining.pretrain(kit.tiny_config("pretraining", corpus, **overrides), reference)
+    workdir = str(tmp_path / "two")
+    runs = _stop_and_resume("experiments.pretrain", f"tests/tiny_electra_config.py:{corpus}",
+                            workdir, overrides, first_steps=2)
+    _check_written_once(runs, workdir, STEPS)
+    config = kit.tiny_config("pretraining", corpus, **model)
+    steps = training.build_steps(pretraining.PretrainingTask.from_config(config), config,
+                                 config.data.vocab_size)
+    _check_same_training(workdir, reference, steps, last_checkpoint)
+
+
+@pytest.mark.slow
+def test_admin_initialisation_is_refused_on_two_processes_before_anything_is_written(tmp_path):
+    """Admin sets its residual scales from the first micro-batch, of which each host holds its
+    own rows: the hosts would build different models, so the command refuses, on one line."""
+    from tests import tiny_electra_config
+
+    corpus = tiny_electra_config.write_corpus(str(tmp_path / "corpus"))
+    workdir = str(tmp_path / "run")
+    finished = run_processes(
+        _command_args("experiments.pretrain", f"tests/tiny_electra_config.py:{corpus}",
+                      workdir, {"model.init": "admin", "mesh.data": 4}),
+        check=False, stop_on_failure=False, timeout=300)
+    for f in finished:
+        assert f.returncode == 2, f.stderr[-3000:]
+        assert "model.init='admin' sets its residual scales from one host's rows" in f.stderr
+    assert not os.path.exists(os.path.join(workdir, "checkpoints"))

@@ -250,6 +250,12 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     non-finite.
     """
     task = PretrainingTask.from_config(config)  # checks the config before anything is written
+    if uses_admin(task.model.init) and jax.process_count() > 1:
+        # Each host would profile its own rows of the first micro-batch and set its own scales,
+        # so the hosts' copies of the model would differ.
+        raise ValueError(f"model.init={task.model.init!r} sets its residual scales from one "
+                         f"host's rows, and this run has {jax.process_count()} processes: run "
+                         "it on one process, or use model.init='fairseq'")
     text.check_pretraining_text(config)  # before the workdir is written or the vocabulary trained
     return train(task, config, workdir)
 
