@@ -6,9 +6,10 @@ one process on a mesh of the same shape (four of this test process's eight devic
 - Default run: a Hugging Face checkpoint loaded onto a mesh whose fsdp axis spans the two
   processes gives one process's logits, and ``hf.save_pretrained`` (each tensor gathered from
   both processes) writes one process's files byte for byte, from process 0 alone.
-- ``-m slow``: the translation and language-modelling commands train, stop and resume on two
-  processes and match one process (losses, parameters, translations); ``experiments.lm_export``
-  on two processes writes one process's export of the same checkpoint.
+- ``-m slow``: the translation, language-modelling and pretraining commands train, stop and
+  resume on two processes and match one process (losses, parameters, translations);
+  ``experiments.lm_export`` on two processes writes one process's export of the same checkpoint;
+  pretraining with Admin's initialisation is refused there.
 
 Tolerances: the two-process and one-process runs see the same global batches and the same
 random keys, and compile the same programs for the same mesh; only the order in which the
