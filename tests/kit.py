@@ -71,6 +71,21 @@ def tiny_config(task: str = "translation", corpus: str | None = None, *,
     return config
 
 
+def target_devices_or_skip(spec: str) -> tuple:
+    """``(target, devices)`` of a compile-only target (``"h100:1x1x8"``, ``"tpu:v5e:4x4"``;
+    :mod:`sparsemixer_jax.aot.targets`), or the test skipped, naming what is missing (the
+    packages of ``requirements-compile.txt``)."""
+    import pytest
+
+    from sparsemixer_jax.aot import targets
+
+    target = targets.parse_target(spec)
+    reason = targets.missing_support(target)
+    if reason is not None:
+        pytest.skip(reason)
+    return target, targets.target_devices(target)
+
+
 # ------------------------------------------------------------------------------ training runs
 
 

@@ -23,16 +23,9 @@ from sparsemixer_jax.aot import targets, translation
 from sparsemixer_jax.aot.analysis import analyse
 from sparsemixer_jax.moe import MoEFeedForward
 from sparsemixer_jax.training.steps import count_params
+from tests import kit
 
 GiB = 2**30
-
-
-def _devices_or_skip(spec: str) -> tuple[targets.Target, list]:
-    target = targets.parse_target(spec)
-    reason = targets.missing_support(target)
-    if reason is not None:
-        pytest.skip(reason)
-    return target, targets.target_devices(target)
 
 
 def _design_card(num_experts: int = 4):
@@ -46,7 +39,7 @@ def _design_card(num_experts: int = 4):
 def _programs(spec: str, size: str):
     """The training programs of the design card ("base") or of a two-layer model with the same
     structure ("small": Transformer-base takes minutes of CPU to compile, so it is slow)."""
-    target, devices = _devices_or_skip(spec)
+    target, devices = kit.target_devices_or_skip(spec)
     config = _design_card() if size == "base" else _small_design_card()
     reports = translation.compile_translation(config, target, devices, decode_step=False)
     return target, config, {r.name.split(" ")[0]: r for r in reports}
@@ -119,7 +112,7 @@ def _layer_gradient(layer_args: dict, tokens: int, dtype) -> tuple:
 
 @functools.cache
 def _grouped_layer_on_one_h100(top_k: int = 1, dtype=jnp.bfloat16):
-    target, devices = _devices_or_skip("h100:1x1x1")
+    target, devices = kit.target_devices_or_skip("h100:1x1x1")
     device = devices[0]
     args = dict(emb_dim=512, mlp_dim=2048, num_experts=4, top_k=top_k, dispatch="grouped")
     with jax.default_device(device):  # the kernels' sm90 check asks the target device
@@ -160,7 +153,7 @@ def test_grouped_moe_layer_variants_compile_for_one_h100(top_k, dtype):
     (["--weight-grad", "xla"], 4),
 ], ids=["defaults", "tiles-64", "float16", "weight-grad-xla"])
 def test_benchmark_compiles_every_tile_configuration_for_one_h100(flags, kernels, tmp_path):
-    _devices_or_skip("h100:1x1x1")
+    kit.target_devices_or_skip("h100:1x1x1")
     from lab.benchmarks import grouped_ffn as benchmark
 
     result = benchmark.main(["--target", "h100:1x1x1", "--experts", "4", "--capacities",
@@ -177,7 +170,7 @@ def test_benchmark_compiles_every_tile_configuration_for_one_h100(flags, kernels
 @pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["grouped", "padded", "dense"])
 def test_design_card_training_step_compiles_for_one_h100(dispatch):
-    target, devices = _devices_or_skip("h100:1x1x1")
+    target, devices = kit.target_devices_or_skip("h100:1x1x1")
     config = wmt.get_config("dense" if dispatch == "dense" else "n4")
     config.optim.tokens_per_update = 0  # one micro-batch: the fused training step
     if dispatch != "dense":
@@ -190,7 +183,7 @@ def test_design_card_training_step_compiles_for_one_h100(dispatch):
 
 @pytest.mark.slow
 def test_design_card_decode_step_compiles_for_a_tpu_v5e_4x4():
-    target, devices = _devices_or_skip("tpu:v5e:4x4")
+    target, devices = kit.target_devices_or_skip("tpu:v5e:4x4")
     config = _design_card()
     config.optim.tokens_per_update = 0
     reports = translation.compile_translation(config, target, devices)
@@ -203,7 +196,7 @@ def test_design_card_decode_step_compiles_for_a_tpu_v5e_4x4():
 def _fsdp_programs():
     """The two-layer design card on the TPU slice with parameters and Adam state sharded 4 ways
     as well (mesh 1 x 4 x 4: fsdp 4, experts over 4)."""
-    target, devices = _devices_or_skip("tpu:v5e:4x4")
+    target, devices = kit.target_devices_or_skip("tpu:v5e:4x4")
     config = _small_design_card()
     config.mesh.update(data=1, fsdp=4)
     reports = translation.compile_translation(config, target, devices, decode_step=False)

@@ -21,17 +21,10 @@ from configs import mixtral_8x7b, olmoe_1b_7b, phi35_moe, qwen3_30b_a3b
 from sparsemixer_jax.aot import lm, targets
 from sparsemixer_jax.tasks.language_model import LMTask
 from sparsemixer_jax.training.steps import count_params
+from tests import kit
 
 CONFIGS = {"olmoe_1b_7b": olmoe_1b_7b, "mixtral_8x7b": mixtral_8x7b, "phi35_moe": phi35_moe,
            "qwen3_30b_a3b": qwen3_30b_a3b}
-
-
-def _devices_or_skip(spec: str) -> tuple[targets.Target, list]:
-    target = targets.parse_target(spec)
-    reason = targets.missing_support(target)
-    if reason is not None:
-        pytest.skip(reason)
-    return target, targets.target_devices(target)
 
 
 def _two_layer_olmoe():
@@ -44,7 +37,7 @@ def _two_layer_olmoe():
 
 @functools.cache
 def _programs(name: str, variant: str, spec: str):
-    target, devices = _devices_or_skip(spec)
+    target, devices = kit.target_devices_or_skip(spec)
     config = _two_layer_olmoe() if name == "small" else CONFIGS[name].get_config(variant)
     # As the command compiles it (runtime.matmul_precision "default"), not at the precision
     # the test session sets for CPU comparisons (bfloat16 TPU kernels refuse "highest").
@@ -76,7 +69,7 @@ def test_two_layer_olmoe_training_step_is_sharded_on_the_v5e_slice():
 
 
 def test_a_mesh_that_does_not_fit_the_slice_is_one_line():
-    target, devices = _devices_or_skip("tpu:v5e:4x4")
+    target, devices = kit.target_devices_or_skip("tpu:v5e:4x4")
     config = _two_layer_olmoe()
     config.mesh.fsdp = 3
     with pytest.raises(ValueError, match=r"^config.mesh: fsdp=3 x expert=4 does not divide the 16"):

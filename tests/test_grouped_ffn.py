@@ -30,6 +30,7 @@ from sparsemixer_jax.kernels import (
 )
 from sparsemixer_jax.kernels import mosaic_grouped_matmul as mgm
 from sparsemixer_jax.moe.dispatch import grouped_ffn
+from tests import kit
 
 # Widths an H100 lowering accepts for all three kernels (the weight-gradient kernel's tiles are
 # >= 64), so weight_grad="auto" picks the kernel, as on a GPU; 200 rows: not a multiple of 64.
@@ -371,12 +372,7 @@ def test_config_validation_and_casts():
 
 
 def _h100_devices():
-    targets = pytest.importorskip("sparsemixer_jax.aot.targets")
-    target = targets.parse_target("h100:1x1")
-    reason = targets.missing_support(target)
-    if reason is not None:
-        pytest.skip(reason)
-    return targets.target_devices(target)
+    return kit.target_devices_or_skip("h100:1x1")[1]
 
 
 def _h100_lowering_error(kernel, config: dict, dtype=jnp.bfloat16) -> str | None:

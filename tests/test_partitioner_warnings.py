@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from sparsemixer_jax.aot import targets
+from tests import kit
 
 WARNING = "Involuntary full rematerialization"
 
@@ -83,9 +83,7 @@ def test_training_steps_on_a_fsdp_and_expert_mesh_are_partitioned_without_replic
 
 @pytest.mark.slow  # about two minutes of CPU
 def test_translation_accumulate_program_for_8_h100s_is_partitioned_without_replicating():
-    reason = targets.missing_support(targets.parse_target("h100:1x1x8"))
-    if reason is not None:
-        pytest.skip(reason)
+    kit.target_devices_or_skip("h100:1x1x8")
     overrides = [f"--config.model.{k}={v}" for k, v in SMALL.items()] + [
         f"--config.data.{k}={v}" for k, v in SMALL_DATA.items()]
     log = _xla_log(["-m", "experiments.compile", "--config", "configs/wmt_n4.py",
