@@ -112,12 +112,15 @@ def check_finite_logits(fn: str, logits: jax.Array, top_k: int) -> jax.Array:
     """bool ``[...]``: True for tokens whose logits hold NaN or +inf (they route to NaN gates).
 
     ``-inf`` is allowed: it removes that expert for that token. Outside ``jit`` (concrete
-    logits) a token with NaN, +inf or fewer than ``top_k`` experts above ``-inf`` raises a
-    ValueError; under ``jit`` values cannot raise, and such tokens get NaN ``probs`` and ``gate``
+    logits on this process's devices) a token with NaN, +inf or fewer than ``top_k`` experts
+    above ``-inf`` raises a ValueError; under ``jit`` (or for an array spread over several
+    processes) values cannot raise, and such tokens get NaN ``probs`` and ``gate``
     so that the loss turns NaN (the training loop then skips the update and reports it).
     """
     invalid = jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1)
-    if not isinstance(logits, jax.core.Tracer):
+    # Concrete logits on this process's devices are checked here; traced ones cannot be, nor
+    # can a global array spread over several processes (no host may fetch all of it).
+    if not isinstance(logits, jax.core.Tracer) and invalid.is_fully_addressable:
         bad = np.asarray(invalid)
         if bad.any():
             where = tuple(int(i) for i in np.argwhere(bad)[0])

@@ -232,8 +232,16 @@ class PretrainingTask:
 
 def _admin_profiling(batches: text.PretrainBatches):
     """Admin's profiling pass on the first training micro-batch, as its reference code takes
-    it; the stream is left where it was."""
+    it; the stream is left where it was. With several processes each holds its own rows of the
+    micro-batch (host ``p`` the ``p``-th block): they are gathered, so that every host profiles
+    the whole micro-batch and sets the same scales, those of one process."""
     first = batches.peek()
+    if jax.process_count() > 1:  # every host profiles the whole micro-batch
+        from jax.experimental import multihost_utils
+
+        first = {key: np.asarray(multihost_utils.process_allgather(np.asarray(value),
+                                                                    tiled=True))
+                 for key, value in first.items()}
 
     def init_model(model: Electra) -> None:
         scales = model.set_admin_scales(first)
@@ -250,12 +258,6 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     non-finite.
     """
     task = PretrainingTask.from_config(config)  # checks the config before anything is written
-    if uses_admin(task.model.init) and jax.process_count() > 1:
-        # Each host would profile its own rows of the first micro-batch and set its own scales,
-        # so the hosts' copies of the model would differ.
-        raise ValueError(f"model.init={task.model.init!r} sets its residual scales from one "
-                         f"host's rows, and this run has {jax.process_count()} processes: run "
-                         "it on one process, or use model.init='fairseq'")
     text.check_pretraining_text(config)  # before the workdir is written or the vocabulary trained
     return train(task, config, workdir)
 
