@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     runs = {}
     for name in args.options:
+        start = time.perf_counter()
         config = bench_config(args, OPTIONS[name])
         steps = training.build_steps(translation.TranslationTask.from_config(config), config,
                                      args.vocab)
@@ -88,8 +89,12 @@ def main(argv: list[str] | None = None) -> dict:
             state, _ = steps.train_step(state, batches, jax.random.key(i))
         jax.block_until_ready(state)
         runs[name] = [steps, state]
+        # Compilation is most of a run's time on a GPU: say where it is, so a stopped run tells.
+        print(f"{name}: built, compiled and warmed up in {time.perf_counter() - start:.1f} s",
+              flush=True)
 
     times = {name: [] for name in args.options}  # [round] -> median seconds per step
+    settings = {k: v for k, v in vars(args).items() if k != "json"}
     for r in range(args.repeats):
         for name in args.options:
             steps, state = runs[name]
@@ -101,6 +106,10 @@ def main(argv: list[str] | None = None) -> dict:
                 per_step.append(time.perf_counter() - start)
             runs[name][1] = state
             times[name].append(float(np.median(per_step)))
+        print(f"round {r + 1}/{args.repeats}: " + ", ".join(
+            f"{name} {times[name][-1] * 1e3:.1f} ms" for name in args.options), flush=True)
+        if args.json:  # the rounds so far, so that a run stopped early keeps them
+            _write(args.json, settings, None, times)
 
     plain = np.array(times["plain"])
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} "
@@ -122,12 +131,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:22s} {r['ms']:10.1f} {r['ratio']:7.3f} {r['fastest_ms']:11.1f} "
               f"{r['fastest_ratio']:7.3f} {ratio.min():13.3f}..{ratio.max():.3f}")
     if args.json:
-        settings = {k: v for k, v in vars(args).items() if k != "json"}
-        with open(args.json, "w") as f:
-            json.dump({"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-                       "settings": settings, "options": results,
-                       "rounds_s": times}, f, indent=1)
+        _write(args.json, settings, results, times)
     return results
+
+
+def _write(path: str, settings: dict, results: dict | None, times: dict) -> None:
+    """The run's JSON: ``options`` (the table) is ``None`` until every round is done."""
+    with open(path, "w") as f:
+        json.dump({"backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+                   "settings": settings, "options": results, "rounds_s": times}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -418,3 +418,14 @@ def test_routing_options_benchmark_writes_its_table(tmp_path):
     assert results["plain"]["ratio"] == 1.0
     assert all(len(rounds) == 2 for rounds in saved["rounds_s"].values())
     assert saved["settings"]["emb"] == 16 and saved["backend"] == "cpu"
+
+
+def test_routing_options_report_reads_the_rounds_of_a_stopped_run():
+    """A run stopped after its first round (``options`` still ``None``) reports that round."""
+    from lab.benchmarks.report import markdown_tables
+
+    stopped = {"backend": "gpu", "device": "H100", "settings": {"repeats": 5}, "options": None,
+               "rounds_s": {"plain": [0.100, 0.104], "sigmoid": [0.102]}}
+    table = markdown_tables(stopped)
+    assert "1 of 5 rounds" in table
+    assert "| sigmoid | 102.00 | 1.020 | [1.020, 1.020] |" in table

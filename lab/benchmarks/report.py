@@ -140,12 +140,38 @@ def markdown_tables(result: dict[str, Any]) -> str:
         lines.append("")
     if "lm_throughput" in result:
         lines += _lm_table(result["lm_throughput"])
+    if "rounds_s" in result:  # experiments.bench_routing_options
+        lines += _routing_options_table(result)
     if "profile" in result and "categories" in result["profile"]:
         p = result["profile"]
         lines += ["| op category | share of device time |", "| --- | --- |"]
         lines += [f"| {k} | {v['fraction']:.1%} |" for k, v in p["categories"].items()]
         lines.append("")
     return "\n".join(lines)
+
+
+def _routing_options_table(result: dict[str, Any]) -> list[str]:
+    """Each routing option's step against the plain router's, from the rounds timed so far
+    (a run stopped before its last round still has them)."""
+    rounds = result["rounds_s"]
+    done = min(len(t) for t in rounds.values())
+    plain = rounds["plain"][:done]
+    lines = [f"{done} of {result['settings']['repeats']} rounds, {result['device']}", "",
+             "| option | median ms | ratio to plain (medians) | per-round ratio [min, max] |",
+             "| --- | --- | --- | --- |"]
+    if not done:
+        return [*lines, ""]
+    for name, t in rounds.items():
+        t = t[:done]
+        per_round = [a / b for a, b in zip(t, plain, strict=True)]
+        lines.append(f"| {name} | {_median(t) * 1e3:.2f} | {_median(t) / _median(plain):.3f} | "
+                     f"[{min(per_round):.3f}, {max(per_round):.3f}] |")
+    return [*lines, ""]
+
+
+def _median(values: Sequence[float]) -> float:
+    v = sorted(values)
+    return (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2
 
 
 def print_report(result: dict[str, Any]) -> None:
