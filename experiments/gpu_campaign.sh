@@ -23,6 +23,8 @@
 #                    decoder-only language model's step (emb 1024, 6 layers, sequences of 2048,
 #                    bf16), MoE (8 experts, top-2) vs dense of equal active parameters, and
 #                    SparseMixer-v2 / v2* / DenseMixer vs top-2, with model FLOPs and MFU;
+#                    then "lm_throughput_grouped_cudnn" (cuDNN flash attention) and, into
+#                    profile.json, "lm_grouped": where the LM step's device time goes;
 #                    part "routing" adds run "routing_options": each routing option's update
 #                    (sigmoid, bias balancing, global/sequence loss, groups, a shared expert)
 #                    against the plain router, Transformer-base N=4, 2 x 4,096 tokens
@@ -151,6 +153,13 @@ for part in "${PARTS[@]}"; do
       # <= 1.01x top-2's); into step.json, beside the translation model's.
       bench step lm_throughput --sections lm_throughput
       bench step lm_throughput_grouped --sections lm_throughput --dispatch grouped
+      # cuDNN's flash attention instead of the einsum attention (which materialises float32
+      # [B, heads, 2048, 2048] scores), and where the grouped step's device time goes.
+      bench step lm_throughput_grouped_cudnn --sections lm_throughput --dispatch grouped \
+        --attention-impl cudnn
+      rm -rf "$WORK/trace_lm"
+      bench profile lm_grouped --sections lm_profile --dispatch grouped \
+        --profile-dir "$WORK/trace_lm" --repeats 1
       ;;
     variants)
       bench variants cudnn_attention --sections throughput --attention-impl cudnn
@@ -187,7 +196,7 @@ for part in "${PARTS[@]}"; do
       timeout "$RUN_LIMIT" python -m pytest -q -n 0 -p no:cacheprovider \
         tests/test_routing.py tests/test_moe.py tests/test_models.py tests/test_decode.py \
         tests/test_exact_gradient.py tests/test_steps.py tests/test_triton_ragged_dot.py \
-        tests/test_gpu.py tests/test_train.py tests/test_grouped_ffn.py >"$OUT/tests.txt" 2>&1
+        tests/test_gpu.py tests/test_train.py tests/test_grouped_ffn.py tests/test_lm_attention.py >"$OUT/tests.txt" 2>&1
       log "tests: exit $? ($(tail -n 1 "$OUT/tests.txt"))"
       ;;
     *) log "unknown part $part (env layer grouped step lm variants flags profile decode tests)" ;;

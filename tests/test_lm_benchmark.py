@@ -16,10 +16,18 @@ TINY_LM = {"emb": 16, "mlp": 16, "heads": 2, "kv_heads": 1, "layers": 1, "vocab"
 
 def test_lm_throughput_section_writes_sane_json(tmp_path):
     out = tmp_path / "bench.json"
-    runner.run(runner.BenchmarkSettings(out=str(out), sections=["lm_throughput"],
-                                        lm_routers=["sparsemixer_v2"], **TINY_LM),
+    runner.run(runner.BenchmarkSettings(out=str(out), sections=["lm_throughput", "lm_profile"],
+                                        lm_routers=["sparsemixer_v2"], attention_impl="xla",
+                                        profile_dir=str(tmp_path / "trace"), profile_steps=1,
+                                        **TINY_LM),
                command="test")
-    lm = json.loads(out.read_text())["lm_throughput"]
+    result = json.loads(out.read_text())
+    lm = result["lm_throughput"]
+    assert lm["attention_impl"] == result["lm_profile"]["attention_impl"] == "xla"
+    # The profile's ops are the model's: its device time is spent, mostly in named categories.
+    profile = result["lm_profile"]
+    assert profile["device_s_per_step"] > 0 and profile["top_ops"]
+    assert abs(sum(c["fraction"] for c in profile["categories"].values()) - 1) < 1e-6
     arms = ("top2", "sparsemixer_v2", "dense")
     assert lm["tokens_per_step"] == 32 and lm["sizes"]["experts"] == 8
     for name in arms:

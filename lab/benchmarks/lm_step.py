@@ -46,7 +46,7 @@ LM_ACCEL_SIZES = {"emb": 1024, "mlp": 2048, "heads": 16, "kv_heads": 4, "layers"
 
 
 def lm_model_config(sizes: dict[str, int], router: str, dtype: str,
-                    dispatch: str = "auto") -> Any:
+                    dispatch: str = "auto", attention_impl: str = "einsum") -> Any:
     """``configs/lm_quickstart.py`` with the benchmark's sizes and ``router`` (top-``k`` of
     ``sizes["experts"]``; ``switch`` renormalised with jitter 0: Mixtral's routing)."""
     from configs import lm_quickstart
@@ -60,7 +60,7 @@ def lm_model_config(sizes: dict[str, int], router: str, dtype: str,
     m.hidden_size, m.mlp_dim = sizes["emb"], sizes["mlp"]
     m.num_layers, m.num_heads, m.num_kv_heads = sizes["layers"], sizes["heads"], sizes["kv_heads"]
     m.num_experts = sizes["experts"]
-    m.dispatch, m.compute_dtype = dispatch, dtype
+    m.dispatch, m.compute_dtype, m.attention_impl = dispatch, dtype, attention_impl
     c.router.name, c.router.top_k = router, sizes["top_k"]
     c.router.jitter_eps = 0.0 if router == "switch" else c.router.jitter_eps
     # Mixtral renormalises the k gates: every router with Switch's forward does so here too.
@@ -133,7 +133,8 @@ class LMTrainStep:
 
 
 def build_arms(sizes: dict[str, int], dtype: str, routers: Sequence[str],
-               dispatch: str = "auto") -> dict[str, LMTrainStep]:
+               dispatch: str = "auto", attention_impl: str = "einsum"
+               ) -> dict[str, LMTrainStep]:
     """``top2``, each router of ``routers``, then ``dense`` (module docstring), built on one
     batch."""
     from sparsemixer_jax.tasks.language_model import LMTask
@@ -142,16 +143,16 @@ def build_arms(sizes: dict[str, int], dtype: str, routers: Sequence[str],
     names = {REFERENCE: "switch", **{r: r for r in routers if r != "switch"}}
     arms: dict[str, LMTrainStep] = {}
     for name, router in names.items():
-        config = lm_model_config(sizes, router, dtype, dispatch)
+        config = lm_model_config(sizes, router, dtype, dispatch, attention_impl)
         arms[name] = LMTrainStep(LMTask.from_config(config), config, batch)
-    config = lm_model_config(sizes, "switch", dtype, dispatch)
+    config = lm_model_config(sizes, "switch", dtype, dispatch, attention_impl)
     arms["dense"] = LMTrainStep(dense_twin(LMTask.from_config(config)), config, batch)
     return arms
 
 
 def bench_lm_throughput(sizes: dict[str, int], dtype: str, warmup: int, repeats: int,
-                        routers: Sequence[str] = LM_ROUTERS,
-                        dispatch: str = "auto") -> dict[str, Any]:
+                        routers: Sequence[str] = LM_ROUTERS, dispatch: str = "auto",
+                        attention_impl: str = "einsum") -> dict[str, Any]:
     """Every arm of :func:`build_arms`, interleaved repeats.
 
     JSON: ``sizes``, ``dtype``, ``device_kind``, ``peak_flops`` (None where unknown),
@@ -165,7 +166,7 @@ def bench_lm_throughput(sizes: dict[str, int], dtype: str, warmup: int, repeats:
     CPU time (``paired_cpu``: on shared CPU cores, the work done).
     """
     load_before = load_average()
-    arms = build_arms(sizes, dtype, routers, dispatch)
+    arms = build_arms(sizes, dtype, routers, dispatch, attention_impl)
     cpu: dict[str, list[float]] = {}
     times = time_interleaved(arms, warmup, repeats, cpu_times=cpu)
     length = sizes["length"]
@@ -175,7 +176,8 @@ def bench_lm_throughput(sizes: dict[str, int], dtype: str, warmup: int, repeats:
     to_ref = ratios_to(times, REFERENCE, cpu, flops)
     kind, peak = device_peak(dtype)
     out: dict[str, Any] = {"sizes": dict(sizes), "dtype": dtype, "dispatch": dispatch,
-                           "device_kind": kind, "peak_flops": peak, "tokens_per_step": tokens}
+                           "attention_impl": attention_impl, "device_kind": kind,
+                           "peak_flops": peak, "tokens_per_step": tokens}
     for name, arm in arms.items():
         s = stats(times[name])
         out[name] = {
@@ -209,3 +211,43 @@ def bench_lm_throughput(sizes: dict[str, int], dtype: str, warmup: int, repeats:
 def _paired(times: dict[str, list[float]], reference: str, name: str) -> list[float]:
     """``name``'s time over ``reference``'s, round by round."""
     return [b / a for a, b in zip(times[reference], times[name], strict=True)]
+
+
+def bench_lm_profile(sizes: dict[str, int], dtype: str, warmup: int, steps: int, logdir: str,
+                     dispatch: str = "auto", attention_impl: str = "einsum") -> dict[str, Any]:
+    """A ``jax.profiler`` trace of ``steps`` training steps of the ``top2`` arm and where its
+    device time goes (:func:`lab.benchmarks.trace.summarize_trace`), as ``profile`` does for
+    the translation model."""
+    import glob
+    import os
+    import time
+
+    import jax
+
+    from lab.benchmarks.trace import summarize_trace
+    from sparsemixer_jax.tasks.language_model import LMTask
+
+    config = lm_model_config(sizes, "switch", dtype, dispatch, attention_impl)
+    step = LMTrainStep(LMTask.from_config(config), config, synthetic_lm_batch(sizes))
+    for _ in range(warmup):
+        jax.block_until_ready(step())
+    start = time.perf_counter()
+    jax.profiler.start_trace(logdir)
+    for _ in range(steps):
+        jax.block_until_ready(step())
+    jax.profiler.stop_trace()
+    wall = (time.perf_counter() - start) / steps
+    traces = sorted(glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True),
+                    key=os.path.getmtime)
+    out: dict[str, Any] = {"logdir": logdir, "sizes": dict(sizes), "dtype": dtype,
+                           "dispatch": dispatch, "attention_impl": attention_impl,
+                           "steps": steps, "wall_s_per_step_traced": wall,
+                           "load_average": load_average()}
+    if traces:
+        out.update(summarize_trace(traces[-1], steps))
+        print(f"lm_profile: device {out['device_s_per_step']*1e3:.1f} ms/step of "
+              f"{wall*1e3:.1f} ms wall; " + ", ".join(
+                  f"{k} {v['fraction']:.0%}" for k, v in out["categories"].items()), flush=True)
+        for op in out["top_ops"][:15]:
+            print(f"  {op['op'][:60]:<60} {op['s_per_step']*1e3:8.2f} ms  {op['fraction']:.1%}")
+    return out

@@ -142,11 +142,15 @@ def markdown_tables(result: dict[str, Any]) -> str:
         lines += _lm_table(result["lm_throughput"])
     if "rounds_s" in result:  # experiments.bench_routing_options
         lines += _routing_options_table(result)
-    if "profile" in result and "categories" in result["profile"]:
-        p = result["profile"]
-        lines += ["| op category | share of device time |", "| --- | --- |"]
-        lines += [f"| {k} | {v['fraction']:.1%} |" for k, v in p["categories"].items()]
-        lines.append("")
+    for key in ("profile", "lm_profile"):
+        if key in result and "categories" in result[key]:
+            p = result[key]
+            lines += ["| op category | share of device time |", "| --- | --- |"]
+            lines += [f"| {k} | {v['fraction']:.1%} |" for k, v in p["categories"].items()]
+            lines += ["", "| op | ms per step | share |", "| --- | --- | --- |"]
+            lines += [f"| {op['op'][:80]} | {op['s_per_step'] * 1e3:.2f} | "
+                      f"{op['fraction']:.1%} |" for op in p.get("top_ops", [])[:15]]
+            lines.append("")
     return "\n".join(lines)
 
 

@@ -43,6 +43,8 @@ Sections (``sections`` picks some):
   fusions, scatter, collectives, memcpy, ...): on a GPU from the kernels on the device's
   streams, on CPU from the XLA ops' self times; the trace itself stays in ``profile_dir`` for
   TensorBoard or Perfetto.
+* ``lm_profile`` (not run by default): the same for the language model's ``top2`` arm at the
+  ``lm_throughput`` sizes.
 
 Whole-step sections take ``dispatch`` (so does ``layer_cost``), ``attention_impl`` and, for the
 whole run, ``rng_impl``, ``deterministic``, ``triton_ragged_dot``; the JSON records them.
@@ -71,7 +73,13 @@ from lab.benchmarks.layers import (
     bench_padded_blocks,
     bench_router,
 )
-from lab.benchmarks.lm_step import LM_ACCEL_SIZES, LM_CPU_SIZES, LM_ROUTERS, bench_lm_throughput
+from lab.benchmarks.lm_step import (
+    LM_ACCEL_SIZES,
+    LM_CPU_SIZES,
+    LM_ROUTERS,
+    bench_lm_profile,
+    bench_lm_throughput,
+)
 from lab.benchmarks.report import markdown_tables
 from lab.benchmarks.training_step import (
     bench_fusion,
@@ -92,7 +100,7 @@ ACCEL_SIZES = {"emb": 512, "mlp": 2048, "heads": 8, "layers": 6, "vocab": 32000,
                "tokens": 2**15, "length": 128}
 
 SECTIONS = ("overhead", "router", "moe_vs_dense", "layer_cost", "throughput", "profile",
-            "padded_blocks", "fusion", "decode", "lm_throughput")
+            "padded_blocks", "fusion", "decode", "lm_throughput", "lm_profile")
 
 
 @dataclasses.dataclass
@@ -220,7 +228,11 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
     if "lm_throughput" in s.sections:
         result["lm_throughput"] = bench_lm_throughput(
             lm_sizes(s, backend), dtype, s.warmup, s.repeats, routers=s.lm_routers,
-            dispatch=s.dispatch)
+            dispatch=s.dispatch, attention_impl=s.attention_impl)
+    if "lm_profile" in s.sections:
+        result["lm_profile"] = bench_lm_profile(lm_sizes(s, backend), dtype, s.warmup,
+                                                s.profile_steps, s.profile_dir, s.dispatch,
+                                                s.attention_impl)
     if "fusion" in s.sections:
         result["fusion"] = bench_fusion(sizes, s.experts, dtype, s.warmup, s.repeats,
                                         **model_options)

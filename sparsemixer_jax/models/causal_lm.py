@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax import sharding
+from sparsemixer_jax.layers import ATTENTION_IMPLS
 from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
 from sparsemixer_jax.moe import MoEFeedForward
 
@@ -153,6 +154,7 @@ class Attention(nnx.Module):
         h, kv, d, e = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
         self.clip_qkv, self.qk_norm = config.clip_qkv, config.qk_norm
+        self.implementation = config.attention_impl
         self.q_proj = _linear(e, h * d, config.qkv_bias, config, rngs)
         self.k_proj = _linear(e, kv * d, config.qkv_bias, config, rngs)
         self.v_proj = _linear(e, kv * d, config.qkv_bias, config, rngs)
@@ -178,11 +180,24 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+               causal: bool = False) -> jax.Array:
         """``q [B, T, H, D]`` over ``k, v [B, S, KV, D]`` with bool ``mask [B, T, S]``: the
         output projection of the heads, ``[B, T, emb]``. Query head ``h`` reads key/value head
-        ``h // (H / KV)``, as transformers' ``repeat_kv`` lays them out."""
+        ``h // (H / KV)``, as transformers' ``repeat_kv`` lays them out. ``causal``: ``mask``
+        hides every key after its query (a full forward pass), which lets cuDNN skip those
+        blocks; the mask is applied either way."""
         b, t, h, d = q.shape
+        if self.implementation != "einsum":
+            # jax.nn.dot_product_attention groups query heads as repeat_kv does (head h reads
+            # key/value head h // (H / KV)) and takes the softmax in float32. cuDNN turns the
+            # boolean mask (padding, packed documents, a sliding window) into a constant
+            # additive bias, with no gradient computed for it.
+            heads = jax.nn.dot_product_attention(
+                q, k.astype(q.dtype), v.astype(q.dtype), mask=mask[:, None],
+                scale=d**-0.5, is_causal=causal and self.implementation == "cudnn",
+                implementation=ATTENTION_IMPLS[self.implementation])
+            return self.o_proj(heads.reshape(b, t, h * d))
         group = h // self.num_kv_heads
         q = q.reshape(b, t, self.num_kv_heads, group, d) * jnp.asarray(d**-0.5, q.dtype)
         logits = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype),
@@ -269,7 +284,8 @@ class DecoderLayer(nnx.Module):
             keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), index, 1)
             values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), index, 1)
             k, v, new_kv = keys, values, (keys, values)
-        x = x + self.self_attn.attend(q, k, v, mask).astype(x.dtype)
+        # Without a cache the mask is causal over the T new tokens (forward's mask).
+        x = x + self.self_attn.attend(q, k, v, mask, causal=kv is None).astype(x.dtype)
         h = self.post_attention_layernorm(x)
         zero = jnp.zeros((), jnp.float32)
         if self.is_moe:

@@ -16,6 +16,7 @@ import math
 from typing import Any, Literal
 
 from sparsemixer_jax import routers
+from sparsemixer_jax.layers import ATTENTION_IMPLS
 from sparsemixer_jax.moe.dispatch import DISPATCHES, GROUPED_IMPLS
 
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
@@ -95,6 +96,9 @@ class LMConfig:
       compute_dtype: ``"float32"`` or ``"bfloat16"`` (params stay float32; norms, softmax and
         routing run in float32).
       dispatch, grouped_impl, capacity_factor: the MoE layer's (:class:`MoEFeedForward`).
+      attention_impl: ``"einsum"`` (the model's own attention, what transformers computes),
+        ``"xla"`` or ``"auto"`` (``jax.nn.dot_product_attention``'s XLA form), ``"cudnn"``
+        (cuDNN's fused flash attention: NVIDIA GPUs, ``compute_dtype="bfloat16"``).
       remat: a name in :data:`REMAT_POLICIES`: what the backward pass of the scanned layers
         recomputes instead of keeping (memory for compute; the numbers are unchanged).
       hf_config: the ``config.json`` this config was read from (JSON text), so that saving keeps
@@ -136,6 +140,7 @@ class LMConfig:
     dispatch: str = "auto"
     grouped_impl: str = "mosaic"
     capacity_factor: float = 0.0
+    attention_impl: str = "einsum"
     remat: str = "none"
     hf_config: str = ""
 
@@ -169,9 +174,14 @@ class LMConfig:
                                      ("compute_dtype", self.compute_dtype, COMPUTE_DTYPES),
                                      ("dispatch", self.dispatch, DISPATCHES),
                                      ("grouped_impl", self.grouped_impl, GROUPED_IMPLS),
+                                     ("attention_impl", self.attention_impl,
+                                      tuple(ATTENTION_IMPLS)),
                                      ("remat", self.remat, REMAT_POLICIES)):
             if value not in choices:
                 fail(f"{name}={value!r}; choose one of {choices}")
+        if self.attention_impl == "cudnn" and self.compute_dtype != "bfloat16":
+            fail("attention_impl='cudnn' needs compute_dtype='bfloat16' (cuDNN's flash attention "
+                 f"takes bf16 or fp16), got {self.compute_dtype!r}")
         if not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):
             fail(f"norm_eps must be > 0, got {self.norm_eps}")
         if self.clip_qkv is not None and not self.clip_qkv > 0:

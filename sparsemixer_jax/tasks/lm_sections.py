@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from sparsemixer_jax.layers import ATTENTION_IMPLS
 from sparsemixer_jax.models.lm_config import MODEL_TYPES, LMConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.routers.registry import ROUTER_OPTIONS
@@ -43,12 +44,14 @@ class LMModelConfig:
       tie_embeddings, rope_theta, norm_eps, initializer_range, max_position_embeddings: as the
         type's ``config.json`` keys.
       dispatch, grouped_impl, capacity_factor, compute_dtype: the MoE layer's and the matmuls'.
+      attention_impl: ``einsum`` (transformers' computation), ``xla``/``auto``
+        (``jax.nn.dot_product_attention``) or ``cudnn`` (flash attention, bf16 on NVIDIA GPUs).
       remat: what the scanned layers' backward pass recomputes
         (:data:`~sparsemixer_jax.models.lm_config.REMAT_POLICIES`).
-      dropout, attention_dropout, activation_dropout, activation, attention_impl, init,
+      dropout, attention_dropout, activation_dropout, activation, init,
         num_shared_experts, shared_expert_gate: the fields every model section has
         (:func:`sparsemixer_jax.config.moe_model_fields`); the language model has no dropout,
-        SwiGLU (``silu``) experts, einsum attention, the types' own normal initialisation
+        SwiGLU (``silu``) experts, the types' own normal initialisation
         (``init="normal"``) and only Qwen2-MoE's own shared expert, so only the defaults are
         taken.
     """
@@ -95,11 +98,16 @@ class LMModelConfig:
             if getattr(m, name):
                 raise ValueError(f"{where}{name}={getattr(m, name)}: the language model has no "
                                  "dropout (Hugging Face's MoE types use none); set it to 0")
-        for name, only in (("activation", "silu"), ("attention_impl", "einsum"),
-                           ("init", "normal")):
+        for name, only in (("activation", "silu"), ("init", "normal")):
             if getattr(m, name) != only:
                 raise ValueError(f"{where}{name}={getattr(m, name)!r}: the language model "
                                  f"takes only {only!r}")
+        if m.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"{where}attention_impl={m.attention_impl!r}; choose one of "
+                             f"{', '.join(ATTENTION_IMPLS)}")
+        if m.attention_impl == "cudnn" and m.compute_dtype != "bfloat16":
+            raise ValueError(f"{where}attention_impl='cudnn' needs {where}compute_dtype="
+                             f"'bfloat16' (cuDNN's flash attention), got {m.compute_dtype!r}")
         if m.moe_every != 1 and m.hf_type not in ("qwen3_moe", "qwen2_moe"):
             raise ValueError(f"{where}moe_every={m.moe_every}: {m.hf_type} routes every layer; "
                              "dense layers need hf_type qwen3_moe or qwen2_moe")
@@ -202,7 +210,7 @@ def model_overrides(model: LMModelConfig) -> dict[str, Any]:
     """The :class:`LMConfig` fields the model section sets on a checkpoint too."""
     return {"dispatch": model.dispatch, "grouped_impl": model.grouped_impl,
             "capacity_factor": model.capacity_factor, "compute_dtype": model.compute_dtype,
-            "remat": model.remat}
+            "attention_impl": model.attention_impl, "remat": model.remat}
 
 
 @dataclasses.dataclass(frozen=True)
