@@ -216,38 +216,13 @@ def _paired(times: dict[str, list[float]], reference: str, name: str) -> list[fl
 def bench_lm_profile(sizes: dict[str, int], dtype: str, warmup: int, steps: int, logdir: str,
                      dispatch: str = "auto", attention_impl: str = "einsum") -> dict[str, Any]:
     """A ``jax.profiler`` trace of ``steps`` training steps of the ``top2`` arm and where its
-    device time goes (:func:`lab.benchmarks.trace.summarize_trace`), as ``profile`` does for
+    device time goes (:func:`lab.benchmarks.trace.profile_steps`), as ``profile`` does for
     the translation model."""
-    import glob
-    import os
-    import time
-
-    import jax
-
-    from lab.benchmarks.trace import summarize_trace
+    from lab.benchmarks.trace import profile_steps
     from sparsemixer_jax.tasks.language_model import LMTask
 
     config = lm_model_config(sizes, "switch", dtype, dispatch, attention_impl)
     step = LMTrainStep(LMTask.from_config(config), config, synthetic_lm_batch(sizes))
-    for _ in range(warmup):
-        jax.block_until_ready(step())
-    start = time.perf_counter()
-    jax.profiler.start_trace(logdir)
-    for _ in range(steps):
-        jax.block_until_ready(step())
-    jax.profiler.stop_trace()
-    wall = (time.perf_counter() - start) / steps
-    traces = sorted(glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True),
-                    key=os.path.getmtime)
-    out: dict[str, Any] = {"logdir": logdir, "sizes": dict(sizes), "dtype": dtype,
-                           "dispatch": dispatch, "attention_impl": attention_impl,
-                           "steps": steps, "wall_s_per_step_traced": wall,
-                           "load_average": load_average()}
-    if traces:
-        out.update(summarize_trace(traces[-1], steps))
-        print(f"lm_profile: device {out['device_s_per_step']*1e3:.1f} ms/step of "
-              f"{wall*1e3:.1f} ms wall; " + ", ".join(
-                  f"{k} {v['fraction']:.0%}" for k, v in out["categories"].items()), flush=True)
-        for op in out["top_ops"][:15]:
-            print(f"  {op['op'][:60]:<60} {op['s_per_step']*1e3:8.2f} ms  {op['fraction']:.1%}")
-    return out
+    out = profile_steps(step, warmup, steps, logdir, "lm_profile")
+    return {"sizes": dict(sizes), "dtype": dtype, "dispatch": dispatch,
+            "attention_impl": attention_impl, "load_average": load_average(), **out}

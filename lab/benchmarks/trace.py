@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -123,3 +127,31 @@ def summarize_trace(path: str, steps: int, top: int = 25) -> dict[str, Any]:
                      "category": _op_category(k)} for k, v in self_time.most_common(top)],
         "host_python_s_per_step": {k: v * scale for k, v in host.most_common(12)},
     }
+
+
+def profile_steps(step: Callable[[], Any], warmup: int, steps: int, logdir: str,
+                  label: str) -> dict[str, Any]:
+    """``warmup`` untimed calls of ``step``, then a ``jax.profiler`` trace of ``steps`` calls
+    into ``logdir``: the wall time per traced call and :func:`summarize_trace` of the newest
+    trace, printed under ``label``."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(step())
+    start = time.perf_counter()
+    jax.profiler.start_trace(logdir)
+    for _ in range(steps):
+        jax.block_until_ready(step())
+    jax.profiler.stop_trace()
+    wall = (time.perf_counter() - start) / steps
+    traces = sorted(glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True),
+                    key=os.path.getmtime)
+    out: dict[str, Any] = {"logdir": logdir, "steps": steps, "wall_s_per_step_traced": wall}
+    if traces:
+        out.update(summarize_trace(traces[-1], steps))
+        print(f"{label}: device {out['device_s_per_step']*1e3:.1f} ms/step of "
+              f"{wall*1e3:.1f} ms wall; " + ", ".join(
+                  f"{k} {v['fraction']:.0%}" for k, v in out["categories"].items()), flush=True)
+        for op in out["top_ops"][:10]:
+            print(f"  {op['op'][:60]:<60} {op['s_per_step']*1e3:8.2f} ms  {op['fraction']:.1%}")
+    return out

@@ -6,8 +6,6 @@ against SparseMixer, DenseMixer, Default MoE or any other router (overhead), den
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any
 
 from lab.benchmarks.flops import device_peak, model_flops_per_step
@@ -18,7 +16,7 @@ from lab.benchmarks.harness import (
     time_interleaved,
     with_switch_first,
 )
-from lab.benchmarks.trace import summarize_trace
+from lab.benchmarks.trace import profile_steps
 
 
 def model_config(sizes: dict[str, int], num_experts: int, router: str, dtype: str,
@@ -206,30 +204,8 @@ def bench_profile(sizes, dtype, warmup, steps, logdir, num_experts=4,
                   **model_options) -> dict[str, Any]:
     """``jax.profiler`` trace of ``steps`` whole training steps (SparseMixer, ``num_experts``)
     and a summary of where the device time goes."""
-    import glob
-
-    import jax
-
     step = TrainStep(model_config(sizes, num_experts, "sparsemixer", dtype, **model_options),
                      sizes["vocab"],
                      synthetic_batch(sizes))
-    for _ in range(warmup):
-        jax.block_until_ready(step())
-    start = time.perf_counter()
-    jax.profiler.start_trace(logdir)
-    for _ in range(steps):
-        jax.block_until_ready(step())
-    jax.profiler.stop_trace()
-    wall = (time.perf_counter() - start) / steps
-    traces = sorted(glob.glob(os.path.join(logdir, "**", "*.trace.json.gz"), recursive=True),
-                    key=os.path.getmtime)
-    out: dict[str, Any] = {"logdir": logdir, "num_experts": num_experts, "steps": steps,
-                           "wall_s_per_step_traced": wall, "load_average": load_average()}
-    if traces:
-        out.update(summarize_trace(traces[-1], steps))
-        print(f"profile (N={num_experts}): device {out['device_s_per_step']*1e3:.1f} ms/step "
-              f"of {wall*1e3:.1f} ms wall; " + ", ".join(
-                  f"{k} {v['fraction']:.0%}" for k, v in out["categories"].items()), flush=True)
-        for op in out["top_ops"][:10]:
-            print(f"  {op['op'][:50]:<50} {op['s_per_step']*1e3:8.2f} ms  {op['fraction']:.1%}")
-    return out
+    out = profile_steps(step, warmup, steps, logdir, f"profile (N={num_experts})")
+    return {"num_experts": num_experts, "load_average": load_average(), **out}
