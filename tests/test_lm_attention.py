@@ -124,3 +124,8 @@ def test_cudnn_attention_gives_the_xla_logits_on_a_gpu():
     keep = np.asarray(_inputs()[2])
     scale = np.abs(outs["xla"]).max()
     np.testing.assert_allclose(outs["cudnn"][keep], outs["xla"][keep], rtol=0, atol=2e-2 * scale)
+    # Generation with the cuDNN config (its cached steps take XLA's form) runs and is greedy.
+    from sparsemixer_jax.models.lm_generate import generate
+
+    tokens = generate(model, _inputs()[0][:, :4], 3)
+    assert tokens.shape == (2, 7)

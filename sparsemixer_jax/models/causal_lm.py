@@ -186,17 +186,21 @@ class Attention(nnx.Module):
         output projection of the heads, ``[B, T, emb]``. Query head ``h`` reads key/value head
         ``h // (H / KV)``, as transformers' ``repeat_kv`` lays them out. ``causal``: ``mask``
         hides every key after its query (a full forward pass), which lets cuDNN skip those
-        blocks; the mask is applied either way."""
+        blocks; the mask is applied either way, and without ``causal`` cuDNN is not used."""
         b, t, h, d = q.shape
         if self.implementation != "einsum":
             # jax.nn.dot_product_attention groups query heads as repeat_kv does (head h reads
             # key/value head h // (H / KV)) and takes the softmax in float32. cuDNN turns the
             # boolean mask (padding, packed documents, a sliding window) into a constant
-            # additive bias, with no gradient computed for it.
+            # additive bias, with no gradient computed for it. Cached decoding (a few queries
+            # against the whole cache) takes XLA's form: flash attention is for long queries.
+            implementation = ATTENTION_IMPLS[self.implementation]
+            if implementation == "cudnn" and not causal:
+                implementation = "xla"
             heads = jax.nn.dot_product_attention(
                 q, k.astype(q.dtype), v.astype(q.dtype), mask=mask[:, None],
-                scale=d**-0.5, is_causal=causal and self.implementation == "cudnn",
-                implementation=ATTENTION_IMPLS[self.implementation])
+                scale=d**-0.5, is_causal=implementation == "cudnn",
+                implementation=implementation)
             return self.o_proj(heads.reshape(b, t, h * d))
         group = h // self.num_kv_heads
         q = q.reshape(b, t, self.num_kv_heads, group, d) * jnp.asarray(d**-0.5, q.dtype)
