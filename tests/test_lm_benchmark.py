@@ -24,10 +24,12 @@ def test_lm_throughput_section_writes_sane_json(tmp_path):
     result = json.loads(out.read_text())
     lm = result["lm_throughput"]
     assert lm["attention_impl"] == result["lm_profile"]["attention_impl"] == "xla"
-    # The profile's ops are the model's: its device time is spent, mostly in named categories.
+    # The profile traced its step and summarised the trace (what the summary finds on a CPU
+    # depends on which threads XLA ran the tiny program on; the GPU layout is tested on a
+    # synthesized trace in test_benchmark.py).
     profile = result["lm_profile"]
-    assert profile["device_s_per_step"] > 0 and profile["top_ops"]
-    assert abs(sum(c["fraction"] for c in profile["categories"].values()) - 1) < 1e-6
+    assert profile["steps"] == 1 and profile["wall_s_per_step_traced"] > 0
+    assert {"device_s_per_step", "categories", "top_ops"} <= set(profile)
     arms = ("top2", "sparsemixer_v2", "dense")
     assert lm["tokens_per_step"] == 32 and lm["sizes"]["experts"] == 8
     for name in arms:
