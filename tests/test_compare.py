@@ -166,6 +166,11 @@ def test_summary_from_compact_files_equals_summary_from_logs(tmp_path):
     assert sm["unfinished_seeds"] == [2] and sm["finished"] == 2
     assert sm["paired_minus_target_arm"]["final_valid_loss"]["values"] == pytest.approx(
         [0.2, 0.0])
+    # Paired at every validation step: 4.8 - 5.0 and 3.5 - 4.0 for both seeds, then the last.
+    assert sm["paired_valid_loss_at"]["10"]["values"] == pytest.approx([-0.2, -0.2])
+    assert sm["paired_valid_loss_at"]["30"]["values"] == pytest.approx([0.2, 0.0])
+    assert "| sparsemixer_n2 − switch_n2 | -0.200 ± 0.000 (2/2) | -0.500 ± 0.000 (2/2) |" in \
+        markdown(before)
     # Diagnostics at the last logged step (step 30: i = 3).
     assert sm["final_router"]["num_unmasked"]["mean"] == pytest.approx(4.0)
     assert sm["final_router"]["one_eligible_share"]["mean"] == pytest.approx(0.5 / 3)
@@ -194,6 +199,14 @@ def test_language_model_study_reports_perplexities_not_bleu(tmp_path):
     table = markdown(summary)
     assert "valid ppl" in table and "BLEU" not in table
     assert "-5.50 ± 0.50 (2/2)" in table  # lower perplexity is better
+
+
+def test_router_figure_is_not_written_for_runs_without_router_diagnostics(tmp_path):
+    arms = ["switch_n8_eps0", "sparsemixer_v2star_n8"]
+    for arm in arms:
+        _run(tmp_path, arm, 0, [5.0, 4.7], moe=False, results={"valid_ppl": 100.0})
+    plot_router(str(tmp_path), summarize(str(tmp_path), arms, [0]), str(tmp_path / "router.png"))
+    assert not (tmp_path / "router.png").exists()
 
 
 def test_pack_then_unpack_makes_runs_count_as_done(tmp_path):

@@ -55,12 +55,17 @@ def plot_convergence(root: str, summary: dict[str, Any], out: str, window: int =
             ax_diff.fill_between(diffs[0][0][:length], values.min(0), values.max(0),
                                  color=color, alpha=0.2)
     ax_diff.axhline(0.0, color="k", lw=0.8)
-    ax_diff.set_title("validation loss minus the target Switch arm's, same seed")
+    ax_diff.set_title("validation loss minus the target arm's, same seed")
+    # A language model's runs report perplexities and train on plain cross entropy; the
+    # translation model's on label-smoothed cross entropy.
+    language_model = any(e.get("valid_ppl", {}).get("mean") is not None
+                         for e in summary["arms"].values())
+    ylabel = "cross entropy (nats)" if language_model else "label-smoothed cross entropy (nats)"
     ax_train.set_title(f"training loss (moving average, {window} updates)")
     ax_valid.set_title("validation loss (mean over seeds, band = min..max)")
     for ax in (ax_train, ax_valid, ax_diff):
         ax.set_xlabel("updates")
-        ax.set_ylabel("label-smoothed cross entropy (nats)")
+        ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
@@ -80,5 +85,8 @@ def plot_router(root: str, summary: dict[str, Any], out: str) -> None:
                 if run_state(run_dir(root, arm, s)) == "finished"]
         if runs:
             groups[arm] = runs
-    if groups:
+    # Runs that log no router diagnostics (the language model's) would give empty panels.
+    if any(summary["arms"][arm]["final_router"] for arm in groups):
         plot_diagnostics(groups, out)
+    else:
+        print(f"{out} not written: the runs log no router diagnostics")

@@ -176,16 +176,21 @@ def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
             continue
         diffs: dict[str, list[float | None]] = {"final_valid_loss": [],
                                                 **{key: [] for key in RESULT_METRICS}}
+        at: dict[str, list[float | None]] = {str(c): [] for c in summary["checkpoints"]}
         for seed, run in runs.get(arm, {}).items():
             other = runs[reference].get(seed)
             if other is None:
                 continue
+            for c in summary["checkpoints"]:
+                a, b = loss_at(*run["curves"]["valid"], c), loss_at(*other["curves"]["valid"], c)
+                at[str(c)].append(None if a is None or b is None else a - b)
             diffs["final_valid_loss"].append(float(run["curves"]["valid"][1][-1])
                                              - float(other["curves"]["valid"][1][-1]))
             for key in RESULT_METRICS:
                 a, b = run["results"].get(key), other["results"].get(key)
                 diffs[key].append(None if a is None or b is None else a - b)
         entry["paired_minus_target_arm"] = {k: _mean_std(v) for k, v in diffs.items()}
+        entry["paired_valid_loss_at"] = {c: _mean_std(v) for c, v in at.items()}
     return summary
 
 
@@ -254,6 +259,14 @@ def markdown(summary: dict[str, Any]) -> str:
             cells = [_fmt_paired(d["final_valid_loss"], 3, "negative")]
             cells += [_fmt_paired(d[key], *RESULT_METRICS[key][1:]) for key in shown_metrics]
             lines.append(f"| {arm} − {e['target_arm']} | " + " | ".join(cells) + " |")
+    if paired and all("paired_valid_loss_at" in summary["arms"][a] for a in paired):
+        lines += ["", "| arm minus its target arm, same seed: valid loss | "
+                  + " | ".join(f"@ {c}" for c in shown) + " |", "| --- |" + " --- |" * len(shown)]
+        for arm in paired:
+            e = summary["arms"][arm]
+            lines.append(f"| {arm} − {e['target_arm']} | " + " | ".join(
+                _fmt_paired(e["paired_valid_loss_at"][str(c)], 3, "negative") for c in shown)
+                + " |")
     routed = [a for a in arms if summary["arms"][a]["final_router"]]
     if routed:
         keys = ("num_unmasked", "one_eligible_share", "max_logit", "z_loss", "load_max",
