@@ -5,7 +5,8 @@
 #     bash experiments/gpu_campaign.sh              # all parts, ~30 min on an H100
 #     bash experiments/gpu_campaign.sh env lm routing   # some parts
 #
-# Parts (each takes <= ~8 min on one H100, so they can also run one or two at a time), in the
+# Parts (each a few minutes on one H100; "routing", which compiles eight translation models, more
+# than 7.8 min, so run it alone), in the
 # order they run, the parts that measure open targets first: env, lm, routing, layer, grouped,
 # step, variants, flags, profile, decode, tests.
 # Results go to $OUT (default runs/gpu_campaign, git-ignored) as each run finishes, 8 files:
