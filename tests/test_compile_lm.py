@@ -76,6 +76,24 @@ def test_a_mesh_that_does_not_fit_the_slice_is_one_line():
         lm.compile_lm(config, target, devices)
 
 
+def test_cudnn_attention_without_cudnn_names_the_way_out():
+    """On a host without cuDNN (this CPU host) cuDNN's attention cannot lower: the compile
+    command says so on one line and names the attention that checks the rest."""
+    kit.target_devices_or_skip("h100:1x1")
+    import importlib.util
+
+    from sparsemixer_jax.aot import command
+
+    if importlib.util.find_spec("nvidia.cudnn") is not None:
+        pytest.skip("cuDNN is installed here")
+    config = _two_layer_olmoe()
+    config.model.update(attention_impl="cudnn", compute_dtype="bfloat16")
+    config.mesh.update(data=1, fsdp=1, expert=1)
+    config.data.micro_batch_size = 0
+    result = command.compile_for_target(config, "h100:1x1", decode_step=False)
+    assert "cuDNN" in result["error"] and "model.attention_impl=xla" in result["error"]
+
+
 REAL_SIZES = [("olmoe_1b_7b", "tpu", "tpu:v5e:4x4"), ("olmoe_1b_7b", "h100", "h100:1x1x8")] + [
     (name, variant, spec) for name in ("mixtral_8x7b", "phi35_moe", "qwen3_30b_a3b")
     for variant, spec in (("tpu", "tpu:v5p:4x4x4"), ("h100", "h100:1x8x8"))]

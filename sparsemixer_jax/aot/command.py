@@ -47,7 +47,12 @@ def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
         compile_task = getattr(importlib.import_module(module), function)
         reports = compile_task(config, target, devices, decode_step=decode_step)
     except (ValueError, RuntimeError) as err:
-        return {"target": spec, "error": str(err).splitlines()[0]}
+        reason = str(err).splitlines()[0]
+        if "cudnn" in reason.lower() and config.model.get("attention_impl") == "cudnn":
+            # cuDNN's attention lowers only where the cuDNN library is installed (a GPU host).
+            reason += (" (model.attention_impl='cudnn' compiles only on a host with cuDNN; "
+                       "model.attention_impl=xla checks the rest of the program)")
+        return {"target": spec, "error": reason}
     data, fsdp, expert = sharding.MeshConfig.from_config(config.mesh).sizes(len(devices))
     return {"target": spec, "device_kind": devices[0].device_kind, "devices": len(devices),
             "mesh": f"data={data} x fsdp={fsdp} x expert={expert}",
