@@ -58,12 +58,19 @@ PARTS=("$@")
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)
+if ! command -v python >/dev/null && command -v python3 >/dev/null; then
+  # Images with only python3 (a wrapper, not a link: a linked venv python loses its venv).
+  mkdir -p "$WORK/bin"
+  printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" >"$WORK/bin/python"
+  chmod +x "$WORK/bin/python"
+  PATH="$WORK/bin:$PATH"
+fi
 export JAX_PLATFORMS=$PLATFORM
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/sparsemixer_campaign_cache}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 if [ -d .whl ]; then
-  for w in .whl/*.whl; do pip install -q --no-index --no-deps "$w" >/dev/null 2>&1 || true; done
+  for w in .whl/*.whl; do python -m pip install -q --no-index --no-deps "$w" >/dev/null 2>&1 || true; done
 fi
 python -c "import ml_collections" || { echo "ml_collections is missing (see the header)"; exit 1; }
 
@@ -200,7 +207,7 @@ for part in "${PARTS[@]}"; do
         tests/test_gpu.py tests/test_train.py tests/test_grouped_ffn.py tests/test_lm_attention.py >"$OUT/tests.txt" 2>&1
       log "tests: exit $? ($(tail -n 1 "$OUT/tests.txt"))"
       ;;
-    *) log "unknown part $part (env layer grouped step lm variants flags profile decode tests)" ;;
+    *) log "unknown part $part (env lm routing layer grouped step variants flags profile decode tests)" ;;
   esac
 done
 log "done: $OUT"
