@@ -40,9 +40,11 @@
 # Each JSON holds {"runs": {name: the benchmark's JSON}}; print its tables with
 #     python -m experiments.benchmark --report $OUT/step.json
 #
-# ml_collections, sacremoses and tensorboardX: installed from ./.whl when present, for a GPU
-# machine without PyPI access (download them where PyPI is reachable: pip download
-# ml_collections==1.1.0 sacremoses==0.2.0 tensorboardX==2.6.5 click joblib regex -d .whl).
+# Python packages the GPU machine lacks, or has at other versions than requirements.txt pins
+# (ml_collections, sacremoses, tensorboardX; flax, optax, orbax-checkpoint, chex): installed from
+# ./.whl when present, for a machine without PyPI access. Where PyPI is reachable:
+#   pip download --no-deps -d .whl ml_collections==1.1.0 sacremoses==0.2.0 tensorboardX==2.6.5 \
+#     flax==0.12.10 optax==0.2.8 orbax-checkpoint==0.12.8 chex==0.1.92
 set -uo pipefail
 
 OUT=${OUT:-runs/gpu_campaign}
