@@ -131,6 +131,15 @@ def test_a_run_reports_perplexity_bits_per_byte_the_unigram_baseline_and_a_sampl
     for r in steps:
         assert r["ppl"] == pytest.approx(math.exp(r["loss"]), rel=1e-5)
         assert np.isfinite(r["balance_loss"]) and r["balance_loss"] > 0
+    # Every log_every (2) steps, each MoE layer's loads and router diagnostics, as translation
+    # logs them: the study summary reads the load imbalance from them.
+    logged = [r for r in steps if "moe" in r]
+    assert [r["step"] for r in logged] == [2, 4, 6]
+    for r in logged:
+        assert sorted(r["moe"]) == ["layer_0", "layer_1"]
+        for layer in r["moe"].values():
+            assert sum(layer["expert_fraction"]) == pytest.approx(1.0, rel=1e-5)
+            assert layer["load_max"] == pytest.approx(max(layer["expert_fraction"]), rel=1e-5)
     # The held-out bytes are the last 6 articles' text, counted independently here.
     held_out = text.read_documents(os.path.join(corpus, "wiki.txt"))[-6:]
     assert results["valid_bytes"] == pytest.approx(

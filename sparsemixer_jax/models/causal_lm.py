@@ -60,7 +60,9 @@ class LMOutput(NamedTuple):
     Attributes:
       logits: float32 ``[B, T, V]``.
       cache: the updated :class:`KVCache`, or None when none was given.
-      aux: float32 scalars summed over the MoE layers: ``balance_loss``, ``z_loss``.
+      aux: float32 scalars summed over the MoE layers, ``balance_loss`` and ``z_loss``, and
+        ``moe``: each MoE layer's metrics (:meth:`MoEFeedForward.__call__`: loads, router
+        diagnostics) under ``"layer_{i}"``, ``i`` the layer's index in the model.
     """
 
     logits: jax.Array
@@ -291,13 +293,11 @@ class DecoderLayer(nnx.Module):
         # Without a cache the mask is causal over the T new tokens (forward's mask).
         x = x + self.self_attn.attend(q, k, v, mask, causal=kv is None).astype(x.dtype)
         h = self.post_attention_layernorm(x)
-        zero = jnp.zeros((), jnp.float32)
         if self.is_moe:
             y, metrics = self.mlp(h, token_mask, deterministic, dropless)
-            losses = (metrics["balance_loss"], metrics["z_loss"])
         else:
-            y, losses = self.mlp(h), (zero, zero)
-        return x + y.astype(x.dtype), new_kv, losses
+            y, metrics = self.mlp(h), {}
+        return x + y.astype(x.dtype), new_kv, metrics
 
 
 class LayerUnit(nnx.Module):
@@ -334,23 +334,24 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, mask, token_mask, det
         h = sharding.keep_rows_split(h, rows_sharding)
         unit_state, unit_kvs = xs
         unit = nnx.merge(graphdef, unit_state)
-        new_kvs, losses = [], []
+        new_kvs, metrics = [], []
         for i, layer in enumerate(unit.layers):
             kv = None if unit_kvs is None else (*unit_kvs[i], index)
-            h, new_kv, loss = layer(h, cos, sin, mask, kv, token_mask, deterministic, dropless)
+            h, new_kv, layer_metrics = layer(h, cos, sin, mask, kv, token_mask, deterministic,
+                                             dropless)
             new_kvs.append(new_kv)
-            losses.append(loss)
+            metrics.append(layer_metrics)
         out_kvs = None if unit_kvs is None else tuple(new_kvs)
-        return h, (nnx.state(unit), out_kvs, losses)
+        return h, (nnx.state(unit), out_kvs, metrics)
 
     if remat != "none":
         # The backward pass recomputes the layer body (keeping what the policy names) instead of
         # holding its activations for every layer; prevent_cse is unneeded inside scan.
         policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    x, (new_state, new_kvs, losses) = jax.lax.scan(body, x, (state, kvs))
+    x, (new_state, new_kvs, metrics) = jax.lax.scan(body, x, (state, kvs))
     nnx.update(stack, new_state)
-    return x, new_kvs, losses
+    return x, new_kvs, metrics
 
 
 class CausalLM(nnx.Module):
@@ -456,19 +457,25 @@ class CausalLM(nnx.Module):
         dropless = cache is not None
         kv_in = iter(zip(cache.keys, cache.values, strict=True)) if cache is not None else None
         new_keys, new_values = [], []
-        balance, z_loss = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+        moe: dict[str, dict] = {}
         index = cache.index if cache is not None else None
-        for stack, (pattern, _) in zip(self.stacks, self.stack_patterns, strict=True):
+        first = 0  # the model's index of the stack's first layer
+        for stack, (pattern, repeats) in zip(self.stacks, self.stack_patterns, strict=True):
             kvs = None if kv_in is None else tuple(next(kv_in) for _ in pattern)
-            x, out_kvs, losses = _scan_stack(stack, x, kvs, index, cos, sin, mask, real,
-                                             deterministic, dropless, c.remat,
-                                             self.rows_sharding)
-            for i in range(len(pattern)):
+            x, out_kvs, metrics = _scan_stack(stack, x, kvs, index, cos, sin, mask, real,
+                                              deterministic, dropless, c.remat,
+                                              self.rows_sharding)
+            for i, is_moe in enumerate(pattern):
                 if out_kvs is not None:
                     new_keys.append(out_kvs[i][0])
                     new_values.append(out_kvs[i][1])
-                balance = balance + jnp.sum(losses[i][0])
-                z_loss = z_loss + jnp.sum(losses[i][1])
+                for r in range(repeats if is_moe else 0):  # metrics[i]: stacked over repeats
+                    moe[f"layer_{first + r * len(pattern) + i}"] = jax.tree.map(
+                        lambda a, r=r: a[r], metrics[i])
+            first += repeats * len(pattern)
+        zero = jnp.zeros((), jnp.float32)
+        balance = sum((m["balance_loss"] for m in moe.values()), zero)
+        z_loss = sum((m["z_loss"] for m in moe.values()), zero)
         x = self.norm(x)
         logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
         logits = sharding.keep_rows_split(logits, self.rows_sharding)
@@ -477,7 +484,8 @@ class CausalLM(nnx.Module):
             new_cache = KVCache(tuple(new_keys), tuple(new_values), cache.index + t, k_real,
                                 cache.positions + jnp.sum(real, axis=1, dtype=jnp.int32))
         return LMOutput(logits.astype(jnp.float32), new_cache,
-                        {"balance_loss": balance, "z_loss": z_loss})
+                        {"balance_loss": balance, "z_loss": z_loss,
+                         "moe": dict(sorted(moe.items(), key=lambda kv: int(kv[0][6:])))})
 
     def __call__(self, input_ids: jax.Array, **kwargs: Any) -> jax.Array:
         """Logits float32 ``[B, T, V]`` of ``input_ids [B, T]`` (keyword arguments as

@@ -135,7 +135,8 @@ class LMTask:
         # tokens (the update's objective is mean NLL + weight * loss), "per_batch" adds them once.
         aux_scale = tokens if router.balance_normalization == "per_token" else 1.0
         metrics = {**sums, "balance_loss": out.aux["balance_loss"] * tokens,
-                   "z_loss": out.aux["z_loss"] * tokens}
+                   "z_loss": out.aux["z_loss"] * tokens,
+                   "moe": jax.tree.map(lambda v: v * tokens, out.aux["moe"])}
         return sums["nll"] + aux * aux_scale, metrics
 
     def summarize(self, m):
@@ -149,6 +150,8 @@ class LMTask:
             "balance_loss": m["balance_loss"] / tokens,
             "z_loss": m["z_loss"] / tokens,
             "tokens": m["tokens"],
+            # Each MoE layer's loads and router diagnostics, token-weighted over micro-batches.
+            "moe": jax.tree.map(lambda v: v / tokens, m["moe"]),
         }
 
     def evaluate(self, model: CausalLM, batch, key):
