@@ -171,6 +171,9 @@ def test_summary_from_compact_files_equals_summary_from_logs(tmp_path):
     assert sm["paired_valid_loss_at"]["30"]["values"] == pytest.approx([0.2, 0.0])
     assert "| sparsemixer_n2 − switch_n2 | -0.200 ± 0.000 (2/2) | -0.500 ± 0.000 (2/2) |" in \
         markdown(before)
+    # Max load over mean load, mean over the logged steps: 0.6 x N = 1.2 at every step.
+    assert sm["load_imbalance"]["mean"] == pytest.approx(1.2)
+    assert "| sparsemixer_n2 | 1.20 ± 0.00 (n=2) |" in markdown(before)
     # Diagnostics at the last logged step (step 30: i = 3).
     assert sm["final_router"]["num_unmasked"]["mean"] == pytest.approx(4.0)
     assert sm["final_router"]["one_eligible_share"]["mean"] == pytest.approx(0.5 / 3)

@@ -97,6 +97,15 @@ def _final_diagnostics(moe: dict) -> dict[str, float]:
     return out
 
 
+def load_imbalance(moe: dict, num_experts: int) -> float | None:
+    """Max load over mean load (``load_max x N``), mean over the logged steps and MoE layers of
+    a run's router log; None if it logged no loads."""
+    per_step = [np.mean([m["load_max"] for m in layers.values()])
+                for layers in moe.values() if layers and
+                all("load_max" in m for m in layers.values())]
+    return float(np.mean(per_step)) * num_experts if per_step else None
+
+
 def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
               checkpoints: Sequence[int] | None = None,
               versus: str | None = None) -> dict[str, Any]:
@@ -150,6 +159,8 @@ def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
         entry["final_step"] = _mean_std([float(v[0][-1]) if len(v[0]) else None for v in valid])
         for key in (*RESULT_METRICS, "best_valid_loss", "tokens_per_second"):
             entry[key] = _mean_std([r["results"].get(key) for r in per_seed.values()])
+        entry["load_imbalance"] = _mean_std([load_imbalance(r["curves"]["moe"], n)
+                                             for r in per_seed.values()] if n else [])
         finals = [_final_diagnostics(r["curves"]["moe"]) for r in per_seed.values()]
         entry["final_router"] = {k: _mean_std([f.get(k) for f in finals])
                                  for k in sorted({k for f in finals for k in f})}
@@ -267,6 +278,11 @@ def markdown(summary: dict[str, Any]) -> str:
             lines.append(f"| {arm} − {e['target_arm']} | " + " | ".join(
                 _fmt_paired(e["paired_valid_loss_at"][str(c)], 3, "negative") for c in shown)
                 + " |")
+    balanced = [a for a in arms if summary["arms"][a].get("load_imbalance", {}).get("mean")]
+    if balanced:
+        lines += ["", "| arm | load imbalance over training (max load / mean load) |",
+                  "| --- | --- |"]
+        lines += [f"| {a} | {fmt(summary['arms'][a]['load_imbalance'], 2)} |" for a in balanced]
     routed = [a for a in arms if summary["arms"][a]["final_router"]]
     if routed:
         keys = ("num_unmasked", "one_eligible_share", "max_logit", "z_loss", "load_max",
