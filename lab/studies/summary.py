@@ -98,8 +98,9 @@ def _final_diagnostics(moe: dict) -> dict[str, float]:
 
 
 def load_imbalance(moe: dict, num_experts: int) -> float | None:
-    """Max load over mean load (``load_max x N``), mean over the logged steps and MoE layers of
-    a run's router log; None if it logged no loads."""
+    """Max load over mean load (``load_max x N``: a micro-batch's largest expert share, as the
+    layers log it), mean over the logged steps and MoE layers of a run's router log; None if it
+    logged no loads."""
     per_step = [np.mean([m["load_max"] for m in layers.values()])
                 for layers in moe.values() if layers and
                 all("load_max" in m for m in layers.values())]
