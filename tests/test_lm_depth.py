@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax.models.causal_lm import CausalLM
-from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
 
 
 def _config(num_layers: int, moe_every: int) -> LMConfig:
@@ -52,3 +52,24 @@ def test_lowered_step_does_not_grow_with_depth(moe_every):
     deep = _ops_of_train_step(_config(18, moe_every))
     assert shallow > 100  # the count sees the program
     assert deep == shallow, (deep, shallow)
+
+
+def test_each_moe_layer_reports_its_metrics_under_its_own_index():
+    """A dense+MoE pair scanned 4 times, then one MoE layer in a stack of its own: each MoE
+    layer's metrics come out under its index in the model, and the losses are their sums."""
+    moe_layers = (False, True) * 4 + (True,)
+    assert layer_pattern_stacks(moe_layers) == (((False, True), 4), ((True,), 1))
+    config = LMConfig(
+        model_type="qwen2_moe", vocab_size=61, hidden_size=16, num_layers=9, num_heads=4,
+        num_kv_heads=2, head_dim=4, intermediate_size=24, moe_intermediate_size=12,
+        num_experts=4, top_k=2, moe_layers=moe_layers)
+    model = CausalLM(config, rngs=nnx.Rngs(params=0, router=1))
+    model.eval()
+    aux = model.forward(jnp.arange(10)[None] % 61).aux
+    assert list(aux["moe"]) == ["layer_1", "layer_3", "layer_5", "layer_7", "layer_8"]
+    # Each layer routes the same 10 tokens with its own weights: its own loads, summing to 1.
+    fractions = [aux["moe"][k]["expert_fraction"] for k in aux["moe"]]
+    assert all(abs(float(jnp.sum(f)) - 1) < 1e-5 for f in fractions)
+    assert len({tuple(f.tolist()) for f in fractions}) > 1
+    assert float(aux["balance_loss"]) == pytest.approx(
+        sum(float(m["balance_loss"]) for m in aux["moe"].values()), rel=1e-6)
