@@ -148,3 +148,13 @@ def test_lm_study_commands_are_the_documented_ones():
     docs = (pathlib.Path(__file__).parents[1] / "docs" / "router_bench.md").read_text()
     for command in lm_balancing.commands():
         assert command in docs
+
+
+def test_lm_study_summary_commands_read_the_roots_the_commands_write():
+    from experiments import compare
+
+    for balancing in lm_balancing.LM_BALANCINGS:
+        args = compare.parse_args(lm_balancing.summary_command(balancing).split()[3:])
+        assert args.root == f"runs/lm_balancing_{balancing}" and args.summarize_only
+        assert args.out_json == f"docs/results/lm_balancing_{balancing}_cpu.json"
+        assert args.override == list(lm_balancing.LM_BALANCINGS[balancing][0])

@@ -8,6 +8,8 @@ loss and the balancings differ in the balancing only. The arms are those of
 refuses the pair: a selection bias changes the distribution SparseMixer samples from).
 
     python -c "from lab.studies.lm_balancing import commands; print(*commands(), sep='\\n')"
+
+and, once a root's runs are finished, :func:`summary_command` summarises it into docs/results.
 """
 
 from __future__ import annotations
@@ -47,3 +49,13 @@ def command(balancing: str) -> str:
 def commands() -> list[str]:
     """One command per balancing, in :data:`LM_BALANCINGS`' order."""
     return [command(b) for b in LM_BALANCINGS]
+
+
+def summary_command(balancing: str) -> str:
+    """The command that summarises one balancing's finished root into ``docs/results``
+    (``lm_balancing_{balancing}_cpu.{json,md,png}``, the router figure, the runs' small files)."""
+    out = f"docs/results/lm_balancing_{balancing}"
+    return (command(balancing).replace(" --parallel 2 --compact", "")
+            + f" --summarize-only --out-json {out}_cpu.json --out-md {out}_cpu.md"
+            f" --plot {out}_cpu.png --plot-router {out}_router_cpu.png"
+            f" --pack {out}_runs.tar.gz")
