@@ -17,7 +17,7 @@ import os
 import pkgutil
 import sys
 from importlib import metadata
-from typing import Any
+from typing import Any, NoReturn
 
 from absl import app, flags
 
@@ -272,7 +272,7 @@ def train_or_exit(train_fn, config, workdir: str) -> dict:
         exit_process(2)
 
 
-def exit_process(code: int) -> None:
+def exit_process(code: int) -> NoReturn:
     """``sys.exit(code)``; one of several processes first leaves the distributed runtime with
     the others (``jax.distributed.shutdown``: a barrier) and then ends at once.
 

@@ -271,7 +271,7 @@ def markdown(summary: dict[str, Any]) -> str:
             cells = [_fmt_paired(d["final_valid_loss"], 3, "negative")]
             cells += [_fmt_paired(d[key], *RESULT_METRICS[key][1:]) for key in shown_metrics]
             lines.append(f"| {arm} − {e['target_arm']} | " + " | ".join(cells) + " |")
-    if paired and all("paired_valid_loss_at" in summary["arms"][a] for a in paired):
+    if paired:
         lines += ["", "| arm minus its target arm, same seed: valid loss | "
                   + " | ".join(f"@ {c}" for c in shown) + " |", "| --- |" + " --- |" * len(shown)]
         for arm in paired:
@@ -279,7 +279,7 @@ def markdown(summary: dict[str, Any]) -> str:
             lines.append(f"| {arm} − {e['target_arm']} | " + " | ".join(
                 _fmt_paired(e["paired_valid_loss_at"][str(c)], 3, "negative") for c in shown)
                 + " |")
-    balanced = [a for a in arms if summary["arms"][a].get("load_imbalance", {}).get("mean")]
+    balanced = [a for a in arms if summary["arms"][a]["load_imbalance"]["mean"]]
     if balanced:
         lines += ["", "| arm | load imbalance over training (max load / mean load) |",
                   "| --- | --- |"]
