@@ -80,11 +80,9 @@ def test_cudnn_attention_without_cudnn_names_the_way_out():
     """On a host without cuDNN (this CPU host) cuDNN's attention cannot lower: the compile
     command says so on one line and names the attention that checks the rest."""
     kit.target_devices_or_skip("h100:1x1")
-    import importlib.util
-
     from sparsemixer_jax.aot import command
 
-    if importlib.util.find_spec("nvidia.cudnn") is not None:
+    if targets.module_found("nvidia.cudnn"):
         pytest.skip("cuDNN is installed here")
     config = _two_layer_olmoe()
     config.model.update(attention_impl="cudnn", compute_dtype="bfloat16")

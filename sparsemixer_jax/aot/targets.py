@@ -127,14 +127,23 @@ def parse_target(spec: str) -> Target:
         "h100:<hosts>x<gpus> (e.g. h100:1x8)")
 
 
+def module_found(name: str) -> bool:
+    """Whether module ``name`` can be imported; False also when a parent package of a dotted
+    name is missing (where ``importlib.util.find_spec`` raises instead)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def missing_support(target: Target) -> str | None:
     """Why ``target`` cannot be compiled for in this environment (one line), or None."""
     if target.platform == "tpu":
-        if importlib.util.find_spec("libtpu") is None:
+        if not module_found("libtpu"):
             return (f'TPU targets need libtpu: pip install "jax[tpu]=={jax.__version__}" '
                     "(or -r requirements-compile.txt)")
         return None
-    if importlib.util.find_spec("jax_plugins.xla_cuda13") is None:
+    if not module_found("jax_plugins.xla_cuda13"):  # no jax_plugins at all without the extras
         return (f"H100 targets need the CUDA PJRT plugin: pip install "
                 f"jax-cuda13-plugin=={jax.__version__} jax-cuda13-pjrt=={jax.__version__} "
                 "nvidia-nvshmem-cu13==3.8.0 (or -r requirements-compile.txt)")
