@@ -164,6 +164,7 @@ def test_summary_from_compact_files_equals_summary_from_logs(tmp_path):
     before = summarize(str(root), arms, [0, 1, 2])
     sm = before["arms"]["sparsemixer_n2"]
     assert sm["unfinished_seeds"] == [2] and sm["finished"] == 2
+    assert sm["finished_seeds"] == [0, 1]  # the seeds the per-seed values belong to
     assert sm["paired_minus_target_arm"]["final_valid_loss"]["values"] == pytest.approx(
         [0.2, 0.0])
     # Paired at every validation step: 4.8 - 5.0 and 3.5 - 4.0 for both seeds, then the last.

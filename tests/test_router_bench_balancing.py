@@ -158,3 +158,37 @@ def test_lm_study_summary_commands_read_the_roots_the_commands_write():
         assert args.root == f"runs/lm_balancing_{balancing}" and args.summarize_only
         assert args.out_json == f"docs/results/lm_balancing_{balancing}_cpu.json"
         assert args.override == list(lm_balancing.LM_BALANCINGS[balancing][0])
+
+
+def _lm_summary(losses: dict[str, dict[int, float]]) -> dict:
+    """A study summary as ``experiments.compare --out-json`` writes it, for the given final
+    validation losses by arm and seed (load imbalance and rate derived from them)."""
+    arms = {}
+    for arm, by_seed in losses.items():
+        seeds = list(by_seed)
+        arms[arm] = {"finished_seeds": seeds,
+                     "final_valid_loss": {"values": [by_seed[s] for s in seeds]},
+                     "load_imbalance": {"values": [by_seed[s] / 2 for s in seeds]},
+                     "tokens_per_second_median_step": {"values": [1000 * by_seed[s]
+                                                                  for s in seeds]}}
+    return {"seeds": [0, 1, 2], "arms": arms}
+
+
+def test_lm_balancing_table_pairs_by_seed_across_roots():
+    switch, dense = lm_balancing.VERSUS, "densemixer_n8_eps0_norm1"
+    mb = _lm_summary({switch: {0: 4.5, 1: 4.6, 2: 4.4}, dense: {0: 4.4, 1: 4.5, 2: 4.35}})
+    # seed 0 of the Switch arm unfinished: the other seeds still pair with their own seed
+    bias = _lm_summary({switch: {1: 4.7, 2: 4.3}, dense: {0: 9.9, 1: 4.8, 2: 4.2}})
+    table = lm_balancing.balancing_table({"mb": mb, "bias": bias})
+    lines = [line for line in table.splitlines() if line.startswith(f"| {dense} |")]
+    assert len(lines) == 4  # versus top-2; versus itself under mb; load; rate
+    # versus top-2 under mb: -0.1, -0.1, -0.05 -> mean -0.0833, SE 0.0167: beyond 2 SE
+    assert "**−0.083 ± 0.017** (3/3)" in lines[0]
+    # under bias, seeds 1 and 2 pair (+0.1, -0.1): the unfinished seed 0 pairs with nothing
+    assert "+0.000 ± 0.100 (1/2)" in lines[0]
+    # bias minus mb for DenseMixer, all three seeds: +5.5, +0.3, -0.15
+    assert "+1.883 ± 1.813 (1/3)" in lines[1]
+    assert "2.21 ± 0.02" in lines[2] and "4417 ± 44" in lines[3]
+    # SparseMixer does not compose with bias balancing; the table says so in every table
+    v2 = [line for line in table.splitlines() if line.startswith("| sparsemixer_v2_n8 |")]
+    assert len(v2) == 4 and all(line.rstrip(" |").endswith("refused") for line in v2)

@@ -14,6 +14,13 @@ and, once a root's runs are finished, :func:`summary_command` summarises it into
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import pathlib
+
+import numpy as np
+
 CONFIG = "configs/lm_study.py"
 SEEDS = (0, 1, 2)
 VERSUS = "switch_n8_eps0_norm1"
@@ -59,3 +66,116 @@ def summary_command(balancing: str) -> str:
             + f" --summarize-only --out-json {out}_cpu.json --out-md {out}_cpu.md"
             f" --plot {out}_cpu.png --plot-router {out}_router_cpu.png"
             f" --pack {out}_runs.tar.gz")
+
+
+BALANCING_TITLES = {"mb": "micro-batch loss", "gb": "global-batch loss",
+                    "bias": "bias, no loss", "none": "none"}
+
+
+def _by_seed(summary: dict, arm: str, key: str) -> dict[int, float]:
+    """One arm's per-seed values of ``key`` in a study summary (``experiments.compare
+    --out-json``: the values of its finished seeds, in order), by seed; seeds without a finite
+    value left out."""
+    entry = summary["arms"].get(arm)
+    if entry is None or key not in entry:
+        return {}
+    return {seed: v for seed, v in zip(entry["finished_seeds"], entry[key]["values"], strict=True)
+            if v is not None and math.isfinite(v)}
+
+
+def paired_by_seed(arm: dict[int, float], other: dict[int, float]) -> dict[str, float] | None:
+    """``arm - other`` over the seeds both have: mean, standard error (ddof = 1), how many
+    seeds the difference is negative, and n; ``None`` without two common seeds."""
+    seeds = sorted(set(arm) & set(other))
+    if len(seeds) < 2:
+        return None
+    d = np.array([arm[s] - other[s] for s in seeds])
+    return {"mean": float(d.mean()), "se": float(d.std(ddof=1) / math.sqrt(d.size)),
+            "below": int((d < 0).sum()), "n": int(d.size)}
+
+
+def _paired_cell(stat: dict[str, float] | None) -> str:
+    """``−0.083 ± 0.013 (3/3)``, bold where the mean is beyond 2 standard errors from 0."""
+    if stat is None:
+        return "–"
+    text = f"{stat['mean']:+.3f} ± {stat['se']:.3f}".replace("-", "−")
+    if abs(stat["mean"]) > 2 * stat["se"]:
+        text = f"**{text}**"
+    return f"{text} ({stat['below']}/{stat['n']})"
+
+
+def _mean_se_cell(values: dict[int, float], digits: int) -> str:
+    if not values:
+        return "–"
+    v = np.array(list(values.values()))
+    se = f" ± {v.std(ddof=1) / math.sqrt(v.size):.{digits}f}" if v.size > 1 else ""
+    n = f" (n={v.size})" if v.size != len(SEEDS) else ""
+    return f"{v.mean():.{digits}f}{se}{n}"
+
+
+def balancing_table(summaries: dict[str, dict]) -> str:
+    """The study's answer across balancings, as markdown, from each balancing's summary
+    (balancing name of :data:`LM_BALANCINGS` -> the summary JSON of its root).
+
+    Four tables, one row per estimator, one column per balancing: the final validation loss
+    (ln validation perplexity) minus top-2's under the same balancing, paired by seed; minus
+    the same estimator's under the micro-batch loss; the load imbalance over training; the
+    training tokens per second. A pair the router's config refuses reads "refused"."""
+    shown = [b for b in LM_BALANCINGS if b in summaries]
+
+    def table(columns: list[str], cell) -> list[str]:
+        out = ["| estimator | " + " | ".join(BALANCING_TITLES[b] for b in columns) + " |",
+               "| --- |" + " --- |" * len(columns)]
+        for arm in ALL_ARMS:
+            cells = [cell(b, arm) if arm in LM_BALANCINGS[b][1] else "refused" for b in columns]
+            out.append(f"| {arm} | " + " | ".join(cells) + " |")
+        return out
+
+    def loss(b: str, arm: str) -> dict[int, float]:
+        return _by_seed(summaries[b], arm, "final_valid_loss")
+
+    lines = ["Final validation loss minus top-2's (`" + VERSUS + "`) under the same balancing, "
+             "same seed: mean ± standard error (seeds where the estimator is lower / seeds); "
+             "bold beyond 2 standard errors.", ""]
+    lines += table(shown, lambda b, arm: "" if arm == VERSUS
+                   else _paired_cell(paired_by_seed(loss(b, arm), loss(b, VERSUS))))
+    others = [b for b in shown if b != "mb"]
+    if "mb" in summaries and others:
+        lines += ["", "Final validation loss minus the same estimator's under the micro-batch "
+                  "loss, same seed.", ""]
+        lines += table(others, lambda b, arm: _paired_cell(
+            paired_by_seed(loss(b, arm), loss("mb", arm))))
+    lines += ["", "Load imbalance over training (max load / mean load): mean ± standard error "
+              "over seeds.", ""]
+    lines += table(shown, lambda b, arm: _mean_se_cell(
+        _by_seed(summaries[b], arm, "load_imbalance"), 2))
+    lines += ["", "Training tokens per second, each run's median over its steps (compilation and "
+              "evaluations left out): mean ± standard error over seeds.", ""]
+    lines += table(shown, lambda b, arm: _mean_se_cell(
+        _by_seed(summaries[b], arm, "tokens_per_second_median_step"), 0))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lab.studies.lm_balancing``: :func:`balancing_table` of the summaries in
+    ``docs/results`` (``lm_balancing_{balancing}_cpu.json``; balancings not summarised yet are
+    left out), printed and written to ``docs/results/lm_balancing_cpu.md``."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--results", default="docs/results", help="folder of the summaries")
+    parser.add_argument("--out-md", default="docs/results/lm_balancing_cpu.md")
+    args = parser.parse_args(argv)
+    summaries = {}
+    for balancing in LM_BALANCINGS:
+        path = pathlib.Path(args.results) / f"lm_balancing_{balancing}_cpu.json"
+        if path.exists():
+            summaries[balancing] = json.loads(path.read_text())
+    if not summaries:
+        raise SystemExit(f"error: no lm_balancing_*_cpu.json in {args.results}; summarise a "
+                         "root first (summary_command)")
+    table = balancing_table(summaries)
+    print(table, end="")
+    pathlib.Path(args.out_md).write_text(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -148,6 +148,7 @@ def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
         router, n = arm_settings(arm)
         entry: dict[str, Any] = {"router": router if n else "dense", "num_experts": n,
                                  "settings": parse_arm(arm), "finished": len(per_seed),
+                                 "finished_seeds": list(per_seed),
                                  "unfinished_seeds": partial.get(arm, []),
                                  "diverged_seeds": diverged.get(arm, [])}
         entry["valid_loss_at"] = {
@@ -158,7 +159,8 @@ def summarize(root: str, arms: Sequence[str], seeds: Sequence[int],
         entry["final_valid_loss"] = _mean_std([float(v[1][-1]) if len(v[1]) else None
                                                for v in valid])
         entry["final_step"] = _mean_std([float(v[0][-1]) if len(v[0]) else None for v in valid])
-        for key in (*RESULT_METRICS, "best_valid_loss", "tokens_per_second"):
+        for key in (*RESULT_METRICS, "best_valid_loss", "tokens_per_second",
+                    "tokens_per_second_median_step"):
             entry[key] = _mean_std([r["results"].get(key) for r in per_seed.values()])
         entry["load_imbalance"] = _mean_std([load_imbalance(r["curves"]["moe"], n)
                                              for r in per_seed.values()] if n else [])
