@@ -19,7 +19,9 @@ machine), the ratios of both to the plain router's, and the spread of the per-ro
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import os
 import time
 
 import jax
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     add("--steps", type=int, default=5, help="timed steps per option per round")
     add("--repeats", type=int, default=3, help="rounds")
     add("--options", nargs="*", default=list(OPTIONS), choices=list(OPTIONS))
+    add("--build-threads", type=int, default=min(len(OPTIONS), os.cpu_count() or 1),
+        help="options built and compiled at once")
     add("--json", help="also write the settings and the table here")
     args = parser.parse_args(argv)
     if "plain" not in args.options:
@@ -78,8 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
     batches = [{k: jnp.asarray(rng.integers(3, args.vocab, (rows, args.length), np.int32))
                 for k in ("inputs", "targets")} for _ in range(args.micro_batches)]
 
-    runs = {}
-    for name in args.options:
+    def build(name: str) -> list:
+        """The option's steps and state, compiled and warmed up."""
         start = time.perf_counter()
         config = bench_config(args, OPTIONS[name])
         steps = training.build_steps(translation.TranslationTask.from_config(config), config,
@@ -88,13 +92,21 @@ def main(argv: list[str] | None = None) -> dict:
         for i in range(2):  # compile, then one more outside the timing
             state, _ = steps.train_step(state, batches, jax.random.key(i))
         jax.block_until_ready(state)
-        runs[name] = [steps, state]
         # Compilation is most of a run's time on a GPU: say where it is, so a stopped run tells.
         print(f"{name}: built, compiled and warmed up in {time.perf_counter() - start:.1f} s",
               flush=True)
+        return [steps, state]
+
+    # The options compile at once, in threads: XLA's compiler leaves Python's lock while it
+    # works, so on a many-core host the builds overlap instead of taking turns.
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(args.build_threads) as pool:
+        runs = dict(zip(args.options, pool.map(build, args.options), strict=True))
+    print(f"all {len(runs)} options built in {time.perf_counter() - start:.1f} s "
+          f"({args.build_threads} at once)", flush=True)
 
     times = {name: [] for name in args.options}  # [round] -> median seconds per step
-    settings = {k: v for k, v in vars(args).items() if k != "json"}
+    settings = {k: v for k, v in vars(args).items() if k not in ("json", "build_threads")}
     for r in range(args.repeats):
         for name in args.options:
             steps, state = runs[name]

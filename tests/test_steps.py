@@ -93,6 +93,16 @@ def test_several_micro_batches_take_the_accumulating_path(steps):
                        (new.params, new.opt_state, metrics))
 
 
+def test_micro_batches_compile_the_accumulation_once(steps):
+    """The zero accumulator is placed as an accumulated one is: the second micro-batch reuses
+    the first one's executable (jit keys executables on whether arrays are committed)."""
+    state = copy(steps.init_state())
+    shape = {"rows": 3, "length": 7}  # a signature no other test here compiles
+    before = training_steps._accumulate._cache_size()
+    steps.train_step(state, [batch(0, **shape), batch(1, **shape)], jax.random.key(0))
+    assert training_steps._accumulate._cache_size() == before + 1
+
+
 @pytest.mark.parametrize("impl", ["xla", "auto"])
 def test_dot_product_attention_equals_the_einsum_attention(impl):
     kw = dict(attention_dropout=0.0, dtype=jnp.float32)

@@ -79,7 +79,11 @@ def _gradient(graphdef, task, params, layer_state, rest, batch, key):
 # its inputs were, and XLA gathers and reduce-scatters around the constraints.
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("partitioner",))
+# keep_unused: the zeros depend on the state's shapes only, and a jit whose arguments are all
+# pruned returns arrays not committed to a device, where _accumulate returns committed ones;
+# jit keys its executables on that, so the second micro-batch compiled _accumulate again.
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("partitioner",),
+                   keep_unused=True)
 def _zero_accumulator(graphdef, task, state, rest, batch, partitioner=None):
     shapes = jax.eval_shape(
         lambda s, r, b: micro_batch_loss(graphdef, task, s.params, s.layer_state, r, b,
