@@ -257,14 +257,14 @@ def train_or_exit(train_fn, config, workdir: str) -> dict:
         return train_fn(config, workdir)
     except Stopped as stop:
         print(stop, file=sys.stderr)
-        sys.exit(stop.exit_code)
+        exit_process(stop.exit_code)
     except KeyboardInterrupt:
         print("interrupted outside the training steps; rerun to resume from the last checkpoint "
               "(if one was written)", file=sys.stderr)
         sys.exit(130)
     except TrainingDiverged as err:
         print(f"training stopped: {err}", file=sys.stderr)
-        sys.exit(1)
+        exit_process(1)
     except (ValueError, FileNotFoundError, CheckpointError, WorkdirError) as err:
         if flags.FLAGS.verbosity >= 1:
             raise
@@ -278,8 +278,9 @@ def exit_process(code: int) -> NoReturn:
 
     Why at once: a process hosting the coordination service sometimes hung for good in the
     interpreter's final garbage collection after the shutdown (seen with CPU hosts' gloo
-    collectives, about one exit in eight on a loaded machine). Only for exits after an error:
-    a finished run's atexit work (checkpoints being written) must run."""
+    collectives, about one exit in eight on a loaded machine). Only for runs that end early
+    (an error, a divergence, a stop signal), whose training loop has already waited for its
+    checkpoints and flushed its logs: a finished run's atexit work must run."""
     from jax._src import distributed  # is this process part of a distributed run?
 
     if distributed.global_state.client is None:

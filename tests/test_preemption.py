@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from absl import flags
 
 from sparsemixer_jax import cli
 from sparsemixer_jax.tasks import translation
-from sparsemixer_jax.training import build_steps, train
+from sparsemixer_jax.training import TrainingDiverged, build_steps, train
 from sparsemixer_jax.training.preemption import Stopped, StopSignals
 from tests import tiny_wmt_config
 from tests.multiprocess import run_processes
@@ -76,6 +77,38 @@ class SignalledTranslation(translation.TranslationTask):
         return dataclasses.replace(data, train=SignalOnFetch(data.train, first_batch, self.signum))
 
 
+def tensorboard_steps(workdir, tag="loss"):
+    """The steps of ``tag``'s scalars in the run's TensorBoard event files, as on disk now
+    (TFRecords: length, its CRC, an ``Event``, its CRC)."""
+    from tensorboardX.proto import event_pb2
+
+    steps = []
+    folder = os.path.join(workdir, "tensorboard")
+    for name in sorted(os.listdir(folder)):
+        data = pathlib.Path(folder, name).read_bytes()
+        at = 0
+        while at + 12 <= len(data):
+            length = int.from_bytes(data[at:at + 8], "little")
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+            steps += [event.step for v in event.summary.value if v.tag == tag]
+            at += 12 + length + 4
+    return steps
+
+
+def test_closing_the_metric_log_puts_every_tensorboard_event_on_disk(tmp_path):
+    """A stopped run closes its log before the command line ends the process at once: no
+    event may wait in the writer's queue (its flush alone leaves some there)."""
+    from sparsemixer_jax.training.logs import MetricLog
+
+    log = MetricLog(str(tmp_path), 0)
+    for step in range(1, 301):
+        log.write({"step": step, "loss": 1 / step})
+    log.close()
+    assert tensorboard_steps(str(tmp_path)) == list(range(1, 301))
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 301))
+
+
 def records(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -111,6 +144,9 @@ def test_sigterm_checkpoints_the_step_in_flight_and_the_rerun_matches_a_run_neve
     assert meta["step"] == STOP_AT
     logged = [r for r in records(workdir) if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, STOP_AT + 1))
+    # On disk before anything closes the run's writer: the command line may end the process
+    # at once (cli.exit_process), and the steps up to the stop are not logged again.
+    assert tensorboard_steps(workdir) == list(range(1, STOP_AT + 1))
     assert meta["train_tokens"] == sum(r["tokens"] for r in logged)
     first_part_time = meta["train_time_s"]
     assert first_part_time > 0
@@ -164,6 +200,14 @@ def test_train_or_exit_reports_a_stop_on_one_line(capsys):
         cli.train_or_exit(interrupted, None, "unused")
     assert exit_.value.code == 130
     assert capsys.readouterr().err.startswith("interrupted outside the training steps; rerun")
+
+    def diverged(config, workdir):
+        raise TrainingDiverged("step 5: loss nan")
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.train_or_exit(diverged, None, "unused")
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == "training stopped: step 5: loss nan\n"
 
 
 @pytest.mark.slow  # fast counterpart: the in-process signal above

@@ -59,8 +59,11 @@ class MetricLog:
                     self.writer.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
+        """TensorBoard's queued events to disk (``metrics.jsonl`` is written line by line): its
+        writer's ``flush`` leaves up to a queue's worth of events in memory, ``close`` does not."""
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
 
 
 def flatten(tree: dict, prefix: str = "", sep: str = "/") -> dict[str, Any]:

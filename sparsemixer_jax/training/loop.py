@@ -296,6 +296,7 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
     finally:
         stop.close()
         checkpoints.wait()
+        log.close()  # a run stopped here may end without Python's exit work (cli.exit_process)
         progress.close()
 
     # Finish: results.json with the task's own final results.
@@ -315,6 +316,5 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
     results["config"] = json.loads(config.to_json())
     if is_main_process():
         write_atomically(os.path.join(workdir, "results.json"), json.dumps(results, indent=1))
-    log.close()
     checkpoints.close()
     return results
