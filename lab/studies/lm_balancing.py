@@ -21,6 +21,8 @@ import pathlib
 
 import numpy as np
 
+from lab.router_bench.metrics import Paired, paired
+
 CONFIG = "configs/lm_study.py"
 SEEDS = (0, 1, 2)
 VERSUS = "switch_n8_eps0_norm1"
@@ -83,25 +85,23 @@ def _by_seed(summary: dict, arm: str, key: str) -> dict[int, float]:
             if v is not None and math.isfinite(v)}
 
 
-def paired_by_seed(arm: dict[int, float], other: dict[int, float]) -> dict[str, float] | None:
-    """``arm - other`` over the seeds both have: mean, standard error (ddof = 1), how many
-    seeds the difference is negative, and n; ``None`` without two common seeds."""
+def paired_by_seed(arm: dict[int, float], other: dict[int, float]) -> Paired | None:
+    """``arm - other`` over the seeds both have (:func:`lab.router_bench.metrics.paired`);
+    ``None`` without two common seeds."""
     seeds = sorted(set(arm) & set(other))
     if len(seeds) < 2:
         return None
-    d = np.array([arm[s] - other[s] for s in seeds])
-    return {"mean": float(d.mean()), "se": float(d.std(ddof=1) / math.sqrt(d.size)),
-            "below": int((d < 0).sum()), "n": int(d.size)}
+    return paired(np.array([arm[s] for s in seeds]), np.array([other[s] for s in seeds]))
 
 
-def _paired_cell(stat: dict[str, float] | None) -> str:
+def _paired_cell(stat: Paired | None) -> str:
     """``−0.083 ± 0.013 (3/3)``, bold where the mean is beyond 2 standard errors from 0."""
     if stat is None:
         return "–"
-    text = f"{stat['mean']:+.3f} ± {stat['se']:.3f}".replace("-", "−")
-    if abs(stat["mean"]) > 2 * stat["se"]:
+    text = stat.fmt().replace("-", "−")
+    if abs(stat.mean) > 2 * stat.se:
         text = f"**{text}**"
-    return f"{text} ({stat['below']}/{stat['n']})"
+    return f"{text} ({stat.below}/{stat.n})"
 
 
 def _mean_se_cell(values: dict[int, float], digits: int) -> str:
