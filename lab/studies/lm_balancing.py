@@ -33,6 +33,8 @@ MICRO_BATCHES = ("data.micro_batch_size=4",)
 
 BIAS_UPDATE_RATE = 0.001
 """Megatron-Core's default ``moe_router_bias_update_rate`` (DeepSeek-V3's rate)."""
+FAST_BIAS_UPDATE_RATE = 0.01
+"""Ten times that: at most 6 in a 600-update run, where 0.001 moves a bias 0.6 at most."""
 
 ALL_ARMS = SPARSEMIXER_ARMS + SWITCH_FORWARD_ARMS
 
@@ -41,6 +43,8 @@ LM_BALANCINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "gb": ((*MICRO_BATCHES, "router.balance_scope=global_batch"), ALL_ARMS),
     "bias": ((*MICRO_BATCHES, "router.balance_weight=0.0",
               f"router.bias_update_rate={BIAS_UPDATE_RATE}"), SWITCH_FORWARD_ARMS),
+    "bias0.01": ((*MICRO_BATCHES, "router.balance_weight=0.0",
+                  f"router.bias_update_rate={FAST_BIAS_UPDATE_RATE}"), SWITCH_FORWARD_ARMS),
     "none": ((*MICRO_BATCHES, "router.balance_weight=0.0"), ALL_ARMS),
 }
 """Balancing -> (the ``--override`` of every run, the arms that compose with it)."""
@@ -71,7 +75,8 @@ def summary_command(balancing: str) -> str:
 
 
 BALANCING_TITLES = {"mb": "micro-batch loss", "gb": "global-batch loss",
-                    "bias": "bias, no loss", "none": "none"}
+                    "bias": "bias (0.001), no loss", "bias0.01": "bias (0.01), no loss",
+                    "none": "none"}
 
 
 def _by_seed(summary: dict, arm: str, key: str) -> dict[int, float]:
