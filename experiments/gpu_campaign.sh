@@ -148,17 +148,15 @@ for part in "${PARTS[@]}"; do
     routing)
       # Each routing option's cost per update of Transformer-base N = 4 against the plain router
       # (target on one H100: at most 1% each); into step.json. Its own script, like "grouped".
-      # Its JSON (rewritten after every round) and its lines go to $OUT as they come, so that a
-      # run stopped from outside keeps its rounds (the report reads a stopped run's JSON).
+      # Its lines go to campaign.txt as they come (each option's build time, then every round's
+      # step times), so that a run stopped from outside still shows its rounds.
       log "step/routing_options: python -m experiments.bench_routing_options"
-      running="$OUT/routing_options.running.json"
       # shellcheck disable=SC2086  # ROUTING_ARGS is a list of words
       timeout "$RUN_LIMIT" python -m experiments.bench_routing_options --emb 512 --mlp 2048 \
         --layers 6 --experts 4 --tokens 4096 --length 128 --vocab 32000 --steps 10 \
-        --repeats 5 --json "$running" $ROUTING_ARGS 2>&1 \
+        --repeats 5 --json "$WORK/step.routing_options.json" $ROUTING_ARGS 2>&1 \
         | tee "$WORK/step.routing_options.log" >>"$OUT/campaign.txt"
       log "step/routing_options: exit ${PIPESTATUS[0]}"
-      [ -f "$running" ] && mv "$running" "$WORK/step.routing_options.json"
       merge step routing_options
       ;;
     lm)
