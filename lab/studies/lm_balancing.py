@@ -21,7 +21,7 @@ import pathlib
 
 import numpy as np
 
-from lab.router_bench.metrics import Paired, paired
+from lab.router_bench.metrics import Paired, mean_se, paired
 
 CONFIG = "configs/lm_study.py"
 SEEDS = (0, 1, 2)
@@ -112,10 +112,9 @@ def _paired_cell(stat: Paired | None) -> str:
 def _mean_se_cell(values: dict[int, float], digits: int) -> str:
     if not values:
         return "–"
-    v = np.array(list(values.values()))
-    se = f" ± {v.std(ddof=1) / math.sqrt(v.size):.{digits}f}" if v.size > 1 else ""
-    n = f" (n={v.size})" if v.size != len(SEEDS) else ""
-    return f"{v.mean():.{digits}f}{se}{n}"
+    mean, se = mean_se(np.array(list(values.values())))
+    n = f" (n={len(values)})" if len(values) != len(SEEDS) else ""
+    return f"{mean:.{digits}f}" + (f" ± {se:.{digits}f}" if len(values) > 1 else "") + n
 
 
 def balancing_table(summaries: dict[str, dict]) -> str:
