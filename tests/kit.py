@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +124,98 @@ def test_extending_a_run_equals_the_uninterrupted_run(task, straight_run, tmp_pa
     jax.tree.map(np.testing.assert_array_equal, params, expected)
     # Each step is logged once, although the run was stopped and started again.
     assert [r["step"] for r in read_metrics(workdir) if "loss" in r] == list(range(1, 7))
+
+
+# ------------------------------------------------- the same training on two meshes or processes
+#
+# Sharding changes the order in which a cross-device sum adds its terms, and another host's math
+# library rounds XLA's elementwise functions (exp, log, tanh) differently; neither changes any
+# result by more than float32 rounding. The tolerances below follow from that and from the
+# optimizer, not from one host's figures, and the comparisons that use them run one side under
+# the other math library (:func:`run_with_other_math`), so a tolerance tuned to one host fails
+# on every host.
+
+UNIT_ROUNDOFF = 2.0**-24  # float32: a rounded result is within this relative error of the exact
+PLATFORM_MATH = "--xla_cpu_enable_platform_dependent_math"
+
+# Adam in its linear regime, for runs whose parameters are compared after several updates (see
+# :func:`adam_parameter_atol`): epsilon at least the gradient norm of every update, the learning
+# rate scaled with it (the update is then about ``peak_lr / eps`` times the gradient's moving
+# average, SGD with momentum).
+LINEAR_ADAM_EPS = 10.0
+
+
+def sum_rtol(n: int) -> float:
+    """Relative tolerance between two float32 evaluations of one sum of ``n`` terms of one sign
+    (a loss summed over tokens, a squared norm), in any two orders and with elementwise
+    functions from any two math libraries. Recursive summation in any order is within
+    ``(n - 1) u`` of the exact sum relative to the sum of the terms' magnitudes (Higham,
+    *Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 4.2; ``u`` is
+    :data:`UNIT_ROUNDOFF`), which for terms of one sign is the sum itself; a term computed by a
+    few correctly rounded or few-ulp elementwise functions adds at most a few ``u``, covered by
+    counting ``n`` terms instead of ``n - 1`` and by the factor 4 (two evaluations, each within
+    twice the bound)."""
+    return 4.0 * n * UNIT_ROUNDOFF
+
+
+def adam_parameter_atol(lrs: Sequence[float], grad_norms: Sequence[float], eps: float,
+                        grad_rtol: float) -> float:
+    """Largest difference of any parameter between two runs of AdamW from the same parameters
+    whose every gradient element differs by at most ``grad_rtol * G`` (``G``: the largest of
+    ``grad_norms``, which bounds every gradient element), after the updates with learning rates
+    ``lrs``, when ``eps >= G`` (asserted).
+
+    Per element, Adam's update is ``m / (sqrt(v) + eps)``, where the bias-corrected ``m`` and
+    ``v`` are weighted means of the gradients and their squares (weights summing to 1). So
+    ``|m| <= G``; ``m`` changes by at most ``d = grad_rtol * G`` when each gradient does, and so
+    does ``sqrt(v)`` (a weighted root mean square is 1-Lipschitz in the largest change of its
+    terms). The update therefore changes by at most
+    ``d / (sqrt(v) + eps) + |m| d / (sqrt(v) + eps)**2 <= d (1 + G / eps) / eps <= 2 d / eps``,
+    and the parameter by the sum over updates of ``lr`` times that. Weight decay multiplies a
+    difference by ``1 - lr * wd`` (at most 1), clipping by the global norm scales both runs'
+    gradients by factors within ``grad_rtol`` of each other, and a difference in the parameters
+    changes the next gradients only through the loss's curvature times a difference of this
+    size: second order, inside the bound's factor 2 for the few small steps the tests take.
+
+    At Adam's usual ``eps`` (1e-8 or 1e-6) no such bound exists: an element whose gradient is
+    rounding noise (the attention key bias, whose gradient is zero in exact arithmetic) moves by
+    about ``lr`` in a direction set by the noise, different for every summation order and math
+    library. That is why these runs take :data:`LINEAR_ADAM_EPS`."""
+    bound = max(grad_norms)
+    assert 0 < bound <= eps, f"gradient norm {bound} above Adam's eps {eps}: no linear regime"
+    return 2.0 * grad_rtol * bound * math.fsum(lrs) / eps
+
+
+def assert_parameters_close(got, want, atol: float, updates: int, label: str = "") -> None:
+    """Every leaf of the trees ``got`` and ``want`` (same structure) within ``atol`` plus the
+    float32 rounding of ``updates`` additions to a parameter of that leaf's size in each run
+    (``2 * updates * u`` relative)."""
+    rtol = 2.0 * updates * UNIT_ROUNDOFF
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want),
+                            strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol,
+                                   err_msg=f"{label}{jax.tree_util.keystr(path)}")
+
+
+def other_math_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's environment) with XLA's CPU elementwise math switched to
+    the other implementation: the platform's own (``PLATFORM_MATH=true``, XLA's default) if this
+    process uses XLA's portable one, and the portable one otherwise. The other flags stay."""
+    env = dict(os.environ if env is None else env)
+    flags = env.get("XLA_FLAGS", "").split()
+    portable_here = f"{PLATFORM_MATH}=false" in flags
+    flags = [f for f in flags if not f.startswith(PLATFORM_MATH)]
+    flags.append(f"{PLATFORM_MATH}={'true' if portable_here else 'false'}")
+    return {**env, "XLA_FLAGS": " ".join(flags)}
+
+
+def run_with_other_math(module: str, *args: str, timeout: float = 600) -> None:
+    """``python -m module *args`` from the repository root under :func:`other_math_env`; its
+    output shown if it fails."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", module, *args], cwd=root, env=other_math_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{module} {args}: exit {done.returncode}\n{done.stderr[-4000:]}"
 
 
 # --------------------------------------------------------------------------- the MoE layer

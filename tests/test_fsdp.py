@@ -2,7 +2,20 @@
 the 8 simulated CPU devices: a few training steps equal the same steps on one device, for the
 translation task through the training loop and for the decoder-only LM through the compiled
 steps; a sharded run's checkpoint restores onto other mesh shapes; every parameter of every
-model has logical axis names."""
+model has logical axis names.
+
+The one-device reference runs in a child process under the other implementation of XLA's
+elementwise math (:func:`tests.kit.run_with_other_math`): the comparisons must hold across the
+math libraries of every host, not only across summation orders. ``python -m tests.test_fsdp
+translation WORKDIR`` and ``python -m tests.test_fsdp lm OUT.npz`` are those children.
+
+Tolerances (derived in :mod:`tests.kit`): losses and gradient norms within
+:func:`tests.kit.sum_rtol` of the longest chain of float32 additions a gradient element takes;
+parameters within :func:`tests.kit.adam_parameter_atol`, with Adam in its linear regime
+(``eps`` = :data:`tests.kit.LINEAR_ADAM_EPS`, above every gradient norm), where its update is
+Lipschitz in the gradient. Routing decisions are the same in both runs: the routers' logits are
+scaled to order 1, so that rounding cannot move a token to another expert.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +23,10 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
+
+if __name__ == "__main__":  # a reference child process: the repository root on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
@@ -23,20 +40,13 @@ from sparsemixer_jax import hf, partitioning, sharding, training
 from sparsemixer_jax.models.causal_lm import CausalLM, rope_cos_sin
 from sparsemixer_jax.models.lm_config import MODEL_TYPES, LMConfig
 from sparsemixer_jax.tasks import translation
-from sparsemixer_jax.training.optim import OptimSettings
+from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule
 from sparsemixer_jax.training.state import restore_checkpoint
 from sparsemixer_jax.training.steps import Steps
 from tests import kit
 from tests.tiny_wmt_config import tiny
 
 STEPS = 5
-RTOL, ATOL = 2e-5, 1e-6  # float32 rounding of a different reduction order, over 5 steps
-# Adam's epsilon for these runs. At the usual 1e-8, a gradient that is zero in exact arithmetic
-# (the attention key bias: softmax ignores a shift shared by every key) or nearly cancels is
-# rounding noise that Adam normalises into a learning-rate-sized step, different for every
-# summation order (one device included). At 1e-6 such gradients move their parameters by about
-# gradient / epsilon, and every parameter agrees to float32 rounding.
-ADAM_EPS = 1e-6
 
 # ------------------------------------------------------------------------- the decoder-only LM
 
@@ -46,6 +56,12 @@ LM = LMConfig(model_type="mixtral", vocab_size=64, hidden_size=16, num_layers=3,
               jitter_eps=0.0, dispatch="padded")
 LM_BATCH, LM_LEN = 8, 12
 ROUTER_SCALE = 40.0  # routers' logits of order 1: a clear margin between the k-th and next
+# Adam in its linear regime: an update of about 0.5 times the gradient's moving average.
+LM_OPTIM = dataclasses.replace(OptimSettings.from_config(kit.tiny_config("translation").optim),
+                               peak_lr=5.0, eps=kit.LINEAR_ADAM_EPS)
+# The longest chain of float32 additions into a gradient element: the update's tokens (a weight
+# gradient's sum over them) or, if longer, the layers times the widest contraction (the vocab).
+LM_ADDITIONS = max(LM_BATCH * LM_LEN, LM.num_layers * LM.vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +140,7 @@ def train_lm(mesh_shape, initial):
     model = lm_model(mesh, jax.tree.map(jnp.copy, initial))
     if partitioner is not None:
         sharding.shard_state(model, partitioner)
-    optim = OptimSettings.from_config(kit.tiny_config("translation").optim)
-    steps = Steps(model, NextTokenTask(), dataclasses.replace(optim, peak_lr=1e-2, eps=ADAM_EPS),
-                  partitioner)
+    steps = Steps(model, NextTokenTask(), LM_OPTIM, partitioner)
     ids = jax.random.randint(jax.random.key(3), (LM_BATCH, LM_LEN + 1), 0, LM.vocab_size)
     batch = {"ids": ids if mesh is None else jax.device_put(ids, sharding.batch_sharding(mesh))}
     margins = [float(routing_margin(model, ids))] if mesh is None else []
@@ -140,28 +154,56 @@ def train_lm(mesh_shape, initial):
     return state, metrics, margins
 
 
+def save_lm_reference(path: str) -> None:
+    """The one-device LM run (:func:`train_lm`), written to ``path`` (npz): each step's metrics
+    (``metrics/NAME``), the routing margins, the parameters and optimizer state by key path."""
+    state, metrics, margins = train_lm(None, nnx.state(lm_model(None)))
+    arrays = {f"metrics/{name}": np.array([float(m[name]) for m in metrics])
+              for name in metrics[0]}
+    arrays["margins"] = np.array(margins)
+    for tree in ("params", "opt_state"):
+        for key, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(getattr(state, tree))):
+            arrays[tree + jax.tree_util.keystr(key)] = np.asarray(leaf)
+    np.savez(path, **arrays)
+
+
 @pytest.fixture(scope="module")
-def lm_runs():
-    initial = nnx.state(lm_model(None))
-    return {shape: train_lm(shape, initial) for shape in (None, (1, 4, 2))}
+def lm_runs(tmp_path_factory):
+    """The 1x4x2 run here, and the one-device reference from a child process under the other
+    math library (module docstring)."""
+    path = str(tmp_path_factory.mktemp("lm") / "one.npz")
+    kit.run_with_other_math("tests.test_fsdp", "lm", path)
+    with np.load(path) as f:
+        reference = dict(f)
+    return {"one": reference, (1, 4, 2): train_lm((1, 4, 2), nnx.state(lm_model(None)))}
 
 
 def test_lm_sharded_training_equals_one_device(lm_runs):
-    state0, metrics0, margins = lm_runs[None]
+    """5 AdamW steps on a 1x4x2 mesh equal them on one device. Losses and gradient norms within
+    ``sum_rtol(LM_ADDITIONS)``; parameters within Adam's bound for that gradient rounding
+    (:func:`tests.kit.adam_parameter_atol`); the moments within the same rounding: ``mu`` moves
+    by at most ``d = grad_rtol * G``, ``nu`` by ``2 G d``."""
+    one = lm_runs["one"]
     # Before and after the steps, every token's k-th choice leads the next by more than 1e-3:
     # float32 rounding of logits of order 1 (about 1e-6) cannot change a routing decision.
-    assert min(margins) > 1e-3, margins
-    assert metrics0[-1]["loss"] < metrics0[0]["loss"]
-    for shape in ((1, 4, 2),):
-        state, metrics, _ = lm_runs[shape]
-        for got, want in zip(metrics, metrics0, strict=True):
-            for name in ("loss", "balance_loss", "z_loss", "grad_norm"):
-                np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL,
-                                           err_msg=f"{shape} {name}")
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL),
-                     jax.device_get(state.params), jax.device_get(state0.params))
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL),
-                     jax.device_get(state.opt_state), jax.device_get(state0.opt_state))
+    assert one["margins"].min() > 1e-3, one["margins"]
+    assert one["metrics/loss"][-1] < one["metrics/loss"][0]
+    grad_rtol = kit.sum_rtol(LM_ADDITIONS)
+    state, metrics, _ = lm_runs[(1, 4, 2)]
+    for name in ("loss", "balance_loss", "z_loss", "grad_norm"):
+        np.testing.assert_allclose([float(m[name]) for m in metrics], one[f"metrics/{name}"],
+                                   rtol=grad_rtol, err_msg=name)
+    lrs = np.asarray(learning_rate_schedule(LM_OPTIM)(jnp.arange(STEPS)))
+    grad_norms = one["metrics/grad_norm"]
+    atol = kit.adam_parameter_atol(lrs, grad_norms, LM_OPTIM.eps, grad_rtol)
+    g, d = max(grad_norms), grad_rtol * max(grad_norms)
+    for tree, tolerance in (("params", lambda key: atol),
+                            ("opt_state", lambda key: 2 * g * d if ".nu" in key else d)):
+        leaves = {tree + jax.tree_util.keystr(path): leaf for path, leaf in
+                  jax.tree_util.tree_leaves_with_path(jax.device_get(getattr(state, tree)))}
+        assert leaves.keys() == {key for key in one if key.startswith(tree)}
+        for key, leaf in leaves.items():
+            kit.assert_parameters_close(leaf, one[key], tolerance(key), STEPS, key)
 
 
 def test_lm_state_stays_sharded(lm_runs):
@@ -192,54 +234,67 @@ class NoTestDecoding(translation.TranslationTask):
         return {}
 
 
+# Adam in its linear regime: an update of about 0.3 times the gradient's moving average at the
+# peak rate (the tiny config warms up over 10 updates, so these 5 take 0.01 to 0.04 of it).
+TRANSLATION_OPTIM = {"optim.eps": kit.LINEAR_ADAM_EPS, "optim.peak_lr": 3.0}
+
+
 def run_translation(workdir, **mesh):
     """5 steps of the tiny translation run on ``mesh`` (``config.mesh`` fields). Routers drawn
     100 times the usual variance: logits of order 1, so that rounding cannot move a token to
     another expert (the SparseMixer draws are the same on every mesh: threefry partitions)."""
     config = tiny(**{"train_steps": STEPS, "eval_every": STEPS, "checkpoint_every": STEPS,
-                     "log_every": 1, "router.init_scale": 100.0, "optim.eps": ADAM_EPS,
+                     "log_every": 1, "router.init_scale": 100.0, **TRANSLATION_OPTIM,
                      **{f"mesh.{k}": v for k, v in mesh.items()}})
     return config, training.train(NoTestDecoding.from_config(config), config, workdir)
 
 
 @pytest.fixture(scope="module")
 def translation_runs(tmp_path_factory):
+    """The one-device run, from a child process under the other math library (module
+    docstring), and the 1x4x2 run here, on the first run's vocabulary (the same data)."""
     root = tmp_path_factory.mktemp("fsdp")
-    runs = {}
-    for name, mesh in (("one", {"data": 1}), ("sharded", {"data": 1, "fsdp": 4, "expert": 2})):
-        workdir = str(root / name)
-        if runs:  # the first run's vocabulary: trained once (the same data, the same model)
-            os.makedirs(workdir)
-            shutil.copy(os.path.join(runs["one"][0], "spm.model"), workdir)
-        config, results = run_translation(workdir, **mesh)
-        runs[name] = (workdir, config, results)
-    return runs
+    one, sharded = str(root / "one"), str(root / "sharded")
+    kit.run_with_other_math("tests.test_fsdp", "translation", one)
+    os.makedirs(sharded)
+    shutil.copy(os.path.join(one, "spm.model"), sharded)
+    _, results = run_translation(sharded, data=1, fsdp=4, expert=2)
+    return {"one": one, "sharded": (sharded, results)}
 
 
 def test_translation_sharded_run_equals_one_device(translation_runs, last_checkpoint):
-    one, config0, results0 = translation_runs["one"]
-    sharded, _, results = translation_runs["sharded"]
+    """5 updates on a 1x4x2 mesh equal them on one device. Each update holds 1,024 token
+    positions (two micro-batches of 8 x 64), more than the layers times the widest contraction
+    (the vocab, 128): losses and gradient norms within ``sum_rtol(1024)``; the parameters within
+    Adam's bound for that gradient rounding (:func:`tests.kit.adam_parameter_atol`) with the
+    logged rates and norms; the routing decisions (each layer's share of tokens per expert)
+    the same."""
+    one = translation_runs["one"]
+    sharded, results = translation_runs["sharded"]
     records0, records = kit.read_metrics(one), kit.read_metrics(sharded)
     train0 = [r for r in records0 if "loss" in r]
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    config0 = tiny(**TRANSLATION_OPTIM)
+    grad_rtol = kit.sum_rtol(config0.optim.tokens_per_update)
     for got, want in zip(train, train0, strict=True):
         for name in ("loss", "grad_norm", "nll_loss", "balance_loss"):
             if name in want:
-                np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL,
+                np.testing.assert_allclose(got[name], want[name], rtol=grad_rtol,
                                            err_msg=f"step {want['step']} {name}")
-        # The same routing decisions: each layer's share of tokens per expert.
         for layer, values in want["moe"].items():
-            np.testing.assert_allclose(got["moe"][layer]["expert_fraction"],
-                                       values["expert_fraction"], rtol=1e-6, atol=0,
-                                       err_msg=f"step {want['step']} {layer}")
-    np.testing.assert_allclose(results["valid_loss"], results0["valid_loss"], rtol=RTOL)
+            np.testing.assert_array_equal(got["moe"][layer]["expert_fraction"],
+                                          values["expert_fraction"],
+                                          err_msg=f"step {want['step']} {layer}")
+    valid0 = [r["valid_loss"] for r in records0 if "valid_loss" in r]
+    np.testing.assert_allclose(results["valid_loss"], valid0[-1], rtol=grad_rtol)
+    atol = kit.adam_parameter_atol([r["lr"] for r in train0], [r["grad_norm"] for r in train0],
+                                   kit.LINEAR_ADAM_EPS, grad_rtol)
     steps0 = training.build_steps(NoTestDecoding.from_config(config0), config0,
                                   config0.data.vocab_size)
     params0, _ = last_checkpoint(one, steps0)
     params, _ = last_checkpoint(sharded, steps0)  # restored onto one device
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL),
-                 params, params0)
+    kit.assert_parameters_close(params, params0, atol, STEPS)
 
 
 def test_sharded_checkpoint_restores_onto_another_mesh(translation_runs):
@@ -390,3 +445,12 @@ def test_lm_model_is_placed_by_the_configs_rules():
     assert params["embed_tokens"]["embedding"][...].sharding.spec in (P(), P(None, None))
     w_gate = params["stacks"][0]["layers"][0]["mlp"]["moe"]["w_gate"][...]
     assert w_gate.sharding.spec == P(None, "expert", None, "fsdp")
+
+
+if __name__ == "__main__":  # the one-device references of the tests above
+    if sys.argv[1] == "translation":
+        run_translation(sys.argv[2], data=1)
+    elif sys.argv[1] == "lm":
+        save_lm_reference(sys.argv[2])
+    else:
+        raise SystemExit("usage: python -m tests.test_fsdp translation WORKDIR | lm OUT.npz")
