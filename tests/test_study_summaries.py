@@ -92,3 +92,4 @@ def test_a_changed_run_changes_the_summary(tmp_path, monkeypatch):
     changed = summarize(root, list(arms), list(seeds), versus=versus)
     assert json.dumps(changed, indent=1) != (RESULTS / f"{name}_cpu.json").read_text()
 
+
