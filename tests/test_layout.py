@@ -54,3 +54,9 @@ def test_no_modules_left_at_the_old_paths():
     for name in ("models.py", "encoder.py", "electra.py", "causal_lm.py", "lm_config.py",
                  "lm_generate.py", "benchmarks", "studies", "router_bench", "exact/experiment.py"):
         assert not (package / name).exists(), name
+
+
+def test_the_readme_is_at_most_12000_bytes():
+    """The README is a newcomer's page; detail belongs in docs/."""
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= 12_000, f"README.md is {size} bytes; move detail into docs/ (limit 12,000)"

@@ -235,7 +235,11 @@ def markdown(summary: dict[str, Any]) -> str:
     checkpoints = summary["checkpoints"]
     stride = max(1, -(-len(checkpoints) // 6))  # at most 6 columns, evenly spaced, last kept
     shown = checkpoints[::-1][::stride][::-1]
-    lines = ["| arm | " + " | ".join(f"valid loss @ {c}" for c in shown) + " |",
+    # The spread of an arm and the uncertainty of a paired difference are different numbers;
+    # the caption says which "±" is which.
+    lines = ["Per arm: mean ± standard deviation over its seeds (sample, n − 1). Differences "
+             "paired by seed: mean ± standard error (standard deviation / √n).", "",
+             "| arm | " + " | ".join(f"valid loss @ {c}" for c in shown) + " |",
              "| --- |" + " --- |" * len(shown)]
     for arm in arms:
         e = summary["arms"][arm]
