@@ -140,9 +140,10 @@ PLATFORM_MATH = "--xla_cpu_enable_platform_dependent_math"
 
 # Adam in its linear regime, for runs whose parameters are compared after several updates (see
 # :func:`adam_parameter_atol`): epsilon at least the gradient norm of every update, the learning
-# rate scaled with it (the update is then about ``peak_lr / eps`` times the gradient's moving
-# average, SGD with momentum).
+# rate scaled with it (the update is then about ``peak_lr / eps`` = 0.3 times the gradient's
+# moving average at the peak rate: SGD with momentum). Config overrides.
 LINEAR_ADAM_EPS = 10.0
+LINEAR_ADAM = {"optim.eps": LINEAR_ADAM_EPS, "optim.peak_lr": 0.3 * LINEAR_ADAM_EPS}
 
 
 def sum_rtol(n: int) -> float:
@@ -197,6 +198,31 @@ def assert_parameters_close(got, want, atol: float, updates: int, label: str = "
                                    err_msg=f"{label}{jax.tree_util.keystr(path)}")
 
 
+def assert_same_training(workdir: str, reference: str, additions: int,
+                         read_params: Callable[[str], tuple]) -> None:
+    """The run in ``workdir`` equals the one in ``reference`` (both with
+    :data:`LINEAR_ADAM`): every update's loss and gradient norm and every validation loss within
+    ``sum_rtol(additions)`` (``additions``: the longest chain of float32 additions into a
+    gradient element), the last checkpoints at the same step and place in the data, their
+    parameters within :func:`adam_parameter_atol` of that rounding. ``read_params(workdir)``:
+    ``(params, meta)`` of the last checkpoint (the ``last_checkpoint`` fixture)."""
+    records, expected = read_metrics(workdir), read_metrics(reference)
+    grad_rtol = sum_rtol(additions)
+    for key in ("loss", "grad_norm", "valid_loss"):
+        got = [r[key] for r in records if key in r]
+        want = [r[key] for r in expected if key in r]
+        assert len(got) == len(want) > 0, key
+        np.testing.assert_allclose(got, want, rtol=grad_rtol, err_msg=key)
+    params, meta = read_params(workdir)
+    want_params, want_meta = read_params(reference)
+    assert meta["step"] == want_meta["step"]
+    assert meta["data"] == want_meta["data"]  # the same place in the data stream
+    train = [r for r in expected if "loss" in r]
+    atol = adam_parameter_atol([r["lr"] for r in train], [r["grad_norm"] for r in train],
+                               LINEAR_ADAM_EPS, grad_rtol)
+    assert_parameters_close(params, want_params, atol, meta["step"])
+
+
 def other_math_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's environment) with XLA's CPU elementwise math switched to
     the other implementation: the platform's own (``PLATFORM_MATH=true``, XLA's default) if this
@@ -207,6 +233,13 @@ def other_math_env(env: dict[str, str] | None = None) -> dict[str, str]:
     flags = [f for f in flags if not f.startswith(PLATFORM_MATH)]
     flags.append(f"{PLATFORM_MATH}={'true' if portable_here else 'false'}")
     return {**env, "XLA_FLAGS": " ".join(flags)}
+
+
+def train_with_other_math(module: str, config: str, workdir: str, overrides: dict) -> None:
+    """``python -m module --config config --workdir workdir`` (a training command) with
+    ``--config.KEY=VALUE`` for each of ``overrides``, under XLA's other elementwise math."""
+    run_with_other_math(module, "--config", config, "--workdir", workdir,
+                        *(f"--config.{key}={value}" for key, value in overrides.items()))
 
 
 def run_with_other_math(module: str, *args: str, timeout: float = 600) -> None:

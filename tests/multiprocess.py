@@ -40,11 +40,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_env(devices: int, **extra: str) -> dict[str, str]:
+def process_env(devices: int, other_math: bool = False, **extra: str) -> dict[str, str]:
     """This process's environment for a child JAX process with ``devices`` simulated CPU devices:
     no inherited ``JAX_*`` variable, the other XLA flags (the tests' optimisation level) kept,
-    ``extra`` added."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    ``extra`` added; with ``other_math``, XLA's other elementwise math
+    (:func:`tests.kit.other_math_env`)."""
+    from tests.kit import other_math_env
+
+    source = other_math_env() if other_math else os.environ
+    env = {k: v for k, v in source.items() if not k.startswith("JAX_")}
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env.update(
         XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
@@ -68,7 +72,7 @@ def _report(finished: list[Finished], why: str) -> str:
 
 def run_processes(args: list[str], *, processes: int = 2, devices: int = 2,
                   timeout: float = 300, cwd: str = REPO, check: bool = True,
-                  stop_on_failure: bool = True,
+                  stop_on_failure: bool = True, other_math: bool = False,
                   while_running: Callable[[list[subprocess.Popen]], None] | None = None,
                   ) -> list[Finished]:
     """Runs ``python args...`` as ``processes`` JAX processes of ``devices`` CPU devices each
@@ -79,7 +83,8 @@ def run_processes(args: list[str], *, processes: int = 2, devices: int = 2,
     when one exits with an error; with ``check`` (the default) raises AssertionError then, or
     when any exit code is not 0, with every process's stderr. ``stop_on_failure=False`` waits
     for every process: for a test of how each one fails. ``while_running(processes)`` is
-    called once they have started (to signal one, say); the timeout counts its time too."""
+    called once they have started (to signal one, say); the timeout counts its time too.
+    ``other_math``: the processes use XLA's other elementwise math (:func:`process_env`)."""
     address = f"127.0.0.1:{free_port()}"
     with contextlib.ExitStack() as files:
         outs = [files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(processes)]
@@ -87,7 +92,7 @@ def run_processes(args: list[str], *, processes: int = 2, devices: int = 2,
         running = [
             subprocess.Popen(
                 [sys.executable, *args], cwd=cwd, stdout=outs[i], stderr=errs[i],
-                env=process_env(devices, JAX_COORDINATOR_ADDRESS=address,
+                env=process_env(devices, other_math, JAX_COORDINATOR_ADDRESS=address,
                                 JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(i)))
             for i in range(processes)
         ]

@@ -154,7 +154,9 @@ def test_training_on_mesh_matches_single_device(data):
             shard_state(optimizer, mesh)
         losses[name] = [float(train_step(model, optimizer, *args)) for _ in range(3)]
     assert losses["single"][-1] < losses["single"][0]
-    np.testing.assert_allclose(losses["mesh"], losses["single"], rtol=1e-5)
+    # Each loss sums B x T x 3 squared errors; SGD's update is linear in the gradient, so the
+    # parameters carry the gradients' rounding, of the same order, into the next losses.
+    np.testing.assert_allclose(losses["mesh"], losses["single"], rtol=kit.sum_rtol(B * T * 3))
 
 
 def test_mesh_errors():
