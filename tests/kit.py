@@ -143,7 +143,16 @@ PLATFORM_MATH = "--xla_cpu_enable_platform_dependent_math"
 # rate scaled with it (the update is then about ``peak_lr / eps`` = 0.3 times the gradient's
 # moving average at the peak rate: SGD with momentum). Config overrides.
 LINEAR_ADAM_EPS = 10.0
-LINEAR_ADAM = {"optim.eps": LINEAR_ADAM_EPS, "optim.peak_lr": 0.3 * LINEAR_ADAM_EPS}
+
+
+def linear_adam(eps: float = LINEAR_ADAM_EPS) -> dict[str, float]:
+    """Config overrides for Adam in its linear regime with epsilon ``eps``."""
+    return {"optim.eps": eps, "optim.peak_lr": 0.3 * eps}
+
+
+LINEAR_ADAM = linear_adam()
+# The tiny ELECTRA's gradient norm reaches about 200 (its discriminator loss weighted 50).
+ELECTRA_LINEAR_ADAM = linear_adam(1000.0)
 
 
 def sum_rtol(n: int) -> float:
@@ -200,12 +209,13 @@ def assert_parameters_close(got, want, atol: float, updates: int, label: str = "
 
 def assert_same_training(workdir: str, reference: str, additions: int,
                          read_params: Callable[[str], tuple]) -> None:
-    """The run in ``workdir`` equals the one in ``reference`` (both with
-    :data:`LINEAR_ADAM`): every update's loss and gradient norm and every validation loss within
-    ``sum_rtol(additions)`` (``additions``: the longest chain of float32 additions into a
-    gradient element), the last checkpoints at the same step and place in the data, their
-    parameters within :func:`adam_parameter_atol` of that rounding. ``read_params(workdir)``:
-    ``(params, meta)`` of the last checkpoint (the ``last_checkpoint`` fixture)."""
+    """The run in ``workdir`` equals the one in ``reference``, both with Adam in its linear
+    regime (:func:`linear_adam`; ``eps`` read from the reference's ``config.json``): every
+    update's loss and gradient norm and every validation loss within ``sum_rtol(additions)``
+    (``additions``: the longest chain of float32 additions into a gradient element), the last
+    checkpoints at the same step and place in the data, their parameters within
+    :func:`adam_parameter_atol` of that rounding. ``read_params(workdir)``: ``(params, meta)``
+    of the last checkpoint (the ``last_checkpoint`` fixture)."""
     records, expected = read_metrics(workdir), read_metrics(reference)
     grad_rtol = sum_rtol(additions)
     for key in ("loss", "grad_norm", "valid_loss"):
@@ -218,8 +228,10 @@ def assert_same_training(workdir: str, reference: str, additions: int,
     assert meta["step"] == want_meta["step"]
     assert meta["data"] == want_meta["data"]  # the same place in the data stream
     train = [r for r in expected if "loss" in r]
-    atol = adam_parameter_atol([r["lr"] for r in train], [r["grad_norm"] for r in train],
-                               LINEAR_ADAM_EPS, grad_rtol)
+    with open(os.path.join(reference, "config.json")) as f:
+        eps = json.load(f)["optim"]["eps"]
+    atol = adam_parameter_atol([r["lr"] for r in train], [r["grad_norm"] for r in train], eps,
+                               grad_rtol)
     assert_parameters_close(params, want_params, atol, meta["step"])
 
 

@@ -275,7 +275,7 @@ def test_pretraining_trains_and_resumes_on_two_processes_as_on_one(tmp_path, las
     corpus = tiny_electra_config.write_corpus(str(tmp_path / "corpus"))
     model = {"model.init": "admin"}
     overrides = {"train_steps": STEPS, "eval_every": 2, "checkpoint_every": 2,
-                 **kit.LINEAR_ADAM, "mesh.fsdp": 2, "mesh.expert": 2, **model}
+                 **kit.ELECTRA_LINEAR_ADAM, "mesh.fsdp": 2, "mesh.expert": 2, **model}
     reference = str(tmp_path / "one")
     pretraining.pretrain(kit.tiny_config("pretraining", corpus, **overrides), reference)
     workdir = str(tmp_path / "two")

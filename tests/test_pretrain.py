@@ -248,9 +248,10 @@ def test_pretraining_on_an_expert_mesh_matches_one_device(corpus, tmp_path, task
     float32 rounding :func:`tests.kit.assert_same_training` derives. 128 tokens an update,
     fewer than 3 layers (generator and discriminator) x the vocab (120)."""
     reference, workdir = str(tmp_path / "one"), str(tmp_path / "mesh")
-    pretraining.pretrain(tiny(corpus, **kit.LINEAR_ADAM), reference)
+    pretraining.pretrain(tiny(corpus, **kit.ELECTRA_LINEAR_ADAM), reference)
     kit.train_with_other_math("experiments.pretrain", f"tests/tiny_electra_config.py:{corpus}",
-                              workdir, {**kit.LINEAR_ADAM, "mesh.expert": 2, "mesh.data": 1})
+                              workdir,
+                              {**kit.ELECTRA_LINEAR_ADAM, "mesh.expert": 2, "mesh.data": 1})
     kit.assert_same_training(workdir, reference, 360, lambda w: last_checkpoint(w, task_steps))
 
 
