@@ -223,7 +223,7 @@ class LMConfig:
         options = dict(self.router_options)
         # Sigmoid scores renormalise their gates by definition (and refuse normalize_top_k).
         if self.norm_topk_prob and options.get("score", "softmax") == "softmax" and \
-                self.router in routers.registry._routers_taking("normalize_top_k"):
+                self.router in routers.registry.routers_taking("normalize_top_k"):
             options.setdefault("normalize_top_k", True)
         return options
 

@@ -192,7 +192,7 @@ def check_router_for_lm(router: RouterConfig, hf_type: str, where: str = "config
 def _routers_normalizing() -> list[str]:
     from sparsemixer_jax.routers import registry
 
-    return registry._routers_taking("normalize_top_k")
+    return registry.routers_taking("normalize_top_k")
 
 
 def from_scratch_config(model: LMModelConfig, router: RouterConfig, vocab_size: int
