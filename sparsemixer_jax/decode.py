@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax.models.encoder_decoder import PAD_ID, Transformer
+from sparsemixer_jax.models.encoder_decoder import Transformer
 from sparsemixer_jax.section import check_positive, read_fields
+from sparsemixer_jax.token_ids import PAD_ID
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,10 +83,7 @@ class ModelConfig:
             check_attention_impl(self.attention_impl, self.attention_dropout)
         except ValueError as err:
             raise ValueError(f"{where}attention_impl: {err}") from None
-        if self.attention_impl == "cudnn" and self.compute_dtype != "bfloat16":
-            raise ValueError(f"{where}attention_impl='cudnn' needs compute_dtype='bfloat16' "
-                             "(cuDNN's fused attention takes 16-bit inputs), got "
-                             f"{self.compute_dtype!r}")
+        check_attention_dtype(self.attention_impl, self.compute_dtype, where)
         return self
 
     @property
@@ -150,6 +147,15 @@ def check_attention_impl(implementation: str, attention_dropout: float) -> None:
             f"attention implementation {implementation!r} has no dropout on the attention "
             f"weights, but attention_dropout={attention_dropout}: set it to 0 or use 'einsum'"
         )
+
+
+def check_attention_dtype(implementation: str, compute_dtype: str, where: str = "") -> None:
+    """Raises ValueError unless ``implementation`` runs in ``compute_dtype``: cuDNN's fused
+    (flash) attention takes 16-bit inputs, so ``"cudnn"`` needs ``"bfloat16"``. ``where``
+    prefixes both field names (``"config.model."``)."""
+    if implementation == "cudnn" and compute_dtype != "bfloat16":
+        raise ValueError(f"{where}attention_impl='cudnn' needs {where}compute_dtype='bfloat16' "
+                         f"(cuDNN's fused attention takes 16-bit inputs), got {compute_dtype!r}")
 
 
 class Attention(nnx.Module):

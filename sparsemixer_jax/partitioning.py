@@ -54,7 +54,7 @@ LOGICAL_AXES = (
     "bias_heads",  # the relative-position bias per head
 )
 
-# mesh axis names: the mesh of sparsemixer_jax.sharding.make_mesh
+# The device mesh's axis names, outermost first (sparsemixer_jax.sharding.make_mesh builds it).
 MESH_AXES = ("data", "fsdp", "expert")
 
 # Where each logical name goes by default: a mesh axis, a tuple of them, or None (not split).

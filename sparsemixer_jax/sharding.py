@@ -21,23 +21,25 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparsemixer_jax.partitioning import Partitioner, read_rules
+from sparsemixer_jax.partitioning import MESH_AXES, Partitioner, read_rules
 from sparsemixer_jax.section import has_field, read_fields
 
 if TYPE_CHECKING:  # only for annotations: the mesh and its checks need JAX alone
     from flax import nnx
 
-AXES = ("data", "fsdp", "expert")
-
-
 def make_mesh(data: int, expert: int, devices: Sequence[jax.Device] | None = None, *,
               fsdp: int = 1) -> Mesh:
-    """A ``(data, fsdp, expert)`` mesh with axis names ``("data", "fsdp", "expert")``.
+    """A ``(data, fsdp, expert)`` mesh with axis names ``("data", "fsdp", "expert")``
+    (:data:`~sparsemixer_jax.partitioning.MESH_AXES`), all of them ``AxisType.Auto``.
 
-    ``data=-1`` uses every device not taken by the fsdp and expert axes. Neighbouring devices
-    (in ``devices`` order) share an expert group, then an fsdp group: the axes that exchange the
-    most (all-to-all of tokens, all-gathers of weights) stay on the fastest links. Raises
-    ValueError when the sizes do not multiply to the number of devices.
+    ``data=-1`` uses every device not taken by the fsdp and expert axes; ``devices`` (default:
+    all) must number exactly ``data x fsdp x expert``. The devices are laid out by
+    ``jax.make_mesh``, so neighbours in the mesh are neighbours in the hardware: on TPU along the
+    slice's physical torus (``devices`` should then be a whole slice or a sub-block of it), on
+    GPU in device-id order, on CPU in ``devices`` order. Neighbouring mesh positions share an
+    expert group, then an fsdp group: the axes that exchange the most (all-to-all of tokens,
+    all-gathers of weights) stay on the fastest links. Raises ValueError when the sizes do not
+    multiply to the number of devices.
     """
     devices = list(jax.devices() if devices is None else devices)
     if expert < 1 or fsdp < 1:
@@ -56,8 +58,8 @@ def make_mesh(data: int, expert: int, devices: Sequence[jax.Device] | None = Non
             f"data={data} x fsdp={fsdp} x expert={expert}"
         raise ValueError(f"mesh {sizes} = {data * inner} devices, but {len(devices)} devices "
                          "are available")
-    grid = np.array(devices, dtype=object).reshape(data, fsdp, expert)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    return jax.make_mesh((data, fsdp, expert), MESH_AXES,
+                         axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def batch_groups(mesh: Mesh) -> int:
@@ -68,8 +70,8 @@ def batch_groups(mesh: Mesh) -> int:
 def check_mesh(mesh: Mesh, num_experts: int) -> None:
     """Raise ValueError unless ``mesh`` has axes ``("data", "fsdp", "expert")`` and the expert
     axis divides ``num_experts``."""
-    if set(mesh.axis_names) != set(AXES):
-        raise ValueError(f"mesh axes must be {AXES}, got {mesh.axis_names}")
+    if set(mesh.axis_names) != set(MESH_AXES):
+        raise ValueError(f"mesh axes must be {MESH_AXES}, got {mesh.axis_names}")
     expert = mesh.shape["expert"]
     if num_experts % expert:
         raise ValueError(
@@ -145,7 +147,7 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     weights are gathered), and the MoE block finds each device's tokens already where
     :func:`expert_parallel_ffn` wants them (``B`` a multiple of the mesh size).
     """
-    return NamedSharding(mesh, P(AXES))
+    return NamedSharding(mesh, P(MESH_AXES))
 
 
 def rows_sharding(mesh: Mesh | None) -> NamedSharding | None:

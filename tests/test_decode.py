@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax import decode
-from sparsemixer_jax.models.encoder_decoder import PAD_ID, Transformer
+from sparsemixer_jax.models.encoder_decoder import Transformer
+from sparsemixer_jax.token_ids import PAD_ID
 from tests import kit
 
 VOCAB, EOS = 12, 1  # 0 = padding / start, 1 = EOS, 2..11 = symbols

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sparsemixer_jax import token_ids
 from sparsemixer_jax.data import text
 from sparsemixer_jax.models import electra
 from sparsemixer_jax.training import loop
@@ -34,9 +35,9 @@ def model():
 
 def make_batch(seed=0, rows=4, length=16):
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(text.FIRST_WORD_ID, VOCAB, size=(rows, length)).astype(np.int32)
-    tokens[:, 0], tokens[:, 9] = text.CLS_ID, text.SEP_ID
-    tokens[1, 12:] = text.PAD_ID
+    tokens = rng.integers(token_ids.FIRST_WORD_ID, VOCAB, size=(rows, length)).astype(np.int32)
+    tokens[:, 0], tokens[:, 9] = token_ids.CLS_ID, token_ids.SEP_ID
+    tokens[1, 12:] = token_ids.PAD_ID
     segments = np.zeros_like(tokens)
     segments[:, 10:] = 1
     batch = text.mlm_batch(tokens, segments, rng, mask_prob=0.15, mask_token_prob=0.85)
@@ -58,7 +59,7 @@ def test_replacements_only_at_selected_positions_and_labels_where_they_differ(mo
     tokens, corrupted = np.asarray(batch["tokens"]), np.asarray(metrics["corrupted"])
     selected = np.asarray(batch["selected"])
     np.testing.assert_array_equal(corrupted[~selected], tokens[~selected])
-    assert (corrupted[selected] >= text.FIRST_WORD_ID).all()  # never a special id
+    assert (corrupted[selected] >= token_ids.FIRST_WORD_ID).all()  # never a special id
     replaced = corrupted != tokens
     assert replaced.sum() == metrics["replaced"] > 0
     assert metrics["mlm_count"] == selected.sum()
@@ -132,9 +133,9 @@ def test_sampling_follows_the_generator_softmax():
     np.testing.assert_allclose(counts[6:], [0.5, 0.3, 0.2], atol=4 * 0.0036)
     assert counts[:6].sum() == 0
     # Special ids are never drawn, even if the generator prefers them.
-    special = jnp.zeros(9).at[text.MASK_ID].set(50.0)
+    special = jnp.zeros(9).at[token_ids.MASK_ID].set(50.0)
     assert (np.asarray(electra.sample_replacements(
-        jnp.broadcast_to(special, (100, 9)), jax.random.key(1))) >= text.FIRST_WORD_ID).all()
+        jnp.broadcast_to(special, (100, 9)), jax.random.key(1))) >= token_ids.FIRST_WORD_ID).all()
 
 
 def test_selected_positions_and_prediction_count():

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from sparsemixer_jax.data import glue
-from sparsemixer_jax.data.text import CLS_ID, SEP_ID
 from sparsemixer_jax.tasks import finetuning, pretraining
+from sparsemixer_jax.token_ids import CLS_ID, SEP_ID
 from sparsemixer_jax.training.optim import weight_decay_mask
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,11 +1,14 @@
-"""The library apart from the lab: ``sparsemixer_jax`` never imports ``lab`` (the repository's
-benchmarks, studies and experiments), nor ``experiments``, and the wheel holds the library alone."""
+"""The library's layout: ``sparsemixer_jax`` never imports ``lab`` (the repository's benchmarks,
+studies and experiments), nor ``experiments``, and the wheel holds the library alone; the models
+never import the data pipelines (what both need, such as the token ids, lives below both); no
+module of the library uses another module's private (underscore) name."""
 
 import ast
 import pathlib
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+LIBRARY = "sparsemixer_jax"
 REPOSITORY_PACKAGES = ("lab", "experiments", "tests")
 
 
@@ -21,6 +24,99 @@ def _imported_modules(tree: ast.AST) -> list[str]:
               and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"):
             names.append(node.args[0].value)  # importlib.import_module("...")
     return names
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _library_imports(path: pathlib.Path, tree: ast.AST) -> list[tuple[int, str, str | None]]:
+    """``(line, module, name)`` for every import of a library module in ``tree`` (``name`` is
+    what ``from module import name`` takes, ``None`` for ``import module``); relative imports
+    are resolved against ``path``'s package."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = node.module or ""
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([source] if source else []))
+            found += [(node.lineno, source, alias.name) for alias in node.names]
+    return [entry for entry in found if entry[1].split(".")[0] == LIBRARY]
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_names_used_across_modules(path: pathlib.Path, tree: ast.AST) -> list[str]:
+    """``from other import _name`` and ``other._name`` (through any attribute chain rooted at a
+    name bound by an import of the library) in ``tree``, as ``"line: module.name"``."""
+    module = _module_name(path)
+    bound, found = {}, []
+    for line, source, name in _library_imports(path, tree):
+        if name is None:  # ``import a.b.c`` binds ``a``; ``import a.b as c`` binds ``c``
+            bound[source.split(".")[0]] = LIBRARY
+            continue
+        if _is_private(name) and source != module:
+            found.append(f"{line}: {source}.{name}")
+        bound[name] = f"{source}.{name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in bound:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def _library_sources() -> list[tuple[pathlib.Path, ast.AST]]:
+    return [(path, ast.parse(path.read_text(), filename=str(path)))
+            for path in sorted((ROOT / LIBRARY).rglob("*.py"))]
+
+
+def test_the_models_never_import_the_data_pipelines():
+    """The models sit below the data pipelines: token ids both need live in ``token_ids``."""
+    offending = sorted({f"{path.relative_to(ROOT)}:{line}: {source}"
+                        for path, tree in _library_sources() if path.parent.name == "models"
+                        for line, source, name in _library_imports(path, tree)
+                        if source.startswith(f"{LIBRARY}.data")
+                        or (source == LIBRARY and name == "data")})
+    assert not offending, offending
+
+
+def test_no_private_name_is_used_across_library_modules():
+    """A name another module needs is public; an underscore means "this module's own"."""
+    offending = [f"{path.relative_to(ROOT)}:{entry}" for path, tree in _library_sources()
+                 for entry in _private_names_used_across_modules(path, tree)]
+    assert not offending, offending
+
+
+def test_the_private_name_check_sees_private_names():
+    path = ROOT / LIBRARY / "models" / "example.py"
+    tree = ast.parse("from sparsemixer_jax.routers.registry import _taking, public\n"
+                     "from sparsemixer_jax import routers\n"
+                     "from . import _own_package_helper\n"
+                     "import sparsemixer_jax.moe.layer\n"
+                     "import os\n"
+                     "routers.registry._taking('x')\n"
+                     "sparsemixer_jax.moe.layer._split(1)\n"
+                     "os._exit(0)\n"
+                     "public.__doc__, self._own\n")
+    assert _private_names_used_across_modules(path, tree) == [
+        "1: sparsemixer_jax.routers.registry._taking",
+        "3: sparsemixer_jax.models._own_package_helper",
+        "6: routers.registry._taking",
+        "7: sparsemixer_jax.moe.layer._split"]
+    data_import = ast.parse("from sparsemixer_jax import data\nfrom ..data.text import PAD_ID\n")
+    assert [source for _, source, _ in _library_imports(path, data_import)] == [
+        LIBRARY, f"{LIBRARY}.data.text"]
 
 
 def test_the_library_never_imports_the_lab():

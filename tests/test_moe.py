@@ -12,6 +12,7 @@ from flax import nnx
 
 from sparsemixer_jax import routers
 from sparsemixer_jax.moe import (
+    MoEConfig,
     MoEFeedForward,
     capacity_keep,
     expert_capacity,
@@ -249,6 +250,22 @@ def test_auto_dispatch_and_errors():
         make_layer()(jnp.zeros((2, 3, 8)))
     with pytest.raises(ValueError, match="RNG stream 'router'"):
         make_layer(rngs=nnx.Rngs(params=0))
+
+
+def test_the_two_constructors_build_the_same_layer():
+    """Keyword settings and the config sections they are the fields of give the same layer
+    (same parameters, drawn from the same keys); the sections constructor takes no settings."""
+    moe = MoEConfig(num_experts=N, activation_dropout=0.2, init="fairseq").check()
+    router = routers.RouterConfig(name="switch", top_k=2, jitter_eps=0.0).check("", N)
+    by_sections = MoEFeedForward.from_config(EMB, MLP, moe, router, rngs=nnx.Rngs(0))
+    by_keywords = MoEFeedForward(EMB, MLP, N, router="switch", top_k=2, jitter_eps=0.0,
+                                 activation_dropout=0.2, init="fairseq", rngs=nnx.Rngs(0))
+    assert by_sections.moe == by_keywords.moe
+    assert by_sections.router_config == by_keywords.router_config
+    chex.assert_trees_all_equal(nnx.state(by_sections, nnx.Param),
+                                nnx.state(by_keywords, nnx.Param))
+    with pytest.raises(TypeError, match=r"takes no keyword settings .* got \['top_k'\]"):
+        MoEFeedForward(EMB, MLP, N, top_k=2, sections=(moe, router), rngs=nnx.Rngs(0))
 
 
 # ---------------------------------------------------------------- top-k (k rows per token)

@@ -511,7 +511,7 @@ def test_electra_generator_and_discriminator_take_the_options():
     """ELECTRA with every option: both networks' MoE layers count their loads (one row per
     token and expert, padding left out), their balance losses enter the objective, and the
     update's bias step finds every layer."""
-    from sparsemixer_jax.data import text
+    from sparsemixer_jax import token_ids
     from sparsemixer_jax.models import electra
     from sparsemixer_jax.moe import balance_plan
     from sparsemixer_jax.training import loop
@@ -532,6 +532,6 @@ def test_electra_generator_and_discriminator_take_the_options():
         model, batch, jax.random.key(3), SETTINGS)
     assert np.isfinite(float(metrics["balance_loss"]))
     state = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
-    tokens = int(np.sum(np.asarray(batch["tokens"]) != text.PAD_ID))
+    tokens = int(np.sum(np.asarray(batch["tokens"]) != token_ids.PAD_ID))
     for path, _ in plan:
         assert float(np.sum(_at(state, path)["expert_load"])) == 2 * tokens, path

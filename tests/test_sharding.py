@@ -186,3 +186,19 @@ def test_gelu_experts_on_a_mesh_equal_one_device(data):
     chex.assert_trees_all_close(y, y0, rtol=1e-5, atol=1e-6)
     y_relu, _ = forward_eval(make_layer(activation="relu"), x, mask)
     assert float(jnp.max(jnp.abs(y0 - y_relu))) > 1e-3
+
+
+def test_the_mesh_is_jax_make_meshs_with_auto_axes():
+    """``make_mesh`` lays devices out as ``jax.make_mesh`` does (on CPU: in the order given,
+    an explicit list included), with the axes of ``partitioning.MESH_AXES``, all ``Auto``."""
+    from jax.sharding import AxisType
+
+    from sparsemixer_jax.partitioning import MESH_AXES
+
+    devices = jax.devices()[::-1][:4]
+    mesh = make_mesh(1, 2, devices, fsdp=2)
+    assert mesh.axis_names == MESH_AXES
+    assert mesh.axis_types == (AxisType.Auto,) * 3
+    assert [d.id for d in mesh.devices.flat] == [d.id for d in devices]
+    assert mesh == jax.make_mesh((1, 2, 2), MESH_AXES, axis_types=mesh.axis_types,
+                                 devices=devices)

@@ -156,7 +156,7 @@ def test_mask_as_lengths():
 def test_attention_impl_config_errors():
     with pytest.raises(ValueError, match=r"attention_impl.*no dropout.*attention_dropout=0\.1"):
         check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.1))
-    with pytest.raises(ValueError, match="'cudnn' needs compute_dtype='bfloat16'"):
+    with pytest.raises(ValueError, match=r"'cudnn' needs config\.model\.compute_dtype='bfloat16'"):
         check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.0))
     check_config(tiny_config(attention_impl="cudnn", attention_dropout=0.0,
                                    compute_dtype="bfloat16"))

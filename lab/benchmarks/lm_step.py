@@ -50,7 +50,7 @@ def lm_model_config(sizes: dict[str, int], router: str, dtype: str,
     """``configs/lm_quickstart.py`` with the benchmark's sizes and ``router`` (top-``k`` of
     ``sizes["experts"]``; ``switch`` renormalised with jitter 0: Mixtral's routing)."""
     from configs import lm_quickstart
-    from sparsemixer_jax.routers.registry import _routers_taking
+    from sparsemixer_jax.routers.registry import routers_taking
 
     c = lm_quickstart.get_config()
     c.data.vocab_size = sizes["vocab"]
@@ -64,7 +64,7 @@ def lm_model_config(sizes: dict[str, int], router: str, dtype: str,
     c.router.name, c.router.top_k = router, sizes["top_k"]
     c.router.jitter_eps = 0.0 if router == "switch" else c.router.jitter_eps
     # Mixtral renormalises the k gates: every router with Switch's forward does so here too.
-    c.router.normalize_top_k = router in _routers_taking("normalize_top_k")
+    c.router.normalize_top_k = router in routers_taking("normalize_top_k")
     return c
 
 

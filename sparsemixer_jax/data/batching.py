@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from sparsemixer_jax.data import Pair
-from sparsemixer_jax.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from sparsemixer_jax.data.tokenizer import Tokenizer
+from sparsemixer_jax.token_ids import EOS_ID, PAD_ID
 
 Batch = dict[str, np.ndarray]
 

@@ -21,8 +21,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from sparsemixer_jax.data.text import CLS_ID, SEP_ID
-from sparsemixer_jax.data.tokenizer import PAD_ID, Tokenizer
+from sparsemixer_jax.data.tokenizer import Tokenizer
+from sparsemixer_jax.token_ids import CLS_ID, PAD_ID, SEP_ID
 
 logger = logging.getLogger(__name__)
 

@@ -36,8 +36,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from sparsemixer_jax.data import text
-from sparsemixer_jax.data.tokenizer import EOS_ID, Tokenizer
+from sparsemixer_jax.data.tokenizer import Tokenizer
 from sparsemixer_jax.section import cast, check_positive, read_fields, section_of
+from sparsemixer_jax.token_ids import EOS_ID, FIRST_WORD_ID
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +151,8 @@ class LMDataConfig:
                        vocab_size=d.vocab_size)
         if d.seq_len < 4:
             raise ValueError(f"{where}seq_len must be >= 4, got {d.seq_len}")
-        if d.vocab_size <= text.FIRST_WORD_ID:
-            raise ValueError(f"{where}vocab_size must exceed {text.FIRST_WORD_ID} special ids")
+        if d.vocab_size <= FIRST_WORD_ID:
+            raise ValueError(f"{where}vocab_size must exceed {FIRST_WORD_ID} special ids")
         if d.train_articles < 0 or d.eval_batch_size < 0:
             raise ValueError(f"{where}train_articles and eval_batch_size must be >= 0 (0 = all "
                              f"/ the micro-batch size), got {d.train_articles}, "

@@ -34,23 +34,13 @@ from typing import Any
 import numpy as np
 
 from sparsemixer_jax.data.sources import iter_lines, read_lines, resolve_data_dir
-from sparsemixer_jax.data.tokenizer import (  # noqa: F401  (every special id in one place)
-    EOS_ID,
-    PAD_ID,
-    UNK_ID,
-    Tokenizer,
-    train_tokenizer,
-    vocabulary_sample,
-)
+from sparsemixer_jax.data.tokenizer import Tokenizer, train_tokenizer, vocabulary_sample
 from sparsemixer_jax.section import cast, check_positive, read_fields, section_of
+from sparsemixer_jax.token_ids import CLS_ID, FIRST_WORD_ID, MASK_ID, SEP_ID
 
 logger = logging.getLogger(__name__)
 
-CLS_ID = 3
-SEP_ID = 4
-MASK_ID = 5
 SPECIAL_PIECES = ("[CLS]", "[SEP]", "[MASK]")  # ids CLS_ID, SEP_ID, MASK_ID, in this order
-FIRST_WORD_ID = 6  # ids below this are never masked, predicted or sampled
 
 _WIKITEXT_HEADING = re.compile(r"^ ?(= )+[^=].* (= ?)+$")
 _WIKITEXT_ESCAPES = ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."))

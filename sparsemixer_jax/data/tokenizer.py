@@ -15,12 +15,9 @@ from typing import Any
 import numpy as np
 
 from sparsemixer_jax.data import Pair
+from sparsemixer_jax.token_ids import EOS_ID, PAD_ID, UNK_ID
 
 logger = logging.getLogger(__name__)
-
-PAD_ID = 0
-EOS_ID = 1
-UNK_ID = 2
 
 
 class Tokenizer:

@@ -27,10 +27,10 @@ import optax
 from flax import nnx
 
 from sparsemixer_jax import layers
-from sparsemixer_jax.data.text import FIRST_WORD_ID, PAD_ID
 from sparsemixer_jax.models.encoder import Encoder, EncoderConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import read_fields
+from sparsemixer_jax.token_ids import FIRST_WORD_ID, PAD_ID
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,10 +32,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax import layers, sharding
-from sparsemixer_jax.data.tokenizer import PAD_ID
 from sparsemixer_jax.initializers import uses_admin
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import check_positive
+from sparsemixer_jax.token_ids import PAD_ID
 
 NUM_SEGMENTS = 2
 

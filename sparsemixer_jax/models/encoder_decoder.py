@@ -41,8 +41,8 @@ from sparsemixer_jax.layers import (
 )
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import check_positive
+from sparsemixer_jax.token_ids import PAD_ID
 
-PAD_ID = 0
 
 def shift_right(targets: jax.Array) -> jax.Array:
     """Decoder inputs: ``[B, T]`` targets shifted one step right with ``PAD_ID`` as start token."""

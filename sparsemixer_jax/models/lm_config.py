@@ -16,7 +16,7 @@ import math
 from typing import Any, Literal
 
 from sparsemixer_jax import routers
-from sparsemixer_jax.layers import ATTENTION_IMPLS
+from sparsemixer_jax.layers import ATTENTION_IMPLS, check_attention_dtype
 from sparsemixer_jax.moe.dispatch import DISPATCHES, GROUPED_IMPLS
 
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
@@ -179,9 +179,10 @@ class LMConfig:
                                      ("remat", self.remat, REMAT_POLICIES)):
             if value not in choices:
                 fail(f"{name}={value!r}; choose one of {choices}")
-        if self.attention_impl == "cudnn" and self.compute_dtype != "bfloat16":
-            fail("attention_impl='cudnn' needs compute_dtype='bfloat16' (cuDNN's flash attention "
-                 f"takes bf16 or fp16), got {self.compute_dtype!r}")
+        try:
+            check_attention_dtype(self.attention_impl, self.compute_dtype)
+        except ValueError as err:
+            fail(str(err))
         if not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):
             fail(f"norm_eps must be > 0, got {self.norm_eps}")
         if self.clip_qkv is not None and not self.clip_qkv > 0:
@@ -223,7 +224,7 @@ class LMConfig:
         options = dict(self.router_options)
         # Sigmoid scores renormalise their gates by definition (and refuse normalize_top_k).
         if self.norm_topk_prob and options.get("score", "softmax") == "softmax" and \
-                self.router in routers.registry._routers_taking("normalize_top_k"):
+                self.router in routers.registry.routers_taking("normalize_top_k"):
             options.setdefault("normalize_top_k", True)
         return options
 

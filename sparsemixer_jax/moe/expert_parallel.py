@@ -33,7 +33,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from sparsemixer_jax.moe.dispatch import expert_ffn
-from sparsemixer_jax.sharding import AXES, batch_groups, check_batch, check_mesh
+from sparsemixer_jax.partitioning import MESH_AXES
+from sparsemixer_jax.sharding import batch_groups, check_batch, check_mesh
 
 
 def expert_parallel_ffn(
@@ -123,7 +124,7 @@ def expert_parallel_ffn(
         back = exchange(out)  # back[slot] = output for the token sent into that slot
         return back.at[slot].get(mode="fill", fill_value=0, unique_indices=True)
 
-    tokens = P(AXES)
+    tokens = P(MESH_AXES)
     experts = P("expert")
     in_specs = (tokens, tokens, tokens) + (experts,) * num_params
     args = (xs, gs, ids, *params)

@@ -47,26 +47,67 @@ def _stream(rngs: nnx.Rngs, name: str, fallback: str) -> nnx.RngStream:
 
 
 # The keyword settings of MoEFeedForward and their defaults: a layer built from config sections
-# takes none of them (they are the sections' fields).
-_KEYWORD_DEFAULTS = {"jitter_eps": 0.1, "top_k": 1, "activation_dropout": 0.1, "dispatch": "auto",
-                     "grouped_impl": "mosaic", "capacity_factor": 0.0, "activation": "relu",
-                     "router_init_scale": 1.0, "init": "flax", "default_decay": 0.9,
-                     "router_options": None}
+# (MoEFeedForward.from_config) takes none of them (they are the sections' fields).
+_KEYWORD_DEFAULTS = {"router": "sparsemixer", "jitter_eps": 0.1, "top_k": 1,
+                     "activation_dropout": 0.1, "dispatch": "auto", "grouped_impl": "mosaic",
+                     "capacity_factor": 0.0, "activation": "relu", "router_init_scale": 1.0,
+                     "init": "flax", "default_decay": 0.9, "router_options": None}
+
+
+def _sections_of_keywords(num_experts: int, keywords: dict
+                          ) -> tuple[MoEConfig, routers.RouterConfig]:
+    """The checked sections of a layer built from keyword settings (``keywords``: every key of
+    ``_KEYWORD_DEFAULTS``): the layer's settings are checked first, then the router's."""
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    moe = MoEConfig(num_experts=num_experts, dispatch=keywords["dispatch"],
+                    grouped_impl=keywords["grouped_impl"],
+                    capacity_factor=keywords["capacity_factor"],
+                    activation=keywords["activation"],
+                    activation_dropout=keywords["activation_dropout"], init=keywords["init"])
+    options = {"default_decay": keywords["default_decay"],
+               "init_scale": keywords["router_init_scale"], **(keywords["router_options"] or {})}
+    moe.check()
+    router_config = routers.check_router(keywords["router"], top_k=keywords["top_k"],
+                                         jitter_eps=keywords["jitter_eps"],
+                                         num_experts=num_experts, where="", **options)
+    return moe, router_config
+
+
+def _checked_sections(sections: tuple[MoEConfig, routers.RouterConfig], num_experts: int,
+                      keywords: dict) -> tuple[MoEConfig, routers.RouterConfig]:
+    """``sections`` (``(moe, router)``, checked when they were built) once what joins them is
+    checked: no keyword setting beside them, the router's ``top_k`` and groups against the
+    experts."""
+    moe, router_config = sections
+    if not isinstance(moe, MoEConfig) or not isinstance(router_config, routers.RouterConfig):
+        raise TypeError("MoEFeedForward's sections are a (MoEConfig, RouterConfig) pair, got "
+                        f"{sections!r}")
+    given = sorted(k for k, v in keywords.items() if v != _KEYWORD_DEFAULTS[k])
+    if given:
+        raise TypeError(f"MoEFeedForward with config sections takes no keyword settings "
+                        f"(they are the sections' fields), got {given}")
+    if num_experts != moe.num_experts:
+        raise ValueError(f"num_experts={num_experts} differs from the section's "
+                         f"num_experts={moe.num_experts}")
+    if moe.num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {moe.num_experts}")
+    router_config.check("", moe.num_experts)
+    return moe, router_config
 
 
 class MoEFeedForward(nnx.Module):
     """MoE feed-forward block: ``y = omega * sum_t gate_t * f_{D_t}(x)`` over ``top_k`` experts.
 
-    Built from keyword settings (below), or from config sections with :meth:`from_config`
-    (``num_experts`` a :class:`~sparsemixer_jax.moe.MoEConfig` and ``router`` a
-    :class:`~sparsemixer_jax.routers.RouterConfig`, then without the keyword settings), as the
-    models build it.
+    Two constructors: ``MoEFeedForward(emb_dim, mlp_dim, num_experts, **settings)`` takes the
+    keyword settings below; :meth:`from_config` takes the config sections (a
+    :class:`~sparsemixer_jax.moe.MoEConfig` and a :class:`~sparsemixer_jax.routers.RouterConfig`,
+    whose fields the settings are), as the models build it.
 
     Args:
       emb_dim, mlp_dim: model and expert hidden widths.
-      num_experts: ``N >= 1``, or the :class:`~sparsemixer_jax.moe.MoEConfig` of the layer.
-      router: a name in :data:`sparsemixer_jax.routers.ROUTERS`, or the layer's
-        :class:`~sparsemixer_jax.routers.RouterConfig`.
+      num_experts: ``N >= 1``.
+      router: a name in :data:`sparsemixer_jax.routers.ROUTERS`.
       jitter_eps: the router's jitter / mask threshold.
       top_k: experts per token, ``1 <= top_k <= N`` (distinct; see ``routers.sparsemixer_route``).
       activation_dropout: dropout rate after the expert nonlinearity.
@@ -108,6 +149,7 @@ class MoEFeedForward(nnx.Module):
         models' routers have none).
       rngs: params init plus the ``router`` and ``dropout`` streams (``router`` falls back to
         ``default`` then ``dropout``).
+      sections: :meth:`from_config`'s ``(moe, router)``, in place of the keyword settings.
 
     Params: ``router`` (``Linear(emb -> N)``), ``wi [N, emb, mlp]``, ``bi [N, mlp]``,
     ``wo [N, mlp, emb]``, ``bo [N, emb]`` (gated: ``w_gate [N, emb, mlp]``,
@@ -131,9 +173,9 @@ class MoEFeedForward(nnx.Module):
         self,
         emb_dim: int,
         mlp_dim: int,
-        num_experts: int | MoEConfig,
+        num_experts: int,
         *,
-        router: str | routers.RouterConfig = "sparsemixer",
+        router: str = "sparsemixer",
         jitter_eps: float = 0.1,
         top_k: int = 1,
         activation_dropout: float = 0.1,
@@ -150,38 +192,18 @@ class MoEFeedForward(nnx.Module):
         gated: bool = False,
         router_bias: bool = True,
         rngs: nnx.Rngs,
+        sections: tuple[MoEConfig, routers.RouterConfig] | None = None,
     ):
-        keywords = {"jitter_eps": jitter_eps, "top_k": top_k,
+        keywords = {"router": router, "jitter_eps": jitter_eps, "top_k": top_k,
                     "activation_dropout": activation_dropout, "dispatch": dispatch,
                     "grouped_impl": grouped_impl, "capacity_factor": capacity_factor,
                     "activation": activation, "router_init_scale": router_init_scale,
                     "init": init, "default_decay": default_decay,
                     "router_options": router_options}
-        if isinstance(num_experts, MoEConfig):
-            # From config sections, checked when they were built; only what joins them is left.
-            moe, router_config = num_experts, router
-            if not isinstance(router_config, routers.RouterConfig):
-                raise TypeError("MoEFeedForward with a MoEConfig takes a RouterConfig as router, "
-                                f"got {router!r}")
-            given = sorted(k for k, v in keywords.items() if v != _KEYWORD_DEFAULTS[k])
-            if given:
-                raise TypeError(f"MoEFeedForward with config sections takes no keyword "
-                                f"settings (they are the sections' fields), got {given}")
-            if moe.num_experts < 1:
-                raise ValueError(f"num_experts must be >= 1, got {moe.num_experts}")
-            router_config.check("", moe.num_experts)  # top_k and groups against the experts
+        if sections is None:
+            moe, router_config = _sections_of_keywords(num_experts, keywords)
         else:
-            if num_experts < 1:
-                raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-            moe = MoEConfig(num_experts=num_experts, dispatch=dispatch,
-                            grouped_impl=grouped_impl, capacity_factor=capacity_factor,
-                            activation=activation, activation_dropout=activation_dropout,
-                            init=init)
-            options = {"default_decay": default_decay, "init_scale": router_init_scale,
-                       **(router_options or {})}
-            moe.check()  # the layer's settings first, then the router's
-            router_config = routers.check_router(router, top_k=top_k, jitter_eps=jitter_eps,
-                                                 num_experts=num_experts, where="", **options)
+            moe, router_config = _checked_sections(sections, num_experts, keywords)
         if moe.dispatch == "grouped" and moe.grouped_impl == "mosaic":
             check_grouped_supported(mesh=mesh)  # one line naming the target if it is no Hopper
         if mesh is not None:
@@ -194,22 +216,33 @@ class MoEFeedForward(nnx.Module):
         self.emb_dim, self.mlp_dim, self.num_experts = emb_dim, mlp_dim, moe.num_experts
         self.dtype = dtype
         self.mesh = mesh
-        init, n = moe.init, moe.num_experts
-        router_init_scale = router_config.init_scale
-
-        self.router = router_init(init, emb_dim, router_init_scale).linear(
-            emb_dim, n, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs,
+        self.gated = gated
+        # Keys are drawn in this order: router, experts, the RNG streams, shared experts.
+        self.router = router_init(moe.init, emb_dim, router_config.init_scale).linear(
+            emb_dim, moe.num_experts, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs,
             use_bias=router_bias)
+        self._init_experts(rngs)
+        self._init_state()
+        self.router_rng = _stream(rngs, "router", "dropout").fork()
+        self.dropout_rng = _stream(rngs, "dropout", "router").fork() \
+            if moe.activation_dropout > 0 else None
+        # Drawn last, so that a layer without them draws every other param as before.
+        self.shared_experts = SharedExperts(
+            emb_dim, moe.num_shared_experts * mlp_dim, gated=gated, activation=moe.activation,
+            use_gate=moe.shared_expert_gate, init=moe.init, dtype=dtype,
+            rngs=rngs) if moe.num_shared_experts else None
+
+    def _init_experts(self, rngs: nnx.Rngs) -> None:
+        """The expert weights ``[N, ...]``, split over the mesh's ``"expert"`` axis if any."""
+        n, emb_dim, mlp_dim, mesh = self.num_experts, self.emb_dim, self.mlp_dim, self.mesh
 
         def sharded(value, spec):
-            # Expert-stacked params are split over the mesh's "expert" axis.
             if mesh is None:
                 return nnx.Param(value)
             return nnx.Param(value, out_sharding=spec, mesh=mesh)
 
-        fc1, fc2 = expert_init(init, emb_dim), expert_init(init, mlp_dim)
-        self.gated = gated
-        if gated:
+        fc1, fc2 = expert_init(self.moe.init, emb_dim), expert_init(self.moe.init, mlp_dim)
+        if self.gated:
             # Drawn in the order w_gate, w_up, w_down.
             self.w_gate, self.w_up = (
                 sharded(fc1.kernel(rngs.params(), (n, emb_dim, mlp_dim), jnp.float32),
@@ -224,25 +257,21 @@ class MoEFeedForward(nnx.Module):
             self.wo = sharded(fc2.kernel(rngs.params(), (n, mlp_dim, emb_dim), jnp.float32),
                               ("expert", None, None))
             self.bo = sharded(fc2.draw_bias(rngs, (n, emb_dim)), ("expert", None))
-        self.omega = nnx.Param(jnp.ones((emb_dim,), jnp.float32)) if routers.uses_omega(
+
+    def _init_state(self) -> None:
+        """``omega`` and the router's state (none of it draws a key): the default vectors, the
+        bias balancing's selection bias, and the per-expert loads of the update so far (read
+        by the bias step after the update and by the global-batch balance loss)."""
+        n, router_config = self.num_experts, self.router_config
+        self.omega = nnx.Param(jnp.ones((self.emb_dim,), jnp.float32)) if routers.uses_omega(
             router_config.name) else None
         keeps_defaults = self.unchosen is not None and self.unchosen.values == "defaults"
         self.expert_defaults = nnx.BatchStat(
-            jnp.zeros((n, emb_dim), jnp.float32)) if keeps_defaults else None
-        self.router_rng = _stream(rngs, "router", "dropout").fork()
-        self.dropout_rng = _stream(rngs, "dropout", "router").fork() \
-            if moe.activation_dropout > 0 else None
-        # Bias balancing's selection bias, and the per-expert loads of the update so far (read
-        # by the bias step after the update and by the global-batch balance loss).
+            jnp.zeros((n, self.emb_dim), jnp.float32)) if keeps_defaults else None
         self.expert_bias = nnx.BatchStat(jnp.zeros((n,), jnp.float32)) \
             if router_config.bias_update_rate > 0 else None
         self.expert_load = nnx.BatchStat(jnp.zeros((n,), jnp.float32)) \
             if router_config.counts_load else None
-        # Drawn last, so that a layer without them draws every other param as before.
-        self.shared_experts = SharedExperts(
-            emb_dim, moe.num_shared_experts * mlp_dim, gated=gated, activation=moe.activation,
-            use_gate=moe.shared_expert_gate, init=init, dtype=dtype,
-            rngs=rngs) if moe.num_shared_experts else None
 
     # The settings by their keyword names (read-only; the sections hold them).
     router_name = property(lambda self: self.router_config.name)
@@ -260,7 +289,8 @@ class MoEFeedForward(nnx.Module):
                     mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs) -> MoEFeedForward:
         """The layer of the config sections ``moe`` and ``router`` (built by their
         ``from_config``, which checked them) at widths ``emb_dim``, ``mlp_dim``."""
-        return cls(emb_dim, mlp_dim, moe, router=router, dtype=dtype, mesh=mesh, rngs=rngs)
+        return cls(emb_dim, mlp_dim, moe.num_experts, sections=(moe, router), dtype=dtype,
+                   mesh=mesh, rngs=rngs)
 
     def __call__(
         self,
@@ -281,7 +311,7 @@ class MoEFeedForward(nnx.Module):
         """
         if x.ndim != 3 or x.shape[-1] != self.emb_dim:
             raise ValueError(f"x must be [B, T, {self.emb_dim}], got shape {x.shape}")
-        batch, length, _ = x.shape
+        batch = x.shape[0]
         n = self.num_experts
         if self.mesh is not None:
             sharding.check_batch(self.mesh, batch)
@@ -302,46 +332,16 @@ class MoEFeedForward(nnx.Module):
         k = self.router_config.top_k
         expert = routed.expert if k > 1 else routed.expert[..., None]
         gate = routed.gate if k > 1 else routed.gate[..., None]
-        active = jnp.ones((batch, length), bool) if token_mask is None else token_mask.astype(bool)
-        active = jnp.broadcast_to(active[..., None], (batch, length, k))
-        capacity = None
-        moe = self.moe
-        if moe.capacity_factor > 0 and not dropless:
-            capacity = expert_capacity(moe.capacity_factor, batch * length * k, n)
-            # Slot-major order: every token's first choice is served before any second choice.
-            kept = jnp.moveaxis(capacity_keep(jnp.moveaxis(expert, -1, 0),
-                                              jnp.moveaxis(active, -1, 0), n, capacity), 0, -1)
-            num_active = jnp.maximum(jnp.sum(active), 1).astype(jnp.float32)
-            metrics["dropped_fraction"] = jnp.sum(active & ~kept).astype(jnp.float32) / num_active
-            active = kept
-        else:
-            metrics["dropped_fraction"] = jnp.zeros((), jnp.float32)
-
+        active, capacity, metrics["dropped_fraction"] = self._served_rows(expert, token_mask,
+                                                                          dropless)
         group = jnp.where(active, expert, n).astype(jnp.int32)
-        row_ids = jnp.arange(batch * length * k, dtype=jnp.int32).reshape(batch, length, k)
         drop_key = None
         if training and self.dropout_rng is not None:
             drop_key = self.dropout_rng()
         params = tuple(p[...].astype(self.dtype) for p in self.expert_params())
-        dispatch = resolve_dispatch(moe.dispatch)
         xc = x.astype(self.dtype)
         xr = jnp.repeat(xc, k, axis=1) if k > 1 else xc  # [B, T * k, emb], row t*k+s = token t
-
-        if self.mesh is None:
-            f = expert_ffn(xr.reshape(batch * length * k, -1), group.reshape(-1),
-                           row_ids.reshape(-1), params, dispatch=dispatch,
-                           dropout_key=drop_key, dropout_rate=moe.activation_dropout,
-                           capacity=capacity if dispatch == "padded" else None,
-                           grouped_impl=moe.grouped_impl,
-                           activation=moe.activation)
-        else:
-            f = expert_parallel_ffn(xr, group.reshape(batch, length * k),
-                                    row_ids.reshape(batch, length * k), params, mesh=self.mesh,
-                                    dispatch=dispatch, dropout_key=drop_key,
-                                    dropout_rate=moe.activation_dropout,
-                                    grouped_impl=moe.grouped_impl,
-                                    activation=moe.activation)
-        f = f.reshape(batch, length, k, -1)
+        f = self._expert_outputs(xr, group, params, drop_key, capacity)
         if k == 1:  # drop the k axis: the same ops (and float rounding) as the top-1 layer
             f, gate = f[:, :, 0], gate[..., 0]
 
@@ -360,6 +360,48 @@ class MoEFeedForward(nnx.Module):
                 shared = shared * token_mask[..., None].astype(shared.dtype)
             y = y + shared
         return y.astype(x.dtype), {name: v.astype(jnp.float32) for name, v in metrics.items()}
+
+    def _served_rows(self, expert: jax.Array, token_mask: jax.Array | None, dropless: bool
+                     ) -> tuple[jax.Array, int | None, jax.Array]:
+        """``(active, capacity, dropped_fraction)`` of the rows ``expert [B, T, k]``: whether
+        an expert serves each row (padding and rows over capacity are not served), the
+        capacity per expert (None when dropless) and the share of real rows dropped."""
+        batch, length, k = expert.shape
+        n, moe = self.num_experts, self.moe
+        active = jnp.ones((batch, length), bool) if token_mask is None else token_mask.astype(bool)
+        active = jnp.broadcast_to(active[..., None], (batch, length, k))
+        if not (moe.capacity_factor > 0 and not dropless):
+            return active, None, jnp.zeros((), jnp.float32)
+        capacity = expert_capacity(moe.capacity_factor, batch * length * k, n)
+        # Slot-major order: every token's first choice is served before any second choice.
+        kept = jnp.moveaxis(capacity_keep(jnp.moveaxis(expert, -1, 0),
+                                          jnp.moveaxis(active, -1, 0), n, capacity), 0, -1)
+        num_active = jnp.maximum(jnp.sum(active), 1).astype(jnp.float32)
+        return kept, capacity, jnp.sum(active & ~kept).astype(jnp.float32) / num_active
+
+    def _expert_outputs(self, xr: jax.Array, group: jax.Array, params: tuple,
+                        drop_key: jax.Array | None, capacity: int | None) -> jax.Array:
+        """``f [B, T, k, emb]``: each row's expert output for rows ``xr [B, T * k, emb]`` sent
+        to experts ``group [B, T, k]`` (``N`` = not served), on one device or over the mesh."""
+        batch, length, k = group.shape
+        moe = self.moe
+        row_ids = jnp.arange(batch * length * k, dtype=jnp.int32).reshape(batch, length, k)
+        dispatch = resolve_dispatch(moe.dispatch)
+        if self.mesh is None:
+            f = expert_ffn(xr.reshape(batch * length * k, -1), group.reshape(-1),
+                           row_ids.reshape(-1), params, dispatch=dispatch,
+                           dropout_key=drop_key, dropout_rate=moe.activation_dropout,
+                           capacity=capacity if dispatch == "padded" else None,
+                           grouped_impl=moe.grouped_impl,
+                           activation=moe.activation)
+        else:
+            f = expert_parallel_ffn(xr, group.reshape(batch, length * k),
+                                    row_ids.reshape(batch, length * k), params, mesh=self.mesh,
+                                    dispatch=dispatch, dropout_key=drop_key,
+                                    dropout_rate=moe.activation_dropout,
+                                    grouped_impl=moe.grouped_impl,
+                                    activation=moe.activation)
+        return f.reshape(batch, length, k, -1)
 
     def _balance_loss(self, routed, token_mask, training: bool) -> jax.Array:
         """The balance loss over the router's ``balance_scope``; in training, also adds this

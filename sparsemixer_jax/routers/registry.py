@@ -168,7 +168,7 @@ class RouterConfig:
                              f"{DEFAULT_UPDATES}")
         for option in ROUTER_OPTIONS:
             value = getattr(self, option)
-            takers = _routers_taking(option)
+            takers = routers_taking(option)
             if value != getattr(_DEFAULTS, option) and self.name not in takers:
                 raise ValueError(f"{where}{option}={value!r} has no effect on router "
                                  f"{self.name!r}; only {takers} take it")
@@ -268,7 +268,9 @@ def check_routing_options(config: RouterConfig, where: str, num_experts: int | N
                              f"{config.top_k} experts")
 
 
-def _routers_taking(option: str) -> list[str]:
+def routers_taking(option: str) -> list[str]:
+    """The sorted names of the routers that take ``option`` (one of ``ROUTER_OPTIONS``); any
+    other router refuses a non-default value of it."""
     if option == "normalize_top_k":
         return sorted(n for n, (route, _) in ROUTERS.items()
                       if route is switch_route and n != "densemixer_blog")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sparsemixer_jax.layers import ATTENTION_IMPLS
+from sparsemixer_jax.layers import ATTENTION_IMPLS, check_attention_dtype
 from sparsemixer_jax.models.lm_config import MODEL_TYPES, LMConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.routers.registry import ROUTER_OPTIONS
@@ -105,9 +105,7 @@ class LMModelConfig:
         if m.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"{where}attention_impl={m.attention_impl!r}; choose one of "
                              f"{', '.join(ATTENTION_IMPLS)}")
-        if m.attention_impl == "cudnn" and m.compute_dtype != "bfloat16":
-            raise ValueError(f"{where}attention_impl='cudnn' needs {where}compute_dtype="
-                             f"'bfloat16' (cuDNN's flash attention), got {m.compute_dtype!r}")
+        check_attention_dtype(m.attention_impl, m.compute_dtype, where)
         if m.moe_every != 1 and m.hf_type not in ("qwen3_moe", "qwen2_moe"):
             raise ValueError(f"{where}moe_every={m.moe_every}: {m.hf_type} routes every layer; "
                              "dense layers need hf_type qwen3_moe or qwen2_moe")
@@ -192,7 +190,7 @@ def check_router_for_lm(router: RouterConfig, hf_type: str, where: str = "config
 def _routers_normalizing() -> list[str]:
     from sparsemixer_jax.routers import registry
 
-    return registry._routers_taking("normalize_top_k")
+    return registry.routers_taking("normalize_top_k")
 
 
 def from_scratch_config(model: LMModelConfig, router: RouterConfig, vocab_size: int

@@ -34,6 +34,7 @@ from sparsemixer_jax.models.encoder import Encoder, EncoderConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast
 from sparsemixer_jax.tasks import check_loop_sections
+from sparsemixer_jax.token_ids import PAD_ID
 from sparsemixer_jax.training import Run, TaskData, train
 from sparsemixer_jax.training.hosts import is_main_process, wait_for_all_processes
 from sparsemixer_jax.training.loop import build_model, build_steps
@@ -57,7 +58,7 @@ def _packed(data: Any, tokenizer: Tokenizer,
 
 def _stats(documents, paragraphs, tokens) -> dict[str, Any]:
     return {"documents": len(documents), "paragraphs": len(paragraphs),
-            "sequences": len(tokens), "fill": float(np.mean(tokens != text.PAD_ID))}
+            "sequences": len(tokens), "fill": float(np.mean(tokens != PAD_ID))}
 
 
 PACKED_DIR = "packed"  # {workdir}/packed: the packing cache

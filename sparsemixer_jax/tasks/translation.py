@@ -27,10 +27,11 @@ from sparsemixer_jax.data.sources import DataConfig, check_text_files, read_spli
 from sparsemixer_jax.data.tokenizer import Tokenizer, get_tokenizer
 from sparsemixer_jax.data.translation import load_datasets
 from sparsemixer_jax.decode import DecodeConfig
-from sparsemixer_jax.models.encoder_decoder import PAD_ID, Transformer, TransformerConfig
+from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast, check_fraction
 from sparsemixer_jax.tasks import check_loop_sections
+from sparsemixer_jax.token_ids import PAD_ID
 from sparsemixer_jax.training import Run, TaskData, train
 from sparsemixer_jax.training.hosts import (
     BatchPlacer,
