@@ -29,6 +29,7 @@ from sparsemixer_jax.training.hosts import BatchPlacer
 from sparsemixer_jax.training.logs import Progress
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule
 from sparsemixer_jax.training.resume import check_resume_config
+from sparsemixer_jax.training.state import restore_checkpoint
 from tests import kit
 from tests.tiny_wmt_config import tiny
 
@@ -251,12 +252,10 @@ def test_training_on_an_expert_mesh_matches_one_device(tmp_path, task_steps, las
     kit.assert_same_training(workdir, reference, 1024, lambda w: last_checkpoint(w, task_steps))
 
     config = tiny(**run, **mesh)
-    params, _ = last_checkpoint(workdir, task_steps)
-    steps = training.build_steps(translation.TranslationTask.from_config(tiny()), tiny(),
-                                 config.data.vocab_size)
+    state = restore_checkpoint(workdir, task_steps.abstract_state(), "last").state
     data = load_datasets(config, workdir, batch_multiple=4)  # the mesh's batches
     texts = translation.translate_batches(
-        steps.model(jax.tree.map(jax.numpy.asarray, params)), data.test, data.tokenizer,
+        task_steps.model(state), data.test, data.tokenizer,
         len(data.test_sources), config.decode, BatchPlacer(None, ("inputs", "targets")),
     )
     with open(os.path.join(workdir, "translations_last.txt")) as f:
