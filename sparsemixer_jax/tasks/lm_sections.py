@@ -22,7 +22,7 @@ from sparsemixer_jax.section import check_positive, read_fields
 # The routing options of the router section that every type's MoE layers take as they are
 # (docs/routing.md): scores, bias balancing, the balance loss's scope, groups.
 SELECTION_OPTIONS = ("score", "routed_scaling_factor", "bias_update_rate", "balance_scope",
-                     "num_groups", "top_groups")
+                     "num_groups", "top_groups", "group_score")
 
 # The checkpoint's routing is kept on fine-tuning unless config.init_router says "config".
 INIT_ROUTERS = ("checkpoint", "config")
