@@ -48,3 +48,23 @@ def test_a_key_of_another_type_is_refused():
         cfg = json.load(f)
     with pytest.raises(ValueError, match="key 'clip_qkv' is not known for this type"):
         hf.from_hf({**cfg, "clip_qkv": 1.0})
+
+
+def test_glm4_moe_reads_the_hubs_spelling_as_transformers_5s():
+    """GLM-4.5's own config.json: top-level rope_theta and partial_rotary_factor,
+    rope_scaling null, the MTP layer count (transformers builds no MTP layer: nothing to read)."""
+    with open(os.path.join(DATA, "glm4_moe", "config.json")) as f:
+        new = json.load(f)
+    hub = {k: v for k, v in new.items() if k != "rope_parameters"}
+    hub.update(rope_theta=new["rope_parameters"]["rope_theta"], rope_scaling=None,
+               partial_rotary_factor=new["rope_parameters"]["partial_rotary_factor"],
+               num_nextn_predict_layers=1)
+    config = hf.from_hf(hub)
+    assert config.replace(hf_config="") == hf.from_hf(new).replace(hf_config="")
+    assert config.rope.partial_rotary_factor == 0.5
+    assert config.moe_layers == (False, True, True) and config.selection_bias
+    with pytest.raises(ValueError, match=r"norm_topk_prob=False is not implemented \(only True"):
+        hf.from_hf({**new, "norm_topk_prob": False})
+    # A model routing otherwise than the checkpoint type is not exported as one.
+    with pytest.raises(ValueError, match="glm4_moe checkpoints route by score='sigmoid'"):
+        hf.to_hf(config.replace(router_options=()))

@@ -27,6 +27,9 @@ from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.partitioning import Partitioner
 
+#: What a checkpoint holds: the params and the MoE layers' selection bias (a checkpoint's
+#: ``e_score_correction_bias``, the layer's bias state).
+CHECKPOINT_STATE = nnx.Any(nnx.Param, nnx.PathContains("expert_bias"))
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -117,8 +120,8 @@ def _build(config: LMConfig, seed: int, mesh) -> tuple[Any, Any, Any]:
     def make() -> CausalLM:
         return CausalLM(config, mesh=mesh, rngs=nnx.Rngs(params=seed, router=seed + 1))
 
-    graphdef, params, _ = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
-    rest = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2])()
+    graphdef, params, _ = nnx.split(nnx.eval_shape(make), CHECKPOINT_STATE, ...)
+    rest = jax.jit(lambda: nnx.split(make(), CHECKPOINT_STATE, ...)[2])()
     return graphdef, params, rest
 
 
@@ -245,7 +248,7 @@ def save_pretrained(model: CausalLM, config: LMConfig, out_dir: str, *,
     hf_config = to_hf(config)
     hf_config["dtype"] = dtype
     os.makedirs(out_dir, exist_ok=True)
-    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    pure = nnx.to_pure_dict(nnx.state(model, CHECKPOINT_STATE))
     layers = model.layer_index()
     shards: list[str] = []
     weight_map: dict[str, int] = {}

@@ -15,6 +15,7 @@ from typing import Any
 
 from sparsemixer_jax.hf.families import Family, Key, family_of
 from sparsemixer_jax.models.lm_config import LMConfig, RopeConfig
+from sparsemixer_jax.routers import RouterConfig
 
 # Keys that never change the forward pass: identity, token ids, bookkeeping, the training-only
 # auxiliary loss switch, attention backends.
@@ -30,8 +31,9 @@ COMMON_KEYS = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "tie_word_embeddings",
     "rope_theta", "rope_scaling", "rope_parameters", "attention_dropout", "num_experts_per_tok",
-    "num_experts", "num_local_experts",
 })
+# The spellings of the expert count (a type's own is Family.experts_key).
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 def _refuse(model_type: str, message: str) -> None:
     raise ValueError(f"config.json ({model_type}): {message}")
 
@@ -47,7 +49,9 @@ def _rope(cfg: dict, family: Family) -> RopeConfig:
     theta = params.get("rope_theta", cfg.get("rope_theta", family.default("rope_theta")))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return RopeConfig(theta=float(theta))
+        partial = params.get("partial_rotary_factor", cfg.get(
+            "partial_rotary_factor", family.default("partial_rotary_factor")))
+        return RopeConfig(theta=float(theta), partial_rotary_factor=float(partial or 1.0))
     if kind != "longrope":
         _refuse(model_type, f"rope scaling {kind!r} is not implemented (implemented: default, "
                             "longrope)")
@@ -71,7 +75,8 @@ def _rope(cfg: dict, family: Family) -> RopeConfig:
 def _check_keys(cfg: dict[str, Any], family: Family) -> None:
     """Refuses keys this model does not know or does not compute, each in one line."""
     model_type = family.model_type
-    unknown = sorted(set(cfg) - (METADATA_KEYS | COMMON_KEYS | family.known_keys))
+    unknown = sorted(set(cfg) - (METADATA_KEYS | COMMON_KEYS | set(EXPERT_KEYS)
+                                 | family.known_keys))
     if unknown:
         _refuse(model_type, f"key {unknown[0]!r} is not known for this type and may change "
                             f"the computation, so it is refused (all unknown: {unknown})")
@@ -82,11 +87,20 @@ def _check_keys(cfg: dict[str, Any], family: Family) -> None:
     for key in ("attention_dropout", "hidden_dropout"):
         if cfg.get(key, 0.0):
             _refuse(model_type, f"{key}={cfg[key]} is not implemented (only 0)")
+    for key, only in family.required.items():
+        if cfg.get(key, only) != only:
+            _refuse(model_type, f"{key}={cfg[key]!r} is not implemented (only {only!r})")
 
 
 def _layers(cfg: dict[str, Any], family: Family, num_layers: int, num_experts: int
             ) -> dict[str, Any]:
     """``moe_layers`` and the expert / dense MLP widths (see ``Family.dense_layers``)."""
+    if family.dense_layers == "first_k":
+        first = int(cfg.get("first_k_dense_replace", family.default("first_k_dense_replace")))
+        return {"moe_layers": tuple(i >= first for i in range(num_layers)),
+                "moe_intermediate_size": int(cfg.get("moe_intermediate_size",
+                                                     family.default("moe_intermediate_size"))),
+                "intermediate_size": int(cfg["intermediate_size"])}
     if not family.dense_layers:
         width = int(cfg["intermediate_size"])
         return {"moe_layers": (True,) * num_layers, "moe_intermediate_size": width,
@@ -119,6 +133,23 @@ def _window(cfg: dict[str, Any], family: Family) -> dict[str, Any]:
     return fields
 
 
+def _type_extras(cfg: dict[str, Any], family: Family, fields: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """The router options the type routes by (``router_flags`` and ``router_keys``) and its
+    shared experts counted in expert widths (``shared_expert_count_key``)."""
+    extras: dict[str, Any] = {}
+    options = dict(family.router_flags)
+    for key in family.router_keys:
+        options[key.fields[0]] = key.cast(cfg.get(key.name, family.default(key.name)))
+    if options:
+        extras["router_options"] = tuple(sorted(options.items()))
+    if family.shared_expert_count_key:
+        count = int(cfg.get(family.shared_expert_count_key,
+                            family.default(family.shared_expert_count_key)))
+        extras["shared_expert_size"] = count * fields["moe_intermediate_size"]
+    return extras
+
+
 def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
     """An :class:`LMConfig` from a ``config.json`` dict; ``overrides`` replace fields after
     (``router``, ``jitter_eps``, ``compute_dtype``, ``dispatch``, ...).
@@ -136,9 +167,9 @@ def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
                             "(this type's key norm assumes they agree)")
     kv_heads = cfg.get("num_key_value_heads") or heads
     num_layers = int(cfg["num_hidden_layers"])
-    experts = {k: cfg[k] for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None}
+    experts = {k: cfg[k] for k in EXPERT_KEYS if cfg.get(k) is not None}
     if len(set(experts.values())) > 1:
-        _refuse(model_type, f"num_experts and num_local_experts disagree: {experts}")
+        _refuse(model_type, f"the expert counts disagree: {experts}")
     num_experts = int(next(iter(experts.values()), family.default("num_experts")))
     top_k = int(cfg.get("num_experts_per_tok", family.default("num_experts_per_tok")))
     if family.fixed_top_k and top_k != family.fixed_top_k:
@@ -150,6 +181,7 @@ def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
     for key in family.keys:
         value = key.cast(cfg.get(key.name, family.default(key.name)))
         fields.update(dict.fromkeys(key.fields, value))
+    fields.update(_type_extras(cfg, family, fields))
     config = LMConfig(
         model_type=model_type, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
         num_layers=num_layers, num_heads=heads, num_kv_heads=int(kv_heads),
@@ -171,7 +203,7 @@ def _written(config: LMConfig, family: Family, key: Key) -> Any:
     field = key.fields[0]
     if field == "jitter_eps" and config.router != family.router:
         return config.hf.get(key.name, family.default(key.name))
-    return getattr(config, field)
+    return key.write(getattr(config, field))
 
 
 def to_hf(config: LMConfig) -> dict[str, Any]:
@@ -189,9 +221,11 @@ def to_hf(config: LMConfig) -> dict[str, Any]:
                initializer_range=c.initializer_range,
                router_aux_loss_coef=c.router_aux_loss_coef)
     # The expert count under the spelling the source file used (both load in transformers 5).
-    spelled = [k for k in ("num_experts", "num_local_experts") if k in c.hf]
+    spelled = [k for k in EXPERT_KEYS if k in c.hf]
     out[spelled[0] if spelled else family.experts_key] = c.num_experts
     rope: dict[str, Any] = {"rope_theta": c.rope.theta, "rope_type": c.rope.kind}
+    if c.rope.partial_rotary_factor != 1.0 or family.default("partial_rotary_factor"):
+        rope["partial_rotary_factor"] = c.rope.partial_rotary_factor
     if c.rope.kind == "longrope":
         rope.update(short_factor=list(c.rope.short_factor), long_factor=list(c.rope.long_factor),
                     short_mscale=c.rope.short_mscale, long_mscale=c.rope.long_mscale,
@@ -199,8 +233,16 @@ def to_hf(config: LMConfig) -> dict[str, Any]:
     out["rope_parameters"] = rope
     if family.dense_layers:
         out.update(intermediate_size=c.intermediate_size,
-                   moe_intermediate_size=c.moe_intermediate_size, decoder_sparse_step=1,
+                   moe_intermediate_size=c.moe_intermediate_size)
+    if family.dense_layers == "sparse_step":
+        out.update(decoder_sparse_step=1,
                    mlp_only_layers=[i for i, m in enumerate(c.moe_layers) if not m])
+    elif family.dense_layers == "first_k":
+        first = c.moe_layers.index(True) if any(c.moe_layers) else c.num_layers
+        if not all(c.moe_layers[first:]):
+            raise ValueError(f"{t} checkpoints have dense layers first only; this model has "
+                             f"{c.moe_layers}")
+        out["first_k_dense_replace"] = first
     elif not all(c.moe_layers):
         raise ValueError(f"{t} checkpoints have no dense layers; this model has "
                          f"{c.moe_layers.count(False)}")
@@ -212,7 +254,21 @@ def to_hf(config: LMConfig) -> dict[str, Any]:
         out["use_sliding_window"] = c.sliding_window is not None
         if c.sliding_window is not None:
             out["sliding_window"] = c.sliding_window
-    if c.shared_expert_size and not family.reads("shared_expert_size"):
+    if c.shared_expert_size and not family.has_shared_expert:
         raise ValueError(f"{t} checkpoints have no shared expert")
     out.update({key.name: _written(c, family, key) for key in family.keys})
+    out.update(family.required)
+    options = {**RouterConfig().__dict__, **c.router_option_dict()}
+    for name, value in family.router_flags.items():
+        if options[name] != value:
+            raise ValueError(f"{t} checkpoints route by {name}={value!r}; this model routes by "
+                             f"{name}={options[name]!r}, which transformers would not compute")
+    out.update({key.name: key.write(options[key.fields[0]]) for key in family.router_keys})
+    if family.shared_expert_count_key:
+        count, rest = divmod(c.shared_expert_size, c.moe_intermediate_size)
+        if rest:
+            raise ValueError(f"{t} checkpoints hold shared experts of moe_intermediate_size="
+                             f"{c.moe_intermediate_size} each; shared_expert_size="
+                             f"{c.shared_expert_size} is not a multiple")
+        out[family.shared_expert_count_key] = count
     return out

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from sparsemixer_jax.hf.families import family_of
+from sparsemixer_jax.hf.families import SELECTION_BIAS, family_of
 from sparsemixer_jax.models.lm_config import LMConfig
 
 Path = tuple[Any, ...]
@@ -64,8 +64,8 @@ def convert(value: np.ndarray, transform: str) -> np.ndarray:
 def _layer_tensors(config: LMConfig, number: int, stack: int, repeat: int, pos: int
                    ) -> Iterator[tuple[str, Slot]]:
     """Every tensor of layer ``number`` in a checkpoint of ``config``: ``(name, slot)``.
-    Attention, norms, the dense MLP and Qwen2-MoE's shared expert are named as the params
-    (every type alike); the MoE sublayer by the type's ``moe_names``."""
+    Attention, norms and the dense MLP are named as the params (every type alike); the MoE
+    sublayer by the type's ``moe_names`` and ``shared_expert_names``."""
     base: Path = ("stacks", stack, "layers", pos)
     layer = f"model.layers.{number}"
     for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -85,19 +85,25 @@ def _layer_tensors(config: LMConfig, number: int, stack: int, repeat: int, pos: 
             yield f"{layer}.mlp.{proj}.weight", Slot((*base, "mlp", proj, "kernel"),
                                                      (repeat,), "T")
         return
-    names = family_of(config.model_type).moe_names
+    family = family_of(config.model_type)
+    names = family.moe_names
     moe = (*base, "mlp", "moe")
     yield f"{layer}.{names['router']}", Slot((*moe, "router", "kernel"), (repeat,), "T")
+    if config.selection_bias:
+        yield (f"{layer}.{names[SELECTION_BIAS]}",
+               Slot((*moe, "expert_bias"), (repeat,), "same"))
     for expert in range(config.num_experts):
         for param in ("w_gate", "w_up", "w_down"):
             yield (f"{layer}.{names[param].format(e=expert)}",
                    Slot((*moe, param), (repeat, expert), "T"))
     if config.shared_expert_size:
+        shared = family.shared_expert_names
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            yield (f"{layer}.mlp.shared_expert.{proj}.weight",
+            yield (f"{layer}.{shared}.{proj}.weight",
                    Slot((*base, "mlp", "shared_expert", proj, "kernel"), (repeat,), "T"))
-        yield (f"{layer}.mlp.shared_expert_gate.weight",
-               Slot((*base, "mlp", "shared_expert_gate", "kernel"), (repeat,), "T"))
+        if config.shared_expert_gate:
+            yield (f"{layer}.{shared}_gate.weight",
+                   Slot((*base, "mlp", "shared_expert_gate", "kernel"), (repeat,), "T"))
 
 
 def saved_tensors(config: LMConfig, layers: Layers) -> Iterator[tuple[str, Slot]]:

@@ -36,7 +36,8 @@ class LMModelConfig:
       hf_type: the architecture family, a Hugging Face ``model_type`` of
         :data:`~sparsemixer_jax.hf.families.FAMILIES` (``mixtral``: RMSNorm, no biases;
         ``qwen3_moe``: per-head q/k norms; ``olmoe``: q/k norms over the projection;
-        ``qwen2_moe``: q/k/v biases and a shared expert; ``phimoe``: LayerNorm, biases).
+        ``qwen2_moe``: q/k/v biases and a shared expert; ``phimoe``: LayerNorm, biases;
+        ``glm4_moe``: sigmoid routing within groups, shared experts, partial rotary).
       hidden_size, num_layers, num_heads, num_kv_heads, head_dim (0 = hidden / heads): sizes.
       mlp_dim: width of each expert (and of the dense layers' MLP).
       num_experts: experts per MoE layer; moe_every: layers ``k - 1, 2k - 1, ...`` are routed,
@@ -107,10 +108,12 @@ class LMModelConfig:
         if m.attention_impl == "cudnn" and m.compute_dtype != "bfloat16":
             raise ValueError(f"{where}attention_impl='cudnn' needs {where}compute_dtype="
                              f"'bfloat16' (cuDNN's flash attention), got {m.compute_dtype!r}")
-        if m.moe_every != 1 and not family.dense_layers:
-            raise ValueError(f"{where}moe_every={m.moe_every}: {m.hf_type} routes every layer; "
-                             "dense layers need hf_type "
-                             f"{' or '.join(types_with(lambda f: f.dense_layers))}")
+        if m.moe_every != 1 and family.dense_layers != "sparse_step":
+            alternating = types_with(lambda f: f.dense_layers == "sparse_step")
+            layout = "routes every layer" if not family.dense_layers else \
+                "has its dense layers first (first_k_dense_replace)"
+            raise ValueError(f"{where}moe_every={m.moe_every}: {m.hf_type} {layout}; dense "
+                             f"layers need hf_type {' or '.join(alternating)}")
         if m.num_shared_experts or m.shared_expert_gate:
             raise ValueError(f"{where}num_shared_experts / shared_expert_gate: the language "
                              "model's shared expert is its type's own (gated, Hugging Face's "
@@ -155,9 +158,13 @@ def hf_config_of(model: LMModelConfig, router: RouterConfig, vocab_size: int
     cfg.update({key.name: sections[key.fields[0]] for key in family.keys
                 if key.fields[0] in sections})
     if family.dense_layers:
+        cfg["moe_intermediate_size"] = m.mlp_dim
+    if family.dense_layers == "sparse_step":
         routed = [i for i in range(m.num_layers) if (i + 1) % m.moe_every == 0]
-        cfg.update(moe_intermediate_size=m.mlp_dim, decoder_sparse_step=1,
+        cfg.update(decoder_sparse_step=1,
                    mlp_only_layers=[i for i in range(m.num_layers) if i not in routed])
+    elif family.dense_layers == "first_k":
+        cfg["first_k_dense_replace"] = 0  # every layer routed, as the model section's others
     return cfg
 
 
@@ -167,9 +174,11 @@ def router_overrides(router: RouterConfig, hf_type: str) -> dict[str, Any]:
     :func:`check_router_for_lm` refuses a normalising router without it; ``phimoe``'s router
     never renormalises)."""
     defaults = RouterConfig()
-    options = tuple(sorted((name, getattr(router, name))
-                           for name in (*ROUTER_OPTIONS, *SELECTION_OPTIONS)
-                           if getattr(router, name) != getattr(defaults, name)))
+    # The type's own routing (GLM-4.5's sigmoid scores, ...) with the section's options over it.
+    options = dict(family_of(hf_type).router_flags)
+    options.update((name, getattr(router, name)) for name in (*ROUTER_OPTIONS, *SELECTION_OPTIONS)
+                   if getattr(router, name) != getattr(defaults, name))
+    options = tuple(sorted(options.items()))
     fields = {"router": router.name, "jitter_eps": router.jitter_eps, "top_k": router.top_k,
               "router_options": options}
     if family_of(hf_type).reads("norm_topk_prob"):
