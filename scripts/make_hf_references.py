@@ -10,8 +10,10 @@ torch). The committed files were made with torch 2.13.0 (CPU) and transformers 5
 For each type it builds a tiny model with non-default settings (grouped-query attention, an odd
 vocabulary, head_dim apart from hidden / heads where the type allows it, dense layers mixed in,
 3 or more experts per token where the type allows it, biases, Phi-3.5-MoE's jitter and longrope
-settings), redraws every norm weight away from 1 and every bias away from 0 (transformers
-initialises them to 1 and 0, so a loader that dropped them would still pass), and saves into
+settings, GLM-4.5's groups, selection bias, shared experts and partial rotary), redraws every
+norm weight away from 1 and every bias away from 0, GLM's selection bias
+(``e_score_correction_bias``) included (transformers initialises them to 1 and 0, so a loader
+that dropped them would still pass), and saves into
 ``tests/data/hf/<type>/``: the model (``save_pretrained``: config.json + model.safetensors) and
 ``reference.npz`` with ``input_ids [2, 12]``, transformers' float32 ``logits [2, 12, V]``, and
 greedy ``generate`` from the first 5 tokens for 8 new tokens (``generated [2, 13]``).
@@ -73,12 +75,27 @@ CONFIGS = {
                                     "long_factor": [1.0, 2.0, 4.0, 8.0],
                                     "short_mscale": 1.05, "long_mscale": 1.2,
                                     "original_max_position_embeddings": 8}),
+    # Partial rotary (half of head_dim 8), per-head q/k norms, q/k/v biases, a dense first layer
+    # (first_k_dense_replace), sigmoid scores with a selection bias (e_score_correction_bias,
+    # redrawn below), 4 groups of 2 experts of which each token keeps 2 (each group scored by its
+    # two best biased scores), renormalised top-3 of 8 scaled by 2.5, two shared experts.
+    "glm4_moe": dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=8,
+                     intermediate_size=24, moe_intermediate_size=12, n_routed_experts=8,
+                     num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                     n_shared_experts=2, first_k_dense_replace=1, norm_topk_prob=True,
+                     use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                      "partial_rotary_factor": 0.5}),
 }
+# Each type's torch seed: the first five as the committed files were made (sorted order), new
+# types after them, so that adding a type leaves the others' files as they are.
+SEEDS = {t: i for i, t in enumerate(("mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe",
+                                     "glm4_moe"))}
 PROMPT, NEW = 5, 8
 
 
 def build(model_type: str) -> torch.nn.Module:
-    torch.manual_seed(sorted(CONFIGS).index(model_type))
+    torch.manual_seed(SEEDS[model_type])
     config = AutoConfig.for_model(model_type, **COMMON, **CONFIGS[model_type])
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config).float().eval()
@@ -88,6 +105,9 @@ def build(model_type: str) -> torch.nn.Module:
                 param.copy_(0.2 * torch.randn_like(param))
             elif "norm" in name:  # every norm weight: input, post-attention, final, q/k
                 param.copy_(1.0 + 0.3 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():  # the selection bias, zeros as initialised
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.2 * torch.randn_like(buffer))
     return model
 
 

@@ -51,6 +51,7 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     "router.balance_scope": "micro_batch",
     "router.num_groups": 1,
     "router.top_groups": 1,
+    "router.group_score": "max",
     "model.num_shared_experts": 0,
     "model.shared_expert_gate": False,
     # Runs saved before the scheme was a choice were initialised by the "flax" scheme.
@@ -86,6 +87,7 @@ def router_config(name: str = "sparsemixer", **overrides: Any) -> ml_collections
     c.balance_scope = "micro_batch"  # | "sequence" | "global_batch": the balance loss's counts
     c.num_groups = 1  # group-limited routing: experts in num_groups groups (1 = off) ...
     c.top_groups = 1  # ... of which each token keeps top_groups
+    c.group_score = "max"  # a group's score: its best expert's | "top2_sum" (DeepSeek-V3, GLM)
     c.update(overrides)
     return c
 

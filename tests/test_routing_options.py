@@ -535,3 +535,18 @@ def test_electra_generator_and_discriminator_take_the_options():
     tokens = int(np.sum(np.asarray(batch["tokens"]) != token_ids.PAD_ID))
     for path, _ in plan:
         assert float(np.sum(_at(state, path)["expert_load"])) == 2 * tokens, path
+
+
+def test_top2_sum_scores_a_group_by_its_two_best():
+    """Group 0 holds the best expert (0.9) but group 1 the best pair (0.8 + 0.7 > 0.9 + 0.1):
+    max keeps group 0, top2_sum (DeepSeek-V3, GLM-4.5) group 1."""
+    from sparsemixer_jax.routers import limit_to_groups
+
+    scores = jnp.asarray([[0.9, 0.1, 0.8, 0.7]])
+    by_max = np.asarray(limit_to_groups(scores, 2, 1, "max"))
+    by_sum = np.asarray(limit_to_groups(scores, 2, 1, "top2_sum"))
+    np.testing.assert_array_equal(np.isinf(by_max), [[False, False, True, True]])
+    np.testing.assert_array_equal(np.isinf(by_sum), [[True, True, False, False]])
+    with pytest.raises(ValueError, match="group_score='top2_sum' needs groups of at least 2"):
+        routers.check_router("switch", top_k=2, jitter_eps=0.0, num_experts=4, num_groups=4,
+                             top_groups=2, group_score="top2_sum", score="sigmoid")

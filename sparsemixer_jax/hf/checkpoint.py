@@ -22,11 +22,14 @@ from flax import nnx
 
 from sparsemixer_jax import sharding
 from sparsemixer_jax.hf.config import from_hf, to_hf
-from sparsemixer_jax.hf.weights import Path, convert, parse, saved_tensors
+from sparsemixer_jax.hf.weights import Path, convert, read_table, saved_tensors
 from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.partitioning import Partitioner
 
+#: What a checkpoint holds: the params and the MoE layers' selection bias (a checkpoint's
+#: ``e_score_correction_bias``, the layer's bias state).
+CHECKPOINT_STATE = nnx.Any(nnx.Param, nnx.PathContains("expert_bias"))
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -117,8 +120,8 @@ def _build(config: LMConfig, seed: int, mesh) -> tuple[Any, Any, Any]:
     def make() -> CausalLM:
         return CausalLM(config, mesh=mesh, rngs=nnx.Rngs(params=seed, router=seed + 1))
 
-    graphdef, params, _ = nnx.split(nnx.eval_shape(make), nnx.Param, ...)
-    rest = jax.jit(lambda: nnx.split(make(), nnx.Param, ...)[2])()
+    graphdef, params, _ = nnx.split(nnx.eval_shape(make), CHECKPOINT_STATE, ...)
+    rest = jax.jit(lambda: nnx.split(make(), CHECKPOINT_STATE, ...)[2])()
     return graphdef, params, rest
 
 
@@ -157,6 +160,7 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     replicated = None if partitioner is None else partitioner.replicated()
     filled: dict[Path, np.ndarray] = {}  # per param: which leading-index slices were written
     layers = CausalLM.layer_index_of(config)
+    table = read_table(config, layers)
     for file in files:
         with safe_open(file, "np") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
@@ -164,7 +168,7 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
                     continue  # recomputed from the config; some old checkpoints store it
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue  # tied: the embedding is the head
-                slots = parse(name, config, layers)
+                slots = table.get(name)
                 if not slots or any(_get(arrays, s.path) is None for s in slots):
                     raise ValueError(f"{path!r}: tensor {name!r} has no place in a "
                                      f"{config.model_type} model of this config.json")
@@ -190,18 +194,22 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
         mark = filled.get(slot.path)
         if mark is None or not mark[slot.index]:
             raise ValueError(f"{path!r}: tensor {name!r} is missing from the checkpoint")
-    # SparseMixer routers scale the MoE output by omega, which checkpoints do not have: ones.
-    for leaf_path, _ in jax.tree_util.tree_flatten_with_path(arrays)[0]:
-        keys = tuple(k.key for k in leaf_path)
-        if keys[-1] == "omega":
-            omega = _get(arrays, keys)
-            _set(arrays, keys, _zeros(omega.shape, omega.dtype, _get(placements, keys)) + 1)
+    _omega_ones(arrays, placements)
     nnx.replace_by_pure_dict(abstract, arrays)
     if partitioner is not None:  # RNG streams and layer state: replicated on the mesh
         rest = sharding.place(rest, partitioner.shardings(rest))
     model = nnx.merge(graphdef, abstract, rest)
     model.eval()
     return model, config
+
+
+def _omega_ones(arrays: dict, placements: dict) -> None:
+    """SparseMixer routers scale the MoE output by omega, which checkpoints do not have: ones."""
+    for leaf_path, _ in jax.tree_util.tree_flatten_with_path(arrays)[0]:
+        keys = tuple(k.key for k in leaf_path)
+        if keys[-1] == "omega":
+            omega = _get(arrays, keys)
+            _set(arrays, keys, _zeros(omega.shape, omega.dtype, _get(placements, keys)) + 1)
 
 
 def _hf_shape(param_shape: tuple[int, ...], slot) -> tuple[int, ...]:
@@ -240,7 +248,7 @@ def save_pretrained(model: CausalLM, config: LMConfig, out_dir: str, *,
     hf_config = to_hf(config)
     hf_config["dtype"] = dtype
     os.makedirs(out_dir, exist_ok=True)
-    pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    pure = nnx.to_pure_dict(nnx.state(model, CHECKPOINT_STATE))
     layers = model.layer_index()
     shards: list[str] = []
     weight_map: dict[str, int] = {}

@@ -1,5 +1,5 @@
 """Hugging Face ``config.json`` <-> :class:`sparsemixer_jax.models.lm_config.LMConfig`, for the
-types of :data:`sparsemixer_jax.models.lm_config.MODEL_TYPES`, in every spelling checkpoints
+types of :data:`sparsemixer_jax.hf.families.FAMILIES`, in every spelling checkpoints
 carry: written by transformers 4.x (top-level ``rope_theta`` and ``rope_scaling``, Qwen3-MoE's
 ``num_experts``) and by 5.x (``rope_parameters``, ``num_local_experts``).
 
@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sparsemixer_jax.models.lm_config import MODEL_TYPES, LMConfig, RopeConfig
+from sparsemixer_jax.hf.families import Family, Key, family_of
+from sparsemixer_jax.models.lm_config import LMConfig, RopeConfig
+from sparsemixer_jax.routers import RouterConfig
 
 # Keys that never change the forward pass: identity, token ids, bookkeeping, the training-only
 # auxiliary loss switch, attention backends.
@@ -29,44 +31,27 @@ COMMON_KEYS = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "tie_word_embeddings",
     "rope_theta", "rope_scaling", "rope_parameters", "attention_dropout", "num_experts_per_tok",
-    "num_experts", "num_local_experts",
 })
-TYPE_KEYS = {
-    "mixtral": {"sliding_window", "router_jitter_noise"},
-    "phimoe": {"sliding_window", "router_jitter_noise", "input_jitter_noise", "attention_bias",
-               "lm_head_bias", "hidden_dropout", "original_max_position_embeddings"},
-    "olmoe": {"attention_bias", "clip_qkv", "norm_topk_prob"},
-    "qwen3_moe": {"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers",
-                  "decoder_sparse_step", "moe_intermediate_size", "norm_topk_prob",
-                  "mlp_only_layers", "layer_types"},
-    "qwen2_moe": {"use_sliding_window", "sliding_window", "max_window_layers",
-                  "decoder_sparse_step", "moe_intermediate_size", "norm_topk_prob",
-                  "mlp_only_layers", "shared_expert_intermediate_size", "qkv_bias",
-                  "layer_types"},
-}
-# Each type's default rope theta (transformers' config classes) when config.json has none.
-DEFAULT_THETA = {"mixtral": 1e6, "phimoe": 1e6, "olmoe": 1e4, "qwen3_moe": 1e4,
-                 "qwen2_moe": 1e4}
-# The spelling of the expert count each type's checkpoints carry.
-EXPERTS_KEY = {"mixtral": "num_local_experts", "phimoe": "num_local_experts",
-               "olmoe": "num_experts", "qwen3_moe": "num_experts", "qwen2_moe": "num_experts"}
-
-
+# The spellings of the expert count (a type's own is Family.experts_key).
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 def _refuse(model_type: str, message: str) -> None:
     raise ValueError(f"config.json ({model_type}): {message}")
 
 
-def _rope(cfg: dict, model_type: str, head_dim: int) -> RopeConfig:
+def _rope(cfg: dict, family: Family) -> RopeConfig:
     """The rope settings from ``rope_parameters`` (5.x) or ``rope_theta`` + ``rope_scaling``
     (4.x)."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling")
     if scaling:
         params = {**scaling, **params}
-    theta = params.get("rope_theta", cfg.get("rope_theta", DEFAULT_THETA[model_type]))
+    model_type = family.model_type
+    theta = params.get("rope_theta", cfg.get("rope_theta", family.default("rope_theta")))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
-        return RopeConfig(theta=float(theta))
+        partial = params.get("partial_rotary_factor", cfg.get(
+            "partial_rotary_factor", family.default("partial_rotary_factor")))
+        return RopeConfig(theta=float(theta), partial_rotary_factor=float(partial or 1.0))
     if kind != "longrope":
         _refuse(model_type, f"rope scaling {kind!r} is not implemented (implemented: default, "
                             "longrope)")
@@ -79,7 +64,6 @@ def _rope(cfg: dict, model_type: str, head_dim: int) -> RopeConfig:
     for key in ("attention_factor", "partial_rotary_factor"):
         if params.get(key) not in (None, 1, 1.0):
             _refuse(model_type, f"longrope with {key}={params[key]} is not implemented")
-    del head_dim
     return RopeConfig(theta=float(theta), kind="longrope",
                       short_factor=tuple(float(f) for f in params["short_factor"]),
                       long_factor=tuple(float(f) for f in params["long_factor"]),
@@ -88,19 +72,11 @@ def _rope(cfg: dict, model_type: str, head_dim: int) -> RopeConfig:
                       original_max_position_embeddings=int(original))
 
 
-def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
-    """An :class:`LMConfig` from a ``config.json`` dict; ``overrides`` replace fields after
-    (``router``, ``jitter_eps``, ``compute_dtype``, ``dispatch``, ...).
-
-    Raises ValueError in one line for an unsupported ``model_type`` (naming the supported ones)
-    and for any key that would change the computation in a way not implemented here.
-    """
-    model_type = cfg.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"config.json: model_type {model_type!r} is not supported; supported: "
-                         f"{', '.join(MODEL_TYPES)}")
-    known = METADATA_KEYS | COMMON_KEYS | TYPE_KEYS[model_type]
-    unknown = sorted(set(cfg) - known)
+def _check_keys(cfg: dict[str, Any], family: Family) -> None:
+    """Refuses keys this model does not know or does not compute, each in one line."""
+    model_type = family.model_type
+    unknown = sorted(set(cfg) - (METADATA_KEYS | COMMON_KEYS | set(EXPERT_KEYS)
+                                 | family.known_keys))
     if unknown:
         _refuse(model_type, f"key {unknown[0]!r} is not known for this type and may change "
                             f"the computation, so it is refused (all unknown: {unknown})")
@@ -111,79 +87,107 @@ def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
     for key in ("attention_dropout", "hidden_dropout"):
         if cfg.get(key, 0.0):
             _refuse(model_type, f"{key}={cfg[key]} is not implemented (only 0)")
+    for key, only in family.required.items():
+        if cfg.get(key, only) != only:
+            _refuse(model_type, f"{key}={cfg[key]!r} is not implemented (only {only!r})")
 
+
+def _layers(cfg: dict[str, Any], family: Family, num_layers: int, num_experts: int
+            ) -> dict[str, Any]:
+    """``moe_layers`` and the expert / dense MLP widths (see ``Family.dense_layers``)."""
+    if family.dense_layers == "first_k":
+        first = int(cfg.get("first_k_dense_replace", family.default("first_k_dense_replace")))
+        return {"moe_layers": tuple(i >= first for i in range(num_layers)),
+                "moe_intermediate_size": int(cfg.get("moe_intermediate_size",
+                                                     family.default("moe_intermediate_size"))),
+                "intermediate_size": int(cfg["intermediate_size"])}
+    if not family.dense_layers:
+        width = int(cfg["intermediate_size"])
+        return {"moe_layers": (True,) * num_layers, "moe_intermediate_size": width,
+                "intermediate_size": width}
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return {"moe_layers": tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0
+                                for i in range(num_layers)),
+            "moe_intermediate_size": int(cfg.get("moe_intermediate_size",
+                                                 family.default("moe_intermediate_size"))),
+            "intermediate_size": int(cfg.get("intermediate_size", 0))}
+
+
+def _window(cfg: dict[str, Any], family: Family) -> dict[str, Any]:
+    """``sliding_window`` as the type spells it (see ``Family.window``)."""
+    if family.window == "every_layer":
+        return {"sliding_window": cfg.get("sliding_window")}
+    if family.window == "none":
+        return {}
+    fields = {}
+    if cfg.get("use_sliding_window"):
+        if family.window == "refused":
+            _refuse(family.model_type, "use_sliding_window=true (sliding window on some layers "
+                                       "only) is not implemented")
+        fields["sliding_window"] = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types) and not cfg.get("use_sliding_window"):
+        _refuse(family.model_type, f"layer_types {sorted(set(layer_types))} (per-layer sliding "
+                                   "attention) is not implemented")
+    return fields
+
+
+def _type_extras(cfg: dict[str, Any], family: Family, fields: dict[str, Any]
+                 ) -> dict[str, Any]:
+    """The router options the type routes by (``router_flags`` and ``router_keys``) and its
+    shared experts counted in expert widths (``shared_expert_count_key``)."""
+    extras: dict[str, Any] = {}
+    options = dict(family.router_flags)
+    for key in family.router_keys:
+        options[key.fields[0]] = key.cast(cfg.get(key.name, family.default(key.name)))
+    if options:
+        extras["router_options"] = tuple(sorted(options.items()))
+    if family.shared_expert_count_key:
+        count = int(cfg.get(family.shared_expert_count_key,
+                            family.default(family.shared_expert_count_key)))
+        extras["shared_expert_size"] = count * fields["moe_intermediate_size"]
+    return extras
+
+
+def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
+    """An :class:`LMConfig` from a ``config.json`` dict; ``overrides`` replace fields after
+    (``router``, ``jitter_eps``, ``compute_dtype``, ``dispatch``, ...).
+
+    Raises ValueError in one line for an unsupported ``model_type`` (naming the supported ones)
+    and for any key that would change the computation in a way not implemented here.
+    """
+    family = family_of(cfg.get("model_type"))
+    model_type = family.model_type
+    _check_keys(cfg, family)
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or hidden // heads
-    if model_type == "olmoe" and head_dim != hidden // heads:
+    if family.head_dim_fixed and head_dim != hidden // heads:
         _refuse(model_type, f"head_dim={head_dim} differs from hidden_size / num_attention_heads "
-                            "(OLMoE's key norm assumes they agree)")
+                            "(this type's key norm assumes they agree)")
     kv_heads = cfg.get("num_key_value_heads") or heads
     num_layers = int(cfg["num_hidden_layers"])
-    experts = {k: cfg[k] for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None}
+    experts = {k: cfg[k] for k in EXPERT_KEYS if cfg.get(k) is not None}
     if len(set(experts.values())) > 1:
-        _refuse(model_type, f"num_experts and num_local_experts disagree: {experts}")
-    default_experts = {"mixtral": 8, "phimoe": 16, "olmoe": 64, "qwen3_moe": 128,
-                       "qwen2_moe": 60}[model_type]
-    num_experts = int(next(iter(experts.values()), default_experts))
-    top_k = int(cfg.get("num_experts_per_tok", {"mixtral": 2, "phimoe": 2, "olmoe": 8,
-                                                "qwen3_moe": 8, "qwen2_moe": 4}[model_type]))
-
-    fields: dict[str, Any] = {}
-    if model_type in ("qwen2_moe", "qwen3_moe"):
-        step = int(cfg.get("decoder_sparse_step", 1))
-        dense = set(cfg.get("mlp_only_layers") or [])
-        moe_layers = tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0
-                           for i in range(num_layers))
-        fields["moe_intermediate_size"] = int(cfg.get("moe_intermediate_size",
-                                                      768 if model_type == "qwen3_moe" else 1408))
-        fields["intermediate_size"] = int(cfg.get("intermediate_size", 0))
-        if cfg.get("use_sliding_window"):
-            if model_type == "qwen2_moe":
-                _refuse(model_type, "use_sliding_window=true (sliding window on some layers "
-                                    "only) is not implemented")
-            fields["sliding_window"] = cfg.get("sliding_window")
-        layer_types = cfg.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types) and not cfg.get("use_sliding_window"):
-            _refuse(model_type, f"layer_types {sorted(set(layer_types))} (per-layer sliding "
-                                "attention) is not implemented")
-    else:
-        moe_layers = (True,) * num_layers
-        fields["moe_intermediate_size"] = int(cfg["intermediate_size"])
-        fields["intermediate_size"] = int(cfg["intermediate_size"])
-        if model_type in ("mixtral", "phimoe"):
-            fields["sliding_window"] = cfg.get("sliding_window")
-    if model_type == "qwen2_moe":
-        fields["shared_expert_size"] = int(cfg.get("shared_expert_intermediate_size", 5632))
-        fields["qkv_bias"] = bool(cfg.get("qkv_bias", True))
-    if model_type in ("qwen3_moe", "olmoe", "phimoe"):
-        fields["qkv_bias"] = fields["out_bias"] = bool(cfg.get("attention_bias", False))
-    if model_type == "phimoe":
-        if top_k != 2:
-            _refuse(model_type, f"num_experts_per_tok={top_k}; phimoe's SparseMixer-v2 router "
-                                "always picks 2 experts")
-        fields.update(norm="layer", lm_head_bias=bool(cfg.get("lm_head_bias", False)),
-                      router="sparsemixer_v2", jitter_eps=float(cfg.get("router_jitter_noise",
-                                                                        0.01)),
-                      moe_input_jitter=float(cfg.get("input_jitter_noise", 0.0)))
-    else:
-        fields.update(router="switch", jitter_eps=0.0)
-    if model_type == "mixtral":
-        fields.update(norm_topk_prob=True,
-                      moe_input_jitter=float(cfg.get("router_jitter_noise", 0.0)))
-    elif model_type != "phimoe":
-        fields["norm_topk_prob"] = bool(cfg.get("norm_topk_prob", False))
-    if model_type == "qwen3_moe":
-        fields["qk_norm"] = "head"
-    if model_type == "olmoe":
-        fields["qk_norm"] = "full"
-        fields["clip_qkv"] = cfg.get("clip_qkv")
-    default_eps = 1e-6 if model_type.startswith("qwen") else 1e-5
+        _refuse(model_type, f"the expert counts disagree: {experts}")
+    num_experts = int(next(iter(experts.values()), family.default("num_experts")))
+    top_k = int(cfg.get("num_experts_per_tok", family.default("num_experts_per_tok")))
+    if family.fixed_top_k and top_k != family.fixed_top_k:
+        _refuse(model_type, f"num_experts_per_tok={top_k}; {model_type}'s {family.router} "
+                            f"router always picks {family.fixed_top_k} experts")
+    fields: dict[str, Any] = {"router": "switch", "jitter_eps": 0.0,
+                              **_layers(cfg, family, num_layers, num_experts),
+                              **_window(cfg, family), **family.flags}
+    for key in family.keys:
+        value = key.cast(cfg.get(key.name, family.default(key.name)))
+        fields.update(dict.fromkeys(key.fields, value))
+    fields.update(_type_extras(cfg, family, fields))
     config = LMConfig(
         model_type=model_type, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
         num_layers=num_layers, num_heads=heads, num_kv_heads=int(kv_heads),
-        head_dim=int(head_dim), num_experts=num_experts, top_k=top_k, moe_layers=moe_layers,
-        norm_eps=float(cfg.get("rms_norm_eps", default_eps)),
-        rope=_rope(cfg, model_type, int(head_dim)),
+        head_dim=int(head_dim), num_experts=num_experts, top_k=top_k,
+        norm_eps=float(cfg.get("rms_norm_eps", family.default("rms_norm_eps"))),
+        rope=_rope(cfg, family),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         initializer_range=float(cfg.get("initializer_range", 0.02)),
@@ -192,15 +196,23 @@ def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
     return config.replace(**overrides) if overrides else config
 
 
+def _written(config: LMConfig, family: Family, key: Key) -> Any:
+    """The value of a type's own key in an export of ``config``. A router's jitter / mask
+    threshold is the type's key only while the model routes by the type's own router; under
+    another router the source file's value (or the default) is kept."""
+    field = key.fields[0]
+    if field == "jitter_eps" and config.router != family.router:
+        return config.hf.get(key.name, family.default(key.name))
+    return key.write(getattr(config, field))
+
+
 def to_hf(config: LMConfig) -> dict[str, Any]:
     """The ``config.json`` dict of ``config`` as transformers 5.x writes it (``rope_parameters``),
     keeping the keys of the file it was read from that do not change the computation."""
-    c, t = config, config.model_type
+    c, family = config, family_of(config.model_type, "LMConfig: model_type ")
+    t = family.model_type
     out = {k: v for k, v in c.hf.items() if k in METADATA_KEYS}
-    arch = {"mixtral": "MixtralForCausalLM", "phimoe": "PhimoeForCausalLM",
-            "olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-            "qwen2_moe": "Qwen2MoeForCausalLM"}[t]
-    out.update(architectures=[arch], model_type=t, vocab_size=c.vocab_size,
+    out.update(architectures=[family.architecture], model_type=t, vocab_size=c.vocab_size,
                hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
                num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
                head_dim=c.head_dim, hidden_act="silu", rms_norm_eps=c.norm_eps,
@@ -209,41 +221,54 @@ def to_hf(config: LMConfig) -> dict[str, Any]:
                initializer_range=c.initializer_range,
                router_aux_loss_coef=c.router_aux_loss_coef)
     # The expert count under the spelling the source file used (both load in transformers 5).
-    spelled = [k for k in ("num_experts", "num_local_experts") if k in c.hf]
-    out[spelled[0] if spelled else EXPERTS_KEY[t]] = c.num_experts
+    spelled = [k for k in EXPERT_KEYS if k in c.hf]
+    out[spelled[0] if spelled else family.experts_key] = c.num_experts
     rope: dict[str, Any] = {"rope_theta": c.rope.theta, "rope_type": c.rope.kind}
+    if c.rope.partial_rotary_factor != 1.0 or family.default("partial_rotary_factor"):
+        rope["partial_rotary_factor"] = c.rope.partial_rotary_factor
     if c.rope.kind == "longrope":
         rope.update(short_factor=list(c.rope.short_factor), long_factor=list(c.rope.long_factor),
                     short_mscale=c.rope.short_mscale, long_mscale=c.rope.long_mscale,
                     original_max_position_embeddings=c.rope.original_max_position_embeddings)
     out["rope_parameters"] = rope
-    if t in ("qwen2_moe", "qwen3_moe"):
+    if family.dense_layers:
         out.update(intermediate_size=c.intermediate_size,
-                   moe_intermediate_size=c.moe_intermediate_size, decoder_sparse_step=1,
-                   mlp_only_layers=[i for i, m in enumerate(c.moe_layers) if not m],
-                   norm_topk_prob=c.norm_topk_prob,
-                   use_sliding_window=c.sliding_window is not None)
+                   moe_intermediate_size=c.moe_intermediate_size)
+    if family.dense_layers == "sparse_step":
+        out.update(decoder_sparse_step=1,
+                   mlp_only_layers=[i for i, m in enumerate(c.moe_layers) if not m])
+    elif family.dense_layers == "first_k":
+        first = c.moe_layers.index(True) if any(c.moe_layers) else c.num_layers
+        if not all(c.moe_layers[first:]):
+            raise ValueError(f"{t} checkpoints have dense layers first only; this model has "
+                             f"{c.moe_layers}")
+        out["first_k_dense_replace"] = first
+    elif not all(c.moe_layers):
+        raise ValueError(f"{t} checkpoints have no dense layers; this model has "
+                         f"{c.moe_layers.count(False)}")
+    else:
+        out["intermediate_size"] = c.moe_intermediate_size
+    if family.window == "every_layer":
+        out["sliding_window"] = c.sliding_window
+    elif family.window != "none":
+        out["use_sliding_window"] = c.sliding_window is not None
         if c.sliding_window is not None:
             out["sliding_window"] = c.sliding_window
-    else:
-        if not all(c.moe_layers):
-            raise ValueError(f"{t} checkpoints have no dense layers; this model has "
-                             f"{c.moe_layers.count(False)}")
-        out["intermediate_size"] = c.moe_intermediate_size
-        if t in ("mixtral", "phimoe"):
-            out["sliding_window"] = c.sliding_window
-    if t == "qwen2_moe":
-        out.update(shared_expert_intermediate_size=c.shared_expert_size, qkv_bias=c.qkv_bias)
-    elif c.shared_expert_size:
+    if c.shared_expert_size and not family.has_shared_expert:
         raise ValueError(f"{t} checkpoints have no shared expert")
-    if t in ("qwen3_moe", "olmoe", "phimoe"):
-        out["attention_bias"] = c.qkv_bias
-    if t == "olmoe":
-        out["clip_qkv"] = c.clip_qkv
-    if t == "mixtral":
-        out["router_jitter_noise"] = c.moe_input_jitter
-    if t == "phimoe":
-        out.update(lm_head_bias=c.lm_head_bias, input_jitter_noise=c.moe_input_jitter,
-                   router_jitter_noise=c.jitter_eps if c.router == "sparsemixer_v2"
-                   else c.hf.get("router_jitter_noise", 0.01))
+    out.update({key.name: _written(c, family, key) for key in family.keys})
+    out.update(family.required)
+    options = {**RouterConfig().__dict__, **c.router_option_dict()}
+    for name, value in family.router_flags.items():
+        if options[name] != value:
+            raise ValueError(f"{t} checkpoints route by {name}={value!r}; this model routes by "
+                             f"{name}={options[name]!r}, which transformers would not compute")
+    out.update({key.name: key.write(options[key.fields[0]]) for key in family.router_keys})
+    if family.shared_expert_count_key:
+        count, rest = divmod(c.shared_expert_size, c.moe_intermediate_size)
+        if rest:
+            raise ValueError(f"{t} checkpoints hold shared experts of moe_intermediate_size="
+                             f"{c.moe_intermediate_size} each; shared_expert_size="
+                             f"{c.shared_expert_size} is not a multiple")
+        out[family.shared_expert_count_key] = count
     return out

@@ -117,7 +117,8 @@ def _linear(din: int, dout: int, bias: bool, config: LMConfig, rngs: nnx.Rngs) -
 def rope_cos_sin(config: LMConfig, positions: jax.Array, num_positions: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array]:
     """cos and sin ``[B, T, head_dim]`` (float32) of the rotary embedding at int ``positions``
-    ``[B, T]``: frequencies ``1 / theta^(2i / d)``, each used twice (``rotate_half`` layout).
+    ``[B, T]``: frequencies ``1 / theta^(2i / d)``, each used twice (``rotate_half`` layout);
+    ``d`` is the rotated width, ``head_dim`` times ``partial_rotary_factor``.
 
     longrope (Phi-3.5-MoE) divides the frequencies by ``short_factor`` and scales cos/sin by
     ``short_mscale``, or ``long_mscale`` once ``num_positions`` (the largest position of the
@@ -125,7 +126,7 @@ def rope_cos_sin(config: LMConfig, positions: jax.Array, num_positions: jax.Arra
     ``phimoe``, the frequencies keep the short factors beyond that point; only the scale
     switches.
     """
-    rope, d = config.rope, config.head_dim
+    rope, d = config.rope, int(config.head_dim * config.rope.partial_rotary_factor)
     inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     scale = jnp.ones((), jnp.float32)
     if rope.kind == "longrope":
@@ -140,7 +141,11 @@ def rope_cos_sin(config: LMConfig, positions: jax.Array, num_positions: jax.Arra
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """``x [B, T, H, D]`` rotated: ``x cos + rotate_half(x) sin`` (cos/sin ``[B, T, D]``)."""
+    """``x [B, T, H, D]`` rotated: ``x cos + rotate_half(x) sin`` (cos/sin ``[B, T, R]``): the
+    first ``R`` dimensions of each head, the rest passed through (partial rotary)."""
+    if cos.shape[-1] < x.shape[-1]:
+        rotary = cos.shape[-1]
+        return jnp.concatenate([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
@@ -247,11 +252,15 @@ class MoEBlock(nnx.Module):
             param[...] = normal(rngs.params(), param.shape, jnp.float32)
         self.input_jitter = config.moe_input_jitter
         self.jitter_rng = rngs["router"].fork() if config.moe_input_jitter > 0 else None
-        if config.shared_expert_size:
-            self.shared_expert = GatedMLP(config, config.shared_expert_size, rngs)
-            self.shared_expert_gate = _linear(config.hidden_size, 1, False, config, rngs)
-        else:
-            self.shared_expert = None
+        self.shared_expert = GatedMLP(config, config.shared_expert_size, rngs) \
+            if config.shared_expert_size else None
+        self.shared_expert_gate = _linear(config.hidden_size, 1, False, config, rngs) \
+            if config.shared_expert_size and config.shared_expert_gate else None
+        if config.selection_bias and self.moe.expert_bias is None:
+            # The checkpoint's selection bias, kept where bias balancing keeps its own (the
+            # layer's bias state, moved only by a bias_update_rate > 0).
+            self.moe.expert_bias = nnx.data(nnx.BatchStat(
+                jnp.zeros((config.num_experts,), jnp.float32)))
 
     def __call__(self, x: jax.Array, token_mask: jax.Array | None, deterministic: bool,
                  dropless: bool) -> tuple[jax.Array, dict]:
@@ -260,9 +269,11 @@ class MoEBlock(nnx.Module):
             e = self.input_jitter
             x = x * jax.random.uniform(self.jitter_rng(), x.shape, x.dtype, 1.0 - e, 1.0 + e)
         y, metrics = self.moe(x, token_mask, deterministic=deterministic, dropless=dropless)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
             y = y + (gate * self.shared_expert(x).astype(jnp.float32)).astype(y.dtype)
+        elif self.shared_expert is not None:
+            y = y + self.shared_expert(x).astype(y.dtype)
         return y, metrics
 
 

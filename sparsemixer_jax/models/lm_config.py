@@ -20,7 +20,7 @@ from sparsemixer_jax.layers import ATTENTION_IMPLS, check_attention_dtype
 from sparsemixer_jax.moe.dispatch import DISPATCHES, GROUPED_IMPLS
 
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
-MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe")
+MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe", "glm4_moe")
 NORMS = ("rms", "layer")
 QK_NORMS = ("none", "head", "full")
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -42,6 +42,8 @@ class RopeConfig:
       short_mscale, long_mscale: longrope's scales of cos/sin below / above
         ``original_max_position_embeddings``.
       original_max_position_embeddings: longrope's switch point.
+      partial_rotary_factor: the fraction of each head's width that is rotated (the first
+        ``int(head_dim * factor)`` dimensions; the rest pass unrotated: GLM-4.5).
     """
 
     theta: float = 10000.0
@@ -51,6 +53,7 @@ class RopeConfig:
     short_mscale: float = 1.0
     long_mscale: float = 1.0
     original_max_position_embeddings: int = 0
+    partial_rotary_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +71,12 @@ class LMConfig:
       moe_intermediate_size: width of each expert.
       num_experts, top_k: experts per MoE layer and per token.
       moe_layers: one bool per layer, True where the feed-forward sublayer is routed.
-      shared_expert_size: width of Qwen2-MoE's shared expert (0: none).
+      shared_expert_size: width of the shared expert (Qwen2-MoE's; GLM-4.5's shared experts
+        as one MLP of their summed width); 0: none.
+      shared_expert_gate: the shared expert's output is scaled by ``sigmoid(x w_g)``
+        (Qwen2-MoE); off: added as it is (GLM-4.5).
+      selection_bias: every MoE layer holds a per-expert selection bias as its bias state
+        (GLM-4.5's ``e_score_correction_bias``), also without bias balancing.
       norm: ``"rms"`` (RMSNorm, weight only) or ``"layer"`` (LayerNorm with bias, Phi-3.5-MoE).
       norm_eps: epsilon of every norm.
       qk_norm: ``"none"``, ``"head"`` (RMSNorm over each head's query/key, Qwen3-MoE) or
@@ -118,6 +126,8 @@ class LMConfig:
     top_k: int
     moe_layers: tuple[bool, ...]
     shared_expert_size: int = 0
+    shared_expert_gate: bool = True
+    selection_bias: bool = False
     norm: str = "rms"
     norm_eps: float = 1e-5
     qk_norm: str = "none"
@@ -194,6 +204,11 @@ class LMConfig:
             fail(f"rope theta must be > 0, got {rope.theta}")
         if rope.kind not in ("default", "longrope"):
             fail(f"rope kind {rope.kind!r} is not implemented; implemented: default, longrope")
+        rotary = int(self.head_dim * rope.partial_rotary_factor)
+        if not 0 < rope.partial_rotary_factor <= 1 or rotary < 2 or rotary % 2:
+            fail(f"partial_rotary_factor={rope.partial_rotary_factor} of head_dim="
+                 f"{self.head_dim} rotates {rotary} dimensions; it must be an even number >= 2 "
+                 "and the factor in (0, 1]")
         if rope.kind == "longrope":
             half = self.head_dim // 2
             if len(rope.short_factor) != half or len(rope.long_factor) != half:

@@ -15,7 +15,12 @@ from typing import Any, Literal
 import jax
 
 from sparsemixer_jax.routers.common import RouterOutput, check_jitter_eps, check_top_k
-from sparsemixer_jax.routers.selection import BALANCE_SCOPES, SCORES, limit_to_groups
+from sparsemixer_jax.routers.selection import (
+    BALANCE_SCOPES,
+    GROUP_SCORES,
+    SCORES,
+    limit_to_groups,
+)
 from sparsemixer_jax.routers.sparsemixer import sparsemixer_route
 from sparsemixer_jax.routers.switch import switch_route
 from sparsemixer_jax.routers.unchosen import UnchosenExperts
@@ -113,6 +118,8 @@ class RouterConfig:
       num_groups, top_groups: group-limited routing: the experts form ``num_groups`` groups of
         consecutive experts, a token keeps the ``top_groups`` groups with the largest best
         selection score and picks its experts among theirs; ``num_groups=1`` turns it off.
+      group_score: a group's score: ``"max"``, its best expert's, or ``"top2_sum"``, the sum of
+        its two best (DeepSeek-V3, GLM-4.5; groups of at least 2 experts).
     """
 
     name: str = "sparsemixer"
@@ -134,6 +141,7 @@ class RouterConfig:
     balance_scope: Literal["micro_batch", "sequence", "global_batch"] = "micro_batch"
     num_groups: int = 1
     top_groups: int = 1
+    group_score: Literal["max", "top2_sum"] = "max"
 
     @classmethod
     def from_config(cls, section: Any, where: str = "config.router.",
@@ -258,7 +266,14 @@ def check_routing_options(config: RouterConfig, where: str, num_experts: int | N
     if not _is_int(top_groups) or not 1 <= top_groups <= groups:
         raise ValueError(f"{where}top_groups must be an int in [1, num_groups={groups}], got "
                          f"{top_groups!r}")
+    if config.group_score not in GROUP_SCORES:
+        raise ValueError(f"{where}group_score={config.group_score!r}; choose one of "
+                         f"{GROUP_SCORES}")
     if num_experts is not None and groups > 1:
+        if config.group_score == "top2_sum" and num_experts // groups < 2:
+            raise ValueError(f"{where}group_score='top2_sum' needs groups of at least 2 "
+                             f"experts; num_groups={groups} of num_experts={num_experts} "
+                             "gives 1")
         if num_experts % groups:
             raise ValueError(f"{where}num_groups={groups} does not divide num_experts="
                              f"{num_experts}")
@@ -330,7 +345,8 @@ def router_fn(config: RouterConfig) -> RouterFn:
     top_k, jitter_eps = config.top_k, config.jitter_eps
     route, fixed = ROUTERS[config.name]
     kwargs = dict(fixed)
-    groups = {"num_groups": config.num_groups, "top_groups": config.top_groups}
+    groups = {"num_groups": config.num_groups, "top_groups": config.top_groups,
+              "group_score": config.group_score}
     if route is switch_route:
         kwargs["normalize_top_k"] = config.normalize_top_k
         kwargs.update(groups, score=config.score,
@@ -347,7 +363,8 @@ def router_fn(config: RouterConfig) -> RouterFn:
             raise ValueError(f"router {config.name!r} takes no selection bias")
         # SparseMixer samples among the experts of the kept groups: the others are excluded
         # (-inf), as its own mask excludes experts, and no gradient flows through the choice.
-        logits = limit_to_groups(logits, config.num_groups, config.top_groups)
+        logits = limit_to_groups(logits, config.num_groups, config.top_groups,
+                                 config.group_score)
         return route(logits, key, training=training, top_k=top_k, jitter_eps=jitter_eps,
                      **kwargs)
 

@@ -13,26 +13,33 @@ import jax.numpy as jnp
 
 #: ``config.router.score``: what the experts are selected on and the gates are made of.
 SCORES = ("softmax", "sigmoid")
+#: ``config.router.group_score``: how group-limited routing scores a group of experts.
+GROUP_SCORES = ("max", "top2_sum")
 #: ``config.router.balance_scope``: over which tokens the balance loss counts expert loads.
 BALANCE_SCOPES = ("micro_batch", "sequence", "global_batch")
 
 
-def limit_to_groups(scores: jax.Array, num_groups: int, top_groups: int) -> jax.Array:
+def limit_to_groups(scores: jax.Array, num_groups: int, top_groups: int,
+                    group_score: str = "max") -> jax.Array:
     """``scores [..., N]`` with every expert outside the token's ``top_groups`` best groups set
     to ``-inf``.
 
     The experts form ``num_groups`` groups of ``N / num_groups`` consecutive experts (the
     experts one device holds under expert parallelism); a group's score is its best expert's
-    score (DeepSeek-V2's group-limited selection; V3 sums a group's two best sigmoid scores).
-    Taking the maximum makes the chosen groups the same for any increasing transform of the
-    scores (logits or their softmax). Ties keep the lower-numbered group. The choice carries no
-    gradient: kept scores pass theirs through unchanged.
+    score (``group_score="max"``, DeepSeek-V2's group-limited selection) or the sum of its two
+    best (``"top2_sum"``: DeepSeek-V3 and GLM-4.5 on the biased sigmoid scores). Taking the
+    maximum makes the chosen groups the same for any increasing transform of the scores
+    (logits or their softmax); the sum does not. Ties keep the lower-numbered group. The choice
+    carries no gradient: kept scores pass theirs through unchanged.
     """
     if num_groups == 1:
         return scores
     *lead, n = scores.shape
     grouped = scores.reshape(*lead, num_groups, n // num_groups)
-    best = jnp.max(jax.lax.stop_gradient(grouped), axis=-1)  # [..., G]
+    if group_score == "max":
+        best = jnp.max(jax.lax.stop_gradient(grouped), axis=-1)  # [..., G]
+    else:
+        best = jnp.sum(jax.lax.top_k(jax.lax.stop_gradient(grouped), 2)[0], axis=-1)
     _, top = jax.lax.top_k(best, top_groups)
     keep = jnp.sum(jax.nn.one_hot(top, num_groups, dtype=jnp.int32), axis=-2) > 0  # [..., G]
     kept = jnp.where(keep[..., None], grouped, -jnp.inf)

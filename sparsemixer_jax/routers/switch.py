@@ -30,6 +30,7 @@ def switch_route(
     selection_bias: jax.Array | None = None,
     num_groups: int = 1,
     top_groups: int = 1,
+    group_score: str = "max",
 ) -> RouterOutput:
     """Switch Transformer routing, as the reference baseline (``switchgate.py``), top-1 or top-k.
 
@@ -58,7 +59,7 @@ def switch_route(
       selection_bias: float ``[N]`` added to the selection scores only (the logits under
         softmax, the sigmoid scores under sigmoid); the gates never see it and it gets no
         gradient. None: no bias.
-      num_groups, top_groups: group-limited selection
+      num_groups, top_groups, group_score: group-limited selection
         (:func:`sparsemixer_jax.routers.selection.limit_to_groups`), on the biased scores.
 
     Returns:
@@ -79,7 +80,8 @@ def switch_route(
         logits = logits * noise
     if score == "sigmoid" or selection_bias is not None or num_groups > 1:
         return _select_and_gate(logits, invalid, top_k, normalize_top_k, score,
-                                routed_scaling_factor, selection_bias, num_groups, top_groups)
+                                routed_scaling_factor, selection_bias,
+                                (num_groups, top_groups, group_score))
     probs = jax.nn.softmax(logits, axis=-1)
     probs = jnp.where(invalid[..., None], jnp.nan, probs)
     if top_k == 1:
@@ -95,7 +97,7 @@ def switch_route(
 
 
 def _select_and_gate(logits, invalid, top_k, normalize_top_k, score, routed_scaling_factor,
-                     selection_bias, num_groups, top_groups) -> RouterOutput:
+                     selection_bias, groups) -> RouterOutput:
     """Switch routing with a selection that differs from the gates' scores: by sigmoid scores,
     with a bias, or within groups. The selection is held constant (no gradient); the gates are
     the scores (softmax probabilities or renormalised sigmoid scores) at the chosen experts."""
@@ -115,7 +117,7 @@ def _select_and_gate(logits, invalid, top_k, normalize_top_k, score, routed_scal
     selection = jax.lax.stop_gradient(selection)
     if selection_bias is not None:
         selection = selection + jax.lax.stop_gradient(selection_bias).astype(selection.dtype)
-    selection = limit_to_groups(selection, num_groups, top_groups)
+    selection = limit_to_groups(selection, *groups)
     _, expert = jax.lax.top_k(selection, top_k)
     expert = expert.astype(jnp.int32)
     gate = jnp.take_along_axis(gates_of, expert, axis=-1)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from sparsemixer_jax.hf.families import family_of, types_with
 from sparsemixer_jax.layers import ATTENTION_IMPLS, check_attention_dtype
-from sparsemixer_jax.models.lm_config import MODEL_TYPES, LMConfig
+from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.routers.registry import ROUTER_OPTIONS
 from sparsemixer_jax.section import check_positive, read_fields
@@ -21,7 +22,7 @@ from sparsemixer_jax.section import check_positive, read_fields
 # The routing options of the router section that every type's MoE layers take as they are
 # (docs/routing.md): scores, bias balancing, the balance loss's scope, groups.
 SELECTION_OPTIONS = ("score", "routed_scaling_factor", "bias_update_rate", "balance_scope",
-                     "num_groups", "top_groups")
+                     "num_groups", "top_groups", "group_score")
 
 # The checkpoint's routing is kept on fine-tuning unless config.init_router says "config".
 INIT_ROUTERS = ("checkpoint", "config")
@@ -33,9 +34,10 @@ class LMModelConfig:
 
     Attributes:
       hf_type: the architecture family, a Hugging Face ``model_type`` of
-        :data:`~sparsemixer_jax.models.lm_config.MODEL_TYPES` (``mixtral``: RMSNorm, no biases;
+        :data:`~sparsemixer_jax.hf.families.FAMILIES` (``mixtral``: RMSNorm, no biases;
         ``qwen3_moe``: per-head q/k norms; ``olmoe``: q/k norms over the projection;
-        ``qwen2_moe``: q/k/v biases and a shared expert; ``phimoe``: LayerNorm, biases).
+        ``qwen2_moe``: q/k/v biases and a shared expert; ``phimoe``: LayerNorm, biases;
+        ``glm4_moe``: sigmoid routing within groups, shared experts, partial rotary).
       hidden_size, num_layers, num_heads, num_kv_heads, head_dim (0 = hidden / heads): sizes.
       mlp_dim: width of each expert (and of the dense layers' MLP).
       num_experts: experts per MoE layer; moe_every: layers ``k - 1, 2k - 1, ...`` are routed,
@@ -88,9 +90,7 @@ class LMModelConfig:
     @classmethod
     def from_config(cls, section: Any, where: str = "config.model.") -> LMModelConfig:
         m = cls(**read_fields(cls, section, where))
-        if m.hf_type not in MODEL_TYPES:
-            raise ValueError(f"{where}hf_type={m.hf_type!r} is not supported; supported: "
-                             f"{', '.join(MODEL_TYPES)}")
+        family = family_of(m.hf_type, f"{where}hf_type=")
         check_positive(where, hidden_size=m.hidden_size, num_layers=m.num_layers,
                        num_heads=m.num_heads, mlp_dim=m.mlp_dim, num_experts=m.num_experts,
                        moe_every=m.moe_every)
@@ -106,69 +106,80 @@ class LMModelConfig:
             raise ValueError(f"{where}attention_impl={m.attention_impl!r}; choose one of "
                              f"{', '.join(ATTENTION_IMPLS)}")
         check_attention_dtype(m.attention_impl, m.compute_dtype, where)
-        if m.moe_every != 1 and m.hf_type not in ("qwen3_moe", "qwen2_moe"):
-            raise ValueError(f"{where}moe_every={m.moe_every}: {m.hf_type} routes every layer; "
-                             "dense layers need hf_type qwen3_moe or qwen2_moe")
+        if m.moe_every != 1 and family.dense_layers != "sparse_step":
+            alternating = types_with(lambda f: f.dense_layers == "sparse_step")
+            layout = "routes every layer" if not family.dense_layers else \
+                "has its dense layers first (first_k_dense_replace)"
+            raise ValueError(f"{where}moe_every={m.moe_every}: {m.hf_type} {layout}; dense "
+                             f"layers need hf_type {' or '.join(alternating)}")
         if m.num_shared_experts or m.shared_expert_gate:
             raise ValueError(f"{where}num_shared_experts / shared_expert_gate: the language "
                              "model's shared expert is its type's own (gated, Hugging Face's "
                              "layout): use model.hf_type='qwen2_moe' with model.shared_expert_dim")
-        if m.shared_expert_dim and m.hf_type != "qwen2_moe":
-            raise ValueError(f"{where}shared_expert_dim: only qwen2_moe has a shared expert")
+        if m.shared_expert_dim and not family.reads("shared_expert_size"):
+            with_one = types_with(lambda f: f.reads("shared_expert_size"))
+            raise ValueError(f"{where}shared_expert_dim: {m.hf_type} has no shared expert "
+                             f"(types with one: {', '.join(with_one)})")
         return m
 
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
 
 
+def _section_values(model: LMModelConfig, router: RouterConfig) -> dict[str, Any]:
+    """The :class:`LMConfig` fields that a type reads from its own keys and that the model and
+    router sections give a from-scratch model (the type's other keys keep their defaults)."""
+    return {"norm_topk_prob": router.normalize_top_k, "jitter_eps": router.jitter_eps,
+            "shared_expert_size": model.shared_expert_dim or model.mlp_dim}
+
+
 def hf_config_of(model: LMModelConfig, router: RouterConfig, vocab_size: int
                  ) -> dict[str, Any]:
     """The ``config.json`` of a from-scratch model of type ``model.hf_type``, with the
     router's ``top_k`` (and ``normalize_top_k`` where the type has ``norm_topk_prob``)."""
-    m, t = model, model.hf_type
-    head_dim = m.head_dim or m.hidden_size // m.num_heads
+    m, family = model, family_of(model.hf_type, "config.model.hf_type=")
     cfg: dict[str, Any] = {
-        "model_type": t, "vocab_size": vocab_size, "hidden_size": m.hidden_size,
-        "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
-        "num_key_value_heads": m.kv_heads(), "intermediate_size": m.mlp_dim,
-        "num_experts_per_tok": router.top_k, "rms_norm_eps": m.norm_eps,
+        "model_type": family.model_type, "vocab_size": vocab_size,
+        "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads, "num_key_value_heads": m.kv_heads(),
+        "intermediate_size": m.mlp_dim, "num_experts_per_tok": router.top_k,
+        "rms_norm_eps": m.norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
         "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.initializer_range,
         "max_position_embeddings": m.max_position_embeddings, "hidden_act": "silu",
-        "router_aux_loss_coef": router.balance_weight,
+        "router_aux_loss_coef": router.balance_weight, family.experts_key: m.num_experts,
+        **family.scratch,
     }
-    if t != "olmoe":
-        cfg["head_dim"] = head_dim
-    if t in ("mixtral", "phimoe"):
-        cfg["num_local_experts"] = m.num_experts
-    else:
-        cfg["num_experts"] = m.num_experts
-        cfg["norm_topk_prob"] = router.normalize_top_k
-    if t in ("qwen3_moe", "qwen2_moe"):
+    if not family.head_dim_fixed:
+        cfg["head_dim"] = m.head_dim or m.hidden_size // m.num_heads
+    sections = _section_values(m, router)
+    cfg.update({key.name: sections[key.fields[0]] for key in family.keys
+                if key.fields[0] in sections})
+    if family.dense_layers:
+        cfg["moe_intermediate_size"] = m.mlp_dim
+    if family.dense_layers == "sparse_step":
         routed = [i for i in range(m.num_layers) if (i + 1) % m.moe_every == 0]
-        cfg.update(moe_intermediate_size=m.mlp_dim, decoder_sparse_step=1,
+        cfg.update(decoder_sparse_step=1,
                    mlp_only_layers=[i for i in range(m.num_layers) if i not in routed])
-    if t == "qwen2_moe":
-        cfg["shared_expert_intermediate_size"] = m.shared_expert_dim or m.mlp_dim
-    if t in ("qwen3_moe", "olmoe"):
-        cfg["attention_bias"] = False
-    if t == "phimoe":
-        cfg.update(attention_bias=True, lm_head_bias=True, router_jitter_noise=router.jitter_eps,
-                   input_jitter_noise=0.0)
+    elif family.dense_layers == "first_k":
+        cfg["first_k_dense_replace"] = 0  # every layer routed, as the model section's others
     return cfg
 
 
 def router_overrides(router: RouterConfig, hf_type: str) -> dict[str, Any]:
     """The :class:`LMConfig` fields that route by the config's router section. ``norm_topk_prob``
-    is the type's own for ``mixtral`` (always on; :func:`check_router_for_lm` refuses a
-    normalising router without it) and ``phimoe`` (its router never renormalises)."""
+    is the type's own for the types without the key (``mixtral`` always renormalises;
+    :func:`check_router_for_lm` refuses a normalising router without it; ``phimoe``'s router
+    never renormalises)."""
     defaults = RouterConfig()
-    options = tuple(sorted((name, getattr(router, name))
-                           for name in (*ROUTER_OPTIONS, *SELECTION_OPTIONS)
-                           if getattr(router, name) != getattr(defaults, name)))
+    # The type's own routing (GLM-4.5's sigmoid scores, ...) with the section's options over it.
+    options = dict(family_of(hf_type).router_flags)
+    options.update((name, getattr(router, name)) for name in (*ROUTER_OPTIONS, *SELECTION_OPTIONS)
+                   if getattr(router, name) != getattr(defaults, name))
+    options = tuple(sorted(options.items()))
     fields = {"router": router.name, "jitter_eps": router.jitter_eps, "top_k": router.top_k,
               "router_options": options}
-    if hf_type not in ("mixtral", "phimoe"):
+    if family_of(hf_type).reads("norm_topk_prob"):
         fields["norm_topk_prob"] = router.normalize_top_k
     return fields
 
@@ -180,10 +191,11 @@ def check_router_for_lm(router: RouterConfig, hf_type: str, where: str = "config
         raise ValueError(f"{where}init_scale={router.init_scale}: the language model's router "
                          "is initialised as its type's (normal with initializer_range); "
                          "leave it at 1.0")
-    if hf_type == "mixtral" and router.name in _routers_normalizing() and \
-            not router.renormalises:
-        raise ValueError(f"{where}normalize_top_k=False: mixtral renormalises its top-k gates; "
-                         "set it True, or choose model.hf_type qwen3_moe or olmoe "
+    if family_of(hf_type).flags.get("norm_topk_prob") and \
+            router.name in _routers_normalizing() and not router.renormalises:
+        choices = " or ".join(types_with(lambda f: f.reads("norm_topk_prob")))
+        raise ValueError(f"{where}normalize_top_k=False: {hf_type} renormalises its top-k "
+                         f"gates; set it True, or choose model.hf_type {choices} "
                          "(norm_topk_prob)")
 
 

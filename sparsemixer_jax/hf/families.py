@@ -1,0 +1,246 @@
+"""One record per Hugging Face model type: everything that differs between the types, read by
+:func:`sparsemixer_jax.hf.from_hf` / :func:`~sparsemixer_jax.hf.to_hf` (``config.json``), by
+:mod:`sparsemixer_jax.hf.weights` (tensor names, both directions) and by the language-modelling
+task's model section (a from-scratch model's ``config.json``).
+
+A type's own ``config.json`` keys are :class:`Key` rows: each is read into :class:`LMConfig`
+fields and written back from the first of them, so one row serves loading and export. Its MoE
+tensor names are one table (``moe_names``) that loading parses and saving writes. What every
+type shares (attention, norms, dense MLP, embeddings) is in :mod:`sparsemixer_jax.hf.weights`
+and :mod:`sparsemixer_jax.hf.config`. Facts per type are from transformers 5.23's
+``configuration_<type>.py`` / ``modeling_<type>.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """A ``config.json`` key of one type: read as ``cast(value)`` into every field of
+    ``fields`` (:class:`~sparsemixer_jax.models.lm_config.LMConfig` names), written back from
+    the first; its default is the family's ``defaults[name]`` (None if absent)."""
+
+    name: str
+    fields: tuple[str, ...]
+    cast: Callable[[Any], Any] = _same
+    write: Callable[[Any], Any] = _same  # the field's value back to the key's
+
+
+# Keys implied by a family's other traits (see Family.dense_layers and Family.window).
+DENSE_LAYER_KEYS = {"": frozenset(),
+                    "sparse_step": frozenset({"decoder_sparse_step", "mlp_only_layers",
+                                              "moe_intermediate_size"}),
+                    "first_k": frozenset({"first_k_dense_replace", "moe_intermediate_size"})}
+WINDOW_KEYS = {"every_layer": frozenset({"sliding_window"}),
+               "switched": frozenset({"use_sliding_window", "sliding_window",
+                                      "max_window_layers", "layer_types"}),
+               "refused": frozenset({"use_sliding_window", "sliding_window",
+                                     "max_window_layers", "layer_types"}),
+               "none": frozenset()}
+# The routed MoE sublayer's params, relative to a layer's ``mlp/moe``: what ``moe_names`` maps.
+MOE_PARAMS = ("router", "w_gate", "w_up", "w_down")
+#: Optional in ``moe_names``: the checkpoint's per-expert selection bias (the layer's bias state).
+SELECTION_BIAS = "selection_bias"
+
+
+def _moe_names(block: str, gate: str, up: str, down: str) -> dict[str, str]:
+    """A per-expert MoE name table: the router ``{block}.gate.weight`` and the experts
+    ``{block}.experts.{e}.<name>.weight``."""
+    experts = f"{block}.experts.{{e}}"
+    return {"router": f"{block}.gate.weight", "w_gate": f"{experts}.{gate}.weight",
+            "w_up": f"{experts}.{up}.weight", "w_down": f"{experts}.{down}.weight"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """Everything one Hugging Face ``model_type`` changes.
+
+    Attributes:
+      model_type: ``config.json``'s ``model_type``.
+      architecture: the ``architectures`` entry an export names (transformers' class).
+      experts_key: the spelling of the expert count its checkpoints carry (``num_experts`` or
+        ``num_local_experts``; both are read).
+      defaults: ``config.json`` defaults of its transformers config class, by key, for the keys
+        a checkpoint may leave out (``num_experts`` stands for either spelling).
+      keys: its own keys, read into :class:`LMConfig` fields and written back (:class:`Key`).
+      flags: :class:`LMConfig` fields every model of the type has (its norms, router, ...).
+      other_keys: further keys it accepts, read elsewhere (rope, dropout checks).
+      dense_layers: which layers are dense: ``"sparse_step"`` (Qwen-MoE's
+        ``decoder_sparse_step`` / ``mlp_only_layers``) or ``"first_k"`` (the first
+        ``first_k_dense_replace``: GLM-4.5, DeepSeek-V3); either way experts are
+        ``moe_intermediate_size`` wide and the dense MLP ``intermediate_size``. ``""``: every
+        layer is routed and ``intermediate_size`` is the expert width.
+      window: how it spells sliding-window attention: ``"every_layer"`` (``sliding_window``,
+        None = off), ``"switched"`` (``sliding_window`` on every layer while
+        ``use_sliding_window``), ``"refused"`` (as switched, but per-layer windows are not
+        computed, so only off is read) or ``"none"`` (no such keys).
+      head_dim_fixed: ``head_dim`` must be ``hidden_size / num_attention_heads`` (OLMoE's key
+        norm over the whole projection assumes it) and a from-scratch config omits it.
+      fixed_top_k: the only ``num_experts_per_tok`` its router computes (0: any).
+      scratch: keys a from-scratch model's ``config.json`` sets (beyond the sizes).
+      moe_names: the MoE tensors' names in a layer (``model.layers.L.`` + name; ``{e}`` the
+        expert), by :data:`MOE_PARAMS` (and :data:`SELECTION_BIAS`): written on export, read
+        on load.
+      shared_expert_names: the shared expert's prefix in a layer (``.gate_proj.weight``, ...);
+        its gate, where the config has one, is ``<prefix>_gate.weight``.
+      shared_expert_count_key: the key counting shared experts of ``moe_intermediate_size``
+        each (GLM-4.5's ``n_shared_experts``; one MLP of their summed width), or ``""``.
+      router_keys: keys read into the router's options (:class:`Key` rows whose field is a
+        :class:`~sparsemixer_jax.routers.RouterConfig` option), written back from them.
+      router_flags: router options every checkpoint of the type routes by.
+      required: keys this model computes at one value only (any other is refused).
+      fused_router: the router's name in transformers 5's fused in-memory layout, read on load
+        beside ``moe_names`` (the experts' fused names are every type's:
+        ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``).
+    """
+
+    model_type: str
+    architecture: str
+    experts_key: str
+    defaults: Mapping[str, Any]
+    moe_names: Mapping[str, str]
+    keys: tuple[Key, ...] = ()
+    flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    other_keys: frozenset[str] = frozenset()
+    dense_layers: str = ""
+    window: str = "none"
+    head_dim_fixed: bool = False
+    fixed_top_k: int = 0
+    scratch: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    fused_router: str = "mlp.gate.weight"
+    shared_expert_names: str = "mlp.shared_expert"
+    shared_expert_count_key: str = ""
+    router_keys: tuple[Key, ...] = ()
+    router_flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    required: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.window not in WINDOW_KEYS:
+            raise ValueError(f"Family {self.model_type}: window={self.window!r}; choose one of "
+                             f"{sorted(WINDOW_KEYS)}")
+        if set(self.moe_names) - {SELECTION_BIAS} != set(MOE_PARAMS):
+            raise ValueError(f"Family {self.model_type}: moe_names must name {MOE_PARAMS}")
+
+    @property
+    def known_keys(self) -> frozenset[str]:
+        """The type's own ``config.json`` keys (beyond every type's)."""
+        return frozenset({k.name for k in (*self.keys, *self.router_keys)}
+                         | WINDOW_KEYS[self.window] | DENSE_LAYER_KEYS[self.dense_layers]
+                         | set(self.required) | self.other_keys
+                         | ({self.shared_expert_count_key} - {""}))
+
+    def default(self, key: str) -> Any:
+        return self.defaults.get(key)
+
+    def reads(self, field: str) -> bool:
+        """Whether one of the type's keys sets :class:`LMConfig` ``field``."""
+        return any(field in k.fields for k in self.keys)
+
+    @property
+    def has_shared_expert(self) -> bool:
+        """Whether its checkpoints may hold a shared expert."""
+        return self.reads("shared_expert_size") or bool(self.shared_expert_count_key)
+
+    @property
+    def router(self) -> str:
+        """The router its checkpoints route by."""
+        return self.flags.get("router", "switch")
+
+
+_ATTENTION_BIAS = Key("attention_bias", ("qkv_bias", "out_bias"), bool)
+_NORM_TOPK_PROB = Key("norm_topk_prob", ("norm_topk_prob",), bool)
+_MLP_MOE = _moe_names("mlp", "gate_proj", "up_proj", "down_proj")
+
+MIXTRAL = Family(
+    model_type="mixtral", architecture="MixtralForCausalLM", experts_key="num_local_experts",
+    defaults={"num_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1e6,
+              "rms_norm_eps": 1e-5, "router_jitter_noise": 0.0},
+    keys=(Key("router_jitter_noise", ("moe_input_jitter",), float),),
+    flags={"norm_topk_prob": True}, window="every_layer",
+    moe_names=_moe_names("block_sparse_moe", "w1", "w3", "w2"))
+
+QWEN3_MOE = Family(
+    model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", experts_key="num_experts",
+    defaults={"num_experts": 128, "num_experts_per_tok": 8, "rope_theta": 1e4,
+              "rms_norm_eps": 1e-6, "moe_intermediate_size": 768, "attention_bias": False,
+              "norm_topk_prob": False},
+    keys=(_ATTENTION_BIAS, _NORM_TOPK_PROB), flags={"qk_norm": "head"}, dense_layers="sparse_step",
+    window="switched", scratch={"attention_bias": False}, moe_names=_MLP_MOE)
+
+OLMOE = Family(
+    model_type="olmoe", architecture="OlmoeForCausalLM", experts_key="num_experts",
+    defaults={"num_experts": 64, "num_experts_per_tok": 8, "rope_theta": 1e4,
+              "rms_norm_eps": 1e-5, "attention_bias": False, "norm_topk_prob": False},
+    keys=(_ATTENTION_BIAS, Key("clip_qkv", ("clip_qkv",)), _NORM_TOPK_PROB),
+    flags={"qk_norm": "full"}, head_dim_fixed=True, scratch={"attention_bias": False},
+    moe_names=_MLP_MOE)
+
+QWEN2_MOE = Family(
+    model_type="qwen2_moe", architecture="Qwen2MoeForCausalLM", experts_key="num_experts",
+    defaults={"num_experts": 60, "num_experts_per_tok": 4, "rope_theta": 1e4,
+              "rms_norm_eps": 1e-6, "moe_intermediate_size": 1408,
+              "shared_expert_intermediate_size": 5632, "qkv_bias": True,
+              "norm_topk_prob": False},
+    keys=(Key("shared_expert_intermediate_size", ("shared_expert_size",), int),
+          Key("qkv_bias", ("qkv_bias",), bool), _NORM_TOPK_PROB),
+    dense_layers="sparse_step", window="refused", moe_names=_MLP_MOE)
+
+PHIMOE = Family(
+    model_type="phimoe", architecture="PhimoeForCausalLM", experts_key="num_local_experts",
+    defaults={"num_experts": 16, "num_experts_per_tok": 2, "rope_theta": 1e6,
+              "rms_norm_eps": 1e-5, "attention_bias": False, "lm_head_bias": False,
+              "router_jitter_noise": 0.01, "input_jitter_noise": 0.0},
+    keys=(_ATTENTION_BIAS, Key("lm_head_bias", ("lm_head_bias",), bool),
+          Key("router_jitter_noise", ("jitter_eps",), float),
+          Key("input_jitter_noise", ("moe_input_jitter",), float)),
+    flags={"norm": "layer", "router": "sparsemixer_v2"},
+    other_keys=frozenset({"hidden_dropout", "original_max_position_embeddings"}),
+    window="every_layer", fixed_top_k=2,
+    scratch={"attention_bias": True, "lm_head_bias": True, "input_jitter_noise": 0.0},
+    moe_names=_moe_names("block_sparse_moe", "w1", "w3", "w2"), fused_router="mlp.router.weight")
+
+GLM4_MOE = Family(
+    model_type="glm4_moe", architecture="Glm4MoeForCausalLM", experts_key="n_routed_experts",
+    defaults={"num_experts": 128, "num_experts_per_tok": 8, "rope_theta": 1e4,
+              "rms_norm_eps": 1e-5, "moe_intermediate_size": 1408, "attention_bias": False,
+              "use_qk_norm": False, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+              "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+              "partial_rotary_factor": 0.5},
+    keys=(Key("attention_bias", ("qkv_bias",), bool),
+          Key("use_qk_norm", ("qk_norm",), lambda on: "head" if on else "none",
+              lambda norm: norm == "head")),
+    router_keys=(Key("routed_scaling_factor", ("routed_scaling_factor",), float),
+                 Key("n_group", ("num_groups",), int), Key("topk_group", ("top_groups",), int)),
+    router_flags={"score": "sigmoid", "group_score": "top2_sum"},
+    required={"norm_topk_prob": True},
+    flags={"shared_expert_gate": False, "selection_bias": True},
+    other_keys=frozenset({"partial_rotary_factor", "num_nextn_predict_layers"}),
+    dense_layers="first_k", shared_expert_count_key="n_shared_experts",
+    shared_expert_names="mlp.shared_experts",
+    moe_names={**_MLP_MOE, SELECTION_BIAS: "mlp.gate.e_score_correction_bias"})
+
+#: The families, in :data:`sparsemixer_jax.models.lm_config.MODEL_TYPES`' order.
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (MIXTRAL, QWEN3_MOE, OLMOE, QWEN2_MOE,
+                                                           PHIMOE, GLM4_MOE)}
+
+
+def family_of(model_type: Any, where: str = "config.json: model_type ") -> Family:
+    """The record of ``model_type``, or a one-line ValueError naming the supported types
+    (``where`` prefixes the value)."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"{where}{model_type!r} is not supported; supported: "
+                         f"{', '.join(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def types_with(trait: Callable[[Family], bool]) -> list[str]:
+    """The model types whose record has ``trait`` (for messages naming the alternatives)."""
+    return [t for t, family in FAMILIES.items() if trait(family)]

@@ -1,0 +1,70 @@
+"""The model-type records (sparsemixer_jax.hf.families): one per type, read both ways."""
+
+import json
+import os
+
+import pytest
+
+from sparsemixer_jax import hf
+from sparsemixer_jax.hf.families import FAMILIES
+from sparsemixer_jax.models.lm_config import MODEL_TYPES
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "hf")
+
+
+def test_every_model_type_has_one_record():
+    assert tuple(FAMILIES) == MODEL_TYPES
+
+
+def _away_from(value):
+    """A value of the same kind as ``value`` that the type's key may take, but different."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 4
+    if isinstance(value, float):
+        return round(value + 0.05, 4)
+    return 0.7  # clip_qkv: None (off) -> a clamp
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_each_own_key_is_written_back_as_read(model_type):
+    """Every key of a type's record set away from the tiny checkpoint's value survives
+    config.json -> LMConfig -> config.json -> LMConfig (a key read but not written, or written
+    under another name, would fall back to its default)."""
+    family = FAMILIES[model_type]
+    with open(os.path.join(DATA, model_type, "config.json")) as f:
+        source = json.load(f)
+    for key in family.keys:
+        cfg = {**source, key.name: _away_from(source.get(key.name, family.default(key.name)))}
+        config = hf.from_hf(cfg)
+        assert getattr(config, key.fields[0]) == key.cast(cfg[key.name])
+        again = hf.from_hf(hf.to_hf(config))
+        assert again.replace(hf_config="") == config.replace(hf_config=""), key.name
+
+
+def test_a_key_of_another_type_is_refused():
+    with open(os.path.join(DATA, "mixtral", "config.json")) as f:
+        cfg = json.load(f)
+    with pytest.raises(ValueError, match="key 'clip_qkv' is not known for this type"):
+        hf.from_hf({**cfg, "clip_qkv": 1.0})
+
+
+def test_glm4_moe_reads_the_hubs_spelling_as_transformers_5s():
+    """GLM-4.5's own config.json: top-level rope_theta and partial_rotary_factor,
+    rope_scaling null, the MTP layer count (transformers builds no MTP layer: nothing to read)."""
+    with open(os.path.join(DATA, "glm4_moe", "config.json")) as f:
+        new = json.load(f)
+    hub = {k: v for k, v in new.items() if k != "rope_parameters"}
+    hub.update(rope_theta=new["rope_parameters"]["rope_theta"], rope_scaling=None,
+               partial_rotary_factor=new["rope_parameters"]["partial_rotary_factor"],
+               num_nextn_predict_layers=1)
+    config = hf.from_hf(hub)
+    assert config.replace(hf_config="") == hf.from_hf(new).replace(hf_config="")
+    assert config.rope.partial_rotary_factor == 0.5
+    assert config.moe_layers == (False, True, True) and config.selection_bias
+    with pytest.raises(ValueError, match=r"norm_topk_prob=False is not implemented \(only True"):
+        hf.from_hf({**new, "norm_topk_prob": False})
+    # A model routing otherwise than the checkpoint type is not exported as one.
+    with pytest.raises(ValueError, match="glm4_moe checkpoints route by score='sigmoid'"):
+        hf.to_hf(config.replace(router_options=()))
