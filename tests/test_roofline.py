@@ -299,3 +299,40 @@ def test_the_compile_command_reports_a_roofline_per_program(tiny_lm_roofline):
     # --json writes the same figures.
     assert written["programs"][0]["predicted_seconds"] == accumulate["predicted_seconds"]
     assert written["step"] == step
+
+
+WRAPPED = """HloModule m
+
+%slice_and_kernel (p0: bf16[6,8,1024,2048], p1: s32[], p2: bf16[4096,1024], p3: s32[8]) -> \
+bf16[4096,2048] {
+  %p0 = bf16[6,8,1024,2048]{3,2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = bf16[4096,1024]{1,0} parameter(2)
+  %p3 = s32[8]{0} parameter(3)
+  %zero = s32[] constant(0)
+  %layer = bf16[1,8,1024,2048]{3,2,1,0} dynamic-slice(%p0, %p1, %zero, %zero, %zero), \
+dynamic_slice_sizes={1,8,1024,2048}
+  %w = bf16[8,1024,2048]{2,1,0} bitcast(%layer)
+  ROOT %kernel = bf16[4096,2048]{1,0} custom-call(%p3, %p2, %w), \
+custom_call_target="mosaic_gpu_v2"
+}
+
+ENTRY %main (s: bf16[6,8,1024,2048], i: s32[], x: bf16[4096,1024], g: s32[8]) -> \
+bf16[4096,2048] {
+  %s = bf16[6,8,1024,2048]{3,2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = bf16[4096,1024]{1,0} parameter(2)
+  %g = s32[8]{0} parameter(3)
+  ROOT %fused = bf16[4096,2048]{1,0} fusion(%s, %i, %x, %g), kind=kCustom, \
+calls=%slice_and_kernel
+}
+"""
+
+
+def test_a_pallas_kernel_wrapped_in_a_fusion_counts_as_the_kernel_on_its_layer():
+    """XLA wraps a kernel that reads one layer of a stacked weight in a fusion with the
+    slice: the kernel's FLOPs, and the layer (not the stack) read."""
+    (op,) = _ops(WRAPPED).values()
+    layer = 2 * 8 * 1024 * 2048
+    assert (op.kind, op.flops) == ("kernel", 2 * 4096 * 1024 * 2048)
+    assert op.bytes == layer + 4 + 2 * 4096 * 1024 + 4 * 8 + 2 * 4096 * 2048

@@ -180,19 +180,27 @@ def dot_flops(instruction: hlo.Instruction, types: dict[str, str]) -> float:
     return 2.0 * outputs[0].size * kernel.size / max(1, kernel.dims[labels.index("o")])
 
 
-def computation_flops(module: hlo.Module, name: str) -> float:
-    """Matmul FLOPs of a fused (or called) computation, nested fusions included."""
+def computation_flops(module: hlo.Module, name: str) -> tuple[float, str]:
+    """``(matmul FLOPs, kind)`` of a fused (or called) computation, nested fusions and custom
+    calls (a Pallas kernel XLA wraps in a fusion) included; ``kind``: ``gemm`` for matmuls, a
+    custom call's kind, else ``fusion``."""
     computation = module.computations.get(name)
     if computation is None:
-        return 0.0
-    types, total = computation.types(), 0.0
+        return 0.0, "fusion"
+    types, total, kind = computation.types(), 0.0, "fusion"
     for instruction in computation.instructions:
         if instruction.opcode in ("dot", "convolution"):
             total += dot_flops(instruction, types)
-        for key in ("calls", "to_apply"):
-            if instruction.opcode != "reduce":  # a reduction's to_apply is a scalar add
-                total += sum(computation_flops(module, c) for c in instruction.called(key))
-    return total
+            kind = "gemm" if kind == "fusion" else kind
+        elif instruction.opcode == "custom-call":
+            kind, flops, _ = _custom_call(instruction, types)
+            total += flops
+        elif instruction.opcode != "reduce":  # a reduction's to_apply is a scalar add
+            for called in instruction.called("calls") + instruction.called("to_apply"):
+                flops, inner = computation_flops(module, called)
+                total += flops
+                kind = inner if kind == "fusion" else kind
+    return total, kind
 
 
 def _fusion_bytes(module: hlo.Module, instruction: hlo.Instruction,
@@ -374,8 +382,9 @@ def _op(module: hlo.Module, instruction: hlo.Instruction, types: dict[str, str],
         kind, moved = "collective", 0.0
         link = _collective_link_bytes(opcode, instruction, types, devices)
     elif opcode == "fusion":
-        flops = sum(computation_flops(module, c) for c in instruction.called("calls"))
-        kind, moved = ("gemm" if flops else "fusion"), _fusion_bytes(module, instruction, types)
+        called = instruction.called("calls")
+        flops, kind = computation_flops(module, called[0]) if called else (0.0, "fusion")
+        moved = _fusion_bytes(module, instruction, types)
     elif opcode == "custom-call":
         kind, flops, moved = _custom_call(instruction, types)
     else:
