@@ -139,7 +139,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                      "model_flops": arm["model_flops"]})
     errors = np.array([r["calibrated_s"] / r["measured_s"] - 1 for r in rows])
     held = np.array([r["held_out_s"] / r["measured_s"] - 1 for r in rows])
-    out = {"chip": chip.name, "fit": dict(zip(CALIBRATED, map(float, params), strict=True)),
+    import platform
+    import sys
+
+    import jax
+
+    out = {"command": "python -m lab.benchmarks.roofline_fit " + " ".join(sys.argv[1:]),
+           "compiled_on": f"{platform.processor() or platform.machine()}, {os.cpu_count()} "
+                          f"CPUs, jax {jax.__version__}, target h100:1x1 (no GPU)",
+           "measured": args.measured,
+           "chip": chip.name, "fit": dict(zip(CALIBRATED, map(float, params), strict=True)),
            "rms_error": float(np.sqrt(np.mean(errors**2))),
            "max_error": float(np.max(np.abs(errors))),
            "held_out_rms_error": float(np.sqrt(np.mean(held**2))), "rows": rows}
