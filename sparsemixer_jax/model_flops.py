@@ -80,8 +80,10 @@ def lm_flops_per_token(lm, seq_len: int) -> dict[str, float]:
 
     * ``attention_proj``: q ``2 e H d``, k and v ``2 x 2 e K d`` (grouped-query attention: ``K``
       heads), out ``2 H d e``.
-    * ``attention_scores``: scores and weighted sum, ``2 x 2 L H d`` over ``L = seq_len`` keys
-      (causal attention is computed in full, so counted in full).
+    * ``attention_scores``: scores and weighted sum, ``2 x 2 H d`` per key a query sees: causal
+      attention's lower triangle, ``(L + 1) / 2`` keys on average over ``L = seq_len``
+      positions, whatever the kernel computes (an einsum computes the full square, a flash
+      kernel skips the masked blocks: neither changes the model's FLOPs).
     * ``ffn``: SwiGLU (gate, up, down: ``6 e m``); a routed layer runs ``top_k`` experts of width
       ``moe_intermediate_size`` (and a shared expert and its gate where there is one), a dense
       layer one MLP of width ``intermediate_size``.
@@ -102,7 +104,7 @@ def lm_flops_per_token(lm, seq_len: int) -> dict[str, float]:
     shared = (6 * e * lm.shared_expert_size + 2 * e) if lm.shared_expert_size else 0
     forward = {
         "attention_proj": lm.num_layers * (2 * e * h * d + 4 * e * kv * d + 2 * h * d * e),
-        "attention_scores": lm.num_layers * 4 * seq_len * h * d,
+        "attention_scores": lm.num_layers * 4 * (seq_len + 1) / 2 * h * d,
         "ffn": routed * (lm.top_k * expert + shared) + dense * 6 * e * lm.intermediate_size,
         "router": routed * 2 * e * lm.num_experts,
         "lm_head": 2 * e * lm.vocab_size,
