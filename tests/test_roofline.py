@@ -267,7 +267,7 @@ def tiny_lm_roofline(tmp_path_factory):
     from tests import tiny_lm_config
 
     config = tiny_lm_config.get_config()
-    config.data.update(vocab_size=512, seq_len=64, batch_size=8, micro_batch_size=4)
+    config.data.update(vocab_size=512, seq_len=64, batch_size=4, micro_batch_size=0)
     config.model.update(compute_dtype="bfloat16")
     path = tmp_path_factory.mktemp("roofline") / "compile.json"
     (result,) = command.run(config, ["h100:1x1"], decode_step=False, json_path=str(path),
@@ -279,27 +279,34 @@ def tiny_lm_roofline(tmp_path_factory):
 
 def test_the_compile_command_reports_a_roofline_per_program(tiny_lm_roofline):
     result, written = tiny_lm_roofline
-    programs = {p["name"].split(" ")[0]: p for p in result["programs"]}
-    assert set(programs) == {"accumulate", "update"}
-    accumulate, update = programs["accumulate"], programs["update"]
-    for program in (accumulate, update):
-        assert 0 < program["predicted_seconds_pure"] <= program["predicted_seconds"]
-        assert 0 < len(program["top_ops"]) <= 15
-        assert {"flops", "bytes", "bound", "source", "shapes"} <= set(program["top_ops"][0])
-        costs = [op["seconds"] for op in program["top_ops"]]
-        assert costs == sorted(costs, reverse=True)
+    (step,) = result["programs"]
+    assert step["name"].startswith("train step")
+    assert 0 < step["predicted_seconds_pure"] <= step["predicted_seconds"]
+    assert 0 < len(step["top_ops"]) <= 15
+    assert {"flops", "bytes", "bound", "source", "shapes"} <= set(step["top_ops"][0])
+    costs = [op["seconds"] for op in step["top_ops"]]
+    assert costs == sorted(costs, reverse=True)
     # The step's matmuls are in the program: XLA computes at least the model's FLOPs.
-    assert accumulate["flops"] >= accumulate["model_flops"] > 0
-    assert 0 < accumulate["mfu_bound"] <= accumulate["mfu_bound_pure"] < 1
-    assert update["mfu_bound"] is None  # the optimizer update has no model FLOPs of its own
-    step = result["step"]
-    assert step["predicted_seconds"] == pytest.approx(
-        2 * accumulate["predicted_seconds"] + update["predicted_seconds"], rel=1e-12)
-    assert any(op["source"].startswith("sparsemixer_jax/") for op in accumulate["top_ops"])
+    assert step["flops"] >= step["model_flops"] > 0
+    assert 0 < step["mfu_bound"] <= step["mfu_bound_pure"] < 1
+    assert result["step"]["predicted_seconds"] == step["predicted_seconds"]
+    assert any(op["source"].startswith("sparsemixer_jax/") for op in step["top_ops"])
     # --json writes the same figures.
-    assert written["programs"][0]["predicted_seconds"] == accumulate["predicted_seconds"]
-    assert written["step"] == step
+    assert written["programs"][0]["predicted_seconds"] == step["predicted_seconds"]
+    assert written["programs"][0]["top_ops"] == step["top_ops"]
+    assert written["step"] == result["step"]
 
+
+def test_the_step_is_accumulate_once_per_micro_batch_plus_update():
+    programs = [
+        {"name": "accumulate (one of 4 micro-batches), batch [8, 64]", "model_flops": 1e12,
+         "predicted_seconds": 2.0, "predicted_seconds_pure": 1.0},
+        {"name": "update", "model_flops": None, "predicted_seconds": 0.5,
+         "predicted_seconds_pure": 0.25}]
+    step = command.step_prediction(programs, CHIP)
+    assert step["predicted_seconds"] == 4 * 2.0 + 0.5
+    assert step["predicted_seconds_pure"] == 4 * 1.0 + 0.25
+    assert step["mfu_bound"] == pytest.approx(4e12 / 8.5 / 1e12, rel=1e-12)
 
 WRAPPED = """HloModule m
 
@@ -336,3 +343,16 @@ def test_a_pallas_kernel_wrapped_in_a_fusion_counts_as_the_kernel_on_its_layer()
     layer = 2 * 8 * 1024 * 2048
     assert (op.kind, op.flops) == ("kernel", 2 * 4096 * 1024 * 2048)
     assert op.bytes == layer + 4 + 2 * 4096 * 1024 + 4 * 8 + 2 * 4096 * 2048
+
+
+def test_model_flops_of_a_program_come_from_its_batch_and_are_per_device():
+    from configs import wmt
+    from sparsemixer_jax import model_flops
+
+    config = wmt.get_config("n4")
+    sizes = {"emb": 512, "mlp": 2048, "layers": 6, "vocab": config.data.vocab_size,
+             "length": 32, "tokens": 8 * 32}
+    got = command.program_model_flops(config, "accumulate (one of 2 micro-batches), batch "
+                                      "[8, 32]", devices=4)
+    assert got == model_flops.model_flops_per_step(sizes, 4, config.router.name) / 4
+    assert command.program_model_flops(config, "update", devices=4) is None
