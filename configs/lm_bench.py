@@ -27,13 +27,10 @@ def get_config(variant: str = "moe") -> ml_collections.ConfigDict:
         raise ValueError(f"configs/lm_bench.py: variant {variant!r}; choose one of "
                          f"{', '.join(VARIANTS)}")
     c = lm_quickstart.get_config()
-    c.data.vocab_size = 32768
-    c.data.seq_len = 4096
-    c.data.batch_size = 16
     # Einsum attention keeps every layer's float32 [4096, 4096] probabilities for the backward
-    # pass: one row per micro-batch fits an H100's 80 GB.
-    c.data.micro_batch_size = 1
-    c.data.eval_batch_size = 1
+    # pass: one row per micro-batch.
+    c.data.update(vocab_size=32768, seq_len=4096, batch_size=16, micro_batch_size=1,
+                  eval_batch_size=1)
     m = c.model
     m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads = 2048, 16, 16, 4
     m.max_position_embeddings = 4096

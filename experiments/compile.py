@@ -38,7 +38,8 @@ def main(argv: list[str]) -> None:
     from sparsemixer_jax.aot import command
 
     results = command.run(flags.FLAGS.config, flags.FLAGS.target,
-                          decode_step=flags.FLAGS.decode, json_path=flags.FLAGS.json)
+                          decode_step=flags.FLAGS.decode, json_path=flags.FLAGS.json,
+                          with_roofline=flags.FLAGS.roofline)
     sys.exit(command.exit_code(results))
 
 
