@@ -141,6 +141,11 @@ def test_an_elementwise_chain_in_a_scanned_layer_reads_one_slice_and_updates_in_
     assert result["predicted_seconds_pure"] == pytest.approx(
         6 * (3 * layer + 4) / 1e9 + 6 * 9 / 1e9, rel=1e-12)
     assert result["kernels"] == 12 and result["mfu_bound"] is None
+    # Without the trip count in the loop's backend config (as TPU programs have it), the
+    # condition's bound says the same: i < 6 from 0.
+    unknown = LOOP.replace(', backend_config={"known_trip_count":{"n":"6"}}', "")
+    assert "known_trip_count" not in unknown
+    assert _ops(unknown)["chain"].count == 6
 
 
 COLLECTIVES = """HloModule m

@@ -360,7 +360,7 @@ def _visit(module: hlo.Module, name: str, count: float, devices: int, ops: list[
         if opcode in _FREE or opcode.endswith(("-done", "-update")):
             continue
         if opcode == "while":
-            trip = float(instruction.attribute(r'"known_trip_count":\{"n":"(\d+)"') or 1)
+            trip = trip_count(module, instruction)
             for called in instruction.called("body") + instruction.called("condition"):
                 _visit(module, called, count * trip, devices, ops)
             continue
@@ -375,6 +375,27 @@ def _visit(module: hlo.Module, name: str, count: float, devices: int, ops: list[
                 _visit(module, called, count, devices, ops)
             continue
         ops.append(_op(module, instruction, types, count, devices))
+
+
+def trip_count(module: hlo.Module, instruction: hlo.Instruction) -> float:
+    """How often a ``while`` loop runs: its ``known_trip_count`` (GPU programs carry it), else
+    the bound of a condition ``counter < N`` (a scan's, counting from 0; TPU programs), else
+    1."""
+    known = instruction.attribute(r'"known_trip_count":\{"n":"(\d+)"')
+    if known:
+        return float(known)
+    condition = module.computations.get(next(iter(instruction.called("condition")), ""))
+    if condition is None:
+        return 1.0
+    by_name = {i.name: i for i in condition.instructions}
+    root = by_name.get(condition.root)
+    direction = root.attribute(r"direction=(\w+)") if root and root.opcode == "compare" else None
+    if direction not in ("LT", "LE"):
+        return 1.0
+    bound = by_name.get(root.operands[1]) if len(root.operands) == 2 else None
+    if bound is None or bound.opcode != "constant" or not bound.operands[0].isdigit():
+        return 1.0
+    return float(int(bound.operands[0]) + (direction == "LE"))
 
 
 def _op(module: hlo.Module, instruction: hlo.Instruction, types: dict[str, str], count: float,
@@ -397,6 +418,8 @@ def _op(module: hlo.Module, instruction: hlo.Instruction, types: dict[str, str],
         written = sum(a.bytes for a in instruction.outputs)
         if opcode == "dynamic-update-slice" and len(operands) > 1:
             moved = 2.0 * operands[1]
+        elif instruction.opcode == "copy-start":  # its output tuple holds both buffers
+            moved = 2.0 * sum(operands)
         elif opcode in _SLICES:
             moved = 2.0 * written
         else:
