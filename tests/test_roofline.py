@@ -1,6 +1,6 @@
 """The roofline of compiled programs (``sparsemixer_jax.aot.roofline``): its arithmetic on
 hand-written optimised HLO (a matmul, an elementwise chain in a loop, collectives, a cuBLAS GEMM,
-cuDNN attention, Pallas kernels), and ``--roofline`` end to end on a two-layer dense language
+cuDNN attention, Pallas kernels), and ``--roofline`` end to end on a one-layer dense language
 model compiled for one H100 without the hardware (skipped without the compile packages of
 requirements-compile.txt).
 
@@ -270,16 +270,17 @@ def test_a_pallas_kernel_that_is_no_matmul_counts_no_flops_and_a_tpu_estimate_is
 
 @pytest.fixture(scope="module")
 def tiny_lm_roofline(tmp_path_factory):
-    """``python -m experiments.compile ... --roofline --json`` on the two-layer language model
-    of the LM tests (dense), for one H100: its printout and its JSON."""
+    """``python -m experiments.compile ... --roofline --json`` on the language model of the LM
+    tests (one dense layer), for one H100: its printout and its JSON."""
     kit.target_devices_or_skip("h100:1x1")
     path = tmp_path_factory.mktemp("roofline") / "compile.json"
     result = subprocess.run(
         [sys.executable, "-m", "experiments.compile", "--config", "tests/tiny_lm_config.py",
          "--config.data.vocab_size=512", "--config.data.seq_len=64",
          "--config.data.batch_size=4", "--config.model.compute_dtype=bfloat16",
-         # Dense (model.num_experts=0): half the kernels of the MoE model to compile.
-         "--config.model.num_experts=0",
+         # Dense (model.num_experts=0) and one layer: a tenth of the kernels of the two-layer
+         # MoE model to compile (loops are the arithmetic tests').
+         "--config.model.num_experts=0", "--config.model.num_layers=1",
          "--target", "h100:1x1", "--roofline", "--json", str(path)],
         capture_output=True, text=True, timeout=300,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
