@@ -104,10 +104,11 @@ class Calibration:
 PURE = Calibration(kernel_seconds=0.0, gemm_peak_fraction=1.0, gemm_half_flops=0.0,
                    memory_fraction=1.0, link_fraction=1.0)
 # Fitted on the H100 step times of docs/results/benchmark_lm_h100.json (docs/benchmarks.md,
-# "Roofline"); used for every chip until one has its own measurements.
-# (10 step times, one model size: RMS error 3.3%, leave-one-out 4.1%). The fit puts the
-# half-peak GEMM size at zero and the HBM fraction at its bound of 1: the data cannot separate
-# those from the per-kernel cost, which absorbs what the roofline misses per kernel.
+# section 7; 10 step times of one model size: RMS error 3.3%, leave-one-out 4.1%) and used for
+# every chip until one has its own measurements. The fit puts the half-peak GEMM size at zero
+# and the HBM fraction at its bound of 1: the data cannot separate those from the per-kernel
+# cost, which absorbs what the roofline misses per kernel. The link fraction is not fitted (the
+# one-GPU runs have no collectives).
 H100_FIT = Calibration(kernel_seconds=17.3e-6, gemm_peak_fraction=0.76, gemm_half_flops=0.0,
                        memory_fraction=1.0)
 
