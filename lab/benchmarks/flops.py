@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+# The formulas of the project's models live in the library (the compile command's roofline
+# reports MFU with them); the benchmarks time against them.
+from sparsemixer_jax.model_flops import (  # noqa: F401
+    lm_flops_per_token,
+    model_flops_per_step,
+    unchosen_flops_per_token,
+)
+
 # Per-device peak dense matmul throughput in FLOP/s (vendor datasheets, dense, no sparsity),
 # by dtype, for the MFU figure. float32 on NVIDIA runs as TF32 under JAX's default precision.
 PEAK_FLOPS = {
@@ -13,39 +21,6 @@ PEAK_FLOPS = {
 }
 
 
-def unchosen_flops_per_token(router: str, emb: int, mlp: int, num_experts: int,
-                             gated: bool = False) -> dict[str, float]:
-    """Extra model FLOPs per token and MoE layer of one training step (forward + backward) that
-    ``router`` adds to Switch's top-1 layer: what DenseMixer and Default MoE
-    (``routers.UNCHOSEN_EXPERT_RULES``) compute for the experts a token did not choose.
-
-    * ``dense_pass``: DenseMixer's pass of every token through all ``N`` experts,
-      ``N * 4 e m`` (two matmuls per expert; ``gated`` SwiGLU experts three, ``N * 6 e m``),
-      forward only: no gradient flows into it, so it has
-      no backward (``moe.unchosen.all_expert_outputs``). Zero for the other routers.
-    * ``unchosen_term``: the contraction ``sum_j c_j pi_j v_j`` of ``routers.unchosen_expert_term``
-      (``[N] x [N, e]`` per token), ``2 N e`` forward and ``2 N e`` backward (the gradient of the
-      coefficients only; ``v`` is held constant). DenseMixer and Default MoE alike.
-    * ``total``: their sum.
-
-    Left out, as LayerNorm and softmax are: the coefficients' elementwise products and Default
-    MoE's EMA update of its default vectors (a segment sum of the routed outputs, about ``e``
-    additions per token). Every other router (Switch, SparseMixer and its variants: the same
-    matmuls as Switch) adds nothing.
-    """
-    from sparsemixer_jax import routers
-
-    rule = routers.UNCHOSEN_EXPERT_RULES.get(router)
-    if router not in routers.ROUTERS:
-        raise ValueError(f"unknown router {router!r}; choose one of {sorted(routers.ROUTERS)}")
-    e, m, n = emb, mlp, num_experts
-    matmuls = 3 if gated else 2
-    outputs = rule is not None and rule.values == "outputs"
-    dense_pass = float(n * 2 * matmuls * e * m) if outputs else 0.0
-    term = float(4 * n * e) if rule is not None else 0.0
-    return {"dense_pass": dense_pass, "unchosen_term": term, "total": dense_pass + term}
-
-
 def moe_layer_flops_per_token(emb: int, mlp: int, num_experts: int, router: str = "switch"
                               ) -> float:
     """Model FLOPs per token of one top-1 MoE layer's forward + backward (gradients of the
@@ -53,80 +28,6 @@ def moe_layer_flops_per_token(emb: int, mlp: int, num_experts: int, router: str 
     forward's router ``2 e N`` and expert ``4 e m``, plus :func:`unchosen_flops_per_token`."""
     e, m, n = emb, mlp, num_experts
     return 3.0 * (2 * e * n + 4 * e * m) + unchosen_flops_per_token(router, e, m, n)["total"]
-
-
-def model_flops_per_step(sizes: dict[str, int], num_experts: int,
-                         router: str = "switch") -> float:
-    """Model FLOPs of one training step (forward + backward = 3 x forward matmul FLOPs).
-
-    Per token and layer, forward: attention projections ``8 e^2`` (q, k, v, out), scores and
-    weighted sum ``4 L e``; feed-forward ``4 e m`` (top-1 MoE: one expert, same FLOPs, plus the
-    router ``2 e N``). The decoder adds cross-attention (``4 e^2`` for q/out per target token,
-    ``4 e^2`` for k/v per source token, ``4 L e`` scores) and the output projection ``2 e V``.
-    Causal self-attention is counted in full (it is computed in full). Embedding gathers,
-    LayerNorm, softmax and dispatch are not counted (MFU convention: model FLOPs, not hardware
-    FLOPs). ``router``: what it adds per token in every MoE layer of encoder and decoder
-    (:func:`unchosen_flops_per_token`: DenseMixer's forward-only dense pass, the unchosen-expert
-    term of DenseMixer and Default MoE), not multiplied by 3.
-    """
-    e, m, n_layers, v = sizes["emb"], sizes["mlp"], sizes["layers"], sizes["vocab"]
-    length = sizes["length"]
-    tokens = max(1, sizes["tokens"] // length) * length  # per side
-    moe_layers = (n_layers + 1) // 2 if num_experts else 0  # moe_every = 2: layers 0, 2, ...
-    router_matmul = 2 * e * num_experts * moe_layers
-    ffn = 4 * e * m
-    encoder = n_layers * (8 * e * e + 4 * length * e + ffn) + router_matmul
-    decoder = (n_layers * (8 * e * e + 4 * length * e + ffn + 4 * e * e + 4 * length * e)
-               + router_matmul)
-    cross_kv = n_layers * 4 * e * e  # per source token
-    forward = tokens * (encoder + cross_kv + decoder + 2 * e * v)
-    extra = unchosen_flops_per_token(router, e, m, num_experts)["total"] if num_experts else 0.0
-    return 3.0 * forward + tokens * 2 * moe_layers * extra  # 2: encoder and decoder
-
-
-def lm_flops_per_token(lm, seq_len: int) -> dict[str, float]:
-    """Model FLOPs per token of one training step of the decoder-only language model
-    (``lm``: a :class:`sparsemixer_jax.models.lm_config.LMConfig`) on rows of ``seq_len``
-    tokens, by part: forward + backward = ``3 x`` the forward's matmul FLOPs.
-
-    Per layer and token, forward, with ``e`` the hidden size, ``H`` query heads and ``K``
-    key/value heads of width ``d``:
-
-    * ``attention_proj``: q ``2 e H d``, k and v ``2 x 2 e K d`` (grouped-query attention: ``K``
-      heads), out ``2 H d e``.
-    * ``attention_scores``: scores and weighted sum, ``2 x 2 L H d`` over ``L = seq_len`` keys
-      (causal attention is computed in full, so counted in full).
-    * ``ffn``: SwiGLU (gate, up, down: ``6 e m``); a routed layer runs ``top_k`` experts of width
-      ``moe_intermediate_size`` (and a shared expert and its gate where there is one), a dense
-      layer one MLP of width ``intermediate_size``.
-    * ``router``: ``2 e N`` in each routed layer.
-    * ``lm_head``: ``2 e V`` once per token (tied or not).
-    * ``unchosen``: what the router adds (:func:`unchosen_flops_per_token`, gated experts;
-      already a training count, not multiplied by 3): DenseMixer's forward-only pass of every
-      token through all ``N`` experts and the unchosen-expert term.
-
-    Left out (model FLOPs, not hardware FLOPs): the embedding gather, norms, rotary positions,
-    softmax, the loss and dispatch. Returns float FLOPs per token for each part (already
-    ``x 3``) and their ``total``.
-    """
-    e, h, kv, d = lm.hidden_size, lm.num_heads, lm.num_kv_heads, lm.head_dim
-    routed = sum(lm.moe_layers)
-    dense = lm.num_layers - routed
-    expert = 6 * e * lm.moe_intermediate_size
-    shared = (6 * e * lm.shared_expert_size + 2 * e) if lm.shared_expert_size else 0
-    forward = {
-        "attention_proj": lm.num_layers * (2 * e * h * d + 4 * e * kv * d + 2 * h * d * e),
-        "attention_scores": lm.num_layers * 4 * seq_len * h * d,
-        "ffn": routed * (lm.top_k * expert + shared) + dense * 6 * e * lm.intermediate_size,
-        "router": routed * 2 * e * lm.num_experts,
-        "lm_head": 2 * e * lm.vocab_size,
-    }
-    out = {k: 3.0 * v for k, v in forward.items()}
-    out["unchosen"] = routed * unchosen_flops_per_token(
-        lm.router, e, lm.moe_intermediate_size, lm.num_experts, gated=True)["total"] \
-        if routed else 0.0
-    out["total"] = sum(out.values())
-    return out
 
 
 def device_peak(dtype: str) -> tuple[str, float | None]:

@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 
+from sparsemixer_jax.aot import hlo
+
 # Collective operations of optimised HLO; asynchronous ones appear as "<name>-start".
 COLLECTIVES = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter", "collective-permute",
                "ragged-all-to-all")
@@ -55,6 +57,8 @@ class ProgramReport:
     parameters: int | None = None
     optimizer_state: int | None = None
     largest_buffer: tuple[str, int] | None = None
+    # The optimised HLO's text, for the roofline (left out of as_dict's JSON).
+    hlo_text: str = dataclasses.field(default="", repr=False)
 
     @property
     def total(self) -> int:
@@ -72,26 +76,8 @@ def kernel_count(hlo_text: str) -> int:
     return len(_MOSAIC_GPU.findall(hlo_text)) + len(_TPU_KERNEL.findall(hlo_text))
 
 
-# Bytes per element of HLO's array types.
-_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
-               "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-               "c64": 8, "c128": 16}
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$")
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
-
-
-def _output_type(rhs: str) -> str:
-    """The output type of an instruction's right-hand side: ``f32[4,8]{1,0}``, or a tuple
-    ``(f32[4]{0}, bf16[2,2]{1,0})`` (a multi-output fusion: one buffer per element)."""
-    if not rhs.startswith("("):
-        return rhs.split(" ", 1)[0]
-    depth = 0
-    for i, char in enumerate(rhs):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if depth == 0:
-            return rhs[:i + 1]
-    return rhs
 
 
 def largest_buffer(hlo_text: str) -> tuple[str, int] | None:
@@ -108,14 +94,9 @@ def largest_buffer(hlo_text: str) -> tuple[str, int] | None:
         match = _INSTRUCTION.match(line)
         if fused or not match:
             continue
-        for dtype, dims in _ARRAY.findall(_output_type(match.group(1))):
-            if dtype not in _ITEM_BYTES:
-                continue
-            size = _ITEM_BYTES[dtype]
-            for d in dims.split(","):
-                size *= int(d) if d else 1
-            if best is None or size > best[1]:
-                best = (f"{dtype}[{dims}]", size)
+        for array in hlo.arrays(hlo.output_type(match.group(1))):
+            if best is None or array.bytes > best[1]:
+                best = (str(array), array.bytes)
     return best
 
 
@@ -170,6 +151,7 @@ def analyse(name: str, compiled: jax.stages.Compiled, compile_seconds: float,
         parameters=None if state is None else bytes_per_device(state.params),
         optimizer_state=None if state is None else bytes_per_device(state.opt_state),
         largest_buffer=largest_buffer(text),
+        hlo_text=text,
     )
 
 
@@ -205,5 +187,7 @@ def format_report(report: ProgramReport, hbm_bytes: int) -> str:
 
 
 def as_dict(report: ProgramReport) -> dict[str, Any]:
-    """The report as plain JSON-ready values (``total`` included)."""
-    return {**dataclasses.asdict(report), "total": report.total}
+    """The report as plain JSON-ready values (``total`` included, the HLO text left out)."""
+    fields = dataclasses.asdict(report)
+    del fields["hlo_text"]
+    return {**fields, "total": report.total}

@@ -4,7 +4,10 @@ For each ``--target`` it builds the target's compile-only devices, lays ``config
 them, compiles the training step and the decode step, and prints per device the memory
 (arguments, temporaries, total against the chip's HBM), the FLOPs and bytes of XLA's cost
 analysis, and the collectives of the program. A config that does not shard over the target, or
-whose step does not fit, says so in one line.
+whose step does not fit, says so in one line. With ``roofline=True`` each program also gets its
+predicted time and MFU bound on the target's chip and its costliest operations
+(:mod:`~sparsemixer_jax.aot.roofline`), and the training step (``accumulate`` times the
+micro-batches, plus ``update``) its own.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +23,7 @@ import ml_collections
 
 from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import runtime, sharding
-from sparsemixer_jax.aot import analysis, targets
+from sparsemixer_jax.aot import analysis, roofline, targets
 from sparsemixer_jax.tasks import check_config
 
 # The compile function of each task's aot module, ``(config, target, devices, decode_step=)`` ->
@@ -31,11 +35,12 @@ SUPPORTED_TASKS = tuple(COMPILERS)
 
 
 def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
-                       decode_step: bool = True) -> dict[str, Any]:
+                       decode_step: bool = True, with_roofline: bool = False) -> dict[str, Any]:
     """Compile ``config``'s steps for target ``spec``: ``{"target", "hbm_bytes", "programs"}``
-    (each program an :func:`~sparsemixer_jax.aot.analysis.as_dict`), or ``{"target",
-    "error"}`` with a one-line reason when the target is unavailable or the config does not
-    shard over it."""
+    (each program an :func:`~sparsemixer_jax.aot.analysis.as_dict`, with ``with_roofline`` also
+    its :func:`~sparsemixer_jax.aot.roofline.roofline`; then ``"step"``: the training step's
+    prediction), or ``{"target", "error"}`` with a one-line reason when the target is
+    unavailable or the config does not shard over it."""
     task = config_schema.task_of(config)
     if task not in SUPPORTED_TASKS:
         return {"target": spec, "error": f"config task {task!r}: only "
@@ -54,15 +59,72 @@ def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
                        "model.attention_impl=xla checks the rest of the program)")
         return {"target": spec, "error": reason}
     data, fsdp, expert = sharding.MeshConfig.from_config(config.mesh).sizes(len(devices))
-    return {"target": spec, "device_kind": devices[0].device_kind, "devices": len(devices),
-            "mesh": f"data={data} x fsdp={fsdp} x expert={expert}",
-            "hbm_bytes": target.hbm_bytes,
-            "programs": [analysis.as_dict(r) for r in reports],
-            "reports": reports}
+    result = {"target": spec, "device_kind": devices[0].device_kind, "devices": len(devices),
+              "mesh": f"data={data} x fsdp={fsdp} x expert={expert}",
+              "hbm_bytes": target.hbm_bytes,
+              "programs": [analysis.as_dict(r) for r in reports],
+              "reports": reports}
+    if with_roofline:
+        chip = roofline.CHIPS[target.chip]
+        for program, report in zip(result["programs"], reports, strict=True):
+            program.update(roofline.roofline(
+                report.hlo_text, chip, program_model_flops(config, report.name, len(devices)),
+                devices=len(devices)))
+        result["step"] = step_prediction(result["programs"], chip)
+    return result
+
+
+_BATCH = re.compile(r"batch \[(\d+), (\d+)\]")
+_MICRO_BATCHES = re.compile(r"one of (\d+) micro-batches")
+
+
+def program_model_flops(config: ml_collections.ConfigDict, program: str,
+                        devices: int) -> float | None:
+    """Model FLOPs (:mod:`sparsemixer_jax.model_flops`) one device computes in one run of the
+    training program named ``program`` (its batch ``[rows, length]`` over all devices is in
+    its name); None for programs that compute no model FLOPs of their own (``update``,
+    decoding)."""
+    from sparsemixer_jax import model_flops
+
+    batch = _BATCH.search(program)
+    if batch is None or not program.startswith(("train step", "accumulate")):
+        return None
+    rows, length = map(int, batch.groups())
+    if config_schema.task_of(config) == "lm":
+        from sparsemixer_jax.tasks.language_model import LMTask
+
+        lm = LMTask.from_config(config).lm
+        return model_flops.lm_flops_per_token(lm, length)["total"] * rows * length / devices
+    from sparsemixer_jax.moe import MoEConfig
+
+    model = config.model
+    sizes = {"emb": model.emb_dim, "mlp": model.mlp_dim, "layers": model.encoder_layers,
+             "vocab": config.data.vocab_size, "length": length, "tokens": rows * length}
+    experts = MoEConfig.from_config(model).num_experts
+    return model_flops.model_flops_per_step(sizes, experts, config.router.name) / devices
+
+
+def step_prediction(programs: list[dict[str, Any]], chip: roofline.Chip) -> dict[str, Any]:
+    """The training step's predicted seconds and MFU bounds (calibrated and pure): the fused
+    step, or ``accumulate`` once per micro-batch plus ``update``."""
+    training = [p for p in programs if p["name"].startswith(("train step", "accumulate",
+                                                             "update"))]
+    out: dict[str, Any] = {}
+    for suffix in ("", "_pure"):
+        seconds, flops = 0.0, 0.0
+        for program in training:
+            micro = _MICRO_BATCHES.search(program["name"])
+            runs = int(micro.group(1)) if micro else 1
+            seconds += runs * program[f"predicted_seconds{suffix}"]
+            flops += runs * (program["model_flops"] or 0.0)
+        out[f"predicted_seconds{suffix}"] = seconds
+        out[f"mfu_bound{suffix}"] = flops / seconds / chip.peak_flops if seconds else None
+    return out
 
 
 def run(config: ml_collections.ConfigDict, target_specs: Sequence[str], *,
-        decode_step: bool = True, json_path: str | None = None) -> list[dict[str, Any]]:
+        decode_step: bool = True, json_path: str | None = None,
+        with_roofline: bool = False) -> list[dict[str, Any]]:
     """Compile for every target, print each report and a summary line; write JSON if asked.
     Returns the results (without the report objects)."""
     try:
@@ -75,12 +137,17 @@ def run(config: ml_collections.ConfigDict, target_specs: Sequence[str], *,
         return results
     results = []
     for spec in target_specs:
-        result = compile_for_target(config, spec, decode_step=decode_step)
+        result = compile_for_target(config, spec, decode_step=decode_step,
+                                    with_roofline=with_roofline)
         if "reports" in result:
             print(f"== {spec}: {result['devices']} x {result['device_kind']}, mesh "
                   f"{result['mesh']}")
-            for report in result.pop("reports"):
+            for report, program in zip(result.pop("reports"), result["programs"], strict=True):
                 print(analysis.format_report(report, result["hbm_bytes"]))
+                if with_roofline:
+                    print(roofline.format_roofline(program))
+            if with_roofline:
+                print(format_step(result["step"]))
         print(summary_line(result), flush=True)
         results.append(result)
     if json_path:
@@ -88,6 +155,15 @@ def run(config: ml_collections.ConfigDict, target_specs: Sequence[str], *,
         with open(json_path, "w") as f:
             json.dump({"config": json.loads(config.to_json()), "results": results}, f, indent=1)
     return results
+
+
+def format_step(step: dict[str, Any]) -> str:
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+
+    return (f"training step: predicted {1e3 * step['predicted_seconds']:.2f} ms (MFU bound "
+            f"{pct(step['mfu_bound'])}); pure roofline {1e3 * step['predicted_seconds_pure']:.2f}"
+            f" ms (MFU bound {pct(step['mfu_bound_pure'])})")
 
 
 def summary_line(result: dict[str, Any]) -> str:

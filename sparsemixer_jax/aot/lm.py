@@ -84,7 +84,13 @@ def compile_lm(config: ml_collections.ConfigDict, target: Target,
     does not shard over the target."""
     del decode_step
     config = config_for_target(config, target)
-    task = LMTask.from_config(config)
+    return compile_lm_task(LMTask.from_config(config), config, devices)
+
+
+def compile_lm_task(task: LMTask, config: ml_collections.ConfigDict,
+                    devices: Sequence[jax.Device]) -> list[ProgramReport]:
+    """:func:`compile_lm` for a task built by hand (``config``, already resolved for the
+    target by :func:`config_for_target`, gives the mesh, the optimizer and the runtime)."""
     mesh = target_mesh(task, config, devices)
     with jax.default_device(devices[0]):  # what the grouped kernels' device check asks
         model = abstract_model(task, mesh if mesh.size > 1 else None)

@@ -40,8 +40,11 @@ class LMModelConfig:
         ``glm4_moe``: sigmoid routing within groups, shared experts, partial rotary).
       hidden_size, num_layers, num_heads, num_kv_heads, head_dim (0 = hidden / heads): sizes.
       mlp_dim: width of each expert (and of the dense layers' MLP).
-      num_experts: experts per MoE layer; moe_every: layers ``k - 1, 2k - 1, ...`` are routed,
-        the others dense (``qwen3_moe`` / ``qwen2_moe`` only; the others route every layer).
+      num_experts: experts per MoE layer (0: a dense model, every feed-forward sublayer a
+        SwiGLU MLP of width ``mlp_dim``; trained from scratch, not exported to Hugging Face,
+        whose MoE types have no such model); moe_every: layers ``k - 1, 2k - 1, ...`` are
+        routed, the others dense (``qwen3_moe`` / ``qwen2_moe`` only; the others route every
+        layer).
       shared_expert_dim: ``qwen2_moe``'s shared expert width (0: ``mlp_dim``).
       tie_embeddings, rope_theta, norm_eps, initializer_range, max_position_embeddings: as the
         type's ``config.json`` keys.
@@ -92,8 +95,11 @@ class LMModelConfig:
         m = cls(**read_fields(cls, section, where))
         family = family_of(m.hf_type, f"{where}hf_type=")
         check_positive(where, hidden_size=m.hidden_size, num_layers=m.num_layers,
-                       num_heads=m.num_heads, mlp_dim=m.mlp_dim, num_experts=m.num_experts,
-                       moe_every=m.moe_every)
+                       num_heads=m.num_heads, mlp_dim=m.mlp_dim, moe_every=m.moe_every)
+        if isinstance(m.num_experts, bool) or not isinstance(m.num_experts, int) \
+                or m.num_experts < 0:
+            raise ValueError(f"{where}num_experts must be an int >= 0 (0: a dense model), got "
+                             f"{m.num_experts!r}")
         for name in ("dropout", "attention_dropout", "activation_dropout"):
             if getattr(m, name):
                 raise ValueError(f"{where}{name}={getattr(m, name)}: the language model has no "
@@ -211,6 +217,14 @@ def from_scratch_config(model: LMModelConfig, router: RouterConfig, vocab_size: 
     from sparsemixer_jax.hf.config import from_hf
 
     check_router_for_lm(router, model.hf_type)
+    if model.num_experts == 0:
+        # A dense model: the type's layers with every feed-forward sublayer a SwiGLU MLP of
+        # width mlp_dim. The expert count the type's config needs routes nothing (top_k: the
+        # router's checks pass; no layer builds a router).
+        lm = from_hf(hf_config_of(dataclasses.replace(model, num_experts=router.top_k), router,
+                                  vocab_size),
+                     **router_overrides(router, model.hf_type), **model_overrides(model))
+        return lm.replace(moe_layers=(False,) * lm.num_layers, intermediate_size=model.mlp_dim)
     return from_hf(hf_config_of(model, router, vocab_size),
                    **router_overrides(router, model.hf_type),
                    **model_overrides(model))

@@ -1,0 +1,44 @@
+"""The language-model sizes the throughput targets are set at: an MoE and a dense model of equal
+active parameters, bf16, one H100.
+
+Both: hidden 2048, 16 layers, 16 query / 4 key-value heads (head width 128), vocabulary 32,768,
+sequences of 4,096 tokens, 16 sequences (65,536 tokens) per update in micro-batches of
+``data.micro_batch_size`` rows, bf16 compute, Mixtral's layer (``configs/lm_quickstart.py``'s
+type) and routing (softmax top-2, gates renormalised, no jitter).
+
+* ``:moe``: 8 SwiGLU experts of width 2048 per layer, top-2, the grouped (Mosaic GPU) dispatch.
+* ``:dense``: every feed-forward sublayer one SwiGLU MLP of width 4096 (``model.num_experts =
+  0``): the MoE model's active matmul parameters per token, without its routers.
+
+Predicted on one H100 without the hardware (docs/benchmarks.md, section 7)::
+
+    python -m experiments.compile --config configs/lm_bench.py:dense --target h100:1x1 --roofline
+"""
+
+import ml_collections
+
+from configs import lm_quickstart
+
+VARIANTS = ("moe", "dense")
+
+
+def get_config(variant: str = "moe") -> ml_collections.ConfigDict:
+    if variant not in VARIANTS:
+        raise ValueError(f"configs/lm_bench.py: variant {variant!r}; choose one of "
+                         f"{', '.join(VARIANTS)}")
+    c = lm_quickstart.get_config()
+    # Einsum attention keeps every layer's float32 [4096, 4096] probabilities for the backward
+    # pass: one row per micro-batch.
+    c.data.update(vocab_size=32768, seq_len=4096, batch_size=16, micro_batch_size=1,
+                  eval_batch_size=1)
+    m = c.model
+    m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads = 2048, 16, 16, 4
+    m.max_position_embeddings = 4096
+    m.compute_dtype = "bfloat16"
+    if variant == "moe":
+        m.num_experts, m.mlp_dim, m.dispatch = 8, 2048, "grouped"
+    else:
+        m.num_experts, m.mlp_dim = 0, 4096
+    c.router.name, c.router.top_k, c.router.jitter_eps = "switch", 2, 0.0
+    c.router.normalize_top_k = True
+    return c
