@@ -10,7 +10,7 @@ import pytest
 from lab import exact_experiment
 from lab.studies.gradient_accuracy import plot, print_table
 from sparsemixer_jax import exact as oracle
-from sparsemixer_jax.routers import router_probs
+from sparsemixer_jax.routers import router_probs, selection_probs
 
 
 def _probs_fn(z):
@@ -69,6 +69,69 @@ def test_orders_of_accuracy_on_nabla0(problems):
             assert 1.85 < midpoint < 2.15, midpoint
             # Dropping nabla_0 is not an approximation of it at any order.
             np.testing.assert_allclose(sweep["switch"]["relerr_nabla0"], 1.0)
+
+
+# z + b keeps 3-4 of the 6 experts under the 0.5 mask, with q far from pi.
+BIAS = jnp.array([-0.1, 0.15, 0.0, 0.7, 0.0, 0.3])
+
+
+def _biased(bias):
+    """The gates' ``pi`` and the sampling distribution ``q`` under the mask at 0.5."""
+    return (lambda z: selection_probs(z, bias, 0.5)[1],
+            lambda z: selection_probs(z, bias, 0.5)[0])
+
+
+def test_selection_bias_oracle_is_the_gradient_of_its_loss_and_reduces_to_the_plain_one(problems):
+    gates, sampling = _biased(BIAS)
+    zero_gates, zero_sampling = _biased(jnp.zeros(6))
+
+    @jax.jit
+    def check(problem):
+        exact = oracle.exact_gradient(problem, gates, sampling)
+        autodiff = jax.grad(lambda z: oracle.exact_gradient(
+            problem._replace(logits=z), gates, sampling).loss)(problem.logits)
+        # b = 0: q = pi, and each estimator's expectation is the released router's.
+        pairs = [(oracle.selection_bias_expected_gradient(
+            problem, zero_gates, zero_sampling, estimator=estimator, single_path=single),
+            oracle.router_expected_gradient(problem, lambda z: router_probs(z, 0.5),
+                                            estimator=estimator))
+            for estimator in ("mix", "euler", "midpoint") for single in (False, True)]
+        return exact.full, autodiff, pairs
+
+    with jax.enable_x64(True):
+        for problem in problems:
+            full, autodiff, pairs = check(problem)
+            np.testing.assert_allclose(full, autodiff, rtol=1e-10, atol=1e-12)
+            for two_path, plain in pairs:
+                np.testing.assert_allclose(two_path, plain, rtol=1e-12, atol=1e-14)
+
+
+def test_selection_bias_orders_of_accuracy(problems):
+    """Under a selection bias the two-path estimate of nabla_0 by the mid-point rule is second
+    order and the router's mix first order (Euler on the argmax); the released single-path
+    backward keeps an error of the size of the gradient at every scale."""
+    gates, sampling = _biased(BIAS)
+    scales = np.logspace(-1, -3, 5)
+
+    @jax.jit
+    def errors(problem):
+        exact = oracle.exact_gradient(problem, gates, sampling)
+        pi = gates(problem.logits)
+        half = oracle.directional_slopes(problem, pi, 0.5)
+        midpoint = jax.jacobian(sampling)(problem.logits).T @ (pi * half)
+        return jnp.stack([oracle.relative_error(midpoint, exact.nabla0)] + [
+            oracle.relative_error(oracle.selection_bias_expected_gradient(
+                problem, gates, sampling, single_path=single), exact.full)
+            for single in (False, True)])
+
+    with jax.enable_x64(True):
+        for problem in problems:
+            midpoint, mix, single_path = np.stack(
+                [errors(problem.scaled(s)) for s in scales], axis=1)
+            assert 1.85 < oracle.loglog_slope(scales, midpoint) < 2.5
+            assert 0.9 < oracle.loglog_slope(scales, mix) < 1.5
+            assert abs(oracle.loglog_slope(scales, single_path)) < 0.1
+            assert single_path[-1] > 0.05
 
 
 def test_loglog_slope_recovers_a_power_law():

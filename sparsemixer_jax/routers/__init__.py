@@ -69,7 +69,9 @@ from sparsemixer_jax.routers.sparsemixer import (
     routing_keys,
     routing_mask,
     scaled_gate,
+    selection_probs,
     sparsemixer_route,
+    two_path_gate,
 )
 from sparsemixer_jax.routers.switch import switch_route
 from sparsemixer_jax.routers.unchosen import UnchosenExperts, unchosen_expert_term
@@ -109,9 +111,11 @@ __all__ = [
     "routing_mask",
     "routing_metrics",
     "scaled_gate",
+    "selection_probs",
     "sequence_balancing_loss",
     "sparsemixer_route",
     "switch_route",
+    "two_path_gate",
     "unchosen_expert_term",
     "uses_omega",
 ]

@@ -100,6 +100,53 @@ def _scaled_gate_bwd(backward_scale, forward_scale, cotangent):
 scaled_gate.defvjp(_scaled_gate_fwd, _scaled_gate_bwd)
 
 
+def selection_probs(
+    logits: jax.Array, selection_bias: jax.Array, jitter_eps: float = 0.1,
+    mask: MaskRule = "reference",
+) -> tuple[jax.Array, jax.Array]:
+    """``(q, pi)``, float32 ``[..., N]`` each, for a selection-only bias ``b [N]``.
+
+    ``q`` is the masked softmax of ``z + b``, the distribution ``D`` is drawn from; ``pi`` is
+    the softmax of ``z`` over the same eligible experts, the gates. The mask is the router's
+    (:func:`routing_mask`) computed on the selection logits ``z + b``. Both are differentiable
+    in ``logits`` with the mask held fixed; ``b`` gets no gradient. With ``b = 0`` both equal
+    :func:`router_probs`.
+    """
+    logits = logits.astype(routing_dtype(logits))
+    selection = logits + jax.lax.stop_gradient(selection_bias).astype(logits.dtype)
+    keep = routing_mask(selection, jitter_eps, mask)
+    q = jax.nn.softmax(jnp.where(keep, selection, -jnp.inf), axis=-1)
+    pi = jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
+    return q, pi
+
+
+@jax.custom_vjp
+def two_path_gate(prob: jax.Array, log_sample_prob: jax.Array, forward_scale: jax.Array,
+                  gate_scale: jax.Array, selection_scale: jax.Array) -> jax.Array:
+    """``prob * forward_scale`` whose cotangent ``c`` goes along two paths: ``gate_scale * c``
+    to ``prob`` (the gate ``pi_D``) and ``selection_scale * prob * c`` to ``log_sample_prob``
+    (``log q_D``, the sampling distribution).
+
+    The backward of SparseMixer under a selection bias (docs/routing.md): the gate term
+    ``nabla_1`` goes along ``grad pi_D``, the selection term ``nabla_0`` along
+    ``pi_D grad log q_D = pi_D (e_D - q)``. The scales and ``forward_scale`` get no gradient.
+    """
+    return prob * forward_scale
+
+
+def _two_path_gate_fwd(prob, log_sample_prob, forward_scale, gate_scale, selection_scale):
+    return prob * forward_scale, (prob, forward_scale, gate_scale, selection_scale)
+
+
+def _two_path_gate_bwd(residuals, cotangent):
+    prob, forward_scale, gate_scale, selection_scale = residuals
+    zero = jnp.zeros_like(forward_scale)
+    return (cotangent * gate_scale, cotangent * selection_scale * prob, zero, zero, zero)
+
+
+two_path_gate.defvjp(_two_path_gate_fwd, _two_path_gate_bwd)
+
+
 class EstimatorRule(NamedTuple):
     """How an estimator of :data:`ESTIMATORS` treats a chosen expert ``D``
     (see :func:`sparsemixer_route`).
@@ -180,6 +227,7 @@ def sparsemixer_route(
     estimator: Estimator = "mix",
     midpoint_prob: float | None = None,
     backward_scale: float | None = None,
+    selection_bias: jax.Array | None = None,
 ) -> RouterOutput:
     """SparseMixer routing (top-1, or top-k by sequential sampling) with its sparse gradient.
 
@@ -211,6 +259,14 @@ def sparsemixer_route(
         None takes the estimator's default. Only for ``"mix"``, ``"v2"``, ``"v2star"``: the
         others flip no coin, and giving it to them is an error.
       backward_scale: factor on the gate's cotangent; None takes the estimator's default.
+      selection_bias: float ``[N]`` added to the logits for the selection only (bias
+        balancing): ``D ~ q``, the masked softmax of ``z + b`` (the mask computed on ``z + b``),
+        gate ``pi_D`` with ``pi`` the softmax of ``z`` over the same experts
+        (:func:`selection_probs`); ``b`` gets no gradient. The backward then has two paths
+        (:func:`two_path_gate`, derived in docs/routing.md): ``nabla_1`` exactly along
+        ``grad pi_D``, ``nabla_0`` along ``pi_D grad log q_D`` with the estimator's rule.
+        Top-1 with ``"mix"``, ``"euler"`` or ``"midpoint"`` only, and no ``backward_scale``.
+        Inference takes the argmax of ``z + b``. ``probs`` is then ``pi``.
 
     Returns:
       :class:`RouterOutput`: ``expert`` int32 and ``gate`` float32 of shape ``[...]`` when
@@ -276,6 +332,10 @@ def sparsemixer_route(
     reduced_prob = rule.reduced_prob if midpoint_prob is None else float(midpoint_prob)
     scale = rule.backward_scale if backward_scale is None else float(backward_scale)
     invalid = check_finite_logits(fn, logits, top_k)
+    if selection_bias is not None:
+        check_selection_bias_args(fn, logits, selection_bias, top_k, estimator, backward_scale)
+        return _route_with_selection_bias(logits, selection_bias, key, invalid, jitter_eps,
+                                          training, mask, estimator, reduced_prob)
 
     remaining = logits.astype(routing_dtype(logits))
     keys = routing_keys(key, top_k) if training else None
@@ -323,3 +383,76 @@ def _sample_step(probs, top, keys, estimator, rule: EstimatorRule, reduced_prob,
         reduced = coin if rule.on_argmax else coin & (expert != top)
     forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(probs.dtype)
     return expert, scaled_gate(take_expert(probs, expert), forward_scale, scale)
+
+
+#: The estimators that take a selection bias (top-1); docs/routing.md derives their backward.
+SELECTION_BIAS_ESTIMATORS = ("mix", "euler", "midpoint")
+
+
+def check_selection_bias_args(fn: str, logits, selection_bias, top_k: int, estimator: str,
+                              backward_scale: float | None) -> None:
+    """ValueError in one line for a selection bias SparseMixer's estimator is not derived for,
+    or of the wrong shape."""
+    num_experts = jnp.shape(logits)[-1]
+    if jnp.shape(selection_bias) != (num_experts,):
+        raise ValueError(f"{fn}: selection_bias must have shape [N] = ({num_experts},), got "
+                         f"{jnp.shape(selection_bias)}")
+    if top_k != 1:
+        raise ValueError(f"{fn}: selection_bias needs top_k=1 (got {top_k}): the two-path "
+                         f"estimator is derived for top-1 only")
+    if estimator not in SELECTION_BIAS_ESTIMATORS:
+        raise ValueError(f"{fn}: selection_bias does not compose with estimator={estimator!r}: "
+                         f"the two-path backward is derived for {list(SELECTION_BIAS_ESTIMATORS)}")
+    if backward_scale is not None:
+        raise ValueError(f"{fn}: backward_scale={backward_scale!r} does not compose with "
+                         f"selection_bias: the two-path backward sets its own scales")
+
+
+def _route_with_selection_bias(logits, selection_bias, key, invalid, jitter_eps, training,
+                               mask, estimator, midpoint_prob) -> RouterOutput:
+    """Top-1 SparseMixer with ``D ~ q`` (selection logits ``z + b``) and gate ``pi_D``.
+
+    Per sample the logits receive ``gate_scale * c grad pi_D + selection_scale * c pi_D grad
+    log q_D`` with ``c = g'(w pi_D f_D) . f_D``; docs/routing.md derives the scales:
+
+    * the argmax of ``z + b`` (``"mix"``), every token (``"euler"``, ``"midpoint"``), and the
+      coin's sure branch when ``midpoint_prob`` is 0 or 1: ``(1, 1)``, exact ``nabla_1`` plus
+      the rule at this branch's point for ``nabla_0``;
+    * ``"mix"`` elsewhere, coin ``p`` in ``(0, 1)``: ``(1 / (1 - p), 0)`` on the Euler branch
+      (``w = 1``) and ``(0, 1 / p)`` on the mid-point branch (``w = 1/2``): in expectation
+      exact ``nabla_1`` plus the mid-point estimate of ``nabla_0``.
+
+    With ``b = 0`` and ``p`` in ``{0, 1/2, 1}`` this is the released backward sample by sample.
+    """
+    selection = logits.astype(routing_dtype(logits)) + jax.lax.stop_gradient(
+        selection_bias).astype(routing_dtype(logits))
+    q, pi = selection_probs(logits, selection_bias, jitter_eps, mask)
+    q = jnp.where(invalid[..., None], jnp.nan, q)
+    pi = jnp.where(invalid[..., None], jnp.nan, pi)
+    top = jnp.argmax(selection, axis=-1).astype(jnp.int32)
+    if not training:
+        return RouterOutput(expert=top, gate=take_expert(pi, top), probs=pi)
+    sample_key, coin_key = routing_keys(key, 1)[0]
+    keep = routing_mask(selection, jitter_eps, mask)
+    log_q = jax.nn.log_softmax(jnp.where(keep, selection, -jnp.inf), axis=-1)
+    # Drawn as the plain router draws (log of the probabilities), so that b = 0 samples alike.
+    expert = jax.random.categorical(sample_key, jnp.log(jax.lax.stop_gradient(q)),
+                                    axis=-1).astype(jnp.int32)
+    off_top = expert != top
+    one = jnp.ones(expert.shape, pi.dtype)
+    if estimator == "euler":
+        reduced = jnp.zeros(expert.shape, dtype=bool)
+    elif estimator == "midpoint":
+        reduced = jnp.ones(expert.shape, dtype=bool)
+    else:
+        reduced = jax.random.bernoulli(coin_key, midpoint_prob, expert.shape) & off_top
+    gate_scale = selection_scale = one
+    if estimator == "mix" and 0.0 < midpoint_prob < 1.0:
+        gate_scale = jnp.where(reduced, 0.0, jnp.where(off_top, 1.0 / (1.0 - midpoint_prob),
+                                                       1.0)).astype(pi.dtype)
+        selection_scale = jnp.where(reduced, 1.0 / midpoint_prob,
+                                    jnp.where(off_top, 0.0, 1.0)).astype(pi.dtype)
+    forward_scale = jnp.where(reduced, 0.5, 1.0).astype(pi.dtype)
+    gate = two_path_gate(take_expert(pi, expert), take_expert(log_q, expert), forward_scale,
+                         gate_scale, selection_scale)
+    return RouterOutput(expert=expert, gate=gate, probs=pi)
