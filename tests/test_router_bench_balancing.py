@@ -27,10 +27,11 @@ TINY = TrainConfig(dim=8, hidden=16, teacher_hidden=4, batch=32, steps=2, eval_e
 RATE = 0.01
 BIAS_ARM = Arm("switch_bias_gb", router="switch", top_k=2, num_experts=4, measure_gradient=False,
                bias_update_rate=RATE, balance_scope="global_batch", micro_batches=2)
-SAMPLED = ("sparsemixer", "sparsemixer_v2", "sparsemixer_v2star")
+# The sampled routers the config refuses with a selection bias (top-1 SparseMixer takes one).
+SAMPLED = ("sparsemixer_v2", "sparsemixer_v2star")
 
 
-def test_balancing_table_has_every_cell_and_refuses_only_sparsemixer_with_bias():
+def test_balancing_table_has_every_cell_and_refuses_only_sparsemixer_v2_with_bias():
     arms = TABLES["balancing"]()
     names = {a.name for a in arms}
     assert len(names) == len(arms)
@@ -118,14 +119,14 @@ def test_balancing_arm_trains_and_logs_the_update_imbalance(bias_run):
 
 def test_refused_pair_is_reported_and_not_trained(tmp_path, capsys):
     out = tmp_path / "balancing.json"
-    router_bench.main(["--table", "balancing", "--arms", "sparsemixer_k1_n8_bias", "--seeds",
+    router_bench.main(["--table", "balancing", "--arms", "sparsemixer_v2_k2_n8_bias", "--seeds",
                        "2", "--steps", "2", "--eval-every", "2", "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["arms"] == {}
-    assert "does not compose" in saved["refused"]["sparsemixer_k1_n8_bias"]
+    assert "does not compose" in saved["refused"]["sparsemixer_v2_k2_n8_bias"]
     printed = capsys.readouterr().out
-    assert "sparsemixer_k1_n8_bias: refused" in printed
-    row = [line for line in printed.splitlines() if "| sparsemixer | bias, no loss |" in line]
+    assert "sparsemixer_v2_k2_n8_bias: refused" in printed
+    row = [line for line in printed.splitlines() if "| sparsemixer_v2 | bias, no loss |" in line]
     assert len(row) == 1 and "| refused |" in row[0]
     assert "refused" in markdown_balancing_table({}, saved["refused"])
 

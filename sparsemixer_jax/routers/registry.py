@@ -13,10 +13,11 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 
 from sparsemixer_jax.routers.common import RouterOutput, check_jitter_eps, check_top_k
 from sparsemixer_jax.routers.selection import BALANCE_SCOPES, SCORES, limit_to_groups
-from sparsemixer_jax.routers.sparsemixer import sparsemixer_route
+from sparsemixer_jax.routers.sparsemixer import SELECTION_BIAS_ESTIMATORS, sparsemixer_route
 from sparsemixer_jax.routers.switch import switch_route
 from sparsemixer_jax.routers.unchosen import UnchosenExperts
 from sparsemixer_jax.section import read_fields
@@ -105,7 +106,8 @@ class RouterConfig:
       bias_update_rate: auxiliary-loss-free balancing: a per-expert bias added to the selection
         scores only (the logits under softmax), moved by ``rate * sign(mean load - load_i)``
         after every optimizer update from that update's loads; 0 turns it off. Routers with
-        Switch's forward.
+        Switch's forward, and SparseMixer at ``top_k=1`` except ``sparsemixer_v2*`` (its
+        two-path estimator, docs/routing.md).
       balance_scope: over which tokens the balance loss's expert fractions are counted:
         ``"micro_batch"`` (all tokens of a micro-batch, on every data-parallel device),
         ``"sequence"`` (each sequence's own loss, averaged), ``"global_batch"`` (the counts of
@@ -245,9 +247,16 @@ def check_routing_options(config: RouterConfig, where: str, num_experts: int | N
         raise ValueError(f"{where}bias_update_rate must be a finite number >= 0 (0 = off), got "
                          f"{rate!r}")
     if rate > 0 and sampled:
-        raise ValueError(f"{where}bias_update_rate={rate!r} does not compose with router "
-                         f"{name!r}: a selection bias changes the distribution SparseMixer "
-                         f"samples from, which its estimator assumes is the gates' own")
+        if config.top_k > 1:
+            raise ValueError(f"{where}bias_update_rate={rate!r} does not compose with router "
+                             f"{name!r} at top_k={config.top_k}: SparseMixer's two-path "
+                             f"estimator under a selection bias is derived for top_k=1 only")
+        estimator = ROUTERS[name][1].get("estimator", "mix")
+        if estimator not in SELECTION_BIAS_ESTIMATORS:
+            raise ValueError(f"{where}bias_update_rate={rate!r} does not compose with router "
+                             f"{name!r}: the two-path estimator under a selection bias is "
+                             f"derived for {list(SELECTION_BIAS_ESTIMATORS)}, not "
+                             f"estimator={estimator!r}")
     if config.balance_scope not in BALANCE_SCOPES:
         raise ValueError(f"{where}balance_scope={config.balance_scope!r}; choose one of "
                          f"{BALANCE_SCOPES}")
@@ -326,7 +335,7 @@ def get_router(
 def router_fn(config: RouterConfig) -> RouterFn:
     """The routing function of a checked :class:`RouterConfig` as ``fn(logits, key, training,
     selection_bias=None)``; ``selection_bias [N]`` is bias balancing's (routers with Switch's
-    forward)."""
+    forward, and top-1 SparseMixer with ``mix``, ``euler`` or ``midpoint``)."""
     top_k, jitter_eps = config.top_k, config.jitter_eps
     route, fixed = ROUTERS[config.name]
     kwargs = dict(fixed)
@@ -343,13 +352,17 @@ def router_fn(config: RouterConfig) -> RouterFn:
         if route is switch_route:
             return route(logits, key, training=training, top_k=top_k, jitter_eps=jitter_eps,
                          selection_bias=selection_bias, **kwargs)
-        if selection_bias is not None:
-            raise ValueError(f"router {config.name!r} takes no selection bias")
         # SparseMixer samples among the experts of the kept groups: the others are excluded
         # (-inf), as its own mask excludes experts, and no gradient flows through the choice.
-        logits = limit_to_groups(logits, config.num_groups, config.top_groups)
+        # The groups are chosen on the selection scores, the biased logits under a bias.
+        if selection_bias is None:
+            logits = limit_to_groups(logits, config.num_groups, config.top_groups)
+        elif config.num_groups > 1:
+            selection = jax.lax.stop_gradient(logits) + jax.lax.stop_gradient(selection_bias)
+            kept = limit_to_groups(selection, config.num_groups, config.top_groups)
+            logits = jnp.where(jnp.isneginf(kept), -jnp.inf, logits)
         return route(logits, key, training=training, top_k=top_k, jitter_eps=jitter_eps,
-                     **kwargs)
+                     selection_bias=selection_bias, **kwargs)
 
     return router
 
