@@ -134,6 +134,46 @@ def test_selection_bias_orders_of_accuracy(problems):
             assert single_path[-1] > 0.05
 
 
+def test_topk_selection_bias_oracle_at_k1_and_at_zero_bias(problems):
+    """The top-k two-path oracle: at k = 1 it is the top-1 closed form (v2 and v2star: Heun's
+    rule off the argmax, with exact nabla_1 for v2star only); at b = 0 and k = 2 it is the
+    released router's expectation (v2, v2star)."""
+    gates, sampling = _biased(BIAS)
+
+    @jax.jit
+    def check(problem):
+        pairs = [(oracle.topk_selection_bias_expected_gradient(
+            problem, gates, sampling, 1, estimator=e),
+            oracle.selection_bias_expected_gradient(problem, gates, sampling, estimator=e))
+            for e in ("mix", "euler", "midpoint")]
+        pi, q = gates(problem.logits), sampling(problem.logits)
+        gate_jac, sample_jac = jax.jacobian(gates)(problem.logits), jax.jacobian(sampling)(
+            problem.logits)
+        full = oracle.directional_slopes(problem, pi, 1.0)
+        third = oracle.directional_slopes(problem, pi, 1.0 / 3.0)
+        heun = jnp.where(jnp.arange(6) == jnp.argmax(q), full, 0.25 * full + 0.75 * third)
+        selection = sample_jac.T @ (pi * heun)
+        pairs += [(oracle.topk_selection_bias_expected_gradient(
+            problem, gates, sampling, 1, estimator="v2"), selection),
+            (oracle.topk_selection_bias_expected_gradient(
+                problem, gates, sampling, 1, estimator="v2star"),
+             gate_jac.T @ (q * full) + selection)]
+        # b = 0 at k = 2 on the first four experts (fewer tuples to compile).
+        small = problem._replace(logits=problem.logits[:4],
+                                 expert_outputs=problem.expert_outputs[:4])
+        pairs += [(oracle.topk_selection_bias_expected_gradient(
+            small, zero_gates, zero_sampling, 2, estimator=e),
+            oracle.topk_expected_gradient(small, lambda z: router_probs(z, 0.5), 2,
+                                          estimator=e))
+            for e in ("v2", "v2star")]
+        return pairs
+
+    zero_gates, zero_sampling = _biased(jnp.zeros(4))
+    with jax.enable_x64(True):
+        for two_path, expected in check(problems[0]):
+            np.testing.assert_allclose(two_path, expected, rtol=1e-12, atol=1e-14)
+
+
 def test_loglog_slope_recovers_a_power_law():
     scales = np.logspace(0, -3, 7)
     assert abs(oracle.loglog_slope(scales, 3.0 * scales**1.5) - 1.5) < 1e-9

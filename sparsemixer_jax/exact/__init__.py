@@ -91,6 +91,7 @@ from sparsemixer_jax.exact.topk import (
     step_probs,
     topk_dense_expected_gradient,
     topk_expected_gradient,
+    topk_selection_bias_expected_gradient,
     tuple_gates,
 )
 
@@ -122,5 +123,6 @@ __all__ = [
     "step_probs",
     "topk_dense_expected_gradient",
     "topk_expected_gradient",
+    "topk_selection_bias_expected_gradient",
     "tuple_gates",
 ]

@@ -62,9 +62,11 @@ from sparsemixer_jax.routers.selection import (
 )
 from sparsemixer_jax.routers.sparsemixer import (
     ESTIMATORS,
+    TWO_PATH_RULES,
     Estimator,
     EstimatorRule,
     MaskRule,
+    TwoPathRule,
     router_probs,
     routing_keys,
     routing_mask,
@@ -72,6 +74,7 @@ from sparsemixer_jax.routers.sparsemixer import (
     selection_probs,
     sparsemixer_route,
     two_path_gate,
+    two_path_scales,
 )
 from sparsemixer_jax.routers.switch import switch_route
 from sparsemixer_jax.routers.unchosen import UnchosenExperts, unchosen_expert_term
@@ -85,6 +88,7 @@ __all__ = [
     "ROUTERS",
     "ROUTER_OPTIONS",
     "SCORES",
+    "TWO_PATH_RULES",
     "UNCHOSEN_EXPERT_RULES",
     "Estimator",
     "EstimatorRule",
@@ -92,6 +96,7 @@ __all__ = [
     "RouterConfig",
     "RouterFn",
     "RouterOutput",
+    "TwoPathRule",
     "UnchosenExperts",
     "bias_step",
     "check_finite_logits",
@@ -116,6 +121,7 @@ __all__ = [
     "sparsemixer_route",
     "switch_route",
     "two_path_gate",
+    "two_path_scales",
     "unchosen_expert_term",
     "uses_omega",
 ]

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from sparsemixer_jax.routers.common import RouterOutput, check_jitter_eps, check_top_k
 from sparsemixer_jax.routers.selection import BALANCE_SCOPES, SCORES, limit_to_groups
-from sparsemixer_jax.routers.sparsemixer import SELECTION_BIAS_ESTIMATORS, sparsemixer_route
+from sparsemixer_jax.routers.sparsemixer import sparsemixer_route
 from sparsemixer_jax.routers.switch import switch_route
 from sparsemixer_jax.routers.unchosen import UnchosenExperts
 from sparsemixer_jax.section import read_fields
@@ -105,9 +105,8 @@ class RouterConfig:
       routed_scaling_factor: multiplies the renormalised sigmoid gates (DeepSeek-V3: 2.5).
       bias_update_rate: auxiliary-loss-free balancing: a per-expert bias added to the selection
         scores only (the logits under softmax), moved by ``rate * sign(mean load - load_i)``
-        after every optimizer update from that update's loads; 0 turns it off. Routers with
-        Switch's forward, and SparseMixer at ``top_k=1`` except ``sparsemixer_v2*`` (its
-        two-path estimator, docs/routing.md).
+        after every optimizer update from that update's loads; 0 turns it off. Every router
+        (SparseMixer with its two-path estimator, docs/routing.md).
       balance_scope: over which tokens the balance loss's expert fractions are counted:
         ``"micro_batch"`` (all tokens of a micro-batch, on every data-parallel device),
         ``"sequence"`` (each sequence's own loss, averaged), ``"global_batch"`` (the counts of
@@ -246,17 +245,6 @@ def check_routing_options(config: RouterConfig, where: str, num_experts: int | N
     if not _is_number(rate) or rate < 0:
         raise ValueError(f"{where}bias_update_rate must be a finite number >= 0 (0 = off), got "
                          f"{rate!r}")
-    if rate > 0 and sampled:
-        if config.top_k > 1:
-            raise ValueError(f"{where}bias_update_rate={rate!r} does not compose with router "
-                             f"{name!r} at top_k={config.top_k}: SparseMixer's two-path "
-                             f"estimator under a selection bias is derived for top_k=1 only")
-        estimator = ROUTERS[name][1].get("estimator", "mix")
-        if estimator not in SELECTION_BIAS_ESTIMATORS:
-            raise ValueError(f"{where}bias_update_rate={rate!r} does not compose with router "
-                             f"{name!r}: the two-path estimator under a selection bias is "
-                             f"derived for {list(SELECTION_BIAS_ESTIMATORS)}, not "
-                             f"estimator={estimator!r}")
     if config.balance_scope not in BALANCE_SCOPES:
         raise ValueError(f"{where}balance_scope={config.balance_scope!r}; choose one of "
                          f"{BALANCE_SCOPES}")
@@ -335,7 +323,7 @@ def get_router(
 def router_fn(config: RouterConfig) -> RouterFn:
     """The routing function of a checked :class:`RouterConfig` as ``fn(logits, key, training,
     selection_bias=None)``; ``selection_bias [N]`` is bias balancing's (routers with Switch's
-    forward, and top-1 SparseMixer with ``mix``, ``euler`` or ``midpoint``)."""
+    forward, and SparseMixer with its two-path estimator)."""
     top_k, jitter_eps = config.top_k, config.jitter_eps
     route, fixed = ROUTERS[config.name]
     kwargs = dict(fixed)
