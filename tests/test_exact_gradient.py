@@ -211,6 +211,21 @@ def test_experiment_writes_results(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_experiment_sweeps_a_selection_bias():
+    settings = exact_experiment.SweepSettings(num_problems=1, num_scales=3, min_scale=1e-2,
+                                            num_experts=4, dim=4, top_k=[],
+                                            selection_bias=0.5)
+    results = exact_experiment.accuracy_experiment(settings)
+    rows = results["estimators"]
+    assert set(rows) == {"switch", "euler", "midpoint", "sparsemixer_2nd", "sparsemixer",
+                         "sparsemixer_paper", "sparsemixer_single_path"}
+    # From s = 0.1 to 0.01 the two-path mix's error shrinks about tenfold (first order); the
+    # released single path's stays (2% here), over ten times the mix's at s = 0.01.
+    single, mix = rows["sparsemixer_single_path"]["relerr_full"], rows["sparsemixer"]["relerr_full"]
+    assert mix[-1] < 0.2 * mix[-2] and single[-1] > 0.5 * single[-2]
+    assert single[-1] > 10 * mix[-1]
+
+
 def test_experiment_rejects_bad_arguments():
     with pytest.raises(ValueError, match="min-scale"):
         exact_experiment.SweepSettings(min_scale=2)
@@ -218,6 +233,8 @@ def test_experiment_rejects_bad_arguments():
         exact_experiment.SweepSettings(num_experts=4, top_k=[5])
     with pytest.raises(ValueError, match="default-noise"):
         exact_experiment.SweepSettings(default_noise=-0.1)
+    with pytest.raises(ValueError, match="selection-bias"):
+        exact_experiment.SweepSettings(selection_bias=0.5, num_groups=2)
 
 
 # ---------------------------------------------------------------- top-k oracle
