@@ -365,6 +365,17 @@ def _z_scores(grads, expected):
     return np.abs(mean - np.asarray(expected))[live] / se[live]
 
 
+def test_selection_bias_refusals_are_one_line():
+    z = _logits((3, 5))
+    for options, message in (({"selection_bias": jnp.zeros(4)},
+                              r"selection_bias must have shape \[N\] = \(5,\), got \(4,\)"),
+                             ({"selection_bias": BIAS, "backward_scale": 1.0},
+                              r"backward_scale=1.0 does not compose with selection_bias")):
+        with pytest.raises(ValueError, match=message) as err:
+            sparsemixer_route(z, KEY, **options)
+        assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("estimator", ["mix", "euler", "midpoint"])
 def test_selection_bias_monte_carlo_gradient_matches_exact_expectation(mc_problem, estimator):
     """Mean of 40k router gradients with D ~ q = softmax(z + b) (masked), gate pi_D, against
