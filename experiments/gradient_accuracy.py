@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
         help="group-limited routing: the experts in this many groups (1: none)")
     add("--top-groups", type=int, default=default.top_groups,
         help="group-limited routing: the groups each token keeps")
+    add("--selection-bias", type=float, default=default.selection_bias,
+        help="std of a random selection-only bias per expert (SparseMixer's rows; 0: none)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         settings = SweepSettings(**{f.name: getattr(args, f.name)

@@ -17,8 +17,7 @@ trained on all seeds at once and compared with Switch seed by seed (docs/router_
 Results are written to the JSON (default ``runs/router_bench/<table>.json``, outside the
 tracked files) after every arm; a rerun skips arms already there. ``--reuse`` takes the results
 of arms trained before under other names (the same configuration and run settings). Arms the
-router's config refuses (SparseMixer with bias balancing) are not trained: the JSON lists them
-under ``refused`` with the reason.
+router's config refuses are not trained: the JSON lists them under ``refused`` with the reason.
 ``--time-rounds R`` then times one training step of every arm after compilation (R interleaved
 rounds of ``--time-steps`` steps); the cost table reports it beside the quality columns.
 """

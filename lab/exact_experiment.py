@@ -22,12 +22,14 @@ from sparsemixer_jax.exact.top1 import (
     ProbsFn,
     RoutingProblem,
     cosine_similarity,
+    directional_slopes,
     exact_gradient,
     loglog_slope,
     midpoint_rule_gradient,
     random_problem,
     relative_error,
     router_expected_gradient,
+    selection_bias_expected_gradient,
 )
 from sparsemixer_jax.exact.topk import (
     DENSE_ESTIMATORS,
@@ -35,7 +37,7 @@ from sparsemixer_jax.exact.topk import (
     topk_dense_expected_gradient,
     topk_expected_gradient,
 )
-from sparsemixer_jax.routers import limit_to_groups, router_probs
+from sparsemixer_jax.routers import limit_to_groups, router_probs, selection_probs
 
 
 def estimator_table(
@@ -80,6 +82,34 @@ def estimator_table(
     }
 
 
+def selection_bias_table(
+    problem: RoutingProblem, probs_fn: ProbsFn, sampling_fn: ProbsFn
+) -> dict[str, jax.Array]:
+    """Expected full router gradient ``[N]`` of SparseMixer's estimators under a selection bias
+    (``D ~ q = sampling_fn``, gate ``pi_D``, ``pi = probs_fn``), by name: the rows of
+    :func:`estimator_table` that sample (DenseMixer and Default MoE route deterministically),
+    with the two-path backward, and ``sparsemixer_single_path``, the released backward under the
+    bias. ``midpoint`` is exact ``nabla_1`` plus the mid-point rule on every expert."""
+    exact = exact_gradient(problem, probs_fn, sampling_fn)
+    probs = probs_fn(problem.logits)
+    selection = jax.jacobian(sampling_fn)(problem.logits).T @ (
+        probs * directional_slopes(problem, probs, 0.5))
+
+    def two_path(estimator, **options):
+        return selection_bias_expected_gradient(problem, probs_fn, sampling_fn,
+                                                estimator=estimator, **options)
+
+    return {
+        "switch": exact.nabla1,
+        "euler": two_path("euler"),
+        "midpoint": exact.nabla1 + selection,
+        "sparsemixer_2nd": two_path("midpoint"),
+        "sparsemixer": two_path("mix"),
+        "sparsemixer_paper": two_path("mix", midpoint_prob=1.0),
+        "sparsemixer_single_path": two_path("mix", single_path=True),
+    }
+
+
 TOPK_ESTIMATORS = ("backprop", "mix", "v2", "v2star")
 
 
@@ -102,6 +132,7 @@ def _per_scale(measure, scales) -> dict[str, dict[str, list[float]]]:
 def topk_accuracy_sweep(
     problem: RoutingProblem, scales, probs_fn: ProbsFn, top_k: int,
     estimators=TOPK_TABLE, defaults: jax.Array | None = None,
+    sampling_fn: ProbsFn | None = None,
 ) -> dict[str, dict[str, list[float]]]:
     """Norm ratio, cosine and relative error (the bias) of each estimator's expected gradient
     against the exact top-k gradient as the expert outputs shrink.
@@ -110,14 +141,17 @@ def topk_accuracy_sweep(
     expectation is exactly ``nabla_1``). The Default MoE rows use ``defaults [N, d]`` (at scale
     1, scaled with the outputs; ``None``: oracle), their ``*_oracle`` rows ``v = f``. Returns
     ``{estimator: {metric: [one per scale]}}`` with metrics ``norm_ratio`` (``|E| / |exact|``),
-    ``cos`` and ``relerr`` (``|E - exact| / |exact|``).
+    ``cos`` and ``relerr`` (``|E - exact| / |exact|``). ``sampling_fn``: a selection bias's
+    sampling distribution (SparseMixer's rows and ``backprop`` only).
     """
     defaults = problem.expert_outputs if defaults is None else defaults
+    if sampling_fn is not None:
+        estimators = TOPK_ESTIMATORS
 
     @jax.jit
     def measure(scale):
         scaled = problem.scaled(scale)
-        exact = exact_topk_gradient(scaled, probs_fn, top_k)
+        exact = exact_topk_gradient(scaled, probs_fn, top_k, sampling_fn)
         out = {}
         for name in estimators:
             if name == "backprop":
@@ -129,7 +163,8 @@ def topk_accuracy_sweep(
                 estimate = topk_dense_expected_gradient(
                     scaled, probs_fn, top_k, name, scale * defaults)
             else:
-                estimate = topk_expected_gradient(scaled, probs_fn, top_k, estimator=name)
+                estimate = topk_expected_gradient(scaled, probs_fn, top_k, estimator=name,
+                                                  sample_probs_fn=sampling_fn)
             out[name] = {
                 "norm_ratio": jnp.linalg.norm(estimate) / jnp.linalg.norm(exact.full),
                 "cos": cosine_similarity(estimate, exact.full),
@@ -141,7 +176,8 @@ def topk_accuracy_sweep(
 
 
 def accuracy_sweep(
-    problem: RoutingProblem, scales, probs_fn: ProbsFn, defaults: jax.Array | None = None
+    problem: RoutingProblem, scales, probs_fn: ProbsFn, defaults: jax.Array | None = None,
+    sampling_fn: ProbsFn | None = None,
 ) -> dict[str, dict[str, list[float]]]:
     """Cosine similarity and relative error of every estimator as the expert outputs shrink.
 
@@ -149,15 +185,18 @@ def accuracy_sweep(
     ``relerr_nabla0``, ``cos_full`` and ``relerr_full``.
     The ``nabla_0`` columns compare ``estimate - nabla_1`` with ``nabla_0``. Default MoE's
     ``defaults [N, d]`` are given at scale 1 and scaled with the outputs (``None``: oracle).
+    ``sampling_fn``: a selection bias's sampling distribution (:func:`selection_bias_table`).
     """
     defaults = problem.expert_outputs if defaults is None else defaults
 
     @jax.jit
     def measure(scale):
         scaled = problem.scaled(scale)
-        exact = exact_gradient(scaled, probs_fn)
+        exact = exact_gradient(scaled, probs_fn, sampling_fn)
+        table = (estimator_table(scaled, probs_fn, scale * defaults) if sampling_fn is None
+                 else selection_bias_table(scaled, probs_fn, sampling_fn))
         out = {}
-        for name, estimate in estimator_table(scaled, probs_fn, scale * defaults).items():
+        for name, estimate in table.items():
             part0 = estimate - exact.nabla1
             out[name] = {
                 "cos_nabla0": cosine_similarity(part0, exact.nabla0),
@@ -183,6 +222,7 @@ ESTIMATOR_NOTES = {
     "default_moe_st": "Default MoE, defaults in the backward only (router default_moe); noisy",
     "default_moe_oracle": "default_moe with oracle defaults v = f",
     "default_moe_st_oracle": "default_moe_st with oracle defaults (= densemixer)",
+    "sparsemixer_single_path": "released single-path backward under the bias (wrong)",
 }
 
 
@@ -200,7 +240,9 @@ class SweepSettings:
     ``top_k`` (empty: none); Default MoE's defaults with noise ``default_noise``
     (:func:`noisy_defaults`); group-limited routing over ``num_groups`` groups keeping
     ``top_groups`` (1, 1: none; the experts outside the kept groups are excluded, as the router
-    excludes them, and the exact gradient holds that choice fixed, as it holds the mask)."""
+    excludes them, and the exact gradient holds that choice fixed, as it holds the mask); a
+    selection-only bias ``b ~ selection_bias * N(0, 1)`` per expert and problem (0: none;
+    :func:`selection_bias_table`)."""
 
     num_problems: int = 16
     num_experts: int = 8
@@ -215,8 +257,11 @@ class SweepSettings:
     default_noise: float = 0.5
     num_groups: int = 1
     top_groups: int = 1
+    selection_bias: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.selection_bias >= 0 or (self.selection_bias > 0 and self.num_groups > 1):
+            raise ValueError("need --selection-bias >= 0, and no --num-groups with it")
         if self.num_problems < 1 or self.num_experts < 2 or self.dim < 1:
             raise ValueError("need --num-problems >= 1, --num-experts >= 2 and --dim >= 1")
         if not 0 < self.min_scale < 1 or self.num_scales < 3:
@@ -276,12 +321,18 @@ def _accuracy_experiment(settings: SweepSettings) -> dict:
     if settings.num_groups > 1:
         probs_fns = [grouped_probs_fn(probs_fn, p.logits, settings.num_groups,
                                       settings.top_groups) for p in problems]
+    sampling_fns = [None] * len(problems)
+    if settings.selection_bias > 0:
+        biases = [settings.selection_bias * jax.random.normal(
+            jax.random.fold_in(k, 2), (settings.num_experts,)) for k in keys]
+        probs_fns, sampling_fns = zip(*[_biased_probs_fns(b, settings) for b in biases],
+                                      strict=True)
     defaults = [
         noisy_defaults(p.expert_outputs, jax.random.fold_in(k, 1), settings.default_noise)
         for p, k in zip(problems, keys, strict=True)
     ]
-    sweeps = [accuracy_sweep(p, scales, fn, v)
-              for p, fn, v in zip(problems, probs_fns, defaults, strict=True)]
+    sweeps = [accuracy_sweep(p, scales, fn, v, q)
+              for p, fn, v, q in zip(problems, probs_fns, defaults, sampling_fns, strict=True)]
     summary = {}
     for name in sweeps[0]:
         entry = {"note": ESTIMATOR_NOTES.get(name, "")}
@@ -302,17 +353,29 @@ def _accuracy_experiment(settings: SweepSettings) -> dict:
         "settings": dataclasses.asdict(settings),
         "estimators": summary,
         "topk": {
-            str(k): _topk_summary(problems, defaults, scales, fit, probs_fns, k)
+            str(k): _topk_summary(problems, defaults, scales, fit, probs_fns, k, sampling_fns)
             for k in settings.top_k
         },
     }
 
 
-def _topk_summary(problems, defaults, scales, fit, probs_fns, top_k: int) -> dict:
+def _biased_probs_fns(bias: jax.Array, settings: SweepSettings) -> tuple[ProbsFn, ProbsFn]:
+    """The gates' ``pi`` and the sampling ``q`` under a selection-only ``bias``."""
+    def gates(z):
+        return selection_probs(z, bias, settings.jitter_eps, settings.mask)[1]
+
+    def sampling(z):
+        return selection_probs(z, bias, settings.jitter_eps, settings.mask)[0]
+
+    return gates, sampling
+
+
+def _topk_summary(problems, defaults, scales, fit, probs_fns, top_k: int,
+                  sampling_fns) -> dict:
     """Per estimator: mean norm ratio and cosine, geometric-mean bias and its slope."""
     sweeps = [
-        topk_accuracy_sweep(p, scales, fn, top_k, defaults=v)
-        for p, fn, v in zip(problems, probs_fns, defaults, strict=True)
+        topk_accuracy_sweep(p, scales, fn, top_k, defaults=v, sampling_fn=q)
+        for p, fn, v, q in zip(problems, probs_fns, defaults, sampling_fns, strict=True)
     ]
     summary = {}
     for name in sweeps[0]:

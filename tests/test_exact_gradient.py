@@ -10,7 +10,7 @@ import pytest
 from lab import exact_experiment
 from lab.studies.gradient_accuracy import plot, print_table
 from sparsemixer_jax import exact as oracle
-from sparsemixer_jax.routers import router_probs
+from sparsemixer_jax.routers import router_probs, selection_probs
 
 
 def _probs_fn(z):
@@ -71,6 +71,109 @@ def test_orders_of_accuracy_on_nabla0(problems):
             np.testing.assert_allclose(sweep["switch"]["relerr_nabla0"], 1.0)
 
 
+# z + b keeps 3-4 of the 6 experts under the 0.5 mask, with q far from pi.
+BIAS = jnp.array([-0.1, 0.15, 0.0, 0.7, 0.0, 0.3])
+
+
+def _biased(bias):
+    """The gates' ``pi`` and the sampling distribution ``q`` under the mask at 0.5."""
+    return (lambda z: selection_probs(z, bias, 0.5)[1],
+            lambda z: selection_probs(z, bias, 0.5)[0])
+
+
+def test_selection_bias_oracle_is_the_gradient_of_its_loss_and_reduces_to_the_plain_one(problems):
+    gates, sampling = _biased(BIAS)
+    zero_gates, zero_sampling = _biased(jnp.zeros(6))
+
+    @jax.jit
+    def check(problem):
+        exact = oracle.exact_gradient(problem, gates, sampling)
+        autodiff = jax.grad(lambda z: oracle.exact_gradient(
+            problem._replace(logits=z), gates, sampling).loss)(problem.logits)
+        # b = 0: q = pi, and each estimator's expectation is the released router's.
+        pairs = [(oracle.selection_bias_expected_gradient(
+            problem, zero_gates, zero_sampling, estimator=estimator, single_path=single),
+            oracle.router_expected_gradient(problem, lambda z: router_probs(z, 0.5),
+                                            estimator=estimator))
+            for estimator in ("mix", "euler", "midpoint") for single in (False, True)]
+        return exact.full, autodiff, pairs
+
+    with jax.enable_x64(True):
+        for problem in problems:
+            full, autodiff, pairs = check(problem)
+            np.testing.assert_allclose(full, autodiff, rtol=1e-10, atol=1e-12)
+            for two_path, plain in pairs:
+                np.testing.assert_allclose(two_path, plain, rtol=1e-12, atol=1e-14)
+
+
+def test_selection_bias_orders_of_accuracy(problems):
+    """Under a selection bias the two-path estimate of nabla_0 by the mid-point rule is second
+    order and the router's mix first order (Euler on the argmax); the released single-path
+    backward keeps an error of the size of the gradient at every scale."""
+    gates, sampling = _biased(BIAS)
+    scales = np.logspace(-1, -3, 5)
+
+    @jax.jit
+    def errors(problem):
+        exact = oracle.exact_gradient(problem, gates, sampling)
+        pi = gates(problem.logits)
+        half = oracle.directional_slopes(problem, pi, 0.5)
+        midpoint = jax.jacobian(sampling)(problem.logits).T @ (pi * half)
+        return jnp.stack([oracle.relative_error(midpoint, exact.nabla0)] + [
+            oracle.relative_error(oracle.selection_bias_expected_gradient(
+                problem, gates, sampling, single_path=single), exact.full)
+            for single in (False, True)])
+
+    with jax.enable_x64(True):
+        for problem in problems:
+            midpoint, mix, single_path = np.stack(
+                [errors(problem.scaled(s)) for s in scales], axis=1)
+            assert 1.85 < oracle.loglog_slope(scales, midpoint) < 2.5
+            assert 0.9 < oracle.loglog_slope(scales, mix) < 1.5
+            assert abs(oracle.loglog_slope(scales, single_path)) < 0.1
+            assert single_path[-1] > 0.05
+
+
+def test_topk_selection_bias_oracle_at_k1_and_at_zero_bias(problems):
+    """The top-k two-path oracle: at k = 1 it is the top-1 closed form (v2 and v2star: Heun's
+    rule off the argmax, with exact nabla_1 for v2star only); at b = 0 and k = 2 it is the
+    released router's expectation (v2, v2star)."""
+    gates, sampling = _biased(BIAS)
+
+    @jax.jit
+    def check(problem):
+        pairs = [(oracle.topk_selection_bias_expected_gradient(
+            problem, gates, sampling, 1, estimator=e),
+            oracle.selection_bias_expected_gradient(problem, gates, sampling, estimator=e))
+            for e in ("mix", "euler", "midpoint")]
+        pi, q = gates(problem.logits), sampling(problem.logits)
+        gate_jac, sample_jac = jax.jacobian(gates)(problem.logits), jax.jacobian(sampling)(
+            problem.logits)
+        full = oracle.directional_slopes(problem, pi, 1.0)
+        third = oracle.directional_slopes(problem, pi, 1.0 / 3.0)
+        heun = jnp.where(jnp.arange(6) == jnp.argmax(q), full, 0.25 * full + 0.75 * third)
+        selection = sample_jac.T @ (pi * heun)
+        pairs += [(oracle.topk_selection_bias_expected_gradient(
+            problem, gates, sampling, 1, estimator="v2"), selection),
+            (oracle.topk_selection_bias_expected_gradient(
+                problem, gates, sampling, 1, estimator="v2star"),
+             gate_jac.T @ (q * full) + selection)]
+        # b = 0 at k = 2 on the first four experts (fewer tuples to compile).
+        small = problem._replace(logits=problem.logits[:4],
+                                 expert_outputs=problem.expert_outputs[:4])
+        pairs += [(oracle.topk_selection_bias_expected_gradient(
+            small, zero_gates, zero_sampling, 2, estimator=e),
+            oracle.topk_expected_gradient(small, lambda z: router_probs(z, 0.5), 2,
+                                          estimator=e))
+            for e in ("v2", "v2star")]
+        return pairs
+
+    zero_gates, zero_sampling = _biased(jnp.zeros(4))
+    with jax.enable_x64(True):
+        for two_path, expected in check(problems[0]):
+            np.testing.assert_allclose(two_path, expected, rtol=1e-12, atol=1e-14)
+
+
 def test_loglog_slope_recovers_a_power_law():
     scales = np.logspace(0, -3, 7)
     assert abs(oracle.loglog_slope(scales, 3.0 * scales**1.5) - 1.5) < 1e-9
@@ -108,6 +211,21 @@ def test_experiment_writes_results(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_experiment_sweeps_a_selection_bias():
+    settings = exact_experiment.SweepSettings(num_problems=1, num_scales=3, min_scale=1e-2,
+                                            num_experts=4, dim=4, top_k=[],
+                                            selection_bias=0.5)
+    results = exact_experiment.accuracy_experiment(settings)
+    rows = results["estimators"]
+    assert set(rows) == {"switch", "euler", "midpoint", "sparsemixer_2nd", "sparsemixer",
+                         "sparsemixer_paper", "sparsemixer_single_path"}
+    # From s = 0.1 to 0.01 the two-path mix's error shrinks about tenfold (first order); the
+    # released single path's stays (2% here), over ten times the mix's at s = 0.01.
+    single, mix = rows["sparsemixer_single_path"]["relerr_full"], rows["sparsemixer"]["relerr_full"]
+    assert mix[-1] < 0.2 * mix[-2] and single[-1] > 0.5 * single[-2]
+    assert single[-1] > 10 * mix[-1]
+
+
 def test_experiment_rejects_bad_arguments():
     with pytest.raises(ValueError, match="min-scale"):
         exact_experiment.SweepSettings(min_scale=2)
@@ -115,6 +233,8 @@ def test_experiment_rejects_bad_arguments():
         exact_experiment.SweepSettings(num_experts=4, top_k=[5])
     with pytest.raises(ValueError, match="default-noise"):
         exact_experiment.SweepSettings(default_noise=-0.1)
+    with pytest.raises(ValueError, match="selection-bias"):
+        exact_experiment.SweepSettings(selection_bias=0.5, num_groups=2)
 
 
 # ---------------------------------------------------------------- top-k oracle

@@ -14,10 +14,13 @@ import pytest
 from sparsemixer_jax import exact as oracle
 from sparsemixer_jax.routers import (
     ROUTERS,
+    RouterOutput,
     get_router,
     router_probs,
+    routing_keys,
     routing_mask,
     scaled_gate,
+    selection_probs,
     sparsemixer_route,
     switch_route,
 )
@@ -271,11 +274,11 @@ def mc_problem():
     )
 
 
-def _mc_gradients(problem, **options):
+def _mc_gradients(problem, route=sparsemixer_route, **options):
     """Per-sample router gradients ``[T, N]`` of ``g(gate * f_D)`` with independent samples."""
 
     def total(z_batch):
-        out = sparsemixer_route(z_batch, jax.random.key(11), **options)
+        out = route(z_batch, jax.random.key(11), **options)
         y = out.gate[:, None] * problem.expert_outputs[out.expert]
         return jnp.sum(jax.vmap(problem.downstream)(y))
 
@@ -325,6 +328,76 @@ def test_monte_carlo_test_can_tell_estimators_apart(mc_problem):
     mix = oracle.router_expected_gradient(mc_problem, probs_fn)
     euler = oracle.router_expected_gradient(mc_problem, probs_fn, estimator="euler")
     assert np.max(np.abs(np.asarray(mix - euler)) / np.maximum(se, 1e-30)) > 2 * Z_SE
+
+
+# ---------------------------------------------------------------- top-1 with a selection bias
+
+# z + b = [0.9, 1.05, 0.85, 1.0, -0.5]: experts 0-3 eligible (4 masked), q far from pi
+# (q_3 = 0.26, pi_3 = 0.15), the argmax of z + b is expert 1 while pi's is expert 0.
+BIAS = jnp.array([-0.1, 0.15, 0.0, 0.7, 0.0])
+
+
+def _gates_of_biased(z):
+    return selection_probs(z, BIAS, 0.1)[1]
+
+
+def _sampling_of_biased(z):
+    return selection_probs(z, BIAS, 0.1)[0]
+
+
+def _released_backward_under_bias(logits, key, selection_bias):
+    """Deliberately wrong: D ~ q, but the released single gate backward (scale 2 along
+    grad pi_D, the "mix" coin), as if q were pi."""
+    q, pi = selection_probs(logits, selection_bias, 0.1)
+    sample_key, coin_key = routing_keys(key, 1)[0]
+    expert = jax.random.categorical(sample_key, jnp.log(jax.lax.stop_gradient(q)), axis=-1)
+    top = jnp.argmax(logits + selection_bias, axis=-1)
+    reduced = jax.random.bernoulli(coin_key, 0.5, expert.shape) & (expert != top)
+    gate = scaled_gate(_take(pi, expert), jnp.where(reduced, 0.5, 1.0), 2.0)
+    return RouterOutput(expert=expert, gate=gate, probs=pi)
+
+
+def _z_scores(grads, expected):
+    """|MC mean - expected| / SE on the live components; masked ones must be exactly 0."""
+    mean, se = grads.mean(0), grads.std(0, ddof=1) / np.sqrt(grads.shape[0])
+    live = se > 0
+    np.testing.assert_array_equal(mean[~live], np.asarray(expected)[~live])
+    return np.abs(mean - np.asarray(expected))[live] / se[live]
+
+
+def test_selection_bias_refusals_are_one_line():
+    z = _logits((3, 5))
+    for options, message in (({"selection_bias": jnp.zeros(4)},
+                              r"selection_bias must have shape \[N\] = \(5,\), got \(4,\)"),
+                             ({"selection_bias": BIAS, "backward_scale": 1.0},
+                              r"backward_scale=1.0 does not compose with selection_bias")):
+        with pytest.raises(ValueError, match=message) as err:
+            sparsemixer_route(z, KEY, **options)
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("estimator", ["mix", "euler", "midpoint"])
+def test_selection_bias_monte_carlo_gradient_matches_exact_expectation(mc_problem, estimator):
+    """Mean of 40k router gradients with D ~ q = softmax(z + b) (masked), gate pi_D, against
+    the two-path estimator's enumerated expectation (exact nabla_1 along grad pi, the rule's
+    nabla_0 along grad q), within 4.5 standard errors per component."""
+    grads = _mc_gradients(mc_problem, estimator=estimator, selection_bias=BIAS)
+    expected = oracle.selection_bias_expected_gradient(
+        mc_problem, _gates_of_biased, _sampling_of_biased, estimator=estimator)
+    z_scores = _z_scores(grads, expected)
+    assert np.all(z_scores < Z_SE), f"z-scores {z_scores}"
+
+
+def test_selection_bias_test_fails_the_released_single_path_backward(mc_problem):
+    """Power: the released backward under the same bias misses the two-path expectation by far
+    more than 4.5 standard errors; it matches its own, biased, expectation instead."""
+    grads = _mc_gradients(mc_problem, route=_released_backward_under_bias, selection_bias=BIAS)
+    two_path, single_path = (oracle.selection_bias_expected_gradient(
+        mc_problem, _gates_of_biased, _sampling_of_biased, single_path=single)
+        for single in (False, True))
+    assert np.max(_z_scores(grads, two_path)) > 2 * Z_SE
+    z_scores = _z_scores(grads, single_path)
+    assert np.all(z_scores < Z_SE), f"z-scores {z_scores}"
 
 
 # ---------------------------------------------------------------- top-1, written out
@@ -556,6 +629,35 @@ def test_top2_monte_carlo_gradient_matches_exact_expectation(mc_problem, estimat
     assert np.all(z_scores < Z_SE), f"z-scores {z_scores}, SE {se}"
     # Power: v2 and v2star expectations differ by far more than the noise.
     assert np.max(np.abs(alternative - expected)[live] / se[live]) > 2 * Z_SE
+
+
+@pytest.mark.parametrize("estimator", ["v2", "v2star"])
+def test_top2_selection_bias_monte_carlo_gradient_matches_exact_expectation(mc_problem,
+                                                                            estimator):
+    """Mean of 40k top-2 router gradients under the selection bias against the enumerated
+    two-path expectation (oracle.topk_selection_bias_expected_gradient), within 4.5 standard
+    errors per component; the other estimator's expectation is far off (power)."""
+
+    def total(z_batch):
+        out = sparsemixer_route(z_batch, jax.random.key(12), top_k=2, estimator=estimator,
+                                selection_bias=BIAS)
+        y = jnp.einsum("tk,tkd->td", out.gate, mc_problem.expert_outputs[out.expert])
+        return jnp.sum(jax.vmap(mc_problem.downstream)(y))
+
+    z_batch = jnp.broadcast_to(mc_problem.logits, (MC_SAMPLES, 5))
+    grads = np.asarray(jax.jit(jax.grad(total))(z_batch), np.float64)
+    other = "v2" if estimator != "v2" else "v2star"
+
+    @jax.jit
+    def expected_gradients(problem):
+        return [oracle.topk_selection_bias_expected_gradient(
+            problem, _gates_of_biased, _sampling_of_biased, 2, estimator=e)
+            for e in (estimator, other)]
+
+    expected, alternative = expected_gradients(mc_problem)
+    z_scores = _z_scores(grads, expected)
+    assert np.all(z_scores < Z_SE), f"z-scores {z_scores}"
+    assert np.max(_z_scores(grads, alternative)) > 2 * Z_SE
 
 
 # ---------------------------------------------------------------- README

@@ -191,6 +191,70 @@ def test_sparsemixer_with_groups_matches_the_oracle_expectation():
     assert np.max(np.abs(ungrouped - expected)[live] / se[live]) > 2 * Z_SE
 
 
+# SparseMixer top-1 with a selection bias, through the config (its estimator against the oracle:
+# tests/test_routing.py). The bias moves token 0's argmax from expert 1 to expert 3.
+SM_BIAS = jnp.array([0.0, -0.2, 0.1, 0.6, 0.2, 0.0, -0.1, 0.0])
+_sm_bias_route = routers.router_fn(routers.RouterConfig(
+    "sparsemixer", jitter_eps=0.5, bias_update_rate=0.01).check("", N))
+
+
+def _sm_bias_loss(z, key, bias):
+    out = _sm_bias_route(z, key, True, bias)
+    return jnp.sum(out.gate * jnp.take_along_axis(COTANGENT, out.expert[..., None],
+                                                  -1)[..., 0]), out
+
+
+# One compilation per input dtype and transform: the routing and its gradient together.
+_sm_bias_grad_and_route = jax.jit(jax.grad(_sm_bias_loss, has_aux=True))
+_sm_bias_eval = jax.jit(lambda z, bias: _sm_bias_route(z, None, False, bias))
+
+
+def test_sparsemixer_with_bias_under_jit_vmap_and_bf16_logits():
+    keys = jax.random.split(jax.random.key(4), 3)
+    grad, out = _sm_bias_grad_and_route(LOGITS, keys[0], SM_BIAS)
+    q, pi = routers.selection_probs(LOGITS, SM_BIAS, 0.5)
+    np.testing.assert_array_equal(out.probs, pi)
+    ratio = np.asarray(out.gate / jnp.take_along_axis(pi, out.expert[:, None], -1)[:, 0])
+    assert set(ratio.tolist()) <= {1.0, 0.5}, ratio  # w pi_D: Euler or mid-point branch
+    assert np.all(np.take_along_axis(np.asarray(q), np.asarray(out.expert)[:, None], -1) > 0)
+    assert np.all(np.asarray(jnp.abs(grad).max(-1)) > 0)
+    # vmap over keys: each key's draws as in its own call; values to float32 rounding (the
+    # batched program may fuse and reassociate differently: 1 ulp seen).
+    batched = jax.vmap(_sm_bias_grad_and_route, in_axes=(None, 0, None))(LOGITS, keys, SM_BIAS)
+    for i, key in enumerate(keys):
+        alone = _sm_bias_grad_and_route(LOGITS, key, SM_BIAS)
+        np.testing.assert_array_equal(batched[1].expert[i], alone[1].expert)
+        chex.assert_trees_all_close(jax.tree.map(lambda a, i=i: a[i], batched), alone,
+                                    rtol=1e-6, atol=1e-7)
+    # bf16 logits route in float32, as their float32 cast does; the gradient comes back in bf16.
+    low = LOGITS.astype(jnp.bfloat16)
+    low_grad, low_out = _sm_bias_grad_and_route(low, keys[0], SM_BIAS)
+    chex.assert_trees_all_equal(
+        low_out, _sm_bias_grad_and_route(low.astype(jnp.float32), keys[0], SM_BIAS)[1])
+    assert low_grad.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(low_grad, float)))
+    # Evaluation, eager and under jit: the argmax of z + b, gate pi_D, no key.
+    evaluated = _sm_bias_route(LOGITS, None, False, SM_BIAS)
+    chex.assert_trees_all_equal(evaluated, _sm_bias_eval(LOGITS, SM_BIAS))
+    top = jnp.argmax(LOGITS + SM_BIAS, -1)
+    np.testing.assert_array_equal(evaluated.expert, top)
+    np.testing.assert_array_equal(evaluated.gate, jnp.take_along_axis(pi, top[:, None], -1)[:, 0])
+    assert int(evaluated.expert[0]) == 3 and int(jnp.argmax(LOGITS[0])) == 1
+
+
+def test_sparsemixer_with_bias_and_groups_chooses_groups_on_the_biased_logits():
+    """Token 0's best logit is in group 0 (experts 0-3); a bias of +3 on expert 5 makes group 1
+    the best on z + b, so every draw, in training and evaluation, lies in group 1."""
+    route = routers.router_fn(routers.RouterConfig(
+        "sparsemixer", jitter_eps=0.5, bias_update_rate=0.01, num_groups=2,
+        top_groups=1).check("", N))
+    bias = jnp.zeros(N).at[5].set(3.0)
+    z = jnp.broadcast_to(LOGITS[0], (256, N))
+    for is_training in (True, False):
+        out = route(z, jax.random.key(5), is_training, bias)
+        assert np.all(np.asarray(out.expert) >= 4), np.unique(out.expert)
+        np.testing.assert_array_equal(np.asarray(out.probs)[:, :4], 0.0)
+
+
 # ------------------------------------------------------------------------------ the MoE layer
 
 OPTIONS = {  # router fields, the layer's shared experts
@@ -202,6 +266,8 @@ OPTIONS = {  # router fields, the layer's shared experts
     "default_moe_bias": (dict(name="default_moe", top_k=2, bias_update_rate=0.01), 0),
     "sparsemixer_groups_global": (dict(name="sparsemixer_v2", top_k=2, num_groups=2,
                                        top_groups=1, balance_scope="global_batch"), 1),
+    "sparsemixer_bias_groups": (dict(name="sparsemixer_v2star", top_k=2, bias_update_rate=0.01,
+                                     num_groups=2, top_groups=1), 0),
 }
 
 
@@ -259,7 +325,18 @@ def check_layout_agrees(option, layout, data):
     chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-6)
     if ref.expert_load is not None:  # the loads bias balancing reads: the same on 8 devices
         np.testing.assert_array_equal(layer.expert_load[...], ref.expert_load[...])
-        assert float(jnp.sum(ref.expert_load[...])) == 2 * float(jnp.sum(mask))
+        top_k = ref.router_config.top_k
+        assert float(jnp.sum(ref.expert_load[...])) == top_k * float(jnp.sum(mask))
+
+
+def test_sparsemixer_layer_trains_with_bias_balancing(data):
+    """The layer with top-2 SparseMixer-v2* and bias balancing: finite output and gradients,
+    and the loads count two rows per token."""
+    layer, (y, grads, _) = _references("sparsemixer_bias_groups", data)
+    assert np.all(np.isfinite(np.asarray(y)))
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
+    assert float(jnp.sum(layer.expert_load[...])) == 2 * float(jnp.sum(data[1]))
+    assert float(jnp.max(jnp.abs(grads["router"]["kernel"]))) > 0
 
 
 @pytest.mark.parametrize("layout", ["padded", "mesh"])
@@ -459,8 +536,6 @@ def test_every_config_section_has_the_options_with_their_defaults():
     ({"model.shared_expert_gate": True}, r"config.model.shared_expert_gate=True has no effect"),
     ({"router.score": "sigmoid", "router.top_k": 2},
      r"config.router.score='sigmoid' does not compose with router 'sparsemixer'"),
-    ({"router.bias_update_rate": 0.01},
-     r"config.router.bias_update_rate=0.01 does not compose with router 'sparsemixer'"),
     ({"router.name": "switch", "router.score": "sigmoid"},
      r"config.router.score='sigmoid' needs top_k >= 2"),
     ({"router.name": "switch", "router.routed_scaling_factor": 2.0},

@@ -95,7 +95,7 @@ class Arm:
         return {"balance_scope": self.balance_scope, "bias_update_rate": self.bias_update_rate}
 
     def refusal(self) -> str | None:
-        """Why the router's config refuses this arm (e.g. SparseMixer with bias balancing), in
+        """Why the router's config refuses this arm (an option a router does not take), in
         one line; None if it composes."""
         if self.dense is not None:
             return None
@@ -324,9 +324,8 @@ def balancing_estimators(top_k: int) -> tuple[str, ...]:
 def balancing_table() -> list[Arm]:
     """Every estimator under every balancing (:data:`BALANCINGS`), main setting (margin 0.5,
     ``N = K``), ``{router}_k{k}_n{N}_{balancing}``; ordered by priority: ``k = 2, N = 8``, then
-    ``k = 1, N = 8``, then ``N = 16`` (``k = 2``, then ``k = 1``). The pairs the router's
-    config refuses (SparseMixer with bias balancing) are in the table; the driver reports them
-    and trains none (:meth:`Arm.refusal`)."""
+    ``k = 1, N = 8``, then ``N = 16`` (``k = 2``, then ``k = 1``). A pair the router's
+    config refuses would be reported and not trained (:meth:`Arm.refusal`); none is now."""
     arms = []
     for k, n in ((2, 8), (1, 8), (2, 16), (1, 16)):
         for balancing, fields in BALANCINGS.items():

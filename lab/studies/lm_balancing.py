@@ -5,7 +5,7 @@ Every balancing trains with 4 micro-batches of 4 sequences per update (the updat
 sequences unchanged), so that the global-batch loss counts more tokens than the micro-batch
 loss and the balancings differ in the balancing only. The arms are those of
 ``configs/lm_study.py``; bias balancing leaves out SparseMixer-v2 and v2* (the router's config
-refuses the pair: a selection bias changes the distribution SparseMixer samples from).
+refused the pair when the study was run; it takes them now).
 
     python -c "from lab.studies.lm_balancing import commands; print(*commands(), sep='\\n')"
 

@@ -19,6 +19,12 @@ Coefficients, per expert ``i`` (``e_i`` forward Euler, ``m_i`` mid-point):
 The gradients are with respect to the logits; the gradient with respect to router weights
 ``W_r`` is the same vector times ``x^T``, so it has the same accuracy.
 
+Selection bias (top-1): ``D ~ q`` with ``q`` the masked softmax of ``theta + b`` and the gate
+``pi_D`` (:func:`sparsemixer_jax.routers.selection_probs`): ``L = sum_i q_i g(pi_i f_i)``,
+``nabla_0 = sum_i g(pi_i f_i) dq_i``, ``nabla_1 = sum_i q_i g'(pi_i f_i) . f_i dpi_i``
+(:func:`exact_gradient` with ``sample_probs_fn``); the router's two-path estimators' expectations
+and the released single path's: :func:`selection_bias_expected_gradient`.
+
 Top-k (:func:`exact_topk_gradient`, :func:`topk_expected_gradient`): the router draws ``k``
 distinct experts one after another, expert ``t`` from ``pi^(t)``, the router probabilities of
 the logits with the experts already chosen removed; the gate of expert ``t`` is its
@@ -76,6 +82,7 @@ from sparsemixer_jax.exact.top1 import (
     random_problem,
     relative_error,
     router_expected_gradient,
+    selection_bias_expected_gradient,
 )
 from sparsemixer_jax.exact.topk import (
     DENSE_ESTIMATORS,
@@ -84,6 +91,7 @@ from sparsemixer_jax.exact.topk import (
     step_probs,
     topk_dense_expected_gradient,
     topk_expected_gradient,
+    topk_selection_bias_expected_gradient,
     tuple_gates,
 )
 
@@ -111,8 +119,10 @@ __all__ = [
     "random_problem",
     "relative_error",
     "router_expected_gradient",
+    "selection_bias_expected_gradient",
     "step_probs",
     "topk_dense_expected_gradient",
     "topk_expected_gradient",
+    "topk_selection_bias_expected_gradient",
     "tuple_gates",
 ]

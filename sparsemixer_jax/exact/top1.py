@@ -80,15 +80,24 @@ def probs_and_jacobian(problem: RoutingProblem, probs_fn: ProbsFn) -> tuple[jax.
 
 
 def exact_gradient(
-    problem: RoutingProblem, probs_fn: ProbsFn = lambda z: router_probs(z, mask="none")
+    problem: RoutingProblem,
+    probs_fn: ProbsFn = lambda z: router_probs(z, mask="none"),
+    sample_probs_fn: ProbsFn | None = None,
 ) -> ExactGradient:
-    """``L``, ``nabla_0`` and ``nabla_1`` by enumerating every expert."""
+    """``L``, ``nabla_0`` and ``nabla_1`` by enumerating every expert.
+
+    ``sample_probs_fn`` is the distribution ``q`` that ``D`` is drawn from when it is not the
+    gates' ``pi = probs_fn`` (a selection-only bias): ``L = sum_i q_i g(pi_i f_i)``,
+    ``nabla_0 = sum_i g(pi_i f_i) dq_i``, ``nabla_1 = sum_i q_i g'(pi_i f_i) . f_i dpi_i``.
+    """
     probs, jac = probs_and_jacobian(problem, probs_fn)
+    sample, sample_jac = (probs, jac) if sample_probs_fn is None else probs_and_jacobian(
+        problem, sample_probs_fn)
     values = jax.vmap(problem.downstream)(probs[:, None] * problem.expert_outputs)
     return ExactGradient(
-        loss=jnp.sum(probs * values),
-        nabla0=jac.T @ values,
-        nabla1=jac.T @ (probs * directional_slopes(problem, probs, 1.0)),
+        loss=jnp.sum(sample * values),
+        nabla0=sample_jac.T @ values,
+        nabla1=jac.T @ (sample * directional_slopes(problem, probs, 1.0)),
     )
 
 
@@ -131,6 +140,49 @@ def router_expected_gradient(
     else:
         raise ValueError(f"unknown estimator {estimator!r}")
     return jac.T @ (backward_scale * ((1.0 - q) * euler + q * midpoint))
+
+
+def selection_bias_expected_gradient(
+    problem: RoutingProblem,
+    probs_fn: ProbsFn,
+    sample_probs_fn: ProbsFn,
+    *,
+    estimator: Estimator = "mix",
+    midpoint_prob: float = 0.5,
+    single_path: bool = False,
+) -> jax.Array:
+    """Exact expectation of the logits gradient of ``sparsemixer_route(...,
+    selection_bias=b)``: ``D ~ q = sample_probs_fn``, gate ``pi_D``, ``pi = probs_fn``.
+
+    With ``u_i(w) = g'(w pi_i f_i) . f_i`` and ``r_i`` the chance of the mid-point branch
+    (as in :func:`router_expected_gradient`; the argmax is that of ``q``), the two-path
+    estimator's expectation is (docs/routing.md)
+
+        J_pi^T (q * a) + J_q^T (pi * m),
+        a_i = u_i(1) unless r_i = 1 (then u_i(1/2)),  m_i = u_i(1) if r_i = 0 else u_i(1/2):
+
+    exact ``nabla_1`` and the mid-point estimate of ``nabla_0`` wherever a coin is flipped.
+    ``single_path=True``: the released backward applied under the bias (both terms along
+    ``grad pi_D``, scale 2), ``J_pi^T (q * 2 ((1 - r) u(1) + r u(1/2)))``, which is wrong.
+    """
+    probs, jac = probs_and_jacobian(problem, probs_fn)
+    sample, sample_jac = probs_and_jacobian(problem, sample_probs_fn)
+    full = directional_slopes(problem, probs, 1.0)
+    half = directional_slopes(problem, probs, 0.5)
+    is_top = jnp.arange(sample.shape[-1]) == jnp.argmax(sample)
+    if estimator == "euler":
+        r = jnp.zeros_like(full)
+    elif estimator == "midpoint":
+        r = jnp.ones_like(full)
+    elif estimator == "mix":
+        r = jnp.where(is_top, 0.0, midpoint_prob)
+    else:
+        raise ValueError(f"unknown estimator {estimator!r}; expected 'mix', 'euler' or 'midpoint'")
+    if single_path:
+        return jac.T @ (sample * 2.0 * ((1.0 - r) * full + r * half))
+    gate_term = jnp.where(r == 1.0, half, full)
+    selection_term = jnp.where(r == 0.0, full, half)
+    return jac.T @ (sample * gate_term) + sample_jac.T @ (probs * selection_term)
 
 
 def midpoint_rule_gradient(problem: RoutingProblem, probs_fn: ProbsFn) -> jax.Array:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsemixer_jax.exact.top1 import ExactGradient, ProbsFn, RoutingProblem, probs_and_jacobian
-from sparsemixer_jax.routers import ESTIMATORS, Estimator
+from sparsemixer_jax.routers import ESTIMATORS, TWO_PATH_RULES, Estimator
 
 
 def ordered_tuples(num_experts: int, top_k: int) -> np.ndarray:
@@ -37,15 +37,19 @@ def tuple_gates(probs_fn: ProbsFn, logits: jax.Array, chosen: jax.Array) -> jax.
     return step_probs(probs_fn, logits, chosen)[jnp.arange(chosen.shape[0]), chosen]
 
 
-def exact_topk_gradient(problem: RoutingProblem, probs_fn: ProbsFn, top_k: int) -> ExactGradient:
+def exact_topk_gradient(problem: RoutingProblem, probs_fn: ProbsFn, top_k: int,
+                        sample_probs_fn: ProbsFn | None = None) -> ExactGradient:
     """``L``, ``nabla_0`` (through the tuple probabilities) and ``nabla_1`` (through the gates)
     for top-k sequential sampling, by enumerating every ordered tuple. ``top_k = 1`` equals
-    :func:`exact_gradient`."""
+    :func:`exact_gradient`. ``sample_probs_fn``: the distribution the experts are drawn from
+    when it is not the gates' (a selection bias); the tuple's probability is then
+    ``prod_t q^(t)_{D_t}``."""
     tuples = jnp.asarray(ordered_tuples(problem.logits.shape[-1], top_k))
+    sampling = probs_fn if sample_probs_fn is None else sample_probs_fn
 
     def loss(prob_logits, gate_logits):
         def one(chosen):
-            prob = jnp.prod(tuple_gates(probs_fn, prob_logits, chosen))
+            prob = jnp.prod(tuple_gates(sampling, prob_logits, chosen))
             gates = tuple_gates(probs_fn, gate_logits, chosen)
             return prob * problem.downstream(gates @ problem.expert_outputs[chosen])
 
@@ -67,8 +71,13 @@ def topk_expected_gradient(
     estimator: Estimator = "mix",
     midpoint_prob: float | None = None,
     backward_scale: float | None = None,
+    sample_probs_fn: ProbsFn | None = None,
 ) -> jax.Array:
     """Exact expectation ``[N]`` of the logits gradient of ``sparsemixer_route(top_k=k)``.
+
+    With ``sample_probs_fn`` (a selection bias: expert ``t`` drawn from ``q^(t)``, gate
+    ``pi^(t)_{D_t}``, the coin's argmax that of ``q^(t)``) see
+    :func:`topk_selection_bias_expected_gradient`.
 
     For a tuple ``D`` and coin outcomes ``c`` (``c_t`` = expert ``t`` took the reduced-weight
     branch, chance ``q_t``: the estimator's coin probability, 0 on the argmax of ``pi^(t)``
@@ -78,6 +87,10 @@ def topk_expected_gradient(
     their probabilities. Written from that description, not from the router's code, so the
     Monte-Carlo tests compare two implementations.
     """
+    if sample_probs_fn is not None:
+        return topk_selection_bias_expected_gradient(
+            problem, probs_fn, sample_probs_fn, top_k, estimator=estimator,
+            midpoint_prob=midpoint_prob)
     rule = ESTIMATORS[estimator]
     reduced_prob = rule.reduced_prob if midpoint_prob is None else midpoint_prob
     scale = rule.backward_scale if backward_scale is None else backward_scale
@@ -106,6 +119,69 @@ def topk_expected_gradient(
             return chance * (scale * slopes) @ jac
 
         return jnp.prod(gates) * jnp.sum(jax.vmap(per_coin)(coins), axis=0)
+
+    return jnp.sum(jax.vmap(one)(tuples), axis=0)
+
+
+def topk_selection_bias_expected_gradient(
+    problem: RoutingProblem,
+    probs_fn: ProbsFn,
+    sample_probs_fn: ProbsFn,
+    top_k: int,
+    *,
+    estimator: Estimator = "mix",
+    midpoint_prob: float | None = None,
+) -> jax.Array:
+    """Exact expectation ``[N]`` of the logits gradient of ``sparsemixer_route(top_k=k,
+    selection_bias=b)``: expert ``t`` drawn from ``q^(t) = sample_probs_fn`` of the logits with
+    the experts chosen before removed, gate ``pi^(t)_{D_t}`` (``pi = probs_fn``).
+
+    For a tuple and its coin outcomes the forward is ``y = sum_t w_t pi^(t)_{D_t} f_{D_t}``
+    and, with ``c_t = g'(y) . f_{D_t}``, the backward sends ``a_t c_t`` along
+    ``grad pi^(t)_{D_t}`` and ``b_t c_t pi^(t)_{D_t}`` along ``grad log q^(t)_{D_t}``
+    (``routers.TWO_PATH_RULES``: the branch's ``(a, b)``). Summed over every tuple and coin
+    outcome with their probabilities ``prod_t q^(t)_{D_t}`` times the coins'.
+    """
+    rule, two_path = ESTIMATORS[estimator], TWO_PATH_RULES[estimator]
+    r = rule.reduced_prob if midpoint_prob is None else midpoint_prob
+    tuples = jnp.asarray(ordered_tuples(problem.logits.shape[-1], top_k))
+    coins = jnp.asarray(list(itertools.product([False, True], repeat=top_k)))  # [2^k, k]
+    z = problem.logits
+    split = 0.0 < r < 1.0
+
+    def one(chosen):
+        sample = step_probs(sample_probs_fn, z, chosen)  # [k, N]
+        chances = sample[jnp.arange(top_k), chosen]
+        gates = tuple_gates(probs_fn, z, chosen)
+        gate_jac = jax.jacobian(tuple_gates, argnums=1)(probs_fn, z, chosen)  # [k, N]
+        # grad log q = grad q / q; a tuple with a masked expert has probability 0 and adds 0.
+        log_jac = jax.jacobian(tuple_gates, argnums=1)(sample_probs_fn, z, chosen) * jnp.where(
+            chances > 0, 1.0 / jnp.where(chances > 0, chances, 1.0), 0.0)[:, None]
+        off_top = jnp.argmax(sample, axis=-1) != chosen
+        if estimator == "euler":
+            flipped, chance_reduced = jnp.zeros(top_k, bool), jnp.zeros(top_k)
+        elif estimator == "midpoint":
+            flipped, chance_reduced = jnp.zeros(top_k, bool), jnp.ones(top_k)
+        else:
+            flipped = off_top if split else jnp.zeros(top_k, bool)
+            chance_reduced = jnp.where(off_top, r, 0.0)
+        outputs = problem.expert_outputs[chosen]  # [k, d]
+
+        def per_coin(c):
+            weight = jnp.where(c, rule.reduced_weight, 1.0)
+            y = (weight * gates) @ outputs
+            slopes = jax.vmap(lambda f: jax.jvp(problem.downstream, (y,), (f,))[1])(outputs)
+            if split:
+                a = jnp.where(c, 0.0, two_path.gate / (1.0 - r))
+                b = jnp.where(c, two_path.quadrature[1] / r, two_path.quadrature[0] / (1.0 - r))
+            else:
+                a = b = jnp.zeros(top_k)
+            a = jnp.where(flipped, a, two_path.sure[0])
+            b = jnp.where(flipped, b, two_path.sure[1])
+            chance = jnp.prod(jnp.where(c, chance_reduced, 1.0 - chance_reduced))
+            return chance * ((a * slopes) @ gate_jac + (b * slopes * gates) @ log_jac)
+
+        return jnp.prod(chances) * jnp.sum(jax.vmap(per_coin)(coins), axis=0)
 
     return jnp.sum(jax.vmap(one)(tuples), axis=0)
 

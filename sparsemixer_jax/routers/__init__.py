@@ -62,14 +62,19 @@ from sparsemixer_jax.routers.selection import (
 )
 from sparsemixer_jax.routers.sparsemixer import (
     ESTIMATORS,
+    TWO_PATH_RULES,
     Estimator,
     EstimatorRule,
     MaskRule,
+    TwoPathRule,
     router_probs,
     routing_keys,
     routing_mask,
     scaled_gate,
+    selection_probs,
     sparsemixer_route,
+    two_path_gate,
+    two_path_scales,
 )
 from sparsemixer_jax.routers.switch import switch_route
 from sparsemixer_jax.routers.unchosen import UnchosenExperts, unchosen_expert_term
@@ -83,6 +88,7 @@ __all__ = [
     "ROUTERS",
     "ROUTER_OPTIONS",
     "SCORES",
+    "TWO_PATH_RULES",
     "UNCHOSEN_EXPERT_RULES",
     "Estimator",
     "EstimatorRule",
@@ -90,6 +96,7 @@ __all__ = [
     "RouterConfig",
     "RouterFn",
     "RouterOutput",
+    "TwoPathRule",
     "UnchosenExperts",
     "bias_step",
     "check_finite_logits",
@@ -109,9 +116,12 @@ __all__ = [
     "routing_mask",
     "routing_metrics",
     "scaled_gate",
+    "selection_probs",
     "sequence_balancing_loss",
     "sparsemixer_route",
     "switch_route",
+    "two_path_gate",
+    "two_path_scales",
     "unchosen_expert_term",
     "uses_omega",
 ]

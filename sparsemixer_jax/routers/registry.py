@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 
 from sparsemixer_jax.routers.common import RouterOutput, check_jitter_eps, check_top_k
 from sparsemixer_jax.routers.selection import (
@@ -109,8 +110,8 @@ class RouterConfig:
       routed_scaling_factor: multiplies the renormalised sigmoid gates (DeepSeek-V3: 2.5).
       bias_update_rate: auxiliary-loss-free balancing: a per-expert bias added to the selection
         scores only (the logits under softmax), moved by ``rate * sign(mean load - load_i)``
-        after every optimizer update from that update's loads; 0 turns it off. Routers with
-        Switch's forward.
+        after every optimizer update from that update's loads; 0 turns it off. Every router
+        (SparseMixer with its two-path estimator, docs/routing.md).
       balance_scope: over which tokens the balance loss's expert fractions are counted:
         ``"micro_batch"`` (all tokens of a micro-batch, on every data-parallel device),
         ``"sequence"`` (each sequence's own loss, averaged), ``"global_batch"`` (the counts of
@@ -252,10 +253,6 @@ def check_routing_options(config: RouterConfig, where: str, num_experts: int | N
     if not _is_number(rate) or rate < 0:
         raise ValueError(f"{where}bias_update_rate must be a finite number >= 0 (0 = off), got "
                          f"{rate!r}")
-    if rate > 0 and sampled:
-        raise ValueError(f"{where}bias_update_rate={rate!r} does not compose with router "
-                         f"{name!r}: a selection bias changes the distribution SparseMixer "
-                         f"samples from, which its estimator assumes is the gates' own")
     if config.balance_scope not in BALANCE_SCOPES:
         raise ValueError(f"{where}balance_scope={config.balance_scope!r}; choose one of "
                          f"{BALANCE_SCOPES}")
@@ -341,7 +338,7 @@ def get_router(
 def router_fn(config: RouterConfig) -> RouterFn:
     """The routing function of a checked :class:`RouterConfig` as ``fn(logits, key, training,
     selection_bias=None)``; ``selection_bias [N]`` is bias balancing's (routers with Switch's
-    forward)."""
+    forward, and SparseMixer with its two-path estimator)."""
     top_k, jitter_eps = config.top_k, config.jitter_eps
     route, fixed = ROUTERS[config.name]
     kwargs = dict(fixed)
@@ -359,14 +356,19 @@ def router_fn(config: RouterConfig) -> RouterFn:
         if route is switch_route:
             return route(logits, key, training=training, top_k=top_k, jitter_eps=jitter_eps,
                          selection_bias=selection_bias, **kwargs)
-        if selection_bias is not None:
-            raise ValueError(f"router {config.name!r} takes no selection bias")
         # SparseMixer samples among the experts of the kept groups: the others are excluded
         # (-inf), as its own mask excludes experts, and no gradient flows through the choice.
-        logits = limit_to_groups(logits, config.num_groups, config.top_groups,
-                                 config.group_score)
+        # The groups are chosen on the selection scores, the biased logits under a bias.
+        if selection_bias is None:
+            logits = limit_to_groups(logits, config.num_groups, config.top_groups,
+                                     config.group_score)
+        elif config.num_groups > 1:
+            selection = jax.lax.stop_gradient(logits) + jax.lax.stop_gradient(selection_bias)
+            kept = limit_to_groups(selection, config.num_groups, config.top_groups,
+                                   config.group_score)
+            logits = jnp.where(jnp.isneginf(kept), -jnp.inf, logits)
         return route(logits, key, training=training, top_k=top_k, jitter_eps=jitter_eps,
-                     **kwargs)
+                     selection_bias=selection_bias, **kwargs)
 
     return router
 

@@ -100,6 +100,53 @@ def _scaled_gate_bwd(backward_scale, forward_scale, cotangent):
 scaled_gate.defvjp(_scaled_gate_fwd, _scaled_gate_bwd)
 
 
+def selection_probs(
+    logits: jax.Array, selection_bias: jax.Array, jitter_eps: float = 0.1,
+    mask: MaskRule = "reference",
+) -> tuple[jax.Array, jax.Array]:
+    """``(q, pi)``, float32 ``[..., N]`` each, for a selection-only bias ``b [N]``.
+
+    ``q`` is the masked softmax of ``z + b``, the distribution ``D`` is drawn from; ``pi`` is
+    the softmax of ``z`` over the same eligible experts, the gates. The mask is the router's
+    (:func:`routing_mask`) computed on the selection logits ``z + b``. Both are differentiable
+    in ``logits`` with the mask held fixed; ``b`` gets no gradient. With ``b = 0`` both equal
+    :func:`router_probs`.
+    """
+    logits = logits.astype(routing_dtype(logits))
+    selection = logits + jax.lax.stop_gradient(selection_bias).astype(logits.dtype)
+    keep = routing_mask(selection, jitter_eps, mask)
+    q = jax.nn.softmax(jnp.where(keep, selection, -jnp.inf), axis=-1)
+    pi = jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
+    return q, pi
+
+
+@jax.custom_vjp
+def two_path_gate(prob: jax.Array, log_sample_prob: jax.Array, forward_scale: jax.Array,
+                  gate_scale: jax.Array, selection_scale: jax.Array) -> jax.Array:
+    """``prob * forward_scale`` whose cotangent ``c`` goes along two paths: ``gate_scale * c``
+    to ``prob`` (the gate ``pi_D``) and ``selection_scale * prob * c`` to ``log_sample_prob``
+    (``log q_D``, the sampling distribution).
+
+    The backward of SparseMixer under a selection bias (docs/routing.md): the gate term
+    ``nabla_1`` goes along ``grad pi_D``, the selection term ``nabla_0`` along
+    ``pi_D grad log q_D = pi_D (e_D - q)``. The scales and ``forward_scale`` get no gradient.
+    """
+    return prob * forward_scale
+
+
+def _two_path_gate_fwd(prob, log_sample_prob, forward_scale, gate_scale, selection_scale):
+    return prob * forward_scale, (prob, forward_scale, gate_scale, selection_scale)
+
+
+def _two_path_gate_bwd(residuals, cotangent):
+    prob, forward_scale, gate_scale, selection_scale = residuals
+    zero = jnp.zeros_like(forward_scale)
+    return (cotangent * gate_scale, cotangent * selection_scale * prob, zero, zero, zero)
+
+
+two_path_gate.defvjp(_two_path_gate_fwd, _two_path_gate_bwd)
+
+
 class EstimatorRule(NamedTuple):
     """How an estimator of :data:`ESTIMATORS` treats a chosen expert ``D``
     (see :func:`sparsemixer_route`).
@@ -180,6 +227,7 @@ def sparsemixer_route(
     estimator: Estimator = "mix",
     midpoint_prob: float | None = None,
     backward_scale: float | None = None,
+    selection_bias: jax.Array | None = None,
 ) -> RouterOutput:
     """SparseMixer routing (top-1, or top-k by sequential sampling) with its sparse gradient.
 
@@ -211,6 +259,15 @@ def sparsemixer_route(
         None takes the estimator's default. Only for ``"mix"``, ``"v2"``, ``"v2star"``: the
         others flip no coin, and giving it to them is an error.
       backward_scale: factor on the gate's cotangent; None takes the estimator's default.
+      selection_bias: float ``[N]`` added to the logits for the selection only (bias
+        balancing): ``D ~ q``, the masked softmax of ``z + b`` (the mask computed on ``z + b``),
+        gate ``pi_D`` with ``pi`` the softmax of ``z`` over the same experts
+        (:func:`selection_probs`); ``b`` gets no gradient. The backward then has two paths
+        (:func:`two_path_gate`, derived in docs/routing.md): ``nabla_1`` exactly along
+        ``grad pi_D``, ``nabla_0`` along ``pi_D grad log q_D`` with the estimator's rule
+        (:data:`TWO_PATH_RULES`; ``v2`` sends no ``nabla_1``, as published). No
+        ``backward_scale``. For ``top_k > 1`` every step does this on its own conditional
+        ``q^(t)`` and ``pi^(t)``. Inference takes the top-k of ``z + b``. ``probs`` is ``pi``.
 
     Returns:
       :class:`RouterOutput`: ``expert`` int32 and ``gate`` float32 of shape ``[...]`` when
@@ -276,6 +333,10 @@ def sparsemixer_route(
     reduced_prob = rule.reduced_prob if midpoint_prob is None else float(midpoint_prob)
     scale = rule.backward_scale if backward_scale is None else float(backward_scale)
     invalid = check_finite_logits(fn, logits, top_k)
+    if selection_bias is not None:
+        check_selection_bias_args(fn, logits, selection_bias, estimator, backward_scale)
+        return _route_with_selection_bias(logits, selection_bias, key, invalid, top_k,
+                                          jitter_eps, training, mask, estimator, reduced_prob)
 
     remaining = logits.astype(routing_dtype(logits))
     keys = routing_keys(key, top_k) if training else None
@@ -323,3 +384,117 @@ def _sample_step(probs, top, keys, estimator, rule: EstimatorRule, reduced_prob,
         reduced = coin if rule.on_argmax else coin & (expert != top)
     forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(probs.dtype)
     return expert, scaled_gate(take_expert(probs, expert), forward_scale, scale)
+
+
+class TwoPathRule(NamedTuple):
+    """How an estimator splits its backward under a selection bias (docs/routing.md).
+
+    Per sample the logits receive ``a c grad pi_D + b c pi_D grad log q_D``, ``c`` the gate's
+    cotangent. ``sure``: ``(a, b)`` where no coin is flipped (the argmax, and every token when
+    the coin's probability ``r`` is 0 or 1). Elsewhere, with ``r`` in ``(0, 1)``: the
+    full-weight branch sends ``(gate / (1 - r), quadrature[0] / (1 - r))``, the reduced branch
+    ``(0, quadrature[1] / r)``, so that the expectation is ``gate`` times the exact ``nabla_1``
+    plus the quadrature ``quadrature[0] u(1) + quadrature[1] u(w)`` of ``nabla_0``.
+    """
+
+    sure: tuple[float, float]
+    gate: float
+    quadrature: tuple[float, float]
+
+
+#: The estimators that take a selection bias, and their two-path split (``"euler"`` and
+#: ``"midpoint"`` flip no coin). With ``b = 0`` each is the released backward sample by sample
+#: at the estimator's default coin: mix (2, 0) / (0, 2); v2 (0, 1) / (0, 1); v2star
+#: (8/5, 2/5) / (0, 2).
+TWO_PATH_RULES: dict[str, TwoPathRule] = {
+    "mix": TwoPathRule((1.0, 1.0), 1.0, (0.0, 1.0)),  # nabla_1 + mid-point
+    "euler": TwoPathRule((1.0, 1.0), 1.0, (1.0, 0.0)),
+    "midpoint": TwoPathRule((1.0, 1.0), 1.0, (0.0, 1.0)),
+    "v2": TwoPathRule((0.0, 1.0), 0.0, (0.25, 0.75)),  # Heun's rule alone, as published
+    "v2star": TwoPathRule((1.0, 1.0), 1.0, (0.25, 0.75)),  # nabla_1 + Heun's rule
+}
+
+
+def two_path_scales(rule: TwoPathRule, reduced: jax.Array, coin_flipped: jax.Array,
+                    reduced_prob: float) -> tuple[jax.Array, jax.Array]:
+    """``(gate_scale, selection_scale)`` per token for :func:`two_path_gate`: ``reduced`` (bool)
+    the reduced-weight branch was taken, ``coin_flipped`` (bool) a coin of probability
+    ``reduced_prob`` was flipped for this token (off the argmax)."""
+    sure_gate, sure_selection = rule.sure
+    if not 0.0 < reduced_prob < 1.0:
+        return (jnp.full(reduced.shape, sure_gate, jnp.float32),
+                jnp.full(reduced.shape, sure_selection, jnp.float32))
+    full, part = 1.0 - reduced_prob, reduced_prob
+    gate = jnp.where(reduced, 0.0, rule.gate / full)
+    selection = jnp.where(reduced, rule.quadrature[1] / part, rule.quadrature[0] / full)
+    return (jnp.where(coin_flipped, gate, sure_gate).astype(jnp.float32),
+            jnp.where(coin_flipped, selection, sure_selection).astype(jnp.float32))
+
+
+def check_selection_bias_args(fn: str, logits, selection_bias, estimator: str,
+                              backward_scale: float | None) -> None:
+    """ValueError in one line for a selection bias of the wrong shape or with an option the
+    two-path estimator does not take."""
+    num_experts = jnp.shape(logits)[-1]
+    if jnp.shape(selection_bias) != (num_experts,):
+        raise ValueError(f"{fn}: selection_bias must have shape [N] = ({num_experts},), got "
+                         f"{jnp.shape(selection_bias)}")
+    if backward_scale is not None:
+        raise ValueError(f"{fn}: backward_scale={backward_scale!r} does not compose with "
+                         f"selection_bias: the two-path backward sets its own scales")
+
+
+def _route_with_selection_bias(logits, selection_bias, key, invalid, top_k, jitter_eps,
+                               training, mask, estimator, reduced_prob) -> RouterOutput:
+    """SparseMixer with ``D_t ~ q^(t)`` (selection logits ``z + b``, the experts already chosen
+    removed) and gates ``pi^(t)_{D_t}``; the backward splits as :data:`TWO_PATH_RULES` says.
+    The coin's argmax is that of ``z + b`` (``argmax_of="logits"``) or the first of the largest
+    float32 ``q^(t)`` (``"probs"``), as without a bias."""
+    rule, two_path = ESTIMATORS[estimator], TWO_PATH_RULES[estimator]
+    dtype = routing_dtype(logits)
+    gate_logits = logits.astype(dtype)
+    remaining = gate_logits + jax.lax.stop_gradient(selection_bias).astype(dtype)
+    keys = routing_keys(key, top_k) if training else None
+    experts, gates, first_probs = [], [], None
+    for step in range(top_k):
+        keep = routing_mask(remaining, jitter_eps, mask)
+        selection = jnp.where(keep, remaining, -jnp.inf)
+        log_q = jax.nn.log_softmax(selection, axis=-1)
+        q = jnp.where(invalid[..., None], jnp.nan, jax.nn.softmax(selection, axis=-1))
+        pi = jax.nn.softmax(jnp.where(keep, gate_logits, -jnp.inf), axis=-1)
+        pi = jnp.where(invalid[..., None], jnp.nan, pi)
+        first_probs = pi if first_probs is None else first_probs
+        top = jnp.argmax(remaining, axis=-1).astype(jnp.int32)
+        if not training:
+            expert, gate = top, take_expert(pi, top)
+        else:
+            coin_top = top if rule.argmax_of == "logits" else jnp.argmax(
+                q, axis=-1).astype(jnp.int32)
+            sample_key, coin_key = keys[step][0], keys[step][1]
+            # Drawn as the plain router draws (log of the probabilities): b = 0 samples alike.
+            expert = jax.random.categorical(sample_key, jnp.log(jax.lax.stop_gradient(q)),
+                                            axis=-1).astype(jnp.int32)
+            if estimator == "euler":
+                coin_flipped = reduced = jnp.zeros(expert.shape, dtype=bool)
+            elif estimator == "midpoint":
+                coin_flipped, reduced = (jnp.zeros(expert.shape, dtype=bool),
+                                         jnp.ones(expert.shape, dtype=bool))
+            else:
+                coin_flipped = expert != coin_top
+                reduced = jax.random.bernoulli(coin_key, reduced_prob,
+                                               expert.shape) & coin_flipped
+            gate_scale, selection_scale = two_path_scales(two_path, reduced, coin_flipped,
+                                                          reduced_prob)
+            forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(pi.dtype)
+            gate = two_path_gate(take_expert(pi, expert), take_expert(log_q, expert),
+                                 forward_scale, gate_scale, selection_scale)
+        experts.append(expert)
+        gates.append(gate)
+        if step + 1 < top_k:  # later steps choose among the experts not yet chosen
+            chosen = jax.nn.one_hot(expert, remaining.shape[-1], dtype=bool)
+            remaining = jnp.where(chosen, -jnp.inf, remaining)
+            gate_logits = jnp.where(chosen, -jnp.inf, gate_logits)
+    if top_k == 1:
+        return RouterOutput(expert=experts[0], gate=gates[0], probs=first_probs)
+    return RouterOutput(expert=jnp.stack(experts, axis=-1), gate=jnp.stack(gates, axis=-1),
+                        probs=first_probs)
