@@ -7,6 +7,8 @@
         --routers switch sparsemixer densemixer default_moe          # DenseMixer's cost
     python -m experiments.benchmark --sections lm_throughput --out runs/bench_lm.json
         # the language model: MoE (8 experts, top-2) vs dense, SparseMixer / DenseMixer vs top-2
+    python -m experiments.benchmark --backend gpu --sections lm_throughput \
+        --lm-config configs/lm_bench.py:moe --lm-routers sparsemixer_v2    # the target sizes
     bash experiments/gpu_campaign.sh                                  # every GPU figure
 
 The sections (``--sections``), their JSON and the default sizes:
@@ -50,12 +52,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--sections", nargs="+", default=DEFAULT.sections, choices=SECTIONS)
     add("--dispatch", default=DEFAULT.dispatch, choices=DISPATCH_CHOICES,
         help="whole-step sections (overhead, throughput, fusion, profile) and layer_cost: the "
-             "MoE layers' dispatch")
+             "MoE layers' dispatch (default auto; the LM sections: --lm-config's, else auto)")
     add("--routers", nargs="+", default=DEFAULT.routers, metavar="ROUTER",
         help="overhead and layer_cost: the routers timed against Switch (always timed), e.g. "
              "switch sparsemixer densemixer default_moe (names: sparsemixer_jax.routers.ROUTERS)")
     add("--lm-routers", nargs="+", default=DEFAULT.lm_routers, metavar="ROUTER",
         help="lm_throughput: the routers timed against top-2 softmax routing (always timed)")
+    add("--lm-config", default=None, metavar="FILE[:VARIANT]",
+        help="lm_throughput and lm_profile: an MoE LM config (configs/lm_bench.py:moe) giving "
+             "the model, its sizes and micro-batches (the size options then apply to the other "
+             "sections only); the dense arm is its dense twin (configs/lm_bench.py:dense)")
     add("--kv-heads", type=int, default=None,
         help=f"lm_throughput: key/value heads (default: {LM_CPU_SIZES['kv_heads']} on CPU, "
              f"{LM_ACCEL_SIZES['kv_heads']} else)")
@@ -68,7 +74,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="moe_vs_dense: the dispatch implementations timed against dense")
     add("--attention-impl", default=DEFAULT.attention_impl,
         choices=["einsum", "xla", "cudnn", "auto"],
-        help="whole-step sections: model.attention_impl (not einsum: attention dropout 0)")
+        help="whole-step sections: model.attention_impl (not einsum: attention dropout 0; "
+             "default einsum; the LM sections: --lm-config's, else einsum)")
     add("--rng-impl", default=None, choices=["threefry2x32", "rbg", "unsafe_rbg"],
         help="jax_default_prng_impl for the whole run (default: jax's)")
     add("--triton-ragged-dot", action="store_true",

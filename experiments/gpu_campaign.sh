@@ -7,8 +7,8 @@
 #
 # Parts (each a few minutes on one H100; "routing" compiles eight Transformer-base models, about
 # a minute each there one after another, so it builds them in threads: run it alone), in the
-# order they run, the parts that measure open targets first: env, lm, routing, layer, grouped,
-# step, variants, flags, profile, decode, tests.
+# order they run, the parts that measure open targets first: env, lm, routing, lm_profile, layer,
+# grouped, step, variants, flags, profile, decode, tests.
 # Results go to $OUT (default runs/gpu_campaign, git-ignored) as each run finishes, 8 files:
 #   campaign.txt     GPU, driver, jax/jaxlib/CUDA/cuDNN versions, then each run's start and exit
 #   layer.json       one MoE layer fwd+bwd vs dense FFN, N=2,4,8,16: ragged (XLA's lowering),
@@ -20,12 +20,12 @@
 #                    overhead and the routers alone at N=2,4,8,16; default config (dispatch auto);
 #                    with ROUTERS set, also runs "router_cost_layer" and "router_cost": those
 #                    routers against Switch, one MoE layer and the whole step, N=4 and 8;
-#                    part "lm" adds runs "lm_throughput" and "lm_throughput_grouped": the
-#                    decoder-only language model's step (emb 1024, 6 layers, sequences of 2048,
-#                    bf16), MoE (8 experts, top-2) vs dense of equal active parameters, and
-#                    SparseMixer-v2 / v2* / DenseMixer vs top-2, with model FLOPs and MFU;
-#                    then "lm_throughput_grouped_cudnn" (cuDNN flash attention) and, into
-#                    profile.json, "lm_grouped": where the LM step's device time goes;
+#                    part "lm" adds runs "lm_throughput" and "lm_throughput_cudnn" (cuDNN
+#                    flash attention): the decoder-only language model's update at
+#                    configs/lm_bench.py's sizes (hidden 2048, 16 layers, 65,536 tokens, bf16),
+#                    MoE (8 experts, top-2, grouped) vs dense of equal active parameters, and
+#                    LM_ROUTERS vs top-2, with model FLOPs and MFU; part "lm_profile" adds
+#                    "lm_cudnn" to profile.json: where that update's device time goes;
 #                    part "routing" adds run "routing_options": each routing option's update
 #                    (sigmoid, bias balancing, global/sequence loss, groups, a shared expert)
 #                    against the plain router, Transformer-base N=4, 2 x 4,096 tokens
@@ -55,8 +55,9 @@ BENCH_ARGS=${BENCH_ARGS:-}  # appended to every benchmark run (e.g. smaller size
 GROUPED_ARGS=${GROUPED_ARGS:-}  # appended to the grouped part (on a CPU: "--interpret --tiny --experts 2")
 ROUTING_ARGS=${ROUTING_ARGS:-}  # appended to the routing part (on a CPU: "--emb 32 --mlp 64 ...")
 ROUTERS=${ROUTERS:-}  # e.g. "sparsemixer densemixer default_moe": part "step" times them against Switch
+LM_ROUTERS=${LM_ROUTERS:-}  # e.g. "sparsemixer_v2 densemixer": part "lm" times them against top-2
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env lm routing layer grouped step variants flags profile decode tests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env lm routing lm_profile layer grouped step variants flags profile decode tests)
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)
@@ -160,18 +161,29 @@ for part in "${PARTS[@]}"; do
       merge step routing_options
       ;;
     lm)
-      # The language model's whole training step (targets on one H100: the MoE model's tokens/s
-      # >= 0.85x the dense model's at equal active parameters; SparseMixer-v2 and v2* step time
-      # <= 1.01x top-2's); into step.json, beside the translation model's.
-      bench step lm_throughput --sections lm_throughput
-      bench step lm_throughput_grouped --sections lm_throughput --dispatch grouped
-      # cuDNN's flash attention instead of the einsum attention (which materialises float32
-      # [B, heads, 2048, 2048] scores), and where the grouped step's device time goes.
-      bench step lm_throughput_grouped_cudnn --sections lm_throughput --dispatch grouped \
-        --attention-impl cudnn
+      # The language model's whole training step at configs/lm_bench.py's sizes (hidden 2048,
+      # 16 layers, sequences of 4,096, 65,536 tokens an update in 16 micro-batches, bf16): the
+      # MoE model (8 experts, top-2, grouped dispatch) against its dense twin of equal active
+      # parameters, and LM_ROUTERS against top-2 (targets on one H100: MoE >= 0.85x the dense
+      # tokens/s, dense >= 45% MFU, SparseMixer-v2 / top-2 <= 1.01); into step.json. Every arm
+      # holds its train state (the MoE model's 21 GiB) while the others run, and the einsum
+      # attention's float32 [16, 4096, 4096] probabilities of 16 layers need 52 GiB more: the
+      # einsum run fits an H200 with LM_ROUTERS set, an H100 with it empty.
+      # shellcheck disable=SC2086  # LM_ROUTERS is a list of words
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
+        bench step lm_throughput --sections lm_throughput --lm-config configs/lm_bench.py:moe \
+        --lm-routers $LM_ROUTERS
+      # cuDNN's flash attention instead (no [B, heads, T, T] scores in memory).
+      # shellcheck disable=SC2086
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
+        bench step lm_throughput_cudnn --sections lm_throughput \
+        --lm-config configs/lm_bench.py:moe --attention-impl cudnn --lm-routers $LM_ROUTERS
+      ;;
+    lm_profile)
+      # Where the LM update's device time goes (cuDNN attention), into profile.json.
       rm -rf "$WORK/trace_lm"
-      bench profile lm_grouped --sections lm_profile --dispatch grouped \
-        --profile-dir "$WORK/trace_lm" --repeats 1
+      bench profile lm_cudnn --sections lm_profile --lm-config configs/lm_bench.py:moe \
+        --attention-impl cudnn --profile-dir "$WORK/trace_lm" --repeats 1
       ;;
     variants)
       bench variants cudnn_attention --sections throughput --attention-impl cudnn
@@ -211,7 +223,7 @@ for part in "${PARTS[@]}"; do
         tests/test_gpu.py tests/test_train.py tests/test_grouped_ffn.py tests/test_lm_attention.py >"$OUT/tests.txt" 2>&1
       log "tests: exit $? ($(tail -n 1 "$OUT/tests.txt"))"
       ;;
-    *) log "unknown part $part (env lm routing layer grouped step variants flags profile decode tests)" ;;
+    *) log "unknown part $part (env lm routing lm_profile layer grouped step variants flags profile decode tests)" ;;
   esac
 done
 log "done: $OUT"

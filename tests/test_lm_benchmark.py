@@ -4,11 +4,15 @@ docs/benchmarks.md reads, never how fast anything is."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
-from lab.benchmarks import flops, report, runner
+from configs import lm_quickstart
+from lab.benchmarks import flops, lm_step, report, runner
+from sparsemixer_jax.cli import load_config_file
 from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.tasks.language_model import LMTask
 
 TINY_LM = {"emb": 16, "mlp": 16, "heads": 2, "kv_heads": 1, "layers": 1, "vocab": 64,
            "tokens": 32, "length": 16, "warmup": 1, "repeats": 1}
@@ -51,6 +55,37 @@ def test_lm_throughput_section_writes_sane_json(tmp_path):
     assert lm["top2"]["to_top2"]["ratio"] == 1.0
     tables = report.markdown_tables({"lm_throughput": lm})
     assert "| top2 |" in tables and "| dense |" in tables
+
+
+def test_lm_bench_config_gives_the_target_sizes_and_its_dense_twin():
+    sizes = lm_step.lm_sizes_of(load_config_file("configs/lm_bench.py:moe"))
+    assert sizes == {"emb": 2048, "mlp": 2048, "heads": 16, "kv_heads": 4, "layers": 16,
+                     "vocab": 32768, "tokens": 65536, "length": 4096, "experts": 8, "top_k": 2,
+                     "micro_rows": 1}
+    assert lm_step.micro_batches_of(sizes) == 16
+    # The benchmark's dense arm, built from the MoE config, is the :dense variant's model: every
+    # field equal but those only the (unused) MoE layers read.
+    twin = lm_step.dense_twin(LMTask.from_config(load_config_file("configs/lm_bench.py:moe")))
+    dense = LMTask.from_config(load_config_file("configs/lm_bench.py:dense"))
+    moe_only = {"moe_intermediate_size", "num_experts", "dispatch", "hf_config"}
+    a, b = dataclasses.asdict(twin.lm), dataclasses.asdict(dense.lm)
+    assert {k for k in a if a[k] != b[k]} <= moe_only
+    assert not any(twin.lm.moe_layers) and twin.lm.intermediate_size == 4096
+
+
+def test_lm_throughput_from_a_config_runs_its_micro_batches():
+    c = lm_quickstart.get_config()
+    c.data.update(vocab_size=64, seq_len=16, batch_size=4, micro_batch_size=2)
+    c.model.update(hidden_size=16, mlp_dim=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                   num_experts=4)
+    out = lm_step.bench_lm_throughput(lm_step.lm_sizes_of(c), "float32", 1, 1, routers=[],
+                                      base=c)
+    assert out["micro_batches"] == 2 and out["tokens_per_step"] == 4 * 16
+    assert out["sizes"]["experts"] == 4 and out["top2"]["router"] == "switch"
+    # Model FLOPs are per update: the two micro-batches' tokens.
+    flops_per_step = out["top2"]["model_flops_per_token"]["total"] * 64
+    assert math.isclose(out["top2"]["achieved_flops_per_s"] * out["top2"]["step_s"]["median"],
+                        flops_per_step, rel_tol=1e-12)
 
 
 def _tiny_lm(router: str = "switch") -> LMConfig:

@@ -46,21 +46,28 @@ LM_ACCEL_SIZES = {"emb": 1024, "mlp": 2048, "heads": 16, "kv_heads": 4, "layers"
 
 
 def lm_model_config(sizes: dict[str, int], router: str, dtype: str,
-                    dispatch: str = "auto", attention_impl: str = "einsum") -> Any:
-    """``configs/lm_quickstart.py`` with the benchmark's sizes and ``router`` (top-``k`` of
-    ``sizes["experts"]``; ``switch`` renormalised with jitter 0: Mixtral's routing)."""
+                    dispatch: str = "auto", attention_impl: str = "einsum",
+                    base: Any = None) -> Any:
+    """The ``top2`` arm's config routed by ``router`` instead (top-``k`` of
+    ``sizes["experts"]``; ``switch`` renormalised with jitter 0: Mixtral's routing).
+
+    ``base`` None: ``configs/lm_quickstart.py`` with the benchmark's sizes. Else an LM config
+    (``configs/lm_bench.py``) whose sizes :func:`lm_sizes_of` read; only the router, the compute
+    dtype, the dispatch and the attention change."""
     from configs import lm_quickstart
     from sparsemixer_jax.routers.registry import routers_taking
 
-    c = lm_quickstart.get_config()
-    c.data.vocab_size = sizes["vocab"]
-    c.data.seq_len = sizes["length"]
-    c.data.batch_size = c.data.eval_batch_size = rows_of(sizes)
-    m = c.model
-    m.hidden_size, m.mlp_dim = sizes["emb"], sizes["mlp"]
-    m.num_layers, m.num_heads, m.num_kv_heads = sizes["layers"], sizes["heads"], sizes["kv_heads"]
-    m.num_experts = sizes["experts"]
-    m.dispatch, m.compute_dtype, m.attention_impl = dispatch, dtype, attention_impl
+    c = lm_quickstart.get_config() if base is None else base.copy_and_resolve_references()
+    if base is None:
+        c.data.vocab_size = sizes["vocab"]
+        c.data.seq_len = sizes["length"]
+        c.data.batch_size = c.data.eval_batch_size = rows_of(sizes)
+        m = c.model
+        m.hidden_size, m.mlp_dim = sizes["emb"], sizes["mlp"]
+        m.num_layers, m.num_heads = sizes["layers"], sizes["heads"]
+        m.num_kv_heads, m.num_experts = sizes["kv_heads"], sizes["experts"]
+    c.model.dispatch, c.model.compute_dtype = dispatch, dtype
+    c.model.attention_impl = attention_impl
     c.router.name, c.router.top_k = router, sizes["top_k"]
     c.router.jitter_eps = 0.0 if router == "switch" else c.router.jitter_eps
     # Mixtral renormalises the k gates: every router with Switch's forward does so here too.
@@ -68,8 +75,27 @@ def lm_model_config(sizes: dict[str, int], router: str, dtype: str,
     return c
 
 
+def lm_sizes_of(config: Any) -> dict[str, int]:
+    """The benchmark's sizes of an MoE LM config (``configs/lm_bench.py:moe``), with
+    ``micro_rows``: the rows of each micro-batch of an update (``data.micro_batch_size``)."""
+    m, d = config.model, config.data
+    if not m.num_experts:
+        raise ValueError("lm_throughput: the LM config must be an MoE model (model.num_experts "
+                         "> 0); its dense arm is built from it (lab.benchmarks.lm_step.dense_twin)")
+    return {"emb": m.hidden_size, "mlp": m.mlp_dim, "heads": m.num_heads,
+            "kv_heads": m.num_kv_heads, "layers": m.num_layers, "vocab": d.vocab_size,
+            "tokens": d.batch_size * d.seq_len, "length": d.seq_len, "experts": m.num_experts,
+            "top_k": config.router.top_k, "micro_rows": d.micro_batch_size or d.batch_size}
+
+
 def rows_of(sizes: dict[str, int]) -> int:
-    return max(1, sizes["tokens"] // sizes["length"])
+    """Rows of one micro-batch: ``micro_rows`` where the sizes give it, else the whole update."""
+    return sizes.get("micro_rows") or max(1, sizes["tokens"] // sizes["length"])
+
+
+def micro_batches_of(sizes: dict[str, int]) -> int:
+    """Micro-batches of one update (the update's rows over :func:`rows_of`)."""
+    return max(1, sizes["tokens"] // sizes["length"] // rows_of(sizes))
 
 
 def dense_twin(task: Any) -> Any:
@@ -105,11 +131,12 @@ def active_params(lm: Any, num_params: int) -> int:
 
 
 class LMTrainStep:
-    """One update of the training loop on the language model (one micro-batch): ``LMTask.loss``
-    in ``Steps.train_step``, one compiled call, as a zero-argument call. Owns the train state,
-    which the compiled update donates and returns."""
+    """One update of the training loop on the language model, as a zero-argument call:
+    ``LMTask.loss`` in ``Steps.train_step`` over ``micro_batches`` copies of ``batch`` (one: a
+    single compiled call; several: zero, accumulate each, apply, as training runs them). Owns
+    the train state, which the compiled update donates and returns."""
 
-    def __init__(self, task: Any, config: Any, batch: dict[str, Any]):
+    def __init__(self, task: Any, config: Any, batch: dict[str, Any], micro_batches: int = 1):
         import jax
 
         from sparsemixer_jax.training import build_steps
@@ -118,7 +145,7 @@ class LMTrainStep:
         self.lm = task.lm
         self.steps = build_steps(task, config, task.lm.vocab_size)
         self.state = self.steps.init_state()
-        self.batch = batch
+        self.micro_batches = [batch] * micro_batches
         self.key = jax.random.key(0)
         self.num_params = count_params(self.state.params)
         self.active_params = active_params(self.lm, self.num_params) \
@@ -128,35 +155,38 @@ class LMTrainStep:
         import jax
 
         # The same key every call: the routers see the same jitter/mask draws each time.
-        self.state, metrics = self.steps.train_step(self.state, [self.batch], self.key)
+        self.state, metrics = self.steps.train_step(self.state, self.micro_batches,
+                                                     self.key)
         return jax.tree.leaves(self.state.params)[0], metrics
 
 
 def build_arms(sizes: dict[str, int], dtype: str, routers: Sequence[str],
-               dispatch: str = "auto", attention_impl: str = "einsum"
+               dispatch: str = "auto", attention_impl: str = "einsum", base: Any = None
                ) -> dict[str, LMTrainStep]:
     """``top2``, each router of ``routers``, then ``dense`` (module docstring), built on one
-    batch."""
+    batch (``base``: :func:`lm_model_config`'s)."""
     from sparsemixer_jax.tasks.language_model import LMTask
 
-    batch = synthetic_lm_batch(sizes)
+    batch, micro = synthetic_lm_batch(sizes), micro_batches_of(sizes)
     names = {REFERENCE: "switch", **{r: r for r in routers if r != "switch"}}
     arms: dict[str, LMTrainStep] = {}
     for name, router in names.items():
-        config = lm_model_config(sizes, router, dtype, dispatch, attention_impl)
-        arms[name] = LMTrainStep(LMTask.from_config(config), config, batch)
-    config = lm_model_config(sizes, "switch", dtype, dispatch, attention_impl)
-    arms["dense"] = LMTrainStep(dense_twin(LMTask.from_config(config)), config, batch)
+        config = lm_model_config(sizes, router, dtype, dispatch, attention_impl, base)
+        arms[name] = LMTrainStep(LMTask.from_config(config), config, batch, micro)
+    config = lm_model_config(sizes, "switch", dtype, dispatch, attention_impl, base)
+    arms["dense"] = LMTrainStep(dense_twin(LMTask.from_config(config)), config, batch, micro)
     return arms
 
 
 def bench_lm_throughput(sizes: dict[str, int], dtype: str, warmup: int, repeats: int,
                         routers: Sequence[str] = LM_ROUTERS, dispatch: str = "auto",
-                        attention_impl: str = "einsum") -> dict[str, Any]:
-    """Every arm of :func:`build_arms`, interleaved repeats.
+                        attention_impl: str = "einsum", base: Any = None) -> dict[str, Any]:
+    """Every arm of :func:`build_arms`, interleaved repeats; ``sizes`` and ``base`` as
+    :func:`lm_model_config` takes them (an update of ``sizes["tokens"]`` tokens).
 
     JSON: ``sizes``, ``dtype``, ``device_kind``, ``peak_flops`` (None where unknown),
-    ``tokens_per_step`` (rows x length; the loss counts ``length - 1`` targets a row),
+    ``micro_batches``, ``tokens_per_step`` (rows x length x micro-batches; the loss counts
+    ``length - 1`` targets a row),
     ``load_average`` before and after, and per arm ``router``, ``num_params``,
     ``active_params``, ``step_s`` (stats), ``tokens_per_s`` with its ``[min, max]`` range,
     ``model_flops_per_token`` (:func:`flops.lm_flops_per_token`'s parts), ``mfu``, and
@@ -166,18 +196,19 @@ def bench_lm_throughput(sizes: dict[str, int], dtype: str, warmup: int, repeats:
     CPU time (``paired_cpu``: on shared CPU cores, the work done).
     """
     load_before = load_average()
-    arms = build_arms(sizes, dtype, routers, dispatch, attention_impl)
+    arms = build_arms(sizes, dtype, routers, dispatch, attention_impl, base)
     cpu: dict[str, list[float]] = {}
     times = time_interleaved(arms, warmup, repeats, cpu_times=cpu)
     length = sizes["length"]
-    tokens = rows_of(sizes) * length
+    tokens = rows_of(sizes) * length * micro_batches_of(sizes)
     per_token = {name: lm_flops_per_token(arm.lm, length) for name, arm in arms.items()}
     flops = {name: f["total"] * tokens for name, f in per_token.items()}
     to_ref = ratios_to(times, REFERENCE, cpu, flops)
     kind, peak = device_peak(dtype)
     out: dict[str, Any] = {"sizes": dict(sizes), "dtype": dtype, "dispatch": dispatch,
                            "attention_impl": attention_impl, "device_kind": kind,
-                           "peak_flops": peak, "tokens_per_step": tokens}
+                           "peak_flops": peak, "micro_batches": micro_batches_of(sizes),
+                           "tokens_per_step": tokens}
     for name, arm in arms.items():
         s = stats(times[name])
         out[name] = {
@@ -214,15 +245,17 @@ def _paired(times: dict[str, list[float]], reference: str, name: str) -> list[fl
 
 
 def bench_lm_profile(sizes: dict[str, int], dtype: str, warmup: int, steps: int, logdir: str,
-                     dispatch: str = "auto", attention_impl: str = "einsum") -> dict[str, Any]:
+                     dispatch: str = "auto", attention_impl: str = "einsum",
+                     base: Any = None) -> dict[str, Any]:
     """A ``jax.profiler`` trace of ``steps`` training steps of the ``top2`` arm and where its
     device time goes (:func:`lab.benchmarks.trace.profile_steps`), as ``profile`` does for
     the translation model."""
     from lab.benchmarks.trace import profile_steps
     from sparsemixer_jax.tasks.language_model import LMTask
 
-    config = lm_model_config(sizes, "switch", dtype, dispatch, attention_impl)
-    step = LMTrainStep(LMTask.from_config(config), config, synthetic_lm_batch(sizes))
+    config = lm_model_config(sizes, "switch", dtype, dispatch, attention_impl, base)
+    step = LMTrainStep(LMTask.from_config(config), config, synthetic_lm_batch(sizes),
+                       micro_batches_of(sizes))
     out = profile_steps(step, warmup, steps, logdir, "lm_profile")
     return {"sizes": dict(sizes), "dtype": dtype, "dispatch": dispatch,
             "attention_impl": attention_impl, "load_average": load_average(), **out}

@@ -33,7 +33,11 @@ Sections (``sections`` picks some):
   top-``top_k``, Mixtral's routing) against a dense model of equal active parameters, model
   FLOPs per token and MFU, and each router of ``lm_routers`` (SparseMixer-v2, v2*, DenseMixer)
   against top-k, interleaved. Its own sizes (``LM_CPU_SIZES``, ``LM_ACCEL_SIZES``; ``mlp`` is
-  each expert's width), which the size settings override. JSON: ``lm_throughput[arm]``.
+  each expert's width), which the size settings override; or, with ``lm_config`` (an MoE LM
+  config such as ``configs/lm_bench.py:moe``), that config's model, sizes and micro-batches,
+  its dense arm the config's dense twin (``configs/lm_bench.py:dense``), the ``dispatch`` and
+  ``attention_impl`` settings overriding the config's where given. JSON:
+  ``lm_throughput[arm]``.
 * ``fusion`` (not run by default): the one-call update against the three calls of an
   accumulating update (zero, accumulate, update), dense and each N.
 * ``decode`` (not run by default): beam search (beam 4) in sentences per second on Multi30k-test
@@ -79,6 +83,7 @@ from lab.benchmarks.lm_step import (
     LM_ROUTERS,
     bench_lm_profile,
     bench_lm_throughput,
+    lm_sizes_of,
 )
 from lab.benchmarks.report import markdown_tables
 from lab.benchmarks.training_step import (
@@ -87,6 +92,7 @@ from lab.benchmarks.training_step import (
     bench_profile,
     bench_throughput,
 )
+from sparsemixer_jax.cli import load_config_file
 
 # --backend -> jax_platforms. jax 0.11 reads "gpu" as "any GPU plugin" and then fails to start
 # ROCm on a CUDA machine ("Unable to initialize backend 'rocm'"); the plugin's name is "cuda".
@@ -121,11 +127,12 @@ class BenchmarkSettings:
     backend: str | None = None
     sections: list[str] = dataclasses.field(
         default_factory=lambda: ["overhead", "router", "moe_vs_dense", "throughput"])
-    dispatch: str = "auto"
+    dispatch: str | None = None  # "auto", or for the LM sections the config's (lm_config)
     routers: list[str] = dataclasses.field(default_factory=lambda: ["switch", "sparsemixer"])
     lm_routers: list[str] = dataclasses.field(default_factory=lambda: list(LM_ROUTERS))
     layer_dispatches: list[str] = dataclasses.field(default_factory=lambda: ["ragged", "padded"])
-    attention_impl: str = "einsum"
+    attention_impl: str | None = None  # "einsum", or for the LM sections the config's
+    lm_config: str | None = None  # "configs/lm_bench.py:moe": the LM sections' model and sizes
     rng_impl: str | None = None
     triton_ragged_dot: bool = False
     deterministic: bool = False
@@ -152,9 +159,12 @@ class BenchmarkSettings:
     top_k: int | None = None
 
 
-def lm_sizes(settings: BenchmarkSettings, backend: str) -> dict[str, int]:
-    """The ``lm_throughput`` section's sizes: its defaults for ``backend``, each overridden by
-    the setting of that name (``experts`` by ``lm_experts``)."""
+def lm_sizes(settings: BenchmarkSettings, backend: str, base: Any = None) -> dict[str, int]:
+    """The ``lm_throughput`` section's sizes: those of the LM config ``base`` where given, else
+    its defaults for ``backend``, each overridden by the setting of that name (``experts`` by
+    ``lm_experts``)."""
+    if base is not None:
+        return lm_sizes_of(base)
     defaults = LM_CPU_SIZES if backend == "cpu" else LM_ACCEL_SIZES
     names = {k: "lm_experts" if k == "experts" else k for k in defaults}
     return {k: v if getattr(settings, names[k]) is None else getattr(settings, names[k])
@@ -194,14 +204,21 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
         "machine": machine(), "sizes": sizes, "dtype": dtype,
         "warmup": s.warmup, "repeats": s.repeats, "layer_dropout": s.layer_dropout,
         "load_average_start": load_average(),
-        "dispatch": s.dispatch, "attention_impl": s.attention_impl, "routers": routers,
+        "dispatch": s.dispatch or "auto", "attention_impl": s.attention_impl or "einsum",
+        "lm_config": s.lm_config, "routers": routers,
         "rng_impl": jax.config.values["jax_default_prng_impl"],
         "triton_ragged_dot": {"requested": s.triton_ragged_dot,
                               "available": triton_ragged_dot.triton_ragged_dot_available(),
                               "enabled": triton},
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
-    model_options = {"dispatch": s.dispatch, "attention_impl": s.attention_impl}
+    model_options = {"dispatch": s.dispatch or "auto",
+                     "attention_impl": s.attention_impl or "einsum"}
+    # The LM sections: the config's model where one is named, the flags given overriding it.
+    base = load_config_file(s.lm_config) if s.lm_config else None
+    lm_options = {"dispatch": s.dispatch or (base.model.dispatch if base else "auto"),
+                  "attention_impl": s.attention_impl
+                  or (base.model.attention_impl if base else "einsum"), "base": base}
     print(json.dumps({k: result[k] for k in ("machine", "sizes", "dtype")}), flush=True)
     if "overhead" in s.sections:
         result["overhead"] = bench_overhead(sizes, s.experts, dtype, s.warmup, s.repeats,
@@ -217,7 +234,7 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
             impls=tuple(s.layer_dispatches), dropout=s.layer_dropout)
     if "layer_cost" in s.sections:
         result["layer_cost"] = bench_layer_cost(sizes, s.experts, routers, dtype, s.warmup,
-                                                s.repeats, dispatch=s.dispatch,
+                                                s.repeats, dispatch=model_options["dispatch"],
                                                 dropout=s.layer_dropout)
     if "padded_blocks" in s.sections:
         result["padded_blocks"] = bench_padded_blocks(sizes, s.experts, dtype, s.warmup,
@@ -227,12 +244,11 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
                                                 **model_options)
     if "lm_throughput" in s.sections:
         result["lm_throughput"] = bench_lm_throughput(
-            lm_sizes(s, backend), dtype, s.warmup, s.repeats, routers=s.lm_routers,
-            dispatch=s.dispatch, attention_impl=s.attention_impl)
+            lm_sizes(s, backend, base), dtype, s.warmup, s.repeats, routers=s.lm_routers,
+            **lm_options)
     if "lm_profile" in s.sections:
-        result["lm_profile"] = bench_lm_profile(lm_sizes(s, backend), dtype, s.warmup,
-                                                s.profile_steps, s.profile_dir, s.dispatch,
-                                                s.attention_impl)
+        result["lm_profile"] = bench_lm_profile(lm_sizes(s, backend, base), dtype, s.warmup,
+                                                s.profile_steps, s.profile_dir, **lm_options)
     if "fusion" in s.sections:
         result["fusion"] = bench_fusion(sizes, s.experts, dtype, s.warmup, s.repeats,
                                         **model_options)
