@@ -28,6 +28,19 @@ def test_parse_target_errors(spec, message):
         targets.parse_target(spec)
 
 
+def test_h200_is_the_h100_processor_with_the_h200_memory():
+    h200 = targets.parse_target("h200:1x8")
+    assert (h200.platform, h200.chip, h200.topology) == ("cuda", "h200", "1x1x8")
+    assert h200.hbm_bytes == 143_771 * 2**20
+    h100_lines = targets.H100_SXM_TARGET_CONFIG.splitlines()
+    h200_lines = targets.H200_TARGET_CONFIG.splitlines()
+    changed = {a.split(":")[0].strip() for a, b in zip(h100_lines, h200_lines, strict=True)
+               if a != b}
+    assert changed == {"memory_bandwidth", "l2_cache_size", "device_memory_size",
+                       "device_description_str"}
+    assert "memory_bandwidth: 4800000000000" in targets.H200_TARGET_CONFIG
+
+
 def test_target_config_describes_an_h100_sxm():
     text = targets.H100_SXM_TARGET_CONFIG
     for field in ("core_count: 132", "shared_memory_per_block_optin: 232448", "major: 9",

@@ -66,6 +66,10 @@ CHIPS = {
                  "NVIDIA H100 Tensor Core GPU datasheet, SXM column: BF16 Tensor Core 1,979 "
                  "TFLOPS with sparsity (989 dense), GPU memory bandwidth 3.35 TB/s, NVLink "
                  "900 GB/s (450 GB/s each way)"),
+    "h200": Chip("H200 SXM", 989e12, 4.8e12, 450e9,
+                 "NVIDIA H200 Tensor Core GPU datasheet, SXM column: BF16 Tensor Core 1,979 "
+                 "TFLOPS with sparsity (989 dense), GPU memory bandwidth 4.8 TB/s, NVLink "
+                 "900 GB/s (450 GB/s each way)"),
     "v4": Chip("TPU v4", 275e12, 1.2e12, 1.1e15 / 4096,
                "cloud.google.com/tpu/docs/v4: 275 TFLOPs (bf16) per chip, HBM2 1200 GBps; "
                "link: the pod's all-reduce bandwidth, 1.1 PB/s over 4096 chips"),

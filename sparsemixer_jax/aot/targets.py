@@ -7,7 +7,9 @@ A *target* is written ``platform:...``:
   ``pip install "jax[tpu]==0.11.2"``, the jax version of requirements.txt).
 * ``h100:<hosts>x<gpus>`` or ``h100:1x<hosts>x<gpus>``, e.g. ``h100:1x8`` (one host of 8 GPUs),
   ``h100:2x8``: H100 SXM GPUs described by :data:`H100_SXM_TARGET_CONFIG` (needs the CUDA PJRT
-  plugin, ``jax-cuda13-plugin``, ``jax-cuda13-pjrt`` and ``nvidia-nvshmem-cu13``, and ``ptxas``).
+  plugin, ``jax-cuda13-plugin``, ``jax-cuda13-pjrt`` and ``nvidia-nvshmem-cu13``, and ``ptxas``);
+  ``h200:...`` likewise, H200 GPUs (:data:`H200_TARGET_CONFIG`: the H100's processor with the
+  H200's memory).
 
 :func:`target_devices` returns the slice's devices: real ``jax.Device`` objects that XLA compiles
 for, but that hold no memory and run nothing (``jax.experimental.topologies``). Meshes built from
@@ -82,6 +84,19 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 TPU_HBM_BYTES = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
 H100_HBM_BYTES = 85_520_809_984  # 81,559 MiB: what the driver of an H100 80GB HBM3 reports
 
+# An H200 is the H100's processor (the same 132 SMs at the same clock, compute capability 9.0)
+# with 141 GB of HBM3e at 4.8 TB/s (NVIDIA H200 Tensor Core GPU datasheet); its driver reports
+# 143,771 MiB, and CUDA's device properties a 60 MiB L2 cache.
+H200_HBM_BYTES = 143_771 * 2**20
+H200_TARGET_CONFIG = (H100_SXM_TARGET_CONFIG
+                      .replace("memory_bandwidth: 3350000000000", "memory_bandwidth: 4800000000000")
+                      .replace("l2_cache_size: 52428800", f"l2_cache_size: {60 * 2**20}")
+                      .replace("device_memory_size: 85520809984",
+                               f"device_memory_size: {H200_HBM_BYTES}")
+                      .replace('"NVIDIA H100 80GB HBM3"', '"NVIDIA H200"'))
+GPU_TARGET_CONFIGS = {"h100": H100_SXM_TARGET_CONFIG, "h200": H200_TARGET_CONFIG}
+GPU_HBM_BYTES = {"h100": H100_HBM_BYTES, "h200": H200_HBM_BYTES}
+
 _TPU_TOPOLOGY = re.compile(r"^\d+x\d+(x\d+)?$")
 _GPU_TOPOLOGY = re.compile(r"^(?:(\d+)x)?(\d+)x(\d+)$")
 
@@ -112,19 +127,20 @@ def parse_target(spec: str) -> Target:
                 f"target {spec!r}: expected tpu:<generation>:<topology> with generation one of "
                 f"{', '.join(TPU_HBM_BYTES)} and a topology like 4x4 or 2x2x4")
         return Target(spec, "tpu", parts[1], f"{parts[1]}:{parts[2]}", TPU_HBM_BYTES[parts[1]])
-    if parts[0] == "h100":
+    if parts[0] in GPU_TARGET_CONFIGS:
+        chip = parts[0]
         match = _GPU_TOPOLOGY.match(parts[1]) if len(parts) == 2 else None
         if match is None:
             raise ValueError(
-                f"target {spec!r}: expected h100:<hosts>x<gpus per host> (e.g. h100:1x8) or "
-                "h100:1x<hosts>x<gpus per host>")
+                f"target {spec!r}: expected {chip}:<hosts>x<gpus per host> (e.g. {chip}:1x8) "
+                f"or {chip}:1x<hosts>x<gpus per host>")
         if match.group(1) not in (None, "1"):
             raise ValueError(f"target {spec!r}: the first of three sizes must be 1 (slices)")
         hosts, gpus = int(match.group(2)), int(match.group(3))
-        return Target(spec, "cuda", "h100", f"1x{hosts}x{gpus}", H100_HBM_BYTES)
+        return Target(spec, "cuda", chip, f"1x{hosts}x{gpus}", GPU_HBM_BYTES[chip])
     raise ValueError(
         f"target {spec!r}: expected tpu:<generation>:<topology> (e.g. tpu:v5e:4x4) or "
-        "h100:<hosts>x<gpus> (e.g. h100:1x8)")
+        "h100:<hosts>x<gpus> (e.g. h100:1x8; h200 likewise)")
 
 
 def module_found(name: str) -> bool:
@@ -185,5 +201,6 @@ def target_devices(target: Target | str) -> list[jax.Device]:
         # compile, so the check is skipped.
         os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
         topology = topologies.get_topology_desc(
-            target.chip, "cuda", target_config=H100_SXM_TARGET_CONFIG, topology=target.topology)
+            target.chip, "cuda", target_config=GPU_TARGET_CONFIGS[target.chip],
+            topology=target.topology)
     return list(topology.devices)
