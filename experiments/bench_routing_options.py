@@ -71,10 +71,15 @@ def main(argv: list[str] | None = None) -> dict:
     add("--steps", type=int, default=5, help="timed steps per option per round")
     add("--repeats", type=int, default=3, help="rounds")
     add("--options", nargs="*", default=list(OPTIONS), choices=list(OPTIONS))
-    add("--build-threads", type=int, default=min(len(OPTIONS), os.cpu_count() or 1),
-        help="options built and compiled at once")
+    add("--build-threads", type=int, default=None,
+        help="options built and compiled at once (default: one per core on a CPU; one at a "
+             "time elsewhere: on an H200, builds in threads crashed in XLA's GEMM autotuning "
+             "with CUDA_ERROR_ILLEGAL_INSTRUCTION, and one at a time took 6-13 s each)")
     add("--json", help="also write the settings and the table here")
     args = parser.parse_args(argv)
+    if args.build_threads is None:
+        args.build_threads = min(len(OPTIONS), os.cpu_count() or 1) \
+            if jax.default_backend() == "cpu" else 1
     if "plain" not in args.options:
         args.options = ["plain", *args.options]
     rows = args.tokens // args.length
@@ -97,8 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
               flush=True)
         return [steps, state]
 
-    # The options compile at once, in threads: XLA's compiler leaves Python's lock while it
-    # works, so on a many-core host the builds overlap instead of taking turns.
+    # On a CPU the options compile at once, in threads: XLA's compiler leaves Python's lock
+    # while it works, so on a many-core host the builds overlap instead of taking turns.
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(args.build_threads) as pool:
         runs = dict(zip(args.options, pool.map(build, args.options), strict=True))

@@ -5,8 +5,7 @@
 #     bash experiments/gpu_campaign.sh              # all parts, ~30 min on an H100
 #     bash experiments/gpu_campaign.sh env lm routing   # some parts
 #
-# Parts (each a few minutes on one H100; "routing" compiles eight Transformer-base models, about
-# a minute each there one after another, so it builds them in threads: run it alone), in the
+# Parts (each a few minutes on one GPU: on an H200, "lm" 2.5 min, "routing" 1.5 min), in the
 # order they run, the parts that measure open targets first: env, lm, routing, lm_profile, layer,
 # grouped, step, variants, flags, profile, decode, tests.
 # Results go to $OUT (default runs/gpu_campaign, git-ignored) as each run finishes, 8 files:
