@@ -8,8 +8,10 @@ packs them whole and puts the loss on the assistant's tokens). The training file
 ``valid_articles`` documents (rows) are held out as validation data; ``train_articles`` (when
 > 0) keeps only the first that many of the rest, for small runs.
 
-Packing text: each document is ``[bos] + tokens of its text`` (its paragraphs joined by
-newlines, as the source has them, and encoded as one string); the documents are laid end to
+Packing text: each document is ``[bos] + tokens of its text``: a checkpoint's tokenizer
+encodes the paragraphs joined by newlines, as the source has them, as one string;
+SentencePiece, which folds a newline into the word boundary that starts each paragraph anyway,
+encodes each paragraph on its own (as runs from scratch always have). The documents are laid end to
 end in one stream whose segment id is the document's number (1, 2, ...), and the stream is
 cut into rows of ``seq_len`` tokens that overlap by one token (row ``r`` holds stream
 positions ``r (seq_len - 1) .. r (seq_len - 1) + seq_len - 1``; the last row is padded with
@@ -58,6 +60,7 @@ class LMTokenizer(Protocol):
 
     path: str  # the vocabulary file (its content keys the packing cache)
     bos_id: int  # separates documents; the first token of each
+    keeps_newlines: bool  # a document is encoded as one text (else paragraph by paragraph)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
 
@@ -66,6 +69,8 @@ class LMTokenizer(Protocol):
 
 class SentencePieceLM:
     """The project's SentencePiece vocabulary (pretraining's): ``eos`` (1) starts documents."""
+
+    keeps_newlines = False
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer, self.path, self.bos_id = tokenizer, tokenizer.path, EOS_ID
@@ -85,6 +90,8 @@ class HFTokenizerLM:
     """A checkpoint's tokenizer (:class:`sparsemixer_jax.hf.HFTokenizer`: ``tokenizer.json``,
     its special tokens and chat template); documents start with the checkpoint's
     ``bos_token_id`` (else its ``eos_token_id``, else 0)."""
+
+    keeps_newlines = True
 
     def __init__(self, hf: Any, bos_id: int):
         self.hf, self.path, self.bos_id = hf, hf.path, int(bos_id)
@@ -236,16 +243,22 @@ def document_bytes(documents: Sequence[Sequence[str]]) -> np.ndarray:
 
 
 def encode_documents(tokenizer: LMTokenizer, documents: Sequence[Sequence[str]],
-                     chunk: int = 1000) -> list[np.ndarray]:
-    """``[bos] + tokens`` of every document's text, its paragraphs joined by newlines (int32).
-
-    A byte-level vocabulary keeps the newlines; SentencePiece folds them into the word boundary
-    that starts each paragraph, as it would a space."""
-    texts = ["\n".join(doc) for doc in documents]
-    out = []
-    for start in range(0, len(texts), chunk):
-        for ids in tokenizer.encode_batch(texts[start: start + chunk]):
-            out.append(np.asarray([tokenizer.bos_id, *ids], np.int32))
+                     chunk: int = 10_000) -> list[np.ndarray]:
+    """``[bos] + tokens`` of every document (int32): its paragraphs joined by newlines and
+    encoded as one text (``tokenizer.keeps_newlines``), else each encoded on its own."""
+    if tokenizer.keeps_newlines:
+        pieces = [["\n".join(doc)] for doc in documents]
+    else:
+        pieces = [list(doc) for doc in documents]
+    flat = [p for doc in pieces for p in doc]
+    ids: list[list[int]] = []
+    for start in range(0, len(flat), chunk):
+        ids.extend(tokenizer.encode_batch(flat[start: start + chunk]))
+    out, i = [], 0
+    for doc in pieces:
+        out.append(np.asarray([tokenizer.bos_id, *(t for p in ids[i: i + len(doc)] for t in p)],
+                              np.int32))
+        i += len(doc)
     return out
 
 
