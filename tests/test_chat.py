@@ -284,3 +284,30 @@ def test_a_checkpoint_without_a_chat_template_is_refused_before_any_data(checkpo
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"no-template.*has none"):
         LMTask.from_config(_chat_config("x.jsonl", str(path)))
+
+
+@pytest.mark.slow  # fast counterpart: test_the_task_packs_chat_rows_and_counts_the_assistant_...
+def test_a_chat_fine_tuning_run_reports_the_assistant_targets(tmp_path):
+    from flax import nnx
+
+    from sparsemixer_jax.models.causal_lm import CausalLM
+    from sparsemixer_jax.tasks.language_model import train_lm
+
+    with open(os.path.join(DATA, "hf", "mixtral", "config.json")) as f:
+        config = json.load(f)
+    lm = hf.from_hf({**config, "vocab_size": 512})
+    path = str(tmp_path / "ckpt")
+    hf.save_pretrained(CausalLM(lm, rngs=nnx.Rngs(params=0, router=1)), lm, path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(CHAT, "chatml", name), path)
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"{2 * i}."}]} for i in range(12)]
+    train = tmp_path / "chat.jsonl"
+    train.write_text("\n".join(json.dumps(r) for r in rows) + "\n{}\n")
+    results = train_lm(_chat_config(str(train), path, train_steps=2, eval_every=2,
+                                    checkpoint_every=2, **{"data.valid_articles": 3}),
+                       str(tmp_path / "run"))
+    stats = results["data_stats"]
+    assert stats["valid"]["bad_rows"] == 1 and stats["valid"]["examples"] == 2
+    assert results["valid_tokens"] == stats["valid"]["targets"] > 0
+    assert np.isfinite(results["valid_loss"]) and results["steps"] == 2
