@@ -114,6 +114,14 @@ def test_template_errors_and_sandbox_escapes_are_one_line_errors(template, messa
     assert "\n" not in str(err.value).split(": ", 1)[0]
 
 
+def test_a_sample_prompt_is_a_user_turn_before_the_generation_prompt():
+    tok = hf.load_tokenizer(os.path.join(CHAT, "chatml"))
+    ids = chat.generation_prompt(tok, "Hi")
+    assert tok.tokenizer.decode(ids, skip_special_tokens=False) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused_without_generation_blocks():
     """Later turns change how an earlier assistant message renders (as templates that drop
     earlier reasoning do): its tokens cannot be found one message at a time."""
@@ -266,6 +274,19 @@ def test_the_task_packs_chat_rows_and_counts_the_assistant_targets(checkpoint, t
         LMTask.from_config(strict).load_data(strict, str(tmp_path / "w2"), 1)
 
 
+def test_the_task_packs_prompt_completion_rows(checkpoint, tmp_path):
+    train = tmp_path / "pc.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"Say {i}:", "completion": f" {i}."}) + "\n"
+                             for i in range(20)))
+    config = _chat_config(str(train), checkpoint, **{"data.format": "prompt_completion",
+                                                     "data.seq_len": 16})
+    data = LMTask.from_config(config).load_data(config, str(tmp_path / "w"), 1)
+    valid, tokenizer = data.extra["valid_split"], data.extra["tokenizer"].hf
+    assert tokenizer.tokenizer.decode(valid.tokens[valid.targets].tolist(),
+                                      skip_special_tokens=False) == " 18.<|im_end|> 19.<|im_end|>"
+    assert data.stats["valid"]["bytes"] == len(" 18. 19.")
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"init_from": ""}, "data.format='chat' needs a checkpoint's tokenizer"),
     ({"data.format": "dialogue"}, "config.data.format='dialogue'; choose one of"),
@@ -276,7 +297,7 @@ def test_chat_config_errors_are_one_line(checkpoint, tmp_path, overrides, messag
         LMTask.from_config(_chat_config(str(tmp_path / "x.jsonl"), checkpoint, **overrides))
 
 
-def test_a_checkpoint_without_a_chat_template_is_refused_before_any_data(checkpoint, tmp_path):
+def test_a_checkpoint_without_a_template_or_eos_is_refused_before_any_data(checkpoint, tmp_path):
     path = tmp_path / "no-template"
     shutil.copytree(checkpoint, path)
     config = json.loads((path / "tokenizer_config.json").read_text())
@@ -284,6 +305,13 @@ def test_a_checkpoint_without_a_chat_template_is_refused_before_any_data(checkpo
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"no-template.*has none"):
         LMTask.from_config(_chat_config("x.jsonl", str(path)))
+    # prompt_completion rows need no template, but an eos token.
+    LMTask.from_config(_chat_config("x.jsonl", str(path), **{"data.format": "prompt_completion"}))
+    del config["eos_token"]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"no-template.*tokenizer names none .*eos_token"):
+        LMTask.from_config(_chat_config("x.jsonl", str(path),
+                                        **{"data.format": "prompt_completion"}))
 
 
 @pytest.mark.slow  # fast counterpart: test_the_task_packs_chat_rows_and_counts_the_assistant_...

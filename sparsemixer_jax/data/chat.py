@@ -262,6 +262,14 @@ def encode(tokenizer: Any, messages: Sequence[Mapping[str, Any]]
     return example.ids, example.loss_mask
 
 
+def generation_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """The ids of one user turn ``prompt`` followed by the template's generation prompt (what
+    precedes an assistant's answer)."""
+    text, _ = render(tokenizer.chat_template, [{"role": "user", "content": prompt}],
+                     tokenizer.special_tokens, add_generation_prompt=True)
+    return tokenizer.encode(text)
+
+
 def encode_prompt_completion(tokenizer: Any, prompt: str, completion: str) -> Example:
     """The prompt with the tokenizer's special tokens, the completion and the eos token; the
     targets are the completion's tokens and the eos token."""

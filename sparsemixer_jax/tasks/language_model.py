@@ -275,7 +275,8 @@ class LMTask:
         if self.sample.tokens and jax.process_count() == 1:
             out["samples"] = generate_samples(run.steps.model(run.state), extra["tokenizer"],
                                               self.sample, run.config.seed,
-                                              rows=extra["batch_multiple"])
+                                              rows=extra["batch_multiple"],
+                                              as_chat=self.data.format == "chat")
             if is_main_process():
                 with open(os.path.join(run.workdir, "sample.txt"), "w") as f:
                     f.write("\n\n".join(out["samples"]) + "\n")
@@ -296,7 +297,8 @@ def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
     """The :class:`LMConfig` a fine-tuning run trains: the checkpoint's, with the model
     section's dispatch and compute settings and (``init_router="config"``) the router section.
     One-line ValueErrors for a directory that is not a checkpoint, an unsupported type, a
-    refused key, a missing shard or tokenizer, or (chat data) no chat template."""
+    refused key, a missing shard or tokenizer, or no chat template (``chat`` data) or eos
+    token (``prompt_completion``)."""
     from sparsemixer_jax import hf
     from sparsemixer_jax.hf.checkpoint import weight_files
 
@@ -314,17 +316,27 @@ def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise ValueError(f"{where}: no tokenizer.json (fine-tuning tokenizes with the "
                          "checkpoint's own tokenizer)")
-    if data_format == "chat":
+    if data_format != "text":
         try:
-            template = hf.load_tokenizer(path).chat_template
-            if template is None:
-                raise ValueError("config.data.format='chat' renders rows with the checkpoint's "
-                                 "chat template, and it has none (tokenizer_config.json's "
-                                 "chat_template or chat_template.jinja)")
-            chat.compile_template(template)  # jinja2 is installed and the template parses
+            _check_rows_tokenizer(hf.load_tokenizer(path), data_format)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
     return lm
+
+
+def _check_rows_tokenizer(tokenizer: Any, data_format: str) -> None:
+    """What encoding ``chat`` rows (a chat template that parses, jinja2 installed) or
+    ``prompt_completion`` rows (an eos token) needs of the checkpoint's tokenizer."""
+    if data_format == "prompt_completion":
+        if tokenizer.token_id("eos_token") is None:
+            raise ValueError("prompt_completion rows end with the eos token, and the tokenizer "
+                             "names none (tokenizer_config.json's eos_token)")
+        return
+    if tokenizer.chat_template is None:
+        raise ValueError("config.data.format='chat' renders rows with the checkpoint's chat "
+                         "template, and it has none (tokenizer_config.json's chat_template or "
+                         "chat_template.jinja)")
+    chat.compile_template(tokenizer.chat_template)
 
 
 def check_tokenizer_fits(tokenizer: lm_text.HFTokenizerLM, vocab_size: int, path: str) -> None:
@@ -334,24 +346,31 @@ def check_tokenizer_fits(tokenizer: lm_text.HFTokenizerLM, vocab_size: int, path
 
 
 def generate_samples(model: CausalLM, tokenizer: lm_text.LMTokenizer, sample: SampleConfig,
-                     seed: int, rows: int = 1) -> list[str]:
+                     seed: int, rows: int = 1, as_chat: bool = False) -> list[str]:
     """``prompt + continuation`` for each prompt of ``sample`` (deterministic routing). Each
     prompt is decoded as a batch of ``rows`` copies (the rows a mesh splits a batch into) and
-    the first row is kept."""
+    the first row is kept. ``as_chat``: each prompt is a user turn in the checkpoint's chat
+    template, the continuation the assistant's answer up to its eos token."""
     from sparsemixer_jax.models.lm_generate import generate
 
     model.eval()
     texts = []
     key = jax.random.key(seed + 7)
+    stop = tokenizer.bos_id  # a new document: the sample ends there
+    if as_chat and tokenizer.hf.token_id("eos_token") is not None:
+        stop = tokenizer.hf.token_id("eos_token")  # the end of the answer
     for i, prompt in enumerate(sample.prompts()):
-        ids = [tokenizer.bos_id] + (tokenizer.encode_batch([prompt])[0] if prompt else [])
+        if as_chat:
+            ids = chat.generation_prompt(tokenizer.hf, prompt)
+        else:
+            ids = [tokenizer.bos_id] + (tokenizer.encode_batch([prompt])[0] if prompt else [])
         out = generate(model, jnp.asarray([ids] * rows, jnp.int32), sample.tokens,
                        temperature=sample.temperature, top_k=sample.top_k or None,
                        key=jax.random.fold_in(key, i) if sample.temperature else None)
         continuation = [int(t) for t in np.asarray(out[0, len(ids):])]
-        if tokenizer.bos_id in continuation:  # a new document: the sample ends there
-            continuation = continuation[: continuation.index(tokenizer.bos_id)]
-        texts.append(tokenizer.decode(ids[1:] + continuation))
+        if stop in continuation:
+            continuation = continuation[: continuation.index(stop)]
+        texts.append(tokenizer.decode(ids[0 if as_chat else 1:] + continuation))
     return texts
 
 
