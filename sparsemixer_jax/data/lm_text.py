@@ -311,14 +311,16 @@ def row_bytes(targets: np.ndarray, segments: np.ndarray, doc_bytes: np.ndarray) 
 def lm_packing_key(data: LMDataConfig, split: str, files: Sequence[str],
                    tokenizer: LMTokenizer, fmt: str) -> str:
     """A SHA-256 of everything the packed rows of ``split`` depend on: the data files'
-    contents, the vocabulary file's, the format (and for rows the chat template and special
-    tokens), the split and its article counts, the row length."""
+    contents, the vocabulary file's, the format (and for rows the chat template, special
+    tokens and bad-row policy: an ``error`` run re-reads rows a ``skip`` run packed), the split
+    and its article counts, the row length."""
     base = text.packing_key(files, tokenizer.path, seq_len=data.seq_len, pair_prob=0.0, seed=0)
     hf = getattr(tokenizer, "hf", None)
     record = {"base": base, "version": LM_PACKING_VERSION, "split": split, "format": fmt,
               "bos": tokenizer.bos_id, "valid_articles": data.valid_articles,
               "train_articles": data.train_articles,
-              "tokenizer_config": "" if fmt == "text" or hf is None else hf.config_text}
+              "tokenizer_config": "" if fmt == "text" or hf is None else hf.config_text,
+              "on_bad_row": "" if fmt == "text" else data.on_bad_row}
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
