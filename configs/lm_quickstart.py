@@ -31,8 +31,14 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict()
     c.data.train = "../shared/data/wikipedia/enwiki_sample.txt.gz"
-    c.data.valid_articles = 1000  # the last documents of data.train, held out
-    c.data.train_articles = 3000  # the first training documents kept (0 = all)
+    # What data.train holds: "text" (documents) | "chat" (JSON lines {"messages": [{"role",
+    # "content"}, ...]}: the checkpoint's chat template, the loss on the assistant's tokens) |
+    # "prompt_completion" (JSON lines {"prompt", "completion"}: the loss on the completion).
+    # The last two fine-tune a checkpoint (init_from): docs/lm.md.
+    c.data.format = "text"
+    c.data.on_bad_row = "skip"  # a row that cannot be trained on: "skip" (counted) | "error"
+    c.data.valid_articles = 1000  # the last documents (rows) of data.train, held out
+    c.data.train_articles = 3000  # the first training documents (rows) kept (0 = all)
     # A second held-out set: a file, or a directory whose every file is evaluated on its own (the
     # directory ../shared/data/wikitext/wikitext-2-raw adds WikiText-2's validation file).
     c.data.wikitext = "../shared/data/wikitext/wikitext-2-raw/wiki.test.raw.gz"

@@ -56,6 +56,9 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     "model.shared_expert_gate": False,
     # Runs saved before the scheme was a choice were initialised by the "flax" scheme.
     "model.init": "flax",
+    # Language-modelling runs saved before chat data trained on text.
+    "data.format": {"lm": "text"},
+    "data.on_bad_row": {"lm": "skip"},
 }
 
 

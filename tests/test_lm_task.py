@@ -80,7 +80,7 @@ def test_packing_predicts_every_document_token_once_within_its_document():
     # A target's previous token is of its own document.
     assert np.all(segments[:, :-1][targets] == segments[:, 1:][targets])
     nbytes = np.asarray([5, 70, 30, 120])
-    per_row = lm_text.row_bytes(segments, nbytes)
+    per_row = lm_text.row_bytes(lm_text.text_targets(segments), segments, nbytes)
     assert per_row.sum() == pytest.approx(nbytes.sum())
 
 
@@ -105,6 +105,7 @@ def test_packed_documents_do_not_see_each_other(task_steps):
             tokens[r, :len(ids)] = ids
             segments[r, :len(ids)] = np.repeat(np.arange(1, len(doc) + 1), [len(d) for d in doc])
         return {"tokens": jnp.asarray(tokens), "segments": jnp.asarray(segments),
+                "targets": jnp.asarray(lm_text.text_targets(segments)),
                 "bytes": jnp.zeros((4,), jnp.float32)}
 
     state, key = task_steps.init_state(), jax.random.key(0)

@@ -120,6 +120,7 @@ def synthetic_lm_batch(sizes: dict[str, int], seed: int = 0) -> dict[str, Any]:
     tokens[:, 0] = 1
     return {"tokens": jnp.asarray(tokens),
             "segments": jnp.ones((rows, length), jnp.int32),
+            "targets": jnp.ones((rows, length), bool).at[:, 0].set(False),
             "bytes": jnp.full((rows,), 4.0 * (length - 1), jnp.float32)}
 
 

@@ -103,6 +103,7 @@ def compile_lm_task(task: LMTask, config: ml_collections.ConfigDict,
         batch = {"tokens": jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=placement),
                  "segments": jax.ShapeDtypeStruct((rows, length), jnp.int32,
                                                   sharding=placement),
+                 "targets": jax.ShapeDtypeStruct((rows, length), jnp.bool_, sharding=placement),
                  "bytes": jax.ShapeDtypeStruct((rows,), jnp.float32, sharding=placement)}
         micro_batches = task.data.batch_size // task.data.micro
         return aot_steps.compile_training(steps, state, rest, batch, micro_batches,

@@ -8,6 +8,8 @@
 * :mod:`.text`        -- pretraining text: readers, vocabulary with [CLS]/[SEP]/[MASK], packing,
                          MLM-masked batches.
 * :mod:`.glue`        -- GLUE tasks from a GLUE-layout directory, [CLS] a [SEP] b [SEP] inputs.
+* :mod:`.lm_text`     -- language-modelling documents and rows: held-out splits, packing, batches.
+* :mod:`.chat`        -- chat and instruction rows: chat templates, the assistant-token loss mask.
 """
 
 Pair = tuple[str, str]  # a (source, target) sentence pair

@@ -363,9 +363,10 @@ def packing_key(files: Sequence[str], vocabulary: str, *, seq_len: int, pair_pro
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def load_packed(cache_dir: str, split: str, key: str) -> tuple[np.ndarray, np.ndarray,
-                                                              dict[str, Any]] | None:
-    """``(tokens, segments, stats)`` cached under ``key``, or None (absent or unreadable)."""
+def load_packed(cache_dir: str, split: str, key: str
+                ) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+    """``(arrays, stats)`` cached under ``key`` (``arrays``: ``tokens``, ``segments`` and what
+    else was saved), or None (absent or unreadable)."""
     path = os.path.join(cache_dir, f"{split}-{key[:20]}.npz")
     if not os.path.exists(path):
         return None
@@ -374,20 +375,20 @@ def load_packed(cache_dir: str, split: str, key: str) -> tuple[np.ndarray, np.nd
             stats = json.loads(str(f["stats"]))
             if stats.get("key") != key:
                 return None
-            return f["tokens"], f["segments"], stats
+            return {k: f[k] for k in f.files if k != "stats"}, stats
     except (OSError, ValueError, KeyError) as e:  # a truncated or foreign file: pack again
         logger.warning("packed-data cache %s is unreadable (%s); packing again", path, e)
         return None
 
 
-def save_packed(cache_dir: str, split: str, key: str, tokens: np.ndarray, segments: np.ndarray,
+def save_packed(cache_dir: str, split: str, key: str, arrays: dict[str, np.ndarray],
                 stats: dict[str, Any]) -> str:
-    """Writes the packed arrays atomically (a reader sees the old file or the new one); stale
-    files of ``split`` with another key are removed."""
+    """Writes the packed ``arrays`` (``tokens``, ``segments``, ...) atomically (a reader sees
+    the old file or the new one); stale files of ``split`` with another key are removed."""
     os.makedirs(cache_dir, exist_ok=True)
     path = os.path.join(cache_dir, f"{split}-{key[:20]}.npz")
     tmp = f"{path}.tmp{os.getpid()}.npz"
-    np.savez(tmp, tokens=tokens, segments=segments, stats=json.dumps({**stats, "key": key}))
+    np.savez(tmp, **arrays, stats=json.dumps({**stats, "key": key}))
     os.replace(tmp, path)
     for name in os.listdir(cache_dir):
         if name.startswith(f"{split}-") and name.endswith(".npz") and \

@@ -302,15 +302,3 @@ def save_pretrained(model: CausalLM, config: LMConfig, out_dir: str, *,
     if tokenizer is not None:
         tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
 
-
-def load_tokenizer(path: str):
-    """The ``tokenizers.Tokenizer`` of a Hugging Face directory's ``tokenizer.json``."""
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(file):
-        raise ValueError(f"{path!r} has no tokenizer.json")
-    try:
-        from tokenizers import Tokenizer
-    except ImportError as err:  # pragma: no cover - depends on the install
-        raise ImportError("the tokenizer needs the tokenizers package: pip install "
-                          "'sparsemixer-jax[hf]'") from err
-    return Tokenizer.from_file(file)

@@ -27,7 +27,7 @@ from flax import nnx
 
 from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import sharding
-from sparsemixer_jax.data import lm_text, text
+from sparsemixer_jax.data import chat, lm_text, text
 from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.routers import RouterConfig
@@ -51,16 +51,15 @@ logger = logging.getLogger(__name__)
 _SUMS = ("nll", "tokens", "correct", "bytes")
 
 
-def next_token_sums(logits: jax.Array, tokens: jax.Array, segments: jax.Array,
+def next_token_sums(logits: jax.Array, tokens: jax.Array, is_target: jax.Array,
                     row_bytes: jax.Array) -> dict[str, jax.Array]:
-    """Sums over the targets of packed rows (:func:`sparsemixer_jax.data.lm_text.target_mask`):
-    ``nll``, ``tokens``, ``correct`` (argmax hits) and ``bytes`` (their text's UTF-8 bytes).
+    """Sums over the targets of packed rows (:mod:`sparsemixer_jax.data.lm_text`): ``nll``,
+    ``tokens``, ``correct`` (argmax hits) and ``bytes`` (their text's UTF-8 bytes).
 
-    ``logits`` float32 ``[B, T, V]``; ``tokens``, ``segments`` int ``[B, T]``; ``row_bytes``
-    ``[B]``."""
+    ``logits`` float32 ``[B, T, V]``; ``tokens`` int ``[B, T]``; ``is_target`` bool ``[B, T]``
+    (position ``t`` is predicted from the positions before it); ``row_bytes`` ``[B]``."""
     targets = tokens[:, 1:]
-    weights = ((segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)).astype(
-        jnp.float32)
+    weights = is_target[:, 1:].astype(jnp.float32)
     log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
     correct = (jnp.argmax(logits[:, :-1], axis=-1) == targets).astype(jnp.float32)
@@ -96,7 +95,7 @@ class LMTask:
     sample: SampleConfig
     init_from: str = ""
 
-    batch_keys = ("tokens", "segments", "bytes")
+    batch_keys = ("tokens", "segments", "targets", "bytes")
     progress_keys = ("loss", "ppl")
 
     @classmethod
@@ -114,7 +113,11 @@ class LMTask:
             raise ValueError(f"config.init_router={init_router!r}; choose one of {INIT_ROUTERS}")
         check_loop_sections(config)
         if init_from:
-            lm = _checkpoint_config(init_from, router, model, init_router)
+            lm = _checkpoint_config(init_from, router, model, init_router, data.format)
+        elif data.format != "text":
+            raise ValueError(f"config.data.format={data.format!r} needs a checkpoint's "
+                             "tokenizer (and, for chat, its chat template): set "
+                             "config.init_from to a Hugging Face directory")
         else:
             config_schema.validate(config)
             lm = from_scratch_config(model, router, data.vocab_size)
@@ -127,7 +130,7 @@ class LMTask:
         # The scanned stacks hold one key per layer: match_shape splits the new one to them.
         nnx.reseed(model, policy="match_shape", router=key)
         out = _forward(model, batch, deterministic=False)
-        sums = next_token_sums(out.logits, batch["tokens"], batch["segments"], batch["bytes"])
+        sums = next_token_sums(out.logits, batch["tokens"], batch["targets"], batch["bytes"])
         router, tokens = self.router, sums["tokens"]
         aux = router.balance_weight * out.aux["balance_loss"] + \
             router.z_loss_weight * out.aux["z_loss"]
@@ -157,7 +160,7 @@ class LMTask:
     def evaluate(self, model: CausalLM, batch, key):
         del key  # the deterministic forward draws nothing
         out = _forward(model, batch, deterministic=True)
-        return next_token_sums(out.logits, batch["tokens"], batch["segments"], batch["bytes"])
+        return next_token_sums(out.logits, batch["tokens"], batch["targets"], batch["bytes"])
 
     # -- on the host
 
@@ -168,7 +171,6 @@ class LMTask:
             from sparsemixer_jax import hf
 
             return lm_text.HFTokenizerLM(hf.load_tokenizer(self.init_from),
-                                         os.path.join(self.init_from, "tokenizer.json"),
                                          lm_text.hf_bos_id(self.lm.hf))
         d = self.data
         needed = not os.path.exists(os.path.join(workdir, "spm.model"))
@@ -182,8 +184,8 @@ class LMTask:
         return lm_text.SentencePieceLM(spm)
 
     def load_data(self, config, workdir: str, batch_multiple: int) -> TaskData:
-        """Reads the documents (only when the packing cache lacks them), trains the vocabulary
-        on first use, packs every split."""
+        """Reads the documents or rows (only when the packing cache lacks them), trains the
+        vocabulary on first use, packs every split."""
         d = self.data
         if d.micro % batch_multiple:
             raise ValueError(f"config.data: a micro-batch of {d.micro} rows does not split over "
@@ -193,12 +195,14 @@ class LMTask:
 
         def split(name: str):
             if not documents:
-                documents["train"], documents["valid"] = lm_text.split_documents(
-                    d, text.read_documents(d.train))
+                source = text.read_documents(d.train) if d.format == "text" else \
+                    chat.read_rows(text.text_files(d.train))
+                documents["train"], documents["valid"] = lm_text.split_documents(d, source)
             return documents[name]
 
         if not is_main_process():  # process 0 trains the vocabulary, the others then read it
             wait_for_all_processes("vocabulary ready")
+        # From scratch is text only (chat rows need a checkpoint's tokenizer: from_config).
         tokenizer = self.tokenizer(workdir, lambda: [p for doc in split("train") for p in doc])
         if is_main_process():
             wait_for_all_processes("vocabulary ready")
@@ -216,7 +220,7 @@ class LMTask:
             name = lm_text.held_out_name(file)
             held_out[name] = lm_text.pack_split(d, cache, f"lm-wikitext-{name}", [file],
                                                 tokenizer, lambda f=file: text.read_documents(f),
-                                                write)
+                                                write, fmt="text")
         processes = {"process_index": jax.process_index(), "process_count": jax.process_count()}
         batches = lm_text.LMBatches(train_split, d.micro, seed=d.seed, **processes)
         # Evaluation batches split over the mesh too: padded with empty rows to a multiple.
@@ -271,7 +275,8 @@ class LMTask:
         if self.sample.tokens and jax.process_count() == 1:
             out["samples"] = generate_samples(run.steps.model(run.state), extra["tokenizer"],
                                               self.sample, run.config.seed,
-                                              rows=extra["batch_multiple"])
+                                              rows=extra["batch_multiple"],
+                                              as_chat=self.data.format == "chat")
             if is_main_process():
                 with open(os.path.join(run.workdir, "sample.txt"), "w") as f:
                     f.write("\n\n".join(out["samples"]) + "\n")
@@ -288,11 +293,12 @@ def _changes(lm: LMConfig, path: str) -> dict[str, Any]:
 
 
 def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
-                       init_router: str) -> LMConfig:
+                       init_router: str, data_format: str = "text") -> LMConfig:
     """The :class:`LMConfig` a fine-tuning run trains: the checkpoint's, with the model
     section's dispatch and compute settings and (``init_router="config"``) the router section.
     One-line ValueErrors for a directory that is not a checkpoint, an unsupported type, a
-    refused key, a missing shard or tokenizer."""
+    refused key, a missing shard or tokenizer, or no chat template (``chat`` data) or eos
+    token (``prompt_completion``)."""
     from sparsemixer_jax import hf
     from sparsemixer_jax.hf.checkpoint import weight_files
 
@@ -310,7 +316,27 @@ def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise ValueError(f"{where}: no tokenizer.json (fine-tuning tokenizes with the "
                          "checkpoint's own tokenizer)")
+    if data_format != "text":
+        try:
+            _check_rows_tokenizer(hf.load_tokenizer(path), data_format)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
     return lm
+
+
+def _check_rows_tokenizer(tokenizer: Any, data_format: str) -> None:
+    """What encoding ``chat`` rows (a chat template that parses, jinja2 installed) or
+    ``prompt_completion`` rows (an eos token) needs of the checkpoint's tokenizer."""
+    if data_format == "prompt_completion":
+        if tokenizer.token_id("eos_token") is None:
+            raise ValueError("prompt_completion rows end with the eos token, and the tokenizer "
+                             "names none (tokenizer_config.json's eos_token)")
+        return
+    if tokenizer.chat_template is None:
+        raise ValueError("config.data.format='chat' renders rows with the checkpoint's chat "
+                         "template, and it has none (tokenizer_config.json's chat_template or "
+                         "chat_template.jinja)")
+    chat.compile_template(tokenizer.chat_template)
 
 
 def check_tokenizer_fits(tokenizer: lm_text.HFTokenizerLM, vocab_size: int, path: str) -> None:
@@ -320,24 +346,31 @@ def check_tokenizer_fits(tokenizer: lm_text.HFTokenizerLM, vocab_size: int, path
 
 
 def generate_samples(model: CausalLM, tokenizer: lm_text.LMTokenizer, sample: SampleConfig,
-                     seed: int, rows: int = 1) -> list[str]:
+                     seed: int, rows: int = 1, as_chat: bool = False) -> list[str]:
     """``prompt + continuation`` for each prompt of ``sample`` (deterministic routing). Each
     prompt is decoded as a batch of ``rows`` copies (the rows a mesh splits a batch into) and
-    the first row is kept."""
+    the first row is kept. ``as_chat``: each prompt is a user turn in the checkpoint's chat
+    template, the continuation the assistant's answer up to its eos token."""
     from sparsemixer_jax.models.lm_generate import generate
 
     model.eval()
     texts = []
     key = jax.random.key(seed + 7)
+    stop = tokenizer.bos_id  # a new document: the sample ends there
+    if as_chat and tokenizer.hf.token_id("eos_token") is not None:
+        stop = tokenizer.hf.token_id("eos_token")  # the end of the answer
     for i, prompt in enumerate(sample.prompts()):
-        ids = [tokenizer.bos_id] + (tokenizer.encode_batch([prompt])[0] if prompt else [])
+        if as_chat:
+            ids = chat.generation_prompt(tokenizer.hf, prompt)
+        else:
+            ids = [tokenizer.bos_id] + (tokenizer.encode_batch([prompt])[0] if prompt else [])
         out = generate(model, jnp.asarray([ids] * rows, jnp.int32), sample.tokens,
                        temperature=sample.temperature, top_k=sample.top_k or None,
                        key=jax.random.fold_in(key, i) if sample.temperature else None)
         continuation = [int(t) for t in np.asarray(out[0, len(ids):])]
-        if tokenizer.bos_id in continuation:  # a new document: the sample ends there
-            continuation = continuation[: continuation.index(tokenizer.bos_id)]
-        texts.append(tokenizer.decode(ids[1:] + continuation))
+        if stop in continuation:
+            continuation = continuation[: continuation.index(stop)]
+        texts.append(tokenizer.decode(ids[0 if as_chat else 1:] + continuation))
     return texts
 
 
@@ -391,7 +424,7 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last",
     model = steps.model(restored.state)
     tokenizer = None
     if task.init_from:
-        tokenizer = hf.load_tokenizer(task.init_from)
+        tokenizer = hf.load_tokenizer(task.init_from).tokenizer
     hf.save_pretrained(model, task.lm, out_dir, dtype=dtype, tokenizer=tokenizer)
     if not task.init_from and jax.process_index() == 0:
         shutil.copyfile(os.path.join(workdir, "spm.model"), os.path.join(out_dir, "spm.model"))

@@ -82,7 +82,8 @@ def packed_split(data: Any, workdir: str, split: str, path: str, tokenizer: Toke
     cache = os.path.join(workdir, PACKED_DIR)
     cached = text.load_packed(cache, split, key)
     if cached is not None:
-        tokens, segments, stats = cached
+        arrays, stats = cached
+        tokens, segments = arrays["tokens"], arrays["segments"]
         stats = {k: v for k, v in stats.items() if k != "key"}
         logger.info("%s: %d packed sequences read from the cache (%s)", split, len(tokens), cache)
         return tokens, segments, stats
@@ -95,7 +96,7 @@ def packed_split(data: Any, workdir: str, split: str, path: str, tokenizer: Toke
                          "token the vocabulary knows")
     stats = _stats(documents, paragraphs, tokens)
     if is_main_process():
-        text.save_packed(cache, split, key, tokens, segments, stats)
+        text.save_packed(cache, split, key, {"tokens": tokens, "segments": segments}, stats)
     return tokens, segments, stats
 
 
