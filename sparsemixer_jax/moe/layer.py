@@ -474,6 +474,24 @@ class MoEFeedForward(nnx.Module):
         return term
 
 
+def routing_param_paths(model: nnx.Module) -> tuple[tuple[tuple[str, ...], ...],
+                                                     tuple[tuple[str, ...], ...]]:
+    """``(routers, experts)``: the paths (keys as strings) of every :class:`MoEFeedForward`'s
+    router in ``model`` and of its routed experts' params (with ``omega``, which scales their
+    output); the labels :class:`sparsemixer_jax.training.optim.ParamRoles` gives the optimizer.
+    Shared experts are left out (always on: a dense feed-forward in effect)."""
+    routers, experts = [], []
+    for path, module in nnx.iter_modules(model):
+        if not isinstance(module, MoEFeedForward):
+            continue
+        path = tuple(str(key) for key in path)
+        routers.append((*path, "router"))
+        names = ("w_gate", "w_up", "w_down") if module.gated else ("wi", "bi", "wo", "bo")
+        experts.extend((*path, name) for name in (*names, "omega")
+                       if getattr(module, name) is not None)
+    return tuple(routers), tuple(experts)
+
+
 def fold_omega(model: nnx.Module) -> int:
     """Folds SparseMixer's ``omega`` into the experts' output projections of every
     :class:`MoEFeedForward` in ``model``, in place.

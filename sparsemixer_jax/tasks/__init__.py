@@ -40,7 +40,7 @@ def check_loop_sections(config: Any) -> None:
     check_positive("config.", **{name: cast(int, config[name], f"config.{name}")
                                  for name in LOOP_FIELDS})
     cast(int, config.seed, "config.seed")
-    OptimSettings.from_config(config.optim)
+    OptimSettings.from_config(config.optim, router=config.router)
     RuntimeConfig.from_config(config.runtime)
     MeshConfig.from_config(config.mesh)
 

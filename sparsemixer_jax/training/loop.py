@@ -154,7 +154,7 @@ def build_steps(task: Task, config: ml_collections.ConfigDict, vocab_size: int,
     model = task.build_model(config, vocab_size, mesh)
     if init_model is not None:
         init_model(model)
-    return Steps(model, task, OptimSettings.from_config(config.optim),
+    return Steps(model, task, OptimSettings.from_config(config.optim, router=config.router),
                  sharding.partitioner_from_config(config, mesh))
 
 

@@ -30,6 +30,7 @@ through every micro-batch's forward in order, and is kept unchanged when an upda
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -40,8 +41,15 @@ import optax
 from flax import nnx
 
 from sparsemixer_jax.moe.balancing import BalancePlan, balance_plan, end_of_update
+from sparsemixer_jax.moe.layer import routing_param_paths
 from sparsemixer_jax.partitioning import Partitioner, constrain
-from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule, make_optimizer
+from sparsemixer_jax.training.optim import (
+    OptimSettings,
+    ParamRoles,
+    learning_rate_schedule,
+    make_optimizer,
+    param_labels,
+)
 from sparsemixer_jax.training.state import TrainState
 
 
@@ -180,7 +188,7 @@ class Steps:
         self.params = _committed(nnx.to_pure_dict(params))
         self.layer_state = _committed(nnx.to_pure_dict(layer_state))  # {} for most models
         self.task = task
-        self.optim = optim
+        self.optim = _with_roles(optim, model, self.params)
         self.partitioner = partitioner
         self.balance = balance_plan(model)  # the MoE layers whose loads each update reads
         self.schedule = learning_rate_schedule(optim)
@@ -300,6 +308,19 @@ class Steps:
         params = self.params if state is None else state.params
         layer_state = self.layer_state if state is None else state.layer_state
         return nnx.merge(self.graphdef, nnx.State(params), nnx.State(layer_state), self.rest)
+
+
+def _with_roles(optim: OptimSettings, model: nnx.Module, params: Any) -> OptimSettings:
+    """``optim`` with the model's routers and experts (:class:`ParamRoles`) when its fine-tuning
+    policy needs them; a one-line ValueError for a policy that would train nothing."""
+    if not optim.has_policy:
+        return optim
+    optim = dataclasses.replace(optim, roles=ParamRoles(*routing_param_paths(model)))
+    labels = jax.tree.leaves(param_labels(optim, params))
+    if all(label == "frozen" for label in labels):
+        raise ValueError(f"config.optim.train_only={optim.train_only!r} trains no parameter of "
+                         "this model (it has no MoE layer)")
+    return optim
 
 
 def _replicated_like(tree: Any) -> jax.sharding.Sharding | None:
