@@ -1,11 +1,16 @@
-"""Fine-tuning policies: frozen routers, a learning rate of their own, training only some roles.
+"""Fine-tuning: policies (frozen routers, a learning rate of their own, training only some
+roles) and the routing diagnostics logged at each evaluation.
 
 The labels of every task's model (translation, ELECTRA, language model), the optimizer's update
-against the hand-computed AdamW step, the one-line errors, and a language-modelling run under a
-policy: its frozen parameters bitwise unchanged, and its resume bitwise the uninterrupted run
-(tests/kit's resume test, with this module's ``task``). The runs share one compilation of the
-policy's train step.
+against the hand-computed AdamW step, the one-line errors, and a fine-tuning run of the tiny
+Mixtral checkpoint under a policy: its frozen parameters bitwise unchanged, its resume bitwise
+the uninterrupted run (tests/kit's resume test, with this module's ``task``), its routing churn,
+load and collapse warnings. The runs share one compilation of the policy's train step.
 """
+
+import logging
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +22,13 @@ from sparsemixer_jax import training
 from sparsemixer_jax.moe.layer import routing_param_paths
 from sparsemixer_jax.tasks import check_config
 from sparsemixer_jax.tasks.language_model import LMTask, train_lm
+from sparsemixer_jax.training.hosts import BatchPlacer
 from sparsemixer_jax.training.optim import OptimSettings, ParamRoles, make_optimizer, param_labels
+from sparsemixer_jax.training.routing_watch import CollapseRule, RoutingWatch
+from sparsemixer_jax.training.state import restore_checkpoint
+from sparsemixer_jax.training.steps import Steps
 from tests import kit, tiny_lm_config
+from tests.test_lm_task import HF_DATA, _word_tokenizer
 
 # Experts frozen, routers at twice the rate of the rest: all three labels in one run.
 POLICY = {"optim.train_only": "non_experts", "optim.router_lr_scale": 2.0}
@@ -26,6 +36,7 @@ EXPERT_NAMES = ("w_gate", "w_up", "w_down", "omega")  # the tiny LM's (SparseMix
 
 
 def _config(corpus, **overrides):
+    """The tiny language model from scratch, under the policy."""
     return kit.tiny_config("lm", corpus, **{"data.wikitext": "", "sample.tokens": 0, **POLICY,
                                             **overrides})
 
@@ -36,13 +47,23 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def task(corpus):
-    return kit.Task("lm", lambda workdir, **o: train_lm(_config(corpus, **o), workdir))
+def finetune_config(corpus, tmp_path_factory):
+    """``config(**overrides)``: fine-tuning ``tests/data/hf/mixtral`` (3 layers of 6 experts,
+    top-3, Switch routing) with a word-level tokenizer, under the policy."""
+    path = str(tmp_path_factory.mktemp("ckpt") / "mixtral")
+    shutil.copytree(os.path.join(HF_DATA, "mixtral"), path)
+    _word_tokenizer(corpus, 97).save(os.path.join(path, "tokenizer.json"))
+    return lambda **overrides: _config(corpus, init_from=path, **overrides)
 
 
 @pytest.fixture(scope="module")
-def task_steps(corpus):
-    config = _config(corpus)
+def task(finetune_config):
+    return kit.Task("lm", lambda workdir, **o: train_lm(finetune_config(**o), workdir))
+
+
+@pytest.fixture(scope="module")
+def task_steps(finetune_config):
+    config = finetune_config()
     return training.build_steps(LMTask.from_config(config), config, config.data.vocab_size)
 
 
@@ -151,15 +172,17 @@ def test_policy_errors_are_one_line(corpus, overrides, message):
 def test_a_policy_that_trains_nothing_of_the_model_is_one_line(corpus):
     config = _config(corpus, **{"model.num_experts": 0, "optim.train_only": "experts",
                                 "optim.router_lr_scale": 1.0})
+    task = LMTask.from_config(config)
+    model = nnx.eval_shape(lambda: task.build_model(config, 120, None))  # shapes only
     with pytest.raises(ValueError) as error:
-        training.build_steps(LMTask.from_config(config), config, config.data.vocab_size)
+        Steps(model, task, OptimSettings.from_config(config.optim, router=config.router))
     assert "train_only='experts' trains no parameter of this model" in str(error.value)
 
 
 def test_frozen_parameters_are_bitwise_unchanged_by_training(straight_run, task_steps,
                                                              last_checkpoint):
-    """The experts (frozen by ``train_only=non_experts``) end the run as they started; the
-    routers and the rest trained."""
+    """The experts (frozen by ``train_only=non_experts``) end the run as the checkpoint has
+    them; the routers and the rest trained."""
     workdir, _ = straight_run
     trained, meta = last_checkpoint(workdir, task_steps)
     assert meta["step"] == 6
@@ -169,3 +192,66 @@ def test_frozen_parameters_are_bitwise_unchanged_by_training(straight_run, task_
             np.testing.assert_array_equal(value, start[path], err_msg=path)
         else:
             assert not np.array_equal(value, start[path]), path
+
+
+@pytest.fixture(scope="module")
+def routing_at_start_and_end(finetune_config, straight_run, task_steps):
+    """``(batches, place, start state, end state)`` of the fine-tuning run: its validation
+    batches (read from the run's packing cache) and the train states of steps 0 and 6."""
+    workdir, _ = straight_run
+    config = finetune_config()
+    task = LMTask.from_config(config)
+    batches = task.load_data(config, workdir, 1).valid
+    end = restore_checkpoint(workdir, task_steps.abstract_state(), "last").state
+    start = task_steps.new_state(task_steps.params, task_steps.layer_state)
+    return batches, BatchPlacer(None, task.batch_keys), start, end
+
+
+def test_routing_churn_and_load_are_logged_at_each_evaluation(straight_run, task_steps,
+                                                              routing_at_start_and_end):
+    """metrics.jsonl holds each MoE layer's churn, max share and load entropy at steps 3 and
+    6; at step 6 they equal what numpy computes from the two models' chosen experts."""
+    workdir, results = straight_run
+    records = [r for r in kit.read_metrics(workdir) if "valid_loss" in r]
+    assert [r["step"] for r in records] == [3, 6]
+    assert all(sorted(r["routing"]) == ["layer_0", "layer_1", "layer_2"] for r in records)
+    batches, place, start, end = routing_at_start_and_end
+    chosen = {"start": [], "end": []}
+    for batch in batches:
+        for name, state in (("start", start), ("end", end)):
+            choices, mask = task_steps.routing(state, place(batch))
+            chosen[name].append(({k: np.asarray(v) for k, v in choices.items()},
+                                 np.asarray(mask)))
+    for layer, logged in records[-1]["routing"].items():
+        before = np.concatenate([c[layer][m] for c, m in chosen["start"]])  # [tokens, k]
+        after = np.concatenate([c[layer][m] for c, m in chosen["end"]])
+        assert before.shape[1] == 3 and np.all(np.diff(after, axis=1) > 0)  # sets of 3
+        shares = np.bincount(after.astype(int).ravel(), minlength=6) / len(after)
+        p = shares / shares.sum()
+        # Counts of at most a few hundred tokens: exact in float32 and float64 alike.
+        assert logged["churn"] == np.mean(np.any(before != after, axis=1))
+        assert logged["max_share"] == shares.max()
+        # The entropy in float32 (its sum over 6 terms), against numpy's float64.
+        assert logged["load_entropy"] == pytest.approx(
+            -np.sum(p * np.log(p)) / np.log(6), rel=1e-6)
+    assert results["routing"] == records[-1]["routing"]  # the last evaluation's
+    assert 0 < records[-1]["routing"]["layer_0"]["churn"] < 1  # trained routers moved some
+
+
+def test_a_collapsing_layer_is_named_on_one_warning_line(task_steps, routing_at_start_and_end,
+                                                         caplog):
+    """With a share every layer reaches, each layer is named once, on the evaluation that
+    completes the run of ``evaluations``; with a share no layer reaches, none is."""
+    batches, place, start, end = routing_at_start_and_end
+    watch = RoutingWatch(task_steps, start, batches, place, CollapseRule(0.01, 2))
+    quiet = RoutingWatch(task_steps, start, batches, place, CollapseRule(1.0, 1))
+    warned = []
+    for step in (1, 2, 3):
+        with caplog.at_level(logging.WARNING):
+            caplog.clear()
+            watch.evaluate(step, task_steps, end)
+            quiet.evaluate(step, task_steps, end)
+        warned.append([r.getMessage() for r in caplog.records])
+    assert warned[0] == warned[2] == []
+    assert [m.split(": ")[1].split()[0] for m in warned[1]] == ["layer_0", "layer_1", "layer_2"]
+    assert all(m.startswith("router collapse at step 2: ") and "\n" not in m for m in warned[1])

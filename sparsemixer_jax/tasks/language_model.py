@@ -163,6 +163,19 @@ class LMTask:
         out = _forward(model, batch, deterministic=True)
         return next_token_sums(out.logits, batch["tokens"], batch["segments"], batch["bytes"])
 
+    @property
+    def tracks_routing(self) -> bool:
+        """Fine-tuning logs what it does to the checkpoint's routing at each evaluation
+        (:mod:`sparsemixer_jax.training.routing_watch`)."""
+        return bool(self.init_from)
+
+    def routing_choices(self, model: CausalLM, batch):
+        """Each MoE layer's chosen experts per token ``[B, T, k]`` (a model that reports them:
+        :func:`sparsemixer_jax.moe.layer.report_choices`) and the mask of real tokens."""
+        out = _forward(model, batch, deterministic=True)
+        return ({name: m["choices"] for name, m in out.aux["moe"].items()},
+                batch["segments"] != 0)
+
     # -- on the host
 
     def tokenizer(self, workdir: str, paragraphs=None) -> lm_text.LMTokenizer:

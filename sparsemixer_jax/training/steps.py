@@ -41,7 +41,7 @@ import optax
 from flax import nnx
 
 from sparsemixer_jax.moe.balancing import BalancePlan, balance_plan, end_of_update
-from sparsemixer_jax.moe.layer import routing_param_paths
+from sparsemixer_jax.moe.layer import report_choices, routing_param_paths
 from sparsemixer_jax.partitioning import Partitioner, constrain
 from sparsemixer_jax.training.optim import (
     OptimSettings,
@@ -162,6 +162,11 @@ def _evaluate(graphdef, task, state, rest, batch, key):
     return task.evaluate(_merge(graphdef, state.params, state.layer_state, rest), batch, key)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _routing(graphdef, task, state, rest, batch):
+    return task.routing_choices(_merge(graphdef, state.params, state.layer_state, rest), batch)
+
+
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("partitioner",))
 def _initial_state(optim: OptimSettings, params, layer_state, partitioner=None):
     # Under jit, so that the step and the optimizer's count are placed as its other outputs
@@ -192,6 +197,7 @@ class Steps:
         self.partitioner = partitioner
         self.balance = balance_plan(model)  # the MoE layers whose loads each update reads
         self.schedule = learning_rate_schedule(optim)
+        self._routing_graph: tuple[nnx.GraphDef, int] | None = None  # built on first use
 
     def new_state(self, params: Any, layer_state: Any) -> TrainState:
         """The train state of step 0 with ``params`` and ``layer_state`` and a fresh optimizer
@@ -301,6 +307,26 @@ class Steps:
     def evaluate(self, state: TrainState, batch: dict[str, jax.Array], key: jax.Array) -> Any:
         """The task's evaluation sums of the deterministic forward on ``batch``."""
         return _evaluate(self.graphdef, self.task, state, self.rest, batch, key)
+
+    def routing(self, state: TrainState, batch: dict[str, jax.Array]
+                ) -> tuple[dict[str, jax.Array], jax.Array]:
+        """The task's ``routing_choices`` on ``batch``: each MoE layer's chosen experts per
+        token ``[B, T, k]`` (sorted) under the deterministic forward, and the bool ``[B, T]``
+        mask of the tokens that count. Compiled once, for a copy of the model graph that
+        reports its choices (:func:`sparsemixer_jax.moe.layer.report_choices`)."""
+        graphdef, _ = self._routing_graph_of(state)
+        return _routing(graphdef, self.task, state, self.rest, batch)
+
+    def num_routed_experts(self, state: TrainState) -> int:
+        """The most experts of an MoE layer of the model (0: no MoE layer)."""
+        return self._routing_graph_of(state)[1]
+
+    def _routing_graph_of(self, state: TrainState) -> tuple[nnx.GraphDef, int]:
+        if self._routing_graph is None:
+            model = self.model(state)
+            experts = report_choices(model)
+            self._routing_graph = (nnx.split(model, nnx.Param, nnx.BatchStat, ...)[0], experts)
+        return self._routing_graph
 
     def model(self, state: TrainState | None = None) -> nnx.Module:
         """The module holding ``state``'s parameters and layer state (the initial ones if None),
