@@ -39,8 +39,9 @@ TRAIN_ONLY = ("all", "routers", "experts", "non_experts")
 # The optimizer's labels of parameters under a fine-tuning policy.
 ROUTER, REST, FROZEN = "router", "rest", "frozen"
 
-__all__ = ["SCHEDULES", "TRAIN_ONLY", "WEIGHT_DECAY_MASKS", "OptimSettings", "ParamRoles",
-           "learning_rate_schedule", "make_optimizer", "weight_decay_mask"]
+__all__ = ["FROZEN", "SCHEDULES", "TRAIN_ONLY", "WEIGHT_DECAY_MASKS", "OptimSettings",
+           "ParamRoles", "learning_rate_schedule", "make_optimizer", "param_labels",
+           "weight_decay_mask"]
 
 
 Path = tuple[str, ...]

@@ -44,6 +44,7 @@ from sparsemixer_jax.moe.balancing import BalancePlan, balance_plan, end_of_upda
 from sparsemixer_jax.moe.layer import report_choices, routing_param_paths
 from sparsemixer_jax.partitioning import Partitioner, constrain
 from sparsemixer_jax.training.optim import (
+    FROZEN,
     OptimSettings,
     ParamRoles,
     learning_rate_schedule,
@@ -343,7 +344,7 @@ def _with_roles(optim: OptimSettings, model: nnx.Module, params: Any) -> OptimSe
         return optim
     optim = dataclasses.replace(optim, roles=ParamRoles(*routing_param_paths(model)))
     labels = jax.tree.leaves(param_labels(optim, params))
-    if all(label == "frozen" for label in labels):
+    if all(label == FROZEN for label in labels):
         raise ValueError(f"config.optim.train_only={optim.train_only!r} trains no parameter of "
                          "this model (it has no MoE layer)")
     return optim
