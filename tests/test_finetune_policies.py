@@ -241,7 +241,8 @@ def test_routing_churn_and_load_are_logged_at_each_evaluation(straight_run, task
 def test_a_collapsing_layer_is_named_on_one_warning_line(task_steps, routing_at_start_and_end,
                                                          caplog):
     """With a share every layer reaches, each layer is named once, on the evaluation that
-    completes the run of ``evaluations``; with a share no layer reaches, none is."""
+    completes the run of ``evaluations`` (counted on across a resumption); with a share no
+    layer reaches, none is."""
     batches, place, start, end = routing_at_start_and_end
     watch = RoutingWatch(task_steps, start, batches, place, CollapseRule(0.01, 2))
     quiet = RoutingWatch(task_steps, start, batches, place, CollapseRule(1.0, 1))
@@ -255,3 +256,14 @@ def test_a_collapsing_layer_is_named_on_one_warning_line(task_steps, routing_at_
     assert warned[0] == warned[2] == []
     assert [m.split(": ")[1].split()[0] for m in warned[1]] == ["layer_0", "layer_1", "layer_2"]
     assert all(m.startswith("router collapse at step 2: ") and "\n" not in m for m in warned[1])
+    # Resumed after one collapsed evaluation: the streak goes on; a record below the share
+    # breaks it (layer_2).
+    resumed = RoutingWatch(task_steps, start, batches, place, CollapseRule(0.01, 2))
+    resumed.continue_from([{"step": 1, "valid_loss": 1.0, "routing": {
+        layer: {"max_share": 0.5 if layer != "layer_2" else 0.0}
+        for layer in ("layer_0", "layer_1", "layer_2")}}])
+    with caplog.at_level(logging.WARNING):
+        caplog.clear()
+        resumed.evaluate(2, task_steps, end)
+    assert [r.getMessage().split(": ")[1].split()[0] for r in caplog.records] == [
+        "layer_0", "layer_1"]

@@ -253,6 +253,8 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
 
     # The step loop: one update per step, validation and checkpoints on their intervals.
     log = MetricLog(workdir, start_step)
+    if watch is not None:
+        watch.continue_from(log.records())  # a collapse streak goes on across a resumption
     key = jax.random.key(config.seed + 3)
     eval_key = jax.random.key(config.seed + 5)
     train_iter: Iterator = data.train

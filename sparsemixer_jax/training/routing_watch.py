@@ -12,8 +12,9 @@ gets, at each evaluation and for each MoE layer, on the validation tokens:
   one expert takes every token).
 
 A layer whose ``max_share`` is at least :attr:`CollapseRule.share` at :attr:`CollapseRule.
-evaluations` evaluations in a row is named on one warning line (router collapse). The count of
-evaluations starts with each process, so a resumed run counts again from its first one.
+evaluations` evaluations in a row is named on one warning line (router collapse), by process 0.
+A resumed run counts on from the evaluations its ``metrics.jsonl`` holds
+(:meth:`RoutingWatch.continue_from`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 
 from sparsemixer_jax.moe.diagnostics import load_entropy, routing_sums
 from sparsemixer_jax.section import cast, check_positive
+from sparsemixer_jax.training.hosts import is_main_process
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +93,21 @@ class RoutingWatch:
             self._check_collapse(step, layer, out[layer]["max_share"])
         return out
 
-    def _check_collapse(self, step: int, layer: str, max_share: float) -> None:
+    def continue_from(self, records: list[dict]) -> None:
+        """Counts the evaluations of the run's earlier records (``metrics.jsonl``, up to the
+        step resumed from), so that a streak goes on across a resumption; warns of none."""
+        for record in records:
+            for layer, values in (record.get("routing") or {}).items():
+                self._count(layer, values["max_share"])
+
+    def _count(self, layer: str, max_share: float) -> int:
         count = self.collapsed_evals.get(layer, 0) + 1 if max_share >= self.rule.share else 0
         self.collapsed_evals[layer] = count
-        if count == self.rule.evaluations:
+        return count
+
+    def _check_collapse(self, step: int, layer: str, max_share: float) -> None:
+        count = self._count(layer, max_share)
+        if count == self.rule.evaluations and is_main_process():
             logger.warning(
                 "router collapse at step %d: %s sends %.1f%% of the validation tokens to one "
                 "expert, at least config.collapse_share=%.2f at %d evaluations in a row",
