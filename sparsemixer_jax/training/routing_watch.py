@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -29,6 +30,10 @@ import numpy as np
 from sparsemixer_jax.moe.diagnostics import load_entropy, routing_sums
 from sparsemixer_jax.section import cast, check_positive
 from sparsemixer_jax.training.hosts import is_main_process
+
+if TYPE_CHECKING:
+    from sparsemixer_jax.training.state import TrainState
+    from sparsemixer_jax.training.steps import Steps
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +71,15 @@ class RoutingWatch:
     validation batches, placed by ``place``; ``rule``: when to warn.
     """
 
-    def __init__(self, steps, state, batches: list, place, rule: CollapseRule):
+    def __init__(self, steps: Steps, state: TrainState, batches: list[dict[str, Any]],
+                 place: Callable[[dict[str, Any]], dict[str, jax.Array]], rule: CollapseRule):
         self.batches, self.place, self.rule = batches, place, rule
         self.num_experts = steps.num_routed_experts(state)
         self.start = [steps.routing(state, place(batch))[0] for batch in batches]
         self.collapsed_evals: dict[str, int] = {}  # evaluations in a row at or above the share
 
-    def evaluate(self, step: int, steps, state) -> dict[str, dict[str, float]]:
+    def evaluate(self, step: int, steps: Steps, state: TrainState
+                 ) -> dict[str, dict[str, float]]:
         """``{layer: {"churn", "max_share", "load_entropy"}}`` of ``state`` against the start;
         warns (one line per layer) when a layer reaches the collapse rule."""
         totals: dict[str, dict[str, np.ndarray]] = {}
