@@ -28,6 +28,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.init_from = ""  # a Hugging Face model directory to fine-tune ("" = from scratch)
     c.init_router = "checkpoint"  # fine-tuning routes as the checkpoint does | "config": c.router
+    # A warning names an MoE layer whose busiest expert takes at least collapse_share of the
+    # validation tokens at collapse_evals evaluations in a row (router collapse).
+    c.collapse_share = 0.9
+    c.collapse_evals = 3
 
     c.data = ml_collections.ConfigDict()
     c.data.train = "../shared/data/wikipedia/enwiki_sample.txt.gz"

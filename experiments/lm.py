@@ -14,6 +14,7 @@ describes the data, the metrics and the checkpoints.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from absl import app, flags
@@ -31,8 +32,11 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from sparsemixer_jax.tasks import language_model
 
+    # The fields set on the command line: a fine-tuning run refuses those it would ignore.
+    given = tuple(config_flags.get_override_values(flags.FLAGS["config"]))
     results = cli.run_training(
-        language_model.train_lm, flags.FLAGS.config, flags.FLAGS.workdir,
+        functools.partial(language_model.train_lm, given=given), flags.FLAGS.config,
+        flags.FLAGS.workdir,
         ("steps", "valid_ppl", "unigram_ppl", "valid_bits_per_byte", "wikitext_valid_ppl",
          "wikitext_test_ppl", "tokens_per_second"))
     for sample in results.get("samples", ()):

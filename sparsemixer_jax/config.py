@@ -59,6 +59,9 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     # Language-modelling runs saved before chat data trained on text.
     "data.format": {"lm": "text"},
     "data.on_bad_row": {"lm": "skip"},
+    "router.trainable": True,
+    "optim.router_lr_scale": 1.0,
+    "optim.train_only": "all",
 }
 
 
@@ -91,6 +94,7 @@ def router_config(name: str = "sparsemixer", **overrides: Any) -> ml_collections
     c.num_groups = 1  # group-limited routing: experts in num_groups groups (1 = off) ...
     c.top_groups = 1  # ... of which each token keeps top_groups
     c.group_score = "max"  # a group's score: its best expert's | "top2_sum" (DeepSeek-V3, GLM)
+    c.trainable = True  # False: every router's weights stay as they start (fine-tuning)
     c.update(overrides)
     return c
 
@@ -135,6 +139,10 @@ def optim_config(schedule: str, **overrides: Any) -> ml_collections.ConfigDict:
     c.weight_decay = 0.0
     c.weight_decay_mask = "all"  # | "matrices": no decay on biases, LayerNorm, omega
     c.clip_norm = 0.0  # 0 = no clipping
+    # Fine-tuning policies (docs/lm.md): the routers' learning rate as a multiple of the rest's,
+    # and which parameters train: "all" | "routers" | "experts" | "non_experts".
+    c.router_lr_scale = 1.0
+    c.train_only = "all"
     c.update(overrides)
     return c
 

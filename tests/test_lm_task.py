@@ -23,7 +23,7 @@ from flax import nnx
 
 from sparsemixer_jax import hf, training
 from sparsemixer_jax.data import lm_text, text
-from sparsemixer_jax.tasks import language_model
+from sparsemixer_jax.tasks import language_model, lm_sections
 from sparsemixer_jax.tasks.language_model import LMTask, train_lm
 from sparsemixer_jax.training.preemption import Stopped
 from sparsemixer_jax.training.state import restore_checkpoint
@@ -292,6 +292,35 @@ def test_fine_tuning_starts_from_the_checkpoint_with_its_tokenizer(corpus, check
     # The router section replaces the checkpoint's routing when asked to.
     rerouted = LMTask.from_config(_finetune_config(corpus, checkpoint, init_router="config"))
     assert (rerouted.lm.router, rerouted.lm.top_k) == ("sparsemixer_v2star", 2)
+
+
+def test_the_router_section_is_checked_and_honoured_as_far_as_the_run_routes_by_it(
+        corpus, checkpoint, tmp_path):
+    """Keeping the checkpoint's routing, only the section's auxiliary losses are used and
+    checked; a routing field given on the command line is refused in one line naming
+    init_router, before anything is written. Routing by the section checks all of it."""
+    # A field that is wrong for the section's own router, which this run does not use.
+    unused = {"router.default_decay": 1.5, "router.score": "sigmoid"}
+    task = LMTask.from_config(_finetune_config(corpus, checkpoint, **unused))
+    assert (task.lm.router, task.lm.router_options) == ("switch", ())  # the checkpoint's
+    with pytest.raises(ValueError, match=r"config\.router\.default_decay must lie in"):
+        LMTask.from_config(_finetune_config(corpus, checkpoint, init_router="config", **unused))
+    with pytest.raises(ValueError, match=r"config\.router\.balance_normalization='x'; choose"):
+        LMTask.from_config(_finetune_config(corpus, checkpoint,
+                                            **{"router.balance_normalization": "x"}))
+    workdir = str(tmp_path / "w")
+    with pytest.raises(ValueError) as error:
+        train_lm(_finetune_config(corpus, checkpoint, **unused), workdir,
+                 given=("init_from", "router.score", "router.name", "router.balance_weight"))
+    message = str(error.value)
+    assert message.startswith("--config.router.name, --config.router.score: config.init_router="
+                              "'checkpoint' routes as the checkpoint does") and "\n" not in message
+    assert not os.path.exists(workdir)
+    # The fields honoured whatever routes, and any field where the section routes, pass.
+    lm_sections.refuse_unused_router_fields(checkpoint, "checkpoint",
+                                            ("router.balance_weight", "router.trainable"))
+    lm_sections.refuse_unused_router_fields(checkpoint, "config", ("router.score",))
+    lm_sections.refuse_unused_router_fields("", "checkpoint", ("router.score",))
 
 
 @pytest.mark.slow  # fast counterpart: the test above (the model and data it starts from)

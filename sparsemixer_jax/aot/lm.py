@@ -95,7 +95,7 @@ def compile_lm_task(task: LMTask, config: ml_collections.ConfigDict,
     with jax.default_device(devices[0]):  # what the grouped kernels' device check asks
         model = abstract_model(task, mesh if mesh.size > 1 else None)
         partitioner = sharding.partitioner_from_config(config, mesh)
-        steps = Steps(model, task, OptimSettings.from_config(config.optim),
+        steps = Steps(model, task, OptimSettings.from_config(config.optim, router=config.router),
                       partitioner if mesh.size > 1 else None)
         state, rest = aot_steps.train_state(steps, mesh, partitioner)
         rows, length = task.data.micro, task.data.seq_len

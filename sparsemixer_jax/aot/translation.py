@@ -104,7 +104,7 @@ def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
     # Placed as the training loop places them: parameters, gradients and optimizer state by
     # config.mesh.rules, everything else replicated.
     partitioner = sharding.partitioner_from_config(config, mesh)
-    steps = Steps(model, task, OptimSettings.from_config(config.optim),
+    steps = Steps(model, task, OptimSettings.from_config(config.optim, router=config.router),
                   partitioner if mesh.size > 1 else None)
     micro_batches = accumulation_steps(task.tokens_per_update, task.data.max_tokens)
     state, rest = aot_steps.train_state(steps, mesh, partitioner)

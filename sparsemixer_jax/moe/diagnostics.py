@@ -23,7 +23,13 @@ What they answer ("does SparseMixer train faster than Switch?", docs/science.md)
 * ``non_argmax_share``: share of tokens whose (first) expert is not ``argmax(z)``: sampling
   (SparseMixer) or jitter (Switch) at work. Zero at evaluation.
 
-All are float32, means over the non-padding tokens of the call. The training loop averages
+All are float32, means over the non-padding tokens of the call.
+
+After training, what changed (:func:`routing_sums`, read at each evaluation by
+:mod:`sparsemixer_jax.training.routing_watch`): per layer, the share of tokens whose chosen
+set of experts differs from the starting model's on the same validation tokens (churn), and the
+share of tokens each expert takes, whose largest value and normalised entropy tell a collapsing
+router. The training loop averages
 metrics over micro-batches weighted by tokens, so ``load_max`` is the mean of per-micro-batch
 maxima, which can exceed the max of the update's mean ``expert_fraction``.
 
@@ -111,3 +117,27 @@ def router_diagnostics(
         "non_argmax_share": _token_mean((first != argmax).astype(jnp.float32),
                                         token_mask),
     }
+
+
+def routing_sums(start: jax.Array, now: jax.Array, token_mask: jax.Array,
+                 num_experts: int) -> dict[str, jax.Array]:
+    """Sums over the real tokens of one batch for one MoE layer: ``tokens``, ``changed`` (tokens
+    whose chosen set in ``now`` differs from ``start``) and ``counts [N]`` (tokens choosing each
+    expert in ``now``; they add up to ``k`` per token).
+
+    ``start``, ``now``: each token's chosen experts ``[B, T, k]`` sorted (a set: the order of
+    choice does not count), any numeric dtype; ``token_mask``: bool ``[B, T]``.
+    """
+    real = token_mask.astype(jnp.float32)
+    changed = jnp.any(start != now, axis=-1).astype(jnp.float32)
+    chosen = jax.nn.one_hot(now.astype(jnp.int32), num_experts, dtype=jnp.float32)
+    return {"tokens": jnp.sum(real), "changed": jnp.sum(changed * real),
+            "counts": jnp.sum(chosen * real[..., None, None], axis=(0, 1, 2))}
+
+
+def load_entropy(shares: jax.Array) -> jax.Array:
+    """The entropy of the load ``shares [N]`` (each expert's share of tokens, any positive
+    total) divided by ``log N``: 1 for a uniform load, 0 when one expert takes every token."""
+    p = shares / jnp.maximum(jnp.sum(shares), 1e-30)
+    entropy = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0))
+    return entropy / jnp.log(jnp.float32(shares.shape[-1]))

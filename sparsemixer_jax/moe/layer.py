@@ -223,6 +223,8 @@ class MoEFeedForward(nnx.Module):
             use_bias=router_bias)
         self._init_experts(rngs)
         self._init_state()
+        # Static: :func:`report_choices` turns it on in a copy of the model for diagnostics.
+        self.report_choices = False
         self.router_rng = _stream(rngs, "router", "dropout").fork()
         self.dropout_rng = _stream(rngs, "dropout", "router").fork() \
             if moe.activation_dropout > 0 else None
@@ -306,8 +308,9 @@ class MoEFeedForward(nnx.Module):
         Returns ``y [B, T, emb]`` (dtype of ``x``) and a dict of float32 metrics:
         ``balance_loss``, ``z_loss``, ``num_unmasked``, ``entropy``, ``dropped_fraction`` (of
         rows) (scalars), ``expert_fraction`` ``[N]`` (share of rows) and the diagnostics of
-        :func:`sparsemixer_jax.moe.diagnostics.router_diagnostics`. Padding outputs zeros
-        and is left out of every metric.
+        :func:`sparsemixer_jax.moe.diagnostics.router_diagnostics`; at evaluation, with
+        :func:`report_choices`, ``choices [B, T, k]``. Padding outputs zeros and is left out of
+        every metric.
         """
         if x.ndim != 3 or x.shape[-1] != self.emb_dim:
             raise ValueError(f"x must be [B, T, {self.emb_dim}], got shape {x.shape}")
@@ -332,6 +335,8 @@ class MoEFeedForward(nnx.Module):
         k = self.router_config.top_k
         expert = routed.expert if k > 1 else routed.expert[..., None]
         gate = routed.gate if k > 1 else routed.gate[..., None]
+        if self.report_choices and deterministic:  # each token's chosen set, as a set: sorted
+            metrics["choices"] = jnp.sort(expert, axis=-1)
         active, capacity, metrics["dropped_fraction"] = self._served_rows(expert, token_mask,
                                                                           dropless)
         group = jnp.where(active, expert, n).astype(jnp.int32)
@@ -472,6 +477,38 @@ class MoEFeedForward(nnx.Module):
         if token_mask is not None:
             term = term * token_mask[..., None].astype(term.dtype)
         return term
+
+
+def routing_param_paths(model: nnx.Module) -> tuple[tuple[tuple[str, ...], ...],
+                                                     tuple[tuple[str, ...], ...]]:
+    """``(routers, experts)``: the paths (keys as strings) of every :class:`MoEFeedForward`'s
+    router in ``model`` and of its routed experts' params (with ``omega``, which scales their
+    output); the labels :class:`sparsemixer_jax.training.optim.ParamRoles` gives the optimizer.
+    Shared experts are left out (always on: a dense feed-forward in effect)."""
+    routers, experts = [], []
+    for path, module in nnx.iter_modules(model):
+        if not isinstance(module, MoEFeedForward):
+            continue
+        path = tuple(str(key) for key in path)
+        routers.append((*path, "router"))
+        names = ("w_gate", "w_up", "w_down") if module.gated else ("wi", "bi", "wo", "bo")
+        experts.extend((*path, name) for name in (*names, "omega")
+                       if getattr(module, name) is not None)
+    return tuple(routers), tuple(experts)
+
+
+def report_choices(model: nnx.Module) -> int:
+    """Makes every :class:`MoEFeedForward` of ``model`` add, at evaluation (deterministic
+    calls), each token's chosen experts to its metrics: ``choices [B, T, k]`` (sorted, float32;
+    exact integers), in place. A flag of the graph, not of the state: apply it to a copy
+    (:meth:`sparsemixer_jax.training.steps.Steps.routing`). Returns the most experts of a
+    layer (0: no MoE layer)."""
+    experts = 0
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, MoEFeedForward):
+            module.report_choices = True
+            experts = max(experts, module.num_experts)
+    return experts
 
 
 def fold_omega(model: nnx.Module) -> int:

@@ -33,14 +33,16 @@ LOOP_FIELDS = ("train_steps", "eval_every", "checkpoint_every", "log_every")
 
 
 def check_loop_sections(config: Any) -> None:
-    """Checks what every trained task shares: the loop's intervals (top-level fields), the
-    optimiser, the runtime and the mesh."""
+    """Checks what every trained task shares: the loop's intervals and the routing
+    diagnostics' collapse rule (top-level fields), the optimiser, the runtime and the mesh."""
     from sparsemixer_jax.training.optim import OptimSettings  # needs Optax
+    from sparsemixer_jax.training.routing_watch import CollapseRule
 
     check_positive("config.", **{name: cast(int, config[name], f"config.{name}")
                                  for name in LOOP_FIELDS})
     cast(int, config.seed, "config.seed")
-    OptimSettings.from_config(config.optim)
+    OptimSettings.from_config(config.optim, router=config.router)
+    CollapseRule.from_config(config)
     RuntimeConfig.from_config(config.runtime)
     MeshConfig.from_config(config.mesh)
 

@@ -40,6 +40,8 @@ from sparsemixer_jax.tasks.lm_sections import (
     check_router_for_lm,
     from_scratch_config,
     model_overrides,
+    refuse_unused_router_fields,
+    router_of_run,
     router_overrides,
 )
 from sparsemixer_jax.training import Run, TaskData, train
@@ -86,7 +88,9 @@ class LMTask:
 
     ``lm`` is the model's config: built from ``config.model`` for a run from scratch, or read
     from the checkpoint's ``config.json`` for fine-tuning (``init_from``), both before anything
-    is read or written.
+    is read or written. ``router``: the router section as the run uses it
+    (:func:`~sparsemixer_jax.tasks.lm_sections.router_of_run`; keeping the checkpoint's
+    routing, its auxiliary losses alone).
     """
 
     lm: LMConfig
@@ -104,13 +108,13 @@ class LMTask:
         first bad field (or what is wrong with ``init_from``)."""
         config_schema.validate_sections(config)
         model = LMModelConfig.from_config(config.model)
-        router = RouterConfig.from_config(config.router)
-        data = lm_text.LMDataConfig.from_config(config)
-        sample = SampleConfig.from_config(config.sample)
         init_from = cast(str, config.init_from, "config.init_from")
         init_router = cast(str, config.init_router, "config.init_router")
         if init_router not in INIT_ROUTERS:
             raise ValueError(f"config.init_router={init_router!r}; choose one of {INIT_ROUTERS}")
+        router = router_of_run(config.router, init_from, init_router)
+        data = lm_text.LMDataConfig.from_config(config)
+        sample = SampleConfig.from_config(config.sample)
         check_loop_sections(config)
         if init_from:
             lm = _checkpoint_config(init_from, router, model, init_router, data.format)
@@ -161,6 +165,19 @@ class LMTask:
         del key  # the deterministic forward draws nothing
         out = _forward(model, batch, deterministic=True)
         return next_token_sums(out.logits, batch["tokens"], batch["targets"], batch["bytes"])
+
+    @property
+    def tracks_routing(self) -> bool:
+        """Fine-tuning logs what it does to the checkpoint's routing at each evaluation
+        (:mod:`sparsemixer_jax.training.routing_watch`)."""
+        return bool(self.init_from)
+
+    def routing_choices(self, model: CausalLM, batch):
+        """Each MoE layer's chosen experts per token ``[B, T, k]`` (a model that reports them:
+        :func:`sparsemixer_jax.moe.layer.report_choices`) and the mask of real tokens."""
+        out = _forward(model, batch, deterministic=True)
+        return ({name: m["choices"] for name, m in out.aux["moe"].items()},
+                batch["segments"] != 0)
 
     # -- on the host
 
@@ -374,11 +391,17 @@ def generate_samples(model: CausalLM, tokenizer: lm_text.LMTokenizer, sample: Sa
     return texts
 
 
-def train_lm(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train_lm(config: ml_collections.ConfigDict, workdir: str,
+             given: tuple[str, ...] = ()) -> dict[str, Any]:
     """Trains (resuming from ``workdir`` if it holds a checkpoint); writes results.json.
+
+    ``given``: the config fields set on the command line (``"router.score"``); fine-tuning with
+    the checkpoint's routing refuses a routing field among them, which it would ignore.
 
     Raises ValueError (one line) for a bad config or checkpoint before anything is written,
     :class:`sparsemixer_jax.training.TrainingDiverged` if the loss becomes non-finite."""
+    refuse_unused_router_fields(cast(str, config.init_from, "config.init_from"),
+                                cast(str, config.init_router, "config.init_router"), given)
     task = LMTask.from_config(config)
     task.data.check_files()
     return train(task, config, workdir)

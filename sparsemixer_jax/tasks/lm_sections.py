@@ -26,6 +26,36 @@ SELECTION_OPTIONS = ("score", "routed_scaling_factor", "bias_update_rate", "bala
 
 # The checkpoint's routing is kept on fine-tuning unless config.init_router says "config".
 INIT_ROUTERS = ("checkpoint", "config")
+# The router section's fields a fine-tuning run honours whatever routes it: the auxiliary losses
+# (of RouterConfig) and whether the routers train (read by the optimizer's settings). With
+# init_router="checkpoint" the checkpoint's routing replaces every other field.
+ROUTER_LOSS_FIELDS = ("balance_weight", "z_loss_weight", "balance_normalization")
+ROUTER_TRAINING_FIELDS = (*ROUTER_LOSS_FIELDS, "trainable")
+
+
+def router_of_run(section: Any, init_from: str, init_router: str) -> RouterConfig:
+    """The run's :class:`RouterConfig`, checked as far as the run uses it: the whole section
+    where it routes the model (from scratch, or ``init_router="config"``), else its auxiliary
+    losses alone (the routing fields keep their defaults, which describe nothing: the model
+    routes as the checkpoint does)."""
+    if init_from and init_router == "checkpoint":
+        return RouterConfig.from_config({name: section[name] for name in ROUTER_LOSS_FIELDS
+                                         if name in section})
+    return RouterConfig.from_config(section)
+
+
+def refuse_unused_router_fields(init_from: str, init_router: str, given: Any) -> None:
+    """A one-line ValueError naming ``init_router`` when ``given`` (the config fields set on
+    the command line, as ``"router.score"``) holds a routing field of the router section that
+    a run keeping the checkpoint's routing would ignore."""
+    unused = sorted(f"--config.{name}" for name in given if name.startswith("router.")
+                    and name.split(".", 1)[1] not in ROUTER_TRAINING_FIELDS)
+    if init_from and init_router == "checkpoint" and unused:
+        raise ValueError(
+            f"{', '.join(unused)}: config.init_router='checkpoint' routes as the checkpoint "
+            "does and ignores the router section's routing; add --config.init_router=config "
+            f"to route by the router section, or leave {'them' if len(unused) > 1 else 'it'} "
+            f"out (the router fields honoured either way: {', '.join(ROUTER_TRAINING_FIELDS)})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,13 @@ class MetricLog:
         except ImportError:  # TensorBoard is optional; metrics.jsonl is always written
             logger.warning("tensorboardX not installed: no TensorBoard logs")
 
+    def records(self) -> list[dict[str, Any]]:
+        """The records written so far (process 0; the others write none and get ``[]``)."""
+        if not self.active or not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
     def write(self, record: dict[str, Any]) -> None:
         if not self.active:
             return

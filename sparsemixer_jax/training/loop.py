@@ -30,6 +30,7 @@ from sparsemixer_jax.training.logs import MetricLog, Progress, StepMetrics
 from sparsemixer_jax.training.optim import OptimSettings
 from sparsemixer_jax.training.preemption import StopSignals
 from sparsemixer_jax.training.resume import check_resume_config, resume_from_newest_intact
+from sparsemixer_jax.training.routing_watch import CollapseRule, RoutingWatch
 from sparsemixer_jax.training.state import TrainState
 from sparsemixer_jax.training.steps import Steps, count_params
 from sparsemixer_jax.training.workdir_lock import hold_workdir
@@ -128,6 +129,12 @@ class Task(Protocol):
         """``valid_*`` metrics from :meth:`evaluate`'s sums over the whole set; must hold
         ``valid_loss`` (the ``best`` checkpoint is the lowest)."""
 
+    # Optional: a task whose ``tracks_routing`` is True and that has ``routing_choices(model,
+    # batch) -> (choices, token_mask)`` (each MoE layer's chosen experts per token
+    # ``[B, T, k]``, sorted, from the deterministic forward of a model that reports them) gets
+    # the routing diagnostics of sparsemixer_jax.training.routing_watch at each evaluation,
+    # under "routing" in metrics.jsonl and results.json, with the config's collapse rule.
+
     def finish(self, run: Run) -> dict[str, Any]:
         """Results computed once at the end (e.g. test BLEU), merged into ``results.json``."""
 
@@ -154,7 +161,7 @@ def build_steps(task: Task, config: ml_collections.ConfigDict, vocab_size: int,
     model = task.build_model(config, vocab_size, mesh)
     if init_model is not None:
         init_model(model)
-    return Steps(model, task, OptimSettings.from_config(config.optim),
+    return Steps(model, task, OptimSettings.from_config(config.optim, router=config.router),
                  sharding.partitioner_from_config(config, mesh))
 
 
@@ -167,6 +174,15 @@ def evaluate(steps: Steps, state: TrainState, batches: list, place: BatchPlacer,
                             jax.device_get(steps.evaluate(state, place(batch), key)))
         total = sums if total is None else jax.tree.map(np.add, total, sums)
     return task.validation_metrics(total)
+
+
+def _routing_watch(task: Task, steps: Steps, state: TrainState, batches: list,
+                   place: BatchPlacer, rule: CollapseRule) -> RoutingWatch | None:
+    """The routing diagnostics of a task that asks for them (``tracks_routing``) on a model
+    with MoE layers; None otherwise."""
+    if not getattr(task, "tracks_routing", False) or not steps.num_routed_experts(state):
+        return None
+    return RoutingWatch(steps, state, batches, place, rule)
 
 
 def _finished_results(workdir: str, train_steps: int) -> dict[str, Any] | None:
@@ -210,6 +226,8 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
     steps = build_steps(task, config, data.vocab_size, mesh, data.init_model)
     place = BatchPlacer(mesh, task.batch_keys)
     state = steps.init_state()
+    # The starting model's routing of the validation set (read before an update donates it).
+    watch = _routing_watch(task, steps, state, data.valid, place, CollapseRule.from_config(config))
     accum = data.micro_batches
     logger.info("model: %s parameters; %d micro-batches per update; mesh %s; data %s",
                 f"{count_params(state.params):,}", accum,
@@ -235,6 +253,8 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
 
     # The step loop: one update per step, validation and checkpoints on their intervals.
     log = MetricLog(workdir, start_step)
+    if watch is not None:
+        watch.continue_from(log.records())  # a collapse streak goes on across a resumption
     key = jax.random.key(config.seed + 3)
     eval_key = jax.random.key(config.seed + 5)
     train_iter: Iterator = data.train
@@ -281,11 +301,13 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
             if step % config.eval_every == 0 or is_last:
                 step_metrics.flush()
                 valid = evaluate(steps, state, data.valid, place, task, eval_key)
+                logger.info("step %d: %s", step, valid)
+                if watch is not None:
+                    valid["routing"] = watch.evaluate(step, steps, state)
                 log.write({"step": step, **valid})
                 if valid["valid_loss"] < best_loss:
                     best_loss, best_step = valid["valid_loss"], step
                     checkpoints.save_best(step, state, meta_for(step))
-                logger.info("step %d: %s", step, valid)
             stopping = stop.requested(step)  # SIGTERM or SIGINT: checkpoint this step and stop
             if step % config.checkpoint_every == 0 or is_last or stopping:
                 step_metrics.flush()
@@ -302,6 +324,8 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
     # Finish: results.json with the task's own final results.
     if not valid:  # resumed a finished run that wrote no results: evaluate what is there
         valid = evaluate(steps, state, data.valid, place, task, eval_key)
+        if watch is not None:
+            valid["routing"] = watch.evaluate(train_steps, steps, state)
     results = {
         "steps": train_steps,
         **valid,

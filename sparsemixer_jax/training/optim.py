@@ -2,6 +2,13 @@
 
 Both schedules depend on the update count only (not on ``train_steps``), so a run can be extended
 without changing its past, and a resumed run recomputes the same learning rates.
+
+Fine-tuning policies (``config.router.trainable``, ``config.optim.train_only``,
+``config.optim.router_lr_scale``) give each parameter a label by its role in the model
+(:class:`ParamRoles`: a router's weights, an expert's, or neither) and the optimizer one
+transformation per label (``optax.multi_transform``): frozen parameters get a zero update and
+no optimizer state, the routers AdamW at their own learning rate, the rest AdamW. Without a
+policy the optimizer is the plain chain it always was, so earlier checkpoints resume unchanged.
 """
 
 from __future__ import annotations
@@ -14,13 +21,53 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sparsemixer_jax.section import check_fraction, check_positive, read_fields
+from sparsemixer_jax.section import (
+    cast,
+    check_choice,
+    check_fraction,
+    check_positive,
+    get_field,
+    has_field,
+    read_fields,
+)
 
 SCHEDULES = ("inverse_sqrt", "linear")
 WEIGHT_DECAY_MASKS = ("all", "matrices")
+#: What ``config.optim.train_only`` may name: every parameter, the routers' weights, the
+#: experts' (:class:`ParamRoles`), or every parameter but the experts'.
+TRAIN_ONLY = ("all", "routers", "experts", "non_experts")
+# The optimizer's labels of parameters under a fine-tuning policy.
+ROUTER, REST, FROZEN = "router", "rest", "frozen"
 
-__all__ = ["SCHEDULES", "WEIGHT_DECAY_MASKS", "OptimSettings", "learning_rate_schedule",
-           "make_optimizer", "weight_decay_mask"]
+__all__ = ["FROZEN", "SCHEDULES", "TRAIN_ONLY", "WEIGHT_DECAY_MASKS", "OptimSettings",
+           "ParamRoles", "learning_rate_schedule", "make_optimizer", "param_labels",
+           "weight_decay_mask"]
+
+
+Path = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamRoles:
+    """Which parameters are routers' and which experts', as path prefixes into the parameter
+    tree (keys as strings; hashable, so that it travels in the static :class:`OptimSettings`).
+
+    ``routers``: each MoE layer's router (its linear map to expert logits). ``experts``: each
+    MoE layer's routed experts (stacked ``[N, ...]`` weights and biases) and SparseMixer's
+    ``omega``, which scales their output and folds into them
+    (:func:`sparsemixer_jax.moe.fold_omega`). Every other parameter, shared experts included
+    (always on: a dense feed-forward in effect), is neither.
+    """
+
+    routers: tuple[Path, ...] = ()
+    experts: tuple[Path, ...] = ()
+
+    def role(self, path: Path) -> str:
+        """``"router"``, ``"expert"`` or ``"other"`` for the parameter at ``path``."""
+        def under(prefixes):
+            return any(path[:len(p)] == p for p in prefixes)
+
+        return "router" if under(self.routers) else "expert" if under(self.experts) else "other"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +79,12 @@ class OptimSettings:
     ``"linear"`` (BERT / ELECTRA: warm-up to ``peak_lr``, then linear decay to 0 at
     ``decay_steps``). ``weight_decay_mask``: ``"all"`` parameters decay (fairseq's Adam) or only
     ``"matrices"`` (:func:`weight_decay_mask`, BERT / ELECTRA).
+
+    The fine-tuning policy (module docstring): ``train_only`` (:data:`TRAIN_ONLY`) names the
+    parameters that train, ``train_routers`` (``config.router.trainable``) False freezes the
+    routers whatever ``train_only`` says, ``router_lr_scale`` multiplies the routers' learning
+    rate. ``roles`` says which parameters are routers and experts; :class:`Steps
+    <sparsemixer_jax.training.steps.Steps>` fills it from the model when a policy is set.
     """
 
     schedule: str = "inverse_sqrt"
@@ -45,12 +98,34 @@ class OptimSettings:
     weight_decay: float = 0.0
     weight_decay_mask: str = "all"
     clip_norm: float = 0.0
+    router_lr_scale: float = 1.0
+    train_only: str = "all"
+    train_routers: bool = True
+    roles: ParamRoles | None = None
 
     @classmethod
-    def from_config(cls, optim: Any, where: str = "config.optim.") -> OptimSettings:
+    def from_config(cls, optim: Any, where: str = "config.optim.", *,
+                    router: Any = None) -> OptimSettings:
         """The fields of ``optim`` this class has (a section may hold task fields too; the
-        task's own settings read those), checked (:meth:`check`)."""
-        return cls(**read_fields(cls, optim, where)).check(where)
+        task's own settings read those), checked (:meth:`check`). ``router``: the run's router
+        section, whose ``trainable`` is :attr:`train_routers` (absent: True)."""
+        trainable = True
+        if router is not None and has_field(router, "trainable"):
+            trainable = cast(bool, get_field(router, "trainable"), "config.router.trainable")
+        return cls(**read_fields(cls, optim, where, skip=("train_routers", "roles")),
+                   train_routers=trainable).check(where)
+
+    @property
+    def has_policy(self) -> bool:
+        """Whether some parameters are frozen or the routers have their own learning rate."""
+        return self.train_only != "all" or not self.train_routers or self.router_lr_scale != 1.0
+
+    def trains(self, role: str) -> bool:
+        """Whether the parameters of ``role`` (:meth:`ParamRoles.role`) train."""
+        if role == "router" and not self.train_routers:
+            return False
+        return {"all": True, "routers": role == "router", "experts": role == "expert",
+                "non_experts": role != "expert"}[self.train_only]
 
     def check(self, where: str = "") -> OptimSettings:
         """``self`` if every field is usable, else a one-line ValueError naming the first one
@@ -69,6 +144,15 @@ class OptimSettings:
             raise ValueError(f"{where}weight_decay_mask={self.weight_decay_mask!r}; choose one "
                              f"of {WEIGHT_DECAY_MASKS}")
         check_fraction(where, b1=self.b1, b2=self.b2)
+        check_positive(where, router_lr_scale=self.router_lr_scale)
+        check_choice(where, "train_only", self.train_only, TRAIN_ONLY)
+        if self.train_only == "routers" and not self.train_routers:
+            raise ValueError(f"{where}train_only='routers' with config.router.trainable=False "
+                             "trains no parameter")
+        if self.router_lr_scale != 1.0 and not self.trains("router"):
+            raise ValueError(f"{where}router_lr_scale={self.router_lr_scale} has no effect: the "
+                             "routers do not train (config.router.trainable, "
+                             f"{where}train_only={self.train_only!r})")
         return self
 
 
@@ -125,13 +209,42 @@ def weight_decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
+def param_labels(optim: OptimSettings, params: Any) -> Any:
+    """The optimizer's label of every parameter under ``optim``'s policy: ``"frozen"``,
+    ``"router"`` (a trained router's weights) or ``"rest"`` (every other trained one)."""
+    roles = optim.roles or ParamRoles()
+
+    def label(path, _) -> str:
+        role = roles.role(tuple(str(getattr(k, "key", k)) for k in path))
+        return FROZEN if not optim.trains(role) else ROUTER if role == "router" else REST
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
 def make_optimizer(optim: OptimSettings) -> optax.GradientTransformation:
-    """Optional global-norm clipping, then AdamW on the schedule."""
-    parts = []
-    if optim.clip_norm > 0:
-        parts.append(optax.clip_by_global_norm(optim.clip_norm))
+    """Optional global-norm clipping, then AdamW on the schedule; under a fine-tuning policy
+    (:attr:`OptimSettings.has_policy`) frozen parameters' gradients are zeroed before the
+    clipping (which then measures the trained ones alone) and each label gets its own
+    transformation (``optax.multi_transform``)."""
+    schedule = learning_rate_schedule(optim)
     mask = weight_decay_mask if optim.weight_decay_mask == "matrices" else None
-    parts.append(optax.adamw(learning_rate=learning_rate_schedule(optim), b1=optim.b1,
-                             b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay,
-                             mask=mask))
-    return optax.chain(*parts)
+
+    def adamw(learning_rate):
+        return optax.adamw(learning_rate=learning_rate, b1=optim.b1, b2=optim.b2,
+                           eps=optim.eps, weight_decay=optim.weight_decay, mask=mask)
+
+    clip = [optax.clip_by_global_norm(optim.clip_norm)] if optim.clip_norm > 0 else []
+    if not optim.has_policy:
+        return optax.chain(*clip, adamw(schedule))
+
+    def labels(params):
+        return param_labels(optim, params)
+
+    def frozen(params):
+        return jax.tree.map(lambda label: label == FROZEN, labels(params))
+
+    scale = optim.router_lr_scale
+    return optax.chain(
+        optax.masked(optax.set_to_zero(), frozen), *clip,
+        optax.multi_transform({FROZEN: optax.set_to_zero(), REST: adamw(schedule),
+                               ROUTER: adamw(lambda count: scale * schedule(count))}, labels))

@@ -32,6 +32,8 @@ RESUMABLE_CHANGES = (
     "eval_every",
     "checkpoint_every",
     "log_every",
+    "collapse_share",
+    "collapse_evals",
     "decode",
     "model.attention_impl",
     "model.dispatch",

@@ -30,6 +30,7 @@ through every micro-batch's forward in order, and is kept unchanged when an upda
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -40,8 +41,16 @@ import optax
 from flax import nnx
 
 from sparsemixer_jax.moe.balancing import BalancePlan, balance_plan, end_of_update
+from sparsemixer_jax.moe.layer import report_choices, routing_param_paths
 from sparsemixer_jax.partitioning import Partitioner, constrain
-from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule, make_optimizer
+from sparsemixer_jax.training.optim import (
+    FROZEN,
+    OptimSettings,
+    ParamRoles,
+    learning_rate_schedule,
+    make_optimizer,
+    param_labels,
+)
 from sparsemixer_jax.training.state import TrainState
 
 
@@ -154,6 +163,11 @@ def _evaluate(graphdef, task, state, rest, batch, key):
     return task.evaluate(_merge(graphdef, state.params, state.layer_state, rest), batch, key)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _routing(graphdef, task, state, rest, batch):
+    return task.routing_choices(_merge(graphdef, state.params, state.layer_state, rest), batch)
+
+
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("partitioner",))
 def _initial_state(optim: OptimSettings, params, layer_state, partitioner=None):
     # Under jit, so that the step and the optimizer's count are placed as its other outputs
@@ -180,10 +194,11 @@ class Steps:
         self.params = _committed(nnx.to_pure_dict(params))
         self.layer_state = _committed(nnx.to_pure_dict(layer_state))  # {} for most models
         self.task = task
-        self.optim = optim
+        self.optim = _with_roles(optim, model, self.params)
         self.partitioner = partitioner
         self.balance = balance_plan(model)  # the MoE layers whose loads each update reads
         self.schedule = learning_rate_schedule(optim)
+        self._routing_graph: tuple[nnx.GraphDef, int] | None = None  # built on first use
 
     def new_state(self, params: Any, layer_state: Any) -> TrainState:
         """The train state of step 0 with ``params`` and ``layer_state`` and a fresh optimizer
@@ -294,12 +309,45 @@ class Steps:
         """The task's evaluation sums of the deterministic forward on ``batch``."""
         return _evaluate(self.graphdef, self.task, state, self.rest, batch, key)
 
+    def routing(self, state: TrainState, batch: dict[str, jax.Array]
+                ) -> tuple[dict[str, jax.Array], jax.Array]:
+        """The task's ``routing_choices`` on ``batch``: each MoE layer's chosen experts per
+        token ``[B, T, k]`` (sorted) under the deterministic forward, and the bool ``[B, T]``
+        mask of the tokens that count. Compiled once, for a copy of the model graph that
+        reports its choices (:func:`sparsemixer_jax.moe.layer.report_choices`)."""
+        graphdef, _ = self._routing_graph_of(state)
+        return _routing(graphdef, self.task, state, self.rest, batch)
+
+    def num_routed_experts(self, state: TrainState) -> int:
+        """The most experts of an MoE layer of the model (0: no MoE layer)."""
+        return self._routing_graph_of(state)[1]
+
+    def _routing_graph_of(self, state: TrainState) -> tuple[nnx.GraphDef, int]:
+        if self._routing_graph is None:
+            model = self.model(state)
+            experts = report_choices(model)
+            self._routing_graph = (nnx.split(model, nnx.Param, nnx.BatchStat, ...)[0], experts)
+        return self._routing_graph
+
     def model(self, state: TrainState | None = None) -> nnx.Module:
         """The module holding ``state``'s parameters and layer state (the initial ones if None),
         for decoding or to take a part of it."""
         params = self.params if state is None else state.params
         layer_state = self.layer_state if state is None else state.layer_state
         return nnx.merge(self.graphdef, nnx.State(params), nnx.State(layer_state), self.rest)
+
+
+def _with_roles(optim: OptimSettings, model: nnx.Module, params: Any) -> OptimSettings:
+    """``optim`` with the model's routers and experts (:class:`ParamRoles`) when its fine-tuning
+    policy needs them; a one-line ValueError for a policy that would train nothing."""
+    if not optim.has_policy:
+        return optim
+    optim = dataclasses.replace(optim, roles=ParamRoles(*routing_param_paths(model)))
+    labels = jax.tree.leaves(param_labels(optim, params))
+    if all(label == FROZEN for label in labels):
+        raise ValueError(f"config.optim.train_only={optim.train_only!r} trains no parameter of "
+                         "this model (it has no MoE layer)")
+    return optim
 
 
 def _replicated_like(tree: Any) -> jax.sharding.Sharding | None:
