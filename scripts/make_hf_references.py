@@ -236,7 +236,7 @@ def make(model_type: str) -> None:
 
 def check(root: str) -> int:
     failures = 0
-    for model_type in CONFIGS:
+    for model_type in (*CONFIGS, MXFP4):
         directory = os.path.join(root, model_type)
         if not os.path.isdir(directory):
             print(f"{model_type}: no {directory}")

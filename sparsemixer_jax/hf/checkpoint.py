@@ -151,7 +151,8 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     ValueErrors: not a model directory, unsupported ``model_type``, a refused config key, a
     missing shard, a tensor of the wrong shape (named), a tensor missing or unexpected (named).
     """
-    config = from_hf(read_config(path), **overrides)
+    source = read_config(path)
+    config = from_hf(source, **overrides)
     files = weight_files(path)
     graphdef, abstract, rest = _build(config, seed, mesh)
     pure = nnx.to_pure_dict(abstract)
@@ -163,7 +164,7 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     filled: dict[Path, np.ndarray] = {}  # per param: which leading-index slices were written
     layers = CausalLM.layer_index_of(config)
     table = read_table(config, layers)
-    quantized = bool(config.hf.get("quantization_config"))  # from_hf checked the method
+    quantized = bool(source.get("quantization_config"))  # from_hf checked the method
     for name, value in checkpoint_tensors(path, files, quantized):
         if name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config; some old checkpoints store it
