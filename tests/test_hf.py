@@ -159,8 +159,8 @@ def test_one_line_errors(tmp_path):
         hf.from_hf({**cfg, "model_type": "llama"})
     with pytest.raises(ValueError, match="key 'attn_logit_softcapping' is not known"):
         hf.from_hf({**cfg, "attn_logit_softcapping": 30.0})
-    with pytest.raises(ValueError, match="rope scaling 'yarn' is not implemented"):
-        hf.from_hf({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match="rope scaling 'dynamic' is not implemented"):
+        hf.from_hf({**cfg, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}})
     with pytest.raises(ValueError, match="'gelu'; only 'silu'"):
         hf.from_hf({**cfg, "hidden_act": "gelu"})
     # A wrong shape and a missing tensor, each named.

@@ -7,8 +7,8 @@
     logits = model(input_ids)                   # [B, T, V], float32; the model is in eval mode
     hf.save_pretrained(model, config, out_dir)  # loads in transformers' AutoModelForCausalLM
 
-Types: ``mixtral``, ``qwen3_moe``, ``olmoe``, ``qwen2_moe``, ``phimoe``, ``glm4_moe``
-(docs/lm.md; one record each in :mod:`sparsemixer_jax.hf.families`). Needs the
+Types: ``mixtral``, ``qwen3_moe``, ``olmoe``, ``qwen2_moe``, ``phimoe``, ``glm4_moe``,
+``gpt_oss`` (MXFP4 experts dequantized on load; docs/lm.md; one record each in :mod:`sparsemixer_jax.hf.families`). Needs the
 ``safetensors`` package (and ``tokenizers`` for :func:`load_tokenizer`): ``pip install
 'sparsemixer-jax[hf]'``; torch is never imported.
 """

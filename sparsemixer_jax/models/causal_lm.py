@@ -1,10 +1,12 @@
-"""A decoder-only MoE language model (Flax NNX): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and
-Phi-3.5-MoE in one implementation, configured by :class:`sparsemixer_jax.models.lm_config.LMConfig`.
+"""A decoder-only MoE language model (Flax NNX): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+Phi-3.5-MoE, GLM-4.5 and gpt-oss in one implementation, configured by
+:class:`sparsemixer_jax.models.lm_config.LMConfig`.
 
 Each block is pre-norm: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``, where ``attn`` is
 grouped-query attention with rotary positions (optional q/k norms, biases, value clipping,
-sliding window) and ``ffn`` is the project's :class:`sparsemixer_jax.moe.MoEFeedForward` with gated
-SwiGLU experts (plus Qwen2-MoE's shared expert) or a dense SwiGLU MLP.
+sliding window on every or some layers, sink logits) and ``ffn`` is the project's
+:class:`sparsemixer_jax.moe.MoEFeedForward` with gated SwiGLU experts (plus a shared expert) or
+a dense SwiGLU MLP.
 
 Layers are scanned: the layers are grouped into stacks of a repeating unit
 (:func:`sparsemixer_jax.models.lm_config.layer_pattern_stacks`), each stack's parameters carry a
