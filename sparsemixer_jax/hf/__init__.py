@@ -8,9 +8,9 @@
     hf.save_pretrained(model, config, out_dir)  # loads in transformers' AutoModelForCausalLM
 
 Types: ``mixtral``, ``qwen3_moe``, ``olmoe``, ``qwen2_moe``, ``phimoe``, ``glm4_moe``,
-``gpt_oss`` (MXFP4 experts dequantized on load; docs/lm.md; one record each in :mod:`sparsemixer_jax.hf.families`). Needs the
-``safetensors`` package (and ``tokenizers`` for :func:`load_tokenizer`): ``pip install
-'sparsemixer-jax[hf]'``; torch is never imported.
+``gpt_oss`` (MXFP4 experts dequantized on load; docs/lm.md; one record each in
+:mod:`sparsemixer_jax.hf.families`). Needs the ``safetensors`` package (and ``tokenizers`` for
+:func:`load_tokenizer`): ``pip install 'sparsemixer-jax[hf]'``; torch is never imported.
 """
 
 from sparsemixer_jax.hf.checkpoint import (

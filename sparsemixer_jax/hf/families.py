@@ -94,8 +94,8 @@ class Family:
       fixed_top_k: the only ``num_experts_per_tok`` its router computes (0: any).
       scratch: keys a from-scratch model's ``config.json`` sets (beyond the sizes).
       moe_names: the MoE tensors' names in a layer (``model.layers.L.`` + name; ``{e}`` the
-        expert), by :data:`MOE_PARAMS` (and :data:`SELECTION_BIAS`): written on export, read
-        on load.
+        expert), by :data:`MOE_PARAMS` (and :data:`SELECTION_BIAS`, :data:`BIAS_PARAMS`):
+        written on export, read on load.
       shared_expert_names: the shared expert's prefix in a layer (``.gate_proj.weight``, ...);
         its gate, where the config has one, is ``<prefix>_gate.weight``.
       shared_expert_count_key: the key counting shared experts of ``moe_intermediate_size``
@@ -259,7 +259,7 @@ GPT_OSS = Family(
     # initial_context_length (transformers reads it nowhere; YaRN's length is in rope_scaling).
     other_keys=frozenset({"experts_per_token", "initial_context_length"}),
     window="per_layer", scratch={"attention_bias": True}, interleaved_experts=True,
-    quantizations=frozenset({"mxfp4"}), fused_router="mlp.router.weight",
+    quantizations=frozenset({"mxfp4"}),
     moe_names={"router": "mlp.router.weight", "router_bias": "mlp.router.bias",
                "w_gate": f"{_GPT_OSS_EXPERTS}.gate_up_proj",
                "w_up": f"{_GPT_OSS_EXPERTS}.gate_up_proj",
