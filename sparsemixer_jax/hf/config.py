@@ -56,12 +56,12 @@ def _rope(cfg: dict, family: Family) -> RopeConfig:
     model_type = family.model_type
     theta = params.get("rope_theta", cfg.get("rope_theta", family.default("rope_theta")))
     kind = params.get("rope_type", params.get("type", "default"))
+    partial = float(params.get("partial_rotary_factor", cfg.get(
+        "partial_rotary_factor", family.default("partial_rotary_factor"))) or 1.0)
     if kind == "default":
-        partial = params.get("partial_rotary_factor", cfg.get(
-            "partial_rotary_factor", family.default("partial_rotary_factor")))
-        return RopeConfig(theta=float(theta), partial_rotary_factor=float(partial or 1.0))
+        return RopeConfig(theta=float(theta), partial_rotary_factor=partial)
     if kind == "yarn":
-        return _yarn(params, cfg, float(theta), model_type)
+        return _yarn(params, cfg, float(theta), partial)
     if kind != "longrope":
         _refuse(model_type, f"rope scaling {kind!r} is not implemented (implemented: default, "
                             "longrope, yarn)")
@@ -82,15 +82,12 @@ def _rope(cfg: dict, family: Family) -> RopeConfig:
                       original_max_position_embeddings=int(original))
 
 
-def _yarn(params: dict[str, Any], cfg: dict[str, Any], theta: float, model_type: str
+def _yarn(params: dict[str, Any], cfg: dict[str, Any], theta: float, partial: float
           ) -> RopeConfig:
     """YaRN's settings as transformers 5.23 reads them (``_compute_yarn_parameters``): the
     attention factor, where not given, from ``factor`` (and ``mscale`` / ``mscale_all_dim``);
     ``truncate`` true unless said; the pretraining length from ``rope_parameters``, else
-    ``max_position_embeddings``."""
-    if params.get("partial_rotary_factor") not in (None, 1, 1.0):
-        _refuse(model_type, f"yarn with partial_rotary_factor={params['partial_rotary_factor']} "
-                            "is not implemented")
+    ``max_position_embeddings``; the frequencies over the rotated width (``partial``)."""
     original = int(params.get("original_max_position_embeddings",
                               cfg.get("max_position_embeddings", 4096)))
     factor = params.get("factor")
@@ -108,7 +105,7 @@ def _yarn(params: dict[str, Any], cfg: dict[str, Any], theta: float, model_type:
                       beta_fast=float(params.get("beta_fast") or 32),
                       beta_slow=float(params.get("beta_slow") or 1),
                       truncate=bool(params.get("truncate", True)),
-                      attention_factor=float(attention),
+                      attention_factor=float(attention), partial_rotary_factor=partial,
                       original_max_position_embeddings=original)
 
 
