@@ -16,7 +16,8 @@ DATA = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "hf")
 
 if __name__ == "__main__":
     out = sys.argv[1]
-    for model_type in MODEL_TYPES:
+    # gpt_oss_mxfp4: an MXFP4 checkpoint, saved in float32
+    for model_type in (*MODEL_TYPES, "gpt_oss_mxfp4"):
         model, config = hf.load_pretrained(os.path.join(DATA, model_type))
         hf.save_pretrained(model, config, os.path.join(out, model_type))
         print(f"{model_type}: saved to {os.path.join(out, model_type)}")

@@ -31,12 +31,13 @@ and compares its logits with the reference (1e-4 of the largest magnitude).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "hf")
 COMMON = dict(vocab_size=97, hidden_size=16, num_attention_heads=4, initializer_range=0.08,
@@ -86,17 +87,43 @@ CONFIGS = {
                      use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                       "partial_rotary_factor": 0.5}),
+    # Attention sinks (redrawn below), sliding window 4 < 12 tokens on layers 0 and 3 only,
+    # YaRN as the Hub's checkpoints set it (truncate false; its ramp falls inside head_dim 8),
+    # q/k/v/o, router and expert biases, top-3 of 6 by a softmax over the chosen logits, and
+    # the clamped SwiGLU at a limit of 0.3, which these weights' activations cross.
+    "gpt_oss": dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
+                    intermediate_size=12, num_local_experts=6, num_experts_per_tok=3,
+                    sliding_window=4, swiglu_limit=0.3,
+                    layer_types=["sliding_attention", "full_attention", "full_attention",
+                                 "sliding_attention"],
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                     "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                     "original_max_position_embeddings": 4096}),
 }
+# gpt-oss as the Hub ships it: experts in MXFP4 (quantized below; MXFP4 needs input widths of
+# multiples of 32), config.json in the Hub's spelling (rope_scaling, rope_theta,
+# experts_per_token, initial_context_length, no swiglu_alpha) and YaRN without ``truncate``
+# (true by default), factor 8. Saved to tests/data/hf/gpt_oss_mxfp4 with transformers' logits
+# of the directory (dequantized on load).
+MXFP4 = "gpt_oss_mxfp4"
+MXFP4_CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, head_dim=8,
+                    intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=3, swiglu_limit=0.5, max_position_embeddings=32768,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                     "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "original_max_position_embeddings": 4096})
 # Each type's torch seed: the first five as the committed files were made (sorted order), new
 # types after them, so that adding a type leaves the others' files as they are.
 SEEDS = {t: i for i, t in enumerate(("mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe",
-                                     "glm4_moe"))}
+                                     "glm4_moe", "gpt_oss", MXFP4))}
 PROMPT, NEW = 5, 8
 
 
 def build(model_type: str) -> torch.nn.Module:
     torch.manual_seed(SEEDS[model_type])
-    config = AutoConfig.for_model(model_type, **COMMON, **CONFIGS[model_type])
+    settings = MXFP4_CONFIG if model_type == MXFP4 else CONFIGS[model_type]
+    config = AutoConfig.for_model("gpt_oss" if model_type == MXFP4 else model_type,
+                                  **{**COMMON, **settings})
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
@@ -105,16 +132,97 @@ def build(model_type: str) -> torch.nn.Module:
                 param.copy_(0.2 * torch.randn_like(param))
             elif "norm" in name:  # every norm weight: input, post-attention, final, q/k
                 param.copy_(1.0 + 0.3 * torch.randn_like(param))
+            elif name.endswith("sinks"):  # gpt-oss's sink logits, large enough to matter
+                param.copy_(torch.randn_like(param))
         for name, buffer in model.named_buffers():  # the selection bias, zeros as initialised
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.2 * torch.randn_like(buffer))
     return model
 
 
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 ``(blocks, scales)`` of ``weight [N, in, out]`` in the Hub's layout (blocks
+    ``[N, out, in / 32, 16]``, low nibble first; scales ``[N, out, in / 32]``, exponent + 127):
+    each block of 32 scaled by the power of two that brings its largest magnitude to at most 6,
+    each value rounded to the nearest FP4 magnitude."""
+    n, width, out = weight.shape
+    rows = weight.transpose(1, 2).reshape(n, out, width // 32, 32)
+    largest = rows.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -126)
+    exponent = torch.ceil(torch.log2(largest / 6.0))
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    scaled = rows / torch.exp2(exponent)
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)
+    codes = codes.to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent[..., 0] + 127).to(torch.uint8)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``weight [N, in, out]`` of :func:`quantize_mxfp4`'s output."""
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).long()
+    values = magnitudes[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    values = values.reshape(*blocks.shape[:-1], 32) * torch.exp2(scales.float() - 127)[..., None]
+    return values.reshape(*blocks.shape[:-2], -1).transpose(1, 2)
+
+
+def save_mxfp4(model: torch.nn.Module, directory: str) -> None:
+    """The model's experts quantized (and the model's own weights set to the quantized values),
+    saved as the Hub's gpt-oss checkpoints are: ``*_blocks`` / ``*_scales`` and a config.json in
+    the Hub's spelling with ``quantization_config``."""
+    from safetensors.torch import load_file, save_file
+
+    quantized = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("gate_up_proj", "down_proj")):
+                blocks, scales = quantize_mxfp4(param)
+                param.copy_(dequantize_mxfp4(blocks, scales))
+                quantized[name] = (blocks, scales)
+    model.save_pretrained(directory)
+    file = os.path.join(directory, "model.safetensors")
+    tensors = load_file(file)
+    for name, (blocks, scales) in quantized.items():
+        del tensors[name]
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, file, metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    rope = cfg.pop("rope_parameters")
+    del cfg["swiglu_alpha"]
+    cfg.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope,
+               experts_per_token=cfg["num_experts_per_tok"],
+               initial_context_length=rope["original_max_position_embeddings"],
+               quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+                   "model.layers.*.self_attn", "model.layers.*.mlp.router",
+                   "model.embed_tokens", "lm_head"]})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+def load(directory: str) -> torch.nn.Module:
+    """transformers' model of a saved directory in float32 (an MXFP4 one dequantized)."""
+    kwargs = {}
+    with open(os.path.join(directory, "config.json")) as f:
+        if "quantization_config" in json.load(f):
+            kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager",
+                                                 dtype=torch.float32, **kwargs)
+    return model.float().eval()
+
+
 def make(model_type: str) -> None:
     model = build(model_type)
     directory = os.path.join(OUT, model_type)
-    model.save_pretrained(directory)
+    if model_type == MXFP4:
+        save_mxfp4(model, directory)
+        expected = model
+        model = load(directory)  # the reference is what transformers reads from the files
+        for (name, a), b in zip(expected.state_dict().items(), model.state_dict().values(),
+                                strict=True):
+            assert torch.equal(a, b), f"transformers dequantized {name} otherwise"
+    else:
+        model.save_pretrained(directory)
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=generator)
     with torch.no_grad():
@@ -128,14 +236,13 @@ def make(model_type: str) -> None:
 
 def check(root: str) -> int:
     failures = 0
-    for model_type in CONFIGS:
+    for model_type in (*CONFIGS, MXFP4):
         directory = os.path.join(root, model_type)
         if not os.path.isdir(directory):
             print(f"{model_type}: no {directory}")
             failures += 1
             continue
-        model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager")
-        model = model.float().eval()
+        model = load(directory)
         ref = np.load(os.path.join(OUT, model_type, "reference.npz"))
         with torch.no_grad():
             logits = model(torch.as_tensor(ref["input_ids"])).logits.numpy()
@@ -151,7 +258,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", metavar="DIR", help="compare transformers' logits of the "
                         "directories DIR/<type> with the references")
-    parser.add_argument("--types", nargs="*", default=list(CONFIGS))
+    parser.add_argument("--types", nargs="*", default=[*CONFIGS, MXFP4])
     args = parser.parse_args()
     if args.check:
         sys.exit(1 if check(args.check) else 0)

@@ -51,7 +51,7 @@ LOGICAL_AXES = (
     "position",  # learned absolute positions
     "segment",  # segment (sentence A/B) embeddings
     "buckets",  # relative-position buckets
-    "bias_heads",  # the relative-position bias per head
+    "bias_heads",  # a logit bias per attention head (relative positions; gpt-oss's sinks)
 )
 
 # The device mesh's axis names, outermost first (sparsemixer_jax.sharding.make_mesh builds it).
@@ -88,6 +88,8 @@ PARAMETER_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"(^|/)(wo|w_down)", ("expert", "mlp", "embed")),
     (r"(^|/)bi", ("expert", "mlp")),
     (r"(^|/)bo", ("expert", "embed")),
+    (r"(^|/)(b_gate|b_up)", ("expert", "mlp")),
+    (r"(^|/)b_down", ("expert", "embed")),
     (r"(^|/)omega", ("norm",)),
     (r"router/kernel", ("embed", "routes")),
     (r"router/[a-z_]+", ("routes",)),  # its bias, and any per-expert vector of a router
@@ -105,6 +107,7 @@ PARAMETER_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (_ATTENTION_OUT + r"/bias", ("embed",)),
     (r"(q_norm|k_norm)/weight", ("qk_norm",)),
     (r"position_bias/table/embedding", ("buckets", "bias_heads")),
+    (r"self_attn/sinks", ("bias_heads",)),
     # dense feed-forward layers (and the MoE layer's shared experts)
     (r"(wi|w_gate|w_up|gate_proj|up_proj)/kernel", ("embed", "mlp")),
     (r"(wi|w_gate|w_up|gate_proj|up_proj)/bias", ("mlp",)),

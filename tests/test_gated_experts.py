@@ -10,6 +10,7 @@ from flax import nnx
 from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
 
 from sparsemixer_jax.moe import MoEFeedForward, expert_ffn, fold_omega
+from sparsemixer_jax.moe.dispatch import clamped_swiglu
 from sparsemixer_jax.moe.unchosen import all_expert_outputs
 from sparsemixer_jax.sharding import make_mesh
 
@@ -127,3 +128,47 @@ def test_fold_omega_on_gated_experts():
     assert fold_omega(layer) == 1
     after = apply(layer, x)
     np.testing.assert_allclose(np.asarray(after), np.asarray(before), rtol=1e-5, atol=1e-6)
+
+
+def clamped_reference_rows(x, group, params, limit, alpha):
+    """gpt-oss's experts row by row (numpy float64): ``g = min(x w_gate + b_gate, limit)``,
+    ``u = clip(x w_up + b_up, +-limit)``, ``(g sigmoid(alpha g) (u + 1)) w_down + b_down``."""
+    x = np.asarray(x, np.float64)
+    w_gate, w_up, w_down, b_gate, b_up, b_down = (np.asarray(p, np.float64) for p in params)
+    out = np.zeros_like(x)
+    for r, g in enumerate(np.asarray(group)):
+        if g < w_gate.shape[0]:
+            gate = np.minimum(x[r] @ w_gate[g] + b_gate[g], limit)
+            up = np.clip(x[r] @ w_up[g] + b_up[g], -limit, limit)
+            out[r] = (gate / (1 + np.exp(-alpha * gate)) * (up + 1)) @ w_down[g] + b_down[g]
+    return out
+
+
+@pytest.mark.parametrize("dispatch,kw", [("ragged", {}), ("padded", {}),
+                                         ("grouped", {"grouped_impl": "xla"})])
+def test_clamped_swiglu_experts_with_biases_equal_the_loop(rows, dispatch, kw):
+    """gpt-oss's experts through each dispatch. The gate and up values of these rows spread
+    about 0.8 (64 unit inputs times weights of 0.1), so at limit 0.3 the clamps cut about a third
+    of the gates and most up values: a missing clamp would show."""
+    x, group, params = rows
+    keys = jax.random.split(jax.random.key(5), 3)
+    biases = tuple(jax.random.normal(k, s) * 0.1 for k, s in
+                   zip(keys, [(N, MLP), (N, MLP), (N, EMB)], strict=True))
+    params = (*params, *biases)
+    got = expert_ffn(x, group, jnp.arange(48), params, dispatch=dispatch,
+                     activation=clamped_swiglu(0.3, 1.702), **kw)
+    np.testing.assert_allclose(np.asarray(got), clamped_reference_rows(x, group, params, 0.3,
+                                                                       1.702),
+                               rtol=2e-5, atol=2e-5)
+
+
+def test_fold_omega_on_experts_with_biases():
+    layer = gated_layer("sparsemixer_v2", gated_biases=True)
+    layer.b_down[...] = jnp.ones((N, EMB))
+    layer.omega[...] = jnp.linspace(0.5, 1.5, EMB)
+    x = jax.random.normal(jax.random.key(3), (B, T, EMB))
+    apply = nnx.jit(lambda m, x: m(x, deterministic=True)[0])
+    before = apply(layer, x)
+    assert fold_omega(layer) == 1
+    np.testing.assert_allclose(np.asarray(apply(layer, x)), np.asarray(before), rtol=1e-5,
+                               atol=1e-6)

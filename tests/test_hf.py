@@ -159,8 +159,8 @@ def test_one_line_errors(tmp_path):
         hf.from_hf({**cfg, "model_type": "llama"})
     with pytest.raises(ValueError, match="key 'attn_logit_softcapping' is not known"):
         hf.from_hf({**cfg, "attn_logit_softcapping": 30.0})
-    with pytest.raises(ValueError, match="rope scaling 'yarn' is not implemented"):
-        hf.from_hf({**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match="rope scaling 'dynamic' is not implemented"):
+        hf.from_hf({**cfg, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}})
     with pytest.raises(ValueError, match="'gelu'; only 'silu'"):
         hf.from_hf({**cfg, "hidden_act": "gelu"})
     # A wrong shape and a missing tensor, each named.
@@ -180,12 +180,14 @@ def test_one_line_errors(tmp_path):
         hf.load_pretrained(str(tmp_path))
 
 
-def test_cached_decoding_gives_the_full_forward_logits(loaded):
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_cached_decoding_gives_the_full_forward_logits(loaded, model_type):
     """Prefill 5 slots (row 0 left-padded by one), then one token at a time: every step's logits
-    equal a full forward pass of the same real tokens (sliding window 5 < 12 tokens). Through
+    equal a full forward pass of the same real tokens (Mixtral: sliding window 5 < 12 tokens on
+    every layer; gpt-oss: window 4 on layers 0 and 3 of 4, attention sinks). Through
     ``generate``'s own compiled step, at the shapes the generation test compiled it for."""
-    model, _ = loaded["mixtral"]
-    ids = jnp.asarray(reference("mixtral")["input_ids"])
+    model, _ = loaded[model_type]
+    ids = jnp.asarray(reference(model_type)["input_ids"])
     full = np.asarray(logits_of(model, ids))
     padded = jnp.concatenate([jnp.zeros((2, 1), ids.dtype), ids], axis=1)
     mask = jnp.ones(padded.shape, bool).at[0, 0].set(False).at[1, 12].set(False)

@@ -8,10 +8,11 @@
     hf.save_pretrained(model, config, out_dir)  # loads in transformers' AutoModelForCausalLM
     tokenizer = hf.load_tokenizer(path)         # tokenizer.json, special tokens, chat template
 
-Types: ``mixtral``, ``qwen3_moe``, ``olmoe``, ``qwen2_moe``, ``phimoe``, ``glm4_moe``
-(docs/lm.md; one record each in :mod:`sparsemixer_jax.hf.families`). Needs the
-``safetensors`` package (``tokenizers`` for :func:`load_tokenizer`, ``jinja2`` to render chat
-templates): ``pip install 'sparsemixer-jax[hf]'``; torch is never imported.
+Types: ``mixtral``, ``qwen3_moe``, ``olmoe``, ``qwen2_moe``, ``phimoe``, ``glm4_moe``,
+``gpt_oss`` (MXFP4 experts dequantized on load; docs/lm.md; one record each in
+:mod:`sparsemixer_jax.hf.families`). Needs the ``safetensors`` package (``tokenizers`` for
+:func:`load_tokenizer`, ``jinja2`` to render chat templates): ``pip install
+'sparsemixer-jax[hf]'``; torch is never imported.
 """
 
 from sparsemixer_jax.hf.checkpoint import load_pretrained, read_config, save_pretrained

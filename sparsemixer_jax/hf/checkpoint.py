@@ -11,8 +11,10 @@ reads.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -21,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from sparsemixer_jax import sharding
+from sparsemixer_jax.hf import mxfp4
 from sparsemixer_jax.hf.config import from_hf, to_hf
 from sparsemixer_jax.hf.weights import Path, convert, read_table, saved_tensors
 from sparsemixer_jax.models.causal_lm import CausalLM
@@ -148,9 +151,9 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     ValueErrors: not a model directory, unsupported ``model_type``, a refused config key, a
     missing shard, a tensor of the wrong shape (named), a tensor missing or unexpected (named).
     """
-    config = from_hf(read_config(path), **overrides)
+    source = read_config(path)
+    config = from_hf(source, **overrides)
     files = weight_files(path)
-    safe_open, _ = _safetensors()
     graphdef, abstract, rest = _build(config, seed, mesh)
     pure = nnx.to_pure_dict(abstract)
     partitioner = None if mesh is None else Partitioner(mesh, rules)
@@ -161,38 +164,35 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     filled: dict[Path, np.ndarray] = {}  # per param: which leading-index slices were written
     layers = CausalLM.layer_index_of(config)
     table = read_table(config, layers)
-    for file in files:
-        with safe_open(file, "np") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue  # recomputed from the config; some old checkpoints store it
-                if name == "lm_head.weight" and config.tie_word_embeddings:
-                    continue  # tied: the embedding is the head
-                slots = table.get(name)
-                if not slots or any(_get(arrays, s.path) is None for s in slots):
-                    raise ValueError(f"{path!r}: tensor {name!r} has no place in a "
-                                     f"{config.model_type} model of this config.json")
-                value = f.get_tensor(name)
-                for slot in slots:
-                    target = _get(arrays, slot.path)
-                    expected = _hf_shape(target.shape, slot)
-                    if tuple(value.shape) != expected:
-                        raise ValueError(f"{path!r}: tensor {name!r} has shape "
-                                         f"{list(value.shape)}, expected {list(expected)}")
-                    got = np.asarray(convert(value, slot.transform), target.dtype)
-                    start = np.asarray(slot.index, np.int32)
-                    if replicated is not None:  # several processes: global arrays only
-                        got, start = sharding.place((got, start), (replicated, replicated))
-                    _set(arrays, slot.path, _write(target, got, start,
-                                                   placement=_get(placements, slot.path)))
-                    index = slot.index
-                    mark = filled.setdefault(slot.path, np.zeros(
-                        target.shape[:2] if slot.path[-1] in ("w_gate", "w_up", "w_down")
-                        else target.shape[:1] if slot.path[0] == "stacks" else (), bool))
-                    mark[index] = True
+    quantized = bool(source.get("quantization_config"))  # from_hf checked the method
+    for name, value in checkpoint_tensors(path, files, quantized):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # recomputed from the config; some old checkpoints store it
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the embedding is the head
+        slots = table.get(name)
+        if not slots or any(_get(arrays, s.path) is None for s in slots):
+            raise ValueError(f"{path!r}: tensor {name!r} has no place in a "
+                             f"{config.model_type} model of this config.json")
+        for slot in slots:
+            target = _get(arrays, slot.path)
+            expected = _hf_shape(target.shape, slot)
+            if tuple(value.shape) != expected:
+                raise ValueError(f"{path!r}: tensor {name!r} has shape "
+                                 f"{list(value.shape)}, expected {list(expected)}")
+            got = np.asarray(convert(value, slot.transform), target.dtype)
+            start = np.asarray(slot.index, np.int32)
+            if replicated is not None:  # several processes: global arrays only
+                got, start = sharding.place((got, start), (replicated, replicated))
+            _set(arrays, slot.path, _write(target, got, start,
+                                           placement=_get(placements, slot.path)))
+            mark = filled.setdefault(slot.path, np.zeros(
+                target.shape[:2] if slot.path[-1] in ("w_gate", "w_up", "w_down")
+                else target.shape[:1] if slot.path[0] == "stacks" else (), bool))
+            mark[slot.index] = True
     for name, slot in saved_tensors(config, layers):
         mark = filled.get(slot.path)
-        if mark is None or not mark[slot.index]:
+        if mark is None or not np.all(mark[slot.index]):
             raise ValueError(f"{path!r}: tensor {name!r} is missing from the checkpoint")
     _omega_ones(arrays, placements)
     nnx.replace_by_pure_dict(abstract, arrays)
@@ -201,6 +201,45 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     model = nnx.merge(graphdef, abstract, rest)
     model.eval()
     return model, config
+
+
+def checkpoint_tensors(path: str, files: list[str], quantized: bool
+                       ) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of the safetensors ``files``, ``(name, value)``, one at a time (memory-mapped
+    until read). ``quantized`` (an MXFP4 checkpoint): each ``<name>_blocks`` comes with its
+    ``<name>_scales`` (from whichever file holds it) as the dequantized ``<name>``
+    (:mod:`sparsemixer_jax.hf.mxfp4`); a missing or misshaped scale tensor is a one-line
+    ValueError naming the file and the tensor."""
+    safe_open, _ = _safetensors()
+    holder: dict[str, str] = {}  # tensor name -> its file
+    if quantized:
+        for file in files:
+            with safe_open(file, "np") as f:
+                holder.update(dict.fromkeys(f.keys(), file))
+    for file in files:
+        with safe_open(file, "np") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
+                base = name.removesuffix(mxfp4.BLOCKS).removesuffix(mxfp4.SCALES)
+                if not quantized or base == name:
+                    yield name, f.get_tensor(name)
+                elif name.endswith(mxfp4.BLOCKS):
+                    yield base, _dequantized(f.get_tensor(name), base, holder, file)
+                elif base + mxfp4.BLOCKS not in holder:  # scales without blocks
+                    yield name, f.get_tensor(name)
+
+
+def _dequantized(blocks: np.ndarray, base: str, holder: dict[str, str], file: str
+                 ) -> np.ndarray:
+    """The float32 weight ``base`` of its MXFP4 ``blocks`` (read from ``file``) and scales."""
+    scales_name = base + mxfp4.SCALES
+    if scales_name not in holder:
+        raise ValueError(f"{file}: tensor {base + mxfp4.BLOCKS!r} has no {scales_name!r} in the "
+                         "checkpoint (MXFP4 blocks need their scales)")
+    safe_open, _ = _safetensors()
+    with safe_open(holder[scales_name], "np") as g:
+        scales = g.get_tensor(scales_name)
+    mxfp4.check_pair(blocks, scales, base, holder[scales_name])
+    return mxfp4.dequantize(blocks, scales)
 
 
 def _omega_ones(arrays: dict, placements: dict) -> None:
@@ -220,6 +259,9 @@ def _hf_shape(param_shape: tuple[int, ...], slot) -> tuple[int, ...]:
     if slot.transform == "down":  # [N, I, emb] -> [N, emb, I]
         n, width, emb = param_shape[1:]
         return (n, emb, width)
+    if slot.transform in ("even", "odd"):  # one of two interleaved halves of the last axis
+        shape = param_shape[len(slot.index):]
+        return (*shape[:-1], 2 * shape[-1])
     shape = tuple(param_shape[len(slot.index):])
     return shape[::-1] if slot.transform == "T" else shape
 
@@ -266,15 +308,8 @@ def save_pretrained(model: CausalLM, config: LMConfig, out_dir: str, *,
                                    metadata={"format": "pt"})
             pending, size = {}, 0
 
-    for name, slot in saved_tensors(config, layers):
-        array = _get(pure, slot.path)
-        value = array[slot.index] if slot.index else array
-        if slot.path[-1] == "w_down":
-            omega = _get(pure, (*slot.path[:-1], "omega"))
-            if omega is not None:
-                value = value * omega[slot.index[0]]
-        value = _to_host(value)  # one tensor at a time, gathered from its shards
-        value = np.ascontiguousarray(value.T if slot.transform == "T" else value).astype(np_dtype)
+    for name, named in itertools.groupby(saved_tensors(config, layers), key=lambda t: t[0]):
+        value = _saved_value(pure, [slot for _, slot in named]).astype(np_dtype)
         if size and size + value.nbytes > max_shard_bytes:
             flush()
         pending[name] = value
@@ -301,4 +336,22 @@ def save_pretrained(model: CausalLM, config: LMConfig, out_dir: str, *,
         json.dump(hf_config, f, indent=2, sort_keys=True)
     if tokenizer is not None:
         tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+
+
+def _saved_value(pure: dict, slots: list) -> np.ndarray:
+    """The tensor of ``slots`` (one, or gpt-oss's interleaved pair) on this host, each slice
+    gathered from its shards; SparseMixer's omega folded into the experts' outputs."""
+    values = []
+    for slot in slots:
+        array = _get(pure, slot.path)
+        value = array[slot.index] if slot.index else array
+        if slot.path[-1] in ("w_down", "b_down"):
+            omega = _get(pure, (*slot.path[:-1], "omega"))
+            if omega is not None:
+                value = value * omega[slot.index[0]]
+        value = _to_host(value)
+        values.append(value.T if slot.transform == "T" else value)
+    if len(values) == 2:  # "even" and "odd": interleaved along the last axis
+        values = [np.stack(values, axis=-1).reshape(*values[0].shape[:-1], -1)]
+    return np.ascontiguousarray(values[0])
 

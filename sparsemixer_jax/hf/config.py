@@ -11,9 +11,10 @@ Facts per type are from transformers 5.23's ``modeling_<type>.py`` / ``configura
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
-from sparsemixer_jax.hf.families import Family, Key, family_of
+from sparsemixer_jax.hf.families import LAYER_TYPES, Family, Key, family_of
 from sparsemixer_jax.models.lm_config import LMConfig, RopeConfig
 from sparsemixer_jax.routers import RouterConfig
 
@@ -31,9 +32,14 @@ COMMON_KEYS = frozenset({
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "tie_word_embeddings",
     "rope_theta", "rope_scaling", "rope_parameters", "attention_dropout", "num_experts_per_tok",
+    "quantization_config",
 })
-# The spellings of the expert count (a type's own is Family.experts_key).
+# The spellings of the expert count (a type's own is Family.experts_key) and of the experts per
+# token (gpt-oss's config.json on the Hub says experts_per_token).
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token")
+
+
 def _refuse(model_type: str, message: str) -> None:
     raise ValueError(f"config.json ({model_type}): {message}")
 
@@ -45,16 +51,20 @@ def _rope(cfg: dict, family: Family) -> RopeConfig:
     scaling = cfg.get("rope_scaling")
     if scaling:
         params = {**scaling, **params}
+    if not (params or "rope_scaling" in cfg or "rope_theta" in cfg):  # the type's own default
+        params = dict(family.default("rope_parameters") or {})
     model_type = family.model_type
     theta = params.get("rope_theta", cfg.get("rope_theta", family.default("rope_theta")))
     kind = params.get("rope_type", params.get("type", "default"))
+    partial = float(params.get("partial_rotary_factor", cfg.get(
+        "partial_rotary_factor", family.default("partial_rotary_factor"))) or 1.0)
     if kind == "default":
-        partial = params.get("partial_rotary_factor", cfg.get(
-            "partial_rotary_factor", family.default("partial_rotary_factor")))
-        return RopeConfig(theta=float(theta), partial_rotary_factor=float(partial or 1.0))
+        return RopeConfig(theta=float(theta), partial_rotary_factor=partial)
+    if kind == "yarn":
+        return _yarn(params, cfg, float(theta), partial)
     if kind != "longrope":
         _refuse(model_type, f"rope scaling {kind!r} is not implemented (implemented: default, "
-                            "longrope)")
+                            "longrope, yarn)")
     original = params.get("original_max_position_embeddings",
                           cfg.get("original_max_position_embeddings"))
     if original is None or "short_mscale" not in params or "long_mscale" not in params:
@@ -72,6 +82,33 @@ def _rope(cfg: dict, family: Family) -> RopeConfig:
                       original_max_position_embeddings=int(original))
 
 
+def _yarn(params: dict[str, Any], cfg: dict[str, Any], theta: float, partial: float
+          ) -> RopeConfig:
+    """YaRN's settings as transformers 5.23 reads them (``_compute_yarn_parameters``): the
+    attention factor, where not given, from ``factor`` (and ``mscale`` / ``mscale_all_dim``);
+    ``truncate`` true unless said; the pretraining length from ``rope_parameters``, else
+    ``max_position_embeddings``; the frequencies over the rotated width (``partial``)."""
+    original = int(params.get("original_max_position_embeddings",
+                              cfg.get("max_position_embeddings", 4096)))
+    factor = params.get("factor")
+    factor = float(cfg.get("max_position_embeddings", 4096) / original if factor is None
+                   else factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeConfig(theta=theta, kind="yarn", factor=factor,
+                      beta_fast=float(params.get("beta_fast") or 32),
+                      beta_slow=float(params.get("beta_slow") or 1),
+                      truncate=bool(params.get("truncate", True)),
+                      attention_factor=float(attention), partial_rotary_factor=partial,
+                      original_max_position_embeddings=original)
+
+
 def _check_keys(cfg: dict[str, Any], family: Family) -> None:
     """Refuses keys this model does not know or does not compute, each in one line."""
     model_type = family.model_type
@@ -80,8 +117,13 @@ def _check_keys(cfg: dict[str, Any], family: Family) -> None:
     if unknown:
         _refuse(model_type, f"key {unknown[0]!r} is not known for this type and may change "
                             f"the computation, so it is refused (all unknown: {unknown})")
-    if cfg.get("quantization_config"):
-        _refuse(model_type, "quantized checkpoints are not supported")
+    quantization = cfg.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        if method not in family.quantizations:
+            supported = ", ".join(sorted(family.quantizations)) or "none"
+            _refuse(model_type, f"quantization_config.quant_method={method!r} is not supported "
+                                f"for this type (supported: {supported})")
     if cfg.get("hidden_act", "silu") != "silu":
         _refuse(model_type, f"hidden_act={cfg['hidden_act']!r}; only 'silu' is implemented")
     for key in ("attention_dropout", "hidden_dropout"):
@@ -114,12 +156,30 @@ def _layers(cfg: dict[str, Any], family: Family, num_layers: int, num_experts: i
             "intermediate_size": int(cfg.get("intermediate_size", 0))}
 
 
-def _window(cfg: dict[str, Any], family: Family) -> dict[str, Any]:
+def _layer_types(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
+    """``sliding_window`` on the layers ``layer_types`` names ``sliding_attention`` (by default
+    every other layer from the first, as transformers' gpt-oss)."""
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    for i, kind in enumerate(types):
+        if kind not in LAYER_TYPES:
+            _refuse(family.model_type, f"layer_types[{i}]={kind!r} is not implemented "
+                                       f"(implemented: {', '.join(LAYER_TYPES)})")
+    if len(types) != num_layers:
+        _refuse(family.model_type, f"layer_types has {len(types)} entries for "
+                                   f"num_hidden_layers={num_layers}")
+    return {"sliding_window": cfg.get("sliding_window", family.default("sliding_window")),
+            "sliding_layers": tuple(LAYER_TYPES[kind] for kind in types)}
+
+
+def _window(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
     """``sliding_window`` as the type spells it (see ``Family.window``)."""
     if family.window == "every_layer":
         return {"sliding_window": cfg.get("sliding_window")}
     if family.window == "none":
         return {}
+    if family.window == "per_layer":
+        return _layer_types(cfg, family, num_layers)
     fields = {}
     if cfg.get("use_sliding_window"):
         if family.window == "refused":
@@ -171,13 +231,16 @@ def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
     if len(set(experts.values())) > 1:
         _refuse(model_type, f"the expert counts disagree: {experts}")
     num_experts = int(next(iter(experts.values()), family.default("num_experts")))
-    top_k = int(cfg.get("num_experts_per_tok", family.default("num_experts_per_tok")))
+    top_ks = {k: cfg[k] for k in TOP_K_KEYS if cfg.get(k) is not None}
+    if len(set(top_ks.values())) > 1:
+        _refuse(model_type, f"the experts per token disagree: {top_ks}")
+    top_k = int(next(iter(top_ks.values()), family.default("num_experts_per_tok")))
     if family.fixed_top_k and top_k != family.fixed_top_k:
         _refuse(model_type, f"num_experts_per_tok={top_k}; {model_type}'s {family.router} "
                             f"router always picks {family.fixed_top_k} experts")
     fields: dict[str, Any] = {"router": "switch", "jitter_eps": 0.0,
                               **_layers(cfg, family, num_layers, num_experts),
-                              **_window(cfg, family), **family.flags}
+                              **_window(cfg, family, num_layers), **family.flags}
     for key in family.keys:
         value = key.cast(cfg.get(key.name, family.default(key.name)))
         fields.update(dict.fromkeys(key.fields, value))
@@ -226,6 +289,10 @@ def to_hf(config: LMConfig) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_theta": c.rope.theta, "rope_type": c.rope.kind}
     if c.rope.partial_rotary_factor != 1.0 or family.default("partial_rotary_factor"):
         rope["partial_rotary_factor"] = c.rope.partial_rotary_factor
+    if c.rope.kind == "yarn":
+        rope.update(factor=c.rope.factor, beta_fast=c.rope.beta_fast, beta_slow=c.rope.beta_slow,
+                    truncate=c.rope.truncate, attention_factor=c.rope.attention_factor,
+                    original_max_position_embeddings=c.rope.original_max_position_embeddings)
     if c.rope.kind == "longrope":
         rope.update(short_factor=list(c.rope.short_factor), long_factor=list(c.rope.long_factor),
                     short_mscale=c.rope.short_mscale, long_mscale=c.rope.long_mscale,
@@ -250,6 +317,10 @@ def to_hf(config: LMConfig) -> dict[str, Any]:
         out["intermediate_size"] = c.moe_intermediate_size
     if family.window == "every_layer":
         out["sliding_window"] = c.sliding_window
+    elif family.window == "per_layer":
+        sliding = c.sliding_layers or (True,) * c.num_layers
+        named = {on: kind for kind, on in LAYER_TYPES.items()}
+        out.update(sliding_window=c.sliding_window, layer_types=[named[on] for on in sliding])
     elif family.window != "none":
         out["use_sliding_window"] = c.sliding_window is not None
         if c.sliding_window is not None:

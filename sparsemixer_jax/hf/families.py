@@ -44,11 +44,16 @@ WINDOW_KEYS = {"every_layer": frozenset({"sliding_window"}),
                                       "max_window_layers", "layer_types"}),
                "refused": frozenset({"use_sliding_window", "sliding_window",
                                      "max_window_layers", "layer_types"}),
+               "per_layer": frozenset({"sliding_window", "layer_types"}),
                "none": frozenset()}
+#: ``layer_types`` entries (``"per_layer"`` windows): whether the layer's window applies.
+LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
 # The routed MoE sublayer's params, relative to a layer's ``mlp/moe``: what ``moe_names`` maps.
 MOE_PARAMS = ("router", "w_gate", "w_up", "w_down")
 #: Optional in ``moe_names``: the checkpoint's per-expert selection bias (the layer's bias state).
 SELECTION_BIAS = "selection_bias"
+#: Optional in ``moe_names``: the router's bias and the experts' biases (gpt-oss).
+BIAS_PARAMS = ("router_bias", "b_gate", "b_up", "b_down")
 
 
 def _moe_names(block: str, gate: str, up: str, down: str) -> dict[str, str]:
@@ -81,14 +86,16 @@ class Family:
       window: how it spells sliding-window attention: ``"every_layer"`` (``sliding_window``,
         None = off), ``"switched"`` (``sliding_window`` on every layer while
         ``use_sliding_window``), ``"refused"`` (as switched, but per-layer windows are not
-        computed, so only off is read) or ``"none"`` (no such keys).
+        computed, so only off is read), ``"per_layer"`` (``sliding_window`` on the layers
+        ``layer_types`` names ``"sliding_attention"``; by default every other layer from the
+        first: gpt-oss) or ``"none"`` (no such keys).
       head_dim_fixed: ``head_dim`` must be ``hidden_size / num_attention_heads`` (OLMoE's key
         norm over the whole projection assumes it) and a from-scratch config omits it.
       fixed_top_k: the only ``num_experts_per_tok`` its router computes (0: any).
       scratch: keys a from-scratch model's ``config.json`` sets (beyond the sizes).
       moe_names: the MoE tensors' names in a layer (``model.layers.L.`` + name; ``{e}`` the
-        expert), by :data:`MOE_PARAMS` (and :data:`SELECTION_BIAS`): written on export, read
-        on load.
+        expert), by :data:`MOE_PARAMS` (and :data:`SELECTION_BIAS`, :data:`BIAS_PARAMS`):
+        written on export, read on load.
       shared_expert_names: the shared expert's prefix in a layer (``.gate_proj.weight``, ...);
         its gate, where the config has one, is ``<prefix>_gate.weight``.
       shared_expert_count_key: the key counting shared experts of ``moe_intermediate_size``
@@ -100,6 +107,12 @@ class Family:
       fused_router: the router's name in transformers 5's fused in-memory layout, read on load
         beside ``moe_names`` (the experts' fused names are every type's:
         ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``).
+      interleaved_experts: its checkpoints hold each layer's experts as whole tensors (no
+        ``{e}`` in ``moe_names``), ``[N, in, out]`` as the model's params are, gate and up
+        interleaved along the last axis of one tensor (gpt-oss's ``gate_up_proj``: gate at
+        even columns, up at odd).
+      quantizations: the ``quantization_config.quant_method`` values its checkpoints may have
+        (dequantized on load: :mod:`sparsemixer_jax.hf.mxfp4`).
     """
 
     model_type: str
@@ -121,12 +134,14 @@ class Family:
     router_keys: tuple[Key, ...] = ()
     router_flags: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     required: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    interleaved_experts: bool = False
+    quantizations: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.window not in WINDOW_KEYS:
             raise ValueError(f"Family {self.model_type}: window={self.window!r}; choose one of "
                              f"{sorted(WINDOW_KEYS)}")
-        if set(self.moe_names) - {SELECTION_BIAS} != set(MOE_PARAMS):
+        if set(self.moe_names) - {SELECTION_BIAS, *BIAS_PARAMS} != set(MOE_PARAMS):
             raise ValueError(f"Family {self.model_type}: moe_names must name {MOE_PARAMS}")
 
     @property
@@ -227,9 +242,35 @@ GLM4_MOE = Family(
     shared_expert_names="mlp.shared_experts",
     moe_names={**_MLP_MOE, SELECTION_BIAS: "mlp.gate.e_score_correction_bias"})
 
+_GPT_OSS_EXPERTS = "mlp.experts"
+GPT_OSS = Family(
+    model_type="gpt_oss", architecture="GptOssForCausalLM", experts_key="num_local_experts",
+    defaults={"num_experts": 128, "num_experts_per_tok": 4, "rope_theta": 150000.0,
+              "rms_norm_eps": 1e-5, "attention_bias": True, "swiglu_limit": 7.0,
+              "swiglu_alpha": 1.702, "sliding_window": 128,
+              "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                  "beta_slow": 1.0, "truncate": False,
+                                  "original_max_position_embeddings": 4096}},
+    keys=(_ATTENTION_BIAS, Key("swiglu_limit", ("swiglu_limit",), float),
+          Key("swiglu_alpha", ("swiglu_alpha",), float)),
+    flags={"norm_topk_prob": True, "attention_sinks": True, "router_bias": True,
+           "expert_biases": True},
+    # The Hub's config.json: experts_per_token (read as num_experts_per_tok) and
+    # initial_context_length (transformers reads it nowhere; YaRN's length is in rope_scaling).
+    other_keys=frozenset({"experts_per_token", "initial_context_length"}),
+    window="per_layer", scratch={"attention_bias": True}, interleaved_experts=True,
+    quantizations=frozenset({"mxfp4"}),
+    moe_names={"router": "mlp.router.weight", "router_bias": "mlp.router.bias",
+               "w_gate": f"{_GPT_OSS_EXPERTS}.gate_up_proj",
+               "w_up": f"{_GPT_OSS_EXPERTS}.gate_up_proj",
+               "w_down": f"{_GPT_OSS_EXPERTS}.down_proj",
+               "b_gate": f"{_GPT_OSS_EXPERTS}.gate_up_proj_bias",
+               "b_up": f"{_GPT_OSS_EXPERTS}.gate_up_proj_bias",
+               "b_down": f"{_GPT_OSS_EXPERTS}.down_proj_bias"})
+
 #: The families, in :data:`sparsemixer_jax.models.lm_config.MODEL_TYPES`' order.
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (MIXTRAL, QWEN3_MOE, OLMOE, QWEN2_MOE,
-                                                           PHIMOE, GLM4_MOE)}
+                                                           PHIMOE, GLM4_MOE, GPT_OSS)}
 
 
 def family_of(model_type: Any, where: str = "config.json: model_type ") -> Family:

@@ -18,7 +18,11 @@ type, the MoE sublayer's names, is the type's record
   router ``...mlp.gate.weight`` or ``...mlp.router.weight`` (Phi-3.5-MoE; the record's
   ``fused_router``).
 
-Written: the per-expert layout, which transformers 4.x and 5.x both load.
+Written: the per-expert layout, which transformers 4.x and 5.x both load. gpt-oss's checkpoints
+have one layout only (the record's ``interleaved_experts``): ``mlp.experts.gate_up_proj``
+``[N, emb, 2 * I]`` with gate and up interleaved (even and odd columns) and its bias
+``[N, 2 * I]`` alike, ``mlp.experts.down_proj`` ``[N, I, emb]`` and its bias, the router
+``mlp.router.weight`` and ``mlp.router.bias``; read and written as they are.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ class Slot(NamedTuple):
 
     path: Path
     index: tuple[int, ...]
-    transform: str  # "same", "T" (2-D transpose), "gate"/"up" (halves of fused gate_up), "down"
+    # "same", "T" (2-D transpose), "gate"/"up" (halves of fused gate_up), "down",
+    # "even"/"odd" (the interleaved columns of gpt-oss's gate_up_proj, on the last axis)
+    transform: str
 
 
 def convert(value: np.ndarray, transform: str) -> np.ndarray:
@@ -52,6 +58,8 @@ def convert(value: np.ndarray, transform: str) -> np.ndarray:
         return value
     if transform == "T":
         return value.T
+    if transform in ("even", "odd"):
+        return value[..., 0::2] if transform == "even" else value[..., 1::2]
     if transform in ("gate", "up"):  # [N, 2I, emb] -> [N, emb, I]
         half = value.shape[1] // 2
         part = value[:, :half] if transform == "gate" else value[:, half:]
@@ -76,6 +84,8 @@ def _layer_tensors(config: LMConfig, number: int, stack: int, repeat: int, pos: 
         yield f"{layer}.self_attn.{proj}.weight", Slot((*attn, "kernel"), (repeat,), "T")
         if (config.out_bias if proj == "o_proj" else config.qkv_bias):
             yield f"{layer}.self_attn.{proj}.bias", Slot((*attn, "bias"), (repeat,), "same")
+    if config.attention_sinks:
+        yield f"{layer}.self_attn.sinks", Slot((*base, "self_attn", "sinks"), (repeat,), "same")
     if config.qk_norm != "none":
         for norm in ("q_norm", "k_norm"):
             yield (f"{layer}.self_attn.{norm}.weight",
@@ -89,9 +99,14 @@ def _layer_tensors(config: LMConfig, number: int, stack: int, repeat: int, pos: 
     names = family.moe_names
     moe = (*base, "mlp", "moe")
     yield f"{layer}.{names['router']}", Slot((*moe, "router", "kernel"), (repeat,), "T")
+    if config.router_bias:
+        yield f"{layer}.{names['router_bias']}", Slot((*moe, "router", "bias"), (repeat,), "same")
     if config.selection_bias:
         yield (f"{layer}.{names[SELECTION_BIAS]}",
                Slot((*moe, "expert_bias"), (repeat,), "same"))
+    if family.interleaved_experts:
+        yield from _interleaved_experts(config, layer, moe, repeat, names)
+        return
     for expert in range(config.num_experts):
         for param in ("w_gate", "w_up", "w_down"):
             yield (f"{layer}.{names[param].format(e=expert)}",
@@ -106,9 +121,21 @@ def _layer_tensors(config: LMConfig, number: int, stack: int, repeat: int, pos: 
                    Slot((*base, "mlp", "shared_expert_gate", "kernel"), (repeat,), "T"))
 
 
+def _interleaved_experts(config: LMConfig, layer: str, moe: Path, repeat: int,
+                         names: dict[str, str]) -> Iterator[tuple[str, Slot]]:
+    """gpt-oss's experts: whole ``[N, ...]`` tensors, gate and up from the even and odd
+    columns of one (each such name comes twice, once per param)."""
+    params = [("w_gate", "even"), ("w_up", "odd"), ("w_down", "same")]
+    if config.expert_biases:
+        params += [("b_gate", "even"), ("b_up", "odd"), ("b_down", "same")]
+    for param, transform in params:
+        yield f"{layer}.{names[param]}", Slot((*moe, param), (repeat,), transform)
+
+
 def saved_tensors(config: LMConfig, layers: Layers) -> Iterator[tuple[str, Slot]]:
     """Every tensor a checkpoint of ``config`` holds, in the per-expert layout, in model order:
-    ``(name, slot)``; the slot's value transposed back (``"T"``) is the tensor."""
+    ``(name, slot)``; the slot's value transposed back (``"T"``) is the tensor, and a name
+    given twice in a row (``"even"``, ``"odd"``) interleaves its two slots' values."""
     yield "model.embed_tokens.weight", Slot(("embed_tokens", "embedding"), (), "same")
     for number, (stack, repeat, pos) in enumerate(layers):
         yield from _layer_tensors(config, number, stack, repeat, pos)
@@ -126,8 +153,12 @@ def read_table(config: LMConfig, layers: Layers) -> dict[str, list[Slot]]:
     :func:`saved_tensors` writes, and per MoE layer transformers 5's fused names (the type's
     ``fused_router``, ``mlp.experts.gate_up_proj`` to both the gate and up params,
     ``mlp.experts.down_proj``). A name not in it has no place in the model."""
-    table = {name: [slot] for name, slot in saved_tensors(config, layers)}
+    table: dict[str, list[Slot]] = {}
+    for name, slot in saved_tensors(config, layers):
+        table.setdefault(name, []).append(slot)
     family = family_of(config.model_type)
+    if family.interleaved_experts:  # one layout only: the saved names
+        return table
     for number, (stack, repeat, pos) in enumerate(layers):
         if not config.moe_layers[number]:
             continue

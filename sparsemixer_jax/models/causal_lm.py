@@ -1,10 +1,12 @@
-"""A decoder-only MoE language model (Flax NNX): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and
-Phi-3.5-MoE in one implementation, configured by :class:`sparsemixer_jax.models.lm_config.LMConfig`.
+"""A decoder-only MoE language model (Flax NNX): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+Phi-3.5-MoE, GLM-4.5 and gpt-oss in one implementation, configured by
+:class:`sparsemixer_jax.models.lm_config.LMConfig`.
 
 Each block is pre-norm: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``, where ``attn`` is
 grouped-query attention with rotary positions (optional q/k norms, biases, value clipping,
-sliding window) and ``ffn`` is the project's :class:`sparsemixer_jax.moe.MoEFeedForward` with gated
-SwiGLU experts (plus Qwen2-MoE's shared expert) or a dense SwiGLU MLP.
+sliding window on every or some layers, sink logits) and ``ffn`` is the project's
+:class:`sparsemixer_jax.moe.MoEFeedForward` with gated SwiGLU experts (plus a shared expert) or
+a dense SwiGLU MLP.
 
 Layers are scanned: the layers are grouped into stacks of a repeating unit
 (:func:`sparsemixer_jax.models.lm_config.layer_pattern_stacks`), each stack's parameters carry a
@@ -28,7 +30,9 @@ from flax import nnx
 from sparsemixer_jax import sharding
 from sparsemixer_jax.layers import ATTENTION_IMPLS
 from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
+from sparsemixer_jax.models.rope import apply_rope, rope_cos_sin
 from sparsemixer_jax.moe import MoEFeedForward
+from sparsemixer_jax.moe.dispatch import clamped_swiglu
 
 # Large negative logit for masked attention entries; finite so that a fully masked row (padding)
 # gives a uniform distribution instead of NaN.
@@ -114,48 +118,11 @@ def _linear(din: int, dout: int, bias: bool, config: LMConfig, rngs: nnx.Rngs) -
                       kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
 
 
-def rope_cos_sin(config: LMConfig, positions: jax.Array, num_positions: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
-    """cos and sin ``[B, T, head_dim]`` (float32) of the rotary embedding at int ``positions``
-    ``[B, T]``: frequencies ``1 / theta^(2i / d)``, each used twice (``rotate_half`` layout);
-    ``d`` is the rotated width, ``head_dim`` times ``partial_rotary_factor``.
-
-    longrope (Phi-3.5-MoE) divides the frequencies by ``short_factor`` and scales cos/sin by
-    ``short_mscale``, or ``long_mscale`` once ``num_positions`` (the largest position of the
-    call plus one) exceeds ``original_max_position_embeddings``. As in transformers 5.23's
-    ``phimoe``, the frequencies keep the short factors beyond that point; only the scale
-    switches.
-    """
-    rope, d = config.rope, int(config.head_dim * config.rope.partial_rotary_factor)
-    inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    scale = jnp.ones((), jnp.float32)
-    if rope.kind == "longrope":
-        inv_freq = inv_freq / jnp.asarray(rope.short_factor, jnp.float32)
-        if num_positions is None:
-            num_positions = jnp.max(positions) + 1
-        long = num_positions > rope.original_max_position_embeddings
-        scale = jnp.where(long, rope.long_mscale, rope.short_mscale).astype(jnp.float32)
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """``x [B, T, H, D]`` rotated: ``x cos + rotate_half(x) sin`` (cos/sin ``[B, T, R]``): the
-    first ``R`` dimensions of each head, the rest passed through (partial rotary)."""
-    if cos.shape[-1] < x.shape[-1]:
-        rotary = cos.shape[-1]
-        return jnp.concatenate([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], axis=-1)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
-    return x * cos + rotated * sin
-
-
 class Attention(nnx.Module):
     """Grouped-query self-attention with rotary positions, as the Hugging Face types compute it:
     projections (biases per config), q/k norms (per head or over the whole projection), value
-    clipping, rotary positions, softmax in float32 at scale ``head_dim^-0.5``."""
+    clipping, rotary positions, softmax in float32 at scale ``head_dim^-0.5``, with a learned
+    sink logit per head in its denominator where the config has ``attention_sinks``."""
 
     def __init__(self, config: LMConfig, rngs: nnx.Rngs):
         h, kv, d, e = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
@@ -170,6 +137,8 @@ class Attention(nnx.Module):
             per_head = config.qk_norm == "head"
             self.q_norm = RMSNorm(d if per_head else h * d, config.norm_eps, _dtype(config))
             self.k_norm = RMSNorm(d if per_head else kv * d, config.norm_eps, _dtype(config))
+        self.sinks = nnx.Param(nnx.initializers.normal(config.initializer_range)(
+            rngs.params(), (h,), jnp.float32)) if config.attention_sinks else None
 
     def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -214,7 +183,13 @@ class Attention(nnx.Module):
         logits = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype),
                             preferred_element_type=jnp.float32)
         logits = jnp.where(mask[:, None, None], logits, MASK_VALUE)
-        weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        if self.sinks is not None:  # one more logit per head, in the denominator only
+            sinks = self.sinks[...].reshape(1, self.num_kv_heads, group, 1, 1)
+            sinks = jnp.broadcast_to(sinks, (*logits.shape[:-1], 1))
+            weights = jax.nn.softmax(jnp.concatenate([logits, sinks], axis=-1), axis=-1)
+            weights = weights[..., :-1].astype(v.dtype)
+        else:
+            weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
         heads = jnp.einsum("bkgts,bskd->btkgd", weights, v)
         return self.o_proj(heads.reshape(b, t, h * d))
 
@@ -232,6 +207,13 @@ class GatedMLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def expert_activation(config: LMConfig) -> str:
+    """The experts' activation name: SwiGLU (``"silu"``, gated), or gpt-oss's clamped form."""
+    if config.swiglu_limit is None:
+        return "silu"
+    return clamped_swiglu(config.swiglu_limit, config.swiglu_alpha)
+
+
 class MoEBlock(nnx.Module):
     """The routed sublayer: :class:`MoEFeedForward` with gated experts and a bias-free router,
     the optional input jitter in training, and Qwen2-MoE's shared expert
@@ -242,13 +224,14 @@ class MoEBlock(nnx.Module):
             config.hidden_size, config.moe_intermediate_size, config.num_experts,
             router=config.router, jitter_eps=config.jitter_eps, top_k=config.top_k,
             activation_dropout=0.0, dispatch=config.dispatch, grouped_impl=config.grouped_impl,
-            capacity_factor=config.capacity_factor, activation="silu", gated=True,
-            router_bias=False, router_options=config.router_option_dict(),
-            dtype=_dtype(config), mesh=mesh, rngs=rngs)
+            capacity_factor=config.capacity_factor, activation=expert_activation(config),
+            gated=True, gated_biases=config.expert_biases, router_bias=config.router_bias,
+            router_options=config.router_option_dict(), dtype=_dtype(config), mesh=mesh,
+            rngs=rngs)
         # Initialised as the Hugging Face types are (normal(initializer_range) for the router
-        # and every expert), not by the layer's own scheme.
+        # and every expert's weights; biases zero), not by the layer's own scheme.
         normal = nnx.initializers.normal(config.initializer_range)
-        for param in (self.moe.router.kernel, *self.moe.expert_params()):
+        for param in (self.moe.router.kernel, *self.moe.expert_params()[:3]):
             param[...] = normal(rngs.params(), param.shape, jnp.float32)
         self.input_jitter = config.moe_input_jitter
         self.jitter_rng = rngs["router"].fork() if config.moe_input_jitter > 0 else None
@@ -330,11 +313,13 @@ def _make_stack(config: LMConfig, pattern: tuple[bool, ...], repeats: int, mesh,
     return make(rngs)
 
 
-def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, mask, token_mask, deterministic,
-                dropless, remat: str = "none", rows_sharding=None):
+def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token_mask,
+                deterministic, dropless, remat: str = "none", rows_sharding=None):
     """Runs a stack (a :class:`LayerUnit` whose state has a leading ``repeats`` axis) with
     ``jax.lax.scan``: each step merges one repeat's state, runs its layers, and returns the
-    state again (router RNG counts and Default MoE's vectors change in training). ``remat``:
+    state again (router RNG counts and Default MoE's vectors change in training). ``masks``:
+    the attention masks ``(full, sliding window)``; a layer takes the second where ``sliding``
+    (bool ``[repeats, unit layers]``) says, the first everywhere when it is None. ``remat``:
     :data:`~sparsemixer_jax.models.lm_config.REMAT_POLICIES`, applied to the step.
     ``rows_sharding``: the sharding each step's activations keep
     (:func:`sparsemixer_jax.sharding.keep_rows_split`).
@@ -343,11 +328,13 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, mask, token_mask, det
 
     def body(h, xs):
         h = sharding.keep_rows_split(h, rows_sharding)
-        unit_state, unit_kvs = xs
+        unit_state, unit_kvs, unit_sliding = xs
         unit = nnx.merge(graphdef, unit_state)
         new_kvs, metrics = [], []
         for i, layer in enumerate(unit.layers):
             kv = None if unit_kvs is None else (*unit_kvs[i], index)
+            mask = masks[0] if unit_sliding is None else \
+                jnp.where(unit_sliding[i], masks[1], masks[0])
             h, new_kv, layer_metrics = layer(h, cos, sin, mask, kv, token_mask, deterministic,
                                              dropless)
             new_kvs.append(new_kv)
@@ -360,7 +347,7 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, mask, token_mask, det
         # holding its activations for every layer; prevent_cse is unneeded inside scan.
         policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    x, (new_state, new_kvs, metrics) = jax.lax.scan(body, x, (state, kvs))
+    x, (new_state, new_kvs, metrics) = jax.lax.scan(body, x, (state, kvs, sliding))
     nnx.update(stack, new_state)
     return x, new_kvs, metrics
 
@@ -452,15 +439,17 @@ class CausalLM(nnx.Module):
             k_real = jax.lax.dynamic_update_slice_in_dim(cache.valid, real, cache.index, 1)
         # Causal over slots (queries see their own and earlier slots), real keys only.
         mask = (k_slot[None, None, :] <= q_slot[None, :, None]) & k_real[:, None, :]
-        if c.sliding_window is not None:
-            # A key at most sliding_window - 1 positions back (transformers' sliding overlay);
-            # left padding holds no real key, so slot distance equals position distance.
-            mask &= (q_slot[None, :, None] - k_slot[None, None, :]) < c.sliding_window
         if segment_ids is not None:
             if cache is not None:
                 raise ValueError("segment_ids (packed sequences) are for full forward passes, "
                                  "not for cached decoding")
             mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+        masks = (mask, None)
+        if c.sliding_window is not None:
+            # A key at most sliding_window - 1 positions back (transformers' sliding overlay);
+            # left padding holds no real key, so slot distance equals position distance.
+            window = mask & ((q_slot[None, :, None] - k_slot[None, None, :]) < c.sliding_window)
+            masks = (mask, window) if c.sliding_layers else (window, None)
         num_positions = None
         if cache is not None and c.rope.kind == "longrope":
             num_positions = jnp.max(positions) + 1
@@ -473,8 +462,13 @@ class CausalLM(nnx.Module):
         first = 0  # the model's index of the stack's first layer
         for stack, (pattern, repeats) in zip(self.stacks, self.stack_patterns, strict=True):
             kvs = None if kv_in is None else tuple(next(kv_in) for _ in pattern)
-            x, out_kvs, metrics = _scan_stack(stack, x, kvs, index, cos, sin, mask, real,
-                                              deterministic, dropless, c.remat,
+            sliding = None
+            if masks[1] is not None:  # which layers of the stack take the window
+                layer = first + jnp.arange(repeats)[:, None] * len(pattern) + \
+                    jnp.arange(len(pattern))
+                sliding = jnp.asarray(c.sliding_layers)[layer]
+            x, out_kvs, metrics = _scan_stack(stack, x, kvs, index, cos, sin, masks, sliding,
+                                              real, deterministic, dropless, c.remat,
                                               self.rows_sharding)
             for i, is_moe in enumerate(pattern):
                 if out_kvs is not None:

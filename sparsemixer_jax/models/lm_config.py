@@ -20,7 +20,8 @@ from sparsemixer_jax.layers import ATTENTION_IMPLS, check_attention_dtype
 from sparsemixer_jax.moe.dispatch import DISPATCHES, GROUPED_IMPLS
 
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
-MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe", "glm4_moe")
+MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe", "glm4_moe", "gpt_oss")
+ROPE_KINDS = ("default", "longrope", "yarn")
 NORMS = ("rms", "layer")
 QK_NORMS = ("none", "head", "full")
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -37,23 +38,32 @@ class RopeConfig:
 
     Attributes:
       theta: the base wavelength (``rope_theta``).
-      kind: ``"default"`` or ``"longrope"`` (Phi-3 / Phi-3.5-MoE).
+      kind: ``"default"``, ``"longrope"`` (Phi-3 / Phi-3.5-MoE) or ``"yarn"`` (gpt-oss).
       short_factor, long_factor: longrope's per-frequency divisors (``head_dim / 2`` each).
       short_mscale, long_mscale: longrope's scales of cos/sin below / above
         ``original_max_position_embeddings``.
-      original_max_position_embeddings: longrope's switch point.
+      original_max_position_embeddings: longrope's switch point; YaRN's pretraining length.
+      factor, beta_fast, beta_slow, truncate: YaRN's context extension factor, the rotation
+        counts bounding its correction range, and whether that range is rounded outwards
+        (:func:`sparsemixer_jax.models.rope.yarn_inv_freq`).
+      attention_factor: YaRN's scale of cos and sin.
       partial_rotary_factor: the fraction of each head's width that is rotated (the first
         ``int(head_dim * factor)`` dimensions; the rest pass unrotated: GLM-4.5).
     """
 
     theta: float = 10000.0
-    kind: Literal["default", "longrope"] = "default"
+    kind: Literal["default", "longrope", "yarn"] = "default"
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     short_mscale: float = 1.0
     long_mscale: float = 1.0
     original_max_position_embeddings: int = 0
     partial_rotary_factor: float = 1.0
+    factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +95,17 @@ class LMConfig:
         projection and of the LM head.
       clip_qkv: clamp queries, keys and values to ``[-clip_qkv, clip_qkv]`` (OLMoE), or None.
       rope: :class:`RopeConfig`.
-      sliding_window: keys further back than this many positions are masked (every layer), or
-        None.
+      sliding_window: keys further back than this many positions are masked (every layer, or
+        those of ``sliding_layers``), or None.
+      sliding_layers: one bool per layer, True where ``sliding_window`` applies (gpt-oss's
+        ``layer_types``); empty: every layer.
+      attention_sinks: each attention head has a learned logit ``s_h`` in its softmax's
+        denominator, ``exp(l_j) / (sum_i exp(l_i) + exp(s_h))`` (gpt-oss's ``sinks``).
+      router_bias: the router's linear map has a bias (gpt-oss).
+      expert_biases: the experts' projections have biases (gpt-oss's ``gate_up_proj_bias``,
+        ``down_proj_bias``).
+      swiglu_limit, swiglu_alpha: the experts compute gpt-oss's clamped SwiGLU
+        (:func:`sparsemixer_jax.moe.dispatch.clamped_swiglu`) with these constants; None: SwiGLU.
       tie_word_embeddings: the LM head is the token embedding.
       max_position_embeddings: the longest sequence the checkpoint was made for (informational,
         and longrope's factor).
@@ -137,6 +156,12 @@ class LMConfig:
     clip_qkv: float | None = None
     rope: RopeConfig = RopeConfig()
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_biases: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     initializer_range: float = 0.02
@@ -199,11 +224,24 @@ class LMConfig:
             fail(f"clip_qkv must be > 0 or None, got {self.clip_qkv}")
         if self.sliding_window is not None and self.sliding_window < 1:
             fail(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            fail(f"sliding_layers has {len(self.sliding_layers)} entries for num_layers="
+                 f"{self.num_layers}")
+        if self.attention_sinks and self.attention_impl != "einsum":
+            fail(f"attention_sinks need attention_impl='einsum' (jax.nn.dot_product_attention "
+                 f"has no sink logit), got {self.attention_impl!r}")
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            fail(f"swiglu_limit must be > 0 or None, got {self.swiglu_limit}")
         rope = self.rope
         if not rope.theta > 0:
             fail(f"rope theta must be > 0, got {rope.theta}")
-        if rope.kind not in ("default", "longrope"):
-            fail(f"rope kind {rope.kind!r} is not implemented; implemented: default, longrope")
+        if rope.kind not in ROPE_KINDS:
+            fail(f"rope kind {rope.kind!r} is not implemented; implemented: "
+                 f"{', '.join(ROPE_KINDS)}")
+        if rope.kind == "yarn" and not (rope.factor >= 1 and rope.beta_fast > rope.beta_slow > 0
+                                        and rope.original_max_position_embeddings >= 1):
+            fail(f"yarn needs factor >= 1, beta_fast > beta_slow > 0 and "
+                 f"original_max_position_embeddings >= 1, got {rope}")
         rotary = int(self.head_dim * rope.partial_rotary_factor)
         if not 0 < rope.partial_rotary_factor <= 1 or rotary < 2 or rotary % 2:
             fail(f"partial_rotary_factor={rope.partial_rotary_factor} of head_dim="

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sparsemixer_jax.moe.dispatch import ACTIVATIONS, DISPATCHES, GROUPED_IMPLS
+from sparsemixer_jax.moe.dispatch import ACTIVATIONS, DISPATCHES, GROUPED_IMPLS, is_activation
 from sparsemixer_jax.section import read_fields
 
 
@@ -87,7 +87,7 @@ class MoEConfig:
                              f"{self.capacity_factor}")
         for name, choices in (("dispatch", DISPATCHES), ("activation", ACTIVATIONS)):
             value = getattr(self, name)
-            if value not in choices:
+            if value not in choices and not (name == "activation" and is_activation(value)):
                 raise ValueError(f"{where}{name}={value!r}; choose one of {choices}" if where
                                  else f"unknown {name} {value!r}; expected one of {choices}")
         if self.grouped_impl not in GROUPED_IMPLS:

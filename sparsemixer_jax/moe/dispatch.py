@@ -35,6 +35,7 @@ layer (:mod:`sparsemixer_jax.moe.expert_parallel`) gives the same result as one 
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import jax
@@ -55,13 +56,42 @@ ACTIVATIONS = ("relu", "gelu", "tanh", "silu")
 # Suffix of the internal activation name of gated experts: ``"silu_glu"`` maps the fused hidden
 # ``[..., 2 * mlp]`` (gate half first, then up) to ``silu(gate) * up`` ``[..., mlp]``.
 GLU_SUFFIX = "_glu"
+# gpt-oss's clamped SwiGLU, named with its two constants (gated experts only): see
+# :func:`clamped_swiglu`.
+_CLAMPED_SWIGLU = re.compile(r"clamped_swiglu\(limit=([^,]+),alpha=([^)]+)\)")
+
+
+def clamped_swiglu(limit: float, alpha: float) -> str:
+    """The activation name of gpt-oss's experts (gated experts only): of the gate ``g`` and up
+    ``u`` halves, ``g' * sigmoid(alpha * g') * (u' + 1)`` with ``g' = min(g, limit)`` and
+    ``u' = clip(u, -limit, limit)`` (transformers' ``GptOssExperts``)."""
+    return f"clamped_swiglu(limit={float(limit)!r},alpha={float(alpha)!r})"
+
+
+def is_activation(name: str) -> bool:
+    """Whether ``name`` is in :data:`ACTIVATIONS` or a :func:`clamped_swiglu` name."""
+    return name in ACTIVATIONS or bool(_CLAMPED_SWIGLU.fullmatch(name))
+
+
+def _clamped_swiglu_glu(limit: float, alpha: float):
+    def glu(h: jax.Array) -> jax.Array:
+        gate, up = jnp.split(h, 2, axis=-1)
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return gate * jax.nn.sigmoid(gate * alpha) * (up + 1)
+
+    return glu
 
 
 def activation_fn(name: str):
     """The function ``name`` names: ``jax.nn.relu``, exact (erf) ``jax.nn.gelu`` (BERT's GELU,
     not the tanh approximation), ``tanh`` or ``jax.nn.silu``; ``"<name>_glu"`` is its gated
-    form, ``[..., 2 * m] -> [..., m]``: ``act(h[..., :m]) * h[..., m:]``."""
+    form, ``[..., 2 * m] -> [..., m]``: ``act(h[..., :m]) * h[..., m:]`` (a
+    :func:`clamped_swiglu` name has only a gated form)."""
     if name.endswith(GLU_SUFFIX):
+        clamped = _CLAMPED_SWIGLU.fullmatch(name[: -len(GLU_SUFFIX)])
+        if clamped:
+            return _clamped_swiglu_glu(float(clamped[1]), float(clamped[2]))
         act = activation_fn(name[: -len(GLU_SUFFIX)])
 
         def glu(h: jax.Array) -> jax.Array:
@@ -77,6 +107,8 @@ def activation_fn(name: str):
         return lambda h: jax.nn.gelu(h, approximate=False)
     if name == "tanh":  # the router benchmark's smallest expert family
         return jnp.tanh
+    if _CLAMPED_SWIGLU.fullmatch(name):
+        raise ValueError(f"activation {name!r} is for gated experts only")
     raise ValueError(f"unknown activation {name!r}; expected one of {ACTIVATIONS}")
 
 
@@ -404,12 +436,14 @@ def expert_ffn(
 
 
 def is_gated(params: tuple[jax.Array, ...]) -> bool:
-    """Whether expert params are the gated, bias-free ``(w_gate, w_up, w_down)`` (three arrays)
-    rather than ``(wi, bi, wo, bo)``."""
-    if len(params) not in (3, 4):
-        raise ValueError(f"expert params must be (wi, bi, wo, bo) or (w_gate, w_up, w_down), "
-                         f"got {len(params)} arrays")
-    return len(params) == 3
+    """Whether expert params are the gated ``(w_gate, w_up, w_down)`` (three arrays; with
+    biases ``(w_gate, w_up, w_down, b_gate, b_up, b_down)``, six) rather than
+    ``(wi, bi, wo, bo)``."""
+    if len(params) not in (3, 4, 6):
+        raise ValueError(f"expert params must be (wi, bi, wo, bo), (w_gate, w_up, w_down) or "
+                         f"(w_gate, w_up, w_down, b_gate, b_up, b_down), got {len(params)} "
+                         "arrays")
+    return len(params) != 4
 
 
 def ungate(params: tuple[jax.Array, ...], activation: str):
@@ -417,17 +451,21 @@ def ungate(params: tuple[jax.Array, ...], activation: str):
 
     Gated experts become one first matmul with ``wi = [w_gate | w_up]`` ``[G, emb, 2 * mlp]``
     and the activation ``activation + "_glu"`` that splits its output again (gate half first,
-    as Hugging Face's fused ``gate_up_proj`` is laid out); biases are None (none is added). One
-    wide matmul instead of two reads the rows once, and every dispatch (and the grouped
-    kernels) takes it unchanged.
+    as Hugging Face's fused ``gate_up_proj`` is laid out); biases are None (none is added)
+    unless the experts have them (``bi = [b_gate | b_up]``, ``bo = b_down``). One wide matmul
+    instead of two reads the rows once, and every dispatch (and the grouped kernels) takes it
+    unchanged.
     """
     if not is_gated(params):
         return (*params, activation)
-    w_gate, w_up, w_down = params
+    w_gate, w_up, w_down = params[:3]
     if w_gate.shape != w_up.shape:
         raise ValueError(f"gated experts: w_gate {w_gate.shape} and w_up {w_up.shape} differ")
-    return (jnp.concatenate([w_gate, w_up], axis=-1), None, w_down, None,
-            activation + GLU_SUFFIX)
+    bi = bo = None
+    if len(params) == 6:
+        b_gate, b_up, bo = params[3:]
+        bi = jnp.concatenate([b_gate, b_up], axis=-1)
+    return (jnp.concatenate([w_gate, w_up], axis=-1), bi, w_down, bo, activation + GLU_SUFFIX)
 
 
 def capacity_keep(

@@ -145,8 +145,10 @@ class MoEFeedForward(nnx.Module):
       gated: gated experts without biases, ``(act(x w_gate) * (x w_up)) w_down`` (SwiGLU with
         ``activation="silu"``: Mixtral, Qwen-MoE, OLMoE, Phi-3.5-MoE), instead of
         ``act(x wi + bi) wo + bo``. Every dispatch, capacity and expert parallelism take them.
-      router_bias: whether the router ``Linear`` has a bias (the Hugging Face MoE language
-        models' routers have none).
+      gated_biases: gated experts with biases ``b_gate``, ``b_up`` ``[N, mlp]`` and ``b_down``
+        ``[N, emb]`` (gpt-oss), zeros at init.
+      router_bias: whether the router ``Linear`` has a bias (most Hugging Face MoE language
+        models' routers have none; gpt-oss's has one).
       rngs: params init plus the ``router`` and ``dropout`` streams (``router`` falls back to
         ``default`` then ``dropout``).
       sections: :meth:`from_config`'s ``(moe, router)``, in place of the keyword settings.
@@ -190,6 +192,7 @@ class MoEFeedForward(nnx.Module):
         dtype=jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
         gated: bool = False,
+        gated_biases: bool = False,
         router_bias: bool = True,
         rngs: nnx.Rngs,
         sections: tuple[MoEConfig, routers.RouterConfig] | None = None,
@@ -217,6 +220,7 @@ class MoEFeedForward(nnx.Module):
         self.dtype = dtype
         self.mesh = mesh
         self.gated = gated
+        self.gated_biases = gated and gated_biases
         # Keys are drawn in this order: router, experts, the RNG streams, shared experts.
         self.router = router_init(moe.init, emb_dim, router_config.init_scale).linear(
             emb_dim, moe.num_experts, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs,
@@ -251,6 +255,10 @@ class MoEFeedForward(nnx.Module):
                         ("expert", None, None)) for _ in range(2))
             self.w_down = sharded(fc2.kernel(rngs.params(), (n, mlp_dim, emb_dim), jnp.float32),
                                   ("expert", None, None))
+            if self.gated_biases:  # zeros: no key drawn
+                self.b_gate, self.b_up = (sharded(jnp.zeros((n, mlp_dim), jnp.float32),
+                                                  ("expert", None)) for _ in range(2))
+                self.b_down = sharded(jnp.zeros((n, emb_dim), jnp.float32), ("expert", None))
         else:
             # Drawn in the order wi, bi, wo, bo; a zero bias draws no key.
             self.wi = sharded(fc1.kernel(rngs.params(), (n, emb_dim, mlp_dim), jnp.float32),
@@ -426,7 +434,10 @@ class MoEFeedForward(nnx.Module):
 
     def expert_params(self) -> tuple[nnx.Param, ...]:
         """The experts' params in the order :func:`sparsemixer_jax.moe.expert_ffn` takes them:
-        ``(wi, bi, wo, bo)``, or ``(w_gate, w_up, w_down)`` when ``gated``."""
+        ``(wi, bi, wo, bo)``, or ``(w_gate, w_up, w_down)`` when ``gated`` (and then
+        ``b_gate, b_up, b_down`` with ``gated_biases``)."""
+        if self.gated_biases:
+            return (self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down)
         if self.gated:
             return (self.w_gate, self.w_up, self.w_down)
         return (self.wi, self.bi, self.wo, self.bo)
@@ -516,7 +527,8 @@ def fold_omega(model: nnx.Module) -> int:
     :class:`MoEFeedForward` in ``model``, in place.
 
     The layer's output is ``omega * gate * (h @ wo + bo)`` for the chosen expert, so scaling every
-    expert's ``wo [N, mlp, emb]`` and ``bo [N, emb]`` (gated experts: ``w_down``) by
+    expert's ``wo [N, mlp, emb]`` and ``bo [N, emb]`` (gated experts: ``w_down``, and
+    ``b_down`` where they have biases) by
     ``omega [emb]`` and then setting ``omega`` to ones leaves the function unchanged and saves one
     multiply at inference.
 
@@ -527,7 +539,9 @@ def fold_omega(model: nnx.Module) -> int:
         if not isinstance(module, MoEFeedForward) or module.omega is None:
             continue
         scale = module.omega[...]
-        for param in (module.w_down,) if module.gated else (module.wo, module.bo):
+        outputs = (module.wo, module.bo) if not module.gated else \
+            (module.w_down, module.b_down) if module.gated_biases else (module.w_down,)
+        for param in outputs:
             param[...] = param[...] * scale.astype(param[...].dtype)
         module.omega[...] = jnp.ones_like(scale)
         folded += 1

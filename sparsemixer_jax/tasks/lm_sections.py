@@ -67,7 +67,9 @@ class LMModelConfig:
         :data:`~sparsemixer_jax.hf.families.FAMILIES` (``mixtral``: RMSNorm, no biases;
         ``qwen3_moe``: per-head q/k norms; ``olmoe``: q/k norms over the projection;
         ``qwen2_moe``: q/k/v biases and a shared expert; ``phimoe``: LayerNorm, biases;
-        ``glm4_moe``: sigmoid routing within groups, shared experts, partial rotary).
+        ``glm4_moe``: sigmoid routing within groups, shared experts, partial rotary;
+        ``gpt_oss``: attention sinks, sliding window on every other layer, biased router and
+        experts, clamped SwiGLU).
       hidden_size, num_layers, num_heads, num_kv_heads, head_dim (0 = hidden / heads): sizes.
       mlp_dim: width of each expert (and of the dense layers' MLP).
       num_experts: experts per MoE layer (0: a dense model, every feed-forward sublayer a

@@ -1,0 +1,78 @@
+"""Rotary position embeddings of :class:`sparsemixer_jax.models.causal_lm.CausalLM`: the
+frequencies of each :class:`~sparsemixer_jax.models.lm_config.RopeConfig` kind (default,
+Phi-3.5-MoE's longrope, gpt-oss's YaRN) and the rotation, as transformers 5.23 computes them
+(``modeling_rope_utils.py``)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from sparsemixer_jax.models.lm_config import LMConfig, RopeConfig
+
+
+def yarn_inv_freq(rope: RopeConfig, dim: int) -> jax.Array:
+    """YaRN's frequencies ``[dim / 2]`` (float32): each frequency ``1 / theta^(2i / dim)`` is
+    kept (dimensions below the correction range), divided by ``factor`` (above it), or
+    blended linearly in between. The range is where a dimension turns ``beta_fast`` to
+    ``beta_slow`` times over ``original_max_position_embeddings`` positions; ``truncate``
+    rounds it outwards to whole dimensions (gpt-oss's checkpoints say false)."""
+    def correction_dim(rotations: float) -> float:
+        length = rope.original_max_position_embeddings
+        return dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    wavelengths = rope.theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    extrapolation, interpolation = 1.0 / wavelengths, 1.0 / (rope.factor * wavelengths)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def rope_cos_sin(config: LMConfig, positions: jax.Array, num_positions: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """cos and sin ``[B, T, head_dim]`` (float32) of the rotary embedding at int ``positions``
+    ``[B, T]``: frequencies ``1 / theta^(2i / d)``, each used twice (``rotate_half`` layout);
+    ``d`` is the rotated width, ``head_dim`` times ``partial_rotary_factor``.
+
+    longrope (Phi-3.5-MoE) divides the frequencies by ``short_factor`` and scales cos/sin by
+    ``short_mscale``, or ``long_mscale`` once ``num_positions`` (the largest position of the
+    call plus one) exceeds ``original_max_position_embeddings``. As in transformers 5.23's
+    ``phimoe``, the frequencies keep the short factors beyond that point; only the scale
+    switches. YaRN (gpt-oss) takes :func:`yarn_inv_freq` and scales cos/sin by
+    ``attention_factor``.
+    """
+    rope, d = config.rope, int(config.head_dim * config.rope.partial_rotary_factor)
+    inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    scale = jnp.ones((), jnp.float32)
+    if rope.kind == "longrope":
+        inv_freq = inv_freq / jnp.asarray(rope.short_factor, jnp.float32)
+        if num_positions is None:
+            num_positions = jnp.max(positions) + 1
+        long = num_positions > rope.original_max_position_embeddings
+        scale = jnp.where(long, rope.long_mscale, rope.short_mscale).astype(jnp.float32)
+    elif rope.kind == "yarn":
+        inv_freq = yarn_inv_freq(rope, d)
+        scale = jnp.asarray(rope.attention_factor, jnp.float32)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """``x [B, T, H, D]`` rotated: ``x cos + rotate_half(x) sin`` (cos/sin ``[B, T, R]``): the
+    first ``R`` dimensions of each head, the rest passed through (partial rotary)."""
+    if cos.shape[-1] < x.shape[-1]:
+        rotary = cos.shape[-1]
+        return jnp.concatenate([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], axis=-1)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
