@@ -369,3 +369,36 @@ def test_model_flops_of_a_program_come_from_its_batch_and_are_per_device():
                                       "[8, 32]", devices=4)
     assert got == model_flops.model_flops_per_step(sizes, 4, config.router.name) / 4
     assert command.program_model_flops(config, "update", devices=4) is None
+
+
+def test_the_fit_predicts_an_update_as_the_roofline_does_with_accumulate_repeated():
+    from lab.benchmarks import roofline_fit
+
+    # An update of 3 micro-batches: the matmul program 3 times (accumulate), once more (update).
+    table = roofline_fit.op_table([(MATMUL, 3), (MATMUL, 1)], CHIP)
+    calibration = roofline.Calibration(kernel_seconds=1e-3, gemm_peak_fraction=0.5,
+                                       gemm_half_flops=0.0, memory_fraction=0.5)
+    (op,) = _ops(MATMUL).values()
+    params = [getattr(calibration, name) for name in roofline_fit.CALIBRATED]
+    # The vectorised prediction is the roofline's own per-op time, summed over 4 runs.
+    assert roofline_fit.predict(table, params) == pytest.approx(
+        4 * op.seconds(CHIP, calibration), rel=1e-12)
+
+
+def test_the_fit_reads_the_measured_runs_with_their_chip_and_model():
+    from lab.benchmarks import roofline_fit
+
+    arms = roofline_fit.measured_arms("docs/results/benchmark_lm_bench_h200.json")
+    assert {a["chip"] for a in arms} == {"h200"}
+    assert {a["lm_config"] for a in arms} == {"configs/lm_bench.py:moe"}
+    assert {a["attention_impl"] for a in arms} == {"einsum", "cudnn"}
+    # Model FLOPs per update: 65,536 tokens at the causal count of the config's model.
+    from lab.benchmarks.flops import lm_flops_per_token
+    from sparsemixer_jax.cli import load_config_file
+    from sparsemixer_jax.tasks.language_model import LMTask
+
+    lm = LMTask.from_config(load_config_file("configs/lm_bench.py:moe")).lm
+    top2 = next(a for a in arms if a["run"] == "lm_throughput" and a["arm"] == "top2")
+    assert top2["model_flops"] == lm_flops_per_token(lm, 4096)["total"] * 65536
+    h100 = roofline_fit.measured_arms("docs/results/benchmark_lm_h100.json")
+    assert {a["chip"] for a in h100} == {"h100"} and {a["lm_config"] for a in h100} == {None}
