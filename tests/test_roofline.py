@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from sparsemixer_jax.aot import command, hlo, roofline
+from sparsemixer_jax.aot import command, hlo, roofline, targets
 from tests import kit
 
 CHIP = roofline.Chip("round", peak_flops=1e12, hbm_bandwidth=1e9, link_bandwidth=1e8,
@@ -274,8 +274,11 @@ def test_a_pallas_kernel_that_is_no_matmul_counts_no_flops_and_a_tpu_estimate_is
 @pytest.fixture(scope="module")
 def tiny_lm_roofline(tmp_path_factory):
     """``python -m experiments.compile ... --roofline --json`` on the language model of the LM
-    tests (one dense layer), for one H100: its printout and its JSON."""
+    tests (one dense layer, cuDNN's fused attention), for one H100: its printout and its JSON."""
     kit.target_devices_or_skip("h100:1x1")
+    if not targets.module_found("nvidia.cudnn"):
+        pytest.skip("cuDNN attention compiles where cuDNN is installed: pip install "
+                    "nvidia-cudnn-cu13==9.12.0.46 (or -r requirements-compile.txt)")
     path = tmp_path_factory.mktemp("roofline") / "compile.json"
     result = subprocess.run(
         [sys.executable, "-m", "experiments.compile", "--config", "tests/tiny_lm_config.py",
@@ -284,7 +287,8 @@ def tiny_lm_roofline(tmp_path_factory):
          # Dense (model.num_experts=0) and one layer: a tenth of the kernels of the two-layer
          # MoE model to compile (loops are the arithmetic tests').
          "--config.model.num_experts=0", "--config.model.num_layers=1",
-         "--target", "h100:1x1", "--roofline", "--json", str(path)],
+         "--config.model.attention_impl=cudnn", "--target", "h100:1x1", "--roofline",
+         "--json", str(path)],
         capture_output=True, text=True, timeout=300,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert result.returncode == 0, result.stderr[-2000:]
@@ -306,6 +310,12 @@ def test_the_compile_command_reports_a_roofline_per_program(tiny_lm_roofline):
     assert 0 < step["mfu_bound"] <= step["mfu_bound_pure"] < 1
     assert result["step"]["predicted_seconds"] == step["predicted_seconds"]
     assert any(op["source"].startswith("sparsemixer_jax/") for op in step["top_ops"])
+    # cuDNN's attention compiled without the GPU (forward and backward), and the roofline
+    # counts its matmuls; every kernel is in one kind.
+    assert step["kinds"]["attention"]["kernels"] == 2 and step["kinds"]["attention"]["flops"] > 0
+    assert sum(k["kernels"] for k in step["kinds"].values()) == step["kernels"]
+    assert sum(k["seconds"] for k in step["kinds"].values()) == pytest.approx(
+        step["predicted_seconds"], rel=1e-9)
     # The printout says the same.
     assert f"roofline on H100 SXM: {1e3 * step['predicted_seconds']:.2f} ms" in printed
     assert "training step: predicted" in printed

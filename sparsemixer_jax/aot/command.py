@@ -55,8 +55,8 @@ def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
         reason = str(err).splitlines()[0]
         if "cudnn" in reason.lower() and config.model.get("attention_impl") == "cudnn":
             # cuDNN's attention lowers only where the cuDNN library is installed (a GPU host).
-            reason += (" (model.attention_impl='cudnn' compiles only on a host with cuDNN; "
-                       "model.attention_impl=xla checks the rest of the program)")
+            reason += (" (model.attention_impl='cudnn' compiles where cuDNN is installed: "
+                       "pip install nvidia-cudnn-cu13==9.12.0.46, as requirements-compile.txt)")
         return {"target": spec, "error": reason}
     data, fsdp, expert = sharding.MeshConfig.from_config(config.mesh).sizes(len(devices))
     result = {"target": spec, "device_kind": devices[0].device_kind, "devices": len(devices),

@@ -464,7 +464,8 @@ def roofline(hlo_text: str, chip: Chip, model_flops: float | None, *, devices: i
     (``flops``, ``bytes``, ``link_bytes``, ``kernels``: launches per run) and ``top_ops``: the
     ``top`` costliest operations under ``calibration``, each with its ``flops``, ``bytes``
     (per run), ``count``, ``seconds`` (all runs), ``bound``, ``kind``, ``shapes`` and
-    ``source``.
+    ``source``; ``kinds``: per kind of operation (``gemm``, ``attention``, ``kernel``,
+    ``fusion``, ...), its ``seconds``, ``flops`` and ``kernels`` summed over the program.
     """
     ops = program_ops(hlo.parse_module(hlo_text), devices)
     seconds = _totals(ops, chip, calibration)
@@ -474,6 +475,12 @@ def roofline(hlo_text: str, chip: Chip, model_flops: float | None, *, devices: i
         return model_flops / time / chip.peak_flops if model_flops and time else None
 
     ranked = sorted(ops, key=lambda op: -op.count * op.seconds(chip, calibration))
+    kinds: dict[str, dict[str, float]] = {}
+    for op in ops:
+        kind = kinds.setdefault(op.kind, {"seconds": 0.0, "flops": 0.0, "kernels": 0.0})
+        kind["seconds"] += op.count * op.seconds(chip, calibration)
+        kind["flops"] += op.count * op.flops
+        kind["kernels"] += op.count
     return {
         "chip": chip.name,
         "predicted_seconds": seconds, "mfu_bound": mfu(seconds),
@@ -487,6 +494,7 @@ def roofline(hlo_text: str, chip: Chip, model_flops: float | None, *, devices: i
                      "count": op.count, "seconds": op.count * op.seconds(chip, calibration),
                      "bound": op.bound(chip), "shapes": op.shapes, "source": op.source}
                     for op in ranked[:top]],
+        "kinds": dict(sorted(kinds.items(), key=lambda item: -item[1]["seconds"])),
     }
 
 
@@ -500,6 +508,8 @@ def format_roofline(result: dict[str, Any]) -> str:
              f"{1e3 * result['predicted_seconds_pure']:.2f} ms (MFU bound "
              f"{pct(result['mfu_bound_pure'])}); {result['flops'] / 1e12:.3f} TFLOP of matmuls, "
              f"{result['bytes'] / 2**30:.2f} GiB moved, {result['kernels']:.0f} kernels",
+             "  by kind: " + ", ".join(f"{kind} {1e3 * k['seconds']:.2f} ms ({k['kernels']:.0f})"
+                                       for kind, k in result["kinds"].items()),
              "    ms      share  bound    runs  TFLOP/run  MiB/run  kind        shapes  [source]"]
     for op in result["top_ops"]:
         share = op["seconds"] / result["predicted_seconds"] if result["predicted_seconds"] else 0
