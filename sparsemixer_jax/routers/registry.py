@@ -22,6 +22,7 @@ from sparsemixer_jax.routers.selection import (
     SCORES,
     limit_to_groups,
 )
+from sparsemixer_jax.routers.sigmoid_scores import selection_scores
 from sparsemixer_jax.routers.sparsemixer import sparsemixer_route
 from sparsemixer_jax.routers.switch import switch_route
 from sparsemixer_jax.routers.unchosen import UnchosenExperts
@@ -106,7 +107,9 @@ class RouterConfig:
         batch, then the EMA takes the batch in; ``"before"``: the EMA takes the batch in first.
       score: ``"softmax"`` (router probabilities) or ``"sigmoid"`` (DeepSeek-V3: experts
         selected on per-expert sigmoid scores, the chosen ones' gates renormalised to sum to
-        ``routed_scaling_factor``). Routers with Switch's forward, ``top_k >= 2``.
+        ``routed_scaling_factor``). Routers with Switch's forward at ``top_k >= 2``, and every
+        SparseMixer router at any ``top_k`` (sampling from the normalised scores, with its
+        two-path estimator; docs/routing.md); not ``densemixer_blog``.
       routed_scaling_factor: multiplies the renormalised sigmoid gates (DeepSeek-V3: 2.5).
       bias_update_rate: auxiliary-loss-free balancing: a per-expert bias added to the selection
         scores only (the logits under softmax), moved by ``rate * sign(mean load - load_i)``
@@ -232,17 +235,15 @@ def check_routing_options(config: RouterConfig, where: str, num_experts: int | N
         raise ValueError(f"{where}routed_scaling_factor must be a finite number > 0, got "
                          f"{scale!r}")
     if config.score == "sigmoid":
-        if sampled:
-            raise ValueError(f"{where}score='sigmoid' does not compose with router {name!r}: "
-                             f"SparseMixer's estimator is defined for the masked softmax it "
-                             f"samples from; use score='softmax'")
         if name == "densemixer_blog":
             raise ValueError(f"{where}score='sigmoid' does not compose with router {name!r}: "
                              f"its formula is not defined for renormalised gates")
-        if config.top_k < 2:
-            raise ValueError(f"{where}score='sigmoid' needs top_k >= 2: its gates are "
-                             f"renormalised over the chosen experts, so one expert's gate is "
-                             f"always 1 and the router gets no gradient")
+        # SparseMixer's router gradient at top-1 is its selection term (docs/routing.md).
+        if config.top_k < 2 and not sampled:
+            raise ValueError(f"{where}score='sigmoid' needs top_k >= 2 with router {name!r}: "
+                             f"its gates are renormalised over the chosen experts, so one "
+                             f"expert's gate is always 1 and the router gets no gradient "
+                             f"(SparseMixer routers take top_k=1)")
         if config.normalize_top_k:
             raise ValueError(f"{where}normalize_top_k=True is implied by score='sigmoid' "
                              f"(its gates are always renormalised); leave it False")
@@ -344,10 +345,11 @@ def router_fn(config: RouterConfig) -> RouterFn:
     kwargs = dict(fixed)
     groups = {"num_groups": config.num_groups, "top_groups": config.top_groups,
               "group_score": config.group_score}
+    scores = {"score": config.score, "routed_scaling_factor": config.routed_scaling_factor}
+    kwargs.update(scores)
     if route is switch_route:
         kwargs["normalize_top_k"] = config.normalize_top_k
-        kwargs.update(groups, score=config.score,
-                      routed_scaling_factor=config.routed_scaling_factor)
+        kwargs.update(groups)
         if config.successor_jitter:
             kwargs["jitter"] = True
 
@@ -358,12 +360,17 @@ def router_fn(config: RouterConfig) -> RouterFn:
                          selection_bias=selection_bias, **kwargs)
         # SparseMixer samples among the experts of the kept groups: the others are excluded
         # (-inf), as its own mask excludes experts, and no gradient flows through the choice.
-        # The groups are chosen on the selection scores, the biased logits under a bias.
-        if selection_bias is None:
+        # The groups are chosen on the selection scores: the logits, plus the bias under a
+        # bias; sigmoid(z) + b under sigmoid scores (top2_sum sums scores, not logits).
+        if selection_bias is None and config.score == "softmax":
             logits = limit_to_groups(logits, config.num_groups, config.top_groups,
                                      config.group_score)
         elif config.num_groups > 1:
-            selection = jax.lax.stop_gradient(logits) + jax.lax.stop_gradient(selection_bias)
+            selection = jax.lax.stop_gradient(logits)
+            if config.score == "sigmoid":
+                selection = selection_scores(selection)
+            if selection_bias is not None:
+                selection = selection + jax.lax.stop_gradient(selection_bias)
             kept = limit_to_groups(selection, config.num_groups, config.top_groups,
                                    config.group_score)
             logits = jnp.where(jnp.isneginf(kept), -jnp.inf, logits)
