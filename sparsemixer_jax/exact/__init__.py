@@ -80,6 +80,7 @@ from sparsemixer_jax.exact.sigmoid import (
     sigmoid_gates_fn,
     sigmoid_midpoint_rule_gradient,
     sigmoid_sampling_fn,
+    tuple_terms,
 )
 from sparsemixer_jax.exact.top1 import (
     Downstream,
@@ -145,4 +146,5 @@ __all__ = [
     "topk_expected_gradient",
     "topk_selection_bias_expected_gradient",
     "tuple_gates",
+    "tuple_terms",
 ]

@@ -10,7 +10,7 @@ the experts chosen before removed), and gates them with ``G_t = c s_{D_t} / sum_
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,31 +66,28 @@ def greedy_set(sampling_fn: ProbsFn, logits: jax.Array, top_k: int) -> jax.Array
     return excluded
 
 
-def sigmoid_expected_gradient(
-    problem: RoutingProblem,
-    sampling_fn: ProbsFn,
-    top_k: int,
-    *,
-    estimator: str = "mix",
-    midpoint_prob: float | None = None,
-    scale: float = 1.0,
-    variant: Variant = "two_path",
-) -> jax.Array:
-    """Exact expectation ``[N]`` of the logits gradient of ``sparsemixer_route(top_k=k,
-    score="sigmoid")``, or of a wrong ``variant`` (:data:`VARIANTS`).
+#: The forward weights a branch can take: full, the mid-point's 1/2 and Heun's 1/3.
+WEIGHTS = (1.0, 0.5, 1.0 / 3.0)
 
-    For a tuple ``D`` one coin (never flipped when the set of ``D`` is the greedy set, and
-    not by ``"euler"``, ``"midpoint"``) picks the branch: weight ``w`` on every gate (``1`` or
-    the estimator's reduced weight), ``y = w sum_t G_t f_{D_t}``, ``c_t = g'(y) . f_{D_t}``,
-    and the backward sends ``a sum_t c_t grad G_t + b (sum_t G_t c_t) grad log P(D)``
-    (``(a, b)`` the branch's pair of ``routers.TWO_PATH_RULES``). Summed over every tuple and
-    both branches with their probabilities.
-    """
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
-    rule, two_path = ESTIMATORS[estimator], TWO_PATH_RULES[estimator]
-    r = rule.reduced_prob if midpoint_prob is None else midpoint_prob
-    split = 0.0 < r < 1.0 and estimator not in ("euler", "midpoint")
+
+class TupleTerms(NamedTuple):
+    """Per ordered tuple ``D`` (``T`` of them) and forward weight ``w`` of :data:`WEIGHTS`,
+    with ``y_w = w sum_t G_t f_{D_t}`` and ``c_t(w) = g'(y_w) . f_{D_t}``: ``prob [T]``
+    ``P(D)``; ``off_top`` bool ``[T]`` the set is not the greedy set; ``gate [T, W, N]``
+    ``sum_t c_t grad G_t``; ``whole [T, W, N]`` ``(sum_t G_t c_t) grad log P(D)``;
+    ``per_step [T, W, N]`` ``sum_t G_t c_t grad log q^(t)_{D_t}``."""
+
+    prob: jax.Array
+    off_top: jax.Array
+    gate: jax.Array
+    whole: jax.Array
+    per_step: jax.Array
+
+
+def tuple_terms(problem: RoutingProblem, sampling_fn: ProbsFn, top_k: int,
+                scale: float = 1.0) -> TupleTerms:
+    """The :class:`TupleTerms` of every ordered tuple: every estimator's expectation is a sum
+    of them weighted by the tuple's probability and its branches' chances."""
     gates_fn = sigmoid_gates_fn(scale)
     z = problem.logits
     top = greedy_set(sampling_fn, z, top_k)
@@ -104,53 +101,80 @@ def sigmoid_expected_gradient(
             chances > 0, 1.0 / jnp.where(chances > 0, chances, 1.0), 0.0)[:, None]
         gates = gates_fn(z, chosen)
         gate_jac = jax.jacobian(gates_fn)(z, chosen)  # [k, N]
-        flipped = split & ~jnp.all(top[chosen])
-        if estimator == "euler":
-            chance_reduced = 0.0
-        elif estimator == "midpoint":
-            chance_reduced = 1.0
-        else:
-            chance_reduced = jnp.where(flipped, r, 0.0)
         outputs = problem.expert_outputs[chosen]  # [k, d]
 
-        def branch(reduced):
-            y = jnp.where(reduced, rule.reduced_weight, 1.0) * gates @ outputs
+        def at(weight):
+            y = weight * gates @ outputs
             slopes = jax.vmap(lambda f: jax.jvp(problem.downstream, (y,), (f,))[1])(outputs)
-            a = jnp.where(reduced, 0.0, two_path.gate / (1.0 - r)) if split else 0.0
-            b = jnp.where(reduced, two_path.quadrature[1] / r,
-                          two_path.quadrature[0] / (1.0 - r)) if split else 0.0
-            a = jnp.where(flipped, a, two_path.sure[0])
-            b = jnp.where(flipped, b, two_path.sure[1])
-            if variant == "single_path":
-                estimate = rule.backward_scale * slopes @ gate_jac
-            elif variant == "per_step":
-                estimate = a * slopes @ gate_jac + b * (slopes * gates) @ log_jac
-            else:
-                estimate = a * slopes @ gate_jac + b * (slopes @ gates) * jnp.sum(log_jac, 0)
-            chance = jnp.where(reduced, chance_reduced, 1.0 - chance_reduced)
-            return chance * estimate
+            return (slopes @ gate_jac, (slopes @ gates) * jnp.sum(log_jac, 0),
+                    (slopes * gates) @ log_jac)
 
-        return jnp.prod(chances) * (branch(False) + branch(True))
+        gate, whole, per_step = (jnp.stack(t) for t in zip(*map(at, WEIGHTS), strict=True))
+        return TupleTerms(jnp.prod(chances), ~jnp.all(top[chosen]), gate, whole, per_step)
 
-    return jnp.sum(jax.vmap(one)(tuples), axis=0)
+    return jax.vmap(one)(tuples)
+
+
+def sigmoid_expected_gradient(
+    problem: RoutingProblem,
+    sampling_fn: ProbsFn,
+    top_k: int,
+    *,
+    estimator: str = "mix",
+    midpoint_prob: float | None = None,
+    scale: float = 1.0,
+    variant: Variant = "two_path",
+    terms: TupleTerms | None = None,
+) -> jax.Array:
+    """Exact expectation ``[N]`` of the logits gradient of ``sparsemixer_route(top_k=k,
+    score="sigmoid")``, or of a wrong ``variant`` (:data:`VARIANTS`).
+
+    For a tuple ``D`` one coin (never flipped when the set of ``D`` is the greedy set, and
+    not by ``"euler"``, ``"midpoint"``) picks the branch: weight ``w`` on every gate (``1`` or
+    the estimator's reduced weight), ``y = w sum_t G_t f_{D_t}``, ``c_t = g'(y) . f_{D_t}``,
+    and the backward sends ``a sum_t c_t grad G_t + b (sum_t G_t c_t) grad log P(D)``
+    (``(a, b)`` the branch's pair of ``routers.TWO_PATH_RULES``). Summed over every tuple and
+    both branches with their probabilities. ``terms``: :func:`tuple_terms` of these
+    arguments, when the caller already has them.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+    rule, two_path = ESTIMATORS[estimator], TWO_PATH_RULES[estimator]
+    r = rule.reduced_prob if midpoint_prob is None else midpoint_prob
+    split = 0.0 < r < 1.0 and estimator not in ("euler", "midpoint")
+    t = tuple_terms(problem, sampling_fn, top_k, scale) if terms is None else terms
+    reduced_at = WEIGHTS.index(rule.reduced_weight) if rule.reduced_weight in WEIGHTS else None
+    flipped = split & t.off_top  # the branches' own scales; else the sure pair
+    if estimator == "euler":
+        chance_reduced = jnp.zeros_like(t.prob)
+    elif estimator == "midpoint":
+        chance_reduced = jnp.ones_like(t.prob)
+    else:
+        chance_reduced = jnp.where(t.off_top, r, 0.0)
+
+    def branch(reduced: bool, at: int):
+        a = (0.0 if reduced else two_path.gate / (1.0 - r)) if split else 0.0
+        b = (two_path.quadrature[1] / r if reduced else two_path.quadrature[0] / (1.0 - r)
+             ) if split else 0.0
+        a = jnp.where(flipped, a, two_path.sure[0])[:, None]
+        b = jnp.where(flipped, b, two_path.sure[1])[:, None]
+        if variant == "single_path":
+            estimate = rule.backward_scale * t.gate[:, at]
+        else:
+            selection = t.per_step if variant == "per_step" else t.whole
+            estimate = a * t.gate[:, at] + b * selection[:, at]
+        chance = chance_reduced if reduced else 1.0 - chance_reduced
+        return chance[:, None] * estimate
+
+    total = branch(False, 0) + branch(True, reduced_at)
+    return jnp.sum(t.prob[:, None] * total, axis=0)
 
 
 def sigmoid_midpoint_rule_gradient(problem: RoutingProblem, sampling_fn: ProbsFn, top_k: int,
-                                   scale: float = 1.0) -> jax.Array:
+                                   scale: float = 1.0,
+                                   terms: TupleTerms | None = None) -> jax.Array:
     """``nabla_1 + `` the mid-point estimate of ``nabla_0`` on every tuple (the greedy set
     included): ``sum_D P(D) [g'(y) . sum_t f_{D_t} grad G_t + g'(y / 2) . y grad log P(D)]``.
     The quantity the router's ``mix`` computes off the greedy set; second order in ``y``."""
-    exact = exact_sigmoid_gradient(problem, sampling_fn, top_k, scale)
-    gates_fn = sigmoid_gates_fn(scale)
-    z = problem.logits
-    tuples = jnp.asarray(ordered_tuples(z.shape[-1], top_k))
-
-    def one(chosen):
-        log_prob = jax.grad(lambda t: jnp.sum(jnp.log(tuple_gates(sampling_fn, t, chosen))))
-        y = gates_fn(z, chosen) @ problem.expert_outputs[chosen]
-        value = jax.jvp(problem.downstream, (0.5 * y,), (y,))[1]
-        prob = jnp.prod(tuple_gates(sampling_fn, z, chosen))
-        return jnp.where(prob > 0, prob * value * log_prob(z), 0.0)
-
-    return exact.nabla1 + jnp.sum(jax.vmap(one)(tuples), axis=0)
-
+    t = tuple_terms(problem, sampling_fn, top_k, scale) if terms is None else terms
+    return jnp.sum(t.prob[:, None] * (t.gate[:, 0] + t.whole[:, 1]), axis=0)
