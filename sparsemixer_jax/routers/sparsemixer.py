@@ -306,9 +306,9 @@ def sparsemixer_route(
       above. The temperature is not applied: its text was not available to check against.
 
     For ``top_k > 1`` each step's estimator acts on that step's conditional probabilities; the
-    term from "the first choice changes the distribution of the second" has no sparse estimate
-    here or in GRIN (``sparsemixer_jax.exact.exact_topk_gradient`` measures what it
-    costs).
+    term from "the first choice changes the distribution of the second" has no estimate in this
+    per-step construction, GRIN's (``sparsemixer_jax.exact.exact_topk_gradient`` measures what
+    it costs); ``score="sigmoid"`` uses a whole-tuple construction that has one.
 
     Where the reference codes depart from their papers, this function follows the code:
 
