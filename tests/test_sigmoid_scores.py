@@ -161,6 +161,18 @@ def test_top1_gate_is_the_scale_and_the_router_learns_through_the_selection():
     assert float(jnp.max(jnp.abs(grad))) > 0
 
 
+def test_groups_are_chosen_on_the_biased_scores():
+    """Five groups of one expert, two kept: every draw, in training and evaluation, is one of
+    the two best of s + b (experts 0 and 1; the best logit alone would keep 1 and 2)."""
+    z = jnp.broadcast_to(LOGITS, (64, 5))
+    for is_training in (True, False):
+        out = routers.sparsemixer_route(z, jax.random.key(2), training=is_training,
+                                        score="sigmoid", selection_bias=BIAS, num_groups=5,
+                                        top_groups=2, jitter_eps=1.0)
+        assert set(np.unique(np.asarray(out.expert)).tolist()) <= {0, 1}
+    assert is_training is False and int(out.expert[0]) == 0
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(name="densemixer_blog", top_k=2),
      "score='sigmoid' does not compose with router 'densemixer_blog'"),

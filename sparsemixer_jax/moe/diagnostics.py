@@ -104,9 +104,7 @@ def router_diagnostics(
     top_k = routed.expert.ndim == z.ndim  # expert [..., k]: a token's k rows share its weight
     load = _token_mean(jnp.mean(rows, axis=-2) if top_k else rows, token_mask)
     first = routed.expert[..., 0] if top_k else routed.expert
-    selection = jax.nn.sigmoid(z) if score == "sigmoid" else z
-    if selection_bias is not None:
-        selection = selection + jax.lax.stop_gradient(selection_bias).astype(jnp.float32)
+    selection = routers.selection_scores(z, selection_bias, score)
     ref_mask = routers.routing_mask(selection, jitter_eps, "reference")
     argmax = jnp.argmax(selection, axis=-1)
     return {

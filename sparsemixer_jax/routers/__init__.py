@@ -61,12 +61,9 @@ from sparsemixer_jax.routers.selection import (
     bias_step,
     expert_load,
     limit_to_groups,
-)
-from sparsemixer_jax.routers.sigmoid_scores import (
-    renormalised_gates,
     selection_scores,
-    sigmoid_sample_probs,
 )
+from sparsemixer_jax.routers.sigmoid_scores import renormalised_gates, sigmoid_sample_probs
 from sparsemixer_jax.routers.sparsemixer import (
     ESTIMATORS,
     TWO_PATH_RULES,

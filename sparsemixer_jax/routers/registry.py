@@ -13,16 +13,13 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
 
 from sparsemixer_jax.routers.common import RouterOutput, check_jitter_eps, check_top_k
 from sparsemixer_jax.routers.selection import (
     BALANCE_SCOPES,
     GROUP_SCORES,
     SCORES,
-    limit_to_groups,
 )
-from sparsemixer_jax.routers.sigmoid_scores import selection_scores
 from sparsemixer_jax.routers.sparsemixer import sparsemixer_route
 from sparsemixer_jax.routers.switch import switch_route
 from sparsemixer_jax.routers.unchosen import UnchosenExperts
@@ -345,35 +342,15 @@ def router_fn(config: RouterConfig) -> RouterFn:
     kwargs = dict(fixed)
     groups = {"num_groups": config.num_groups, "top_groups": config.top_groups,
               "group_score": config.group_score}
-    scores = {"score": config.score, "routed_scaling_factor": config.routed_scaling_factor}
-    kwargs.update(scores)
+    kwargs.update(groups, score=config.score,
+                  routed_scaling_factor=config.routed_scaling_factor)
     if route is switch_route:
         kwargs["normalize_top_k"] = config.normalize_top_k
-        kwargs.update(groups)
         if config.successor_jitter:
             kwargs["jitter"] = True
 
     def router(logits: jax.Array, key: jax.Array | None, training: bool,
                selection_bias: jax.Array | None = None) -> RouterOutput:
-        if route is switch_route:
-            return route(logits, key, training=training, top_k=top_k, jitter_eps=jitter_eps,
-                         selection_bias=selection_bias, **kwargs)
-        # SparseMixer samples among the experts of the kept groups: the others are excluded
-        # (-inf), as its own mask excludes experts, and no gradient flows through the choice.
-        # The groups are chosen on the selection scores: the logits, plus the bias under a
-        # bias; sigmoid(z) + b under sigmoid scores (top2_sum sums scores, not logits).
-        if selection_bias is None and config.score == "softmax":
-            logits = limit_to_groups(logits, config.num_groups, config.top_groups,
-                                     config.group_score)
-        elif config.num_groups > 1:
-            selection = jax.lax.stop_gradient(logits)
-            if config.score == "sigmoid":
-                selection = selection_scores(selection)
-            if selection_bias is not None:
-                selection = selection + jax.lax.stop_gradient(selection_bias)
-            kept = limit_to_groups(selection, config.num_groups, config.top_groups,
-                                   config.group_score)
-            logits = jnp.where(jnp.isneginf(kept), -jnp.inf, logits)
         return route(logits, key, training=training, top_k=top_k, jitter_eps=jitter_eps,
                      selection_bias=selection_bias, **kwargs)
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsemixer_jax.routers.common import RouterOutput, routing_dtype, take_expert
+from sparsemixer_jax.routers.selection import selection_scores
 from sparsemixer_jax.routers.sparsemixer import (
     ESTIMATORS,
     TWO_PATH_RULES,
@@ -30,17 +31,6 @@ from sparsemixer_jax.routers.sparsemixer import (
 )
 
 
-def selection_scores(logits: jax.Array, selection_bias: jax.Array | None = None) -> jax.Array:
-    """``x = sigmoid(z) + b`` ``[..., N]`` in the routing dtype, ``-inf`` where ``z = -inf``
-    (an excluded expert: removed, in a group not kept, or already chosen); ``b`` gets no
-    gradient."""
-    logits = logits.astype(routing_dtype(logits))
-    scores = jax.nn.sigmoid(logits)
-    if selection_bias is not None:
-        scores = scores + jax.lax.stop_gradient(selection_bias).astype(scores.dtype)
-    return jnp.where(jnp.isneginf(logits), -jnp.inf, scores)
-
-
 def sigmoid_sample_probs(
     logits: jax.Array, selection_bias: jax.Array | None = None, jitter_eps: float = 0.1,
     mask: MaskRule = "reference",
@@ -50,7 +40,7 @@ def sigmoid_sample_probs(
     that the mask (computed on ``x``) keeps. The largest ``x`` is always kept; where it is not
     positive (no expert has a positive score) ``q`` puts all its mass on it. ``-inf`` logits
     are excluded. Differentiable in ``logits`` with the eligible set held fixed."""
-    x = selection_scores(logits, selection_bias)
+    x = selection_scores(logits, selection_bias, "sigmoid")
     fixed = jax.lax.stop_gradient(x)
     keep = routing_mask(fixed, jitter_eps, mask) & ~jnp.isneginf(fixed)
     is_top = jax.nn.one_hot(jnp.argmax(fixed, axis=-1), x.shape[-1], dtype=bool)
@@ -82,7 +72,7 @@ def sigmoid_route(logits, selection_bias, key, invalid, top_k: int, jitter_eps: 
     scores = jax.nn.sigmoid(logits)
     probs = jnp.where(invalid[..., None], jnp.nan,
                       scores / jnp.sum(scores, axis=-1, keepdims=True))
-    selection = jax.lax.stop_gradient(selection_scores(logits, selection_bias))
+    selection = jax.lax.stop_gradient(selection_scores(logits, selection_bias, "sigmoid"))
     _, top_set = jax.lax.top_k(selection, top_k)
     top_set = top_set.astype(jnp.int32)
     if not training:

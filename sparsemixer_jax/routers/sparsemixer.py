@@ -24,6 +24,7 @@ from sparsemixer_jax.routers.common import (
     routing_dtype,
     take_expert,
 )
+from sparsemixer_jax.routers.selection import limit_to_groups, selection_scores
 
 MaskRule = Literal["reference", "paper", "none"]
 Estimator = Literal["mix", "euler", "midpoint", "v2", "v2star"]
@@ -230,6 +231,9 @@ def sparsemixer_route(
     selection_bias: jax.Array | None = None,
     score: str = "softmax",
     routed_scaling_factor: float = 1.0,
+    num_groups: int = 1,
+    top_groups: int = 1,
+    group_score: str = "max",
 ) -> RouterOutput:
     """SparseMixer routing (top-1, or top-k by sequential sampling) with its sparse gradient.
 
@@ -281,6 +285,11 @@ def sparsemixer_route(
         ``s / sum s`` and ``scores`` is ``s``, as for Switch under sigmoid scores.
       routed_scaling_factor: the sigmoid gates' scale ``c`` (DeepSeek-V3: 2.5); only with
         ``score="sigmoid"``.
+      num_groups, top_groups, group_score: group-limited routing
+        (:func:`sparsemixer_jax.routers.selection.limit_to_groups`): the groups are chosen once
+        per token on the selection scores (``z + b``, or ``sigmoid(z) + b`` under sigmoid
+        scores) and the experts of the others are excluded (``-inf``), a second mask held
+        fixed in the gradient, as the router's own.
 
     Returns:
       :class:`RouterOutput`: ``expert`` int32 and ``gate`` float32 of shape ``[...]`` when
@@ -347,6 +356,12 @@ def sparsemixer_route(
     scale = rule.backward_scale if backward_scale is None else float(backward_scale)
     invalid = check_finite_logits(fn, logits, top_k)
     check_score_args(fn, logits, score, routed_scaling_factor, selection_bias, backward_scale)
+    if num_groups > 1:
+        # SparseMixer samples among the experts of the kept groups; no gradient flows through
+        # the choice of groups.
+        selection = jax.lax.stop_gradient(selection_scores(logits, selection_bias, score))
+        kept = limit_to_groups(selection, num_groups, top_groups, group_score)
+        logits = jnp.where(jnp.isneginf(kept), -jnp.inf, logits)
     if score == "sigmoid":
         # Imported here: that module builds on this one's estimator rules and gates.
         from sparsemixer_jax.routers.sigmoid_scores import sigmoid_route
