@@ -226,7 +226,7 @@ def test_experiment_sweeps_a_selection_bias():
     assert single[-1] > 10 * mix[-1]
 
 
-def test_experiment_sweeps_sigmoid_scores_with_their_orders(tmp_path):
+def test_experiment_sweeps_sigmoid_scores_with_their_orders():
     """--score sigmoid: the top-1 and top-2 tables (float64, one problem of 3 experts, a bias,
     c = 2.5, s = 1e-1 .. 1e-3). The mid-point rule on the set (exact nabla_1 + mid-point
     along grad log P(D)) has slope ~2 on nabla_0 at both k, forward Euler and the router's mix
@@ -244,9 +244,7 @@ def test_experiment_sweeps_sigmoid_scores_with_their_orders(tmp_path):
         assert 0.85 < slope["euler"] < 1.3 and 0.85 < slope["sparsemixer"] < 1.4, (k, slope)
     assert tables["2"]["sparsemixer_per_step"]["relerr_nabla0"][-1] > 0.01
     assert tables["1"]["sparsemixer_single_path"]["relerr_full"][-1] == pytest.approx(1.0)
-    print_table(results)
-    plot(results, str(tmp_path / "plot.png"))
-    assert (tmp_path / "plot.png").stat().st_size > 10_000
+    print_table(results)  # the two tables (the plot draws them as in the committed figure)
 
 
 def test_experiment_rejects_bad_arguments():

@@ -66,11 +66,8 @@ def exact_topk_gradient(problem: RoutingProblem, probs_fn: ProbsFn | None, top_k
         return jnp.sum(jax.vmap(one)(tuples))
 
     z = problem.logits
-    return ExactGradient(
-        loss=loss(z, z),
-        nabla0=jax.grad(loss, argnums=0)(z, z),
-        nabla1=jax.grad(loss, argnums=1)(z, z),
-    )
+    value, (nabla0, nabla1) = jax.value_and_grad(loss, argnums=(0, 1))(z, z)
+    return ExactGradient(loss=value, nabla0=nabla0, nabla1=nabla1)
 
 
 def topk_expected_gradient(
