@@ -23,6 +23,7 @@ output's norm); the ``*_oracle`` rows use the expert outputs themselves.
 
     python -m experiments.gradient_accuracy     # runs/gradient_accuracy.json and .png
     python -m experiments.gradient_accuracy --num-groups 4 --top-groups 2   # group-limited
+    python -m experiments.gradient_accuracy --score sigmoid --selection-bias 0.1  # sigmoid
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
         help="group-limited routing: the groups each token keeps")
     add("--selection-bias", type=float, default=default.selection_bias,
         help="std of a random selection-only bias per expert (SparseMixer's rows; 0: none)")
+    add("--score", choices=("softmax", "sigmoid"), default=default.score,
+        help="sigmoid: SparseMixer under sigmoid scores (the bias is added to the scores)")
+    add("--routed-scaling-factor", type=float, default=default.routed_scaling_factor,
+        help="the sigmoid gates' scale c (only with --score sigmoid)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         settings = SweepSettings(**{f.name: getattr(args, f.name)

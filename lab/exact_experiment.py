@@ -18,6 +18,13 @@ from sparsemixer_jax.exact.dense import (
     densemixer_gradient,
     noisy_defaults,
 )
+from sparsemixer_jax.exact.sigmoid import (
+    exact_sigmoid_gradient,
+    sigmoid_expected_gradient,
+    sigmoid_midpoint_rule_gradient,
+    sigmoid_sampling_fn,
+    tuple_terms,
+)
 from sparsemixer_jax.exact.top1 import (
     ProbsFn,
     RoutingProblem,
@@ -110,6 +117,35 @@ def selection_bias_table(
     }
 
 
+def sigmoid_table(problem: RoutingProblem, sampling_fn: ProbsFn, top_k: int,
+                  scale: float) -> dict[str, jax.Array]:
+    """Expected full router gradient ``[N]`` of SparseMixer's estimators under sigmoid scores
+    (``D ~ q = sampling_fn``, gates ``scale * s_D / sum_chosen s``, top-k sequential), by
+    name: :func:`estimator_table`'s sampled rows with the two-path backward over the set, GRIN's
+    ``v2`` and ``v2star``, and two wrong variants: ``sparsemixer_per_step`` (each gate's share
+    along its own step's ``grad log q^(t)`` only) and ``sparsemixer_single_path`` (the released
+    backward: everything along the gates)."""
+    exact = exact_sigmoid_gradient(problem, sampling_fn, top_k, scale)
+    terms = tuple_terms(problem, sampling_fn, top_k, scale)  # shared by every row
+
+    def two_path(estimator="mix", **options):
+        return sigmoid_expected_gradient(problem, sampling_fn, top_k, estimator=estimator,
+                                         scale=scale, terms=terms, **options)
+
+    return {
+        "switch": exact.nabla1,
+        "euler": two_path("euler"),
+        "midpoint": sigmoid_midpoint_rule_gradient(problem, sampling_fn, top_k, scale, terms),
+        "sparsemixer_2nd": two_path("midpoint"),
+        "sparsemixer": two_path(),
+        "sparsemixer_paper": two_path(midpoint_prob=1.0),
+        "v2": two_path("v2"),
+        "v2star": two_path("v2star"),
+        "sparsemixer_per_step": two_path(variant="per_step"),
+        "sparsemixer_single_path": two_path(variant="single_path"),
+    }
+
+
 TOPK_ESTIMATORS = ("backprop", "mix", "v2", "v2star")
 
 
@@ -176,8 +212,9 @@ def topk_accuracy_sweep(
 
 
 def accuracy_sweep(
-    problem: RoutingProblem, scales, probs_fn: ProbsFn, defaults: jax.Array | None = None,
-    sampling_fn: ProbsFn | None = None,
+    problem: RoutingProblem, scales, probs_fn: ProbsFn | None,
+    defaults: jax.Array | None = None, sampling_fn: ProbsFn | None = None,
+    sigmoid: tuple[int, float] | None = None,
 ) -> dict[str, dict[str, list[float]]]:
     """Cosine similarity and relative error of every estimator as the expert outputs shrink.
 
@@ -186,15 +223,20 @@ def accuracy_sweep(
     The ``nabla_0`` columns compare ``estimate - nabla_1`` with ``nabla_0``. Default MoE's
     ``defaults [N, d]`` are given at scale 1 and scaled with the outputs (``None``: oracle).
     ``sampling_fn``: a selection bias's sampling distribution (:func:`selection_bias_table`).
+    ``sigmoid = (top_k, c)``: sigmoid scores, ``sampling_fn`` their ``q`` (:func:`sigmoid_table`).
     """
     defaults = problem.expert_outputs if defaults is None else defaults
 
     @jax.jit
     def measure(scale):
         scaled = problem.scaled(scale)
-        exact = exact_gradient(scaled, probs_fn, sampling_fn)
-        table = (estimator_table(scaled, probs_fn, scale * defaults) if sampling_fn is None
-                 else selection_bias_table(scaled, probs_fn, sampling_fn))
+        if sigmoid is not None:
+            exact = exact_sigmoid_gradient(scaled, sampling_fn, *sigmoid)
+            table = sigmoid_table(scaled, sampling_fn, *sigmoid)
+        else:
+            exact = exact_gradient(scaled, probs_fn, sampling_fn)
+            table = (estimator_table(scaled, probs_fn, scale * defaults) if sampling_fn is None
+                     else selection_bias_table(scaled, probs_fn, sampling_fn))
         out = {}
         for name, estimate in table.items():
             part0 = estimate - exact.nabla1
@@ -223,6 +265,9 @@ ESTIMATOR_NOTES = {
     "default_moe_oracle": "default_moe with oracle defaults v = f",
     "default_moe_st_oracle": "default_moe_st with oracle defaults (= densemixer)",
     "sparsemixer_single_path": "released single-path backward under the bias (wrong)",
+    "v2": "GRIN's v2 (Heun's rule alone, no nabla_1)",
+    "v2star": "v2* (exact nabla_1 + Heun's rule)",
+    "sparsemixer_per_step": "each gate's share along its own step only (wrong at k > 1)",
 }
 
 
@@ -242,7 +287,9 @@ class SweepSettings:
     ``top_groups`` (1, 1: none; the experts outside the kept groups are excluded, as the router
     excludes them, and the exact gradient holds that choice fixed, as it holds the mask); a
     selection-only bias ``b ~ selection_bias * N(0, 1)`` per expert and problem (0: none;
-    :func:`selection_bias_table`)."""
+    :func:`selection_bias_table`); ``score="sigmoid"``: sigmoid scores with gate scale
+    ``routed_scaling_factor`` (:func:`sigmoid_table`, top-1 and each ``top_k``; the bias is
+    added to the scores)."""
 
     num_problems: int = 16
     num_experts: int = 8
@@ -258,8 +305,16 @@ class SweepSettings:
     num_groups: int = 1
     top_groups: int = 1
     selection_bias: float = 0.0
+    score: str = "softmax"
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.score not in ("softmax", "sigmoid") or (
+                self.score == "sigmoid" and self.num_groups > 1):
+            raise ValueError("need --score softmax or sigmoid, and no --num-groups with sigmoid")
+        if not self.routed_scaling_factor > 0 or (
+                self.score == "softmax" and self.routed_scaling_factor != 1.0):
+            raise ValueError("need --routed-scaling-factor > 0, and only with --score sigmoid")
         if not self.selection_bias >= 0 or (self.selection_bias > 0 and self.num_groups > 1):
             raise ValueError("need --selection-bias >= 0, and no --num-groups with it")
         if self.num_problems < 1 or self.num_experts < 2 or self.dim < 1:
@@ -317,6 +372,8 @@ def _accuracy_experiment(settings: SweepSettings) -> dict:
 
     keys = jax.random.split(jax.random.key(settings.seed), settings.num_problems)
     problems = [random_problem(k, settings.num_experts, settings.dim) for k in keys]
+    if settings.score == "sigmoid":
+        return _sigmoid_experiment(settings, problems, keys, scales, fit)
     probs_fns = [probs_fn] * len(problems)
     if settings.num_groups > 1:
         probs_fns = [grouped_probs_fn(probs_fn, p.logits, settings.num_groups,
@@ -333,6 +390,45 @@ def _accuracy_experiment(settings: SweepSettings) -> dict:
     ]
     sweeps = [accuracy_sweep(p, scales, fn, v, q)
               for p, fn, v, q in zip(problems, probs_fns, defaults, sampling_fns, strict=True)]
+    return {
+        "scales": scales.tolist(),
+        "fit_scales": scales[fit].tolist(),
+        "settings": dataclasses.asdict(settings),
+        "estimators": _summary(sweeps, scales, fit),
+        "topk": {
+            str(k): _topk_summary(problems, defaults, scales, fit, probs_fns, k, sampling_fns)
+            for k in settings.top_k
+        },
+    }
+
+
+def _sigmoid_experiment(settings: SweepSettings, problems, keys, scales, fit) -> dict:
+    """The sigmoid-score rows at top-1 (``estimators``) and at each ``top_k > 1``
+    (``sigmoid_topk``), with the nabla_0 and full-gradient errors and slopes of
+    :func:`accuracy_sweep`: the estimators are consistent at every k under sigmoid scores."""
+    biases = [settings.selection_bias * jax.random.normal(jax.random.fold_in(k, 2),
+                                                          (settings.num_experts,))
+              for k in keys]
+    samplings = [sigmoid_sampling_fn(b, settings.jitter_eps, settings.mask) for b in biases]
+
+    def table(top_k):
+        return _summary([accuracy_sweep(p, scales, None, sampling_fn=q,
+                                        sigmoid=(top_k, settings.routed_scaling_factor))
+                         for p, q in zip(problems, samplings, strict=True)], scales, fit)
+
+    return {
+        "scales": scales.tolist(),
+        "fit_scales": scales[fit].tolist(),
+        "settings": dataclasses.asdict(settings),
+        "estimators": table(1),
+        "topk": {},
+        "sigmoid_topk": {str(k): table(k) for k in settings.top_k if k > 1},
+    }
+
+
+def _summary(sweeps, scales, fit) -> dict:
+    """Per estimator of :func:`accuracy_sweep`'s ``sweeps`` (one per problem): geometric-mean
+    errors with their per-problem slopes, mean cosines."""
     summary = {}
     for name in sweeps[0]:
         entry = {"note": ESTIMATOR_NOTES.get(name, "")}
@@ -347,16 +443,7 @@ def _accuracy_experiment(settings: SweepSettings) -> dict:
             else:
                 entry[metric] = values.mean(0).tolist()
         summary[name] = entry
-    return {
-        "scales": scales.tolist(),
-        "fit_scales": scales[fit].tolist(),
-        "settings": dataclasses.asdict(settings),
-        "estimators": summary,
-        "topk": {
-            str(k): _topk_summary(problems, defaults, scales, fit, probs_fns, k, sampling_fns)
-            for k in settings.top_k
-        },
-    }
+    return summary
 
 
 def _biased_probs_fns(bias: jax.Array, settings: SweepSettings) -> tuple[ProbsFn, ProbsFn]:

@@ -226,6 +226,27 @@ def test_experiment_sweeps_a_selection_bias():
     assert single[-1] > 10 * mix[-1]
 
 
+def test_experiment_sweeps_sigmoid_scores_with_their_orders():
+    """--score sigmoid: the top-1 and top-2 tables (float64, one problem of 3 experts, a bias,
+    c = 2.5, s = 1e-1 .. 1e-3). The mid-point rule on the set (exact nabla_1 + mid-point
+    along grad log P(D)) has slope ~2 on nabla_0 at both k, forward Euler and the router's mix
+    ~1; at top-2 each gate's share along its own step only keeps an error above 1%, and at
+    top-1 the released single path (zero: the gate is constant) is 100% off."""
+    settings = exact_experiment.SweepSettings(num_problems=1, num_scales=3, min_scale=1e-3,
+                                            num_experts=3, dim=3, top_k=[2], score="sigmoid",
+                                            selection_bias=0.1, routed_scaling_factor=2.5)
+    results = exact_experiment.accuracy_experiment(settings)
+    tables = {"1": results["estimators"], **results["sigmoid_topk"]}
+    assert set(tables) == {"1", "2"}
+    for k, rows in tables.items():
+        slope = {name: row["slope_nabla0"] for name, row in rows.items()}
+        assert 1.85 < slope["midpoint"] < 2.3, (k, slope)
+        assert 0.85 < slope["euler"] < 1.3 and 0.85 < slope["sparsemixer"] < 1.4, (k, slope)
+    assert tables["2"]["sparsemixer_per_step"]["relerr_nabla0"][-1] > 0.01
+    assert tables["1"]["sparsemixer_single_path"]["relerr_full"][-1] == pytest.approx(1.0)
+    print_table(results)  # the two tables (the plot draws them as in the committed figure)
+
+
 def test_experiment_rejects_bad_arguments():
     with pytest.raises(ValueError, match="min-scale"):
         exact_experiment.SweepSettings(min_scale=2)
@@ -235,6 +256,8 @@ def test_experiment_rejects_bad_arguments():
         exact_experiment.SweepSettings(default_noise=-0.1)
     with pytest.raises(ValueError, match="selection-bias"):
         exact_experiment.SweepSettings(selection_bias=0.5, num_groups=2)
+    with pytest.raises(ValueError, match="--score sigmoid"):
+        exact_experiment.SweepSettings(routed_scaling_factor=2.5)
 
 
 # ---------------------------------------------------------------- top-k oracle

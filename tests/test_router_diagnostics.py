@@ -55,6 +55,28 @@ def test_diagnostics_by_hand():
     assert float(d["load_max"]) == pytest.approx(2 / 3)
 
 
+def test_diagnostics_read_the_selection_scores_under_a_bias_and_sigmoid_scores():
+    """Under bias balancing the experts are chosen (and SparseMixer's mask computed) on z + b,
+    under sigmoid scores on sigmoid(z) + b: the mask count and the argmax follow them."""
+    logits = LOGITS[None]
+    routed = routers.RouterOutput(expert=jnp.array([[0, 2, 0, 3]], jnp.int32),
+                                  gate=jnp.ones((1, 4)), probs=_eval_route(logits).probs)
+    bias = jnp.array([0.0, 0.0, 0.9, 0.0])
+    d = router_diagnostics(logits, routed, jitter_eps=0.1, selection_bias=bias)
+    # z + b rows: [1, .95, .9, -1] keeps 3; [2, 0, .9, 0] 1; [1, 1, 1.9, 1] 1;
+    # [-3, 5, 5.4, 4.9] 3 (within 0.2 * 5.4 of the max). Argmaxes 0, 0, 2, 2.
+    assert float(d["ref_mask_eligible"]) == pytest.approx((3 + 1 + 1 + 3) / 4)
+    assert float(d["non_argmax_share"]) == pytest.approx(3 / 4)
+    # sigmoid([0, -0.1, -3, -5]) = [.5, .475, .047, .007]: .475 lies within 0.2 * .5 of the
+    # max, so 2 stay; on the logits (max 0) only the argmax does.
+    z = jnp.array([[0.0, -0.1, -3.0, -5.0]])
+    one = routers.RouterOutput(expert=jnp.array([1], jnp.int32), gate=jnp.ones(1),
+                               probs=_eval_route(z).probs)
+    assert float(router_diagnostics(z, one)["ref_mask_eligible"]) == 1.0
+    sig = router_diagnostics(z, one, score="sigmoid")
+    assert float(sig["ref_mask_eligible"]) == 2.0 and float(sig["non_argmax_share"]) == 1.0
+
+
 def test_top_k_diagnostics_count_rows_and_the_first_choice():
     logits = LOGITS[None]
     routed = routers.RouterOutput(

@@ -268,6 +268,10 @@ OPTIONS = {  # router fields, the layer's shared experts
                                        top_groups=1, balance_scope="global_batch"), 1),
     "sparsemixer_bias_groups": (dict(name="sparsemixer_v2star", top_k=2, bias_update_rate=0.01,
                                      num_groups=2, top_groups=1), 0),
+    "sparsemixer_sigmoid_bias_groups": (dict(name="sparsemixer", top_k=2, score="sigmoid",
+                                             routed_scaling_factor=2.5, bias_update_rate=0.01,
+                                             num_groups=2, top_groups=1,
+                                             group_score="top2_sum"), 0),
 }
 
 
@@ -333,6 +337,16 @@ def test_sparsemixer_layer_trains_with_bias_balancing(data):
     """The layer with top-2 SparseMixer-v2* and bias balancing: finite output and gradients,
     and the loads count two rows per token."""
     layer, (y, grads, _) = _references("sparsemixer_bias_groups", data)
+    assert np.all(np.isfinite(np.asarray(y)))
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
+    assert float(jnp.sum(layer.expert_load[...])) == 2 * float(jnp.sum(data[1]))
+    assert float(jnp.max(jnp.abs(grads["router"]["kernel"]))) > 0
+
+
+def test_sparsemixer_layer_trains_with_sigmoid_scores(data):
+    """The layer with top-2 SparseMixer under sigmoid scores, bias balancing and groups chosen
+    on the biased scores: finite output and gradients, a router gradient, two rows per token."""
+    layer, (y, grads, _) = _references("sparsemixer_sigmoid_bias_groups", data)
     assert np.all(np.isfinite(np.asarray(y)))
     assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
     assert float(jnp.sum(layer.expert_load[...])) == 2 * float(jnp.sum(data[1]))
@@ -534,10 +548,8 @@ def test_every_config_section_has_the_options_with_their_defaults():
      r"config.model.num_shared_experts=1 needs routed experts"),
     ({"model.num_shared_experts": -1}, r"config.model.num_shared_experts must be an int >= 0"),
     ({"model.shared_expert_gate": True}, r"config.model.shared_expert_gate=True has no effect"),
-    ({"router.score": "sigmoid", "router.top_k": 2},
-     r"config.router.score='sigmoid' does not compose with router 'sparsemixer'"),
     ({"router.name": "switch", "router.score": "sigmoid"},
-     r"config.router.score='sigmoid' needs top_k >= 2"),
+     r"config.router.score='sigmoid' needs top_k >= 2 with router 'switch'"),
     ({"router.name": "switch", "router.routed_scaling_factor": 2.0},
      r"config.router.routed_scaling_factor=2.0 has no effect with score='softmax'"),
     ({"router.name": "densemixer_blog", "router.score": "sigmoid", "router.top_k": 2},

@@ -4,18 +4,32 @@
 from __future__ import annotations
 
 
-def print_table(results: dict) -> None:
-    scales = results["scales"]
+def _print_estimators(estimators: dict, scales: list) -> None:
     shown = [0, len(scales) // 2, len(scales) - 1]
     head = "".join(f"  relerr0@{scales[i]:.0e}" for i in shown)
-    print(f"{'estimator':22s}{head}  slope(nabla0)  slope(full)  cos0@s=1  cosF@s=1")
-    for name, e in results["estimators"].items():
+    print(f"{'estimator':24s}{head}  slope(nabla0)  slope(full)  cos0@s=1  cosF@s=1")
+    for name, e in estimators.items():
         errs = "".join(f"  {e['relerr_nabla0'][i]:>14.2e}" for i in shown)
         print(
-            f"{name:22s}{errs}  {e['slope_nabla0']:5.2f} ± {e['slope_nabla0_std']:.2f}"
+            f"{name:24s}{errs}  {e['slope_nabla0']:5.2f} ± {e['slope_nabla0_std']:.2f}"
             f"  {e['slope_full']:5.2f} ± {e['slope_full_std']:.2f}"
             f"  {e['cos_nabla0'][0]:8.5f}  {e['cos_full'][0]:8.5f}   {e['note']}"
         )
+
+
+def _tables(results: dict) -> list[tuple[str, dict]]:
+    """The tables of nabla_0 and full-gradient errors: top-1, and under sigmoid scores each
+    top-k too."""
+    return [("top-1", results["estimators"])] + [
+        (f"top-{k}", table) for k, table in results.get("sigmoid_topk", {}).items()]
+
+
+def print_table(results: dict) -> None:
+    scales = results["scales"]
+    for title, estimators in _tables(results):
+        if len(_tables(results)) > 1:
+            print(f"\n{title} under sigmoid scores, against the exact {title} gradient")
+        _print_estimators(estimators, scales)
     print(
         f"(relative errors: geometric mean over {results['settings']['num_problems']} problems;"
         f" slopes: mean ± std over problems, fitted on scales {results['fit_scales'][0]:.0e}"
@@ -43,12 +57,20 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
-    for ax, term, title in (
-        (axes[0], "nabla0", r"$\nabla_0$ part vs exact $\nabla_0$"),
-        (axes[1], "full", r"full estimate vs exact $\nabla_0 + \nabla_1$"),
-    ):
-        for name, e in results["estimators"].items():
+    tables = _tables(results)
+    fig, grid = plt.subplots(len(tables), 2, figsize=(11, 4.2 * len(tables)), sharex=True,
+                             squeeze=False)
+    panels = [
+        (row[0], "nabla0", rf"{label}: $\nabla_0$ part vs exact $\nabla_0$", estimators)
+        for row, (label, estimators) in zip(grid, tables, strict=True)
+    ] + [
+        (row[1], "full", rf"{label}: full estimate vs exact $\nabla_0 + \nabla_1$", estimators)
+        for row, (label, estimators) in zip(grid, tables, strict=True)
+    ]
+    for ax, term, title, estimators in panels:
+        if len(tables) == 1:
+            title = title.split(": ", 1)[1]
+        for name, e in estimators.items():
             if name == "switch" and term == "nabla0":
                 continue  # relative error 1 at every scale: nabla_0 is dropped
             ax.loglog(
@@ -63,7 +85,8 @@ def plot(results: dict, path: str) -> None:
         ax.set_xlabel("expert output scale s")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("relative error (geometric mean)")
+    for row in grid:
+        row[0].set_ylabel("relative error (geometric mean)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

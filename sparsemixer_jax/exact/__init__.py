@@ -45,6 +45,12 @@ tables) has the defaults in the forward, the router ``default_moe_forward``;
 :func:`default_moe_st_gradient` (row ``default_moe_st``) has them in the backward only, the
 router ``default_moe`` (also called ``default_moe_st``).
 
+Sigmoid scores (:mod:`~sparsemixer_jax.exact.sigmoid`): ``D`` drawn from ``q`` proportional
+to ``sigmoid(theta) + b`` (:func:`sparsemixer_jax.routers.sigmoid_sample_probs`), gates
+``c s_{D_t} / sum_u s_{D_u}``: :func:`exact_sigmoid_gradient`, the router's expectation and two
+wrong variants' (:func:`sigmoid_expected_gradient`), and the mid-point rule on every tuple
+(:func:`sigmoid_midpoint_rule_gradient`).
+
 One module per concern; import the names from this package: ``top1`` (the problem, the exact
 gradient, SparseMixer's expectations, the measures), ``dense`` (DenseMixer, Default MoE) and
 ``topk`` (ordered tuples).
@@ -66,6 +72,15 @@ from sparsemixer_jax.exact.dense import (
     densemixer_gradient,
     noisy_defaults,
     outcome_slopes,
+)
+from sparsemixer_jax.exact.sigmoid import (
+    exact_sigmoid_gradient,
+    greedy_set,
+    sigmoid_expected_gradient,
+    sigmoid_gates_fn,
+    sigmoid_midpoint_rule_gradient,
+    sigmoid_sampling_fn,
+    tuple_terms,
 )
 from sparsemixer_jax.exact.top1 import (
     Downstream,
@@ -109,7 +124,9 @@ __all__ = [
     "directional_slopes",
     "estimator_coefficients",
     "exact_gradient",
+    "exact_sigmoid_gradient",
     "exact_topk_gradient",
+    "greedy_set",
     "loglog_slope",
     "midpoint_rule_gradient",
     "noisy_defaults",
@@ -120,9 +137,14 @@ __all__ = [
     "relative_error",
     "router_expected_gradient",
     "selection_bias_expected_gradient",
+    "sigmoid_expected_gradient",
+    "sigmoid_gates_fn",
+    "sigmoid_midpoint_rule_gradient",
+    "sigmoid_sampling_fn",
     "step_probs",
     "topk_dense_expected_gradient",
     "topk_expected_gradient",
     "topk_selection_bias_expected_gradient",
     "tuple_gates",
+    "tuple_terms",
 ]

@@ -112,6 +112,19 @@ def estimator_coefficients(
     return euler, midpoint, is_top, jac
 
 
+def midpoint_chance(estimator: str, is_top: jax.Array, midpoint_prob: float) -> jax.Array:
+    """Each expert's chance ``[N]`` of the mid-point branch under a top-1 ``estimator``: 0
+    (``"euler"``), 1 (``"midpoint"``), or ``midpoint_prob`` off the argmax and 0 on it
+    (``"mix"``); ``is_top`` bool ``[N]`` marks the argmax."""
+    if estimator == "euler":
+        return jnp.zeros(is_top.shape)
+    if estimator == "midpoint":
+        return jnp.ones(is_top.shape)
+    if estimator == "mix":
+        return jnp.where(is_top, 0.0, midpoint_prob)
+    raise ValueError(f"unknown estimator {estimator!r}; expected 'mix', 'euler' or 'midpoint'")
+
+
 def router_expected_gradient(
     problem: RoutingProblem,
     probs_fn: ProbsFn,
@@ -131,14 +144,7 @@ def router_expected_gradient(
     with ``D ~ pi``: the expectation is exactly ``nabla_1`` (Switch-style training).
     """
     euler, midpoint, is_top, jac = estimator_coefficients(problem, probs_fn)
-    if estimator == "euler":
-        q = jnp.zeros_like(euler)
-    elif estimator == "midpoint":
-        q = jnp.ones_like(euler)
-    elif estimator == "mix":
-        q = jnp.where(is_top, 0.0, midpoint_prob)
-    else:
-        raise ValueError(f"unknown estimator {estimator!r}")
+    q = midpoint_chance(estimator, is_top, midpoint_prob)
     return jac.T @ (backward_scale * ((1.0 - q) * euler + q * midpoint))
 
 
@@ -170,14 +176,7 @@ def selection_bias_expected_gradient(
     full = directional_slopes(problem, probs, 1.0)
     half = directional_slopes(problem, probs, 0.5)
     is_top = jnp.arange(sample.shape[-1]) == jnp.argmax(sample)
-    if estimator == "euler":
-        r = jnp.zeros_like(full)
-    elif estimator == "midpoint":
-        r = jnp.ones_like(full)
-    elif estimator == "mix":
-        r = jnp.where(is_top, 0.0, midpoint_prob)
-    else:
-        raise ValueError(f"unknown estimator {estimator!r}; expected 'mix', 'euler' or 'midpoint'")
+    r = midpoint_chance(estimator, is_top, midpoint_prob)
     if single_path:
         return jac.T @ (sample * 2.0 * ((1.0 - r) * full + r * half))
     gate_term = jnp.where(r == 1.0, half, full)

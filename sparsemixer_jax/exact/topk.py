@@ -4,6 +4,7 @@ enumerating ordered tuples (see :mod:`sparsemixer_jax.exact`)."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,30 +38,36 @@ def tuple_gates(probs_fn: ProbsFn, logits: jax.Array, chosen: jax.Array) -> jax.
     return step_probs(probs_fn, logits, chosen)[jnp.arange(chosen.shape[0]), chosen]
 
 
-def exact_topk_gradient(problem: RoutingProblem, probs_fn: ProbsFn, top_k: int,
-                        sample_probs_fn: ProbsFn | None = None) -> ExactGradient:
+TupleGatesFn = Callable[[jax.Array, jax.Array], jax.Array]  # (theta [N], tuple [k]) -> [k]
+
+
+def exact_topk_gradient(problem: RoutingProblem, probs_fn: ProbsFn | None, top_k: int,
+                        sample_probs_fn: ProbsFn | None = None,
+                        gates_fn: TupleGatesFn | None = None) -> ExactGradient:
     """``L``, ``nabla_0`` (through the tuple probabilities) and ``nabla_1`` (through the gates)
     for top-k sequential sampling, by enumerating every ordered tuple. ``top_k = 1`` equals
     :func:`exact_gradient`. ``sample_probs_fn``: the distribution the experts are drawn from
     when it is not the gates' (a selection bias); the tuple's probability is then
-    ``prod_t q^(t)_{D_t}``."""
+    ``prod_t q^(t)_{D_t}``. ``gates_fn(theta, tuple) -> [k]``: the gates when they are not the
+    step probabilities ``pi^(t)_{D_t}`` (sigmoid scores: ``c s_{D_t} / sum_u s_{D_u}``; then
+    ``probs_fn`` may be None)."""
     tuples = jnp.asarray(ordered_tuples(problem.logits.shape[-1], top_k))
     sampling = probs_fn if sample_probs_fn is None else sample_probs_fn
+    if gates_fn is None:
+        def gates_fn(logits, chosen):
+            return tuple_gates(probs_fn, logits, chosen)
 
     def loss(prob_logits, gate_logits):
         def one(chosen):
             prob = jnp.prod(tuple_gates(sampling, prob_logits, chosen))
-            gates = tuple_gates(probs_fn, gate_logits, chosen)
+            gates = gates_fn(gate_logits, chosen)
             return prob * problem.downstream(gates @ problem.expert_outputs[chosen])
 
         return jnp.sum(jax.vmap(one)(tuples))
 
     z = problem.logits
-    return ExactGradient(
-        loss=loss(z, z),
-        nabla0=jax.grad(loss, argnums=0)(z, z),
-        nabla1=jax.grad(loss, argnums=1)(z, z),
-    )
+    value, (nabla0, nabla1) = jax.value_and_grad(loss, argnums=(0, 1))(z, z)
+    return ExactGradient(loss=value, nabla0=nabla0, nabla1=nabla1)
 
 
 def topk_expected_gradient(

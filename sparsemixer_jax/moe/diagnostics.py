@@ -13,15 +13,17 @@ What they answer ("does SparseMixer train faster than Switch?", docs/science.md)
   gate is constant, so it gives the router no gradient at all (not even the balance loss's, which
   uses the same masked probabilities). ``eligible_fraction[0]`` is the share of such tokens.
 * ``ref_mask_eligible``: mean number of experts the reference mask (``jitter_eps``, rule
-  ``"reference"``) would leave on these logits, whatever the router; for Switch it says what
-  SparseMixer's mask would make of Switch's logits.
+  ``"reference"``) would leave on the selection scores, whatever the router; for Switch it says
+  what SparseMixer's mask would make of Switch's logits. The selection scores are what experts
+  are chosen on: the logits ``z``, plus the selection bias ``b`` under bias balancing (``z + b``,
+  on which SparseMixer's own mask is computed), and ``sigmoid(z) + b`` under sigmoid scores.
 * ``max_logit``, ``logit_mean``, ``logit_std``: the logits' scale (mean over tokens of the max,
   the mean over experts and the std over experts). ``logit_mean`` is the common shift that the
   softmax ignores but the relative mask does not (docs/science.md).
 * ``load_max``, ``load_min``: largest and smallest share of tokens routed to one expert (of
   rows, for top-k: each of a token's ``k`` rows counts ``1/k``).
-* ``non_argmax_share``: share of tokens whose (first) expert is not ``argmax(z)``: sampling
-  (SparseMixer) or jitter (Switch) at work. Zero at evaluation.
+* ``non_argmax_share``: share of tokens whose (first) expert is not the argmax of the
+  selection scores: sampling (SparseMixer) or jitter (Switch) at work. Zero at evaluation.
 
 All are float32, means over the non-padding tokens of the call.
 
@@ -84,6 +86,8 @@ def router_diagnostics(
     token_mask: jax.Array | None = None,
     *,
     jitter_eps: float = 0.1,
+    selection_bias: jax.Array | None = None,
+    score: str = "softmax",
 ) -> dict[str, jax.Array]:
     """The per-layer diagnostics of the module docstring.
 
@@ -92,6 +96,9 @@ def router_diagnostics(
       routed: the router's output for these logits.
       token_mask: bool ``[...]``, False on padding (left out), or None.
       jitter_eps: the router's ``jitter_eps``, for ``ref_mask_eligible``.
+      selection_bias: float ``[N]``, bias balancing's selection-only bias, or None.
+      score: the router's ``score``: ``"softmax"`` selects on ``z (+ b)``, ``"sigmoid"`` on
+        ``sigmoid(z) (+ b)``.
 
     Returns: dict of float32 arrays, scalars except ``eligible_fraction`` ``[N]``.
     """
@@ -103,8 +110,9 @@ def router_diagnostics(
     top_k = routed.expert.ndim == z.ndim  # expert [..., k]: a token's k rows share its weight
     load = _token_mean(jnp.mean(rows, axis=-2) if top_k else rows, token_mask)
     first = routed.expert[..., 0] if top_k else routed.expert
-    ref_mask = routers.routing_mask(z, jitter_eps, "reference")
-    argmax = jnp.argmax(z, axis=-1)
+    selection = routers.selection_scores(z, selection_bias, score)
+    ref_mask = routers.routing_mask(selection, jitter_eps, "reference")
+    argmax = jnp.argmax(selection, axis=-1)
     return {
         "max_logit": _token_mean(jnp.max(z, axis=-1), token_mask),
         "logit_mean": _token_mean(jnp.mean(z, axis=-1), token_mask),

@@ -337,7 +337,8 @@ class MoEFeedForward(nnx.Module):
         metrics = routers.routing_metrics(logits, routed, token_mask)
         metrics["balance_loss"] = self._balance_loss(routed, token_mask, training)
         metrics.update(router_diagnostics(
-            logits, routed, token_mask, jitter_eps=self.router_config.jitter_eps))
+            logits, routed, token_mask, jitter_eps=self.router_config.jitter_eps,
+            selection_bias=bias, score=self.router_config.score))
 
         # One row per token and chosen expert: [B, T, k], row id token * k + t.
         k = self.router_config.top_k

@@ -12,6 +12,8 @@ One module per concern; import the names from this package, not from the modules
 
 * :mod:`~sparsemixer_jax.routers.common`: :class:`RouterOutput` and the argument checks.
 * :mod:`~sparsemixer_jax.routers.sparsemixer`: SparseMixer and GRIN's SparseMixer-v2.
+* :mod:`~sparsemixer_jax.routers.sigmoid_scores`: SparseMixer under sigmoid scores (its sampling
+  distribution and two-path backward over the chosen set).
 * :mod:`~sparsemixer_jax.routers.switch`: Switch routing (also DenseMixer's and Default MoE's
   forward).
 * :mod:`~sparsemixer_jax.routers.unchosen`: DenseMixer's and Default MoE's term for the experts
@@ -59,7 +61,9 @@ from sparsemixer_jax.routers.selection import (
     bias_step,
     expert_load,
     limit_to_groups,
+    selection_scores,
 )
+from sparsemixer_jax.routers.sigmoid_scores import renormalised_gates, sigmoid_sample_probs
 from sparsemixer_jax.routers.sparsemixer import (
     ESTIMATORS,
     TWO_PATH_RULES,
@@ -109,6 +113,7 @@ __all__ = [
     "global_balancing_loss",
     "limit_to_groups",
     "load_balancing_loss",
+    "renormalised_gates",
     "router_fn",
     "router_probs",
     "router_z_loss",
@@ -117,7 +122,9 @@ __all__ = [
     "routing_metrics",
     "scaled_gate",
     "selection_probs",
+    "selection_scores",
     "sequence_balancing_loss",
+    "sigmoid_sample_probs",
     "sparsemixer_route",
     "switch_route",
     "two_path_gate",

@@ -13,14 +13,12 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
 
 from sparsemixer_jax.routers.common import RouterOutput, check_jitter_eps, check_top_k
 from sparsemixer_jax.routers.selection import (
     BALANCE_SCOPES,
     GROUP_SCORES,
     SCORES,
-    limit_to_groups,
 )
 from sparsemixer_jax.routers.sparsemixer import sparsemixer_route
 from sparsemixer_jax.routers.switch import switch_route
@@ -106,7 +104,9 @@ class RouterConfig:
         batch, then the EMA takes the batch in; ``"before"``: the EMA takes the batch in first.
       score: ``"softmax"`` (router probabilities) or ``"sigmoid"`` (DeepSeek-V3: experts
         selected on per-expert sigmoid scores, the chosen ones' gates renormalised to sum to
-        ``routed_scaling_factor``). Routers with Switch's forward, ``top_k >= 2``.
+        ``routed_scaling_factor``). Routers with Switch's forward at ``top_k >= 2``, and every
+        SparseMixer router at any ``top_k`` (sampling from the normalised scores, with its
+        two-path estimator; docs/routing.md); not ``densemixer_blog``.
       routed_scaling_factor: multiplies the renormalised sigmoid gates (DeepSeek-V3: 2.5).
       bias_update_rate: auxiliary-loss-free balancing: a per-expert bias added to the selection
         scores only (the logits under softmax), moved by ``rate * sign(mean load - load_i)``
@@ -232,17 +232,15 @@ def check_routing_options(config: RouterConfig, where: str, num_experts: int | N
         raise ValueError(f"{where}routed_scaling_factor must be a finite number > 0, got "
                          f"{scale!r}")
     if config.score == "sigmoid":
-        if sampled:
-            raise ValueError(f"{where}score='sigmoid' does not compose with router {name!r}: "
-                             f"SparseMixer's estimator is defined for the masked softmax it "
-                             f"samples from; use score='softmax'")
         if name == "densemixer_blog":
             raise ValueError(f"{where}score='sigmoid' does not compose with router {name!r}: "
                              f"its formula is not defined for renormalised gates")
-        if config.top_k < 2:
-            raise ValueError(f"{where}score='sigmoid' needs top_k >= 2: its gates are "
-                             f"renormalised over the chosen experts, so one expert's gate is "
-                             f"always 1 and the router gets no gradient")
+        # SparseMixer's router gradient at top-1 is its selection term (docs/routing.md).
+        if config.top_k < 2 and not sampled:
+            raise ValueError(f"{where}score='sigmoid' needs top_k >= 2 with router {name!r}: "
+                             f"its gates are renormalised over the chosen experts, so one "
+                             f"expert's gate is always 1 and the router gets no gradient "
+                             f"(SparseMixer routers take top_k=1)")
         if config.normalize_top_k:
             raise ValueError(f"{where}normalize_top_k=True is implied by score='sigmoid' "
                              f"(its gates are always renormalised); leave it False")
@@ -344,29 +342,15 @@ def router_fn(config: RouterConfig) -> RouterFn:
     kwargs = dict(fixed)
     groups = {"num_groups": config.num_groups, "top_groups": config.top_groups,
               "group_score": config.group_score}
+    kwargs.update(groups, score=config.score,
+                  routed_scaling_factor=config.routed_scaling_factor)
     if route is switch_route:
         kwargs["normalize_top_k"] = config.normalize_top_k
-        kwargs.update(groups, score=config.score,
-                      routed_scaling_factor=config.routed_scaling_factor)
         if config.successor_jitter:
             kwargs["jitter"] = True
 
     def router(logits: jax.Array, key: jax.Array | None, training: bool,
                selection_bias: jax.Array | None = None) -> RouterOutput:
-        if route is switch_route:
-            return route(logits, key, training=training, top_k=top_k, jitter_eps=jitter_eps,
-                         selection_bias=selection_bias, **kwargs)
-        # SparseMixer samples among the experts of the kept groups: the others are excluded
-        # (-inf), as its own mask excludes experts, and no gradient flows through the choice.
-        # The groups are chosen on the selection scores, the biased logits under a bias.
-        if selection_bias is None:
-            logits = limit_to_groups(logits, config.num_groups, config.top_groups,
-                                     config.group_score)
-        elif config.num_groups > 1:
-            selection = jax.lax.stop_gradient(logits) + jax.lax.stop_gradient(selection_bias)
-            kept = limit_to_groups(selection, config.num_groups, config.top_groups,
-                                   config.group_score)
-            logits = jnp.where(jnp.isneginf(kept), -jnp.inf, logits)
         return route(logits, key, training=training, top_k=top_k, jitter_eps=jitter_eps,
                      selection_bias=selection_bias, **kwargs)
 

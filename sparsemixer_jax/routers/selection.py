@@ -19,6 +19,19 @@ GROUP_SCORES = ("max", "top2_sum")
 BALANCE_SCOPES = ("micro_batch", "sequence", "global_batch")
 
 
+def selection_scores(logits: jax.Array, selection_bias: jax.Array | None = None,
+                     score: str = "softmax") -> jax.Array:
+    """What experts are selected on, ``[..., N]`` in the logits' float32-or-wider dtype: the
+    logits ``z`` (``score="softmax"``) or ``sigmoid(z)`` (``"sigmoid"``), plus the selection
+    bias ``b [N]`` (which gets no gradient); ``-inf`` where ``z = -inf`` (an excluded expert).
+    Differentiable in ``logits``."""
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    scores = jax.nn.sigmoid(logits) if score == "sigmoid" else logits
+    if selection_bias is not None:
+        scores = scores + jax.lax.stop_gradient(selection_bias).astype(scores.dtype)
+    return jnp.where(jnp.isneginf(logits), -jnp.inf, scores)
+
+
 def limit_to_groups(scores: jax.Array, num_groups: int, top_groups: int,
                     group_score: str = "max") -> jax.Array:
     """``scores [..., N]`` with every expert outside the token's ``top_groups`` best groups set

@@ -24,6 +24,7 @@ from sparsemixer_jax.routers.common import (
     routing_dtype,
     take_expert,
 )
+from sparsemixer_jax.routers.selection import limit_to_groups, selection_scores
 
 MaskRule = Literal["reference", "paper", "none"]
 Estimator = Literal["mix", "euler", "midpoint", "v2", "v2star"]
@@ -228,6 +229,11 @@ def sparsemixer_route(
     midpoint_prob: float | None = None,
     backward_scale: float | None = None,
     selection_bias: jax.Array | None = None,
+    score: str = "softmax",
+    routed_scaling_factor: float = 1.0,
+    num_groups: int = 1,
+    top_groups: int = 1,
+    group_score: str = "max",
 ) -> RouterOutput:
     """SparseMixer routing (top-1, or top-k by sequential sampling) with its sparse gradient.
 
@@ -268,6 +274,22 @@ def sparsemixer_route(
         (:data:`TWO_PATH_RULES`; ``v2`` sends no ``nabla_1``, as published). No
         ``backward_scale``. For ``top_k > 1`` every step does this on its own conditional
         ``q^(t)`` and ``pi^(t)``. Inference takes the top-k of ``z + b``. ``probs`` is ``pi``.
+      score: ``"softmax"``, or ``"sigmoid"`` (DeepSeek-V3's router): gates
+        ``routed_scaling_factor * s_{D_t} / sum_u s_{D_u}``, ``s = sigmoid(z)``, and ``D_t``
+        drawn from ``q^(t)`` proportional to ``s + b`` over the eligible experts (the mask
+        computed on ``s + b``; ``b`` the selection bias, added to the scores as in DeepSeek-V3).
+        One coin per token; the backward sends each gate's cotangent along its own gradient
+        and the whole set's output along ``grad log P(D)`` (the mid-point rule on the set;
+        :mod:`sparsemixer_jax.routers.sigmoid_scores`, derived in docs/routing.md). No
+        ``backward_scale``. Inference takes ``TopK(s + b)``, the type's forward. ``probs`` is
+        ``s / sum s`` and ``scores`` is ``s``, as for Switch under sigmoid scores.
+      routed_scaling_factor: the sigmoid gates' scale ``c`` (DeepSeek-V3: 2.5); only with
+        ``score="sigmoid"``.
+      num_groups, top_groups, group_score: group-limited routing
+        (:func:`sparsemixer_jax.routers.selection.limit_to_groups`): the groups are chosen once
+        per token on the selection scores (``z + b``, or ``sigmoid(z) + b`` under sigmoid
+        scores) and the experts of the others are excluded (``-inf``), a second mask held
+        fixed in the gradient, as the router's own.
 
     Returns:
       :class:`RouterOutput`: ``expert`` int32 and ``gate`` float32 of shape ``[...]`` when
@@ -293,9 +315,9 @@ def sparsemixer_route(
       above. The temperature is not applied: its text was not available to check against.
 
     For ``top_k > 1`` each step's estimator acts on that step's conditional probabilities; the
-    term from "the first choice changes the distribution of the second" has no sparse estimate
-    here or in GRIN (``sparsemixer_jax.exact.exact_topk_gradient`` measures what it
-    costs).
+    term from "the first choice changes the distribution of the second" has no estimate in this
+    per-step construction, GRIN's (``sparsemixer_jax.exact.exact_topk_gradient`` measures what
+    it costs); ``score="sigmoid"`` uses a whole-tuple construction that has one.
 
     Where the reference codes depart from their papers, this function follows the code:
 
@@ -333,6 +355,19 @@ def sparsemixer_route(
     reduced_prob = rule.reduced_prob if midpoint_prob is None else float(midpoint_prob)
     scale = rule.backward_scale if backward_scale is None else float(backward_scale)
     invalid = check_finite_logits(fn, logits, top_k)
+    check_score_args(fn, logits, score, routed_scaling_factor, selection_bias, backward_scale)
+    if num_groups > 1:
+        # SparseMixer samples among the experts of the kept groups; no gradient flows through
+        # the choice of groups.
+        selection = jax.lax.stop_gradient(selection_scores(logits, selection_bias, score))
+        kept = limit_to_groups(selection, num_groups, top_groups, group_score)
+        logits = jnp.where(jnp.isneginf(kept), -jnp.inf, logits)
+    if score == "sigmoid":
+        # Imported here: that module builds on this one's estimator rules and gates.
+        from sparsemixer_jax.routers.sigmoid_scores import sigmoid_route
+
+        return sigmoid_route(logits, selection_bias, key, invalid, top_k, jitter_eps, training,
+                             mask, estimator, reduced_prob, routed_scaling_factor)
     if selection_bias is not None:
         check_selection_bias_args(fn, logits, selection_bias, estimator, backward_scale)
         return _route_with_selection_bias(logits, selection_bias, key, invalid, top_k,
@@ -442,6 +477,29 @@ def check_selection_bias_args(fn: str, logits, selection_bias, estimator: str,
     if backward_scale is not None:
         raise ValueError(f"{fn}: backward_scale={backward_scale!r} does not compose with "
                          f"selection_bias: the two-path backward sets its own scales")
+
+
+def check_score_args(fn: str, logits, score: str, routed_scaling_factor,
+                     selection_bias, backward_scale: float | None) -> None:
+    """ValueError in one line for a ``score`` SparseMixer does not know, a scale without sigmoid
+    scores, or ``backward_scale`` under sigmoid scores (the two paths set their own scales)."""
+    if score not in ("softmax", "sigmoid"):
+        raise ValueError(f"{fn}: unknown score {score!r}; expected 'softmax' or 'sigmoid'")
+    if score == "softmax":
+        if routed_scaling_factor != 1.0:
+            raise ValueError(f"{fn}: routed_scaling_factor={routed_scaling_factor!r} has no "
+                             f"effect with score='softmax'; only score='sigmoid' takes it")
+        return
+    if isinstance(routed_scaling_factor, bool) or not (
+            isinstance(routed_scaling_factor, (int, float))
+            and math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
+        raise ValueError(f"{fn}: routed_scaling_factor must be a finite number > 0, got "
+                         f"{routed_scaling_factor!r}")
+    if selection_bias is not None:
+        check_selection_bias_args(fn, logits, selection_bias, "mix", backward_scale)
+    elif backward_scale is not None:
+        raise ValueError(f"{fn}: backward_scale={backward_scale!r} does not compose with "
+                         f"score='sigmoid': the two-path backward sets its own scales")
 
 
 def _route_with_selection_bias(logits, selection_bias, key, invalid, top_k, jitter_eps,

@@ -1,0 +1,119 @@
+"""SparseMixer under sigmoid scores (DeepSeek-V3's router): the sampling distribution, the gates
+and the two-path backward over the whole chosen set (derived in docs/routing.md).
+
+The deterministic type selects ``S = TopK(s + b)``, ``s = sigmoid(z)``, and gates the chosen
+experts with ``c s_D / sum_{u in S} s_u``. SparseMixer samples instead: expert ``t`` from
+
+    q^(t)_i = x_i / sum_{j in M_t} x_j  on  M_t,   x = s + b,
+
+``M_t`` the experts left after the first ``t`` whose selection score ``x`` is positive and
+passes the router's mask (:func:`~sparsemixer_jax.routers.routing_mask`, computed on ``x``),
+the largest ``x`` always kept. With ``b = 0`` this is the normalised score ``s / sum s`` the
+balance loss reads, restricted to the mask, and the gates are ``c`` times it renormalised over
+``S``. Its top-k in order is ``TopK(s + b)``, the evaluation forward.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sparsemixer_jax.routers.common import RouterOutput, routing_dtype, take_expert
+from sparsemixer_jax.routers.selection import selection_scores
+from sparsemixer_jax.routers.sparsemixer import (
+    ESTIMATORS,
+    TWO_PATH_RULES,
+    MaskRule,
+    routing_keys,
+    routing_mask,
+    two_path_gate,
+    two_path_scales,
+)
+
+
+def sigmoid_sample_probs(
+    logits: jax.Array, selection_bias: jax.Array | None = None, jitter_eps: float = 0.1,
+    mask: MaskRule = "reference",
+) -> jax.Array:
+    """The sampling distribution ``q`` ``[..., N]`` under sigmoid scores (module docstring):
+    ``q_i`` proportional to ``x_i = sigmoid(z_i) + b_i`` over the experts with ``x_i > 0``
+    that the mask (computed on ``x``) keeps. The largest ``x`` is always kept; where it is not
+    positive (no expert has a positive score) ``q`` puts all its mass on it. ``-inf`` logits
+    are excluded. Differentiable in ``logits`` with the eligible set held fixed."""
+    x = selection_scores(logits, selection_bias, "sigmoid")
+    fixed = jax.lax.stop_gradient(x)
+    keep = routing_mask(fixed, jitter_eps, mask) & ~jnp.isneginf(fixed)
+    is_top = jax.nn.one_hot(jnp.argmax(fixed, axis=-1), x.shape[-1], dtype=bool)
+    positive = fixed > 0
+    weights = jnp.where(keep & positive, x, 0.0)
+    weights = jnp.where(is_top & ~positive, 1.0, weights)
+    return weights / jnp.sum(weights, axis=-1, keepdims=True)
+
+
+def renormalised_gates(logits: jax.Array, experts: jax.Array, scale: float) -> jax.Array:
+    """``scale * s_{D_t} / sum_u s_{D_u}`` ``[..., k]`` for ``experts`` int ``[..., k]``,
+    ``s = sigmoid(logits)``: DeepSeek-V3's gates, differentiable in ``logits``."""
+    chosen = jnp.take_along_axis(jax.nn.sigmoid(logits), experts, axis=-1)
+    return scale * chosen / jnp.sum(chosen, axis=-1, keepdims=True)
+
+
+def sigmoid_route(logits, selection_bias, key, invalid, top_k: int, jitter_eps: float,
+                  training: bool, mask: MaskRule, estimator: str, reduced_prob: float,
+                  routed_scaling_factor: float) -> RouterOutput:
+    """SparseMixer under sigmoid scores (``sparsemixer_route(..., score="sigmoid")``, whose
+    docstring gives the arguments). Training draws ``D_t ~ q^(t)`` for ``t < k``; one coin
+    per token chooses the branch, and the set's gates go through :func:`two_path_gate`:
+    ``a c_t`` along ``grad G_t`` and ``b sum_u G_u c_u`` along
+    ``grad log P(D) = sum_t grad log q^(t)_{D_t}`` (``c_t`` gate ``t``'s cotangent, ``(a, b)``
+    the branch's pair from :data:`TWO_PATH_RULES`). The coin is flipped unless the drawn set is
+    ``TopK(s + b)``. Evaluation takes ``TopK(s + b)``."""
+    rule, two_path = ESTIMATORS[estimator], TWO_PATH_RULES[estimator]
+    logits = logits.astype(routing_dtype(logits))
+    scores = jax.nn.sigmoid(logits)
+    probs = jnp.where(invalid[..., None], jnp.nan,
+                      scores / jnp.sum(scores, axis=-1, keepdims=True))
+    selection = jax.lax.stop_gradient(selection_scores(logits, selection_bias, "sigmoid"))
+    _, top_set = jax.lax.top_k(selection, top_k)
+    top_set = top_set.astype(jnp.int32)
+    if not training:
+        gates = jnp.where(invalid[..., None], jnp.nan,
+                          renormalised_gates(logits, top_set, routed_scaling_factor))
+        return _output(top_set, gates, probs, scores, top_k)
+    keys = routing_keys(key, top_k)
+    remaining, experts, log_prob = logits, [], 0.0
+    for step in range(top_k):
+        q = sigmoid_sample_probs(remaining, selection_bias, jitter_eps, mask)
+        draw_from = jnp.where(invalid[..., None], 0.0, jnp.log(jax.lax.stop_gradient(q)))
+        expert = jax.random.categorical(keys[step][0], draw_from, axis=-1).astype(jnp.int32)
+        experts.append(expert)
+        log_prob = log_prob + jnp.log(take_expert(q, expert))
+        chosen = jax.nn.one_hot(expert, logits.shape[-1], dtype=bool)
+        remaining = jnp.where(chosen, -jnp.inf, remaining)
+    experts = jnp.stack(experts, axis=-1)
+    on_top = jnp.all(jnp.any(experts[..., :, None] == top_set[..., None, :], axis=-1), axis=-1)
+    if estimator == "euler":
+        flipped = reduced = jnp.zeros(on_top.shape, bool)
+    elif estimator == "midpoint":
+        flipped, reduced = jnp.zeros(on_top.shape, bool), jnp.ones(on_top.shape, bool)
+    else:
+        flipped = ~on_top
+        reduced = jax.random.bernoulli(keys[0][1], reduced_prob, on_top.shape) & flipped
+    gate_scale, selection_scale = two_path_scales(two_path, reduced, flipped, reduced_prob)
+    forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(scores.dtype)
+    gates = renormalised_gates(logits, experts, routed_scaling_factor)
+    gates = jnp.where(invalid[..., None], jnp.nan, gates)
+
+    def per_gate(value):  # one value per token, the same for each of its k gates
+        return jnp.broadcast_to(value[..., None], gates.shape)
+
+    # The log-probability of the set is broadcast to the k gates: its cotangent is the sum of
+    # their selection-path shares, b * sum_u G_u c_u.
+    gates = two_path_gate(gates, per_gate(log_prob), per_gate(forward_scale),
+                          per_gate(gate_scale), per_gate(selection_scale))
+    return _output(experts, gates, probs, scores, top_k)
+
+
+def _output(experts, gates, probs, scores, top_k) -> RouterOutput:
+    if top_k == 1:
+        experts, gates = experts[..., 0], gates[..., 0]
+    return RouterOutput(expert=experts, gate=gates, probs=probs, scores=scores)
