@@ -3,8 +3,11 @@ active parameters, bf16, one H100.
 
 Both: hidden 2048, 16 layers, 16 query / 4 key-value heads (head width 128), vocabulary 32,768,
 sequences of 4,096 tokens, 16 sequences (65,536 tokens) per update in micro-batches of
-``data.micro_batch_size`` rows, bf16 compute, Mixtral's layer (``configs/lm_quickstart.py``'s
-type) and routing (softmax top-2, gates renormalised, no jitter).
+``data.micro_batch_size`` rows, bf16 compute, cuDNN's fused (flash) attention, Mixtral's layer
+(``configs/lm_quickstart.py``'s type) and routing (softmax top-2, gates renormalised, no
+jitter). On one H200 the einsum attention, which keeps every layer's float32 [4096, 4096]
+probabilities in memory, made the update 2.7x (dense) and 2.2x (MoE) slower
+(docs/benchmarks.md, section 7); ``--config.model.attention_impl=einsum`` still selects it.
 
 * ``:moe``: 8 SwiGLU experts of width 2048 per layer, top-2, the grouped (Mosaic GPU) dispatch.
 * ``:dense``: every feed-forward sublayer one SwiGLU MLP of width 4096 (``model.num_experts =
@@ -27,14 +30,14 @@ def get_config(variant: str = "moe") -> ml_collections.ConfigDict:
         raise ValueError(f"configs/lm_bench.py: variant {variant!r}; choose one of "
                          f"{', '.join(VARIANTS)}")
     c = lm_quickstart.get_config()
-    # Einsum attention keeps every layer's float32 [4096, 4096] probabilities for the backward
-    # pass: one row per micro-batch.
+    # One row per micro-batch: what the einsum attention's saved probabilities fit (52 GiB of
+    # temporaries); cuDNN's attention would take more, and the comparison keeps one size.
     c.data.update(vocab_size=32768, seq_len=4096, batch_size=16, micro_batch_size=1,
                   eval_batch_size=1)
     m = c.model
     m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads = 2048, 16, 16, 4
     m.max_position_embeddings = 4096
-    m.compute_dtype = "bfloat16"
+    m.compute_dtype, m.attention_impl = "bfloat16", "cudnn"
     if variant == "moe":
         m.num_experts, m.mlp_dim, m.dispatch = 8, 2048, "grouped"
     else:
