@@ -31,29 +31,10 @@ import sys
 import time
 
 from lab.router_bench import report
-from lab.router_bench.arms import TABLES
+from lab.router_bench.arms import PLOT_ARMS, TABLES
 from lab.router_bench.balancing_report import markdown_balancing_table, refusals
 from lab.router_bench.report import reused
 from lab.router_bench.train import TrainConfig, time_steps, train_arm
-
-PLOT_ARMS = {
-    "main": ["switch", "sparsemixer", "sparsemixer_nomask", "sparsemixer_eps0.5",
-             "switch_eps0.5", "dense_params", "dense_flops"],
-    "depth": ["switch_depth3", "sparsemixer_depth3", "sparsemixer_1st_depth3",
-              "dense_params_depth3"],
-    "gate": ["switch_softgate", "sparsemixer_softgate", "sparsemixer_1st_softgate",
-             "sparsemixer_nomask_softgate"],
-    "successors": ["switch", "sparsemixer", "densemixer", "densemixer_blog", "default_moe",
-                   "default_moe_forward"],
-    "robustness": ["switch_i16", "sparsemixer_i16", "densemixer_i16", "switch_p16",
-                   "sparsemixer_p16", "densemixer_p16"],
-    "balancing": ["switch_k2_n8_mb", "switch_k2_n8_gb", "switch_k2_n8_bias", "switch_k2_n8_none",
-                  "sparsemixer_v2_k2_n8_mb", "sparsemixer_v2_k2_n8_gb"],
-    "balancing_settings": ["switch_k2_n8_mb8", "switch_k2_n8_gb8", "switch_k2_n8_bias0.001",
-                           "switch_k2_n8_bias0.1", "densemixer_k2_n8_mb8",
-                           "densemixer_k2_n8_gb8"],
-    "quick": ["switch", "sparsemixer", "dense_flops"],
-}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -104,10 +85,14 @@ def main(argv: list[str] | None = None) -> dict:
     for name, why in refused.items():
         print(f"{name}: refused: {why}", flush=True)
     arms = [a for a in arms if a.name not in refused]
-    if refused and not args.report_only:  # the refusals are results too
+
+    def save() -> None:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"config": cfg._asdict(), "arms": results, "refused": refused}, f)
+
+    if refused and not args.report_only:  # the refusals are results too
+        save()
     seeds = list(range(args.seeds))
     for path in args.reuse:
         results = {**reused(path, arms, cfg, len(seeds)), **results}
@@ -121,9 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
         timings["total_s"] = time.perf_counter() - t0
         results[arm.name] = report.summarise(arm, history, timings)
         print(f"{arm.name}: {timings['total_s']:.0f} s", flush=True)
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"config": cfg._asdict(), "arms": results, "refused": refused}, f)
+        save()
     if args.time_rounds > 0:
         timed = [a for a in arms if a.name in results]
         load_before = os.getloadavg()[0]
@@ -134,8 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
                                             "rounds": [round(t, 6) for t in per_round]}
             print(f"{name}: {1e3 * min(per_round):.2f} ms per step (min of "
                   f"{len(per_round)} rounds)", flush=True)
-        with open(args.out, "w") as f:
-            json.dump({"config": cfg._asdict(), "arms": results, "refused": refused}, f)
+        save()
     for path in args.merge:
         with open(path) as f:
             results = {**json.load(f)["arms"], **results}

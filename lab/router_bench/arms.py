@@ -375,3 +375,24 @@ TABLES = {"main": main_table, "depth": depth_table, "gate": gate_table,
           "successors": successors_table, "robustness": robustness_table,
           "balancing": balancing_table, "balancing_settings": balancing_settings_table,
           "quick": quick_table}
+
+
+# The arms each table's plot shows (experiments.router_bench).
+PLOT_ARMS = {
+    "main": ["switch", "sparsemixer", "sparsemixer_nomask", "sparsemixer_eps0.5",
+             "switch_eps0.5", "dense_params", "dense_flops"],
+    "depth": ["switch_depth3", "sparsemixer_depth3", "sparsemixer_1st_depth3",
+              "dense_params_depth3"],
+    "gate": ["switch_softgate", "sparsemixer_softgate", "sparsemixer_1st_softgate",
+             "sparsemixer_nomask_softgate"],
+    "successors": ["switch", "sparsemixer", "densemixer", "densemixer_blog", "default_moe",
+                   "default_moe_forward"],
+    "robustness": ["switch_i16", "sparsemixer_i16", "densemixer_i16", "switch_p16",
+                   "sparsemixer_p16", "densemixer_p16"],
+    "balancing": ["switch_k2_n8_mb", "switch_k2_n8_gb", "switch_k2_n8_bias", "switch_k2_n8_none",
+                  "sparsemixer_v2_k2_n8_mb", "sparsemixer_v2_k2_n8_gb"],
+    "balancing_settings": ["switch_k2_n8_mb8", "switch_k2_n8_gb8", "switch_k2_n8_bias0.001",
+                           "switch_k2_n8_bias0.1", "densemixer_k2_n8_mb8",
+                           "densemixer_k2_n8_gb8"],
+    "quick": ["switch", "sparsemixer", "dense_flops"],
+}
