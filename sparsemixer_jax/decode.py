@@ -246,13 +246,8 @@ def beam_search(
 
         # Finish EOS continuations ranked among the best K, in sentences still searching.
         new_fin = is_eos & valid & (slot < k)[None, :] & ~state.done[:, None]
-        new_fin_scores = cand_scores / length_penalty(state.step + 1, alpha)
-        all_flags = jnp.concatenate([state.fin_flags, new_fin], axis=1)
-        all_scores = jnp.concatenate([state.fin_scores, new_fin_scores], axis=1)
-        all_seqs = jnp.concatenate([state.fin_seqs, cand_seqs], axis=1)
-        _, keep = jax.lax.top_k(jnp.where(all_flags, all_scores, -jnp.inf), k)
-        fin_flags, fin_seqs = _gather_beams((all_flags, all_seqs), keep)
-        fin_scores = jnp.where(fin_flags, _gather_beams(all_scores, keep), NEG_INF)
+        fin_seqs, fin_scores, fin_flags = _best_finished(
+            state, new_fin, cand_scores / length_penalty(state.step + 1, alpha), cand_seqs, k)
 
         # The best K non-EOS continuations stay live.
         live_rank = jnp.where(is_eos | ~valid, NEG_INF, cand_scores)
@@ -273,9 +268,20 @@ def beam_search(
             cache,
         )
 
-    # Only beam 0 is live at first, so the K beams do not start as K copies of one hypothesis.
+    final = jax.lax.while_loop(cond, body, _initial_state(cache, b, k, max_len))
+    # EOS is forced at every limit, so each sentence ends with finished hypotheses; should one
+    # have none (every continuation impossible), fall back to its live beams.
+    has_fin = jnp.any(final.fin_flags, axis=1)
+    seqs = jnp.where(has_fin[:, None, None], final.fin_seqs, final.live_seqs)
+    scores = jnp.where(has_fin[:, None], final.fin_scores, final.live_scores)
+    return seqs, scores
+
+
+def _initial_state(cache: Any, b: int, k: int, max_len: int) -> BeamState:
+    """Nothing decoded yet. Only beam 0 is live at first, so the K beams do not start as K
+    copies of one hypothesis."""
     first_live = jnp.where(jnp.arange(k) == 0, 0.0, NEG_INF).astype(jnp.float32)
-    init = BeamState(
+    return BeamState(
         step=jnp.zeros((), jnp.int32),
         live_seqs=jnp.full((b, k, max_len), PAD_ID, jnp.int32),
         live_scores=jnp.tile(first_live, (b, 1)),
@@ -286,13 +292,20 @@ def beam_search(
         done=jnp.zeros((b,), bool),
         cache=cache,
     )
-    final = jax.lax.while_loop(cond, body, init)
-    # EOS is forced at every limit, so each sentence ends with finished hypotheses; should one
-    # have none (every continuation impossible), fall back to its live beams.
-    has_fin = jnp.any(final.fin_flags, axis=1)
-    seqs = jnp.where(has_fin[:, None, None], final.fin_seqs, final.live_seqs)
-    scores = jnp.where(has_fin[:, None], final.fin_scores, final.live_scores)
-    return seqs, scores
+
+
+def _best_finished(state: BeamState, new_flags: jax.Array, new_scores: jax.Array,
+                   new_seqs: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The best ``k`` finished hypotheses per sentence among the kept ones and the ``2K`` new
+    candidates (``new_flags`` marks those that finish; scores length-normalised): ``seqs
+    [B, K, L]``, ``scores [B, K]`` (``NEG_INF`` where none) and ``flags [B, K]``."""
+    all_flags = jnp.concatenate([state.fin_flags, new_flags], axis=1)
+    all_scores = jnp.concatenate([state.fin_scores, new_scores], axis=1)
+    all_seqs = jnp.concatenate([state.fin_seqs, new_seqs], axis=1)
+    _, keep = jax.lax.top_k(jnp.where(all_flags, all_scores, -jnp.inf), k)
+    flags, seqs = _gather_beams((all_flags, all_seqs), keep)
+    scores = jnp.where(flags, _gather_beams(all_scores, keep), NEG_INF)
+    return seqs, scores, flags
 
 
 # -- model wiring ---------------------------------------------------------------------------------
