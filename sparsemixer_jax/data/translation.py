@@ -130,16 +130,9 @@ def load_datasets(
         process_count = jax.process_count() if process_count is None else process_count
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index={process_index} not in [0, process_count={process_count})")
-    max_len, max_tokens, step = data.max_len, data.max_tokens, data.bucket_step
+    max_len, max_tokens = data.max_len, data.max_tokens
     multiple = math.lcm(int(batch_multiple), int(process_count))
-    lengths = bucket_lengths(max_len, min_len=step, step=step)
-    if max_tokens < multiple * lengths[-1]:
-        raise ValueError(
-            f"config.data.max_tokens={max_tokens} cannot hold {multiple} rows (batch multiple) of "
-            f"max_len={lengths[-1]} tokens: raise max_tokens to >= {multiple * lengths[-1]} or "
-            "lower max_len"
-        )
-    sizes = [bucket_batch_size(n, max_tokens, multiple) for n in lengths]
+    lengths, sizes = _buckets(data, multiple)
 
     if raw_train is None:
         raw_train = read_split(data, "train")
@@ -154,42 +147,9 @@ def load_datasets(
         "buckets": list(zip(lengths, sizes, strict=True)),
     }
 
-    kept, empty = drop_empty(raw_train)
-    examples, too_long = tokenize_pairs(tokenizer, kept, max_len=max_len)
-    del raw_train, kept
-    if not len(examples):
-        raise ValueError(
-            f"the train split has no usable pairs: {empty} with an empty side, {too_long} with a "
-            f"side over config.data.max_len={max_len} tokens (with EOS): raise "
-            "config.data.max_len, or check config.data.train_prefix"
-        )
-    train = TrainBatches(
-        examples,
-        lengths,
-        sizes,
-        seed=data.seed,
-        process_index=process_index,
-        process_count=process_count,
-    )
-    real = int(np.diff(examples.tgt_offsets).sum())
-    padded = sum(sizes[b] * lengths[b] for b, _ in train.epoch_plan(0))
-    stats["train"] = {
-        "pairs": len(examples) + too_long + empty,
-        "empty": empty,
-        "too_long": too_long,
-        "kept": len(examples),
-        "batches_per_epoch": train.num_batches,
-        "target_padding_fraction": 1.0 - real / max(padded, 1),
-    }
-    logger.info("train: %s", stats["train"])
-    if empty or too_long:
-        logger.warning(
-            "train: skipped %d pairs with an empty side and %d pairs with a side over "
-            "max_len=%d tokens",
-            empty,
-            too_long,
-            max_len,
-        )
+    train, stats["train"] = _train_batches(tokenizer, raw_train, data, lengths, sizes,
+                                           process_index, process_count)
+    del raw_train
 
     evals = {}
     for name in ("valid", "test"):
@@ -216,3 +176,52 @@ def load_datasets(
         test_references=evals["test"][2],
         stats=stats,
     )
+
+
+def _buckets(data: DataConfig, multiple: int) -> tuple[list[int], list[int]]:
+    """The bucket lengths (``bucket_step`` apart, up to ``max_len``) and their global batch
+    sizes (rows, multiples of ``multiple``, about ``max_tokens`` tokens each); a ValueError if
+    ``max_tokens`` cannot hold ``multiple`` rows of the longest bucket."""
+    max_len, max_tokens, step = data.max_len, data.max_tokens, data.bucket_step
+    lengths = bucket_lengths(max_len, min_len=step, step=step)
+    if max_tokens < multiple * lengths[-1]:
+        raise ValueError(
+            f"config.data.max_tokens={max_tokens} cannot hold {multiple} rows (batch multiple) of "
+            f"max_len={lengths[-1]} tokens: raise max_tokens to >= {multiple * lengths[-1]} or "
+            "lower max_len"
+        )
+    return lengths, [bucket_batch_size(n, max_tokens, multiple) for n in lengths]
+
+
+def _train_batches(tokenizer: Tokenizer, raw_train: list[Pair], data: DataConfig,
+                   lengths: list[int], sizes: list[int], process_index: int, process_count: int
+                   ) -> tuple[TrainBatches, dict[str, Any]]:
+    """The train split tokenized and bucketed (pairs with an empty side or a side over
+    ``max_len`` skipped, with a warning), and its statistics."""
+    max_len = data.max_len
+    kept, empty = drop_empty(raw_train)
+    examples, too_long = tokenize_pairs(tokenizer, kept, max_len=max_len)
+    del kept
+    if not len(examples):
+        raise ValueError(
+            f"the train split has no usable pairs: {empty} with an empty side, {too_long} with a "
+            f"side over config.data.max_len={max_len} tokens (with EOS): raise "
+            "config.data.max_len, or check config.data.train_prefix"
+        )
+    train = TrainBatches(examples, lengths, sizes, seed=data.seed,
+                         process_index=process_index, process_count=process_count)
+    real = int(np.diff(examples.tgt_offsets).sum())
+    padded = sum(sizes[b] * lengths[b] for b, _ in train.epoch_plan(0))
+    stats = {
+        "pairs": len(examples) + too_long + empty,
+        "empty": empty,
+        "too_long": too_long,
+        "kept": len(examples),
+        "batches_per_epoch": train.num_batches,
+        "target_padding_fraction": 1.0 - real / max(padded, 1),
+    }
+    logger.info("train: %s", stats)
+    if empty or too_long:
+        logger.warning("train: skipped %d pairs with an empty side and %d pairs with a side over "
+                       "max_len=%d tokens", empty, too_long, max_len)
+    return train, stats
