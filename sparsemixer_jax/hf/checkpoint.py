@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from sparsemixer_jax import sharding
-from sparsemixer_jax.hf import mxfp4
+from sparsemixer_jax.hf import fp8, mxfp4
 from sparsemixer_jax.hf.config import from_hf, to_hf
 from sparsemixer_jax.hf.weights import Path, convert, read_table, saved_tensors
 from sparsemixer_jax.models.causal_lm import CausalLM
@@ -34,6 +36,8 @@ from sparsemixer_jax.partitioning import Partitioner
 #: ``e_score_correction_bias``, the layer's bias state).
 CHECKPOINT_STATE = nnx.Any(nnx.Param, nnx.PathContains("expert_bias"))
 INDEX_FILE = "model.safetensors.index.json"
+LAYER_NUMBER = re.compile(r"model\.layers\.(\d+)\.")
+logger = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
 
 
@@ -164,10 +168,15 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     filled: dict[Path, np.ndarray] = {}  # per param: which leading-index slices were written
     layers = CausalLM.layer_index_of(config)
     table = read_table(config, layers)
-    quantized = bool(source.get("quantization_config"))  # from_hf checked the method
-    for name, value in checkpoint_tensors(path, files, quantized):
+    quantization = source.get("quantization_config") or {}  # from_hf checked the method
+    beyond: set[int] = set()  # layers past num_hidden_layers (multi-token prediction)
+    for name, value in checkpoint_tensors(path, files, quantization):
         if name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config; some old checkpoints store it
+        number = LAYER_NUMBER.match(name)
+        if number and int(number.group(1)) >= config.num_layers:
+            beyond.add(int(number.group(1)))  # as transformers, which builds no such layer
+            continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the embedding is the head
         slots = table.get(name)
@@ -194,6 +203,10 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
         mark = filled.get(slot.path)
         if mark is None or not np.all(mark[slot.index]):
             raise ValueError(f"{path!r}: tensor {name!r} is missing from the checkpoint")
+    if beyond:
+        logger.info("%s: skipped the tensors of layers %s past num_hidden_layers=%d "
+                    "(multi-token prediction layers, which this model does not compute)",
+                    path, sorted(beyond), config.num_layers)
     _omega_ones(arrays, placements)
     nnx.replace_by_pure_dict(abstract, arrays)
     if partitioner is not None:  # RNG streams and layer state: replicated on the mesh
@@ -203,13 +216,18 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     return model, config
 
 
-def checkpoint_tensors(path: str, files: list[str], quantized: bool
+def checkpoint_tensors(path: str, files: list[str], quantization: dict[str, Any]
                        ) -> Iterator[tuple[str, np.ndarray]]:
     """Every tensor of the safetensors ``files``, ``(name, value)``, one at a time (memory-mapped
-    until read). ``quantized`` (an MXFP4 checkpoint): each ``<name>_blocks`` comes with its
-    ``<name>_scales`` (from whichever file holds it) as the dequantized ``<name>``
-    (:mod:`sparsemixer_jax.hf.mxfp4`); a missing or misshaped scale tensor is a one-line
-    ValueError naming the file and the tensor."""
+    until read). ``quantization``: the checkpoint's ``quantization_config`` (empty: none). MXFP4:
+    each ``<name>_blocks`` comes with its ``<name>_scales`` (from whichever file holds it) as the
+    dequantized ``<name>`` (:mod:`sparsemixer_jax.hf.mxfp4`); block FP8: each e4m3 weight with
+    its ``weight_scale_inv`` (:mod:`sparsemixer_jax.hf.fp8`). A missing or misshaped scale
+    tensor is a one-line ValueError naming the file and the tensor."""
+    if quantization.get("quant_method") == "fp8":
+        yield from _fp8_tensors(files, quantization)
+        return
+    quantized = bool(quantization)
     safe_open, _ = _safetensors()
     holder: dict[str, str] = {}  # tensor name -> its file
     if quantized:
@@ -226,6 +244,41 @@ def checkpoint_tensors(path: str, files: list[str], quantized: bool
                     yield base, _dequantized(f.get_tensor(name), base, holder, file)
                 elif base + mxfp4.BLOCKS not in holder:  # scales without blocks
                     yield name, f.get_tensor(name)
+
+
+def _fp8_tensors(files: list[str], quantization: dict[str, Any]
+                 ) -> Iterator[tuple[str, np.ndarray]]:
+    """:func:`checkpoint_tensors` of a block-FP8 checkpoint: e4m3 weights dequantized with their
+    scales (read from whichever file holds them), other tensors as they are."""
+    block = tuple(int(b) for b in quantization.get("weight_block_size") or (128, 128))
+    if len(block) != 2 or min(block) < 1:
+        raise ValueError(f"config.json: quantization_config.weight_block_size={list(block)}; "
+                         "block FP8 needs two block sizes >= 1")
+    safe_open, _ = _safetensors()
+    headers = {file: fp8.header(file) for file in files}
+    holder = {name: file for file, entries in headers.items() for name in entries}
+    for file, entries in headers.items():
+        with safe_open(file, "np") as f:
+            for name, entry in entries.items():
+                if entry["dtype"] == fp8.FP8_DTYPE:
+                    yield name, _fp8_weight(file, name, entry, holder, block)
+                elif not (name.endswith(fp8.SCALE_SUFFIX)
+                          and holder.get(name.removesuffix(fp8.SCALE_SUFFIX)) is not None):
+                    yield name, f.get_tensor(name)  # unquantized (a lone scale: no place)
+
+
+def _fp8_weight(file: str, name: str, entry: dict, holder: dict[str, str],
+                block: tuple[int, int]) -> np.ndarray:
+    """The float32 weight ``name`` of its e4m3 values in ``file`` and its scale tensor."""
+    scale_name = name + fp8.SCALE_SUFFIX
+    if scale_name not in holder:
+        raise ValueError(f"{file}: tensor {name!r} is float8 but the checkpoint has no "
+                         f"{scale_name!r} (block FP8 weights need their scales)")
+    safe_open, _ = _safetensors()
+    with safe_open(holder[scale_name], "np") as g:
+        scale = g.get_tensor(scale_name)
+    fp8.check_scale(tuple(entry["shape"]), scale, block, name, holder[scale_name])
+    return fp8.dequantize(fp8.read_e4m3(file, entry), scale, block)
 
 
 def _dequantized(blocks: np.ndarray, base: str, holder: dict[str, str], file: str
