@@ -141,5 +141,21 @@ def test_hub_and_kimi_spellings_and_refusals():
     with pytest.raises(ValueError, match=r"quant_method='bitsandbytes' is not supported for "
                                          r"this type \(supported: fp8\)"):
         hf.from_hf({**hub, "quantization_config": quantization})
-    with pytest.raises(ValueError, match="supported: .*deepseek_v3 \\(read: kimi_k2 as "):
+    with pytest.raises(ValueError, match=r"supported: .*deepseek_v3 \(read: kimi_k2 as "):
         hf.from_hf({**hub, "model_type": "kimi_k3"})
+
+
+def test_latent_attention_flops_count_its_tensors():
+    """Model FLOPs of latent attention's projections: 2 per weight per token, x 3 for the
+    backward, counted from the reference checkpoint's attention tensors; the scores and weighted
+    sum: 2 H (d + v) per key over (L + 1) / 2 keys."""
+    from sparsemixer_jax.model_flops import lm_flops_per_token
+
+    config = hf.from_hf(read_json(os.path.join(DATA, "deepseek_v3", "config.json")))
+    with safe_open(os.path.join(DATA, "deepseek_v3", "model.safetensors"), "np") as f:
+        weights = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()  # noqa: SIM118
+                      if ".self_attn." in k and k.endswith(("proj.weight", "_mqa.weight")))
+    got = lm_flops_per_token(config, 12)
+    assert got["attention_proj"] == 3 * 2 * weights
+    h, d, v = config.num_heads, config.head_dim, config.v_head_dim
+    assert got["attention_scores"] == 3 * config.num_layers * 2 * 13 / 2 * h * (d + v)

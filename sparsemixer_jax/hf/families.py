@@ -303,8 +303,8 @@ DEEPSEEK_V3 = Family(
     required={"norm_topk_prob": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
               "moe_layer_freq": 1, "pretraining_tp": 1},
     flags={"shared_expert_gate": False, "selection_bias": True},
-    other_keys=frozenset({"qk_nope_head_dim", "qk_head_dim", "num_nextn_predict_layers", "num_mtp_layers",
-                          "ep_size", "aux_loss_alpha", "seq_aux"}),
+    other_keys=frozenset({"qk_nope_head_dim", "qk_head_dim", "num_nextn_predict_layers",
+                          "num_mtp_layers", "ep_size", "aux_loss_alpha", "seq_aux"}),
     dense_layers="first_k", shared_expert_count_key="n_shared_experts",
     shared_expert_names="mlp.shared_experts", quantizations=frozenset({"fp8"}),
     latent_attention=True, moe_names=GLM4_MOE.moe_names)
