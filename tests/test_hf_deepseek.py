@@ -159,3 +159,32 @@ def test_latent_attention_flops_count_its_tensors():
     assert got["attention_proj"] == 3 * 2 * weights
     h, d, v = config.num_heads, config.head_dim, config.v_head_dim
     assert got["attention_scores"] == 3 * config.num_layers * 2 * 13 / 2 * h * (d + v)
+
+
+def test_rope_halves_equal_interleaved_pairs_with_permuted_weights(tmp_path):
+    """``rope_interleave=False`` rotates halves (transformers' ``rotate_half``): the reference
+    model with each head's rotated query rows and the shared key's rows reordered from pairs
+    ``(x0, x1), (x2, x3)`` to halves ``(x0, x2), (x1, x3)`` computes transformers' logits of
+    the interleaved original (the rotations agree exactly; float32 sums within 1e-4)."""
+    from safetensors.numpy import load_file, save_file
+
+    source = os.path.join(DATA, "deepseek_v3")
+    cfg = {**read_json(os.path.join(source, "config.json")), "rope_interleave": False}
+    nope, rope, heads = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["num_attention_heads"]
+    order = np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
+    head = np.concatenate([np.arange(nope), nope + order])
+    queries = np.concatenate([h * (nope + rope) + head for h in range(heads)])
+    shared = np.concatenate([np.arange(cfg["kv_lora_rank"]), cfg["kv_lora_rank"] + order])
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    for name in tensors:
+        if name.endswith("q_b_proj.weight"):
+            tensors[name] = np.ascontiguousarray(tensors[name][queries])
+        elif ".kv_a_proj_with_mqa." in name:
+            tensors[name] = np.ascontiguousarray(tensors[name][shared])
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    model, config = hf.load_pretrained(str(tmp_path))
+    assert not config.rope_interleave
+    ref = reference("deepseek_v3")
+    assert relative_error(logits_of(model, ref["input_ids"]), ref["logits"]) <= 1e-4
