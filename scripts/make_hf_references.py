@@ -10,13 +10,17 @@ torch). The committed files were made with torch 2.13.0 (CPU) and transformers 5
 For each type it builds a tiny model with non-default settings (grouped-query attention, an odd
 vocabulary, head_dim apart from hidden / heads where the type allows it, dense layers mixed in,
 3 or more experts per token where the type allows it, biases, Phi-3.5-MoE's jitter and longrope
-settings, GLM-4.5's groups, selection bias, shared experts and partial rotary), redraws every
-norm weight away from 1 and every bias away from 0, GLM's selection bias
+settings, GLM-4.5's groups, selection bias, shared experts and partial rotary, DeepSeek-V3's
+latent attention with YaRN's mscales), redraws every norm weight away from 1 and every bias
+away from 0, GLM's and DeepSeek's selection bias
 (``e_score_correction_bias``) included (transformers initialises them to 1 and 0, so a loader
 that dropped them would still pass), and saves into
 ``tests/data/hf/<type>/``: the model (``save_pretrained``: config.json + model.safetensors) and
 ``reference.npz`` with ``input_ids [2, 12]``, transformers' float32 ``logits [2, 12, V]``, and
 greedy ``generate`` from the first 5 tokens for 8 new tokens (``generated [2, 13]``).
+Two more directories hold the quantized forms the Hub ships, gpt-oss in MXFP4
+(``gpt_oss_mxfp4``) and DeepSeek-V3 in block FP8 (``deepseek_v3_fp8``; see ``MXFP4`` and
+``FP8`` below).
 
 The round trip back into transformers (run by hand; the saved directories come from the
 project's environment):
@@ -275,7 +279,7 @@ def save_fp8(model: torch.nn.Module, directory: str) -> str:
     tensors[f"{mtp}.eh_proj.weight"] = torch.randn(16, 32)
     tensors[f"{mtp}.enorm.weight"] = torch.ones(16)
     save_file(tensors, file, metadata={"format": "pt"})
-    scratch = tempfile.mkdtemp()
+    scratch = tempfile.mkdtemp()  # left for the caller to load; the OS's temporary files
     save_file(plain, os.path.join(scratch, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json")) as f:
         cfg = json.load(f)

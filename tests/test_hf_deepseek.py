@@ -133,6 +133,10 @@ def test_hub_and_kimi_spellings_and_refusals():
     assert config.replace(hf_config="") == hf.from_hf(new).replace(hf_config="")
     assert config.rope.mscale_all_dim == 0.7 and config.model_type == "deepseek_v3"
     assert hf.to_hf(config)["model_type"] == "deepseek_v3"
+    # Kimi-K2's rope_scaling has beta_fast == beta_slow (1.0): read, the ramp at its least width.
+    kimi = hf.from_hf({**hub, "rope_scaling": {**hub["rope_scaling"], "beta_fast": 1.0,
+                                               "beta_slow": 1.0}})
+    assert kimi.rope.beta_fast == kimi.rope.beta_slow == 1.0
     for key, value in (("topk_method", "greedy"), ("scoring_func", "softmax"),
                        ("moe_layer_freq", 2)):
         with pytest.raises(ValueError, match=rf"{key}={value!r} is not implemented"):

@@ -151,6 +151,10 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
         ``jitter_eps``, ``router_options``, ``compute_dtype="bfloat16"``, ``dispatch``,
         ``capacity_factor``. The default router is the checkpoint's own (docs/lm.md).
 
+    Quantized checkpoints (gpt-oss's MXFP4 experts, DeepSeek-V3's block-FP8 weights) are
+    dequantized as each tensor is read; tensors of layers past ``num_hidden_layers``
+    (multi-token prediction) are skipped with one logged line.
+
     Returns the model in eval mode (``model.train()`` for training) and its config. One-line
     ValueErrors: not a model directory, unsupported ``model_type``, a refused config key, a
     missing shard, a tensor of the wrong shape (named), a tensor missing or unexpected (named).

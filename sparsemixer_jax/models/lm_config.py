@@ -258,9 +258,11 @@ class LMConfig:
         if rope.kind not in ROPE_KINDS:
             fail(f"rope kind {rope.kind!r} is not implemented; implemented: "
                  f"{', '.join(ROPE_KINDS)}")
-        if rope.kind == "yarn" and not (rope.factor >= 1 and rope.beta_fast > rope.beta_slow > 0
+        # beta_fast == beta_slow (Kimi-K2's config.json) is computed: the ramp gets transformers'
+        # minimal width (yarn_inv_freq).
+        if rope.kind == "yarn" and not (rope.factor >= 1 and rope.beta_fast >= rope.beta_slow > 0
                                         and rope.original_max_position_embeddings >= 1):
-            fail(f"yarn needs factor >= 1, beta_fast > beta_slow > 0 and "
+            fail(f"yarn needs factor >= 1, beta_fast >= beta_slow > 0 and "
                  f"original_max_position_embeddings >= 1, got {rope}")
         if self.kv_lora_rank:
             self._check_latent_attention()
