@@ -19,7 +19,7 @@ import pytest
 from safetensors import safe_open
 
 from sparsemixer_jax import hf
-from sparsemixer_jax.hf import fp8
+from sparsemixer_jax.hf import fp8, safetensors_read
 from tests.test_hf import DATA, logits_of, read_json, reference, relative_error, reload
 
 FP8_DIR = os.path.join(DATA, "deepseek_v3_fp8")
@@ -81,7 +81,7 @@ def _rewrite(tmp_path, drop=(), replace=None):
     shutil.copy(os.path.join(FP8_DIR, "config.json"), tmp_path)
     source = os.path.join(FP8_DIR, "model.safetensors")
     entries, blobs, offset = {}, [], 0
-    for name, entry in fp8.header(source).items():
+    for name, entry in safetensors_read.header(source).items():
         if name in drop:
             continue
         if replace and name in replace:

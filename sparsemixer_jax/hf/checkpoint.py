@@ -2,7 +2,8 @@
 
 Loading streams: the model is built abstractly (no parameter is initialised), each parameter is
 allocated once on the device, and the safetensors files are read one at a time, tensor by tensor
-(memory-mapped by the ``safetensors`` package's numpy API), each written into its slice on the
+(memory-mapped in its own dtype, bfloat16 and float8 included:
+:mod:`sparsemixer_jax.hf.safetensors_read`), each written into its slice on the
 device; the host holds one tensor at a time, never the model. Saving reads back one slice at a
 time and writes a shard whenever ``max_shard_bytes`` is reached, with the index json transformers
 reads.
@@ -25,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from sparsemixer_jax import sharding
-from sparsemixer_jax.hf import fp8, mxfp4
+from sparsemixer_jax.hf import fp8, mxfp4, safetensors_read
 from sparsemixer_jax.hf.config import from_hf, to_hf
 from sparsemixer_jax.hf.weights import Path, convert, read_table, saved_tensors
 from sparsemixer_jax.models.causal_lm import CausalLM
@@ -223,78 +224,67 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
 def checkpoint_tensors(path: str, files: list[str], quantization: dict[str, Any]
                        ) -> Iterator[tuple[str, np.ndarray]]:
     """Every tensor of the safetensors ``files``, ``(name, value)``, one at a time (memory-mapped
-    until read). ``quantization``: the checkpoint's ``quantization_config`` (empty: none). MXFP4:
-    each ``<name>_blocks`` comes with its ``<name>_scales`` (from whichever file holds it) as the
-    dequantized ``<name>`` (:mod:`sparsemixer_jax.hf.mxfp4`); block FP8: each e4m3 weight with
-    its ``weight_scale_inv`` (:mod:`sparsemixer_jax.hf.fp8`). A missing or misshaped scale
-    tensor is a one-line ValueError naming the file and the tensor."""
-    if quantization.get("quant_method") == "fp8":
-        yield from _fp8_tensors(files, quantization)
-        return
-    quantized = bool(quantization)
-    safe_open, _ = _safetensors()
-    holder: dict[str, str] = {}  # tensor name -> its file
-    if quantized:
-        for file in files:
-            with safe_open(file, "np") as f:
-                holder.update(dict.fromkeys(f.keys(), file))
-    for file in files:
-        with safe_open(file, "np") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                base = name.removesuffix(mxfp4.BLOCKS).removesuffix(mxfp4.SCALES)
-                if not quantized or base == name:
-                    yield name, f.get_tensor(name)
-                elif name.endswith(mxfp4.BLOCKS):
-                    yield base, _dequantized(f.get_tensor(name), base, holder, file)
-                elif base + mxfp4.BLOCKS not in holder:  # scales without blocks
-                    yield name, f.get_tensor(name)
+    until read, in its own dtype: :mod:`sparsemixer_jax.hf.safetensors_read`). ``quantization``:
+    the checkpoint's ``quantization_config`` (empty: none). MXFP4: each ``<name>_blocks`` comes
+    with its ``<name>_scales`` (from whichever file holds it) as the dequantized ``<name>``
+    (:mod:`sparsemixer_jax.hf.mxfp4`); block FP8: each e4m3 weight with its
+    ``weight_scale_inv`` (:mod:`sparsemixer_jax.hf.fp8`). A missing or misshaped scale tensor is
+    a one-line ValueError naming the file and the tensor."""
+    headers = {file: safetensors_read.header(file) for file in files}
+    holder = {name: file for file, entries in headers.items() for name in entries}
+
+    def tensor(name: str) -> np.ndarray:
+        return safetensors_read.read(holder[name], headers[holder[name]][name])
+
+    method = quantization.get("quant_method")
+    block = _fp8_block(quantization) if method == "fp8" else (0, 0)
+    for file, entries in headers.items():
+        for name, entry in entries.items():
+            if method == "fp8":
+                if entry["dtype"] == fp8.FP8_DTYPE:
+                    yield name, _fp8_weight(file, name, tensor, holder, block)
+                elif not (name.endswith(fp8.SCALE_SUFFIX)
+                          and name.removesuffix(fp8.SCALE_SUFFIX) in holder):
+                    yield name, tensor(name)  # unquantized (a lone scale: no place)
+                continue
+            base = name.removesuffix(mxfp4.BLOCKS).removesuffix(mxfp4.SCALES)
+            if not method or base == name:
+                yield name, tensor(name)
+            elif name.endswith(mxfp4.BLOCKS):
+                yield base, _dequantized(tensor(name), base, tensor, holder, file)
+            elif base + mxfp4.BLOCKS not in holder:  # scales without blocks
+                yield name, tensor(name)
 
 
-def _fp8_tensors(files: list[str], quantization: dict[str, Any]
-                 ) -> Iterator[tuple[str, np.ndarray]]:
-    """:func:`checkpoint_tensors` of a block-FP8 checkpoint: e4m3 weights dequantized with their
-    scales (read from whichever file holds them), other tensors as they are."""
+def _fp8_block(quantization: dict[str, Any]) -> tuple[int, int]:
+    """``quantization_config.weight_block_size`` (DeepSeek-V3's [128, 128] if absent)."""
     block = tuple(int(b) for b in quantization.get("weight_block_size") or (128, 128))
     if len(block) != 2 or min(block) < 1:
         raise ValueError(f"config.json: quantization_config.weight_block_size={list(block)}; "
                          "block FP8 needs two block sizes >= 1")
-    safe_open, _ = _safetensors()
-    headers = {file: fp8.header(file) for file in files}
-    holder = {name: file for file, entries in headers.items() for name in entries}
-    for file, entries in headers.items():
-        with safe_open(file, "np") as f:
-            for name, entry in entries.items():
-                if entry["dtype"] == fp8.FP8_DTYPE:
-                    yield name, _fp8_weight(file, name, entry, holder, block)
-                elif not (name.endswith(fp8.SCALE_SUFFIX)
-                          and holder.get(name.removesuffix(fp8.SCALE_SUFFIX)) is not None):
-                    yield name, f.get_tensor(name)  # unquantized (a lone scale: no place)
+    return block
 
 
-def _fp8_weight(file: str, name: str, entry: dict, holder: dict[str, str],
+def _fp8_weight(file: str, name: str, tensor: Any, holder: dict[str, str],
                 block: tuple[int, int]) -> np.ndarray:
-    """The float32 weight ``name`` of its e4m3 values in ``file`` and its scale tensor."""
+    """The float32 weight ``name`` (e4m3, in ``file``) of its values and its scale tensor."""
     scale_name = name + fp8.SCALE_SUFFIX
     if scale_name not in holder:
         raise ValueError(f"{file}: tensor {name!r} is float8 but the checkpoint has no "
                          f"{scale_name!r} (block FP8 weights need their scales)")
-    safe_open, _ = _safetensors()
-    with safe_open(holder[scale_name], "np") as g:
-        scale = g.get_tensor(scale_name)
-    fp8.check_scale(tuple(entry["shape"]), scale, block, name, holder[scale_name])
-    return fp8.dequantize(fp8.read_e4m3(file, entry), scale, block)
+    weight, scale = tensor(name), tensor(scale_name)
+    fp8.check_scale(weight.shape, scale, block, name, holder[scale_name])
+    return fp8.dequantize(weight, scale, block)
 
 
-def _dequantized(blocks: np.ndarray, base: str, holder: dict[str, str], file: str
+def _dequantized(blocks: np.ndarray, base: str, tensor: Any, holder: dict[str, str], file: str
                  ) -> np.ndarray:
     """The float32 weight ``base`` of its MXFP4 ``blocks`` (read from ``file``) and scales."""
     scales_name = base + mxfp4.SCALES
     if scales_name not in holder:
         raise ValueError(f"{file}: tensor {base + mxfp4.BLOCKS!r} has no {scales_name!r} in the "
                          "checkpoint (MXFP4 blocks need their scales)")
-    safe_open, _ = _safetensors()
-    with safe_open(holder[scales_name], "np") as g:
-        scales = g.get_tensor(scales_name)
+    scales = tensor(scales_name)
     mxfp4.check_pair(blocks, scales, base, holder[scales_name])
     return mxfp4.dequantize(blocks, scales)
 

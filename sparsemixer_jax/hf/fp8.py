@@ -8,40 +8,16 @@ scale of its block, ``W[i, j] = q[i, j] * scale_inv[i // b0, j // b1]``; the gri
 ceil-divided, so a last block the weight only partly fills (``kv_a_proj_with_mqa``'s 576 rows
 are 4.5 blocks of 128) takes its own scale for the rows it has.
 
-The ``safetensors`` package's numpy reader has no float8 dtype, so the e4m3 bytes are read from
-the file directly (its header names each tensor's byte range) and decoded by ``ml_dtypes``
-(a jax dependency).
+The e4m3 values are read by :mod:`sparsemixer_jax.hf.safetensors_read` (the ``safetensors``
+package's numpy reader has no float8 dtype).
 """
 
 from __future__ import annotations
 
-import json
-import struct
-
-import ml_dtypes
 import numpy as np
 
 SCALE_SUFFIX = "_scale_inv"  # "<name>.weight" -> "<name>.weight_scale_inv"
 FP8_DTYPE = "F8_E4M3"
-
-
-def header(file: str) -> dict[str, dict]:
-    """The safetensors header of ``file``: per tensor its ``dtype``, ``shape`` and
-    ``data_offsets`` (relative to the end of the header)."""
-    with open(file, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        entries = json.loads(f.read(length))
-    entries.pop("__metadata__", None)
-    return {name: {**entry, "start": 8 + length + entry["data_offsets"][0]}
-            for name, entry in entries.items()}
-
-
-def read_e4m3(file: str, entry: dict) -> np.ndarray:
-    """float32 values of one ``F8_E4M3`` tensor of ``file`` (``entry``: its :func:`header`
-    row)."""
-    count = int(np.prod(entry["shape"], dtype=np.int64))
-    raw = np.fromfile(file, np.uint8, count=count, offset=entry["start"])
-    return raw.view(ml_dtypes.float8_e4m3fn).astype(np.float32).reshape(entry["shape"])
 
 
 def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
