@@ -241,7 +241,7 @@ def checkpoint_tensors(path: str, files: list[str], quantization: dict[str, Any]
     for file, entries in headers.items():
         for name, entry in entries.items():
             if method == "fp8":
-                if entry["dtype"] == fp8.FP8_DTYPE:
+                if entry["dtype"] in fp8.FP8_DTYPES:
                     yield name, _fp8_weight(file, name, tensor, holder, block)
                 elif not (name.endswith(fp8.SCALE_SUFFIX)
                           and name.removesuffix(fp8.SCALE_SUFFIX) in holder):

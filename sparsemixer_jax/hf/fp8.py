@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 SCALE_SUFFIX = "_scale_inv"  # "<name>.weight" -> "<name>.weight_scale_inv"
-FP8_DTYPE = "F8_E4M3"
+#: The float8 dtypes a block-FP8 weight may have (DeepSeek-V3's: e4m3); either is dequantized alike.
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 
 
 def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
