@@ -16,8 +16,9 @@ DATA = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "hf")
 
 if __name__ == "__main__":
     out = sys.argv[1]
-    # gpt_oss_mxfp4: an MXFP4 checkpoint, saved in float32
-    for model_type in (*MODEL_TYPES, "gpt_oss_mxfp4"):
+    # gpt_oss_mxfp4 (MXFP4) and deepseek_v3_fp8 (block FP8): quantized checkpoints, saved in
+    # float32
+    for model_type in (*MODEL_TYPES, "gpt_oss_mxfp4", "deepseek_v3_fp8"):
         model, config = hf.load_pretrained(os.path.join(DATA, model_type))
         hf.save_pretrained(model, config, os.path.join(out, model_type))
         print(f"{model_type}: saved to {os.path.join(out, model_type)}")

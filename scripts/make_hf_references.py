@@ -10,13 +10,17 @@ torch). The committed files were made with torch 2.13.0 (CPU) and transformers 5
 For each type it builds a tiny model with non-default settings (grouped-query attention, an odd
 vocabulary, head_dim apart from hidden / heads where the type allows it, dense layers mixed in,
 3 or more experts per token where the type allows it, biases, Phi-3.5-MoE's jitter and longrope
-settings, GLM-4.5's groups, selection bias, shared experts and partial rotary), redraws every
-norm weight away from 1 and every bias away from 0, GLM's selection bias
+settings, GLM-4.5's groups, selection bias, shared experts and partial rotary, DeepSeek-V3's
+latent attention with YaRN's mscales), redraws every norm weight away from 1 and every bias
+away from 0, GLM's and DeepSeek's selection bias
 (``e_score_correction_bias``) included (transformers initialises them to 1 and 0, so a loader
 that dropped them would still pass), and saves into
 ``tests/data/hf/<type>/``: the model (``save_pretrained``: config.json + model.safetensors) and
 ``reference.npz`` with ``input_ids [2, 12]``, transformers' float32 ``logits [2, 12, V]``, and
 greedy ``generate`` from the first 5 tokens for 8 new tokens (``generated [2, 13]``).
+Two more directories hold the quantized forms the Hub ships, gpt-oss in MXFP4
+(``gpt_oss_mxfp4``) and DeepSeek-V3 in block FP8 (``deepseek_v3_fp8``; see ``MXFP4`` and
+``FP8`` below).
 
 The round trip back into transformers (run by hand; the saved directories come from the
 project's environment):
@@ -99,7 +103,38 @@ CONFIGS = {
                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                      "original_max_position_embeddings": 4096}),
+    # Multi-head latent attention (queries through q_lora_rank 12, keys/values through
+    # kv_lora_rank 10, 6 unrotated + 4 rotated query/key dims, values of 5, interleaved rope,
+    # attention biases), YaRN with mscale / mscale_all_dim (cos/sin and the softmax scale, its
+    # ramp inside the 4 rotated dims), a dense first layer, sigmoid scores with a selection bias
+    # (redrawn below), 4 groups of 2 experts keeping 2 (each scored by its two best biased
+    # scores), renormalised top-3 of 8 scaled by 2.5, two shared experts.
+    "deepseek_v3": dict(num_hidden_layers=3, num_key_value_heads=4, intermediate_size=24,
+                        moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3,
+                        n_group=4, topk_group=2, routed_scaling_factor=2.5, n_shared_experts=2,
+                        first_k_dense_replace=1, norm_topk_prob=True, q_lora_rank=12,
+                        kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+                        rope_interleave=True, attention_bias=True, max_position_embeddings=64,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                         "factor": 4.0, "mscale": 0.9, "mscale_all_dim": 0.7,
+                                         "beta_fast": 4.0, "beta_slow": 1.0,
+                                         "original_max_position_embeddings": 16}),
 }
+# DeepSeek-V3 as the Hub ships it: block-FP8 weights (e4m3 with a float32 weight_scale_inv per
+# block; blocks of 8 x 8 here, so kv_a_proj_with_mqa's 14 rows end in a partial block), the
+# Hub's config.json spelling (rope_scaling with ``type``, rope_theta, topk_method, scoring_func,
+# moe_layer_freq, ep_size, aux_loss_alpha, seq_aux, num_nextn_predict_layers, no head_dim, no
+# rope_interleave: interleaved by default), no query low rank (q_lora_rank null), default rope,
+# and one multi-token-prediction layer's tensors past num_hidden_layers. The reference logits
+# are transformers' of the dequantized weights (written as float32 to a scratch directory).
+FP8 = "deepseek_v3_fp8"
+FP8_CONFIG = dict(num_hidden_layers=2, num_key_value_heads=4, intermediate_size=24,
+                  moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                  n_group=2, topk_group=1, routed_scaling_factor=1.5, n_shared_experts=1,
+                  first_k_dense_replace=1, norm_topk_prob=True, q_lora_rank=None,
+                  kv_lora_rank=10, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+FP8_BLOCK = 8
 # gpt-oss as the Hub ships it: experts in MXFP4 (quantized below; MXFP4 needs input widths of
 # multiples of 32), config.json in the Hub's spelling (rope_scaling, rope_theta,
 # experts_per_token, initial_context_length, no swiglu_alpha) and YaRN without ``truncate``
@@ -115,15 +150,16 @@ MXFP4_CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, 
 # Each type's torch seed: the first five as the committed files were made (sorted order), new
 # types after them, so that adding a type leaves the others' files as they are.
 SEEDS = {t: i for i, t in enumerate(("mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe",
-                                     "glm4_moe", "gpt_oss", MXFP4))}
+                                     "glm4_moe", "gpt_oss", MXFP4, "deepseek_v3",
+                                     FP8))}
 PROMPT, NEW = 5, 8
 
 
 def build(model_type: str) -> torch.nn.Module:
     torch.manual_seed(SEEDS[model_type])
-    settings = MXFP4_CONFIG if model_type == MXFP4 else CONFIGS[model_type]
-    config = AutoConfig.for_model("gpt_oss" if model_type == MXFP4 else model_type,
-                                  **{**COMMON, **settings})
+    settings = {MXFP4: MXFP4_CONFIG, FP8: FP8_CONFIG}.get(model_type) or CONFIGS[model_type]
+    base = {MXFP4: "gpt_oss", FP8: "deepseek_v3"}.get(model_type, model_type)
+    config = AutoConfig.for_model(base, **{**COMMON, **settings})
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
@@ -200,6 +236,69 @@ def save_mxfp4(model: torch.nn.Module, directory: str) -> None:
         json.dump(cfg, f, indent=2, sort_keys=True)
 
 
+def quantize_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8 ``(e4m3 weight, float32 weight_scale_inv)`` of ``weight [rows, cols]``: each
+    ``block x block`` tile (the last ones partial) divided by its largest magnitude / 448."""
+    rows, cols = weight.shape
+    grid = (-(-rows // block), -(-cols // block))
+    scale = torch.empty(grid)
+    quantized = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            tile = weight[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scale[i, j] = tile.abs().max().clamp_min(1e-12) / 448.0
+            quantized[i * block:(i + 1) * block, j * block:(j + 1) * block] = \
+                (tile / scale[i, j]).to(torch.float8_e4m3fn)
+    return quantized, scale
+
+
+def dequantize_fp8(quantized: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """``weight [rows, cols]`` of :func:`quantize_fp8`'s output (each tile times its scale)."""
+    expanded = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return quantized.float() * expanded[:quantized.shape[0], :quantized.shape[1]]
+
+
+def save_fp8(model: torch.nn.Module, directory: str) -> str:
+    """The model saved as DeepSeek-V3's Hub checkpoints are (module docstring at ``FP8``); returns
+    a scratch directory holding the dequantized weights in float32 with transformers' config."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(directory)
+    file = os.path.join(directory, "model.safetensors")
+    tensors = load_file(file)
+    plain = dict(tensors)
+    for name, value in list(tensors.items()):
+        if name.startswith("model.layers.") and name.endswith(("proj.weight", "_mqa.weight")):
+            quantized, scale = quantize_fp8(value, FP8_BLOCK)
+            tensors[name] = quantized
+            tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale
+            plain[name] = dequantize_fp8(quantized, scale, FP8_BLOCK)
+    mtp = f"model.layers.{FP8_CONFIG['num_hidden_layers']}"
+    tensors[f"{mtp}.eh_proj.weight"] = torch.randn(16, 32)
+    tensors[f"{mtp}.enorm.weight"] = torch.ones(16)
+    save_file(tensors, file, metadata={"format": "pt"})
+    scratch = tempfile.mkdtemp()  # left for the caller to load; the OS's temporary files
+    save_file(plain, os.path.join(scratch, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(scratch, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    rope = cfg.pop("rope_parameters")
+    for key in ("head_dim", "qk_head_dim", "rope_interleave"):
+        cfg.pop(key, None)
+    cfg.update(rope_theta=rope.pop("rope_theta"), rope_scaling=None, topk_method="noaux_tc",
+               scoring_func="sigmoid", moe_layer_freq=1, ep_size=1, aux_loss_alpha=0.001,
+               seq_aux=True, num_nextn_predict_layers=1,
+               quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
+                                    "quant_method": "fp8",
+                                    "weight_block_size": [FP8_BLOCK, FP8_BLOCK]})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    return scratch
+
+
 def load(directory: str) -> torch.nn.Module:
     """transformers' model of a saved directory in float32 (an MXFP4 one dequantized)."""
     kwargs = {}
@@ -221,6 +320,8 @@ def make(model_type: str) -> None:
         for (name, a), b in zip(expected.state_dict().items(), model.state_dict().values(),
                                 strict=True):
             assert torch.equal(a, b), f"transformers dequantized {name} otherwise"
+    elif model_type == FP8:
+        model = load(save_fp8(model, directory))
     else:
         model.save_pretrained(directory)
     generator = torch.Generator().manual_seed(0)
@@ -236,7 +337,7 @@ def make(model_type: str) -> None:
 
 def check(root: str) -> int:
     failures = 0
-    for model_type in (*CONFIGS, MXFP4):
+    for model_type in (*CONFIGS, MXFP4, FP8):
         directory = os.path.join(root, model_type)
         if not os.path.isdir(directory):
             print(f"{model_type}: no {directory}")
@@ -258,7 +359,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", metavar="DIR", help="compare transformers' logits of the "
                         "directories DIR/<type> with the references")
-    parser.add_argument("--types", nargs="*", default=[*CONFIGS, MXFP4])
+    parser.add_argument("--types", nargs="*", default=[*CONFIGS, MXFP4, FP8])
     args = parser.parse_args()
     if args.check:
         sys.exit(1 if check(args.check) else 0)

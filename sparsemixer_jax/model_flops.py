@@ -79,8 +79,11 @@ def lm_flops_per_token(lm, seq_len: int) -> dict[str, float]:
     key/value heads of width ``d``:
 
     * ``attention_proj``: q ``2 e H d``, k and v ``2 x 2 e K d`` (grouped-query attention: ``K``
-      heads), out ``2 H d e``.
-    * ``attention_scores``: scores and weighted sum, ``2 x 2 H d`` per key a query sees: causal
+      heads), out ``2 H d e``. Latent attention (``kv_lora_rank`` ``c``, ``q_lora_rank``
+      ``q``, rotated width ``r``, value width ``v``): queries ``2 e q + 2 q H d`` (or ``2 e H d``),
+      ``2 e (c + r)`` to the latent, ``2 c H (d - r + v)`` from it, out ``2 H v e``.
+    * ``attention_scores``: scores and weighted sum, ``2 H d + 2 H v`` per key a query sees
+      (``v = d`` but for latent attention): causal
       attention's lower triangle, ``(L + 1) / 2`` keys on average over ``L = seq_len``
       positions, whatever the kernel computes (an einsum computes the full square, a flash
       kernel skips the masked blocks: neither changes the model's FLOPs).
@@ -98,13 +101,19 @@ def lm_flops_per_token(lm, seq_len: int) -> dict[str, float]:
     ``x 3``) and their ``total``.
     """
     e, h, kv, d = lm.hidden_size, lm.num_heads, lm.num_kv_heads, lm.head_dim
+    v = lm.v_head_dim if lm.kv_lora_rank else d
+    attention = 2 * e * h * d + 4 * e * kv * d + 2 * h * d * e
+    if lm.kv_lora_rank:
+        c, q, r = lm.kv_lora_rank, lm.q_lora_rank, lm.qk_rope_head_dim
+        queries = 2 * e * q + 2 * q * h * d if q else 2 * e * h * d
+        attention = queries + 2 * e * (c + r) + 2 * c * h * (d - r + v) + 2 * h * v * e
     routed = sum(lm.moe_layers)
     dense = lm.num_layers - routed
     expert = 6 * e * lm.moe_intermediate_size
     shared = (6 * e * lm.shared_expert_size + 2 * e) if lm.shared_expert_size else 0
     forward = {
-        "attention_proj": lm.num_layers * (2 * e * h * d + 4 * e * kv * d + 2 * h * d * e),
-        "attention_scores": lm.num_layers * 4 * (seq_len + 1) / 2 * h * d,
+        "attention_proj": lm.num_layers * attention,
+        "attention_scores": lm.num_layers * 2 * (seq_len + 1) / 2 * h * (d + v),
         "ffn": routed * (lm.top_k * expert + shared) + dense * 6 * e * lm.intermediate_size,
         "router": routed * 2 * e * lm.num_experts,
         "lm_head": 2 * e * lm.vocab_size,

@@ -52,6 +52,7 @@ LOGICAL_AXES = (
     "segment",  # segment (sentence A/B) embeddings
     "buckets",  # relative-position buckets
     "bias_heads",  # a logit bias per attention head (relative positions; gpt-oss's sinks)
+    "latent",  # latent attention's low-rank width (DeepSeek-V3's q_lora_rank, kv_lora_rank)
 )
 
 # The device mesh's axis names, outermost first (sparsemixer_jax.sharding.make_mesh builds it).
@@ -73,6 +74,7 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "segment": None,
     "buckets": None,
     "bias_heads": None,
+    "latent": None,
 }
 
 _ATTENTION_IN = r"(query|key|value|q_proj|k_proj|v_proj)"
@@ -108,6 +110,10 @@ PARAMETER_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"(q_norm|k_norm)/weight", ("qk_norm",)),
     (r"position_bias/table/embedding", ("buckets", "bias_heads")),
     (r"self_attn/sinks", ("bias_heads",)),
+    # latent attention: the width to a low-rank latent, the latent to the heads
+    (r"(q_a_proj|kv_a_proj_with_mqa)/kernel", ("embed", "latent")),
+    (r"(q_a_proj|kv_a_proj_with_mqa)/bias", ("latent",)),
+    (r"(q_b_proj|kv_b_proj)/kernel", ("latent", "heads")),
     # dense feed-forward layers (and the MoE layer's shared experts)
     (r"(wi|w_gate|w_up|gate_proj|up_proj)/kernel", ("embed", "mlp")),
     (r"(wi|w_gate|w_up|gate_proj|up_proj)/bias", ("mlp",)),

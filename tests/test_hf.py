@@ -104,6 +104,19 @@ def test_sharded_checkpoint_and_a_missing_shard(loaded, tmp_path):
         hf.load_pretrained(str(tmp_path))
 
 
+def test_bfloat16_checkpoint_loads(loaded, tmp_path):
+    """A bfloat16 checkpoint (as the Hub's are; the safetensors package's numpy reader has no
+    bfloat16) loads: every parameter is the float32 original rounded to bfloat16, exactly."""
+    model, config = loaded["qwen3_moe"]
+    hf.save_pretrained(model, config, str(tmp_path), dtype="bfloat16")
+    again = reload(str(tmp_path), config)
+    want = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    got = nnx.to_pure_dict(nnx.state(again, nnx.Param))
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(b),
+                                      np.asarray(a).astype(jnp.bfloat16).astype(np.float32))
+
+
 @pytest.mark.parametrize("model_type", ["mixtral", "phimoe"])
 def test_fused_expert_layout_loads_the_same(loaded, model_type, tmp_path):
     """transformers 5's in-memory layout: experts fused into gate_up_proj [N, 2I, emb] and
@@ -178,13 +191,23 @@ def test_one_line_errors(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=f"tensor '{name}' is missing"):
         hf.load_pretrained(str(tmp_path))
+    # A truncated file and one that is not safetensors at all, each named.
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor '.*' ends past the end of "
+                                         r"the file \(\d+ bytes\): the file is truncated"):
+        hf.load_pretrained(str(tmp_path))
+    file.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a safetensors file"):
+        hf.load_pretrained(str(tmp_path))
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "deepseek_v3"])
 def test_cached_decoding_gives_the_full_forward_logits(loaded, model_type):
     """Prefill 5 slots (row 0 left-padded by one), then one token at a time: every step's logits
     equal a full forward pass of the same real tokens (Mixtral: sliding window 5 < 12 tokens on
-    every layer; gpt-oss: window 4 on layers 0 and 3 of 4, attention sinks). Through
+    every layer; gpt-oss: window 4 on layers 0 and 3 of 4, attention sinks; DeepSeek-V3: latent
+    attention, whose cache holds the normed latent and the rotated shared key). Through
     ``generate``'s own compiled step, at the shapes the generation test compiled it for."""
     model, _ = loaded[model_type]
     ids = jnp.asarray(reference(model_type)["input_ids"])

@@ -406,6 +406,7 @@ def test_bad_checkpoints_are_one_line_errors_before_anything_is_written(
 
 @pytest.mark.parametrize("override, message", [
     ({"model.hf_type": "llama"}, "config.model.hf_type='llama' is not supported; supported:"),
+    ({"model.hf_type": "deepseek_v3"}, "config.model.hf_type='deepseek_v3': its latent "),
     ({"model.dropout": 0.1}, "config.model.dropout=0.1: the language model has no dropout"),
     ({"model.moe_every": 2}, "config.model.moe_every=2: mixtral routes every layer"),
     ({"router.name": "switch"}, "config.router.normalize_top_k=False: mixtral renormalises"),

@@ -9,7 +9,8 @@
     tokenizer = hf.load_tokenizer(path)         # tokenizer.json, special tokens, chat template
 
 Types: ``mixtral``, ``qwen3_moe``, ``olmoe``, ``qwen2_moe``, ``phimoe``, ``glm4_moe``,
-``gpt_oss`` (MXFP4 experts dequantized on load; docs/lm.md; one record each in
+``gpt_oss`` (MXFP4 experts dequantized on load), ``deepseek_v3`` (``kimi_k2`` read as it;
+block-FP8 weights dequantized on load; docs/lm.md; one record each in
 :mod:`sparsemixer_jax.hf.families`). Needs the ``safetensors`` package (``tokenizers`` for
 :func:`load_tokenizer`, ``jinja2`` to render chat templates): ``pip install
 'sparsemixer-jax[hf]'``; torch is never imported.

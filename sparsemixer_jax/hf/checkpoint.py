@@ -2,7 +2,8 @@
 
 Loading streams: the model is built abstractly (no parameter is initialised), each parameter is
 allocated once on the device, and the safetensors files are read one at a time, tensor by tensor
-(memory-mapped by the ``safetensors`` package's numpy API), each written into its slice on the
+(memory-mapped in its own dtype, bfloat16 and float8 included:
+:mod:`sparsemixer_jax.hf.safetensors_read`), each written into its slice on the
 device; the host holds one tensor at a time, never the model. Saving reads back one slice at a
 time and writes a shard whenever ``max_shard_bytes`` is reached, with the index json transformers
 reads.
@@ -13,7 +14,9 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from sparsemixer_jax import sharding
-from sparsemixer_jax.hf import mxfp4
+from sparsemixer_jax.hf import fp8, mxfp4, safetensors_read
 from sparsemixer_jax.hf.config import from_hf, to_hf
 from sparsemixer_jax.hf.weights import Path, convert, read_table, saved_tensors
 from sparsemixer_jax.models.causal_lm import CausalLM
@@ -34,6 +37,8 @@ from sparsemixer_jax.partitioning import Partitioner
 #: ``e_score_correction_bias``, the layer's bias state).
 CHECKPOINT_STATE = nnx.Any(nnx.Param, nnx.PathContains("expert_bias"))
 INDEX_FILE = "model.safetensors.index.json"
+LAYER_NUMBER = re.compile(r"model\.layers\.(\d+)\.")
+logger = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
 
 
@@ -147,6 +152,10 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
         ``jitter_eps``, ``router_options``, ``compute_dtype="bfloat16"``, ``dispatch``,
         ``capacity_factor``. The default router is the checkpoint's own (docs/lm.md).
 
+    Quantized checkpoints (gpt-oss's MXFP4 experts, DeepSeek-V3's block-FP8 weights) are
+    dequantized as each tensor is read; tensors of layers past ``num_hidden_layers``
+    (multi-token prediction) are skipped with one logged line.
+
     Returns the model in eval mode (``model.train()`` for training) and its config. One-line
     ValueErrors: not a model directory, unsupported ``model_type``, a refused config key, a
     missing shard, a tensor of the wrong shape (named), a tensor missing or unexpected (named).
@@ -164,10 +173,15 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     filled: dict[Path, np.ndarray] = {}  # per param: which leading-index slices were written
     layers = CausalLM.layer_index_of(config)
     table = read_table(config, layers)
-    quantized = bool(source.get("quantization_config"))  # from_hf checked the method
-    for name, value in checkpoint_tensors(path, files, quantized):
+    quantization = source.get("quantization_config") or {}  # from_hf checked the method
+    beyond: set[int] = set()  # layers past num_hidden_layers (multi-token prediction)
+    for name, value in checkpoint_tensors(path, files, quantization):
         if name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config; some old checkpoints store it
+        number = LAYER_NUMBER.match(name)
+        if number and int(number.group(1)) >= config.num_layers:
+            beyond.add(int(number.group(1)))  # as transformers, which builds no such layer
+            continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the embedding is the head
         slots = table.get(name)
@@ -194,6 +208,10 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
         mark = filled.get(slot.path)
         if mark is None or not np.all(mark[slot.index]):
             raise ValueError(f"{path!r}: tensor {name!r} is missing from the checkpoint")
+    if beyond:
+        logger.info("%s: skipped the tensors of layers %s past num_hidden_layers=%d "
+                    "(multi-token prediction layers, which this model does not compute)",
+                    path, sorted(beyond), config.num_layers)
     _omega_ones(arrays, placements)
     nnx.replace_by_pure_dict(abstract, arrays)
     if partitioner is not None:  # RNG streams and layer state: replicated on the mesh
@@ -203,41 +221,70 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     return model, config
 
 
-def checkpoint_tensors(path: str, files: list[str], quantized: bool
+def checkpoint_tensors(path: str, files: list[str], quantization: dict[str, Any]
                        ) -> Iterator[tuple[str, np.ndarray]]:
     """Every tensor of the safetensors ``files``, ``(name, value)``, one at a time (memory-mapped
-    until read). ``quantized`` (an MXFP4 checkpoint): each ``<name>_blocks`` comes with its
-    ``<name>_scales`` (from whichever file holds it) as the dequantized ``<name>``
-    (:mod:`sparsemixer_jax.hf.mxfp4`); a missing or misshaped scale tensor is a one-line
-    ValueError naming the file and the tensor."""
-    safe_open, _ = _safetensors()
-    holder: dict[str, str] = {}  # tensor name -> its file
-    if quantized:
-        for file in files:
-            with safe_open(file, "np") as f:
-                holder.update(dict.fromkeys(f.keys(), file))
-    for file in files:
-        with safe_open(file, "np") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
-                base = name.removesuffix(mxfp4.BLOCKS).removesuffix(mxfp4.SCALES)
-                if not quantized or base == name:
-                    yield name, f.get_tensor(name)
-                elif name.endswith(mxfp4.BLOCKS):
-                    yield base, _dequantized(f.get_tensor(name), base, holder, file)
-                elif base + mxfp4.BLOCKS not in holder:  # scales without blocks
-                    yield name, f.get_tensor(name)
+    until read, in its own dtype: :mod:`sparsemixer_jax.hf.safetensors_read`). ``quantization``:
+    the checkpoint's ``quantization_config`` (empty: none). MXFP4: each ``<name>_blocks`` comes
+    with its ``<name>_scales`` (from whichever file holds it) as the dequantized ``<name>``
+    (:mod:`sparsemixer_jax.hf.mxfp4`); block FP8: each e4m3 weight with its
+    ``weight_scale_inv`` (:mod:`sparsemixer_jax.hf.fp8`). A missing or misshaped scale tensor is
+    a one-line ValueError naming the file and the tensor."""
+    headers = {file: safetensors_read.header(file) for file in files}
+    holder = {name: file for file, entries in headers.items() for name in entries}
+
+    def tensor(name: str) -> np.ndarray:
+        return safetensors_read.read(holder[name], headers[holder[name]][name])
+
+    method = quantization.get("quant_method")
+    block = _fp8_block(quantization) if method == "fp8" else (0, 0)
+    for file, entries in headers.items():
+        for name, entry in entries.items():
+            if method == "fp8":
+                if entry["dtype"] in fp8.FP8_DTYPES:
+                    yield name, _fp8_weight(file, name, tensor, holder, block)
+                elif not (name.endswith(fp8.SCALE_SUFFIX)
+                          and name.removesuffix(fp8.SCALE_SUFFIX) in holder):
+                    yield name, tensor(name)  # unquantized (a lone scale: no place)
+                continue
+            base = name.removesuffix(mxfp4.BLOCKS).removesuffix(mxfp4.SCALES)
+            if not method or base == name:
+                yield name, tensor(name)
+            elif name.endswith(mxfp4.BLOCKS):
+                yield base, _dequantized(tensor(name), base, tensor, holder, file)
+            elif base + mxfp4.BLOCKS not in holder:  # scales without blocks
+                yield name, tensor(name)
 
 
-def _dequantized(blocks: np.ndarray, base: str, holder: dict[str, str], file: str
+def _fp8_block(quantization: dict[str, Any]) -> tuple[int, int]:
+    """``quantization_config.weight_block_size`` (DeepSeek-V3's [128, 128] if absent)."""
+    block = tuple(int(b) for b in quantization.get("weight_block_size") or (128, 128))
+    if len(block) != 2 or min(block) < 1:
+        raise ValueError(f"config.json: quantization_config.weight_block_size={list(block)}; "
+                         "block FP8 needs two block sizes >= 1")
+    return block
+
+
+def _fp8_weight(file: str, name: str, tensor: Any, holder: dict[str, str],
+                block: tuple[int, int]) -> np.ndarray:
+    """The float32 weight ``name`` (e4m3, in ``file``) of its values and its scale tensor."""
+    scale_name = name + fp8.SCALE_SUFFIX
+    if scale_name not in holder:
+        raise ValueError(f"{file}: tensor {name!r} is float8 but the checkpoint has no "
+                         f"{scale_name!r} (block FP8 weights need their scales)")
+    weight, scale = tensor(name), tensor(scale_name)
+    fp8.check_scale(weight.shape, scale, block, name, holder[scale_name])
+    return fp8.dequantize(weight, scale, block)
+
+
+def _dequantized(blocks: np.ndarray, base: str, tensor: Any, holder: dict[str, str], file: str
                  ) -> np.ndarray:
     """The float32 weight ``base`` of its MXFP4 ``blocks`` (read from ``file``) and scales."""
     scales_name = base + mxfp4.SCALES
     if scales_name not in holder:
         raise ValueError(f"{file}: tensor {base + mxfp4.BLOCKS!r} has no {scales_name!r} in the "
                          "checkpoint (MXFP4 blocks need their scales)")
-    safe_open, _ = _safetensors()
-    with safe_open(holder[scales_name], "np") as g:
-        scales = g.get_tensor(scales_name)
+    scales = tensor(scales_name)
     mxfp4.check_pair(blocks, scales, base, holder[scales_name])
     return mxfp4.dequantize(blocks, scales)
 

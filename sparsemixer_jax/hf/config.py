@@ -106,7 +106,8 @@ def _yarn(params: dict[str, Any], cfg: dict[str, Any], theta: float, partial: fl
                       beta_slow=float(params.get("beta_slow") or 1),
                       truncate=bool(params.get("truncate", True)),
                       attention_factor=float(attention), partial_rotary_factor=partial,
-                      original_max_position_embeddings=original)
+                      original_max_position_embeddings=original,
+                      mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
 
 
 def _check_keys(cfg: dict[str, Any], family: Family) -> None:
@@ -222,6 +223,9 @@ def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
     _check_keys(cfg, family)
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or hidden // heads
+    if family.latent_attention:  # its head_dim key (transformers writes one) is the rotary width
+        head_dim = int(cfg.get("qk_nope_head_dim", family.default("qk_nope_head_dim"))) + \
+            int(cfg.get("qk_rope_head_dim", family.default("qk_rope_head_dim")))
     if family.head_dim_fixed and head_dim != hidden // heads:
         _refuse(model_type, f"head_dim={head_dim} differs from hidden_size / num_attention_heads "
                             "(this type's key norm assumes they agree)")
@@ -297,7 +301,12 @@ def to_hf(config: LMConfig) -> dict[str, Any]:
         rope.update(short_factor=list(c.rope.short_factor), long_factor=list(c.rope.long_factor),
                     short_mscale=c.rope.short_mscale, long_mscale=c.rope.long_mscale,
                     original_max_position_embeddings=c.rope.original_max_position_embeddings)
+    if c.rope.mscale_all_dim:
+        rope["mscale_all_dim"] = c.rope.mscale_all_dim
     out["rope_parameters"] = rope
+    if family.latent_attention:
+        del out["head_dim"]
+        out["qk_nope_head_dim"] = c.head_dim - c.qk_rope_head_dim
     if family.dense_layers:
         out.update(intermediate_size=c.intermediate_size,
                    moe_intermediate_size=c.moe_intermediate_size)

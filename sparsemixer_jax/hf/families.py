@@ -56,6 +56,14 @@ SELECTION_BIAS = "selection_bias"
 BIAS_PARAMS = ("router_bias", "b_gate", "b_up", "b_down")
 
 
+#: Latent attention's projections (``self_attn.<name>.weight``, a bias where marked True and
+#: ``attention_bias`` says so) and norms; ``q_a_*`` / ``q_b_proj`` with ``q_lora_rank > 0``,
+#: ``q_proj`` without.
+LATENT_ATTENTION_NAMES = {"q_a_proj": True, "q_b_proj": False, "q_proj": False,
+                          "kv_a_proj_with_mqa": True, "kv_b_proj": False, "o_proj": True}
+LATENT_ATTENTION_NORMS = ("q_a_layernorm", "kv_a_layernorm")
+
+
 def _moe_names(block: str, gate: str, up: str, down: str) -> dict[str, str]:
     """A per-expert MoE name table: the router ``{block}.gate.weight`` and the experts
     ``{block}.experts.{e}.<name>.weight``."""
@@ -112,7 +120,10 @@ class Family:
         interleaved along the last axis of one tensor (gpt-oss's ``gate_up_proj``: gate at
         even columns, up at odd).
       quantizations: the ``quantization_config.quant_method`` values its checkpoints may have
-        (dequantized on load: :mod:`sparsemixer_jax.hf.mxfp4`).
+        (dequantized on load: :mod:`sparsemixer_jax.hf.mxfp4`, :mod:`sparsemixer_jax.hf.fp8`).
+      latent_attention: multi-head latent attention (DeepSeek-V3): ``head_dim`` is
+        ``qk_nope_head_dim + qk_rope_head_dim`` (no ``head_dim`` key), one key/value head per
+        query head, the attention tensors of :data:`LATENT_ATTENTION_NAMES`.
     """
 
     model_type: str
@@ -136,6 +147,7 @@ class Family:
     required: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     interleaved_experts: bool = False
     quantizations: frozenset[str] = frozenset()
+    latent_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.window not in WINDOW_KEYS:
@@ -268,17 +280,53 @@ GPT_OSS = Family(
                "b_up": f"{_GPT_OSS_EXPERTS}.gate_up_proj_bias",
                "b_down": f"{_GPT_OSS_EXPERTS}.down_proj_bias"})
 
+DEEPSEEK_V3 = Family(
+    model_type="deepseek_v3", architecture="DeepseekV3ForCausalLM",
+    experts_key="n_routed_experts",
+    defaults={"num_experts": 256, "num_experts_per_tok": 8, "rope_theta": 1e4,
+              "rms_norm_eps": 1e-6, "moe_intermediate_size": 2048, "attention_bias": False,
+              "n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+              "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512,
+              "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+              "rope_interleave": True},
+    keys=(_ATTENTION_BIAS,
+          Key("q_lora_rank", ("q_lora_rank",), lambda rank: int(rank or 0),
+              lambda rank: rank or None),
+          Key("kv_lora_rank", ("kv_lora_rank",), int),
+          Key("qk_rope_head_dim", ("qk_rope_head_dim",), int),
+          Key("v_head_dim", ("v_head_dim",), int),
+          Key("rope_interleave", ("rope_interleave",), bool)),
+    router_keys=GLM4_MOE.router_keys, router_flags=GLM4_MOE.router_flags,
+    # The Hub's config.json: its router spelled out (noaux_tc: the selection bias and groups),
+    # every layer after the first k routed, and the MoE parallelism / training-loss settings
+    # (ep_size, aux_loss_alpha, seq_aux) that transformers does not read.
+    required={"norm_topk_prob": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+              "moe_layer_freq": 1, "pretraining_tp": 1},
+    flags={"shared_expert_gate": False, "selection_bias": True},
+    other_keys=frozenset({"qk_nope_head_dim", "qk_head_dim", "num_nextn_predict_layers",
+                          "num_mtp_layers", "ep_size", "aux_loss_alpha", "seq_aux"}),
+    dense_layers="first_k", shared_expert_count_key="n_shared_experts",
+    shared_expert_names="mlp.shared_experts", quantizations=frozenset({"fp8"}),
+    latent_attention=True, moe_names=GLM4_MOE.moe_names)
+
+#: Types read as another where their keys are the other's: Kimi-K2's config.json says
+#: ``kimi_k2`` (with remote code) for DeepSeek-V3's architecture.
+ALIASES = {"kimi_k2": "deepseek_v3"}
+
 #: The families, in :data:`sparsemixer_jax.models.lm_config.MODEL_TYPES`' order.
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (MIXTRAL, QWEN3_MOE, OLMOE, QWEN2_MOE,
-                                                           PHIMOE, GLM4_MOE, GPT_OSS)}
+                                                           PHIMOE, GLM4_MOE, GPT_OSS,
+                                                           DEEPSEEK_V3)}
 
 
 def family_of(model_type: Any, where: str = "config.json: model_type ") -> Family:
     """The record of ``model_type``, or a one-line ValueError naming the supported types
-    (``where`` prefixes the value)."""
+    (``where`` prefixes the value); an alias (:data:`ALIASES`) gives the type it stands for."""
+    model_type = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else model_type
     if model_type not in FAMILIES:
+        aliases = ", ".join(f"{alias} as {target}" for alias, target in ALIASES.items())
         raise ValueError(f"{where}{model_type!r} is not supported; supported: "
-                         f"{', '.join(FAMILIES)}")
+                         f"{', '.join(FAMILIES)} (read: {aliases})")
     return FAMILIES[model_type]
 
 

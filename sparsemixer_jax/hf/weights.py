@@ -32,7 +32,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from sparsemixer_jax.hf.families import SELECTION_BIAS, family_of
+from sparsemixer_jax.hf.families import (
+    LATENT_ATTENTION_NAMES,
+    LATENT_ATTENTION_NORMS,
+    SELECTION_BIAS,
+    family_of,
+)
 from sparsemixer_jax.models.lm_config import LMConfig
 
 Path = tuple[Any, ...]
@@ -79,17 +84,10 @@ def _layer_tensors(config: LMConfig, number: int, stack: int, repeat: int, pos: 
     for norm in ("input_layernorm", "post_attention_layernorm"):
         for leaf in ("weight",) if config.norm == "rms" else ("weight", "bias"):
             yield f"{layer}.{norm}.{leaf}", Slot((*base, norm, leaf), (repeat,), "same")
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        attn = (*base, "self_attn", proj)
-        yield f"{layer}.self_attn.{proj}.weight", Slot((*attn, "kernel"), (repeat,), "T")
-        if (config.out_bias if proj == "o_proj" else config.qkv_bias):
-            yield f"{layer}.self_attn.{proj}.bias", Slot((*attn, "bias"), (repeat,), "same")
-    if config.attention_sinks:
-        yield f"{layer}.self_attn.sinks", Slot((*base, "self_attn", "sinks"), (repeat,), "same")
-    if config.qk_norm != "none":
-        for norm in ("q_norm", "k_norm"):
-            yield (f"{layer}.self_attn.{norm}.weight",
-                   Slot((*base, "self_attn", norm, "weight"), (repeat,), "same"))
+    if config.kv_lora_rank:
+        yield from _latent_attention(config, layer, (*base, "self_attn"), repeat)
+    else:
+        yield from _attention(config, layer, (*base, "self_attn"), repeat)
     if not config.moe_layers[number]:
         for proj in ("gate_proj", "up_proj", "down_proj"):
             yield f"{layer}.mlp.{proj}.weight", Slot((*base, "mlp", proj, "kernel"),
@@ -119,6 +117,38 @@ def _layer_tensors(config: LMConfig, number: int, stack: int, repeat: int, pos: 
         if config.shared_expert_gate:
             yield (f"{layer}.{shared}_gate.weight",
                    Slot((*base, "mlp", "shared_expert_gate", "kernel"), (repeat,), "T"))
+
+
+def _attention(config: LMConfig, layer: str, attn: Path, repeat: int
+               ) -> Iterator[tuple[str, Slot]]:
+    """Grouped-query attention's tensors: projections (biases per config), sinks, q/k norms."""
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        yield f"{layer}.self_attn.{proj}.weight", Slot((*attn, proj, "kernel"), (repeat,), "T")
+        if (config.out_bias if proj == "o_proj" else config.qkv_bias):
+            yield f"{layer}.self_attn.{proj}.bias", Slot((*attn, proj, "bias"), (repeat,), "same")
+    if config.attention_sinks:
+        yield f"{layer}.self_attn.sinks", Slot((*attn, "sinks"), (repeat,), "same")
+    if config.qk_norm != "none":
+        for norm in ("q_norm", "k_norm"):
+            yield (f"{layer}.self_attn.{norm}.weight",
+                   Slot((*attn, norm, "weight"), (repeat,), "same"))
+
+
+def _latent_attention(config: LMConfig, layer: str, attn: Path, repeat: int
+                      ) -> Iterator[tuple[str, Slot]]:
+    """Latent attention's tensors (:data:`LATENT_ATTENTION_NAMES`, the biases where
+    ``attention_bias``; the query's low-rank pair or its one projection)."""
+    skipped = ("q_proj",) if config.q_lora_rank else ("q_a_proj", "q_b_proj", "q_a_layernorm")
+    for proj, biased in LATENT_ATTENTION_NAMES.items():
+        if proj in skipped:
+            continue
+        yield f"{layer}.self_attn.{proj}.weight", Slot((*attn, proj, "kernel"), (repeat,), "T")
+        if biased and (config.out_bias if proj == "o_proj" else config.qkv_bias):
+            yield f"{layer}.self_attn.{proj}.bias", Slot((*attn, proj, "bias"), (repeat,), "same")
+    for norm in LATENT_ATTENTION_NORMS:
+        if norm not in skipped:
+            yield (f"{layer}.self_attn.{norm}.weight",
+                   Slot((*attn, norm, "weight"), (repeat,), "same"))
 
 
 def _interleaved_experts(config: LMConfig, layer: str, moe: Path, repeat: int,

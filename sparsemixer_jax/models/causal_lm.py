@@ -1,10 +1,11 @@
 """A decoder-only MoE language model (Flax NNX): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-Phi-3.5-MoE, GLM-4.5 and gpt-oss in one implementation, configured by
+Phi-3.5-MoE, GLM-4.5, gpt-oss and DeepSeek-V3 in one implementation, configured by
 :class:`sparsemixer_jax.models.lm_config.LMConfig`.
 
 Each block is pre-norm: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``, where ``attn`` is
 grouped-query attention with rotary positions (optional q/k norms, biases, value clipping,
-sliding window on every or some layers, sink logits) and ``ffn`` is the project's
+sliding window on every or some layers, sink logits), or DeepSeek-V3's multi-head latent
+attention (:mod:`sparsemixer_jax.models.latent_attention`), and ``ffn`` is the project's
 :class:`sparsemixer_jax.moe.MoEFeedForward` with gated SwiGLU experts (plus a shared expert) or
 a dense SwiGLU MLP.
 
@@ -29,6 +30,7 @@ from flax import nnx
 
 from sparsemixer_jax import sharding
 from sparsemixer_jax.layers import ATTENTION_IMPLS
+from sparsemixer_jax.models.latent_attention import LatentAttention
 from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
 from sparsemixer_jax.models.rope import apply_rope, rope_cos_sin
 from sparsemixer_jax.moe import MoEFeedForward
@@ -45,7 +47,8 @@ class KVCache(NamedTuple):
     Attributes:
       keys, values: one array per stack and unit layer (in model order),
         ``[repeats, B, S, num_kv_heads, head_dim]`` in the compute dtype; rotary positions are
-        applied to the keys already.
+        applied to the keys already. Latent attention caches its normed latent as the keys
+        and its rotated shared key as the values (:attr:`LMConfig.cache_shapes`).
       index: int32 scalar, the number of slots written.
       valid: bool ``[B, S]``, slots that hold a real token (False: left padding of a prompt).
       positions: int32 ``[B]``, the position the next token takes in each row.
@@ -112,7 +115,8 @@ def make_norm(config: LMConfig, dim: int | None = None) -> RMSNorm | LayerNorm:
     return cls(dim or config.hidden_size, config.norm_eps, _dtype(config))
 
 
-def _linear(din: int, dout: int, bias: bool, config: LMConfig, rngs: nnx.Rngs) -> nnx.Linear:
+def linear(din: int, dout: int, bias: bool, config: LMConfig, rngs: nnx.Rngs) -> nnx.Linear:
+    """A projection ``[din] -> [dout]`` in the compute dtype with float32 params."""
     # Initialised as the Hugging Face types are: normal(initializer_range), zero bias.
     return nnx.Linear(din, dout, use_bias=bias, dtype=_dtype(config), param_dtype=jnp.float32,
                       kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
@@ -129,10 +133,10 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
         self.clip_qkv, self.qk_norm = config.clip_qkv, config.qk_norm
         self.implementation = config.attention_impl
-        self.q_proj = _linear(e, h * d, config.qkv_bias, config, rngs)
-        self.k_proj = _linear(e, kv * d, config.qkv_bias, config, rngs)
-        self.v_proj = _linear(e, kv * d, config.qkv_bias, config, rngs)
-        self.o_proj = _linear(h * d, e, config.out_bias, config, rngs)
+        self.q_proj = linear(e, h * d, config.qkv_bias, config, rngs)
+        self.k_proj = linear(e, kv * d, config.qkv_bias, config, rngs)
+        self.v_proj = linear(e, kv * d, config.qkv_bias, config, rngs)
+        self.o_proj = linear(h * d, e, config.out_bias, config, rngs)
         if config.qk_norm != "none":
             per_head = config.qk_norm == "head"
             self.q_norm = RMSNorm(d if per_head else h * d, config.norm_eps, _dtype(config))
@@ -199,9 +203,9 @@ class GatedMLP(nnx.Module):
 
     def __init__(self, config: LMConfig, width: int, rngs: nnx.Rngs):
         e = config.hidden_size
-        self.gate_proj = _linear(e, width, False, config, rngs)
-        self.up_proj = _linear(e, width, False, config, rngs)
-        self.down_proj = _linear(width, e, False, config, rngs)
+        self.gate_proj = linear(e, width, False, config, rngs)
+        self.up_proj = linear(e, width, False, config, rngs)
+        self.down_proj = linear(width, e, False, config, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -237,7 +241,7 @@ class MoEBlock(nnx.Module):
         self.jitter_rng = rngs["router"].fork() if config.moe_input_jitter > 0 else None
         self.shared_expert = GatedMLP(config, config.shared_expert_size, rngs) \
             if config.shared_expert_size else None
-        self.shared_expert_gate = _linear(config.hidden_size, 1, False, config, rngs) \
+        self.shared_expert_gate = linear(config.hidden_size, 1, False, config, rngs) \
             if config.shared_expert_size and config.shared_expert_gate else None
         if config.selection_bias and self.moe.expert_bias is None:
             # The checkpoint's selection bias, kept where bias balancing keeps its own (the
@@ -265,7 +269,8 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, config: LMConfig, is_moe: bool, mesh, rngs: nnx.Rngs):
         self.input_layernorm = make_norm(config)
-        self.self_attn = Attention(config, rngs)
+        self.self_attn = LatentAttention(config, rngs) if config.kv_lora_rank \
+            else Attention(config, rngs)
         self.post_attention_layernorm = make_norm(config)
         self.is_moe = is_moe
         if is_moe:
@@ -380,7 +385,7 @@ class CausalLM(nnx.Module):
         self.stacks = nnx.List([_make_stack(config, pattern, repeats, mesh, rngs)
                                 for pattern, repeats in self.stack_patterns])
         self.norm = make_norm(config)
-        self.lm_head = None if config.tie_word_embeddings else _linear(
+        self.lm_head = None if config.tie_word_embeddings else linear(
             config.hidden_size, config.vocab_size, config.lm_head_bias, config, rngs)
 
     @staticmethod
@@ -397,10 +402,14 @@ class CausalLM(nnx.Module):
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty :class:`KVCache` of ``max_len`` slots."""
         c, dtype = self.config, _dtype(self.config)
-        keys = tuple(jnp.zeros((repeats, batch_size, max_len, c.num_kv_heads, c.head_dim), dtype)
-                     for pattern, repeats in self.stack_patterns for _ in pattern)
-        return KVCache(keys, keys, jnp.zeros((), jnp.int32), jnp.zeros((batch_size, max_len),
-                                                                       bool),
+        key_shape, value_shape = c.cache_shapes
+
+        def slots(shape: tuple[int, int]) -> tuple[jax.Array, ...]:
+            return tuple(jnp.zeros((repeats, batch_size, max_len, *shape), dtype)
+                         for pattern, repeats in self.stack_patterns for _ in pattern)
+
+        return KVCache(slots(key_shape), slots(value_shape), jnp.zeros((), jnp.int32),
+                       jnp.zeros((batch_size, max_len), bool),
                        jnp.zeros((batch_size,), jnp.int32))
 
     def forward(self, input_ids: jax.Array, *, positions: jax.Array | None = None,

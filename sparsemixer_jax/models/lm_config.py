@@ -20,7 +20,8 @@ from sparsemixer_jax.layers import ATTENTION_IMPLS, check_attention_dtype
 from sparsemixer_jax.moe.dispatch import DISPATCHES, GROUPED_IMPLS
 
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
-MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe", "glm4_moe", "gpt_oss")
+MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe", "glm4_moe", "gpt_oss",
+               "deepseek_v3")
 ROPE_KINDS = ("default", "longrope", "yarn")
 NORMS = ("rms", "layer")
 QK_NORMS = ("none", "head", "full")
@@ -47,6 +48,9 @@ class RopeConfig:
         counts bounding its correction range, and whether that range is rounded outwards
         (:func:`sparsemixer_jax.models.rope.yarn_inv_freq`).
       attention_factor: YaRN's scale of cos and sin.
+      mscale_all_dim: YaRN's ``mscale_all_dim``; latent attention (DeepSeek-V3) multiplies its
+        softmax scale by ``(0.1 * mscale_all_dim * ln(factor) + 1)^2`` where it is non-zero
+        (other types read it into ``attention_factor`` only).
       partial_rotary_factor: the fraction of each head's width that is rotated (the first
         ``int(head_dim * factor)`` dimensions; the rest pass unrotated: GLM-4.5).
     """
@@ -64,6 +68,7 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +81,17 @@ class LMConfig:
       model_type: a name in :data:`MODEL_TYPES`, the Hugging Face type saved with the model.
       vocab_size, hidden_size, num_layers: sizes.
       num_heads, num_kv_heads, head_dim: query heads, key/value heads (``num_heads`` divisible
-        by it: grouped-query attention), width of a head (need not be hidden / heads).
+        by it: grouped-query attention), width of a head (need not be hidden / heads); with
+        latent attention the query/key head width, ``qk_nope_head_dim + qk_rope_head_dim``.
+      kv_lora_rank: > 0: multi-head latent attention (DeepSeek-V3,
+        :mod:`sparsemixer_jax.models.latent_attention`): keys and values are expanded from a
+        normed latent of this width, plus one rotary key of ``qk_rope_head_dim`` shared by
+        every head; 0: grouped-query attention.
+      q_lora_rank: the queries' latent width (latent attention; 0: one query projection).
+      qk_rope_head_dim, v_head_dim: latent attention's rotated query/key width (the last
+        dimensions of each head) and value head width.
+      rope_interleave: latent attention's rotated dimensions are pairs ``(x0, x1), (x2, x3)``
+        (DeepSeek's layout) instead of halves.
       intermediate_size: width of the dense layers' MLP.
       moe_intermediate_size: width of each expert.
       num_experts, top_k: experts per MoE layer and per token.
@@ -158,6 +173,11 @@ class LMConfig:
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()
     attention_sinks: bool = False
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     router_bias: bool = False
     expert_biases: bool = False
     swiglu_limit: float | None = None
@@ -238,11 +258,15 @@ class LMConfig:
         if rope.kind not in ROPE_KINDS:
             fail(f"rope kind {rope.kind!r} is not implemented; implemented: "
                  f"{', '.join(ROPE_KINDS)}")
-        if rope.kind == "yarn" and not (rope.factor >= 1 and rope.beta_fast > rope.beta_slow > 0
+        # beta_fast == beta_slow (Kimi-K2's config.json) is computed: the ramp gets transformers'
+        # minimal width (yarn_inv_freq).
+        if rope.kind == "yarn" and not (rope.factor >= 1 and rope.beta_fast >= rope.beta_slow > 0
                                         and rope.original_max_position_embeddings >= 1):
-            fail(f"yarn needs factor >= 1, beta_fast > beta_slow > 0 and "
+            fail(f"yarn needs factor >= 1, beta_fast >= beta_slow > 0 and "
                  f"original_max_position_embeddings >= 1, got {rope}")
-        rotary = int(self.head_dim * rope.partial_rotary_factor)
+        if self.kv_lora_rank:
+            self._check_latent_attention()
+        rotary = self.rotary_dim
         if not 0 < rope.partial_rotary_factor <= 1 or rotary < 2 or rotary % 2:
             fail(f"partial_rotary_factor={rope.partial_rotary_factor} of head_dim="
                  f"{self.head_dim} rotates {rotary} dimensions; it must be an even number >= 2 "
@@ -266,6 +290,44 @@ class LMConfig:
                                  **self.router_option_dict())
         except ValueError as err:
             fail(f"router {self.router!r}: {err}")
+
+    def _check_latent_attention(self) -> None:
+        fail = self._fail
+        for name in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                fail(f"{name} must be an int >= 0, got {value!r}")
+        if not 2 <= self.qk_rope_head_dim < self.head_dim or self.v_head_dim < 1:
+            fail(f"latent attention needs 2 <= qk_rope_head_dim < head_dim and v_head_dim >= 1, "
+                 f"got qk_rope_head_dim={self.qk_rope_head_dim}, head_dim={self.head_dim}, "
+                 f"v_head_dim={self.v_head_dim}")
+        if self.num_kv_heads != self.num_heads:
+            fail(f"latent attention expands keys and values for every head: num_kv_heads="
+                 f"{self.num_kv_heads} must equal num_heads={self.num_heads}")
+        for name, off in (("qk_norm", "none"), ("attention_sinks", False), ("clip_qkv", None),
+                          ("attention_impl", "einsum")):
+            if getattr(self, name) != off:
+                fail(f"latent attention takes {name}={off!r} only, got {getattr(self, name)!r}")
+        if self.rope.partial_rotary_factor != 1.0 or self.rope.kind == "longrope":
+            fail("latent attention rotates qk_rope_head_dim dimensions by default or yarn rope "
+                 "(no partial_rotary_factor, no longrope)")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated width of a query/key head: ``qk_rope_head_dim`` with latent attention,
+        else ``head_dim`` times ``partial_rotary_factor``."""
+        if self.kv_lora_rank:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
+    def cache_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """``(heads, width)`` of a cached key and of a cached value: grouped-query attention's
+        keys and values, or latent attention's normed latent (one "head" of ``kv_lora_rank``)
+        and its rotated shared key (``qk_rope_head_dim``)."""
+        if self.kv_lora_rank:
+            return (1, self.kv_lora_rank), (1, self.qk_rope_head_dim)
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
 
     @staticmethod
     def _fail(message: str) -> None:

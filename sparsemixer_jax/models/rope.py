@@ -40,7 +40,8 @@ def rope_cos_sin(config: LMConfig, positions: jax.Array, num_positions: jax.Arra
                  ) -> tuple[jax.Array, jax.Array]:
     """cos and sin ``[B, T, head_dim]`` (float32) of the rotary embedding at int ``positions``
     ``[B, T]``: frequencies ``1 / theta^(2i / d)``, each used twice (``rotate_half`` layout);
-    ``d`` is the rotated width, ``head_dim`` times ``partial_rotary_factor``.
+    ``d`` is the rotated width (:attr:`LMConfig.rotary_dim`: ``head_dim`` times
+    ``partial_rotary_factor``, or latent attention's ``qk_rope_head_dim``).
 
     longrope (Phi-3.5-MoE) divides the frequencies by ``short_factor`` and scales cos/sin by
     ``short_mscale``, or ``long_mscale`` once ``num_positions`` (the largest position of the
@@ -49,7 +50,7 @@ def rope_cos_sin(config: LMConfig, positions: jax.Array, num_positions: jax.Arra
     switches. YaRN (gpt-oss) takes :func:`yarn_inv_freq` and scales cos/sin by
     ``attention_factor``.
     """
-    rope, d = config.rope, int(config.head_dim * config.rope.partial_rotary_factor)
+    rope, d = config.rope, config.rotary_dim
     inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     scale = jnp.ones((), jnp.float32)
     if rope.kind == "longrope":
@@ -64,6 +65,23 @@ def rope_cos_sin(config: LMConfig, positions: jax.Array, num_positions: jax.Arra
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def yarn_softmax_mscale(rope: RopeConfig) -> float:
+    """The factor DeepSeek-V3's latent attention multiplies its softmax scale by:
+    ``(0.1 * mscale_all_dim * ln(factor) + 1)^2`` under a scaled rope with a non-zero
+    ``mscale_all_dim`` and ``factor > 1``, else 1 (transformers 5.23's ``yarn_apply_mscale``)."""
+    if rope.kind == "default" or not rope.mscale_all_dim or rope.factor <= 1:
+        return 1.0
+    return (0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0) ** 2
+
+
+def deinterleave(x: jax.Array) -> jax.Array:
+    """``x [..., R]`` with its rotary pairs ``(x0, x1), (x2, x3), ...`` (DeepSeek's layout)
+    reordered to halves ``(x0, x2, ...), (x1, x3, ...)``, the layout :func:`apply_rope`
+    rotates: rotating the reordered query and key gives the interleaved rotation's dot
+    products (transformers' ``apply_rotary_pos_emb_interleave`` returns this order too)."""
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

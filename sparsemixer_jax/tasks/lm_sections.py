@@ -126,6 +126,10 @@ class LMModelConfig:
     def from_config(cls, section: Any, where: str = "config.model.") -> LMModelConfig:
         m = cls(**read_fields(cls, section, where))
         family = family_of(m.hf_type, f"{where}hf_type=")
+        if family.latent_attention:
+            raise ValueError(f"{where}hf_type={m.hf_type!r}: its latent attention's widths are "
+                             "not in the model section; fine-tune one of its checkpoints "
+                             "(config.init_from) or choose another hf_type")
         check_positive(where, hidden_size=m.hidden_size, num_layers=m.num_layers,
                        num_heads=m.num_heads, mlp_dim=m.mlp_dim, moe_every=m.moe_every)
         if isinstance(m.num_experts, bool) or not isinstance(m.num_experts, int) \
