@@ -23,7 +23,7 @@ from flax import nnx
 
 from sparsemixer_jax import hf, training
 from sparsemixer_jax.data import lm_text, text
-from sparsemixer_jax.tasks import language_model, lm_sections
+from sparsemixer_jax.tasks import language_model, lm_export, lm_sections
 from sparsemixer_jax.tasks.language_model import LMTask, train_lm
 from sparsemixer_jax.training.preemption import Stopped
 from sparsemixer_jax.training.state import restore_checkpoint
@@ -215,24 +215,40 @@ def test_one_run_per_workdir(corpus, tmp_path):
 
 def test_export_then_load_pretrained_gives_the_trained_models_logits(
         corpus, straight_run, tmp_path, task_steps, last_checkpoint):
+    """The SparseMixer run's export loads, with no arguments, as the trained model; the
+    routing transformers computes (mixtral's top-2 softmax) is stated with its measured logit
+    difference; --routing=type writes the type's routing; a non-empty --out needs --force."""
     out = str(tmp_path / "hf")
-    written = language_model.export_run(straight_run[0], out)
+    written = lm_export.export_run(straight_run[0], out)
     assert written["step"] == 6 and {"config.json", "model.safetensors",
                                      "spm.model"} <= set(written["files"])
     saved = hf.read_config(out)
-    assert saved["model_type"] == "mixtral" and hf.from_hf(saved).router == "switch"
     params, _ = last_checkpoint(straight_run[0], task_steps)
     trained = task_steps.model(training.TrainState(0, params, {}, None))
     trained.eval()
-    # config.json reads back as the trained model's config (with the router the run used: the
-    # type's own top-2 softmax routes otherwise than SparseMixer's masked argmax).
-    routed = {"router": trained.config.router, "jitter_eps": trained.config.jitter_eps}
-    assert hf.from_hf(saved, **routed).replace(hf_config="") == \
-        trained.config.replace(hf_config="")
-    exported, _ = hf.load_pretrained(out, hf_config=trained.config.hf_config, **routed)
+    assert saved["model_type"] == "mixtral"
+    assert saved[hf.ROUTING_KEY]["router"] == trained.config.router == "sparsemixer_v2star"
+    assert hf.from_hf(saved).replace(hf_config="") == trained.config.replace(hf_config="")
+    exported, _ = hf.load_pretrained(out)
     ids = jnp.asarray([[1, 9, 30, 31, 60, 7, 8, 99]])
+    # Float32 tensors as trained; omega folded into w_down changes the last bits only.
     np.testing.assert_allclose(logits_of(exported, ids), logits_of(trained, ids), rtol=1e-5,
                                atol=1e-6)
+    note = written["routing_note"]
+    assert note.startswith("transformers computes mixtral's own routing, switch (top-2, "
+                           "norm_topk_prob), not the trained sparsemixer_v2star (top-2, jitter_eps=")
+    gap = float(note.split("by up to ")[1].split(" ")[0])
+    # SparseMixer's gates differ from the renormalised top-2's (float32 rounding alone: ~1e-6).
+    assert gap > 1e-4 and "\n" not in note
+    # Written as the type routes: our loader computes then what transformers does.
+    with pytest.raises(ValueError, match=r"hf is not empty \(\d+ entries\); --force"):
+        lm_export.export_run(straight_run[0], out, routing="type")
+    again = lm_export.export_run(straight_run[0], out, routing="type", force=True)
+    assert again["routing_note"].startswith("--routing=type: the export routes as mixtral does")
+    assert f"by up to {gap:.3g} " in again["routing_note"]  # the same two forwards
+    as_type, config = hf.load_pretrained(out)
+    assert (config.router, config.jitter_eps) == ("switch", 0.0)
+    assert not np.allclose(logits_of(as_type, ids), logits_of(trained, ids), atol=1e-4)
 
 
 # ------------------------------------------------------------------------------- fine-tuning
@@ -333,7 +349,7 @@ def test_fine_tuning_a_converted_checkpoint_then_exporting_it(corpus, checkpoint
     assert results["steps"] == 2 and np.isfinite(results["valid_bits_per_byte"])
     assert 1 < results["unigram_ppl"] < 97  # the word-level tokenizer's unigram model
     out = str(tmp_path / "hf")
-    written = language_model.export_run(workdir, out)
+    written = lm_export.export_run(workdir, out)
     assert "tokenizer.json" in written["files"]
     exported, _ = hf.load_pretrained(out, hf_config=task.lm.hf_config)
     steps = training.build_steps(task, config, task.lm.vocab_size)
@@ -482,9 +498,9 @@ def test_the_command_reports_a_bad_checkpoint_on_one_line(corpus, tmp_path, caps
 
 def test_export_refuses_a_workdir_that_is_not_a_language_modelling_run(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"is .* a run of experiments\.lm\?"):
-        language_model.export_run(str(tmp_path), str(tmp_path / "out"))
+        lm_export.export_run(str(tmp_path), str(tmp_path / "out"))
     with open(tmp_path / "config.json", "w") as f:
         json.dump({"task": "translation"}, f)
     with pytest.raises(ValueError, match="holds a translation run, not a language-modelling"):
-        language_model.export_run(str(tmp_path), str(tmp_path / "out"))
+        lm_export.export_run(str(tmp_path), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")

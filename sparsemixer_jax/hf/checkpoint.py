@@ -15,7 +15,7 @@ import itertools
 import json
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ from flax import nnx
 from sparsemixer_jax import sharding
 from sparsemixer_jax.hf import mxfp4
 from sparsemixer_jax.hf.config import from_hf, to_hf
-from sparsemixer_jax.hf.weights import Path, convert, read_table, saved_tensors
+from sparsemixer_jax.hf.weights import Path, Slot, convert, read_table, saved_tensors
 from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.partitioning import Partitioner
@@ -52,8 +52,14 @@ def read_config(path: str) -> dict[str, Any]:
     file = os.path.join(path, "config.json")
     if not os.path.isdir(path) or not os.path.isfile(file):
         raise ValueError(f"{path!r} is not a Hugging Face model directory (no config.json)")
-    with open(file) as f:
-        return json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{file}: not readable JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def weight_files(path: str) -> list[str]:
@@ -120,12 +126,14 @@ def _build(config: LMConfig, seed: int, mesh) -> tuple[Any, Any, Any]:
     """``(graphdef, abstract params, other state)`` of the model, without initialising params:
     the other state (router RNG keys, Default MoE's vectors) is computed under ``jit``, where
     the unused parameter initialisers are dead code."""
-    def make() -> CausalLM:
-        return CausalLM(config, mesh=mesh, rngs=nnx.Rngs(params=seed, router=seed + 1))
-
+    make = functools.partial(_make, config, seed, mesh)
     graphdef, params, _ = nnx.split(nnx.eval_shape(make), CHECKPOINT_STATE, ...)
     rest = jax.jit(lambda: nnx.split(make(), CHECKPOINT_STATE, ...)[2])()
     return graphdef, params, rest
+
+
+def _make(config: LMConfig, seed: int, mesh) -> CausalLM:
+    return CausalLM(config, mesh=mesh, rngs=nnx.Rngs(params=seed, router=seed + 1))
 
 
 def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None,
@@ -145,11 +153,13 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
       rules: ``config.mesh.rules``-style mapping of logical axis names to mesh axes.
       **overrides: :class:`LMConfig` fields to change, e.g. ``router="sparsemixer_v2star"``,
         ``jitter_eps``, ``router_options``, ``compute_dtype="bfloat16"``, ``dispatch``,
-        ``capacity_factor``. The default router is the checkpoint's own (docs/lm.md).
+        ``capacity_factor``. The default routing is the checkpoint's own: the one an export
+        of this library recorded in ``config.json``, else the type's (docs/lm.md).
 
     Returns the model in eval mode (``model.train()`` for training) and its config. One-line
-    ValueErrors: not a model directory, unsupported ``model_type``, a refused config key, a
-    missing shard, a tensor of the wrong shape (named), a tensor missing or unexpected (named).
+    ValueErrors: not a model directory, unsupported ``model_type``, a refused or missing config
+    key, a missing shard, an unreadable safetensors file, a tensor of the wrong shape or dtype
+    (named), a tensor missing or unexpected (named).
     """
     source = read_config(path)
     config = from_hf(source, **overrides)
@@ -161,39 +171,16 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
                   else partitioner.shardings(pure, warn=True))
     arrays = jax.tree.map(lambda a, p: _zeros(a.shape, a.dtype, p), pure, placements)
     replicated = None if partitioner is None else partitioner.replicated()
-    filled: dict[Path, np.ndarray] = {}  # per param: which leading-index slices were written
-    layers = CausalLM.layer_index_of(config)
-    table = read_table(config, layers)
     quantized = bool(source.get("quantization_config"))  # from_hf checked the method
-    for name, value in checkpoint_tensors(path, files, quantized):
-        if name.endswith("rotary_emb.inv_freq"):
-            continue  # recomputed from the config; some old checkpoints store it
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # tied: the embedding is the head
-        slots = table.get(name)
-        if not slots or any(_get(arrays, s.path) is None for s in slots):
-            raise ValueError(f"{path!r}: tensor {name!r} has no place in a "
-                             f"{config.model_type} model of this config.json")
-        for slot in slots:
-            target = _get(arrays, slot.path)
-            expected = _hf_shape(target.shape, slot)
-            if tuple(value.shape) != expected:
-                raise ValueError(f"{path!r}: tensor {name!r} has shape "
-                                 f"{list(value.shape)}, expected {list(expected)}")
-            got = np.asarray(convert(value, slot.transform), target.dtype)
-            start = np.asarray(slot.index, np.int32)
-            if replicated is not None:  # several processes: global arrays only
-                got, start = sharding.place((got, start), (replicated, replicated))
-            _set(arrays, slot.path, _write(target, got, start,
-                                           placement=_get(placements, slot.path)))
-            mark = filled.setdefault(slot.path, np.zeros(
-                target.shape[:2] if slot.path[-1] in ("w_gate", "w_up", "w_down")
-                else target.shape[:1] if slot.path[0] == "stacks" else (), bool))
-            mark[slot.index] = True
-    for name, slot in saved_tensors(config, layers):
-        mark = filled.get(slot.path)
-        if mark is None or not np.all(mark[slot.index]):
-            raise ValueError(f"{path!r}: tensor {name!r} is missing from the checkpoint")
+    tensors = checkpoint_tensors(files, quantized)
+    for value, slot in _placed(path, config, pure, tensors):
+        target = _get(arrays, slot.path)
+        got = np.asarray(convert(value, slot.transform), target.dtype)
+        start = np.asarray(slot.index, np.int32)
+        if replicated is not None:  # several processes: global arrays only
+            got, start = sharding.place((got, start), (replicated, replicated))
+        _set(arrays, slot.path, _write(target, got, start,
+                                       placement=_get(placements, slot.path)))
     _omega_ones(arrays, placements)
     nnx.replace_by_pure_dict(abstract, arrays)
     if partitioner is not None:  # RNG streams and layer state: replicated on the mesh
@@ -203,42 +190,137 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     return model, config
 
 
-def checkpoint_tensors(path: str, files: list[str], quantized: bool
-                       ) -> Iterator[tuple[str, np.ndarray]]:
-    """Every tensor of the safetensors ``files``, ``(name, value)``, one at a time (memory-mapped
-    until read). ``quantized`` (an MXFP4 checkpoint): each ``<name>_blocks`` comes with its
+def check_checkpoint(path: str, config: LMConfig) -> None:
+    """What :func:`load_pretrained` would refuse in the checkpoint ``path`` for a model of
+    ``config``, found from the safetensors headers alone (no tensor is read): a missing shard,
+    a truncated or garbled file, a tensor missing, unexpected, or of the wrong shape or dtype.
+    A one-line ValueError naming the file (or directory) and the fault; None if it loads."""
+    files = weight_files(path)
+    quantized = bool(read_config(path).get("quantization_config"))
+    abstract = nnx.eval_shape(functools.partial(_make, config, 0, None))
+    pure = nnx.to_pure_dict(nnx.split(abstract, CHECKPOINT_STATE, ...)[1])
+    for _ in _placed(path, config, pure, checkpoint_tensors(files, quantized, headers=True)):
+        pass
+
+
+#: The floating-point dtypes a checkpoint's tensors may have (each is cast to the params').
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+# safetensors' dtype names in a header, as numpy types.
+_HEADER_DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16,
+                  "I16": np.int16, "U32": np.uint32, "I32": np.int32, "U64": np.uint64,
+                  "I64": np.int64, "F16": np.float16, "BF16": jnp.bfloat16, "F32": np.float32,
+                  "F64": np.float64, "F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2}
+
+
+class TensorInfo(NamedTuple):
+    """A tensor as a safetensors header describes it (``dtype`` a numpy dtype)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def _placed(path: str, config: LMConfig, pure: dict,
+            tensors: Iterator[tuple[str, Any, str]]) -> Iterator[tuple[Any, Slot]]:
+    """``(value, slot)`` for each slot of each checkpoint tensor ``(name, value, file)`` (value
+    an array or a :class:`TensorInfo`), after checking that the tensor has a place in a model of
+    ``config`` (whose params ``pure`` has, abstract or not), a float dtype and the shape the slot
+    needs; once ``tensors`` is exhausted, that every tensor the model needs came. One-line
+    ValueErrors naming the file and the tensor."""
+    layers = CausalLM.layer_index_of(config)
+    table = read_table(config, layers)
+    filled: dict[Path, np.ndarray] = {}  # per param: which leading-index slices were written
+    for name, value, file in tensors:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # recomputed from the config; some old checkpoints store it
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the embedding is the head
+        slots = table.get(name)
+        if not slots or any(_get(pure, s.path) is None for s in slots):
+            raise ValueError(f"{file}: tensor {name!r} has no place in a "
+                             f"{config.model_type} model of this config.json")
+        if np.dtype(value.dtype).name not in FLOAT_DTYPES:
+            raise ValueError(f"{file}: tensor {name!r} is {np.dtype(value.dtype).name}; model "
+                             f"weights are floating point ({', '.join(sorted(FLOAT_DTYPES))})")
+        for slot in slots:
+            shape = _get(pure, slot.path).shape
+            expected = _hf_shape(shape, slot)
+            if tuple(value.shape) != expected:
+                raise ValueError(f"{file}: tensor {name!r} has shape {list(value.shape)}, "
+                                 f"expected {list(expected)}")
+            yield value, slot
+            mark = filled.setdefault(slot.path, np.zeros(
+                shape[:2] if slot.path[-1] in ("w_gate", "w_up", "w_down")
+                else shape[:1] if slot.path[0] == "stacks" else (), bool))
+            mark[slot.index] = True
+    for name, slot in saved_tensors(config, layers):
+        mark = filled.get(slot.path)
+        if mark is None or not np.all(mark[slot.index]):
+            raise ValueError(f"{path!r}: tensor {name!r} is missing from the checkpoint")
+
+
+def _open(file: str):
+    """``safe_open(file)``, or a one-line ValueError for a truncated or garbled file."""
+    safe_open, _ = _safetensors()
+    try:
+        return safe_open(file, "np")
+    except Exception as err:  # safetensors' Rust errors have no common Python base class
+        raise ValueError(f"{file}: not a readable safetensors file "
+                         f"({str(err).splitlines()[0]})") from None
+
+
+def _read(handle: Any, name: str, headers: bool) -> Any:
+    """Tensor ``name`` of an open file: the array, or (``headers``) its :class:`TensorInfo`."""
+    if not headers:
+        return handle.get_tensor(name)
+    part = handle.get_slice(name)
+    return TensorInfo(tuple(part.get_shape()), np.dtype(_HEADER_DTYPES.get(part.get_dtype(),
+                                                                            np.void)))
+
+
+def checkpoint_tensors(files: list[str], quantized: bool, headers: bool = False
+                       ) -> Iterator[tuple[str, Any, str]]:
+    """Every tensor of the safetensors ``files``, ``(name, value, file)``, one at a time
+    (memory-mapped until read; ``headers``: a :class:`TensorInfo` each, nothing read).
+    ``quantized`` (an MXFP4 checkpoint): each ``<name>_blocks`` comes with its
     ``<name>_scales`` (from whichever file holds it) as the dequantized ``<name>``
     (:mod:`sparsemixer_jax.hf.mxfp4`); a missing or misshaped scale tensor is a one-line
-    ValueError naming the file and the tensor."""
-    safe_open, _ = _safetensors()
+    ValueError naming the file and the tensor, as is a file that is not safetensors."""
     holder: dict[str, str] = {}  # tensor name -> its file
     if quantized:
         for file in files:
-            with safe_open(file, "np") as f:
+            with _open(file) as f:
                 holder.update(dict.fromkeys(f.keys(), file))
     for file in files:
-        with safe_open(file, "np") as f:
+        with _open(file) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has keys(), not iteration
                 base = name.removesuffix(mxfp4.BLOCKS).removesuffix(mxfp4.SCALES)
                 if not quantized or base == name:
-                    yield name, f.get_tensor(name)
+                    yield name, _read(f, name, headers), file
                 elif name.endswith(mxfp4.BLOCKS):
-                    yield base, _dequantized(f.get_tensor(name), base, holder, file)
+                    yield base, _dequantized(_read(f, name, headers), base, holder, file,
+                                             headers), file
                 elif base + mxfp4.BLOCKS not in holder:  # scales without blocks
-                    yield name, f.get_tensor(name)
+                    yield name, _read(f, name, headers), file
 
 
-def _dequantized(blocks: np.ndarray, base: str, holder: dict[str, str], file: str
-                 ) -> np.ndarray:
-    """The float32 weight ``base`` of its MXFP4 ``blocks`` (read from ``file``) and scales."""
+def _dequantized(blocks: Any, base: str, holder: dict[str, str], file: str,
+                 headers: bool) -> Any:
+    """The float32 weight ``base`` of its MXFP4 ``blocks`` (read from ``file``) and scales
+    (``headers``: the :class:`TensorInfo` it would have)."""
     scales_name = base + mxfp4.SCALES
     if scales_name not in holder:
         raise ValueError(f"{file}: tensor {base + mxfp4.BLOCKS!r} has no {scales_name!r} in the "
                          "checkpoint (MXFP4 blocks need their scales)")
-    safe_open, _ = _safetensors()
-    with safe_open(holder[scales_name], "np") as g:
-        scales = g.get_tensor(scales_name)
+    with _open(holder[scales_name]) as g:
+        scales = _read(g, scales_name, headers)
     mxfp4.check_pair(blocks, scales, base, holder[scales_name])
+    if headers:  # [..., rows, cols / 32, 16] -> [..., cols, rows]
+        *lead, rows, groups, _ = blocks.shape
+        return TensorInfo((*lead, groups * 2 * mxfp4.BLOCK_BYTES, rows), np.dtype(np.float32))
     return mxfp4.dequantize(blocks, scales)
 
 
