@@ -339,7 +339,47 @@ def test_the_router_section_is_checked_and_honoured_as_far_as_the_run_routes_by_
     lm_sections.refuse_unused_router_fields("", "checkpoint", ("router.score",))
 
 
-@pytest.mark.slow  # fast counterpart: the test above (the model and data it starts from)
+def test_an_export_needs_the_fine_tuning_runs_workdir_alone(corpus, checkpoint, tmp_path):
+    """A fine-tuning run keeps its checkpoint's config and tokenizer files when it starts (here:
+    a workdir with its step-0 state saved as a checkpoint, nothing compiled for training); the
+    export reads them once the checkpoint is gone, makes the tokenizer files it lacked."""
+    from sparsemixer_jax.checkpoint import RunCheckpoints
+
+    start = str(tmp_path / "start")
+    shutil.copytree(checkpoint, start)
+    with open(os.path.join(start, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "unk_token": "<unk>", "model_max_length": 16}, f)
+    config = _finetune_config(corpus, start)
+    task = LMTask.from_config(config)
+    workdir = str(tmp_path / "run")
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json())
+    task.load_data(config, workdir, 1)
+    assert sorted(os.listdir(os.path.join(workdir, language_model.KEPT_DIR))) == [
+        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    steps = training.build_steps(task, config, task.lm.vocab_size)
+    checkpoints = RunCheckpoints(workdir)
+    checkpoints.save_last(0, steps.init_state(), {"step": 0})
+    checkpoints.close()
+    original, _ = hf.load_pretrained(start)
+    shutil.rmtree(start)
+    out = str(tmp_path / "hf")
+    written = lm_export.export_run(workdir, out)
+    assert written["step"] == 0 and written["routing_note"] is None  # the checkpoint's routing
+    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+            "generation_config.json"} <= set(written["files"])
+    with open(os.path.join(out, "special_tokens_map.json")) as f:
+        assert json.load(f) == {"bos_token": "<s>", "unk_token": "<unk>"}  # made
+    with open(os.path.join(out, "tokenizer_config.json")) as f:
+        assert json.load(f)["model_max_length"] == 16  # the checkpoint's own
+    assert hf.load_tokenizer(out).token_id("bos_token") == 0
+    exported, _ = hf.load_pretrained(out)
+    ids = jnp.asarray([[0, 5, 6, 7, 8, 9]])
+    np.testing.assert_array_equal(logits_of(exported, ids), logits_of(original, ids))
+
+
+@pytest.mark.slow  # fast counterpart: the two tests above (the start and the export)
 def test_fine_tuning_a_converted_checkpoint_then_exporting_it(corpus, checkpoint, tmp_path):
     config = _finetune_config(corpus, checkpoint)
     task = LMTask.from_config(config)
@@ -351,7 +391,7 @@ def test_fine_tuning_a_converted_checkpoint_then_exporting_it(corpus, checkpoint
     out = str(tmp_path / "hf")
     written = lm_export.export_run(workdir, out)
     assert "tokenizer.json" in written["files"]
-    exported, _ = hf.load_pretrained(out, hf_config=task.lm.hf_config)
+    exported, _ = hf.load_pretrained(out)
     steps = training.build_steps(task, config, task.lm.vocab_size)
     trained = steps.model(restore_checkpoint(workdir, steps.abstract_state(), "last").state)
     trained.eval()
@@ -386,17 +426,43 @@ def _missing_shard(path):
         json.dump({"weight_map": {"a": "part-1.safetensors", "b": "part-2.safetensors"}}, f)
 
 
-def _wrong_shape(path):
-    from safetensors.numpy import load_file, save_file
+def _changed_tensor(name, value):
+    """Replaces tensor ``name`` of the checkpoint by ``value`` (None: removes it)."""
+    def change(path):
+        from safetensors.numpy import load_file, save_file
 
+        file = os.path.join(path, "model.safetensors")
+        tensors = load_file(file)
+        tensors[name] = value
+        if value is None:
+            del tensors[name]
+        save_file(tensors, file, metadata={"format": "pt"})
+    return change
+
+
+def _truncated(path):
     file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    tensors["model.norm.weight"] = np.ones((5,), np.float32)
-    save_file(tensors, file, metadata={"format": "pt"})
+    os.truncate(file, os.path.getsize(file) // 2)
+
+
+def _garbled(path):
+    with open(os.path.join(path, "model.safetensors"), "r+b") as f:
+        f.seek(12)
+        f.write(b"not json at all")
+
+
+def _without_hidden_size(path):
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    del cfg["hidden_size"]
+    with open(file, "w") as f:
+        json.dump(cfg, f)
 
 
 def test_bad_checkpoints_are_one_line_errors_before_anything_is_written(
         corpus, checkpoint, tmp_path):
+    weights = os.path.join("{path}", "model.safetensors")
     cases = [
         (str(tmp_path / "nowhere"), "is not a Hugging Face model directory"),
         (_broken(checkpoint, tmp_path, "llama", lambda p: _edit_config(p, model_type="llama")),
@@ -405,19 +471,29 @@ def test_bad_checkpoints_are_one_line_errors_before_anything_is_written(
          "shard 'part-2.safetensors' named in model.safetensors.index.json is missing"),
         (_broken(checkpoint, tmp_path, "notok",
                  lambda p: os.remove(os.path.join(p, "tokenizer.json"))), "no tokenizer.json"),
+        (_broken(checkpoint, tmp_path, "nosize", _without_hidden_size),
+         "config.json (mixtral): required key 'hidden_size' is missing"),
+        (_broken(checkpoint, tmp_path, "cut", _truncated), f"{weights}: not a readable "
+         "safetensors file (Error while deserializing header: incomplete metadata"),
+        (_broken(checkpoint, tmp_path, "garbled", _garbled),
+         f"{weights}: not a readable safetensors file (Error while deserializing header"),
+        (_broken(checkpoint, tmp_path, "shape",
+                 _changed_tensor("model.norm.weight", np.ones((5,), np.float32))),
+         f"{weights}: tensor 'model.norm.weight' has shape [5], expected [16]"),
+        (_broken(checkpoint, tmp_path, "dtype",
+                 _changed_tensor("model.norm.weight", np.ones((16,), np.int64))),
+         f"{weights}: tensor 'model.norm.weight' is int64; model weights are floating point"),
+        (_broken(checkpoint, tmp_path, "lacking", _changed_tensor(
+            "model.layers.1.block_sparse_moe.experts.0.w2.weight", None)),
+         "tensor 'model.layers.1.block_sparse_moe.experts.0.w2.weight' is missing"),
     ]
     for path, message in cases:
         workdir = str(tmp_path / "w")
         with pytest.raises(ValueError) as error:
             train_lm(tiny(corpus, init_from=path), workdir)
-        assert message in str(error.value) and "\n" not in str(error.value)
+        assert message.format(path=path) in str(error.value), str(error.value)
+        assert "\n" not in str(error.value)
         assert not os.path.exists(workdir)
-    # A tensor of the wrong shape is found while loading: named, on one line.
-    bad = _broken(checkpoint, tmp_path, "shape", _wrong_shape)
-    with pytest.raises(ValueError) as error:
-        train_lm(tiny(corpus, init_from=bad, **{"data.wikitext": ""}), str(tmp_path / "s"))
-    assert "tensor 'model.norm.weight' has shape [5], expected [16]" in str(error.value)
-    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("override, message", [
