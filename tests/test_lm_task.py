@@ -236,7 +236,8 @@ def test_export_then_load_pretrained_gives_the_trained_models_logits(
                                atol=1e-6)
     note = written["routing_note"]
     assert note.startswith("transformers computes mixtral's own routing, switch (top-2, "
-                           "norm_topk_prob), not the trained sparsemixer_v2star (top-2, jitter_eps=")
+                           "norm_topk_prob), not the trained sparsemixer_v2star (top-2, "
+                           "jitter_eps=")
     gap = float(note.split("by up to ")[1].split(" ")[0])
     # SparseMixer's gates differ from the renormalised top-2's (float32 rounding alone: ~1e-6).
     assert gap > 1e-4 and "\n" not in note
