@@ -283,5 +283,5 @@ def test_a_save_on_a_full_disk_stops_the_run_in_one_line_and_the_rerun_resumes(
                                                                   else (3, 4))
     monkeypatch.undo()
     resumed = training.train(FakeTask(), config, workdir)
-    reference_dir, reference = straight_run
+    _, reference = straight_run
     assert (resumed["weights"], resumed["bias"]) == (reference["weights"], reference["bias"])
