@@ -581,3 +581,29 @@ def test_export_refuses_a_workdir_that_is_not_a_language_modelling_run(tmp_path)
     with pytest.raises(ValueError, match="holds a translation run, not a language-modelling"):
         lm_export.export_run(str(tmp_path), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_an_export_refuses_a_routing_its_checkpoint_cannot_hold():
+    """A learned selection bias is written as e_score_correction_bias (glm4_moe) or refused in
+    one line (mixtral) unless the type's routing is written; so are Default MoE's vectors."""
+    mixtral = hf.from_hf(hf.read_config(os.path.join(HF_DATA, "mixtral")))
+    glm = hf.from_hf(hf.read_config(os.path.join(HF_DATA, "glm4_moe")))
+    own = hf.from_hf(hf.without_routing_record(hf.to_hf(mixtral)))
+    biased = mixtral.replace(router_options=(("bias_update_rate", 0.01),))
+    with pytest.raises(ValueError, match=r"learned a selection bias \(router\.bias_update_rate="
+                                         r"0\.01\) and mixtral checkpoints have no place for one "
+                                         r"\(types with e_score_correction_bias: glm4_moe"):
+        lm_export._written_config(biased, own, "trained")
+    assert lm_export._written_config(biased, own, "type") == mixtral
+    glm_biased = glm.replace(router_options=(*glm.router_options, ("bias_update_rate", 0.01)))
+    assert lm_export._written_config(glm_biased, glm, "trained") == glm_biased
+    defaults = mixtral.replace(router="default_moe_forward")
+    with pytest.raises(ValueError, match="default_moe_forward adds its experts' default vectors"):
+        lm_export._written_config(defaults, own, "trained")
+    # A type's config spells out the option defaults a router section leaves out: the same.
+    spelled = glm.replace(router_options=(("group_score", "top2_sum"), ("num_groups", 1),
+                                          ("routed_scaling_factor", 1.0), ("score", "sigmoid"),
+                                          ("top_groups", 1)))
+    section = glm.replace(router_options=(("group_score", "top2_sum"), ("score", "sigmoid")))
+    assert lm_export._routing_in_effect(spelled) == lm_export._routing_in_effect(section)
+    assert lm_export._routing_in_effect(glm) != lm_export._routing_in_effect(section)  # 4 groups

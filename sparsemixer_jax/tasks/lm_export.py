@@ -26,6 +26,7 @@ from flax import nnx
 from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import sharding
 from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.tasks.language_model import KEPT_DIR, KEPT_FILES, LMTask
 from sparsemixer_jax.training.loop import build_steps
 
@@ -94,7 +95,7 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
     model = steps.model(restored.state)
     step = restored.step
     del steps, restored  # the optimizer state: not needed to write or measure
-    differs = _routing_fields(own) != _routing_fields(trained)
+    differs = _routing_in_effect(own) != _routing_in_effect(trained)
     rows = _validation_rows(workdir) if differs and jax.process_count() == 1 else None
     trained_logits = None if rows is None else np.asarray(_logits(model, *rows))
     if jax.process_index() == 0:
@@ -108,8 +109,9 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
             shutil.copyfile(os.path.join(workdir, "spm.model"), os.path.join(out_dir, "spm.model"))
     note = None
     if differs:
-        measured = _measured(out_dir, trained, own, rows, trained_logits, workdir)
-        note = _routing_note(trained, own, routing, measured)
+        measured, gap = _measured(out_dir, trained, own, rows, trained_logits, workdir)
+        if gap != 0.0:  # else the two differ in training only (a jitter, say)
+            note = _routing_note(trained, own, routing, measured)
     return {"step": step, "model_type": trained.model_type,
             "files": sorted(os.listdir(out_dir)), "routing_note": note}
 
@@ -130,6 +132,16 @@ def _routing_fields(lm: LMConfig) -> dict[str, Any]:
     from sparsemixer_jax.hf.config import ROUTING_FIELDS
 
     return {field: getattr(lm, field) for field in ROUTING_FIELDS.values()}
+
+
+def _routing_in_effect(lm: LMConfig) -> dict[str, Any]:
+    """The routing fields with the options at their defaults left out (a type's config spells
+    out its defaults, a run's router section does not)."""
+    defaults = RouterConfig()
+    fields = _routing_fields(lm)
+    fields["router_options"] = {k: v for k, v in lm.router_option_dict().items()
+                                if getattr(defaults, k, None) != v}
+    return fields
 
 
 def _written_config(trained: LMConfig, own: LMConfig, routing: str) -> LMConfig:
@@ -176,22 +188,24 @@ def _logits(model, tokens, segments):
 
 
 def _measured(out_dir: str, trained: LMConfig, own: LMConfig, rows, trained_logits,
-              workdir: str) -> str:
+              workdir: str) -> tuple[str, float | None]:
     """How far the exported model, routed as its type routes, is from the trained model on
-    ``rows`` (the trained model's logits ``trained_logits``), in words."""
+    ``rows`` (the trained model's logits ``trained_logits``): in words, and the largest
+    difference (None: not measured)."""
     from sparsemixer_jax import hf
 
     if jax.process_count() > 1:
-        return "not measured on several processes"
+        return "not measured on several processes", None
     if rows is None:
-        return f"not measured: {workdir}/packed holds no validation rows"
+        return f"not measured: {workdir}/packed holds no validation rows", None
     kept = ("compute_dtype", "dispatch", "grouped_impl", "capacity_factor", "attention_impl")
     model, _ = hf.load_pretrained(out_dir, **{f: getattr(trained, f) for f in kept},
                                   **_routing_fields(own))
     real = rows[1] != 0
     gap = np.abs(np.asarray(_logits(model, *rows)) - trained_logits)[real]
     return (f"on {int(real.sum())} tokens of {len(real)} validation rows its logits differ "
-            f"from the trained model's by up to {gap.max():.3g} (mean {gap.mean():.3g})")
+            f"from the trained model's by up to {gap.max():.3g} (mean {gap.mean():.3g})",
+            float(gap.max()))
 
 
 def _describe(lm: LMConfig) -> str:
