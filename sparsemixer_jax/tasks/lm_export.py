@@ -213,7 +213,7 @@ def _describe(lm: LMConfig) -> str:
     details = [f"top-{lm.top_k}", *(f"{k}={v}" for k, v in lm.router_options)]
     if lm.jitter_eps:
         details.append(f"jitter_eps={lm.jitter_eps}")
-    if lm.norm_topk_prob:
+    if lm.router_option_dict().get("normalize_top_k"):  # for the routers that renormalise
         details.append("norm_topk_prob")
     return f"{lm.router} ({', '.join(details)})"
 
