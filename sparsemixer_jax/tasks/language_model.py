@@ -338,11 +338,12 @@ def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise ValueError(f"{where}: no tokenizer.json (fine-tuning tokenizes with the "
                          "checkpoint's own tokenizer)")
-    if data_format != "text":
-        try:
-            _check_rows_tokenizer(hf.load_tokenizer(path), data_format)
-        except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
+    try:  # a garbled tokenizer.json or tokenizer_config.json: one line, before any data
+        tokenizer = hf.load_tokenizer(path)
+        if data_format != "text":
+            _check_rows_tokenizer(tokenizer, data_format)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
     return lm
 
 
