@@ -5,7 +5,13 @@
 
 Writes ``config.json`` and safetensors that transformers' ``AutoModelForCausalLM`` loads (and
 :func:`sparsemixer_jax.hf.load_pretrained`), plus the tokenizer: a fine-tuned run's
-``tokenizer.json``, a run from scratch's SentencePiece ``spm.model`` (docs/lm.md).
+``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` and
+``generation_config.json``, a run from scratch's SentencePiece ``spm.model`` (docs/lm.md).
+
+``config.json`` records the routing the run trained with, which ``hf.load_pretrained`` restores;
+transformers computes the type's own. Where the two differ at evaluation, one printed line says
+so with the logit difference measured on a few validation rows. ``--routing=type`` writes the
+type's own routing instead. An existing non-empty ``--out`` is refused without ``--force``.
 
 On several hosts, run the same command on every host, as for training: each restores its own
 shards of the checkpoint, every tensor is gathered from them in turn, and process 0 writes.
@@ -23,6 +29,10 @@ flags.DEFINE_string("workdir", None, "The run's directory (experiments.lm).")
 flags.DEFINE_string("out", None, "The Hugging Face directory to write.")
 flags.DEFINE_enum("checkpoint", "last", ["last", "best"], "Which checkpoint to export.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "The saved tensors' dtype.")
+flags.DEFINE_enum("routing", "trained", ["trained", "type"],
+                  "Record the routing the run trained with (restored by hf.load_pretrained), "
+                  "or write the type's own (what transformers computes).")
+flags.DEFINE_bool("force", False, "Overwrite a non-empty --out.")
 flags.mark_flags_as_required(["workdir", "out"])
 
 
@@ -34,17 +44,20 @@ def main(argv: list[str]) -> None:
     import jax
 
     from sparsemixer_jax.checkpoint import CheckpointError
-    from sparsemixer_jax.tasks.language_model import export_run
+    from sparsemixer_jax.tasks.lm_export import export_run
 
     f = flags.FLAGS
     try:
-        written = export_run(f.workdir, f.out, f.checkpoint, f.dtype)
+        written = export_run(f.workdir, f.out, f.checkpoint, f.dtype, routing=f.routing,
+                             force=f.force)
     except (ValueError, FileNotFoundError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     if jax.process_index() == 0:
         print(f"wrote step {written['step']} of {f.workdir} as a {written['model_type']} "
               f"checkpoint to {f.out}: {', '.join(written['files'])}")
+        if written["routing_note"]:
+            print(f"note: {written['routing_note']}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Loads each reference model of tests/data/hf with :func:`sparsemixer_jax.hf.load_pretrained`
 and saves it with :func:`sparsemixer_jax.hf.save_pretrained` into ``OUT/<type>``, for
 ``scripts/make_hf_references.py --check OUT`` to load with transformers (the round trip back
-into transformers; run by hand, CI has no torch).
+into transformers; run by hand, CI has no torch). ``OUT/mixtral_sparsemixer`` is the Mixtral
+routed by SparseMixer-v2*: its config.json records that routing (``sparsemixer_jax_routing``),
+which transformers keeps and ignores, computing Mixtral's own.
 
     python scripts/hf_roundtrip_save.py /tmp/hf_saved
 """
@@ -22,3 +24,7 @@ if __name__ == "__main__":
         model, config = hf.load_pretrained(os.path.join(DATA, model_type))
         hf.save_pretrained(model, config, os.path.join(out, model_type))
         print(f"{model_type}: saved to {os.path.join(out, model_type)}")
+    model, config = hf.load_pretrained(os.path.join(DATA, "mixtral"),
+                                       router="sparsemixer_v2star", jitter_eps=0.1)
+    hf.save_pretrained(model, config, os.path.join(out, "mixtral_sparsemixer"))
+    print(f"mixtral_sparsemixer: saved to {os.path.join(out, 'mixtral_sparsemixer')}")

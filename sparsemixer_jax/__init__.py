@@ -3,14 +3,16 @@
 The routers (:mod:`sparsemixer_jax.routers`) need JAX alone, so ``import sparsemixer_jax`` loads
 only JAX: the names below that need Flax (the MoE layer, the model, decoding, sharding of model
 state) are imported on first use, and a plain ``pip install sparsemixer-jax`` (no ``[train]``
-extra) can route. The data pipeline (TensorFlow Datasets, SentencePiece) and the training loop
-are imported from their modules when needed.
+extra) can route; importing what needs a missing extra names the extra to install
+(:mod:`sparsemixer_jax.extras`). The data pipeline (TensorFlow Datasets, SentencePiece) and the
+training loop are imported from their modules when needed.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from sparsemixer_jax.extras import name_missing_extras
 from sparsemixer_jax.lazy_names import lazy_names
 from sparsemixer_jax.routers import (
     ROUTERS,
@@ -84,3 +86,4 @@ __version__ = "0.1.0"
 
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY)
+name_missing_extras()  # a missing optional dependency's ImportError names its extra

@@ -24,11 +24,13 @@ run's checkpoint and restores it, with the fallback rule. Nothing is lost to one
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import hashlib
 import json
 import logging
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -47,6 +49,47 @@ REQUIRED_FILES = ("state/_METADATA", "meta/metadata")
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message is one line naming the directory and the cause."""
+
+
+class DiskFull(CheckpointError):
+    """A checkpoint save ran out of space; the message is one line naming the workdir, the save
+    and the space a checkpoint needs. The run stops at it: nothing after the last good save is
+    lost but the steps since, and a rerun with space freed resumes there."""
+
+
+def is_out_of_space(error: BaseException) -> bool:
+    """Whether ``error`` (or one it was raised from) is a full disk or an exceeded quota: an
+    ``OSError`` with ``ENOSPC`` / ``EDQUOT``, or tensorstore's ``RESOURCE_EXHAUSTED`` status
+    whose text carries the system's message (orbax raises it as a ``ValueError``)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(text in str(error) for text in (os.strerror(errno.ENOSPC),
+                                               os.strerror(errno.EDQUOT))):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _bytes(size: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"  # pragma: no cover - unreachable
+
+
+class _DropOutOfSpaceTracebacks(logging.Filter):
+    """Orbax logs a full disk in its background save threads as several ERROR records with
+    tracebacks before the failure reaches the run, which reports it in one line
+    (:class:`DiskFull`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (error is not None and is_out_of_space(error)) and \
+            os.strerror(errno.ENOSPC) not in record.getMessage()
 
 
 def _step_dirs(directory: str) -> list[int]:
@@ -253,9 +296,15 @@ def check_processes_agree(step: int, kind: str) -> None:
 
 class RunCheckpoints:
     """The ``last`` and ``best`` checkpoint managers of one workdir: saving (reading is
-    :func:`read_checkpoint`'s)."""
+    :func:`read_checkpoint`'s).
+
+    Saves run in the background; a save that fails for want of space is a :class:`DiskFull`
+    raised by the next call here (:meth:`poll` finds it as soon as the save ends), and a save
+    the filesystem's free space cannot hold (less than the newest checkpoint's size) is refused
+    before it starts."""
 
     def __init__(self, workdir: str, keep_last: int = KEEP_LAST, keep_best: int = KEEP_BEST):
+        self.workdir = workdir
         self.root = checkpoints_root(workdir)
         # Each manager names its multi-host barriers with its own prefix: orbax names them by
         # step, so saving `best` and `last` of the same step at once would share a barrier name
@@ -272,6 +321,9 @@ class RunCheckpoints:
             )
             for kind, keep in (("last", keep_last), ("best", keep_best))
         )
+        self._pending: dict[str, tuple[int, int]] = {}  # kind -> (step, state bytes) in flight
+        self._quiet = _DropOutOfSpaceTracebacks()
+        logging.getLogger("absl").addFilter(self._quiet)
 
     def manager(self, kind: str) -> ocp.CheckpointManager:
         return {"last": self.last, "best": self.best}[kind]
@@ -291,18 +343,64 @@ class RunCheckpoints:
             if os.path.isdir(step_dir) and not os.path.exists(os.path.join(step_dir, MANIFEST)):
                 write_manifest(step_dir)
 
+    def _confirm(self, kind: str) -> None:
+        """Waits for the save of ``kind`` in flight, if any, and writes its manifest; a
+        :class:`DiskFull` if it ran out of space."""
+        step, state_bytes = self._pending.pop(kind, (None, 0))
+        try:
+            self._write_manifests(self.manager(kind), kind)
+        except Exception as e:
+            if step is None or not is_out_of_space(e):
+                raise
+            raise self._disk_full(kind, step, state_bytes) from None
+
+    def _newest_size(self) -> int | None:
+        """The bytes of the newest finished checkpoint of this run (from its manifest), or None
+        when there is none yet."""
+        for step, kind in list_checkpoints(self.workdir):
+            try:
+                with open(os.path.join(self.step_dir(kind, step), MANIFEST)) as f:
+                    return sum(size for size, _ in json.load(f)["files"].values())
+            except (OSError, ValueError, KeyError):
+                continue
+        return None
+
+    def _disk_full(self, kind: str, step: int, state_bytes: int) -> DiskFull:
+        free = shutil.disk_usage(self.root).free
+        size = self._newest_size()
+        if size is None:  # the first save: the state's size bounds it (orbax compresses)
+            needed = f"this run's state is {_bytes(state_bytes)} before compression"
+            size = state_bytes
+        else:
+            needed = f"a checkpoint of this run takes {_bytes(size)}"
+        return DiskFull(
+            f"{self.workdir}: no space left on its filesystem to save checkpoint {kind}/{step} "
+            f"({_bytes(free)} free; {needed}, and the oldest is removed only once the new one "
+            f"is written): free at least {_bytes(max(size - free, 0) or size)} more and rerun, "
+            "which resumes from the newest checkpoint")
+
     def _save(self, kind: str, step: int, state: Any, meta: dict) -> None:
         manager = self.manager(kind)
         # The previous save of this manager finishes here anyway (orbax waits for it before it
         # starts the next); its manifest is written now, while this one runs in the background.
-        self._write_manifests(manager, kind)
-        manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
+        self._confirm(kind)
+        state_bytes = sum(int(getattr(a, "nbytes", 0)) for a in jax.tree.leaves(state))
+        size = self._newest_size()
+        if size is not None and shutil.disk_usage(self.root).free < size:
+            raise self._disk_full(kind, step, state_bytes)
+        try:
+            manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+        except Exception as e:
+            if not is_out_of_space(e):
+                raise
+            raise self._disk_full(kind, step, state_bytes) from None
+        self._pending[kind] = (step, state_bytes)
 
     def save_last(self, step: int, state: Any, meta: dict) -> None:
         self._save("last", step, state, meta)
@@ -310,12 +408,22 @@ class RunCheckpoints:
     def save_best(self, step: int, state: Any, meta: dict) -> None:
         self._save("best", step, state, meta)
 
+    def poll(self) -> None:
+        """Between steps: a save that has ended is confirmed (:class:`DiskFull` if it ran out
+        of space), so that a run stops at its failed save, not at the next one."""
+        for kind in list(self._pending):
+            if not self.manager(kind).is_saving_in_progress():
+                self._confirm(kind)
+
     def wait(self) -> None:
         """Blocks until asynchronous saves are on disk and have their manifests."""
-        self._write_manifests(self.last, "last")
-        self._write_manifests(self.best, "best")
+        self._confirm("last")
+        self._confirm("best")
 
     def close(self) -> None:
-        self.wait()
-        self.last.close()
-        self.best.close()
+        try:
+            self.wait()
+        finally:
+            self.last.close()
+            self.best.close()
+            logging.getLogger("absl").removeFilter(self._quiet)

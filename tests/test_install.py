@@ -127,3 +127,38 @@ def test_moe_pure_functions_run_without_the_extras():
         print("dispatched")
     """)
     assert "dispatched" in out
+
+
+def test_a_module_needing_a_missing_extra_names_the_extra():
+    """Without Flax (hidden from Python's path finder, as where it is not installed), importing
+    what needs it is a ModuleNotFoundError that names the extra to install."""
+    out = run_without_extras("""
+        import importlib.machinery
+
+        import sparsemixer_jax  # its finder asks after every other one has found nothing
+
+        class HidingPathFinder(importlib.machinery.PathFinder):
+            @classmethod
+            def find_spec(cls, name, path=None, target=None):
+                if name.split(".")[0] in ("flax", "safetensors"):
+                    return None
+                return super().find_spec(name, path, target)
+
+        sys.meta_path[:] = [HidingPathFinder if f is importlib.machinery.PathFinder else f
+                            for f in sys.meta_path if f.__class__.__name__ != "Blocker"]
+        for module, extra in (("sparsemixer_jax.hf", "train"), ("safetensors", "hf")):
+            try:
+                __import__(module)
+            except ModuleNotFoundError as e:
+                print(f"{module}: {e}")
+                assert f"pip install 'sparsemixer-jax[{extra}]'" in str(e), e
+            else:
+                raise AssertionError(f"{module} imported: is the finder on?")
+        try:
+            sparsemixer_jax.MoEFeedForward
+        except ModuleNotFoundError as e:
+            assert e.name == "flax" and "sparsemixer-jax[train]" in str(e), e
+        print("named")
+    """)
+    assert "named" in out and "No module named 'flax': it comes with sparsemixer-jax's " \
+        "train extra" in out

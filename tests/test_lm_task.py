@@ -23,7 +23,7 @@ from flax import nnx
 
 from sparsemixer_jax import hf, training
 from sparsemixer_jax.data import lm_text, text
-from sparsemixer_jax.tasks import language_model, lm_sections
+from sparsemixer_jax.tasks import language_model, lm_export, lm_sections
 from sparsemixer_jax.tasks.language_model import LMTask, train_lm
 from sparsemixer_jax.training.preemption import Stopped
 from sparsemixer_jax.training.state import restore_checkpoint
@@ -215,24 +215,40 @@ def test_one_run_per_workdir(corpus, tmp_path):
 
 def test_export_then_load_pretrained_gives_the_trained_models_logits(
         corpus, straight_run, tmp_path, task_steps, last_checkpoint):
+    """The SparseMixer run's export loads, with no arguments, as the trained model; the
+    routing transformers computes (mixtral's top-2 softmax) is stated with its measured logit
+    difference; --routing=type writes the type's routing; a non-empty --out needs --force."""
     out = str(tmp_path / "hf")
-    written = language_model.export_run(straight_run[0], out)
+    written = lm_export.export_run(straight_run[0], out)
     assert written["step"] == 6 and {"config.json", "model.safetensors",
                                      "spm.model"} <= set(written["files"])
     saved = hf.read_config(out)
-    assert saved["model_type"] == "mixtral" and hf.from_hf(saved).router == "switch"
     params, _ = last_checkpoint(straight_run[0], task_steps)
     trained = task_steps.model(training.TrainState(0, params, {}, None))
     trained.eval()
-    # config.json reads back as the trained model's config (with the router the run used: the
-    # type's own top-2 softmax routes otherwise than SparseMixer's masked argmax).
-    routed = {"router": trained.config.router, "jitter_eps": trained.config.jitter_eps}
-    assert hf.from_hf(saved, **routed).replace(hf_config="") == \
-        trained.config.replace(hf_config="")
-    exported, _ = hf.load_pretrained(out, hf_config=trained.config.hf_config, **routed)
+    assert saved["model_type"] == "mixtral"
+    assert saved[hf.ROUTING_KEY]["router"] == trained.config.router == "sparsemixer_v2star"
+    assert hf.from_hf(saved).replace(hf_config="") == trained.config.replace(hf_config="")
+    exported, _ = hf.load_pretrained(out)
     ids = jnp.asarray([[1, 9, 30, 31, 60, 7, 8, 99]])
+    # Float32 tensors as trained; omega folded into w_down changes the last bits only.
     np.testing.assert_allclose(logits_of(exported, ids), logits_of(trained, ids), rtol=1e-5,
                                atol=1e-6)
+    note = written["routing_note"]
+    assert note.startswith("transformers computes mixtral's own routing, switch (top-2, "
+                           "norm_topk_prob), not the trained sparsemixer_v2star (top-2, "
+                           "jitter_eps=")
+    gap = float(note.split("by up to ")[1].split(" ")[0])
+    # SparseMixer's gates differ from the renormalised top-2's (float32 rounding alone: ~1e-6).
+    assert gap > 1e-4 and "\n" not in note
+    # Written as the type routes: our loader computes then what transformers does.
+    with pytest.raises(ValueError, match=r"hf is not empty \(\d+ entries\); --force"):
+        lm_export.export_run(straight_run[0], out, routing="type")
+    again = lm_export.export_run(straight_run[0], out, routing="type", force=True)
+    assert again["routing_note"].startswith("--routing=type: the export routes as mixtral does")
+    assert f"by up to {gap:.3g} " in again["routing_note"]  # the same two forwards
+    as_type = hf.from_hf(hf.read_config(out))  # what the note measured against
+    assert (as_type.router, as_type.jitter_eps) == ("switch", 0.0)
 
 
 # ------------------------------------------------------------------------------- fine-tuning
@@ -323,7 +339,50 @@ def test_the_router_section_is_checked_and_honoured_as_far_as_the_run_routes_by_
     lm_sections.refuse_unused_router_fields("", "checkpoint", ("router.score",))
 
 
-@pytest.mark.slow  # fast counterpart: the test above (the model and data it starts from)
+def test_an_export_needs_the_fine_tuning_runs_workdir_alone(corpus, checkpoint, tmp_path):
+    """A fine-tuning run keeps its checkpoint's config and tokenizer files when it starts (here:
+    a workdir with its step-0 state saved as a checkpoint, nothing compiled for training); the
+    export reads them once the checkpoint is gone, makes the tokenizer files it lacked."""
+    from safetensors.numpy import load_file
+
+    from sparsemixer_jax.checkpoint import RunCheckpoints
+
+    start = str(tmp_path / "start")
+    shutil.copytree(checkpoint, start)
+    with open(os.path.join(start, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "unk_token": "<unk>", "model_max_length": 16}, f)
+    config = _finetune_config(corpus, start)
+    task = LMTask.from_config(config)
+    workdir = str(tmp_path / "run")
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json())
+    task.load_data(config, workdir, 1)
+    assert sorted(os.listdir(os.path.join(workdir, language_model.KEPT_DIR))) == [
+        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+    steps = training.build_steps(task, config, task.lm.vocab_size)
+    checkpoints = RunCheckpoints(workdir)
+    checkpoints.save_last(0, steps.init_state(), {"step": 0})
+    checkpoints.close()
+    original = load_file(os.path.join(start, "model.safetensors"))
+    shutil.rmtree(start)
+    out = str(tmp_path / "hf")
+    written = lm_export.export_run(workdir, out)
+    assert written["step"] == 0 and written["routing_note"] is None  # the checkpoint's routing
+    assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+            "generation_config.json"} <= set(written["files"])
+    with open(os.path.join(out, "special_tokens_map.json")) as f:
+        assert json.load(f) == {"bos_token": "<s>", "unk_token": "<unk>"}  # made
+    with open(os.path.join(out, "tokenizer_config.json")) as f:
+        assert json.load(f)["model_max_length"] == 16  # the checkpoint's own
+    assert hf.load_tokenizer(out).token_id("bos_token") == 0
+    exported = load_file(os.path.join(out, "model.safetensors"))  # the step-0 state: the start
+    assert exported.keys() == original.keys()
+    for name, value in original.items():
+        np.testing.assert_array_equal(exported[name], value, err_msg=name)
+
+
+@pytest.mark.slow  # fast counterpart: the two tests above (the start and the export)
 def test_fine_tuning_a_converted_checkpoint_then_exporting_it(corpus, checkpoint, tmp_path):
     config = _finetune_config(corpus, checkpoint)
     task = LMTask.from_config(config)
@@ -333,9 +392,9 @@ def test_fine_tuning_a_converted_checkpoint_then_exporting_it(corpus, checkpoint
     assert results["steps"] == 2 and np.isfinite(results["valid_bits_per_byte"])
     assert 1 < results["unigram_ppl"] < 97  # the word-level tokenizer's unigram model
     out = str(tmp_path / "hf")
-    written = language_model.export_run(workdir, out)
+    written = lm_export.export_run(workdir, out)
     assert "tokenizer.json" in written["files"]
-    exported, _ = hf.load_pretrained(out, hf_config=task.lm.hf_config)
+    exported, _ = hf.load_pretrained(out)
     steps = training.build_steps(task, config, task.lm.vocab_size)
     trained = steps.model(restore_checkpoint(workdir, steps.abstract_state(), "last").state)
     trained.eval()
@@ -370,17 +429,43 @@ def _missing_shard(path):
         json.dump({"weight_map": {"a": "part-1.safetensors", "b": "part-2.safetensors"}}, f)
 
 
-def _wrong_shape(path):
-    from safetensors.numpy import load_file, save_file
+def _changed_tensor(name, value):
+    """Replaces tensor ``name`` of the checkpoint by ``value`` (None: removes it)."""
+    def change(path):
+        from safetensors.numpy import load_file, save_file
 
+        file = os.path.join(path, "model.safetensors")
+        tensors = load_file(file)
+        tensors[name] = value
+        if value is None:
+            del tensors[name]
+        save_file(tensors, file, metadata={"format": "pt"})
+    return change
+
+
+def _truncated(path):
     file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    tensors["model.norm.weight"] = np.ones((5,), np.float32)
-    save_file(tensors, file, metadata={"format": "pt"})
+    os.truncate(file, os.path.getsize(file) // 2)
+
+
+def _garbled(path):
+    with open(os.path.join(path, "model.safetensors"), "r+b") as f:
+        f.seek(12)
+        f.write(b"not json at all")
+
+
+def _without_hidden_size(path):
+    file = os.path.join(path, "config.json")
+    with open(file) as f:
+        cfg = json.load(f)
+    del cfg["hidden_size"]
+    with open(file, "w") as f:
+        json.dump(cfg, f)
 
 
 def test_bad_checkpoints_are_one_line_errors_before_anything_is_written(
         corpus, checkpoint, tmp_path):
+    weights = os.path.join("{path}", "model.safetensors")
     cases = [
         (str(tmp_path / "nowhere"), "is not a Hugging Face model directory"),
         (_broken(checkpoint, tmp_path, "llama", lambda p: _edit_config(p, model_type="llama")),
@@ -389,19 +474,31 @@ def test_bad_checkpoints_are_one_line_errors_before_anything_is_written(
          "shard 'part-2.safetensors' named in model.safetensors.index.json is missing"),
         (_broken(checkpoint, tmp_path, "notok",
                  lambda p: os.remove(os.path.join(p, "tokenizer.json"))), "no tokenizer.json"),
+        (_broken(checkpoint, tmp_path, "badtok", lambda p: os.truncate(
+            os.path.join(p, "tokenizer.json"), 10)), "tokenizer.json: not a tokenizers file ("),
+        (_broken(checkpoint, tmp_path, "nosize", _without_hidden_size),
+         "config.json (mixtral): required key 'hidden_size' is missing"),
+        (_broken(checkpoint, tmp_path, "cut", _truncated), f"{weights}: not a readable "
+         "safetensors file (Error while deserializing header: incomplete metadata"),
+        (_broken(checkpoint, tmp_path, "garbled", _garbled),
+         f"{weights}: not a readable safetensors file (Error while deserializing header"),
+        (_broken(checkpoint, tmp_path, "shape",
+                 _changed_tensor("model.norm.weight", np.ones((5,), np.float32))),
+         f"{weights}: tensor 'model.norm.weight' has shape [5], expected [16]"),
+        (_broken(checkpoint, tmp_path, "dtype",
+                 _changed_tensor("model.norm.weight", np.ones((16,), np.int64))),
+         f"{weights}: tensor 'model.norm.weight' is int64; model weights are floating point"),
+        (_broken(checkpoint, tmp_path, "lacking", _changed_tensor(
+            "model.layers.1.block_sparse_moe.experts.0.w2.weight", None)),
+         "tensor 'model.layers.1.block_sparse_moe.experts.0.w2.weight' is missing"),
     ]
     for path, message in cases:
         workdir = str(tmp_path / "w")
         with pytest.raises(ValueError) as error:
             train_lm(tiny(corpus, init_from=path), workdir)
-        assert message in str(error.value) and "\n" not in str(error.value)
+        assert message.format(path=path) in str(error.value), str(error.value)
+        assert "\n" not in str(error.value)
         assert not os.path.exists(workdir)
-    # A tensor of the wrong shape is found while loading: named, on one line.
-    bad = _broken(checkpoint, tmp_path, "shape", _wrong_shape)
-    with pytest.raises(ValueError) as error:
-        train_lm(tiny(corpus, init_from=bad, **{"data.wikitext": ""}), str(tmp_path / "s"))
-    assert "tensor 'model.norm.weight' has shape [5], expected [16]" in str(error.value)
-    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -483,9 +580,35 @@ def test_the_command_reports_a_bad_checkpoint_on_one_line(corpus, tmp_path, caps
 
 def test_export_refuses_a_workdir_that_is_not_a_language_modelling_run(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"is .* a run of experiments\.lm\?"):
-        language_model.export_run(str(tmp_path), str(tmp_path / "out"))
+        lm_export.export_run(str(tmp_path), str(tmp_path / "out"))
     with open(tmp_path / "config.json", "w") as f:
         json.dump({"task": "translation"}, f)
     with pytest.raises(ValueError, match="holds a translation run, not a language-modelling"):
-        language_model.export_run(str(tmp_path), str(tmp_path / "out"))
+        lm_export.export_run(str(tmp_path), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_an_export_refuses_a_routing_its_checkpoint_cannot_hold():
+    """A learned selection bias is written as e_score_correction_bias (glm4_moe) or refused in
+    one line (mixtral) unless the type's routing is written; so are Default MoE's vectors."""
+    mixtral = hf.from_hf(hf.read_config(os.path.join(HF_DATA, "mixtral")))
+    glm = hf.from_hf(hf.read_config(os.path.join(HF_DATA, "glm4_moe")))
+    own = hf.from_hf(hf.without_routing_record(hf.to_hf(mixtral)))
+    biased = mixtral.replace(router_options=(("bias_update_rate", 0.01),))
+    with pytest.raises(ValueError, match=r"learned a selection bias \(router\.bias_update_rate="
+                                         r"0\.01\) and mixtral checkpoints have no place for one "
+                                         r"\(types with e_score_correction_bias: glm4_moe"):
+        lm_export._written_config(biased, own, "trained")
+    assert lm_export._written_config(biased, own, "type") == mixtral
+    glm_biased = glm.replace(router_options=(*glm.router_options, ("bias_update_rate", 0.01)))
+    assert lm_export._written_config(glm_biased, glm, "trained") == glm_biased
+    defaults = mixtral.replace(router="default_moe_forward")
+    with pytest.raises(ValueError, match="default_moe_forward adds its experts' default vectors"):
+        lm_export._written_config(defaults, own, "trained")
+    # A type's config spells out the option defaults a router section leaves out: the same.
+    spelled = glm.replace(router_options=(("group_score", "top2_sum"), ("num_groups", 1),
+                                          ("routed_scaling_factor", 1.0), ("score", "sigmoid"),
+                                          ("top_groups", 1)))
+    section = glm.replace(router_options=(("group_score", "top2_sum"), ("score", "sigmoid")))
+    assert lm_export._routing_in_effect(spelled) == lm_export._routing_in_effect(section)
+    assert lm_export._routing_in_effect(glm) != lm_export._routing_in_effect(section)  # 4 groups

@@ -232,3 +232,56 @@ def test_accumulating_micro_batches_and_a_data_parallel_mesh_match_one_device(st
 if __name__ == "__main__":
     workdir, kill_at = sys.argv[1], int(sys.argv[2])
     training.train(FakeTask(kill_at=kill_at), fake_config(checkpoint_every=1), workdir)
+
+
+# What orbax raises for a save on a full disk (tensorstore's status, seen on a 2 MB tmpfs).
+OUT_OF_SPACE = ValueError(
+    'RESOURCE_EXHAUSTED: Error writing "linear/kernel/0" in OCDBT database at local file '
+    '"/x/checkpoints/last/3.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_0/": '
+    "Failed writing: ...: Failed to write 200022 bytes to file 7: No space left on device "
+    "[OS error 28: No space left on device]")
+
+
+@pytest.mark.parametrize("when", ["at_save", "in_background"])
+def test_a_save_on_a_full_disk_stops_the_run_in_one_line_and_the_rerun_resumes(
+        straight_run, tmp_path, monkeypatch, when):
+    """Orbax's error for a full disk, raised by step 3's save itself or (as a real full disk
+    does) by its background writes: the run stops at that save with one line naming the workdir
+    and the space a checkpoint takes; rerun with space, it resumes to the uninterrupted result."""
+    import orbax.checkpoint as ocp
+
+    from sparsemixer_jax.checkpoint import DiskFull
+
+    save, wait = ocp.CheckpointManager.save, ocp.CheckpointManager.wait_until_finished
+    failed = []
+
+    def full_at_step_3(self, step, *args, **kwargs):
+        if step == 3 and "last" in str(self.directory) and not failed:
+            failed.append(step)
+            if when == "at_save":
+                raise OUT_OF_SPACE
+        return save(self, step, *args, **kwargs)
+
+    def background_failure(self):
+        wait(self)
+        if when == "in_background" and failed == [3] and "last" in str(self.directory):
+            failed.append("raised")
+            raise OUT_OF_SPACE
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_at_step_3)
+    monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", background_failure)
+    workdir = str(tmp_path / "full")
+    config = fake_config(checkpoint_every=1)
+    with pytest.raises(DiskFull) as error:
+        training.train(FakeTask(), config, workdir)
+    message = str(error.value)
+    assert message.startswith(f"{workdir}: no space left on its filesystem to save checkpoint "
+                              "last/3 (") and "\n" not in message
+    assert "a checkpoint of this run takes " in message  # steps 1 and 2 were saved
+    # At the failed save: step 3 (in the background: found between steps once it has ended).
+    assert max(r["step"] for r in kit.read_metrics(workdir)) in ((3,) if when == "at_save"
+                                                                  else (3, 4))
+    monkeypatch.undo()
+    resumed = training.train(FakeTask(), config, workdir)
+    _, reference = straight_run
+    assert (resumed["weights"], resumed["bias"]) == (reference["weights"], reference["bias"])

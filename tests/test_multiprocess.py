@@ -246,7 +246,7 @@ def test_language_model_trains_and_resumes_on_two_processes_as_on_one(lm_runs, l
 def test_lm_export_on_two_processes_writes_one_process_export(lm_runs, tmp_path):
     """``experiments.lm_export`` on two processes, the checkpoint's weights split across them:
     process 0 writes the files that one process's export of the same checkpoint writes."""
-    from sparsemixer_jax.tasks import language_model
+    from sparsemixer_jax.tasks import lm_export
 
     _, _, workdir, _ = lm_runs
     out = str(tmp_path / "two")
@@ -255,7 +255,7 @@ def test_lm_export_on_two_processes_writes_one_process_export(lm_runs, tmp_path)
     assert "wrote step 4" in finished[0].stdout
     assert "wrote" not in finished[1].stdout
     one = str(tmp_path / "one")
-    language_model.export_run(workdir, one)
+    lm_export.export_run(workdir, one)
     written, reference = _files(out), _files(one)
     assert written.keys() == reference.keys()
     for name, content in reference.items():

@@ -5,8 +5,11 @@
     from sparsemixer_jax import hf
     model, config = hf.load_pretrained(path)    # config.json + *.safetensors (sharded too)
     logits = model(input_ids)                   # [B, T, V], float32; the model is in eval mode
-    hf.save_pretrained(model, config, out_dir)  # loads in transformers' AutoModelForCausalLM
+    hf.save_pretrained(model, config, out_dir)  # loads in transformers' AutoModelForCausalLM;
+                                                # config.json records the routing (ROUTING_KEY)
     tokenizer = hf.load_tokenizer(path)         # tokenizer.json, special tokens, chat template
+
+:func:`check_checkpoint` finds what loading would refuse from the safetensors headers alone.
 
 Types: ``mixtral``, ``qwen3_moe``, ``olmoe``, ``qwen2_moe``, ``phimoe``, ``glm4_moe``,
 ``gpt_oss`` (MXFP4 experts dequantized on load), ``deepseek_v3`` (``kimi_k2`` read as it;
@@ -16,9 +19,14 @@ block-FP8 weights dequantized on load; docs/lm.md; one record each in
 'sparsemixer-jax[hf]'``; torch is never imported.
 """
 
-from sparsemixer_jax.hf.checkpoint import load_pretrained, read_config, save_pretrained
-from sparsemixer_jax.hf.config import from_hf, to_hf
+from sparsemixer_jax.hf.checkpoint import (
+    check_checkpoint,
+    load_pretrained,
+    read_config,
+    save_pretrained,
+)
+from sparsemixer_jax.hf.config import ROUTING_KEY, from_hf, to_hf, without_routing_record
 from sparsemixer_jax.hf.tokenizer import HFTokenizer, load_tokenizer
 
-__all__ = ["HFTokenizer", "from_hf", "load_pretrained", "load_tokenizer", "read_config",
-           "save_pretrained", "to_hf"]
+__all__ = ["ROUTING_KEY", "HFTokenizer", "check_checkpoint", "from_hf", "load_pretrained",
+           "load_tokenizer", "read_config", "save_pretrained", "to_hf", "without_routing_record"]

@@ -18,7 +18,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,7 @@ from flax import nnx
 from sparsemixer_jax import sharding
 from sparsemixer_jax.hf import fp8, mxfp4, safetensors_read
 from sparsemixer_jax.hf.config import from_hf, to_hf
-from sparsemixer_jax.hf.weights import Path, convert, read_table, saved_tensors
+from sparsemixer_jax.hf.weights import Path, Slot, convert, read_table, saved_tensors
 from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.partitioning import Partitioner
@@ -37,9 +37,11 @@ from sparsemixer_jax.partitioning import Partitioner
 #: ``e_score_correction_bias``, the layer's bias state).
 CHECKPOINT_STATE = nnx.Any(nnx.Param, nnx.PathContains("expert_bias"))
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
 LAYER_NUMBER = re.compile(r"model\.layers\.(\d+)\.")
 logger = logging.getLogger(__name__)
-SINGLE_FILE = "model.safetensors"
 
 
 def _safetensors():
@@ -57,8 +59,14 @@ def read_config(path: str) -> dict[str, Any]:
     file = os.path.join(path, "config.json")
     if not os.path.isdir(path) or not os.path.isfile(file):
         raise ValueError(f"{path!r} is not a Hugging Face model directory (no config.json)")
-    with open(file) as f:
-        return json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{file}: not readable JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def weight_files(path: str) -> list[str]:
@@ -125,12 +133,14 @@ def _build(config: LMConfig, seed: int, mesh) -> tuple[Any, Any, Any]:
     """``(graphdef, abstract params, other state)`` of the model, without initialising params:
     the other state (router RNG keys, Default MoE's vectors) is computed under ``jit``, where
     the unused parameter initialisers are dead code."""
-    def make() -> CausalLM:
-        return CausalLM(config, mesh=mesh, rngs=nnx.Rngs(params=seed, router=seed + 1))
-
+    make = functools.partial(_make, config, seed, mesh)
     graphdef, params, _ = nnx.split(nnx.eval_shape(make), CHECKPOINT_STATE, ...)
     rest = jax.jit(lambda: nnx.split(make(), CHECKPOINT_STATE, ...)[2])()
     return graphdef, params, rest
+
+
+def _make(config: LMConfig, seed: int, mesh) -> CausalLM:
+    return CausalLM(config, mesh=mesh, rngs=nnx.Rngs(params=seed, router=seed + 1))
 
 
 def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None = None,
@@ -150,15 +160,17 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
       rules: ``config.mesh.rules``-style mapping of logical axis names to mesh axes.
       **overrides: :class:`LMConfig` fields to change, e.g. ``router="sparsemixer_v2star"``,
         ``jitter_eps``, ``router_options``, ``compute_dtype="bfloat16"``, ``dispatch``,
-        ``capacity_factor``. The default router is the checkpoint's own (docs/lm.md).
+        ``capacity_factor``. The default routing is the checkpoint's own: the one an export
+        of this library recorded in ``config.json``, else the type's (docs/lm.md).
 
     Quantized checkpoints (gpt-oss's MXFP4 experts, DeepSeek-V3's block-FP8 weights) are
     dequantized as each tensor is read; tensors of layers past ``num_hidden_layers``
     (multi-token prediction) are skipped with one logged line.
 
     Returns the model in eval mode (``model.train()`` for training) and its config. One-line
-    ValueErrors: not a model directory, unsupported ``model_type``, a refused config key, a
-    missing shard, a tensor of the wrong shape (named), a tensor missing or unexpected (named).
+    ValueErrors: not a model directory, unsupported ``model_type``, a refused or missing config
+    key, a missing shard, an unreadable safetensors file, a tensor of the wrong shape or dtype
+    (named), a tensor missing or unexpected (named).
     """
     source = read_config(path)
     config = from_hf(source, **overrides)
@@ -170,44 +182,17 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
                   else partitioner.shardings(pure, warn=True))
     arrays = jax.tree.map(lambda a, p: _zeros(a.shape, a.dtype, p), pure, placements)
     replicated = None if partitioner is None else partitioner.replicated()
-    filled: dict[Path, np.ndarray] = {}  # per param: which leading-index slices were written
-    layers = CausalLM.layer_index_of(config)
-    table = read_table(config, layers)
     quantization = source.get("quantization_config") or {}  # from_hf checked the method
     beyond: set[int] = set()  # layers past num_hidden_layers (multi-token prediction)
-    for name, value in checkpoint_tensors(path, files, quantization):
-        if name.endswith("rotary_emb.inv_freq"):
-            continue  # recomputed from the config; some old checkpoints store it
-        number = LAYER_NUMBER.match(name)
-        if number and int(number.group(1)) >= config.num_layers:
-            beyond.add(int(number.group(1)))  # as transformers, which builds no such layer
-            continue
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # tied: the embedding is the head
-        slots = table.get(name)
-        if not slots or any(_get(arrays, s.path) is None for s in slots):
-            raise ValueError(f"{path!r}: tensor {name!r} has no place in a "
-                             f"{config.model_type} model of this config.json")
-        for slot in slots:
-            target = _get(arrays, slot.path)
-            expected = _hf_shape(target.shape, slot)
-            if tuple(value.shape) != expected:
-                raise ValueError(f"{path!r}: tensor {name!r} has shape "
-                                 f"{list(value.shape)}, expected {list(expected)}")
-            got = np.asarray(convert(value, slot.transform), target.dtype)
-            start = np.asarray(slot.index, np.int32)
-            if replicated is not None:  # several processes: global arrays only
-                got, start = sharding.place((got, start), (replicated, replicated))
-            _set(arrays, slot.path, _write(target, got, start,
-                                           placement=_get(placements, slot.path)))
-            mark = filled.setdefault(slot.path, np.zeros(
-                target.shape[:2] if slot.path[-1] in ("w_gate", "w_up", "w_down")
-                else target.shape[:1] if slot.path[0] == "stacks" else (), bool))
-            mark[slot.index] = True
-    for name, slot in saved_tensors(config, layers):
-        mark = filled.get(slot.path)
-        if mark is None or not np.all(mark[slot.index]):
-            raise ValueError(f"{path!r}: tensor {name!r} is missing from the checkpoint")
+    tensors = checkpoint_tensors(files, quantization)
+    for value, slot in _placed(path, config, pure, tensors, beyond):
+        target = _get(arrays, slot.path)
+        got = np.asarray(convert(value, slot.transform), target.dtype)
+        start = np.asarray(slot.index, np.int32)
+        if replicated is not None:  # several processes: global arrays only
+            got, start = sharding.place((got, start), (replicated, replicated))
+        _set(arrays, slot.path, _write(target, got, start,
+                                       placement=_get(placements, slot.path)))
     if beyond:
         logger.info("%s: skipped the tensors of layers %s past num_hidden_layers=%d "
                     "(multi-token prediction layers, which this model does not compute)",
@@ -221,39 +206,118 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     return model, config
 
 
-def checkpoint_tensors(path: str, files: list[str], quantization: dict[str, Any]
-                       ) -> Iterator[tuple[str, np.ndarray]]:
-    """Every tensor of the safetensors ``files``, ``(name, value)``, one at a time (memory-mapped
-    until read, in its own dtype: :mod:`sparsemixer_jax.hf.safetensors_read`). ``quantization``:
-    the checkpoint's ``quantization_config`` (empty: none). MXFP4: each ``<name>_blocks`` comes
-    with its ``<name>_scales`` (from whichever file holds it) as the dequantized ``<name>``
-    (:mod:`sparsemixer_jax.hf.mxfp4`); block FP8: each e4m3 weight with its
-    ``weight_scale_inv`` (:mod:`sparsemixer_jax.hf.fp8`). A missing or misshaped scale tensor is
-    a one-line ValueError naming the file and the tensor."""
-    headers = {file: safetensors_read.header(file) for file in files}
-    holder = {name: file for file, entries in headers.items() for name in entries}
+def check_checkpoint(path: str, config: LMConfig) -> None:
+    """What :func:`load_pretrained` would refuse in the checkpoint ``path`` for a model of
+    ``config``, found from the safetensors headers alone (no tensor is read): a missing shard,
+    a truncated or garbled file, a tensor missing, unexpected, or of the wrong shape or dtype.
+    A one-line ValueError naming the file (or directory) and the fault; None if it loads."""
+    files = weight_files(path)
+    quantization = read_config(path).get("quantization_config") or {}
+    abstract = nnx.eval_shape(functools.partial(_make, config, 0, None))
+    pure = nnx.to_pure_dict(nnx.split(abstract, CHECKPOINT_STATE, ...)[1])
+    for _ in _placed(path, config, pure, checkpoint_tensors(files, quantization, headers=True),
+                     set()):
+        pass
 
-    def tensor(name: str) -> np.ndarray:
-        return safetensors_read.read(holder[name], headers[holder[name]][name])
+
+#: The floating-point dtypes a checkpoint's tensors may have (each is cast to the params').
+FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+class TensorInfo(NamedTuple):
+    """A tensor as a safetensors header describes it (``dtype`` a numpy dtype)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def _placed(path: str, config: LMConfig, pure: dict, tensors: Iterator[tuple[str, Any, str]],
+            beyond: set[int]) -> Iterator[tuple[Any, Slot]]:
+    """``(value, slot)`` for each slot of each checkpoint tensor ``(name, value, file)`` (value
+    an array or a :class:`TensorInfo`), after checking that the tensor has a place in a model of
+    ``config`` (whose params ``pure`` has, abstract or not), a float dtype and the shape the slot
+    needs; once ``tensors`` is exhausted, that every tensor the model needs came. Tensors of
+    layers past ``num_hidden_layers`` (multi-token prediction) are skipped, their layer numbers
+    added to ``beyond``, as transformers builds no such layer. One-line ValueErrors naming the
+    file and the tensor."""
+    layers = CausalLM.layer_index_of(config)
+    table = read_table(config, layers)
+    filled: dict[Path, np.ndarray] = {}  # per param: which leading-index slices were written
+    for name, value, file in tensors:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # recomputed from the config; some old checkpoints store it
+        number = LAYER_NUMBER.match(name)
+        if number and int(number.group(1)) >= config.num_layers:
+            beyond.add(int(number.group(1)))
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the embedding is the head
+        slots = table.get(name)
+        if not slots or any(_get(pure, s.path) is None for s in slots):
+            raise ValueError(f"{file}: tensor {name!r} has no place in a "
+                             f"{config.model_type} model of this config.json")
+        if np.dtype(value.dtype).name not in FLOAT_DTYPES:
+            raise ValueError(f"{file}: tensor {name!r} is {np.dtype(value.dtype).name}; model "
+                             f"weights are floating point ({', '.join(sorted(FLOAT_DTYPES))})")
+        for slot in slots:
+            shape = _get(pure, slot.path).shape
+            expected = _hf_shape(shape, slot)
+            if tuple(value.shape) != expected:
+                raise ValueError(f"{file}: tensor {name!r} has shape {list(value.shape)}, "
+                                 f"expected {list(expected)}")
+            yield value, slot
+            mark = filled.setdefault(slot.path, np.zeros(
+                shape[:2] if slot.path[-1] in ("w_gate", "w_up", "w_down")
+                else shape[:1] if slot.path[0] == "stacks" else (), bool))
+            mark[slot.index] = True
+    for name, slot in saved_tensors(config, layers):
+        mark = filled.get(slot.path)
+        if mark is None or not np.all(mark[slot.index]):
+            raise ValueError(f"{path!r}: tensor {name!r} is missing from the checkpoint")
+
+
+def _info(entry: dict) -> TensorInfo:
+    """A :func:`safetensors_read.header` row as a :class:`TensorInfo`."""
+    return TensorInfo(tuple(entry["shape"]), np.dtype(safetensors_read.DTYPES[entry["dtype"]]))
+
+
+def checkpoint_tensors(files: list[str], quantization: dict[str, Any], headers: bool = False
+                       ) -> Iterator[tuple[str, Any, str]]:
+    """Every tensor of the safetensors ``files``, ``(name, value, file)``, one at a time
+    (memory-mapped until read, in its own dtype: :mod:`sparsemixer_jax.hf.safetensors_read`;
+    ``headers``: a :class:`TensorInfo` each, nothing read). ``quantization``: the checkpoint's
+    ``quantization_config`` (empty: none). MXFP4: each ``<name>_blocks`` comes with its
+    ``<name>_scales`` (from whichever file holds it) as the dequantized ``<name>``
+    (:mod:`sparsemixer_jax.hf.mxfp4`); block FP8: each float8 weight with its
+    ``weight_scale_inv`` (:mod:`sparsemixer_jax.hf.fp8`). A missing or misshaped scale tensor, or
+    a file that is not safetensors, is a one-line ValueError naming the file (and tensor)."""
+    tables = {file: safetensors_read.header(file) for file in files}
+    holder = {name: file for file, entries in tables.items() for name in entries}
+
+    def tensor(name: str) -> Any:
+        entry = tables[holder[name]][name]
+        return _info(entry) if headers else safetensors_read.read(holder[name], entry)
 
     method = quantization.get("quant_method")
     block = _fp8_block(quantization) if method == "fp8" else (0, 0)
-    for file, entries in headers.items():
+    for file, entries in tables.items():
         for name, entry in entries.items():
             if method == "fp8":
                 if entry["dtype"] in fp8.FP8_DTYPES:
-                    yield name, _fp8_weight(file, name, tensor, holder, block)
+                    yield name, _fp8_weight(file, name, tensor, holder, block, headers), file
                 elif not (name.endswith(fp8.SCALE_SUFFIX)
                           and name.removesuffix(fp8.SCALE_SUFFIX) in holder):
-                    yield name, tensor(name)  # unquantized (a lone scale: no place)
+                    yield name, tensor(name), file  # unquantized (a lone scale: no place)
                 continue
             base = name.removesuffix(mxfp4.BLOCKS).removesuffix(mxfp4.SCALES)
             if not method or base == name:
-                yield name, tensor(name)
+                yield name, tensor(name), file
             elif name.endswith(mxfp4.BLOCKS):
-                yield base, _dequantized(tensor(name), base, tensor, holder, file)
+                yield base, _dequantized(tensor(name), base, tensor, holder, file, headers), file
             elif base + mxfp4.BLOCKS not in holder:  # scales without blocks
-                yield name, tensor(name)
+                yield name, tensor(name), file
 
 
 def _fp8_block(quantization: dict[str, Any]) -> tuple[int, int]:
@@ -266,26 +330,33 @@ def _fp8_block(quantization: dict[str, Any]) -> tuple[int, int]:
 
 
 def _fp8_weight(file: str, name: str, tensor: Any, holder: dict[str, str],
-                block: tuple[int, int]) -> np.ndarray:
-    """The float32 weight ``name`` (e4m3, in ``file``) of its values and its scale tensor."""
+                block: tuple[int, int], headers: bool) -> Any:
+    """The float32 weight ``name`` (float8, in ``file``) of its values and its scale tensor
+    (``headers``: the :class:`TensorInfo` it would have)."""
     scale_name = name + fp8.SCALE_SUFFIX
     if scale_name not in holder:
         raise ValueError(f"{file}: tensor {name!r} is float8 but the checkpoint has no "
                          f"{scale_name!r} (block FP8 weights need their scales)")
     weight, scale = tensor(name), tensor(scale_name)
     fp8.check_scale(weight.shape, scale, block, name, holder[scale_name])
+    if headers:
+        return TensorInfo(weight.shape, np.dtype(np.float32))
     return fp8.dequantize(weight, scale, block)
 
 
-def _dequantized(blocks: np.ndarray, base: str, tensor: Any, holder: dict[str, str], file: str
-                 ) -> np.ndarray:
-    """The float32 weight ``base`` of its MXFP4 ``blocks`` (read from ``file``) and scales."""
+def _dequantized(blocks: Any, base: str, tensor: Any, holder: dict[str, str], file: str,
+                 headers: bool) -> Any:
+    """The float32 weight ``base`` of its MXFP4 ``blocks`` (read from ``file``) and scales
+    (``headers``: the :class:`TensorInfo` it would have)."""
     scales_name = base + mxfp4.SCALES
     if scales_name not in holder:
         raise ValueError(f"{file}: tensor {base + mxfp4.BLOCKS!r} has no {scales_name!r} in the "
                          "checkpoint (MXFP4 blocks need their scales)")
     scales = tensor(scales_name)
     mxfp4.check_pair(blocks, scales, base, holder[scales_name])
+    if headers:  # [..., rows, cols / 32, 16] -> [..., cols, rows]
+        *lead, rows, groups, _ = blocks.shape
+        return TensorInfo((*lead, groups * 2 * mxfp4.BLOCK_BYTES, rows), np.dtype(np.float32))
     return mxfp4.dequantize(blocks, scales)
 
 

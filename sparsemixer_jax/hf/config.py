@@ -38,6 +38,13 @@ COMMON_KEYS = frozenset({
 # token (gpt-oss's config.json on the Hub says experts_per_token).
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token")
+#: The key under which an export records how the model routes (:func:`routing_record`):
+#: transformers keeps it as an attribute it never reads and computes the type's own routing;
+#: :func:`from_hf` restores the recorded one.
+ROUTING_KEY = "sparsemixer_jax_routing"
+#: The :class:`LMConfig` fields of the routing, by their name in the record.
+ROUTING_FIELDS = {"router": "router", "jitter_eps": "jitter_eps",
+                  "norm_topk_prob": "norm_topk_prob", "options": "router_options"}
 
 
 def _refuse(model_type: str, message: str) -> None:
@@ -114,7 +121,7 @@ def _check_keys(cfg: dict[str, Any], family: Family) -> None:
     """Refuses keys this model does not know or does not compute, each in one line."""
     model_type = family.model_type
     unknown = sorted(set(cfg) - (METADATA_KEYS | COMMON_KEYS | set(EXPERT_KEYS)
-                                 | family.known_keys))
+                                 | family.known_keys | {ROUTING_KEY}))
     if unknown:
         _refuse(model_type, f"key {unknown[0]!r} is not known for this type and may change "
                             f"the computation, so it is refused (all unknown: {unknown})")
@@ -211,16 +218,58 @@ def _type_extras(cfg: dict[str, Any], family: Family, fields: dict[str, Any]
     return extras
 
 
+def _check_sizes(cfg: dict[str, Any], family: Family) -> None:
+    """The sizes every checkpoint states (transformers would default them to its own model's,
+    which never fit the tensors): each present and an integer, else a one-line refusal."""
+    needed = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
+    if family.dense_layers != "sparse_step":  # the expert width, or the dense MLP's
+        needed.append("intermediate_size")
+    for key in needed:
+        if cfg.get(key) is None:
+            _refuse(family.model_type, f"required key {key!r} is missing")
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int):
+            _refuse(family.model_type, f"{key}={cfg[key]!r} is not an integer")
+
+
+def routing_record(config: LMConfig) -> dict[str, Any]:
+    """How ``config`` routes, as ``config.json``'s :data:`ROUTING_KEY` records it."""
+    record = {name: getattr(config, field) for name, field in ROUTING_FIELDS.items()}
+    record["options"] = dict(config.router_options)
+    return record
+
+
+def _recorded_routing(record: Any, model_type: str) -> dict[str, Any]:
+    """The :class:`LMConfig` routing fields of a :data:`ROUTING_KEY` record (its values are
+    checked by :class:`LMConfig`)."""
+    if not isinstance(record, dict) or set(record) != set(ROUTING_FIELDS) or \
+            not isinstance(record["options"], dict):
+        _refuse(model_type, f"{ROUTING_KEY} must be an object with the fields "
+                            f"{sorted(ROUTING_FIELDS)} (options an object), got {record!r}")
+    fields = {ROUTING_FIELDS[name]: value for name, value in record.items()}
+    fields["router_options"] = tuple(sorted(record["options"].items()))
+    return fields
+
+
+def without_routing_record(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` as transformers computes it: without the :data:`ROUTING_KEY` record."""
+    return {k: v for k, v in cfg.items() if k != ROUTING_KEY}
+
+
 def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
     """An :class:`LMConfig` from a ``config.json`` dict; ``overrides`` replace fields after
     (``router``, ``jitter_eps``, ``compute_dtype``, ``dispatch``, ...).
 
-    Raises ValueError in one line for an unsupported ``model_type`` (naming the supported ones)
-    and for any key that would change the computation in a way not implemented here.
+    The routing is the type's own, or the one an export recorded under :data:`ROUTING_KEY`
+    (the routing the model was trained with; transformers ignores the record).
+
+    Raises ValueError in one line for an unsupported ``model_type`` (naming the supported ones),
+    a missing size, and any key that would change the computation in a way not implemented
+    here.
     """
     family = family_of(cfg.get("model_type"))
     model_type = family.model_type
     _check_keys(cfg, family)
+    _check_sizes(cfg, family)
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or hidden // heads
     if family.latent_attention:  # its head_dim key (transformers writes one) is the rotary width
@@ -249,6 +298,8 @@ def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
         value = key.cast(cfg.get(key.name, family.default(key.name)))
         fields.update(dict.fromkeys(key.fields, value))
     fields.update(_type_extras(cfg, family, fields))
+    if ROUTING_KEY in cfg:
+        fields.update(_recorded_routing(cfg[ROUTING_KEY], model_type))
     config = LMConfig(
         model_type=model_type, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
         num_layers=num_layers, num_heads=heads, num_kv_heads=int(kv_heads),
@@ -275,7 +326,8 @@ def _written(config: LMConfig, family: Family, key: Key) -> Any:
 
 def to_hf(config: LMConfig) -> dict[str, Any]:
     """The ``config.json`` dict of ``config`` as transformers 5.x writes it (``rope_parameters``),
-    keeping the keys of the file it was read from that do not change the computation."""
+    keeping the keys of the file it was read from that do not change the computation, with the
+    model's routing recorded under :data:`ROUTING_KEY` (:func:`from_hf` restores it)."""
     c, family = config, family_of(config.model_type, "LMConfig: model_type ")
     t = family.model_type
     out = {k: v for k, v in c.hf.items() if k in METADATA_KEYS}
@@ -351,4 +403,5 @@ def to_hf(config: LMConfig) -> dict[str, Any]:
                              f"{c.moe_intermediate_size} each; shared_expert_size="
                              f"{c.shared_expert_size} is not a multiple")
         out[family.shared_expert_count_key] = count
+    out[ROUTING_KEY] = routing_record(c)
     return out

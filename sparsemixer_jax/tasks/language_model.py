@@ -5,14 +5,14 @@ checkpoint (``config.init_from``, its own tokenizer).
 
 ``train_lm(config, workdir)`` is the whole run: next-token loss plus the routers' auxiliary
 losses, validation perplexity and bits per byte on held-out text, and at the end the second
-held-out set (WikiText-2), the unigram baseline and generated text. :func:`export_run` writes a
-run's checkpoint as a Hugging Face directory.
+held-out set (WikiText-2), the unigram baseline and generated text.
+:func:`sparsemixer_jax.tasks.lm_export.export_run` writes a run's checkpoint as a Hugging Face
+directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -46,11 +46,16 @@ from sparsemixer_jax.tasks.lm_sections import (
 )
 from sparsemixer_jax.training import Run, TaskData, train
 from sparsemixer_jax.training.hosts import is_main_process, wait_for_all_processes
-from sparsemixer_jax.training.loop import build_steps, evaluate
+from sparsemixer_jax.training.loop import evaluate
 
 logger = logging.getLogger(__name__)
 
 _SUMS = ("nll", "tokens", "correct", "bytes")
+#: Where a fine-tuning run keeps copies of its checkpoint's files other than the weights
+#: (:data:`KEPT_FILES`, those it has), when it starts: its export needs no ``init_from``.
+KEPT_DIR = "init_from_files"
+KEPT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 
 
 def next_token_sums(logits: jax.Array, tokens: jax.Array, is_target: jax.Array,
@@ -217,6 +222,8 @@ class LMTask:
                 documents["train"], documents["valid"] = lm_text.split_documents(d, source)
             return documents[name]
 
+        if self.init_from and is_main_process():
+            keep_checkpoint_files(self.init_from, workdir)
         if not is_main_process():  # process 0 trains the vocabulary, the others then read it
             wait_for_all_processes("vocabulary ready")
         # From scratch is text only (chat rows need a checkpoint's tokenizer: from_config).
@@ -317,7 +324,6 @@ def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
     refused key, a missing shard or tokenizer, or no chat template (``chat`` data) or eos
     token (``prompt_completion``)."""
     from sparsemixer_jax import hf
-    from sparsemixer_jax.hf.checkpoint import weight_files
 
     where = f"config.init_from={path!r}"
     try:
@@ -327,17 +333,17 @@ def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
             check_router_for_lm(router, cfg.get("model_type", ""))
             overrides.update(router_overrides(router, cfg.get("model_type", "")))
         lm = hf.from_hf(cfg, **overrides)
-        weight_files(path)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise ValueError(f"{where}: no tokenizer.json (fine-tuning tokenizes with the "
                          "checkpoint's own tokenizer)")
-    if data_format != "text":
-        try:
-            _check_rows_tokenizer(hf.load_tokenizer(path), data_format)
-        except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
+    try:  # a garbled tokenizer.json or tokenizer_config.json: one line, before any data
+        tokenizer = hf.load_tokenizer(path)
+        if data_format != "text":
+            _check_rows_tokenizer(tokenizer, data_format)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
     return lm
 
 
@@ -354,6 +360,20 @@ def _check_rows_tokenizer(tokenizer: Any, data_format: str) -> None:
                          "template, and it has none (tokenizer_config.json's chat_template or "
                          "chat_template.jinja)")
     chat.compile_template(tokenizer.chat_template)
+
+
+def keep_checkpoint_files(path: str, workdir: str) -> None:
+    """Copies the checkpoint's :data:`KEPT_FILES` into ``{workdir}/KEPT_DIR`` once (a resumed
+    run keeps the first copies), each written whole or not at all."""
+    kept = os.path.join(workdir, KEPT_DIR)
+    if os.path.isdir(kept):
+        return
+    partial = f"{kept}.tmp{os.getpid()}"
+    os.makedirs(partial, exist_ok=True)
+    for name in KEPT_FILES:
+        if os.path.isfile(os.path.join(path, name)):
+            shutil.copyfile(os.path.join(path, name), os.path.join(partial, name))
+    os.replace(partial, kept)
 
 
 def check_tokenizer_fits(tokenizer: lm_text.HFTokenizerLM, vocab_size: int, path: str) -> None:
@@ -398,58 +418,16 @@ def train_lm(config: ml_collections.ConfigDict, workdir: str,
     ``given``: the config fields set on the command line (``"router.score"``); fine-tuning with
     the checkpoint's routing refuses a routing field among them, which it would ignore.
 
-    Raises ValueError (one line) for a bad config or checkpoint before anything is written,
-    :class:`sparsemixer_jax.training.TrainingDiverged` if the loss becomes non-finite."""
+    Raises ValueError (one line) for a bad config or checkpoint before anything is written
+    (the checkpoint's weights checked from their headers: every tensor there, of its shape and
+    a float dtype), :class:`sparsemixer_jax.training.TrainingDiverged` if the loss becomes
+    non-finite."""
     refuse_unused_router_fields(cast(str, config.init_from, "config.init_from"),
                                 cast(str, config.init_router, "config.init_router"), given)
     task = LMTask.from_config(config)
+    if task.init_from:  # its errors name the file
+        from sparsemixer_jax import hf
+
+        hf.check_checkpoint(task.init_from, task.lm)
     task.data.check_files()
     return train(task, config, workdir)
-
-
-# ------------------------------------------------------------------------------------ export
-
-
-def export_run(workdir: str, out_dir: str, checkpoint: str = "last",
-               dtype: str = "float32") -> dict[str, Any]:
-    """Writes the ``checkpoint`` (``"last"`` or ``"best"``) of the language-modelling run in
-    ``workdir`` as a Hugging Face directory (:func:`sparsemixer_jax.hf.save_pretrained`).
-
-    A fine-tuned run writes the checkpoint's ``tokenizer.json`` too; a run from scratch copies
-    its SentencePiece model as ``spm.model`` (documents start with its id 1). Returns what was
-    written: ``{"step", "model_type", "files"}``. One-line errors for a workdir that is not a
-    language-modelling run or holds no such checkpoint.
-
-    With several processes every one calls this (each restores its shards; the gathers are
-    collective) and process 0 writes.
-    """
-    from sparsemixer_jax import hf
-    from sparsemixer_jax.checkpoint import list_checkpoints
-    from sparsemixer_jax.training.state import restore_checkpoint
-
-    if checkpoint not in ("best", "last"):
-        raise ValueError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
-    config_path = os.path.join(workdir, "config.json")
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{config_path} not found: is {workdir} a run of experiments.lm?")
-    with open(config_path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
-    if config_schema.task_of(config) != "lm":
-        raise ValueError(f"{workdir} holds a {config_schema.task_of(config)} run, not a "
-                         "language-modelling run (experiments.lm)")
-    if not list_checkpoints(workdir, checkpoint):
-        raise FileNotFoundError(f"{workdir} holds no {checkpoint} checkpoint yet")
-    task = LMTask.from_config(config)
-    steps = build_steps(task, config, task.lm.vocab_size, sharding.mesh_from_config(config))
-    restored = restore_checkpoint(workdir, steps.abstract_state(), checkpoint)
-    if restored is None:
-        raise FileNotFoundError(f"{workdir} holds no {checkpoint} checkpoint")
-    model = steps.model(restored.state)
-    tokenizer = None
-    if task.init_from:
-        tokenizer = hf.load_tokenizer(task.init_from).tokenizer
-    hf.save_pretrained(model, task.lm, out_dir, dtype=dtype, tokenizer=tokenizer)
-    if not task.init_from and jax.process_index() == 0:
-        shutil.copyfile(os.path.join(workdir, "spm.model"), os.path.join(out_dir, "spm.model"))
-    return {"step": restored.step, "model_type": task.lm.model_type,
-            "files": sorted(os.listdir(out_dir))}

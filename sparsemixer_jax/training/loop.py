@@ -206,7 +206,9 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
     :class:`~sparsemixer_jax.training.workdir_lock.WorkdirError` for a workdir that is a file or
     that another run holds (one run per workdir), and
     :class:`~sparsemixer_jax.training.preemption.Stopped` after SIGTERM or SIGINT (the step in
-    flight is finished and checkpointed; rerunning resumes there).
+    flight is finished and checkpointed; rerunning resumes there), and
+    :class:`~sparsemixer_jax.checkpoint.DiskFull` at a checkpoint save that ran out of space
+    (one line naming the workdir and the space a checkpoint needs).
     """
     # Start: the task's from_config checked the config before anything is written; then the
     # data, model and steps.
@@ -312,6 +314,7 @@ def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> di
             if step % config.checkpoint_every == 0 or is_last or stopping:
                 step_metrics.flush()
                 checkpoints.save_last(step, state, meta_for(step))
+            checkpoints.poll()  # a background save that ran out of space stops the run here
             if stopping:
                 raise stop.stopped(step)
         step_metrics.flush()
