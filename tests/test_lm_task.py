@@ -478,10 +478,9 @@ def test_bad_checkpoints_are_one_line_errors_before_anything_is_written(
             os.path.join(p, "tokenizer.json"), 10)), "tokenizer.json: not a tokenizers file ("),
         (_broken(checkpoint, tmp_path, "nosize", _without_hidden_size),
          "config.json (mixtral): required key 'hidden_size' is missing"),
-        (_broken(checkpoint, tmp_path, "cut", _truncated), f"{weights}: not a readable "
-         "safetensors file (Error while deserializing header: incomplete metadata"),
+        (_broken(checkpoint, tmp_path, "cut", _truncated), "the file is truncated"),
         (_broken(checkpoint, tmp_path, "garbled", _garbled),
-         f"{weights}: not a readable safetensors file (Error while deserializing header"),
+         f"{weights}: not a safetensors file (its header does not parse)"),
         (_broken(checkpoint, tmp_path, "shape",
                  _changed_tensor("model.norm.weight", np.ones((5,), np.float32))),
          f"{weights}: tensor 'model.norm.weight' has shape [5], expected [16]"),
