@@ -107,14 +107,15 @@ class Calibration:
 
 PURE = Calibration(kernel_seconds=0.0, gemm_peak_fraction=1.0, gemm_half_flops=0.0,
                    memory_fraction=1.0, link_fraction=1.0)
-# Fitted on the H100 step times of docs/results/benchmark_lm_h100.json (docs/benchmarks.md,
-# section 7; 10 step times of one model size: RMS error 3.3%, leave-one-out 4.1%) and used for
-# every chip until one has its own measurements. The fit puts the half-peak GEMM size at zero
-# and the HBM fraction at its bound of 1: the data cannot separate those from the per-kernel
-# cost, which absorbs what the roofline misses per kernel. The link fraction is not fitted (the
-# one-GPU runs have no collectives).
-H100_FIT = Calibration(kernel_seconds=17.3e-6, gemm_peak_fraction=0.76, gemm_half_flops=0.0,
-                       memory_fraction=1.0)
+# Fitted on 20 measured GPU step times (docs/results/roofline_fit_gpu.json; docs/benchmarks.md,
+# section 7): one H100 at the benchmark's own sizes (einsum attention, padded and grouped
+# dispatch) and one H200 at configs/lm_bench.py's (einsum and cuDNN attention); RMS error 3.1%,
+# leave-one-out 3.4%. Used for every chip until one has its own measurements. The GEMM
+# fraction sits at its bound of 1 and the half-peak size at 0: the data cannot separate them
+# from the per-kernel cost, which absorbs what the roofline misses per kernel. The link
+# fraction is not fitted (the one-GPU runs have no collectives).
+GPU_FIT = Calibration(kernel_seconds=11.5e-6, gemm_peak_fraction=1.0, gemm_half_flops=0.0,
+                      memory_fraction=0.866)
 
 # Instructions that launch nothing.
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
@@ -455,7 +456,7 @@ def _totals(ops: Iterable[Op], chip: Chip, calibration: Calibration) -> float:
 
 
 def roofline(hlo_text: str, chip: Chip, model_flops: float | None, *, devices: int = 1,
-             calibration: Calibration = H100_FIT, top: int = 15) -> dict[str, Any]:
+             calibration: Calibration = GPU_FIT, top: int = 15) -> dict[str, Any]:
     """The roofline of one compiled program (per device) on ``chip``.
 
     ``model_flops``: the model FLOPs one device computes in one run of the program (None: no
