@@ -28,6 +28,7 @@ from flax import nnx
 from sparsemixer_jax import sharding
 from sparsemixer_jax.hf import fp8, mxfp4, safetensors_read
 from sparsemixer_jax.hf.config import from_hf, to_hf
+from sparsemixer_jax.hf.tokenizer import read_json_object
 from sparsemixer_jax.hf.weights import Path, Slot, convert, read_table, saved_tensors
 from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
@@ -59,14 +60,7 @@ def read_config(path: str) -> dict[str, Any]:
     file = os.path.join(path, "config.json")
     if not os.path.isdir(path) or not os.path.isfile(file):
         raise ValueError(f"{path!r} is not a Hugging Face model directory (no config.json)")
-    try:
-        with open(file, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{file}: not readable JSON ({err})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{file}: expected a JSON object, got {type(cfg).__name__}")
-    return cfg
+    return read_json_object(file)
 
 
 def weight_files(path: str) -> list[str]:

@@ -69,7 +69,8 @@ class HFTokenizer:
         return self.tokenizer.decode([int(i) for i in ids])
 
 
-def _read_json(file: str) -> dict[str, Any]:
+def read_json_object(file: str) -> dict[str, Any]:
+    """The JSON object in ``file``, or a one-line ValueError naming the file."""
     try:
         with open(file, encoding="utf-8") as f:
             value = json.load(f)
@@ -119,7 +120,7 @@ def load_tokenizer(path: str) -> HFTokenizer:
         config_file = os.path.join(path, name)
         if not os.path.isfile(config_file):
             continue
-        config = _read_json(config_file)
+        config = read_json_object(config_file)
         with open(config_file, encoding="utf-8") as f:
             texts.append(f.read())
         # tokenizer_config.json, read second, overrides the map's names.
