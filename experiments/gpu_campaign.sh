@@ -19,9 +19,9 @@
 #                    overhead and the routers alone at N=2,4,8,16; default config (dispatch auto);
 #                    with ROUTERS set, also runs "router_cost_layer" and "router_cost": those
 #                    routers against Switch, one MoE layer and the whole step, N=4 and 8;
-#                    part "lm" adds runs "lm_throughput_cudnn" and "lm_throughput" (einsum
-#                    attention): the decoder-only language model's update at
-#                    configs/lm_bench.py's sizes (hidden 2048, 16 layers, 65,536 tokens, bf16),
+#                    part "lm" adds run "lm_throughput_cudnn": the decoder-only language
+#                    model's update at configs/lm_bench.py's sizes (hidden 2048, 16 layers,
+#                    65,536 tokens in 4 micro-batches, bf16, cuDNN attention),
 #                    MoE (8 experts, top-2, grouped) vs dense of equal active parameters, and
 #                    LM_ROUTERS vs top-2, with model FLOPs and MFU; part "lm_profile" adds
 #                    "lm_cudnn" to profile.json: where that update's device time goes;
@@ -161,23 +161,18 @@ for part in "${PARTS[@]}"; do
       ;;
     lm)
       # The language model's whole training step at configs/lm_bench.py's sizes (hidden 2048,
-      # 16 layers, sequences of 4,096, 65,536 tokens an update in 16 micro-batches, bf16): the
+      # 16 layers, sequences of 4,096, 65,536 tokens an update in 4 micro-batches, bf16): the
       # MoE model (8 experts, top-2, grouped dispatch) against its dense twin of equal active
       # parameters, and LM_ROUTERS against top-2 (targets on one H100: MoE >= 0.85x the dense
       # tokens/s, dense >= 45% MFU, SparseMixer-v2 / top-2 <= 1.01); into step.json. Every arm
       # holds its train state (the MoE model's 21 GiB, the dense twin's 8) while the others
-      # run; the einsum attention's saved float32 probabilities need 52 GiB more (7 for the
-      # gradient sum): the einsum run needs an H200 (top-2 and dense alone come to 88 GiB).
+      # run, and each micro-batch of 4 rows needs up to 37 GiB more: with LM_ROUTERS set, an
+      # H200. (The einsum attention, measured at commit 566fd23 against cuDNN's, needs
+      # one-row micro-batches, which the benchmark takes from the config.)
       # shellcheck disable=SC2086  # LM_ROUTERS is a list of words
       XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
         bench step lm_throughput_cudnn --sections lm_throughput \
         --lm-config configs/lm_bench.py:moe --lm-routers $LM_ROUTERS
-      # The einsum attention instead of the config's cuDNN attention: the step before flash
-      # attention, which keeps [B, heads, T, T] float32 probabilities in memory.
-      # shellcheck disable=SC2086
-      XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
-        bench step lm_throughput --sections lm_throughput --lm-config configs/lm_bench.py:moe \
-        --attention-impl einsum --lm-routers $LM_ROUTERS
       ;;
     lm_profile)
       # Where the LM update's device time goes (cuDNN attention), into profile.json.
