@@ -12,6 +12,8 @@ result.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -359,12 +361,7 @@ class MoEFeedForward(nnx.Module):
         if k == 1:  # drop the k axis: the same ops (and float rounding) as the top-1 layer
             f, gate = f[:, :, 0], gate[..., 0]
 
-        scale = gate[..., None]
-        if self.omega is not None:
-            scale = scale * self.omega[...]
-        y = f.astype(jnp.float32) * scale
-        if k > 1:
-            y = jnp.sum(y, axis=2)
+        y = gated_sum(f, gate, None if self.omega is None else self.omega[...])
         if self.unchosen is not None:
             y = y + self._unchosen_contribution(xc, routed, params, token_mask, f, gate, group,
                                                 training)
@@ -521,6 +518,26 @@ def report_choices(model: nnx.Module) -> int:
             module.report_choices = True
             experts = max(experts, module.num_experts)
     return experts
+
+
+# prevent_cse=False: no optimisation barrier, so that XLA may fuse the recomputation into the
+# backward's kernels; inside the layer scan the forward's values are out of reach of CSE anyway.
+@functools.partial(jax.checkpoint, prevent_cse=False)
+def gated_sum(f: jax.Array, gate: jax.Array, omega: jax.Array | None) -> jax.Array:
+    """float32 ``sum_t f_t * (gate_t * omega)`` over a token's ``k`` choices: expert
+    outputs ``f [B, T, k, emb]`` (or ``[B, T, emb]`` for top-1), gates ``[B, T, k]``
+    (``[B, T]``), ``omega [emb]`` or None.
+
+    Rematerialised in the backward pass: what it saves for the gradient is its inputs, ``f`` in
+    its compute dtype and the gates, not the float32 ``[B, T, k, emb]`` products (an update of
+    a deep model would otherwise keep a float32 copy of every layer's expert outputs, and
+    under ``omega`` the broadcast scales too).
+    """
+    scale = gate[..., None]
+    if omega is not None:
+        scale = scale * omega
+    y = f.astype(jnp.float32) * scale
+    return jnp.sum(y, axis=2) if y.ndim == 4 else y
 
 
 def fold_omega(model: nnx.Module) -> int:
