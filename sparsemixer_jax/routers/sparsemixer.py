@@ -80,6 +80,30 @@ def router_probs(
     return jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
 
 
+@jax.custom_vjp
+def fill_masked(values: jax.Array, keep: jax.Array) -> jax.Array:
+    """``where(keep, values, -inf)`` (``values [..., N]`` float, ``keep`` bool of the same
+    shape) whose backward passes the cotangent through to every entry.
+
+    For logits about to enter a masked softmax (:func:`router_probs` masks them again), where
+    a filled entry has probability 0 and so gets a zero cotangent anyway (up to the sign of
+    zero): the select's own backward would keep ``keep`` for the backward pass, a ``[..., N]``
+    mask that a layer scan stores per layer.
+    """
+    return jnp.where(keep, values, -jnp.inf)
+
+
+def _fill_masked_fwd(values, keep):
+    return jnp.where(keep, values, -jnp.inf), None
+
+
+def _fill_masked_bwd(_, cotangent):
+    return cotangent, None
+
+
+fill_masked.defvjp(_fill_masked_fwd, _fill_masked_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def scaled_gate(prob: jax.Array, forward_scale: jax.Array, backward_scale: float) -> jax.Array:
     """``prob * forward_scale`` whose cotangent to ``prob`` is ``backward_scale * cotangent``.
@@ -91,11 +115,12 @@ def scaled_gate(prob: jax.Array, forward_scale: jax.Array, backward_scale: float
 
 
 def _scaled_gate_fwd(prob, forward_scale, backward_scale):
-    return prob * forward_scale, forward_scale
+    # Nothing saved: the backward needs neither input (forward_scale's cotangent is zero).
+    return prob * forward_scale, None
 
 
-def _scaled_gate_bwd(backward_scale, forward_scale, cotangent):
-    return cotangent * backward_scale, jnp.zeros_like(forward_scale)
+def _scaled_gate_bwd(backward_scale, _, cotangent):
+    return cotangent * backward_scale, None
 
 
 scaled_gate.defvjp(_scaled_gate_fwd, _scaled_gate_bwd)
@@ -395,7 +420,7 @@ def sparsemixer_route(
         gates.append(gate)
         if step + 1 < top_k:  # later steps choose among the experts not yet chosen
             chosen = jax.nn.one_hot(expert, remaining.shape[-1], dtype=bool)
-            remaining = jnp.where(chosen, -jnp.inf, remaining)
+            remaining = fill_masked(remaining, ~chosen)
     if top_k == 1:
         return RouterOutput(expert=experts[0], gate=gates[0], probs=first_probs)
     return RouterOutput(
