@@ -443,7 +443,16 @@ def _sample_step(probs, top, keys, estimator, rule: EstimatorRule, reduced_prob,
         coin = jax.random.bernoulli(coin_key, reduced_prob, expert.shape)
         reduced = coin if rule.on_argmax else coin & (expert != top)
     forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(probs.dtype)
-    return expert, scaled_gate(take_expert(probs, expert), forward_scale, scale)
+    return expert, scaled_gate(chosen_prob(probs, expert), forward_scale, scale)
+
+
+def chosen_prob(probs: jax.Array, expert: jax.Array) -> jax.Array:
+    """``probs[..., expert]`` per token (``probs [..., N]`` in ``[0, 1]`` or NaN, int
+    ``expert [...]``), as a sum over a one-hot: exactly :func:`take_expert`'s value (the other
+    terms are zeros), and its backward is a product that fuses with the softmax's, where a
+    gather's is a scatter kernel of its own."""
+    one_hot = jax.nn.one_hot(expert, probs.shape[-1], dtype=probs.dtype)
+    return jnp.sum(probs * one_hot, axis=-1)
 
 
 class TwoPathRule(NamedTuple):
