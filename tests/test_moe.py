@@ -408,3 +408,36 @@ def test_gelu_experts_match_a_per_row_reference_with_gradients():
         assert abs(float(relu) - float(want)) > 1e-2, dispatch
     with pytest.raises(ValueError, match="unknown activation 'swish'"):
         make_layer(activation="swish")
+
+
+@pytest.mark.parametrize("k, with_omega", [(2, True), (1, True), (2, False)])
+def test_gated_sum_matches_the_plain_expression_and_its_gradients(k, with_omega):
+    # gated_sum saves its inputs for the backward (and under omega writes the backward by
+    # hand); its value and gradients are those of the expression it replaces.
+    from sparsemixer_jax.moe.layer import gated_sum
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    shape = (2, 5, k, EMB) if k > 1 else (2, 5, EMB)
+    f = jax.random.normal(keys[0], shape, jnp.bfloat16)
+    gate = jax.random.uniform(keys[1], shape[:-1])
+    omega = 1.0 + 0.5 * jax.random.normal(keys[2], (EMB,)) if with_omega else None
+    weights = jax.random.normal(keys[3], (2, 5, EMB))
+
+    def plain(f, gate, omega):
+        scale = gate[..., None] if omega is None else gate[..., None] * omega
+        y = f.astype(jnp.float32) * scale
+        return jnp.sum(y, axis=2) if k > 1 else y
+
+    def loss(fn):
+        return lambda *args: jnp.sum(fn(*args) * weights)
+
+    argnums = (0, 1, 2) if with_omega else (0, 1)
+    np.testing.assert_array_equal(gated_sum(f, gate, omega), plain(f, gate, omega))
+    got = jax.grad(loss(gated_sum), argnums)(f, gate, omega)
+    want = jax.grad(loss(plain), argnums)(f, gate, omega)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        # The same products; only the order of the float32 sums over emb (the gates) and over
+        # the tokens (omega) may differ, a few ulps of sums of at most 20 terms of size ~1.
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=1e-5, atol=1e-5)

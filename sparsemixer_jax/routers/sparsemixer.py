@@ -80,6 +80,30 @@ def router_probs(
     return jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
 
 
+@jax.custom_vjp
+def fill_masked(values: jax.Array, keep: jax.Array) -> jax.Array:
+    """``where(keep, values, -inf)`` (``values [..., N]`` float, ``keep`` bool of the same
+    shape) whose backward passes the cotangent through to every entry.
+
+    For logits about to enter a masked softmax (:func:`router_probs` masks them again), where
+    a filled entry has probability 0 and so gets a zero cotangent anyway (up to the sign of
+    zero): the select's own backward would keep ``keep`` for the backward pass, a ``[..., N]``
+    mask that a layer scan stores per layer.
+    """
+    return jnp.where(keep, values, -jnp.inf)
+
+
+def _fill_masked_fwd(values, keep):
+    return jnp.where(keep, values, -jnp.inf), None
+
+
+def _fill_masked_bwd(_, cotangent):
+    return cotangent, None
+
+
+fill_masked.defvjp(_fill_masked_fwd, _fill_masked_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def scaled_gate(prob: jax.Array, forward_scale: jax.Array, backward_scale: float) -> jax.Array:
     """``prob * forward_scale`` whose cotangent to ``prob`` is ``backward_scale * cotangent``.
@@ -91,11 +115,12 @@ def scaled_gate(prob: jax.Array, forward_scale: jax.Array, backward_scale: float
 
 
 def _scaled_gate_fwd(prob, forward_scale, backward_scale):
-    return prob * forward_scale, forward_scale
+    # Nothing saved: the backward needs neither input (forward_scale's cotangent is zero).
+    return prob * forward_scale, None
 
 
-def _scaled_gate_bwd(backward_scale, forward_scale, cotangent):
-    return cotangent * backward_scale, jnp.zeros_like(forward_scale)
+def _scaled_gate_bwd(backward_scale, _, cotangent):
+    return cotangent * backward_scale, None
 
 
 scaled_gate.defvjp(_scaled_gate_fwd, _scaled_gate_bwd)
@@ -395,7 +420,7 @@ def sparsemixer_route(
         gates.append(gate)
         if step + 1 < top_k:  # later steps choose among the experts not yet chosen
             chosen = jax.nn.one_hot(expert, remaining.shape[-1], dtype=bool)
-            remaining = jnp.where(chosen, -jnp.inf, remaining)
+            remaining = fill_masked(remaining, ~chosen)
     if top_k == 1:
         return RouterOutput(expert=experts[0], gate=gates[0], probs=first_probs)
     return RouterOutput(
@@ -418,7 +443,16 @@ def _sample_step(probs, top, keys, estimator, rule: EstimatorRule, reduced_prob,
         coin = jax.random.bernoulli(coin_key, reduced_prob, expert.shape)
         reduced = coin if rule.on_argmax else coin & (expert != top)
     forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(probs.dtype)
-    return expert, scaled_gate(take_expert(probs, expert), forward_scale, scale)
+    return expert, scaled_gate(chosen_prob(probs, expert), forward_scale, scale)
+
+
+def chosen_prob(probs: jax.Array, expert: jax.Array) -> jax.Array:
+    """``probs[..., expert]`` per token (``probs [..., N]`` in ``[0, 1]`` or NaN, int
+    ``expert [...]``), as a sum over a one-hot: exactly :func:`take_expert`'s value (the other
+    terms are zeros), and its backward is a product that fuses with the softmax's, where a
+    gather's is a scatter kernel of its own."""
+    one_hot = jax.nn.one_hot(expert, probs.shape[-1], dtype=probs.dtype)
+    return jnp.sum(probs * one_hot, axis=-1)
 
 
 class TwoPathRule(NamedTuple):
