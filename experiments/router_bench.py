@@ -11,6 +11,8 @@ trained on all seeds at once and compared with Switch seed by seed (docs/router_
     python -m experiments.router_bench --table balancing   # every estimator x every balancing
     python -m experiments.router_bench --table balancing_settings \
         --merge docs/results/router_bench_balancing.json   # 8 micro-batches, other bias rates
+    python -m experiments.router_bench --table scores \
+        --merge docs/results/router_bench_balancing.json   # sigmoid scores, with and without bias
     python -m experiments.router_bench --quick           # 3 arms, 4 seeds, 200 steps
     python -m experiments.router_bench --report-only     # tables and plot from the JSON
 
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
             results = {**json.load(f)["arms"], **results}
     print(report.markdown_table(results, args.versus))
     print()
-    if args.table in ("balancing", "balancing_settings"):
+    if args.table in ("balancing", "balancing_settings", "scores"):
         print(markdown_balancing_table(results, refused, TABLES[args.table]()))
         print()
     if args.table == "robustness":  # expert widths differ by family: no cost table

@@ -15,7 +15,14 @@ from flax import nnx
 
 from experiments import router_bench
 from lab.router_bench import report
-from lab.router_bench.arms import BALANCING_SETTINGS, BALANCINGS, TABLES, Arm, balancing_estimators
+from lab.router_bench.arms import (
+    BALANCING_SETTINGS,
+    BALANCINGS,
+    SCORES,
+    TABLES,
+    Arm,
+    balancing_estimators,
+)
 from lab.router_bench.balancing_report import markdown_balancing_table
 from lab.router_bench.train import TrainConfig, train_arm
 from lab.studies import lm_balancing
@@ -54,6 +61,23 @@ def test_balancing_settings_table_varies_micro_batches_and_bias_rate_only():
             assert (mb8.balance_scope, gb8.balance_scope) == ("micro_batch", "global_batch")
     assert {a.bias_update_rate for a in arms.values()} == {0.0, 0.001, 0.1}
     assert {a.micro_batches for a in arms.values() if a.bias_update_rate} == {2}
+
+
+def test_scores_table_takes_sigmoid_scores_with_and_without_bias():
+    arms = {a.name: a for a in TABLES["scores"]()}
+    for k in (1, 2):
+        for n in (8, 16):
+            for router in balancing_estimators(k):
+                sig, sigbias = (arms[f"{router}_k{k}_n{n}_{s}"] for s in SCORES)
+                assert (sig.score, sigbias.score) == ("sigmoid", "sigmoid")
+                assert (sig.bias_update_rate, sigbias.bias_update_rate) == (0.0, 0.01)
+                assert sigbias.balance_weight == 0.0 and sig.balance_weight is None
+    # At k = 1 only SparseMixer composes: the others' one renormalised gate is always 1.
+    assert arms["sparsemixer_k1_n8_sig"].refusal() is None
+    assert "top_k >= 2" in arms["switch_k1_n8_sigbias"].refusal()
+    assert arms["densemixer_k2_n16_sigbias"].refusal() is None
+    # The routing reaches the layer's router config.
+    assert arms["sparsemixer_v2_k2_n8_sig"].router_options()["score"] == "sigmoid"
 
 
 def _fake_result(ln_mse: list[float]) -> dict:
@@ -139,6 +163,26 @@ def test_lm_study_commands_build_configs_that_check(balancing):
         check_config(make_config(lm_balancing.CONFIG, arm, 0, None, overrides))
     assert left_out == (set(lm_balancing.SPARSEMIXER_ARMS) if balancing.startswith("bias")
                         else set())
+
+
+@pytest.mark.parametrize("routing", sorted(lm_balancing.LM_SCORES))
+def test_lm_scores_study_builds_configs_that_check(routing):
+    overrides, arms, versus = lm_balancing.LM_SCORES[routing]
+    assert versus in arms and set(lm_balancing.SPARSEMIXER_ARMS) <= set(arms)
+    score = "sigmoid" if routing.startswith("sig") else "softmax"
+    for arm in arms:
+        config = make_config(lm_balancing.CONFIG, arm, 0, None, overrides)
+        check_config(config)
+        assert (config.router.score, config.router.bias_update_rate) == (score, 0.01)
+        assert config.router.balance_weight == 0.0
+    args = compare_args(lm_balancing.scores_command(routing))
+    assert args.seeds == list(lm_balancing.SCORE_SEEDS) and len(args.seeds) >= 5
+
+
+def compare_args(command: str):
+    from experiments import compare
+
+    return compare.parse_args(command.split()[3:])
 
 
 def test_lm_study_commands_are_the_documented_ones():

@@ -45,6 +45,7 @@ class Arm:
     ``micro_batches``: the step's batch split into this many micro-batches whose gradients are
     averaged before the one optimizer step (the step's tokens and its task gradient are
     unchanged; the balance loss and the loads are counted per micro-batch or over the update).
+    ``score``: the router's expert scores, ``"softmax"`` or ``"sigmoid"`` (the scores table).
     """
 
     name: str
@@ -69,6 +70,7 @@ class Arm:
     balance_scope: str = "micro_batch"
     bias_update_rate: float = 0.0
     micro_batches: int = 1
+    score: str = "softmax"
 
     def __post_init__(self):
         if self.micro_batches < 1:
@@ -92,7 +94,8 @@ class Arm:
     def router_options(self) -> dict:
         """The balancing fields of the router's config (:class:`~sparsemixer_jax.routers.
         RouterConfig`)."""
-        return {"balance_scope": self.balance_scope, "bias_update_rate": self.bias_update_rate}
+        return {"balance_scope": self.balance_scope, "bias_update_rate": self.bias_update_rate,
+                "score": self.score}
 
     def refusal(self) -> str | None:
         """Why the router's config refuses this arm (an option a router does not take), in
@@ -349,8 +352,16 @@ global-batch loss should differ from it if anywhere), and bias balancing at a te
 times the balancing table's rate (``bias0.001`` is Megatron-Core's and DeepSeek-V3's default;
 2 micro-batches as in the balancing table)."""
 
+SCORES = {
+    "sig": {"score": "sigmoid"},
+    "sigbias": {"score": "sigmoid", "balance_weight": 0.0, "bias_update_rate": 0.01},
+}
+"""The scores table's routings, by arm-name suffix: sigmoid scores under the micro-batch
+balance loss (``sig``) and sigmoid scores with bias balancing at the balancing table's rate and
+no loss (``sigbias``: DeepSeek-V3's routing); 2 micro-batches as in the balancing table."""
+
 BALANCING_REFERENCE = {"gb": "mb", "bias": "mb", "none": "mb", "mb8": "mb", "gb8": "mb8",
-                       "bias0.001": "bias", "bias0.1": "bias"}
+                       "bias0.001": "bias", "bias0.1": "bias", "sig": "mb", "sigbias": "bias"}
 """Suffix -> the balancing each arm is compared with, same estimator: every balancing of the
 balancing table with the micro-batch loss; ``mb8`` with ``mb`` (what 8 micro-batches do to the
 micro-batch loss), ``gb8`` with ``mb8`` (the global-batch loss against the micro-batch loss at
@@ -371,10 +382,26 @@ def balancing_settings_table() -> list[Arm]:
     return arms
 
 
+def scores_table() -> list[Arm]:
+    """The balancing table's estimators under sigmoid scores (:data:`SCORES`), ``k = 2`` at
+    ``N = 8`` and ``16``, then ``k = 1`` (where only SparseMixer composes: the others' one
+    renormalised gate is always 1, and their arms are listed as refused). Read with the
+    balancing table's arms (``--merge``): each arm is compared with top-k under the same
+    routing and with the same estimator under softmax scores and the same balancing."""
+    arms = []
+    for k, n in ((2, 8), (2, 16), (1, 8), (1, 16)):
+        for suffix, fields in SCORES.items():
+            fields = {"micro_batches": BALANCING_MICRO_BATCHES, **fields}
+            for router in balancing_estimators(k):
+                arms.append(_arm(f"{router}_k{k}_n{n}_{suffix}", router=router, top_k=k,
+                                 num_experts=n, measure_gradient=False, **fields))
+    return arms
+
+
 TABLES = {"main": main_table, "depth": depth_table, "gate": gate_table,
           "successors": successors_table, "robustness": robustness_table,
           "balancing": balancing_table, "balancing_settings": balancing_settings_table,
-          "quick": quick_table}
+          "scores": scores_table, "quick": quick_table}
 
 
 # The arms each table's plot shows (experiments.router_bench).
@@ -394,5 +421,7 @@ PLOT_ARMS = {
     "balancing_settings": ["switch_k2_n8_mb8", "switch_k2_n8_gb8", "switch_k2_n8_bias0.001",
                            "switch_k2_n8_bias0.1", "densemixer_k2_n8_mb8",
                            "densemixer_k2_n8_gb8"],
+    "scores": ["switch_k2_n8_sig", "sparsemixer_v2_k2_n8_sig", "switch_k2_n8_sigbias",
+               "sparsemixer_v2_k2_n8_sigbias", "densemixer_k2_n8_sigbias"],
     "quick": ["switch", "sparsemixer", "dense_flops"],
 }

@@ -19,7 +19,9 @@ BALANCING_NAMES = {"mb": "micro-batch loss", "gb": "global-batch loss", "bias": 
                    "none": "none", "mb8": "micro-batch loss, 8 micro-batches",
                    "gb8": "global-batch loss, 8 micro-batches",
                    "bias0.001": "bias at rate 0.001, no loss",
-                   "bias0.1": "bias at rate 0.1, no loss"}
+                   "bias0.1": "bias at rate 0.1, no loss",
+                   "sig": "sigmoid scores, micro-batch loss",
+                   "sigbias": "sigmoid scores, bias, no loss"}
 
 
 def _split(name: str) -> tuple[str, str]:

@@ -50,13 +50,43 @@ LM_BALANCINGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 """Balancing -> (the ``--override`` of every run, the arms that compose with it)."""
 
 
+SCORE_SEEDS = (0, 1, 2, 3, 4)
+"""The scores study's seeds: five, so that a difference can separate (docs/science.md)."""
+SIGMOID_VERSUS = "switch_n8_eps0"
+SIGMOID_ARMS = (*SPARSEMIXER_ARMS, SIGMOID_VERSUS, "densemixer_n8_eps0", "default_moe_n8_eps0")
+"""Under sigmoid scores the gates are always renormalised over the chosen experts, so the
+Switch-forward arms drop ``_norm1`` (the config refuses it as implied)."""
+BIAS_FAST = (*MICRO_BATCHES, "router.balance_weight=0.0",
+             f"router.bias_update_rate={FAST_BIAS_UPDATE_RATE}")
+
+LM_SCORES: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
+    "bias0.01": (BIAS_FAST, ALL_ARMS, VERSUS),
+    "sigbias0.01": ((*BIAS_FAST, "router.score=sigmoid"), SIGMOID_ARMS, SIGMOID_VERSUS),
+}
+"""The scores study (5 seeds, every estimator, SparseMixer included): bias balancing at rate
+0.01 and no loss, with softmax scores and with sigmoid scores (DeepSeek-V3's routing). Root ->
+(the ``--override`` of every run, the arms, the arm each is compared with)."""
+
+
+def _compare(root: str, overrides: tuple[str, ...], arms: tuple[str, ...], versus: str,
+             seeds: tuple[int, ...]) -> str:
+    return (f"python -m experiments.compare --config {CONFIG} --root runs/{root} "
+            f"--arms {' '.join(arms)} --versus {versus} --seeds {' '.join(map(str, seeds))} "
+            + " ".join(f"--override {o}" for o in overrides)
+            + " --parallel 2 --compact --no-dense")
+
+
 def command(balancing: str) -> str:
     """The ``experiments.compare`` command of one balancing's study root."""
     overrides, arms = LM_BALANCINGS[balancing]
-    return (f"python -m experiments.compare --config {CONFIG} --root runs/lm_balancing_{balancing} "
-            f"--arms {' '.join(arms)} --versus {VERSUS} --seeds {' '.join(map(str, SEEDS))} "
-            + " ".join(f"--override {o}" for o in overrides)
-            + " --parallel 2 --compact --no-dense")
+    return _compare(f"lm_balancing_{balancing}", overrides, arms, VERSUS, SEEDS)
+
+
+def scores_command(routing: str) -> str:
+    """The ``experiments.compare`` command of one root of the scores study
+    (:data:`LM_SCORES`)."""
+    overrides, arms, versus = LM_SCORES[routing]
+    return _compare(f"lm_scores_{routing}", overrides, arms, versus, SCORE_SEEDS)
 
 
 def commands() -> list[str]:
