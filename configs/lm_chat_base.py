@@ -27,9 +27,9 @@ def get_config():
     c.data.eval_batch_size = 32
     # Top-2 as Mixtral routes: no jitter, the two gates renormalised.
     c.router = router_config("switch", top_k=2, jitter_eps=0.0, normalize_top_k=True)
-    c.train_steps = 1000
-    c.optim.decay_steps = 1000
-    c.eval_every = 250
+    c.train_steps = 1500
+    c.optim.decay_steps = 1500
+    c.eval_every = 500
     c.checkpoint_every = 250
     c.log_every = 50
     c.sample.tokens = 30

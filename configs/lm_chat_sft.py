@@ -27,10 +27,10 @@ def get_config():
     c.data.eval_batch_size = 32
     c.optim.peak_lr = 1e-3
     c.optim.warmup_steps = 20
-    c.train_steps = 160
-    c.optim.decay_steps = 160
-    c.eval_every = 80
-    c.checkpoint_every = 160
+    c.train_steps = 240
+    c.optim.decay_steps = 240
+    c.eval_every = 240  # once, at the end: the held-out loss and the routing against the base
+    c.checkpoint_every = 240
     c.log_every = 20
     c.sample.tokens = 0
     return c
