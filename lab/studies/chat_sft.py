@@ -221,9 +221,9 @@ def accuracy_by_task(rows: Sequence[dict], scores: np.ndarray) -> dict[str, floa
     return out
 
 
-def restored_model(workdir: str) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of a fine-tuning run's last checkpoint (deterministic forward),
-    with the tokenizer files the run kept in its workdir."""
+def restored_model(workdir: str) -> tuple[Any, Any, Any]:
+    """``(model, tokenizer, config)`` of a fine-tuning run's last checkpoint (deterministic
+    forward), with the tokenizer files the run kept in its workdir, and the run's config."""
     import ml_collections
 
     from sparsemixer_jax import hf, sharding
@@ -242,7 +242,7 @@ def restored_model(workdir: str) -> tuple[Any, Any]:
         raise FileNotFoundError(f"{workdir} holds no checkpoint to score")
     model = steps.model(restored.state)
     model.eval()
-    return model, hf.load_tokenizer(config.init_from)
+    return model, hf.load_tokenizer(config.init_from), config
 
 
 def model_log_probs(model: Any) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
@@ -268,11 +268,9 @@ def score_run(workdir: str, held_out: str = HELD_OUT_FILE, batch_rows: int = 32
     the accuracy per task and over all rows, and the rows scored."""
     with open(held_out, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    model, tokenizer = restored_model(workdir)
-    with open(os.path.join(workdir, "config.json")) as f:
-        seq_len = int(json.load(f)["data"]["seq_len"])
+    model, tokenizer, config = restored_model(workdir)
     scores = answer_log_likelihoods(model_log_probs(model), candidate_examples(tokenizer, rows),
-                                    seq_len, batch_rows)
+                                    config.data.seq_len, batch_rows)
     out = {**accuracy_by_task(rows, scores), "rows": len(rows)}
     with open(os.path.join(workdir, ACCURACY_FILE), "w") as f:
         json.dump(out, f, indent=2)
@@ -411,7 +409,8 @@ def study_table(summary: dict) -> str:
                              diff(a, "valid_loss", 4),
                              _mean_cell(_values(summary, a, "accuracy_all"), 3),
                              diff(a, "accuracy_all", 3)])
-    lines += ["", "Held-out accuracy per task, minus top-2's on the same seed.", ""]
+    lines += ["", f"Held-out accuracy per task: {ARM_TITLES[versus]}'s (mean ± standard error), "
+              "each other arm's minus it on the same seed.", ""]
     lines += rows(tasks, lambda a: [diff(a, f"accuracy_{t}", 3) if a != versus else
                                     _mean_cell(_values(summary, a, f"accuracy_{t}"), 3)
                                     for t in tasks])
