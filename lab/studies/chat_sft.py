@@ -467,6 +467,9 @@ def main(argv: list[str] | None = None) -> None:
         for path in write_chat_data():
             print(f"wrote {path}")
     elif args.step == "score":
+        from sparsemixer_jax.cli import cpu_only_where_no_accelerator
+
+        cpu_only_where_no_accelerator()  # as experiments' commands start JAX
         score_root(args.root, delete_checkpoints=args.delete_checkpoints)
     elif args.step == "summarize":
         pathlib.Path(args.summary).write_text(json.dumps(summarize_root(args.root), indent=2)
