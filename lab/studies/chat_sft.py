@@ -142,7 +142,7 @@ def study_rows(glue_dir: str = GLUE_DIR, tasks: Sequence[ChatTask] = TASKS
                                ("dev", task.dev_rows, held_out)):
             path = glue.split_path(glue_dir, spec, split)
             rows += _sample(chat_rows(task, glue.read_split(path, spec)), n,
-                            (DATA_SEED, i, split == "dev"), path)
+                            (DATA_SEED, i, int(split == "dev")), path)
     order = np.random.default_rng([DATA_SEED, 99]).permutation(len(train))
     return [train[i] for i in order], held_out
 
