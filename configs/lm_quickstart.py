@@ -46,7 +46,10 @@ def get_config() -> ml_collections.ConfigDict:
     # A second held-out set: a file, or a directory whose every file is evaluated on its own (the
     # directory ../shared/data/wikitext/wikitext-2-raw adds WikiText-2's validation file).
     c.data.wikitext = "../shared/data/wikitext/wikitext-2-raw/wiki.test.raw.gz"
-    c.data.vocab_size = 1024  # SentencePiece (from scratch; a checkpoint brings its tokenizer)
+    # From scratch: "spm" (SentencePiece) | "bpe" (byte-level BPE with a ChatML template, written
+    # as tokenizer.json / tokenizer_config.json); a checkpoint brings its own tokenizer.
+    c.data.tokenizer = "spm"
+    c.data.vocab_size = 1024
     c.data.vocab_sample_sentences = 20_000
     c.data.spm_model_type = "unigram"
     c.data.character_coverage = 0.9995

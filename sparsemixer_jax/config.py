@@ -59,6 +59,7 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     # Language-modelling runs saved before chat data trained on text.
     "data.format": {"lm": "text"},
     "data.on_bad_row": {"lm": "skip"},
+    "data.tokenizer": {"lm": "spm"},
     "router.trainable": True,
     "optim.router_lr_scale": 1.0,
     "optim.train_only": "all",

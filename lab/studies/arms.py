@@ -7,7 +7,8 @@ Arm names say what they change, so a run directory names its own config:
   (router names contain underscores: the router is everything before the first ``_n{digits}``);
 * ``dense``: no experts;
 * either, followed by modifiers ``_lr{peak_lr}``, ``_eps{jitter_eps}``, ``_bal{balance_weight}``,
-  ``_z{z_loss_weight}``, ``_norm{0|1}`` (``normalize_top_k``), e.g. ``sparsemixer_n4_lr2e-3``,
+  ``_z{z_loss_weight}``, ``_norm{0|1}`` (``normalize_top_k``), ``_trainable{0|1}``
+  (``router.trainable``: 0 freezes the routers), e.g. ``sparsemixer_n4_lr2e-3``,
   ``sparsemixer_n4_eps0.5``, ``switch_n8_eps0_norm1`` (Mixtral's top-k routing).
 
 Each arm is compared with its *target arm*: the Switch arm of the same N and the same
@@ -26,7 +27,8 @@ DIVERGED = "diverged.json"
 
 #: Arm-name modifier -> the config field it sets.
 MODIFIERS = {"lr": "optim.peak_lr", "eps": "router.jitter_eps", "bal": "router.balance_weight",
-             "z": "router.z_loss_weight", "norm": "router.normalize_top_k"}
+             "z": "router.z_loss_weight", "norm": "router.normalize_top_k",
+             "trainable": "router.trainable"}
 _ARM = re.compile(
     r"^(?:(?P<router>[a-z0-9_]+?)_n(?P<n>\d+)|dense)(?P<mods>(?:_[a-z]+[-+.e0-9]+)*)$")
 _MOD = re.compile(r"_([a-z]+)([-+.e0-9]+)")

@@ -50,6 +50,8 @@ from sparsemixer_jax.token_ids import EOS_ID, FIRST_WORD_ID
 
 logger = logging.getLogger(__name__)
 
+TOKENIZERS = ("spm", "bpe")  # config.data.tokenizer of a run from scratch
+
 # Bump when packing changes what it produces for the same text, settings and vocabulary.
 LM_PACKING_VERSION = 2
 
@@ -140,8 +142,13 @@ class LMDataConfig:
       train_articles: training documents (rows) kept (the first ones; 0 = all).
       wikitext: a second held-out set evaluated at the end (file or directory: every file is
         evaluated on its own, e.g. WikiText-2's validation and test files); "" = none.
-      vocab_size, vocab_sample_sentences, spm_model_type, character_coverage: the SentencePiece
-        vocabulary of a run from scratch (a checkpoint brings its own tokenizer).
+      tokenizer: the vocabulary of a run from scratch (a checkpoint brings its own tokenizer):
+        ``spm`` (SentencePiece, ``spm.model``) or ``bpe`` (a byte-level BPE with ChatML special
+        tokens and chat template, written as ``tokenizer.json`` and ``tokenizer_config.json``:
+        :mod:`sparsemixer_jax.data.bpe`).
+      vocab_size, vocab_sample_sentences: the vocabulary's size and the training paragraphs
+        (``bpe``: documents) sampled to train it; spm_model_type, character_coverage:
+        SentencePiece's settings.
       seq_len: tokens per packed row; batch_size: rows per update; micro_batch_size: rows per
         accumulation micro-step (0 = batch_size); eval_batch_size: rows per evaluation batch
         (0 = micro-batch size).
@@ -156,6 +163,7 @@ class LMDataConfig:
     valid_articles: int = 1000
     train_articles: int = 0
     wikitext: str = ""
+    tokenizer: str = "spm"
     vocab_size: int = 8000
     vocab_sample_sentences: int = 200_000
     spm_model_type: str = "unigram"
@@ -173,6 +181,7 @@ class LMDataConfig:
                        vocab_size=d.vocab_size)
         check_choice(where, "format", d.format, chat.FORMATS)
         check_choice(where, "on_bad_row", d.on_bad_row, chat.BAD_ROW_POLICIES)
+        check_choice(where, "tokenizer", d.tokenizer, TOKENIZERS)
         if d.seq_len < 4:
             raise ValueError(f"{where}seq_len must be >= 4, got {d.seq_len}")
         if d.vocab_size <= FIRST_WORD_ID:

@@ -13,6 +13,7 @@ directory.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -27,7 +28,8 @@ from flax import nnx
 
 from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import sharding
-from sparsemixer_jax.data import chat, lm_text, text
+from sparsemixer_jax.data import bpe, chat, lm_text, text
+from sparsemixer_jax.data.tokenizer import vocabulary_sample
 from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.routers import RouterConfig
@@ -121,6 +123,10 @@ class LMTask:
         data = lm_text.LMDataConfig.from_config(config)
         sample = SampleConfig.from_config(config.sample)
         check_loop_sections(config)
+        if init_from and data.tokenizer != "spm":
+            raise ValueError(f"config.data.tokenizer={data.tokenizer!r}: a run from a "
+                             "checkpoint (config.init_from) tokenizes with the checkpoint's "
+                             "own tokenizer; leave it at 'spm'")
         if init_from:
             lm = _checkpoint_config(init_from, router, model, init_router, data.format)
         elif data.format != "text":
@@ -130,6 +136,8 @@ class LMTask:
         else:
             config_schema.validate(config)
             lm = from_scratch_config(model, router, data.vocab_size)
+            if data.tokenizer == "bpe":  # config.json names its special tokens' ids
+                lm = lm.replace(hf_config=json.dumps({**lm.hf, **bpe.TOKEN_IDS}))
         return cls(lm, router, data, sample, init_from)
 
     # -- in the compiled steps
@@ -186,15 +194,23 @@ class LMTask:
 
     # -- on the host
 
-    def tokenizer(self, workdir: str, paragraphs=None) -> lm_text.LMTokenizer:
-        """The run's tokenizer: the checkpoint's ``tokenizer.json``, or ``{workdir}/spm.model``
-        (trained on ``paragraphs()`` on first use)."""
-        if self.init_from:
-            from sparsemixer_jax import hf
+    def tokenizer(self, workdir: str, paragraphs=None,
+                  documents=None) -> lm_text.LMTokenizer:
+        """The run's tokenizer: the checkpoint's ``tokenizer.json``; from scratch
+        ``{workdir}/spm.model`` (trained on ``paragraphs()`` on first use) or, with
+        ``data.tokenizer="bpe"``, ``{workdir}/tokenizer.json`` (trained on a seeded sample of
+        ``documents()``, each a list of paragraphs)."""
+        from sparsemixer_jax import hf
 
+        d = self.data
+        if self.init_from:
             return lm_text.HFTokenizerLM(hf.load_tokenizer(self.init_from),
                                          lm_text.hf_bos_id(self.lm.hf))
-        d = self.data
+        if d.tokenizer == "bpe":
+            if not os.path.exists(os.path.join(workdir, "tokenizer.json")):
+                sample = vocabulary_sample(documents(), d.vocab_sample_sentences, d.seed)
+                bpe.train_bpe(["\n".join(doc) for doc in sample], workdir, d.vocab_size)
+            return lm_text.HFTokenizerLM(hf.load_tokenizer(workdir), lm_text.hf_bos_id(self.lm.hf))
         needed = not os.path.exists(os.path.join(workdir, "spm.model"))
         spm = text.get_text_tokenizer(
             text.TextDataConfig(train=d.train, valid="", vocab_size=d.vocab_size, seq_len=8,
@@ -227,7 +243,8 @@ class LMTask:
         if not is_main_process():  # process 0 trains the vocabulary, the others then read it
             wait_for_all_processes("vocabulary ready")
         # From scratch is text only (chat rows need a checkpoint's tokenizer: from_config).
-        tokenizer = self.tokenizer(workdir, lambda: [p for doc in split("train") for p in doc])
+        tokenizer = self.tokenizer(workdir, lambda: [p for doc in split("train") for p in doc],
+                                   lambda: split("train"))
         if is_main_process():
             wait_for_all_processes("vocabulary ready")
         if self.init_from:

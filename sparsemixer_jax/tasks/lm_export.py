@@ -53,7 +53,8 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
     checkpoint's ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``,
     ``generation_config.json`` (and ``chat_template.jinja``), those the checkpoint lacked made
     from its tokenizer and ``config.json``; a run from scratch its SentencePiece model as
-    ``spm.model`` (documents start with its id 1). ``force``: overwrite a non-empty
+    ``spm.model`` (documents start with its id 1), or its BPE vocabulary
+    (``data.tokenizer="bpe"``) as a fine-tuned run's files. ``force``: overwrite a non-empty
     ``out_dir``.
 
     Returns ``{"step", "model_type", "files", "routing_note"}``: the note is one line when the
@@ -103,8 +104,8 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
     hf.save_pretrained(model, written, out_dir, dtype=dtype)
     del model
     if jax.process_index() == 0:
-        if source:
-            _write_tokenizer_files(source, out_dir, hf.read_config(out_dir))
+        if source or task.data.tokenizer == "bpe":  # a run from scratch keeps its own
+            _write_tokenizer_files(source or workdir, out_dir, hf.read_config(out_dir))
         else:
             shutil.copyfile(os.path.join(workdir, "spm.model"), os.path.join(out_dir, "spm.model"))
     note = None
