@@ -361,11 +361,31 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
     if remat != "none":
         # The backward pass recomputes the layer body (keeping what the policy names) instead of
         # holding its activations for every layer; prevent_cse is unneeded inside scan.
-        policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+        policy = {"full": None, "elementwise": recompute_elementwise}.get(
+            remat, getattr(jax.checkpoint_policies, remat, None))
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     x, (new_state, new_kvs, metrics) = jax.lax.scan(body, x, (state, kvs, sliding))
     nnx.update(stack, new_state)
     return x, new_kvs, _unpack_metrics(metrics, metrics_tree["tree"], metrics_tree["shapes"])
+
+
+# What remat="elementwise" recomputes: elementwise arithmetic, casts and layout changes, which
+# XLA fuses into the kernels of the backward pass that read them, so recomputing them costs no
+# launches and reads their (saved) inputs instead of a saved copy (bfloat16 activations instead
+# of their float32 casts, one hidden array instead of its halves and products).
+_ELEMENTWISE = frozenset({
+    "abs", "add", "and", "broadcast_in_dim", "clamp", "concatenate", "convert_element_type",
+    "copy", "copy_p", "cos", "div", "eq", "erf", "exp", "exp2", "expand_dims", "ge", "gt",
+    "integer_pow", "iota", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne",
+    "neg", "not", "or", "pad", "pow", "reshape", "rsqrt", "select_n", "sign", "sin", "slice",
+    "sqrt", "square", "squeeze", "sub", "tanh", "transpose"})
+
+
+def recompute_elementwise(primitive, *_, **__) -> bool:
+    """The checkpoint policy of ``remat="elementwise"``: keep the output of every operation but
+    elementwise and layout ones (matmuls, attention and grouped kernels, reductions, gathers,
+    sorts, random bits are kept)."""
+    return primitive.name not in _ELEMENTWISE
 
 
 def _unpack_metrics(packed: tuple[jax.Array | None, list[jax.Array]], tree,
