@@ -31,17 +31,24 @@ def get_config(variant: str = "moe") -> ml_collections.ConfigDict:
         raise ValueError(f"configs/lm_bench.py: variant {variant!r}; choose one of "
                          f"{', '.join(VARIANTS)}")
     c = lm_quickstart.get_config()
-    # Four rows per micro-batch: with cuDNN's attention the MoE update's accumulate needs
-    # 58.6 GiB of an H100's 79.7 (8 rows would not fit), and four times fewer kernel launches per
-    # token than one-row micro-batches: predicted 1,021 ms an update on one H100 against 1,687
-    # (dense twin 750 against 1,104). The einsum attention fits one row only (52 GiB of saved
-    # probabilities): add --config.data.micro_batch_size=1 with it.
-    c.data.update(vocab_size=32768, seq_len=4096, batch_size=16, micro_batch_size=4,
+    # Eight rows per micro-batch: the MoE update's accumulate needs 49.9 GiB of an H100's 79.7
+    # (35.7 at four rows, where it needed 58.6 before the layers recomputed their elementwise
+    # operations and the loss kept no float32 [tokens, vocab] arrays), and each halving of the
+    # micro-batches halves the kernel launches and gradient additions per token: predicted 734
+    # ms an update on one H100 against 838 at four rows (dense twin 581 against 630; it fits
+    # all 16 rows in one step, 552 ms). The einsum attention fits one row only (52 GiB of
+    # saved probabilities): add --config.data.micro_batch_size=1 with it.
+    c.data.update(vocab_size=32768, seq_len=4096, batch_size=16, micro_batch_size=8,
                   eval_batch_size=1)
     m = c.model
     m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads = 2048, 16, 16, 4
     m.max_position_embeddings = 4096
     m.compute_dtype, m.attention_impl = "bfloat16", "cudnn"
+    # The backward pass recomputes elementwise and layout operations (norms, rope, casts,
+    # SwiGLU's products) inside its own kernels instead of reading saved copies: predicted 4%
+    # (MoE) and 9% (dense) faster on one H100 for a two-layer proxy (docs/benchmarks.md, section
+    # 7), and less memory.
+    m.remat = "elementwise"
     if variant == "moe":
         m.num_experts, m.mlp_dim, m.dispatch = 8, 2048, "grouped"
     else:

@@ -560,3 +560,32 @@ def test_grouped_matmul_gradients_under_expert_parallel_shard_map():
     for g, r in zip(got, want, strict=True):
         g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
         np.testing.assert_allclose(g, r, rtol=0, atol=REL_TOL["bfloat16"] * np.abs(r).max())
+
+
+def test_move_rows_transpose_is_the_inverse_gather():
+    """move_rows' backward (a gather by the inverse indices) equals the VJP of the plain
+    where(keep, x[take], 0), whose transpose is a scatter-add: both are exact (each row's
+    cotangent is one cotangent row or zero), so they agree bit for bit."""
+    from sparsemixer_jax.moe.dispatch import move_rows
+
+    rows, padded, groups = 10, 16, 3
+    group = jnp.array([2, 0, 3, 1, 0, 2, 3, 1, 0, 2])  # 3: no expert (two rows)
+    order = jnp.argsort(group, stable=True)
+    gather = jnp.concatenate([order, jnp.zeros((padded - rows,), order.dtype)])
+    valid = jnp.concatenate([group[order] < groups, jnp.zeros((padded - rows,), bool)])
+    position = jnp.argsort(order)
+    served = group < groups
+    x = jax.random.normal(jax.random.key(0), (rows, 4))
+    g = jax.random.normal(jax.random.key(1), (padded, 4))
+
+    def plain(x):
+        return jnp.where(valid[:, None], x[gather], 0)
+
+    out, vjp = jax.vjp(lambda x: move_rows(x, gather, valid, position, served), x)
+    want, want_vjp = jax.vjp(plain, x)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(vjp(g)[0], want_vjp(g)[0])
+    # and back to row order: the sorted rows' cotangent is the rows' own, or zero
+    back, back_vjp = jax.vjp(lambda y: move_rows(y, position, served, gather, valid), out)
+    np.testing.assert_array_equal(back, jnp.where(served[:, None], x, 0))
+    np.testing.assert_array_equal(back_vjp(x)[0], plain(x))

@@ -61,8 +61,8 @@ def test_lm_bench_config_gives_the_target_sizes_and_its_dense_twin():
     sizes = lm_step.lm_sizes_of(load_config_file("configs/lm_bench.py:moe"))
     assert sizes == {"emb": 2048, "mlp": 2048, "heads": 16, "kv_heads": 4, "layers": 16,
                      "vocab": 32768, "tokens": 65536, "length": 4096, "experts": 8, "top_k": 2,
-                     "micro_rows": 4}
-    assert lm_step.micro_batches_of(sizes) == 4
+                     "micro_rows": 8}
+    assert lm_step.micro_batches_of(sizes) == 2
     # The benchmark's dense arm, built from the MoE config, is the :dense variant's model: every
     # field equal but those only the (unused) MoE layers read.
     twin = lm_step.dense_twin(LMTask.from_config(load_config_file("configs/lm_bench.py:moe")))

@@ -49,7 +49,8 @@ def _loss_and_grads(model_type: str, remat: str):
 
 
 @pytest.mark.parametrize("model_type, remat", [
-    ("mixtral", "full"), ("mixtral", "dots_saveable"), ("qwen2_moe", "nothing_saveable")])
+    ("mixtral", "full"), ("mixtral", "dots_saveable"), ("qwen2_moe", "nothing_saveable"),
+    ("mixtral", "elementwise")])
 def test_remat_leaves_loss_and_gradients_unchanged(model_type, remat):
     value, grads, plain = _loss_and_grads(model_type, "none")
     value_r, grads_r, rematted = _loss_and_grads(model_type, remat)

@@ -128,6 +128,10 @@ class GroupedMatmulConfig:
         is cast to bfloat16 (``"mosaic"``, ``"tokamax"``), or no cast at all (``"xla"``).
       num_sms: programs of the weight-gradient kernel's persistent grid; None: the target
         device's SM count (:func:`sm_count`).
+      zero_past_groups: the caller guarantees that ``lhs`` and the output's cotangent are
+        zero (finite suffices) on the rows past the groups, so the weight-gradient kernel
+        needs no masked copies of them (:func:`sparsemixer_jax.moe.dispatch.grouped_ffn`'s
+        operands are).
 
     With ``impl="mosaic"`` the tiles an H100 lowering refuses are refused here, one line each
     (:func:`tile_errors`), also under ``interpret=True``: the interpreter would run them.
@@ -143,6 +147,7 @@ class GroupedMatmulConfig:
     interpret: bool = False
     compute_dtype: Any = None
     num_sms: int | None = None
+    zero_past_groups: bool = False
 
     def __post_init__(self):
         if self.impl not in IMPLS:
@@ -390,9 +395,10 @@ def _mosaic_weight_grad(lhs, dout, group_sizes, config: GroupedMatmulConfig) -> 
     # The kernel reads whole row blocks of each group and masks the edge blocks by multiplying
     # with 0; padding keeps the last block inside the arrays, and the rows past the groups are
     # zeroed since NaN * 0 is NaN.
-    valid = _rows_valid(lhs.shape[0], group_sizes)
-    lhs = _pad_rows(jnp.where(valid, lhs, 0), block_k)
-    dout = _pad_rows(jnp.where(valid, dout, 0), block_k)
+    if not config.zero_past_groups:
+        valid = _rows_valid(lhs.shape[0], group_sizes)
+        lhs, dout = jnp.where(valid, lhs, 0), jnp.where(valid, dout, 0)
+    lhs, dout = _pad_rows(lhs, block_k), _pad_rows(dout, block_k)
     with _interpreting(config):
         return transposed_ragged_dot(
             lhs, dout, group_sizes=group_sizes,

@@ -22,6 +22,7 @@ router's evaluation rule). :func:`sparsemixer_jax.hf.load_pretrained` returns it
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -330,6 +331,7 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
     (:func:`sparsemixer_jax.sharding.keep_rows_split`).
     """
     graphdef, state = nnx.split(stack)
+    metrics_tree: dict[str, Any] = {}
 
     def body(h, xs):
         h = sharding.keep_rows_split(h, rows_sharding)
@@ -345,16 +347,61 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
             new_kvs.append(new_kv)
             metrics.append(layer_metrics)
         out_kvs = None if unit_kvs is None else tuple(new_kvs)
-        return h, (nnx.state(unit), out_kvs, metrics)
+        # Every float32 metric in one vector per step: the scan writes one stacked output
+        # instead of one small kernel per metric and layer. The tree is recorded when the body
+        # is traced, for the unpacking.
+        leaves, metrics_tree["tree"] = jax.tree.flatten(metrics)
+        metrics_tree["shapes"] = [leaf.shape if leaf.dtype == jnp.float32 else None
+                                  for leaf in leaves]
+        packed = [jnp.ravel(leaf) for leaf in leaves if leaf.dtype == jnp.float32]
+        packed = (jnp.concatenate(packed) if packed else None,
+                  [leaf for leaf in leaves if leaf.dtype != jnp.float32])
+        return h, (nnx.state(unit), out_kvs, packed)
 
     if remat != "none":
         # The backward pass recomputes the layer body (keeping what the policy names) instead of
         # holding its activations for every layer; prevent_cse is unneeded inside scan.
-        policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+        policy = {"full": None, "elementwise": recompute_elementwise}.get(
+            remat, getattr(jax.checkpoint_policies, remat, None))
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     x, (new_state, new_kvs, metrics) = jax.lax.scan(body, x, (state, kvs, sliding))
     nnx.update(stack, new_state)
-    return x, new_kvs, metrics
+    return x, new_kvs, _unpack_metrics(metrics, metrics_tree["tree"], metrics_tree["shapes"])
+
+
+# What remat="elementwise" recomputes: elementwise arithmetic, casts and layout changes, which
+# XLA fuses into the kernels of the backward pass that read them, so recomputing them costs no
+# launches and reads their (saved) inputs instead of a saved copy (bfloat16 activations instead
+# of their float32 casts, one hidden array instead of its halves and products).
+_ELEMENTWISE = frozenset({
+    "abs", "add", "and", "broadcast_in_dim", "clamp", "concatenate", "convert_element_type",
+    "copy", "copy_p", "cos", "div", "eq", "erf", "exp", "exp2", "expand_dims", "ge", "gt",
+    "integer_pow", "iota", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne",
+    "neg", "not", "or", "pad", "pow", "reshape", "rsqrt", "select_n", "sign", "sin", "slice",
+    "sqrt", "square", "squeeze", "sub", "tanh", "transpose"})
+
+
+def recompute_elementwise(primitive, *_, **__) -> bool:
+    """The checkpoint policy of ``remat="elementwise"``: keep the output of every operation but
+    elementwise and layout ones (matmuls, attention and grouped kernels, reductions, gathers,
+    sorts, random bits are kept)."""
+    return primitive.name not in _ELEMENTWISE
+
+
+def _unpack_metrics(packed: tuple[jax.Array | None, list[jax.Array]], tree,
+                    shapes: list[tuple[int, ...] | None]) -> Any:
+    """The metrics tree of :func:`_scan_stack`'s body from the scan's outputs ``(float32
+    leaves packed [repeats, size], the other leaves)``: each leaf ``[repeats, *shape]``."""
+    vector, others = packed
+    others, leaves, start = iter(others), [], 0
+    for shape in shapes:
+        if shape is None:
+            leaves.append(next(others))
+            continue
+        size = math.prod(shape)
+        leaves.append(vector[:, start:start + size].reshape(vector.shape[0], *shape))
+        start += size
+    return jax.tree.unflatten(tree, leaves)
 
 
 class CausalLM(nnx.Module):

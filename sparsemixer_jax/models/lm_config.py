@@ -27,10 +27,12 @@ NORMS = ("rms", "layer")
 QK_NORMS = ("none", "head", "full")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 #: Rematerialisation of the scanned layers: ``"none"`` (keep every activation the backward pass
-#: needs), ``"full"`` (keep only each layer's input; recompute the rest in the backward pass), or
-#: a policy of :data:`jax.checkpoint_policies` naming what the recomputation may keep.
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable",
-                  "nothing_saveable", "everything_saveable")
+#: needs), ``"full"`` (keep only each layer's input; recompute the rest in the backward pass),
+#: ``"elementwise"`` (recompute elementwise and layout operations only, fused into the backward
+#: pass's kernels: :func:`sparsemixer_jax.models.causal_lm.recompute_elementwise`), or a policy
+#: of :data:`jax.checkpoint_policies` naming what the recomputation may keep.
+REMAT_POLICIES = ("none", "full", "elementwise", "dots_saveable",
+                  "dots_with_no_batch_dims_saveable", "nothing_saveable", "everything_saveable")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,7 @@ layer (:mod:`sparsemixer_jax.moe.expert_parallel`) gives the same result as one 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import warnings
@@ -359,17 +360,52 @@ def grouped_ffn(
         gather = jnp.concatenate([order, jnp.zeros((padded_rows - rows,), order.dtype)])
         sorted_group = jnp.concatenate(
             [sorted_group, jnp.full((padded_rows - rows,), num_groups, jnp.int32)])
-    valid = (sorted_group < num_groups)[:, None]
+    served = group < num_groups  # [rows]: rows an expert serves
+    valid = sorted_group < num_groups  # [padded_rows]: exactly the rows inside the groups
+    position = jnp.zeros((rows,), jnp.int32).at[order].set(
+        jnp.arange(rows, dtype=jnp.int32), unique_indices=True)  # sorted position of each row
     safe = jnp.minimum(sorted_group, num_groups - 1)
 
-    h = grouped_matmul(x.astype(dtype)[gather], wi.astype(dtype), group_sizes, config)
+    # The rows move by gathers both ways (each permutation's transpose is the other's gather):
+    # no scatter, no zero-filled buffer. Rows past the groups are zero in the sorted operands
+    # and their cotangents, which lets the kernels' weight gradients skip masking them.
+    config = dataclasses.replace(config, zero_past_groups=True)
+    xs = move_rows(x.astype(dtype), gather, valid, position, served)
+    # Only the hidden activations are kept for the activation's backward pass, not its
+    # intermediate products (prevent_cse=False: XLA may fuse the recomputation).
+    activate = jax.checkpoint(activation_fn(activation), prevent_cse=False)
+    h = grouped_matmul(xs, wi.astype(dtype), group_sizes, config)
     h = _add_bias(h, None if bi is None else bi.astype(dtype), safe)
-    h = row_dropout(activation_fn(activation)(h), token_ids[gather], drop_key, rate)
+    h = row_dropout(activate(h), token_ids[gather], drop_key, rate)
     y = _add_bias(grouped_matmul(h, wo.astype(dtype), group_sizes, config),
                   None if bo is None else bo.astype(dtype), safe)
-    y = jnp.where(valid, y, 0)[:rows]
-    # Undo the sort with a scatter (its transpose is a gather, cheaper than a second argsort).
-    return jnp.zeros_like(y).at[order].set(y, unique_indices=True).astype(x.dtype)
+    # Back to row order; rows without expert output zeros.
+    return move_rows(y, position, served, gather, valid).astype(x.dtype)
+
+
+@jax.custom_vjp
+def move_rows(x: jax.Array, take: jax.Array, keep: jax.Array, take_back: jax.Array,
+              keep_back: jax.Array) -> jax.Array:
+    """``where(keep, x[take], 0)``: rows of ``x [R, d]`` moved to ``[len(take), d]``.
+
+    ``take_back [R]`` and ``keep_back [R]`` describe the inverse: every row ``r`` of ``x`` is
+    read by at most one kept output row, ``take_back[r]``, and by none unless ``keep_back[r]``.
+    The transpose is then the gather ``where(keep_back, g[take_back], 0)``, not a scatter-add
+    into zeros, and nothing but the indices is kept for the backward pass.
+    """
+    return jnp.where(keep[:, None], x[take], 0).astype(x.dtype)
+
+
+def _move_rows_fwd(x, take, keep, take_back, keep_back):
+    return move_rows(x, take, keep, take_back, keep_back), (take, keep, take_back, keep_back)
+
+
+def _move_rows_bwd(residuals, cotangent):
+    take, keep, take_back, keep_back = residuals
+    return move_rows(cotangent, take_back, keep_back, take, keep), None, None, None, None
+
+
+move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
 
 
 def expert_ffn(

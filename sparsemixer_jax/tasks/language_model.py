@@ -32,6 +32,7 @@ from sparsemixer_jax.data import bpe, chat, lm_text, text
 from sparsemixer_jax.data.tokenizer import vocabulary_sample
 from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.models.lm_loss import token_nll
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast
 from sparsemixer_jax.tasks import check_loop_sections
@@ -69,9 +70,10 @@ def next_token_sums(logits: jax.Array, tokens: jax.Array, is_target: jax.Array,
     (position ``t`` is predicted from the positions before it); ``row_bytes`` ``[B]``."""
     targets = tokens[:, 1:]
     weights = is_target[:, 1:].astype(jnp.float32)
-    log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-    correct = (jnp.argmax(logits[:, :-1], axis=-1) == targets).astype(jnp.float32)
+    # Over all T positions (the last one's target a dummy, left out): no [B, T - 1, V] slice.
+    padded = jnp.pad(targets, ((0, 0), (0, 1)))
+    nll = token_nll(logits, padded)[:, :-1]
+    correct = (jnp.argmax(logits, axis=-1)[:, :-1] == targets).astype(jnp.float32)
     return {"nll": jnp.sum(nll * weights), "tokens": jnp.sum(weights),
             "correct": jnp.sum(correct * weights), "bytes": jnp.sum(row_bytes)}
 
