@@ -30,6 +30,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--peer-python", required=True, help="a Python with torch and transformers")
     add("--out", default="runs/cpu_peer.json")
     add("--threads", type=int, default=2, help="the peer's torch.set_num_threads")
+    add("--cpus", default="", help="pin every arm to these cores (a taskset list such as 0; "
+        "give --threads as many): on cores shared with other jobs, one pinned core per arm "
+        "keeps a descheduled thread from stalling the others")
     add("--peer-experts", nargs="+", default=[""], metavar="IMPL",
         help="transformers' experts kernels, one peer arm each (eager, grouped_mm, "
              "batched_mm; default: transformers' choice)")
@@ -50,11 +53,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     sizes = {name: getattr(args, name) for name in CPU_PEER_SIZES}
     arms = [peer_arm("peer" + (f"_{impl}" if impl else ""), args.peer_python, sizes,
-                     args.threads, impl) for impl in args.peer_experts]
-    arms += [ours_arm("ours" if d == "auto" else f"ours_{d}", sizes, d) for d in args.dispatch]
+                     args.threads, impl, args.cpus) for impl in args.peer_experts]
+    arms += [ours_arm("ours" if d == "auto" else f"ours_{d}", sizes, d, cpus=args.cpus)
+             for d in args.dispatch]
     for spec in args.xla_flags:
         name, _, flags = spec.partition("=")
-        arms.append(ours_arm(f"ours_{name}", sizes, "auto", flags))
+        arms.append(ours_arm(f"ours_{name}", sizes, "auto", flags, args.cpus))
     result = bench_cpu_peer(arms, sizes, args.rounds, args.steps, args.warmup)
     # The command as run, the peer's Python named by its role, not by its path on this machine.
     shown = ["PEER_PYTHON" if a == args.peer_python else a for a in argv]

@@ -47,18 +47,26 @@ class Arm:
     peer: bool = False
 
 
+def pinned(cpus: str) -> tuple[str, ...]:
+    """The command prefix that runs a worker on the CPU cores ``cpus`` (``taskset`` list, e.g.
+    ``"0"``; "" = any core). XLA sizes its thread pool to the cores a process may use."""
+    return ("taskset", "-c", cpus) if cpus else ()
+
+
 def ours_arm(name: str, sizes: dict[str, int], dispatch: str = "auto",
-             xla_flags: str = "") -> Arm:
+             xla_flags: str = "", cpus: str = "") -> Arm:
     """The project's step in this Python (``xla_flags`` appended to ``XLA_FLAGS``)."""
-    argv = (sys.executable, "-m", "lab.benchmarks.cpu_peer", json.dumps(sizes), dispatch)
+    argv = (*pinned(cpus), sys.executable, "-m", "lab.benchmarks.cpu_peer", json.dumps(sizes),
+            dispatch)
     flags = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
     return Arm(name, argv, (("XLA_FLAGS", flags),) if flags else ())
 
 
 def peer_arm(name: str, python: str, sizes: dict[str, int], threads: int,
-             experts_implementation: str = "") -> Arm:
+             experts_implementation: str = "", cpus: str = "") -> Arm:
     """transformers' Mixtral under ``python`` (``experts_implementation`` "": its default)."""
-    argv = (python, PEER_SCRIPT, "--sizes", json.dumps(sizes), "--threads", str(threads))
+    argv = (*pinned(cpus), python, PEER_SCRIPT, "--sizes", json.dumps(sizes), "--threads",
+            str(threads))
     if experts_implementation:
         argv += ("--experts-implementation", experts_implementation)
     return Arm(name, argv, peer=True)
@@ -100,8 +108,10 @@ def bench_cpu_peer(arms: list[Arm], sizes: dict[str, int], rounds: int, steps: i
     ``tokens_per_s``, ``loss`` (the last step's), ``to_reference`` (``ratio``: its tokens/s
     over the reference's, from the medians; ``paired``: stats of the same per round)."""
     load_before = load_average()
-    workers = [Worker(arm) for arm in arms]
+    workers: list[Worker] = []
     try:
+        for arm in arms:  # started one at a time: each builds its model alone
+            workers.append(Worker(arm))
         for w in workers:
             w.run(warmup)
         times: dict[str, list[float]] = {w.arm.name: [] for w in workers}
@@ -123,12 +133,18 @@ def bench_cpu_peer(arms: list[Arm], sizes: dict[str, int], rounds: int, steps: i
         t = times[w.arm.name]
         s = stats(t)
         result["arms"][w.arm.name] = {
-            "ready": w.ready, "env": dict(w.arm.env), "step_s": s, "cpu_s": stats(cpu[w.arm.name]),
+            "ready": w.ready, "env": dict(w.arm.env), "cpus": _cpus_of(w.arm), "step_s": s,
+            "cpu_s": stats(cpu[w.arm.name]),
             "tokens_per_s": sizes["tokens"] / s["median"], "loss": last[w.arm.name]["loss"],
             "to_reference": {"ratio": stats(ref)["median"] / s["median"],
                              "paired": stats([a / b for a, b in zip(ref, t, strict=True)])}}
     result["load_average"] = [load_before, load_average()]
     return result
+
+
+def _cpus_of(arm: Arm) -> str:
+    """The cores ``arm`` is pinned to ("" = any)."""
+    return arm.argv[2] if arm.argv[:1] == ("taskset",) else ""
 
 
 def table(result: dict[str, Any]) -> str:
