@@ -158,6 +158,19 @@ def test_padded_block_rows_is_an_argument():
                                 block_rows=0)
 
 
+@pytest.mark.parametrize("rows, groups, block", [
+    (128, 4, 32),  # rows / N below 128: rows / N
+    (1024, 8, 128),  # rows / N = 128: unchanged
+    (4096, 16, 128),  # rows / N = 256, rows / 4N = 64: lowered to 128, not below
+    (4096, 8, 128),  # the CPU language model's step (2,048 tokens, top-2 of 8): not 512
+    (8192, 8, 256),  # rows / 4N = 256
+    (2**17, 8, 512),  # rows / 4N >= 512: the cap, as before
+])
+def test_padded_block_rows_bounds_the_padding(rows, groups, block):
+    # At most a quarter of the rows are padding once blocks of 128 rows allow it.
+    assert moe.dispatch.padded_block_rows(rows, groups) == block
+
+
 # ---- Mosaic GPU kernels in the interpreter -------------------------------------------------
 
 

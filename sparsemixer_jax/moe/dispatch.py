@@ -13,9 +13,10 @@ One row per token and chosen expert goes through its expert MLP. Dispatch is cho
 * ``"padded"`` (:func:`padded_ffn`): tokens sorted by expert into a block-padded layout: each
   expert's group is padded to a multiple of a block of ``b`` rows, every block belongs to one
   expert, and one batched matmul multiplies each block by its expert's weights. Dropless with at
-  most ``rows + N * b`` rows (``b`` about ``rows / N``, :func:`padded_block_rows`), so the work
-  is at most about twice a dense FFN whatever ``N``. In capacity mode it is the Switch layout
-  ``[N, capacity, emb]`` (one block per expert).
+  most ``rows + N * b`` rows (``b`` at most about ``rows / N``, down to ``rows / 4N`` while
+  that is 128 rows or more: :func:`padded_block_rows`), so the work is at most about twice a
+  dense FFN whatever ``N``, and a quarter more where the rows allow it. In capacity mode it is
+  the Switch layout ``[N, capacity, emb]`` (one block per expert).
 * ``"auto"``: per backend, from the measured table :data:`AUTO_DISPATCH`.
 
 Why ``auto`` picks ``padded`` on CPU and GPU: there XLA lowers ``ragged_dot`` to a dense dot
@@ -221,14 +222,25 @@ def ragged_ffn(
 
 
 def padded_block_rows(rows: int, num_groups: int) -> int:
-    """Block size of the padded layout: a power of two near ``rows / num_groups``, in [8, 512].
+    """Block size of the padded layout: a power of two near ``rows / num_groups``, in [8, 512],
+    lowered towards ``rows / (4 num_groups)`` while that stays at least 128 rows.
 
-    Padding costs at most ``num_groups * (block - 1)`` rows; smaller blocks mean more blocks and
-    so more gathered weight copies. ``rows / num_groups`` bounds both by about twice the dense
-    cost.
+    Padding costs at most ``num_groups * (block - 1)`` rows, and the layout computes them all
+    (its block count is static); smaller blocks mean more blocks and so more gathered weight
+    copies. ``rows / num_groups`` bounds both by about twice the dense cost;
+    ``rows / (4 num_groups)`` bounds the padding by a quarter, and blocks of 128 rows or more
+    keep the weight copies few (docs/benchmarks.md: at 4,096 rows and 8 experts, 128-row blocks
+    made the CPU training step 1.15-1.25x faster than 512-row ones). From ``rows >= 2048
+    num_groups`` both give 512.
     """
-    target = max(1, rows // max(num_groups, 1))
-    return int(min(512, max(8, 1 << (target.bit_length() - 1))))
+    groups = max(num_groups, 1)
+    block = min(512, max(8, _power_of_two_at_most(rows // groups)))
+    return min(block, max(128, _power_of_two_at_most(rows // (4 * groups))))
+
+
+def _power_of_two_at_most(n: int) -> int:
+    """The largest power of two <= ``n`` (1 for ``n < 2``)."""
+    return 1 << (max(1, n).bit_length() - 1)
 
 
 def padded_ffn(
