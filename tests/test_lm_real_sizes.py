@@ -115,8 +115,10 @@ SECTION = {"hf_type": "glm4_moe", "hidden_size": 16, "num_layers": 2, "num_heads
     ({"n_routed_experts": 4, "num_experts_per_tok": 2},
      "config.model.hf_keys: n_routed_experts, num_experts_per_tok are set by "
      "config.model.num_experts, config.router.top_k"),
+    ("first_k_dense_replace=1",
+     "config.model.hf_keys must map config.json keys to values, got 'first_k_dense_replace=1'"),
 ])
-def test_hf_keys_naming_a_section_field_is_one_line(keys, message):
+def test_hf_keys_that_cannot_mean_a_key_are_one_line(keys, message):
     with pytest.raises(ValueError) as error:
         LMModelConfig.from_config(SECTION | {"hf_keys": keys})
     assert str(error.value) == message

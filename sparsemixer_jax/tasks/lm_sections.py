@@ -144,7 +144,10 @@ class LMModelConfig:
     def from_config(cls, section: Any, where: str = "config.model.") -> LMModelConfig:
         fields = read_fields(cls, section, where)
         keys = fields.get("hf_keys") or {}
-        fields["hf_keys"] = dict(keys.to_dict() if hasattr(keys, "to_dict") else keys)
+        keys = keys.to_dict() if hasattr(keys, "to_dict") else keys
+        if not isinstance(keys, dict):
+            raise ValueError(f"{where}hf_keys must map config.json keys to values, got {keys!r}")
+        fields["hf_keys"] = dict(keys)
         m = cls(**fields)
         family = family_of(m.hf_type, f"{where}hf_type=")
         if family.latent_attention and "kv_lora_rank" not in m.hf_keys:
