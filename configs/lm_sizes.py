@@ -2,7 +2,9 @@
 with a model section of a published checkpoint's sizes, sequences of 4096 tokens, bfloat16
 compute, and per target platform the mesh, the batch and its micro-batches, the MoE dispatch
 and the rematerialisation (:func:`real_size_config`). Used by ``configs/mixtral_8x7b.py``,
-``configs/phi35_moe.py``, ``configs/qwen3_30b_a3b.py`` and ``configs/olmoe_1b_7b.py``.
+``configs/phi35_moe.py``, ``configs/qwen3_30b_a3b.py``, ``configs/olmoe_1b_7b.py``,
+``configs/gpt_oss_20b.py``, ``configs/gpt_oss_120b.py``, ``configs/moonlight_16b_a3b.py`` and
+``configs/glm45_air.py``.
 
 The variant after ``:`` in ``--config configs/<model>.py:<variant>`` picks the layout (``tpu``,
 the default, or ``h100``). One sequence per device per micro-batch, full rematerialisation of
@@ -41,12 +43,22 @@ class Layout:
 
 
 #: The layouts of the models compiled for 64 devices (Mixtral-8x7B, Phi-3.5-MoE,
-#: Qwen3-30B-A3B): experts split 8 ways and the model width 8 ways.
+#: Qwen3-30B-A3B, gpt-oss-120b, GLM-4.5-Air): experts split 8 ways and the model width 8 ways.
 POD_LAYOUTS = {
     # TPU v5p 4x4x4 (64 chips): 256 sequences per update.
     "tpu": Layout(fsdp=8, expert=8, batch_size=256, micro_batch_size=64, dispatch="ragged"),
     # 8 hosts of 8 H100s: the same mesh; 128 sequences per update.
     "h100": Layout(fsdp=8, expert=8, batch_size=128, micro_batch_size=64, dispatch="grouped"),
+}
+
+#: The layouts of the models compiled for 8 devices (gpt-oss-20b, Moonlight-16B-A3B): experts
+#: split 8 ways, every other matrix's model width too; 128 sequences per update, one per device
+#: per micro-batch.
+HOST_LAYOUTS = {
+    # TPU v5p 2x2x2 (8 chips of 95 GiB).
+    "tpu": Layout(fsdp=1, expert=8, batch_size=128, micro_batch_size=8, dispatch="ragged"),
+    # One host of 8 H100s.
+    "h100": Layout(fsdp=1, expert=8, batch_size=128, micro_batch_size=8, dispatch="grouped"),
 }
 
 

@@ -38,8 +38,9 @@ def make_mesh(data: int, expert: int, devices: Sequence[jax.Device] | None = Non
     slice's physical torus (``devices`` should then be a whole slice or a sub-block of it), on
     GPU in device-id order, on CPU in ``devices`` order. Neighbouring mesh positions share an
     expert group, then an fsdp group: the axes that exchange the most (all-to-all of tokens,
-    all-gathers of weights) stay on the fastest links. Raises ValueError when the sizes do not
-    multiply to the number of devices.
+    all-gathers of weights) stay on the fastest links. A TPU mesh axis that is no product of
+    whole torus axes (8 on a 4x4x4 slice) splits one of them. Raises ValueError when the sizes
+    do not multiply to the number of devices.
     """
     devices = list(jax.devices() if devices is None else devices)
     if expert < 1 or fsdp < 1:
@@ -58,8 +59,21 @@ def make_mesh(data: int, expert: int, devices: Sequence[jax.Device] | None = Non
             f"data={data} x fsdp={fsdp} x expert={expert}"
         raise ValueError(f"mesh {sizes} = {data * inner} devices, but {len(devices)} devices "
                          "are available")
-    return jax.make_mesh((data, fsdp, expert), MESH_AXES,
-                         axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh((data, fsdp, expert), MESH_AXES, axis_types=axis_types,
+                             devices=devices)
+    except NotImplementedError as err:
+        if "allow_split_physical_axes" not in str(err):
+            raise
+    # An axis that is no product of whole torus axes (8 on a TPU v5p 4x4x4 slice: 4 x 2):
+    # jax.make_mesh does not split a physical axis, mesh_utils does when asked; the mesh's
+    # neighbours stay neighbours on the torus.
+    from jax.experimental import mesh_utils
+
+    grid = mesh_utils.create_device_mesh((data, fsdp, expert), devices,
+                                         allow_split_physical_axes=True)
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def batch_groups(mesh: Mesh) -> int:

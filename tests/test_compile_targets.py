@@ -131,3 +131,15 @@ def test_the_command_says_in_one_line_that_a_config_does_not_shard():
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tpu:v5e:4x4: cannot compile: ")
     assert "config.mesh.expert=3" in lines[0]  # the config check names the field
+
+
+def test_a_mesh_axis_that_splits_a_torus_axis_is_laid_on_the_slice():
+    """8 x 8 on a TPU v5p 4x4x4 slice (the layout of the 64-chip real-size configs): 8 is no
+    product of whole torus axes, so one is split; every chip is used once."""
+    from sparsemixer_jax.sharding import make_mesh
+    from tests import kit
+
+    _, devices = kit.target_devices_or_skip("tpu:v5p:4x4x4")
+    mesh = make_mesh(1, 8, devices, fsdp=8)
+    assert mesh.shape == {"data": 1, "fsdp": 8, "expert": 8}
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)

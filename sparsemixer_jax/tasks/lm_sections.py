@@ -26,6 +26,18 @@ SELECTION_OPTIONS = ("score", "routed_scaling_factor", "bias_update_rate", "bala
 
 # The checkpoint's routing is kept on fine-tuning unless config.init_router says "config".
 INIT_ROUTERS = ("checkpoint", "config")
+# The config.json keys a from-scratch model takes from the config's own fields, not from
+# config.model.hf_keys.
+SECTION_KEYS = {"model_type": "config.model.hf_type", "vocab_size": "config.data.vocab_size",
+                "hidden_size": "config.model.hidden_size",
+                "num_hidden_layers": "config.model.num_layers",
+                "num_attention_heads": "config.model.num_heads",
+                "num_key_value_heads": "config.model.num_kv_heads",
+                "num_experts_per_tok": "config.router.top_k",
+                "experts_per_token": "config.router.top_k",
+                "num_experts": "config.model.num_experts",
+                "num_local_experts": "config.model.num_experts",
+                "n_routed_experts": "config.model.num_experts"}
 # The router section's fields a fine-tuning run honours whatever routes it: the auxiliary losses
 # (of RouterConfig) and whether the routers train (read by the optimizer's settings). With
 # init_router="checkpoint" the checkpoint's routing replaces every other field.
@@ -91,6 +103,11 @@ class LMModelConfig:
         SwiGLU (``silu``) experts, the types' own normal initialisation
         (``init="normal"``) and only Qwen2-MoE's own shared expert, so only the defaults are
         taken.
+      hf_keys: further ``config.json`` keys of ``hf_type``, laid over the ones the section
+        writes (:func:`hf_config_of`): a from-scratch model of a published checkpoint's whole
+        shape (``first_k_dense_replace`` with a dense ``intermediate_size``, latent attention's
+        widths, ``layer_types``, ``rope_parameters``, ...). The sizes the section has fields for
+        are set there, not here.
     """
 
     hidden_size: int
@@ -121,15 +138,28 @@ class LMModelConfig:
     init: str = "normal"
     num_shared_experts: int = 0
     shared_expert_gate: bool = False
+    hf_keys: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_config(cls, section: Any, where: str = "config.model.") -> LMModelConfig:
-        m = cls(**read_fields(cls, section, where))
+        fields = read_fields(cls, section, where)
+        keys = fields.get("hf_keys") or {}
+        keys = keys.to_dict() if hasattr(keys, "to_dict") else keys
+        if not isinstance(keys, dict):
+            raise ValueError(f"{where}hf_keys must map config.json keys to values, got {keys!r}")
+        fields["hf_keys"] = dict(keys)
+        m = cls(**fields)
         family = family_of(m.hf_type, f"{where}hf_type=")
-        if family.latent_attention:
+        if family.latent_attention and "kv_lora_rank" not in m.hf_keys:
             raise ValueError(f"{where}hf_type={m.hf_type!r}: its latent attention's widths are "
-                             "not in the model section; fine-tune one of its checkpoints "
+                             f"not model section fields; give them in {where}hf_keys "
+                             "(kv_lora_rank, ...), fine-tune one of its checkpoints "
                              "(config.init_from) or choose another hf_type")
+        given = sorted(set(m.hf_keys) & set(SECTION_KEYS))
+        if given:
+            raise ValueError(f"{where}hf_keys: {', '.join(given)} "
+                             f"{'are' if len(given) > 1 else 'is'} set by "
+                             f"{', '.join(SECTION_KEYS[k] for k in given)}")
         check_positive(where, hidden_size=m.hidden_size, num_layers=m.num_layers,
                        num_heads=m.num_heads, mlp_dim=m.mlp_dim, moe_every=m.moe_every)
         if isinstance(m.num_experts, bool) or not isinstance(m.num_experts, int) \
@@ -205,6 +235,7 @@ def hf_config_of(model: LMModelConfig, router: RouterConfig, vocab_size: int
                    mlp_only_layers=[i for i in range(m.num_layers) if i not in routed])
     elif family.dense_layers == "first_k":
         cfg["first_k_dense_replace"] = 0  # every layer routed, as the model section's others
+    cfg.update(m.hf_keys)
     return cfg
 
 
