@@ -188,6 +188,11 @@ def added_field_default(name: str, task: str) -> Any:
     return value[task] if isinstance(value, dict) else value
 
 
+def as_json(config: ml_collections.ConfigDict | dict) -> str:
+    """``config`` as the JSON text a run saves (``{workdir}/config.json``)."""
+    return config.to_json(indent=1) if hasattr(config, "to_json") else json.dumps(config, indent=1)
+
+
 def with_defaults(config: ml_collections.ConfigDict | dict) -> ml_collections.ConfigDict:
     """A copy of a saved config with every field of :data:`ADDED_FIELD_DEFAULTS` it lacks (and
     ``task``) filled in, so code reads one schema whatever version wrote the config."""

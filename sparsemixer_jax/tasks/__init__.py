@@ -6,20 +6,22 @@
 * :mod:`~sparsemixer_jax.tasks.language_model`: decoder-only MoE language models, from scratch
   or fine-tuned from a Hugging Face checkpoint.
 
-A task's ``from_config`` builds the typed section of every part of its config (each checks its
-own fields) and then :func:`sparsemixer_jax.config.validate`'s rules between sections, once per
-run and before anything is read or written; :func:`check_config` does it for any task.
+A task's ``from_config`` builds the typed section of every part of its own config (each checks
+its own fields) and then :func:`sparsemixer_jax.config.validate`'s rules between sections;
+:func:`run_config` adds the loop's sections around it, once per run and before anything is read
+or written. This package, the command-line helpers and the compile command are where an
+experiment config is read; past them, code takes the typed sections.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparsemixer_jax import config as config_schema
-from sparsemixer_jax.runtime import RuntimeConfig
-from sparsemixer_jax.section import cast, check_positive
-from sparsemixer_jax.sharding import MeshConfig
+
+if TYPE_CHECKING:  # the loop's sections need Optax: imported when a run is built
+    from sparsemixer_jax.training.run_config import RunConfig
 
 #: The function that trains each task of the one loop, as ``(module, name)``: imported only when
 #: called, so naming a task does not import its data pipeline.
@@ -29,28 +31,9 @@ TRAINERS = {
     "lm": ("sparsemixer_jax.tasks.language_model", "train_lm"),
 }
 
-LOOP_FIELDS = ("train_steps", "eval_every", "checkpoint_every", "log_every")
-
-
-def check_loop_sections(config: Any) -> None:
-    """Checks what every trained task shares: the loop's intervals and the routing
-    diagnostics' collapse rule (top-level fields), the optimiser, the runtime and the mesh."""
-    from sparsemixer_jax.training.optim import OptimSettings  # needs Optax
-    from sparsemixer_jax.training.routing_watch import CollapseRule
-
-    check_positive("config.", **{name: cast(int, config[name], f"config.{name}")
-                                 for name in LOOP_FIELDS})
-    cast(int, config.seed, "config.seed")
-    OptimSettings.from_config(config.optim, router=config.router)
-    CollapseRule.from_config(config)
-    RuntimeConfig.from_config(config.runtime)
-    MeshConfig.from_config(config.mesh)
-
-
-def check_config(config: Any) -> Any:
-    """Builds every typed section of ``config``'s task, each checking its own fields, then
-    checks the rules between them (:func:`sparsemixer_jax.config.validate`); returns the task
-    (its sections). ValueError naming the first field that makes no sense."""
+def build_task(config: Any) -> Any:
+    """The task of ``config`` built by its ``from_config`` (every section of its own, each
+    checked, and the rules between sections): ValueError naming the first bad field."""
     task = config_schema.task_of(config)
     if task == "translation":
         from sparsemixer_jax.tasks.translation import TranslationTask
@@ -70,6 +53,25 @@ def check_config(config: Any) -> Any:
         return LMTask.from_config(config)
     config_schema.validate(config)  # names the unknown task
     return None
+
+
+def run_config(config: Any, task: Any = None) -> RunConfig:
+    """The run of a trained task's ``config``: its task (:func:`build_task`, unless ``task``
+    built from the same config is given) and the loop's sections (the seed, steps and intervals,
+    the optimiser, mesh and runtime), each built once and checked."""
+    from sparsemixer_jax.training.run_config import RunConfig
+
+    return RunConfig.from_config(config, build_task(config) if task is None else task)
+
+
+def check_config(config: Any) -> Any:
+    """Builds every typed section of ``config``'s task, each checking its own fields, and checks
+    the rules between them (:func:`sparsemixer_jax.config.validate`): ValueError naming the first
+    field that makes no sense. Returns the :class:`~sparsemixer_jax.training.run_config.RunConfig`
+    of a trained task, the fine-tuning settings of GLUE fine-tuning."""
+    if config_schema.task_of(config) == "finetuning":
+        return build_task(config)
+    return run_config(config)
 
 
 def train_task(config: Any, workdir: str) -> dict[str, Any]:

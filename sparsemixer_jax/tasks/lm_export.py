@@ -27,6 +27,7 @@ from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import sharding
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.routers import RouterConfig
+from sparsemixer_jax.tasks import run_config
 from sparsemixer_jax.tasks.language_model import KEPT_DIR, KEPT_FILES, LMTask
 from sparsemixer_jax.training.loop import build_steps
 
@@ -88,7 +89,8 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
     written = _written_config(trained, own, routing)
     # The model's structure is the config's; its weights come from the checkpoint.
     mesh = sharding.mesh_from_config(config)
-    steps = build_steps(dataclasses.replace(task, init_from=""), config, trained.vocab_size, mesh)
+    steps = build_steps(run_config(config, dataclasses.replace(task, init_from="")),
+                        trained.vocab_size, mesh)
     restored = restore_checkpoint(workdir, steps.abstract_state(), checkpoint)
     if restored is None:
         raise FileNotFoundError(f"{workdir} holds no {checkpoint} checkpoint")
