@@ -51,8 +51,7 @@ def task_steps(corpus, straight_run):
     """The steps of the tiny model (the straight run's vocabulary): the template checkpoints are
     read into."""
     vocab = text.Tokenizer(os.path.join(straight_run[0], "spm.model")).vocab_size
-    return training.build_steps(pretraining.PretrainingTask.from_config(tiny(corpus)),
-                                tiny(corpus), vocab)
+    return training.build_steps(run_config(tiny(corpus)), vocab)
 
 
 def test_straight_run_logs_the_electra_metrics(straight_run):
@@ -429,4 +428,4 @@ def test_admin_profiling_sets_the_residual_scales_before_training(corpus, tmp_pa
     # Without the scheme there is nothing to profile and no scale.
     plain = tiny(corpus, **{"model.init": "fairseq"})
     assert pretraining.PretrainingTask.from_config(plain).load_data(
-        plain, str(tmp_path), 1).init_model is None
+        str(tmp_path), 1).init_model is None
