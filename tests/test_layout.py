@@ -164,6 +164,18 @@ def test_the_config_type_check_sees_mentions():
     assert _config_type_mentions("sparsemixer_jax/tasks/translation.py", text) == []
 
 
+def test_every_registered_tasks_code_exists():
+    """A task is registered once (``sparsemixer_jax.tasks.TASKS``): its sections' class, its
+    trainer and its compiler, each found where the registration says."""
+    from sparsemixer_jax import tasks
+
+    for name, task in tasks.TASKS.items():
+        assert callable(tasks.load(task.sections_of).from_config), name
+        for code in (task.trainer, task.compiler):
+            assert not code or callable(tasks.load(code)), (name, code)
+    assert [name for name, task in tasks.TASKS.items() if task.compiler] == ["translation", "lm"]
+
+
 def test_the_library_never_imports_the_lab():
     offending = []
     for path in sorted((ROOT / "sparsemixer_jax").rglob("*.py")):

@@ -13,7 +13,6 @@ micro-batches, plus ``update``) its own.
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import os
 import re
@@ -25,15 +24,13 @@ import ml_collections
 from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import runtime
 from sparsemixer_jax.aot import analysis, roofline, targets
-from sparsemixer_jax.tasks import check_config, run_config
+from sparsemixer_jax.tasks import TASKS, check_config, load, run_config
 from sparsemixer_jax.training.run_config import RunConfig
 
-# The compile function of each task's aot module, ``(run, devices, decode_step=)`` -> reports
-# (``run``: the task's RunConfig for the target): a task joins the command by adding its module
-# here (the task-independent part is sparsemixer_jax.aot.steps).
-COMPILERS = {"translation": ("sparsemixer_jax.aot.translation", "compile_translation"),
-             "lm": ("sparsemixer_jax.aot.lm", "compile_lm")}
-SUPPORTED_TASKS = tuple(COMPILERS)
+# The tasks whose registration (sparsemixer_jax.tasks.TASKS) names a compile function of their
+# aot module, ``(run, devices, decode_step=)`` -> reports (the task-independent part is
+# sparsemixer_jax.aot.steps).
+SUPPORTED_TASKS = tuple(name for name, task in TASKS.items() if task.compiler)
 
 
 def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
@@ -51,9 +48,7 @@ def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
         target = targets.parse_target(spec)
         devices = targets.target_devices(target)
         run = run_config(config_for_target(config, target))
-        module, function = COMPILERS[task]
-        compile_task = getattr(importlib.import_module(module), function)
-        reports = compile_task(run, devices, decode_step=decode_step)
+        reports = load(TASKS[task].compiler)(run, devices, decode_step=decode_step)
     except (ValueError, RuntimeError) as err:
         reason = str(err).splitlines()[0]
         if "cudnn" in reason.lower() and config.model.get("attention_impl") == "cudnn":

@@ -32,7 +32,7 @@ from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast
-from sparsemixer_jax.tasks import run_config
+from sparsemixer_jax.tasks import check_sections, run_config
 from sparsemixer_jax.tasks.lm_sections import (
     INIT_ROUTERS,
     LMModelConfig,
@@ -111,7 +111,7 @@ class LMTask:
     def from_config(cls, config: ml_collections.ConfigDict) -> LMTask:
         """Every section, each checked, and the rules between them: a ValueError naming the
         first bad field (or what is wrong with ``init_from``)."""
-        config_schema.validate_sections(config)
+        check_sections(config)
         model = LMModelConfig.from_config(config.model)
         init_from = cast(str, config.init_from, "config.init_from")
         init_router = cast(str, config.init_router, "config.init_router")
@@ -127,7 +127,7 @@ class LMTask:
                              "tokenizer (and, for chat, its chat template): set "
                              "config.init_from to a Hugging Face directory")
         else:
-            config_schema.validate(config)
+            config_schema.validate(config, router)
             lm = from_scratch_config(model, router, data.vocab_size)
         return cls(lm, router, data, sample, init_from)
 

@@ -33,7 +33,7 @@ from sparsemixer_jax.models.electra import Electra, GeneratorConfig, LossSetting
 from sparsemixer_jax.models.encoder import Encoder, EncoderConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast
-from sparsemixer_jax.tasks import run_config
+from sparsemixer_jax.tasks import check_sections, run_config
 from sparsemixer_jax.token_ids import PAD_ID
 from sparsemixer_jax.training import Run, TaskData, train
 from sparsemixer_jax.training.hosts import is_main_process, wait_for_all_processes
@@ -124,7 +124,7 @@ class PretrainingTask:
     def from_config(cls, config: ml_collections.ConfigDict) -> PretrainingTask:
         """Every section of a pretraining config, each checked, and the rules between them
         (:func:`sparsemixer_jax.config.validate`): a ValueError naming the first bad field."""
-        config_schema.validate_sections(config)
+        check_sections(config)
         # The discriminator's own fields first: a bad model.* is reported as such, not through
         # the generator that inherits it.
         model = EncoderConfig.from_config(config.model)
@@ -134,7 +134,7 @@ class PretrainingTask:
         disc_weight = cast(float, config.optim.disc_weight, "config.optim.disc_weight")
         if disc_weight < 0:
             raise ValueError(f"config.optim.disc_weight must be >= 0, got {disc_weight}")
-        config_schema.validate(config)
+        config_schema.validate(config, router)
         settings = LossSettings(disc_weight=disc_weight, balance_weight=router.balance_weight,
                                 z_loss_weight=router.z_loss_weight, mask_prob=data.mask_prob)
         return cls(settings, model, router, generator, data)

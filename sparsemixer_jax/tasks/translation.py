@@ -30,7 +30,7 @@ from sparsemixer_jax.decode import DecodeConfig
 from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast, check_fraction
-from sparsemixer_jax.tasks import run_config
+from sparsemixer_jax.tasks import check_sections, run_config
 from sparsemixer_jax.token_ids import PAD_ID
 from sparsemixer_jax.training import Run, TaskData, train
 from sparsemixer_jax.training.hosts import (
@@ -130,7 +130,7 @@ class TranslationTask:
     def from_config(cls, config: ml_collections.ConfigDict) -> TranslationTask:
         """Every section of a translation config, each checked, and the rules between them
         (:func:`sparsemixer_jax.config.validate`): a ValueError naming the first bad field."""
-        config_schema.validate_sections(config)
+        check_sections(config)
         model = TransformerConfig.from_config(config.model)
         router = RouterConfig.from_config(config.router)
         data = DataConfig.from_config(config)
@@ -141,7 +141,7 @@ class TranslationTask:
         if per_update < 0:
             raise ValueError(f"config.optim.tokens_per_update must be >= 0 (0 = no "
                              f"accumulation), got {per_update}")
-        config_schema.validate(config)
+        config_schema.validate(config, router)
         return cls(label_smoothing, router, model, data, decode, per_update)
 
     # -- in the compiled steps
