@@ -29,7 +29,7 @@ import numpy as np
 
 from lab.benchmarks.routing_options import OPTIONS, bench_config, results_table, write_json
 from sparsemixer_jax import training
-from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.tasks import run_config
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
         """The option's steps and state, compiled and warmed up."""
         start = time.perf_counter()
         config = bench_config(args, OPTIONS[name])
-        steps = training.build_steps(translation.TranslationTask.from_config(config), config,
-                                     args.vocab)
+        steps = training.build_steps(run_config(config), args.vocab)
         state = steps.init_state()
         for i in range(2):  # compile, then one more outside the timing
             state, _ = steps.train_step(state, batches, jax.random.key(i))

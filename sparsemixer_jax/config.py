@@ -3,12 +3,14 @@
 Every experiment config (``configs/*.py``) is an ``ml_collections.ConfigDict`` with a ``task``
 (``"translation"``, ``"pretraining"``, ``"finetuning"`` or ``"lm"``) and sections ``data``,
 ``model``, ``router``, ``optim``, ``runtime``, ``mesh`` plus the loop's intervals. The sections
-every task shares are built here, so they hold the same fields with the same defaults everywhere;
+every task shares are built here, so they hold the same fields with the same defaults everywhere
+(the typed sections' own: ``tests/test_config_defaults.py``);
 :data:`ADDED_FIELD_DEFAULTS` says how to read a config saved before a field existed; and
 :func:`validate` checks the rules between sections. Each section's own fields are checked by
 its typed value, owned by the code it configures (``RouterConfig.from_config``,
-``MoEConfig.from_config``, ...); :func:`sparsemixer_jax.tasks.check_config` builds every
-section of a task and then calls :func:`validate`, before any data is read or file written.
+``MoEConfig.from_config``, ...); a task's ``from_config`` (:data:`sparsemixer_jax.tasks.TASKS`
+registers each task) builds every section of the task and then calls :func:`validate`, before
+any data is read or file written.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import json
 from typing import Any
 
 import ml_collections
-
-TASKS = ("translation", "pretraining", "finetuning", "lm")
 
 # Fields added after runs were saved without them, with the value that reproduces the behaviour
 # those runs had; a value may depend on the saved run's task ({task: value}).
@@ -189,6 +189,11 @@ def added_field_default(name: str, task: str) -> Any:
     return value[task] if isinstance(value, dict) else value
 
 
+def as_json(config: ml_collections.ConfigDict | dict) -> str:
+    """``config`` as the JSON text a run saves (``{workdir}/config.json``)."""
+    return config.to_json(indent=1) if hasattr(config, "to_json") else json.dumps(config, indent=1)
+
+
 def with_defaults(config: ml_collections.ConfigDict | dict) -> ml_collections.ConfigDict:
     """A copy of a saved config with every field of :data:`ADDED_FIELD_DEFAULTS` it lacks (and
     ``task``) filled in, so code reads one schema whatever version wrote the config."""
@@ -211,49 +216,23 @@ def with_defaults(config: ml_collections.ConfigDict | dict) -> ml_collections.Co
 #
 # Each section checks its own fields when its typed value is built, by the code it configures
 # (RouterConfig, MoEConfig, TransformerConfig / EncoderConfig, the data, optimiser, decoding,
-# runtime and mesh sections; sparsemixer_jax.tasks.check_config builds every section of a
-# task). What is left here are the rules that join two sections, which no section can check
+# runtime and mesh sections; a task's from_config builds every section of the task). What is
+# left here are the rules that join two sections, which no section can check
 # alone; so this module imports no model code.
 
 
-# The sections each task's config has, and the config file that shows them.
-TASK_SECTIONS = {
-    "translation": (("data", "model", "router", "optim", "decode", "runtime", "mesh"),
-                    "configs/wmt.py"),
-    "pretraining": (("data", "model", "generator", "router", "optim", "runtime", "mesh"),
-                    "configs/electra.py"),
-    "finetuning": ((), "configs/glue.py"),
-    "lm": (("data", "model", "router", "optim", "runtime", "mesh", "sample"),
-           "configs/lm_quickstart.py"),
-}
-
-
-def validate_sections(config: Any) -> str:
-    """``config``'s task, after checking that it is known and that the config has every section
-    of that task (so the sections' typed values can be built); ValueError otherwise."""
-    task = task_of(config)
-    if task not in TASKS:
-        raise ValueError(f"config.task={task!r}; choose one of {TASKS}")
-    sections, schema = TASK_SECTIONS[task]
-    missing = [s for s in sections if s not in config]
-    if missing:
-        raise ValueError(f"config has no {', '.join(missing)} section (schema: {schema})")
-    return task
-
-
-def _check_experts(config: Any) -> None:
-    """The router and the mesh against the model's experts."""
+def _check_experts(config: Any, router: Any) -> None:
+    """The router (``router``, the section's typed value) and the mesh against the model's
+    experts."""
     n, top_k = config.model.num_experts, config.router.top_k
     if n and top_k > n:
         raise ValueError(
             f"config.router.top_k={top_k} is larger than num_experts={n} (a token picks "
             f"distinct experts); top_k must be an int in [1, num_experts={n}], got {top_k}")
-    from sparsemixer_jax.routers.registry import RouterConfig  # jax, not model code
-
-    RouterConfig.from_config(config.router, num_experts=n or None)  # groups against experts
+    router.check("config.router.", num_experts=n or None)  # groups against experts
     generator = config.get("generator") or {}
     if generator.get("num_experts"):  # ELECTRA's generator routes with the same router
-        RouterConfig.from_config(config.router, num_experts=generator["num_experts"])
+        router.check("config.router.", num_experts=generator["num_experts"])
     expert = config.mesh.expert
     if n and expert >= 1 and n % expert:
         raise ValueError(f"config.model.num_experts={n} is not divisible by "
@@ -268,15 +247,13 @@ def _check_pretraining(config: Any) -> None:
                          f"config.data.seq_len={seq_len}: every position needs an embedding")
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
+def validate(config: ml_collections.ConfigDict, router: Any) -> None:
     """Raises ValueError for the first rule between two sections of ``config`` that fails (the
-    sections' own fields are checked by their typed values, module comment above).
+    sections' own fields are checked by their typed values, module comment above; ``router``
+    is the router section's, a :class:`~sparsemixer_jax.routers.RouterConfig`).
 
     Runs once per run, before anything is read, written or compiled: a bad config costs nothing.
     """
-    task = validate_sections(config)
-    if task == "finetuning":
-        return  # one section: the fine-tuning settings check themselves
-    if task == "pretraining":
+    if task_of(config) == "pretraining":
         _check_pretraining(config)
-    _check_experts(config)
+    _check_experts(config, router)

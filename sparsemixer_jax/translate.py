@@ -22,7 +22,7 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
     from sparsemixer_jax import decode
     from sparsemixer_jax.checkpoint import checkpoints_root, list_checkpoints
     from sparsemixer_jax.data.tokenizer import Tokenizer
-    from sparsemixer_jax.tasks import translation
+    from sparsemixer_jax.tasks import run_config, translation
     from sparsemixer_jax.training import build_steps
     from sparsemixer_jax.training.state import restore_checkpoint
 
@@ -55,7 +55,8 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
                          "translation run of experiments.wmt")
     tokenizer = Tokenizer(vocabulary)
     task = translation.TranslationTask.from_config(config)
-    steps = build_steps(task, config, tokenizer.vocab_size)
+    run = run_config(config, task)
+    steps = build_steps(run, tokenizer.vocab_size)
     # The newest readable checkpoint of that kind (an unreadable one is named and skipped);
     # CheckpointError if none is.
     restored = restore_checkpoint(workdir, steps.abstract_state(), checkpoint)

@@ -74,6 +74,15 @@ def tiny_config(task: str = "translation", corpus: str | None = None, *,
     return config
 
 
+def run_for_target(config: ml_collections.ConfigDict, target):
+    """The run of ``config`` as the compile command builds it for ``target``: its
+    ``model.dispatch`` resolved for the target's platform."""
+    from sparsemixer_jax.aot import command
+    from sparsemixer_jax.tasks import run_config
+
+    return run_config(command.config_for_target(config, target))
+
+
 def target_devices_or_skip(spec: str) -> tuple:
     """``(target, devices)`` of a compile-only target (``"h100:1x1x8"``, ``"tpu:v5e:4x4"``;
     :mod:`sparsemixer_jax.aot.targets`), or the test skipped, naming what is missing (the

@@ -250,7 +250,7 @@ def test_the_task_packs_chat_rows_and_counts_the_assistant_targets(checkpoint, t
                                + [json.dumps(r) for r in rows[5:]]) + "\n")
     config = _chat_config(str(train), checkpoint)
     task = LMTask.from_config(config)
-    data = task.load_data(config, str(tmp_path / "w"), 1)
+    data = task.load_data(str(tmp_path / "w"), 1)
     stats = data.stats
     assert stats["train"]["rows"] == 8 and stats["train"]["bad_rows"] == 1
     assert stats["valid"]["rows"] == 2 and stats["valid"]["examples"] == 2  # the last rows
@@ -271,7 +271,7 @@ def test_the_task_packs_chat_rows_and_counts_the_assistant_targets(checkpoint, t
     assert metrics["valid_bytes"] == len("7, as asked.8, as asked.")
     with pytest.raises(ValueError, match=r"chat.jsonl line 6: not JSON .*on_bad_row='skip'"):
         strict = _chat_config(str(train), checkpoint, **{"data.on_bad_row": "error"})
-        LMTask.from_config(strict).load_data(strict, str(tmp_path / "w2"), 1)
+        LMTask.from_config(strict).load_data(str(tmp_path / "w2"), 1)
 
 
 def test_the_task_packs_prompt_completion_rows(checkpoint, tmp_path):
@@ -280,7 +280,7 @@ def test_the_task_packs_prompt_completion_rows(checkpoint, tmp_path):
                              for i in range(20)))
     config = _chat_config(str(train), checkpoint, **{"data.format": "prompt_completion",
                                                      "data.seq_len": 16})
-    data = LMTask.from_config(config).load_data(config, str(tmp_path / "w"), 1)
+    data = LMTask.from_config(config).load_data(str(tmp_path / "w"), 1)
     valid, tokenizer = data.extra["valid_split"], data.extra["tokenizer"].hf
     assert tokenizer.tokenizer.decode(valid.tokens[valid.targets].tolist(),
                                       skip_special_tokens=False) == " 18.<|im_end|> 19.<|im_end|>"

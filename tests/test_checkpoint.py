@@ -30,7 +30,7 @@ from sparsemixer_jax.checkpoint import (
     step_dir,
     write_manifest,
 )
-from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.tasks import run_config, translation
 from sparsemixer_jax.training.state import TrainState, restore_checkpoint
 from tests import tiny_wmt_config
 
@@ -75,8 +75,7 @@ def finished(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def template():
-    steps = training.build_steps(translation.TranslationTask.from_config(tiny()), tiny(),
-                                 tiny().data.vocab_size)
+    steps = training.build_steps(run_config(tiny()), tiny().data.vocab_size)
     return steps.abstract_state()
 
 
@@ -329,8 +328,7 @@ def test_an_earlier_layout_with_layer_state_is_restored_as_saved(tmp_path):
     """Default MoE's layer state was saved as ``batch_stats``: it comes back as the train
     state's ``layer_state``, with the parameters, the optimizer state and the meta's step."""
     config = tiny(**{"router.name": "default_moe"})
-    steps = training.build_steps(translation.TranslationTask.from_config(config), config,
-                                 config.data.vocab_size)
+    steps = training.build_steps(run_config(config), config.data.vocab_size)
     state = steps.init_state()
     # Distinct values, so that a swapped or re-initialised part would show.
     state = jax.tree.map(lambda a: a + 0.5 if a.dtype.kind == "f" else a, state)

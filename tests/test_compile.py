@@ -22,6 +22,7 @@ from configs import wmt
 from sparsemixer_jax.aot import targets, translation
 from sparsemixer_jax.aot.analysis import analyse
 from sparsemixer_jax.moe import MoEFeedForward
+from sparsemixer_jax.tasks import run_config
 from sparsemixer_jax.training.steps import count_params
 from tests import kit
 
@@ -41,7 +42,8 @@ def _programs(spec: str, size: str):
     structure ("small": Transformer-base takes minutes of CPU to compile, so it is slow)."""
     target, devices = kit.target_devices_or_skip(spec)
     config = _design_card() if size == "base" else _small_design_card()
-    reports = translation.compile_translation(config, target, devices, decode_step=False)
+    reports = translation.compile_translation(kit.run_for_target(config, target), devices,
+                                              decode_step=False)
     return target, config, {r.name.split(" ")[0]: r for r in reports}
 
 
@@ -55,7 +57,7 @@ def _small_design_card():
 
 
 def _param_bytes(config) -> int:
-    model = translation.abstract_model(config)
+    model = translation.abstract_model(run_config(config))
     return 4 * count_params(nnx.state(model, nnx.Param))
 
 
@@ -175,7 +177,8 @@ def test_design_card_training_step_compiles_for_one_h100(dispatch):
     config.optim.tokens_per_update = 0  # one micro-batch: the fused training step
     if dispatch != "dense":
         config.model.dispatch = dispatch
-    reports = translation.compile_translation(config, target, devices, decode_step=False)
+    reports = translation.compile_translation(kit.run_for_target(config, target), devices,
+                                              decode_step=False)
     (step,) = reports
     assert step.total < target.hbm_bytes
     assert step.kernels == (6 * MOE_LAYERS if dispatch == "grouped" else 0)
@@ -186,7 +189,7 @@ def test_design_card_decode_step_compiles_for_a_tpu_v5e_4x4():
     target, devices = kit.target_devices_or_skip("tpu:v5e:4x4")
     config = _design_card()
     config.optim.tokens_per_update = 0
-    reports = translation.compile_translation(config, target, devices)
+    reports = translation.compile_translation(kit.run_for_target(config, target), devices)
     assert [r.name.split(" ")[0] for r in reports] == ["train", "beam"]
     assert all(r.total < target.hbm_bytes for r in reports)
     assert reports[1].collectives.get("all-to-all", 0) >= 2 * MOE_LAYERS
@@ -199,7 +202,8 @@ def _fsdp_programs():
     target, devices = kit.target_devices_or_skip("tpu:v5e:4x4")
     config = _small_design_card()
     config.mesh.update(data=1, fsdp=4)
-    reports = translation.compile_translation(config, target, devices, decode_step=False)
+    reports = translation.compile_translation(kit.run_for_target(config, target), devices,
+                                              decode_step=False)
     return {r.name.split(" ")[0]: r for r in reports}
 
 
@@ -211,7 +215,7 @@ def test_fsdp_training_programs_shard_parameters_and_adam_state():
     the weights before use."""
     target, config, replicated = _programs("tpu:v5e:4x4", "small")
     sharded = _fsdp_programs()
-    model = translation.abstract_model(config)
+    model = translation.abstract_model(run_config(config))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     expert_bytes = sum(4 * a.size for path, a in jax.tree_util.tree_leaves_with_path(params)
                        if path[-1].key in ("wi", "wo", "bi", "bo"))

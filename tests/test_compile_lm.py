@@ -54,7 +54,7 @@ def _programs(name: str, variant: str, spec: str):
     # As the command compiles it (runtime.matmul_precision "default"), not at the precision
     # the test session sets for CPU comparisons (bfloat16 TPU kernels refuse "highest").
     with jax.default_matmul_precision("default"):
-        reports = lm.compile_lm(config, target, devices)
+        reports = lm.compile_lm(kit.run_for_target(config, target), devices)
     return target, config, {r.name.split(" ")[0]: r for r in reports}
 
 
@@ -85,7 +85,7 @@ def test_a_mesh_that_does_not_fit_the_slice_is_one_line():
     config = _two_layer_olmoe()
     config.mesh.fsdp = 3
     with pytest.raises(ValueError, match=r"^config.mesh: fsdp=3 x expert=4 does not divide the 16"):
-        lm.compile_lm(config, target, devices)
+        lm.compile_lm(kit.run_for_target(config, target), devices)
 
 
 def test_cudnn_attention_without_cudnn_names_the_way_out():

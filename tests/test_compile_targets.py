@@ -1,9 +1,12 @@
 """Targets, HLO analysis and the compile command's one-line errors: no compiler needed."""
 
+import dataclasses
+
 import pytest
 
 from configs import wmt
 from sparsemixer_jax.aot import analysis, command, targets, translation
+from sparsemixer_jax.tasks import run_config
 
 
 def test_parse_target():
@@ -89,30 +92,30 @@ def test_report_total_and_verdicts():
 
 
 def test_a_config_that_does_not_shard_says_so_in_one_line():
-    config = wmt.get_config("n4")
-    config.mesh.expert = 3
+    run = run_config(wmt.get_config("n4"))
+    run = dataclasses.replace(run, mesh=dataclasses.replace(run.mesh, expert=3))
     with pytest.raises(ValueError,
                        match=r"^config.mesh \(data=-1, fsdp=1, expert=3\) does not shard"):
-        translation.target_mesh(config, list(range(16)))
+        translation.target_mesh(run, list(range(16)))
+    config = wmt.get_config("n4")
+    config.mesh.expert = 3
     result = command.compile_for_target(config, "tpu:v5e:nope")
     assert "\n" not in result["error"] and "tpu:<generation>" in result["error"]
 
 
 def test_a_batch_too_small_for_the_mesh_says_so():
-    config = wmt.get_config("n4")
-    config.data.max_tokens = 1024
+    data = run_config(wmt.get_config("n4")).task.data
     mesh = type("Mesh", (), {"size": 16})()
     with pytest.raises(ValueError, match="max_tokens=1024 cannot hold one row of max_len=256"):
-        translation.batch_shape(config, mesh)
-    config.data.max_tokens = 4096
-    assert translation.batch_shape(config, mesh) == (16, 256)
+        translation.batch_shape(dataclasses.replace(data, max_tokens=1024), mesh)
+    assert translation.batch_shape(dataclasses.replace(data, max_tokens=4096), mesh) == (16, 256)
 
 
 def test_dispatch_auto_is_resolved_for_the_target():
     config = wmt.get_config("n4")
-    assert translation.config_for_target(
+    assert command.config_for_target(
         config, targets.parse_target("tpu:v5e:4x4")).model.dispatch == "ragged"
-    assert translation.config_for_target(
+    assert command.config_for_target(
         config, targets.parse_target("h100:1x8")).model.dispatch == "padded"
     assert config.model.dispatch == "auto"  # the caller's config is left as it was
 

@@ -18,7 +18,7 @@ VOCAB = 40
 
 def build_model(config, vocab_size):
     """A fresh ELECTRA (generator + discriminator) of ``config``, seeded from ``config.seed``."""
-    return loop.build_model(config, electra.Electra, vocab_size, None)
+    return loop.build_model(electra.Electra, config, vocab_size, None, seed=config.seed)
 SETTINGS = electra.LossSettings(disc_weight=50.0, balance_weight=0.01, z_loss_weight=0.0,
                                 mask_prob=0.15)
 

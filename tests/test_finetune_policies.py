@@ -20,7 +20,7 @@ from flax import nnx
 
 from sparsemixer_jax import training
 from sparsemixer_jax.moe.layer import routing_param_paths
-from sparsemixer_jax.tasks import check_config
+from sparsemixer_jax.tasks import check_config, run_config
 from sparsemixer_jax.tasks.language_model import LMTask, train_lm
 from sparsemixer_jax.training.hosts import BatchPlacer
 from sparsemixer_jax.training.optim import OptimSettings, ParamRoles, make_optimizer, param_labels
@@ -64,7 +64,7 @@ def task(finetune_config):
 @pytest.fixture(scope="module")
 def task_steps(finetune_config):
     config = finetune_config()
-    return training.build_steps(LMTask.from_config(config), config, config.data.vocab_size)
+    return training.build_steps(run_config(config), config.data.vocab_size)
 
 
 # The resume test every training task runs, here under the policy.
@@ -78,8 +78,9 @@ def _paths(tree):
 
 
 def _abstract_params(config):
-    task = check_config(config)
-    model = nnx.eval_shape(lambda: task.build_model(config, 120, None))
+    run = check_config(config)
+    task = run.task
+    model = nnx.eval_shape(lambda: task.build_model(run, 120, None))
     return model, nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
@@ -172,10 +173,10 @@ def test_policy_errors_are_one_line(corpus, overrides, message):
 def test_a_policy_that_trains_nothing_of_the_model_is_one_line(corpus):
     config = _config(corpus, **{"model.num_experts": 0, "optim.train_only": "experts",
                                 "optim.router_lr_scale": 1.0})
-    task = LMTask.from_config(config)
-    model = nnx.eval_shape(lambda: task.build_model(config, 120, None))  # shapes only
+    run = run_config(config)
+    model = nnx.eval_shape(lambda: run.task.build_model(run, 120, None))  # shapes only
     with pytest.raises(ValueError) as error:
-        Steps(model, task, OptimSettings.from_config(config.optim, router=config.router))
+        Steps(model, run.task, run.optim)
     assert "train_only='experts' trains no parameter of this model" in str(error.value)
 
 
@@ -201,7 +202,7 @@ def routing_at_start_and_end(finetune_config, straight_run, task_steps):
     workdir, _ = straight_run
     config = finetune_config()
     task = LMTask.from_config(config)
-    batches = task.load_data(config, workdir, 1).valid
+    batches = task.load_data(workdir, 1).valid
     end = restore_checkpoint(workdir, task_steps.abstract_state(), "last").state
     start = task_steps.new_state(task_steps.params, task_steps.layer_state)
     return batches, BatchPlacer(None, task.batch_keys), start, end

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from sparsemixer_jax import hf, partitioning, sharding, training
 from sparsemixer_jax.models.causal_lm import CausalLM, rope_cos_sin
 from sparsemixer_jax.models.lm_config import MODEL_TYPES, LMConfig
-from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.tasks import run_config, translation
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule
 from sparsemixer_jax.training.state import restore_checkpoint
 from sparsemixer_jax.training.steps import Steps
@@ -246,7 +246,8 @@ def run_translation(workdir, **mesh):
     config = tiny(**{"train_steps": STEPS, "eval_every": STEPS, "checkpoint_every": STEPS,
                      "log_every": 1, "router.init_scale": 100.0, **TRANSLATION_OPTIM,
                      **{f"mesh.{k}": v for k, v in mesh.items()}})
-    return config, training.train(NoTestDecoding.from_config(config), config, workdir)
+    return config, training.train(run_config(config, NoTestDecoding.from_config(config)),
+                                  workdir)
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +291,7 @@ def test_translation_sharded_run_equals_one_device(translation_runs, last_checkp
     np.testing.assert_allclose(results["valid_loss"], valid0[-1], rtol=grad_rtol)
     atol = kit.adam_parameter_atol([r["lr"] for r in train0], [r["grad_norm"] for r in train0],
                                    kit.LINEAR_ADAM_EPS, grad_rtol)
-    steps0 = training.build_steps(NoTestDecoding.from_config(config0), config0,
+    steps0 = training.build_steps(run_config(config0, NoTestDecoding.from_config(config0)),
                                   config0.data.vocab_size)
     params0, _ = last_checkpoint(one, steps0)
     params, _ = last_checkpoint(sharded, steps0)  # restored onto one device
@@ -304,18 +305,16 @@ def test_sharded_checkpoint_restores_onto_another_mesh(translation_runs):
     config = tiny(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.expert": 2})
     device_mesh = sharding.mesh_from_config(config)
     # The model is only the template's shapes: built abstractly, as a reader would.
-    model = nnx.eval_shape(lambda: NoTestDecoding.from_config(config).build_model(
-        config, config.data.vocab_size, device_mesh))
-    steps = Steps(model, NoTestDecoding.from_config(config),
-                  OptimSettings.from_config(config.optim),
-                  sharding.partitioner_from_config(config, device_mesh))
+    run = run_config(config, NoTestDecoding.from_config(config))
+    model = nnx.eval_shape(lambda: run.task.build_model(run, config.data.vocab_size,
+                                                        device_mesh))
+    steps = Steps(model, run.task, run.optim, sharding.partitioner_from_config(run, device_mesh))
     restored = restore_checkpoint(sharded, steps.abstract_state(), "last")
     assert restored.step == STEPS
-    one = nnx.eval_shape(lambda: NoTestDecoding.from_config(tiny()).build_model(
-        tiny(), tiny().data.vocab_size, None))
-    reference = restore_checkpoint(sharded, Steps(
-        one, NoTestDecoding.from_config(tiny()),
-        OptimSettings.from_config(tiny().optim)).abstract_state(), "last")
+    run_one = run_config(tiny(), NoTestDecoding.from_config(tiny()))
+    one = nnx.eval_shape(lambda: run_one.task.build_model(run_one, tiny().data.vocab_size, None))
+    reference = restore_checkpoint(sharded, Steps(one, run_one.task, run_one.optim
+                                                  ).abstract_state(), "last")
     wi = restored.state.params["encoder_layers"][0]["ffn"]["wi"]
     assert wi.sharding.mesh.shape == device_mesh.shape
     assert wi.sharding.spec == P("expert", "fsdp")
@@ -337,7 +336,6 @@ def test_every_parameter_of_every_model_has_logical_names():
     name per dimension, scanned stacks led by "layers"."""
     from sparsemixer_jax.hf.checkpoint import read_config
     from sparsemixer_jax.hf.config import from_hf
-    from sparsemixer_jax.tasks import pretraining
 
     def abstract(build):
         return nnx.eval_shape(build)
@@ -346,12 +344,12 @@ def test_every_parameter_of_every_model_has_logical_names():
     for label, overrides in (("translation", {}), ("translation-shared", {
             "model.num_shared_experts": 1, "model.shared_expert_gate": True})):
         config = tiny(**overrides)
-        models[label] = abstract(lambda c=config: translation.TranslationTask.from_config(
-            c).build_model(c, 128, None))
+        run = run_config(config)
+        models[label] = abstract(lambda r=run: r.task.build_model(r, 128, None))
     for init in ("fairseq", "admin"):
         config = kit.tiny_config("pretraining", "unused", **{"model.init": init})
-        task = pretraining.PretrainingTask.from_config(config)
-        models[f"electra-{init}"] = abstract(lambda c=config, t=task: t.build_model(c, 128, None))
+        run = run_config(config)
+        models[f"electra-{init}"] = abstract(lambda r=run: r.task.build_model(r, 128, None))
     data = os.path.join(os.path.dirname(__file__), "data", "hf")
     for model_type in MODEL_TYPES:
         lm = from_hf(read_config(os.path.join(data, model_type)))
@@ -425,11 +423,11 @@ def test_a_run_resumes_on_another_layout_of_as_many_devices(tmp_path):
     del saved["mesh"]["fsdp"], saved["mesh"]["rules"]
     with open(tmp_path / "config.json", "w") as f:
         json.dump(saved, f)
-    check_resume_config(str(tmp_path), tiny(**{"mesh.data": -1}))
-    check_resume_config(str(tmp_path), tiny(**{"mesh.data": 1, "mesh.fsdp": 4,
-                                               "mesh.expert": 2, "mesh.rules.mlp": "fsdp"}))
+    check_resume_config(str(tmp_path), run_config(tiny(**{"mesh.data": -1})))
+    check_resume_config(str(tmp_path), run_config(tiny(**{
+        "mesh.data": 1, "mesh.fsdp": 4, "mesh.expert": 2, "mesh.rules.mlp": "fsdp"})))
     with pytest.raises(ResumeError, match=r"config\.mesh\.devices \(saved 8, now 4\)"):
-        check_resume_config(str(tmp_path), tiny(**{"mesh.data": 1, "mesh.fsdp": 4}))
+        check_resume_config(str(tmp_path), run_config(tiny(**{"mesh.data": 1, "mesh.fsdp": 4})))
 
 
 def test_lm_model_is_placed_by_the_configs_rules():
@@ -440,7 +438,8 @@ def test_lm_model_is_placed_by_the_configs_rules():
     config = kit.tiny_config("lm", **{"mesh.fsdp": 4, "mesh.expert": 2, "mesh.rules.embed": None,
                                       "mesh.rules.mlp": "fsdp"})
     task = LMTask.from_config(config)
-    model = task.build_model(config, task.lm.vocab_size, sharding.mesh_from_config(config))
+    model = task.build_model(run_config(config, task), task.lm.vocab_size,
+                             sharding.mesh_from_config(config))
     params = nnx.state(model, nnx.Param)
     assert params["embed_tokens"]["embedding"][...].sharding.spec in (P(), P(None, None))
     w_gate = params["stacks"][0]["layers"][0]["mlp"]["moe"]["w_gate"][...]

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda"), re
 _SCRIPT = """
 import json, sys
 import jax, numpy as np
+from sparsemixer_jax.tasks import run_config
 from sparsemixer_jax.tasks import translation
 from sparsemixer_jax import training
 from sparsemixer_jax.training.state import restore_checkpoint
@@ -40,8 +41,7 @@ def tiny(steps):
     return c
 
 def last_params(workdir, config):
-    steps = training.build_steps(translation.TranslationTask.from_config(config), config,
-                                 config.data.vocab_size)
+    steps = training.build_steps(run_config(config), config.data.vocab_size)
     state = restore_checkpoint(workdir, steps.abstract_state(), "last").state
     return jax.tree.leaves(jax.tree.map(np.asarray, state.params))
 

@@ -15,7 +15,7 @@ from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
 
 from sparsemixer_jax import training
 from sparsemixer_jax.moe import GROUPED_IMPLS, expert_ffn, resolve_dispatch
-from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.tasks import run_config
 from sparsemixer_jax.training import steps as training_steps
 from tests import kit, tiny_wmt_config
 
@@ -119,7 +119,7 @@ def test_whole_model_loss_and_gradients_equal_padded():
     for dispatch in ("padded", "grouped"):
         config.model.dispatch = dispatch
         config.model.grouped_impl = "xla"
-        steps = training.build_steps(translation.TranslationTask.from_config(config), config, 40)
+        steps = training.build_steps(run_config(config), 40)
         loss_grad = jax.grad(training_steps.micro_batch_loss, argnums=2, has_aux=True)
         grads[dispatch] = jax.jit(loss_grad, static_argnums=(0, 1))(
             steps.graphdef, steps.task, steps.params, steps.layer_state, steps.rest, batch,

@@ -1,10 +1,12 @@
 """The library's layout: ``sparsemixer_jax`` never imports ``lab`` (the repository's benchmarks,
 studies and experiments), nor ``experiments``, and the wheel holds the library alone; the models
 never import the data pipelines (what both need, such as the token ids, lives below both); no
-module of the library uses another module's private (underscore) name."""
+module of the library uses another module's private (underscore) name; the experiment config's
+type is named only where a config is read (the doors) and defined (the schema)."""
 
 import ast
 import pathlib
+import re
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -117,6 +119,61 @@ def test_the_private_name_check_sees_private_names():
     data_import = ast.parse("from sparsemixer_jax import data\nfrom ..data.text import PAD_ID\n")
     assert [source for _, source, _ in _library_imports(path, data_import)] == [
         LIBRARY, f"{LIBRARY}.data.text"]
+
+
+# Where an experiment config is read into typed sections (the tasks, the command-line helpers, the
+# compile command) and where its schema lives; everywhere else code takes the sections.
+CONFIG_DOORS = ("sparsemixer_jax/tasks/", "sparsemixer_jax/cli.py",
+                "sparsemixer_jax/aot/command.py", "sparsemixer_jax/config.py",
+                "sparsemixer_jax/section.py")
+CONFIG_TYPE = re.compile(r"ml_collections|ConfigDict")
+# The install hint names ml_collections as a package an extra installs, not as the config's type.
+PACKAGE_NAMES = {"sparsemixer_jax/extras.py": '"ml_collections"'}
+
+
+def _config_type_mentions(relative: str, text: str) -> list[str]:
+    """``"file:line: text"`` of each line of ``text`` that names the config's type
+    (``ml_collections`` or ``ConfigDict``, in code, docstrings or comments alike)."""
+    if relative.startswith(CONFIG_DOORS):
+        return []
+    allowed = PACKAGE_NAMES.get(relative)
+    return [f"{relative}:{number}: {line.strip()}"
+            for number, line in enumerate(text.splitlines(), 1)
+            if CONFIG_TYPE.search(line.replace(allowed, "") if allowed else line)]
+
+
+def test_only_the_doors_and_the_schema_name_the_config_type():
+    """Past the doors the code takes typed sections: no module names ``ml_collections`` or
+    ``ConfigDict``, not even in a docstring or a comment."""
+    offending = [mention for path in sorted((ROOT / LIBRARY).rglob("*.py"))
+                 for mention in _config_type_mentions(path.relative_to(ROOT).as_posix(),
+                                                      path.read_text())]
+    assert not offending, "\n".join(offending)
+
+
+def test_the_config_type_check_sees_mentions():
+    text = ('import ml_collections\n"""A ConfigDict section."""\nx = 1  # no config here\n'
+            'EXTRA = ("flax", "ml_collections")\n')
+    assert _config_type_mentions("sparsemixer_jax/training/loop.py", text) == [
+        "sparsemixer_jax/training/loop.py:1: import ml_collections",
+        'sparsemixer_jax/training/loop.py:2: """A ConfigDict section."""',
+        'sparsemixer_jax/training/loop.py:4: EXTRA = ("flax", "ml_collections")']
+    assert _config_type_mentions("sparsemixer_jax/extras.py", text) == [
+        "sparsemixer_jax/extras.py:1: import ml_collections",
+        'sparsemixer_jax/extras.py:2: """A ConfigDict section."""']
+    assert _config_type_mentions("sparsemixer_jax/tasks/translation.py", text) == []
+
+
+def test_every_registered_tasks_code_exists():
+    """A task is registered once (``sparsemixer_jax.tasks.TASKS``): its sections' class, its
+    trainer and its compiler, each found where the registration says."""
+    from sparsemixer_jax import tasks
+
+    for name, task in tasks.TASKS.items():
+        assert callable(tasks.load(task.sections_of).from_config), name
+        for code in (task.trainer, task.compiler):
+            assert not code or callable(tasks.load(code)), (name, code)
+    assert [name for name, task in tasks.TASKS.items() if task.compiler] == ["translation", "lm"]
 
 
 def test_the_library_never_imports_the_lab():

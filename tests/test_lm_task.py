@@ -23,7 +23,7 @@ from flax import nnx
 
 from sparsemixer_jax import hf, training
 from sparsemixer_jax.data import lm_text, text
-from sparsemixer_jax.tasks import language_model, lm_export, lm_sections
+from sparsemixer_jax.tasks import language_model, lm_export, lm_sections, run_config
 from sparsemixer_jax.tasks.language_model import LMTask, train_lm
 from sparsemixer_jax.training.preemption import Stopped
 from sparsemixer_jax.training.state import restore_checkpoint
@@ -62,7 +62,7 @@ def task(corpus):
 def task_steps(corpus, straight_run):
     """The steps of the tiny model: the template checkpoints are read into."""
     config = tiny(corpus)
-    return training.build_steps(LMTask.from_config(config), config, config.data.vocab_size)
+    return training.build_steps(run_config(config), config.data.vocab_size)
 
 
 # ------------------------------------------------------------------------------------ packing
@@ -167,8 +167,8 @@ def test_sigterm_checkpoints_the_step_and_the_rerun_ends_like_the_straight_run(
         corpus, straight_run, tmp_path, task_steps, last_checkpoint, monkeypatch):
     load_data = LMTask.load_data
 
-    def signalled(self, config, workdir, batch_multiple):  # SIGTERM at step 4's first batch
-        data = load_data(self, config, workdir, batch_multiple)
+    def signalled(self, workdir, batch_multiple):  # SIGTERM at step 4's first batch
+        data = load_data(self, workdir, batch_multiple)
         return dataclasses.replace(data, train=SignalOnFetch(data.train, 4, signal.SIGTERM))
 
     # Patched on the class: the task stays equal to the straight run's, so is its compiled step.
@@ -291,11 +291,11 @@ def test_fine_tuning_starts_from_the_checkpoint_with_its_tokenizer(corpus, check
     task = LMTask.from_config(config)
     assert task.lm.model_type == "mixtral" and task.lm.router == "switch"  # the checkpoint's
     original, _ = hf.load_pretrained(checkpoint)
-    start = task.build_model(config, task.lm.vocab_size, None)
+    start = task.build_model(run_config(config, task), task.lm.vocab_size, None)
     assert start.deterministic is False  # training mode
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(start, nnx.Param)),
                  nnx.to_pure_dict(nnx.state(original, nnx.Param)))
-    data = task.load_data(config, str(tmp_path / "w"), 1)
+    data = task.load_data(str(tmp_path / "w"), 1)
     tokenizer = data.extra["tokenizer"]
     assert isinstance(tokenizer, lm_text.HFTokenizerLM) and tokenizer.bos_id == 0
     assert not os.path.exists(tmp_path / "w" / "spm.model")
@@ -357,10 +357,10 @@ def test_an_export_needs_the_fine_tuning_runs_workdir_alone(corpus, checkpoint, 
     os.makedirs(workdir)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json())
-    task.load_data(config, workdir, 1)
+    task.load_data(workdir, 1)
     assert sorted(os.listdir(os.path.join(workdir, language_model.KEPT_DIR))) == [
         "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
-    steps = training.build_steps(task, config, task.lm.vocab_size)
+    steps = training.build_steps(run_config(config, task), task.lm.vocab_size)
     checkpoints = RunCheckpoints(workdir)
     checkpoints.save_last(0, steps.init_state(), {"step": 0})
     checkpoints.close()
@@ -395,7 +395,7 @@ def test_fine_tuning_a_converted_checkpoint_then_exporting_it(corpus, checkpoint
     written = lm_export.export_run(workdir, out)
     assert "tokenizer.json" in written["files"]
     exported, _ = hf.load_pretrained(out)
-    steps = training.build_steps(task, config, task.lm.vocab_size)
+    steps = training.build_steps(run_config(config, task), task.lm.vocab_size)
     trained = steps.model(restore_checkpoint(workdir, steps.abstract_state(), "last").state)
     trained.eval()
     ids = jnp.asarray([[0, 5, 6, 7, 8, 9]])
@@ -555,7 +555,7 @@ def test_a_run_on_a_data_fsdp_expert_mesh_equals_one_device(corpus, tmp_path, la
     kit.train_with_other_math("experiments.lm", f"tests/tiny_lm_config.py:{corpus}", workdir,
                               {**kit.LINEAR_ADAM, **mesh})
     config = tiny(corpus)
-    steps = training.build_steps(LMTask.from_config(config), config, config.data.vocab_size)
+    steps = training.build_steps(run_config(config), config.data.vocab_size)
     kit.assert_same_training(workdir, reference, 240, lambda w: last_checkpoint(w, steps))
     with open(os.path.join(workdir, "results.json")) as f:
         mesh_results = json.load(f)

@@ -31,6 +31,7 @@ if __name__ == "__main__":  # the killed child process: the repository root on t
 
 from sparsemixer_jax import training
 from sparsemixer_jax.checkpoint import RunCheckpoints
+from sparsemixer_jax.tasks import run_config
 from tests import kit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,6 +90,7 @@ class FakeTask:
 
     kill_at: int = -1
     micro_batches: int = 1
+    seed: int = 0  # the data stream's
 
     batch_keys = ("x", "y")
     progress_keys = ("loss",)
@@ -106,14 +108,15 @@ class FakeTask:
         return jnp.stack([jnp.sum((model(batch["x"]) - batch["y"]) ** 2),
                           jnp.asarray(batch["y"].shape[0], jnp.float32)])
 
-    def load_data(self, config, workdir, batch_multiple):
+    def load_data(self, workdir, batch_multiple):
         del workdir, batch_multiple
-        return training.TaskData(train=Stream(int(config.seed), self.kill_at),
+        return training.TaskData(train=Stream(self.seed, self.kill_at),
                                  valid=[rows(10**6, i) for i in range(2)], vocab_size=0,
                                  stats={"rows": ROWS}, micro_batches=self.micro_batches)
 
-    def build_model(self, config, vocab_size, mesh):
-        return training.build_model(config, Regression, vocab_size, mesh)
+    def build_model(self, run, vocab_size, mesh):
+        return training.build_model(Regression, None, vocab_size, mesh, seed=run.seed,
+                                    rules=run.mesh.rules)
 
     def validation_metrics(self, sums):
         error, count = (float(x) for x in sums)
@@ -125,6 +128,10 @@ class FakeTask:
                 "bias": np.asarray(run.state.params["linear"]["bias"]).tolist()}
 
 
+def train(task, config, workdir):
+    return training.train(run_config(config, task), workdir)
+
+
 def without_clock(records):
     """Metric records without their wall-clock fields."""
     return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
@@ -133,7 +140,7 @@ def without_clock(records):
 @pytest.fixture(scope="module")
 def task():
     """The fake task for the shared ``straight_run`` fixture (tests/conftest.py): the reference."""
-    return kit.Task("fake", lambda workdir, **o: training.train(FakeTask(), fake_config(**o),
+    return kit.Task("fake", lambda workdir, **o: train(FakeTask(), fake_config(**o),
                                                                 workdir))
 
 
@@ -155,8 +162,8 @@ def test_straight_run_learns_logs_every_step_and_validates_on_schedule(straight_
 
 def test_extending_a_run_equals_the_uninterrupted_run(straight_run, tmp_path):
     workdir = str(tmp_path / "extended")
-    training.train(FakeTask(), fake_config(train_steps=3), workdir)
-    extended = training.train(FakeTask(), fake_config(), workdir)
+    train(FakeTask(), fake_config(train_steps=3), workdir)
+    extended = train(FakeTask(), fake_config(), workdir)
     reference_dir, reference = straight_run
     for key in ("weights", "bias", "valid_loss", "best_valid_loss", "best_step"):
         assert extended[key] == reference[key], key
@@ -167,7 +174,7 @@ def test_extending_a_run_equals_the_uninterrupted_run(straight_run, tmp_path):
 
 def test_rerunning_a_finished_run_returns_its_results(straight_run):
     workdir, results = straight_run
-    assert training.train(FakeTask(), fake_config(), workdir) == results
+    assert train(FakeTask(), fake_config(), workdir) == results
 
 
 def test_sigkill_mid_run_then_resume_is_bit_for_bit(straight_run, tmp_path):
@@ -182,7 +189,7 @@ def test_sigkill_mid_run_then_resume_is_bit_for_bit(straight_run, tmp_path):
     saved = checkpoints.last.all_steps()
     checkpoints.close()
     assert saved and 3 <= max(saved) <= 4, saved  # it resumes, not starts afresh
-    resumed = training.train(FakeTask(), fake_config(checkpoint_every=1), workdir)
+    resumed = train(FakeTask(), fake_config(checkpoint_every=1), workdir)
     reference_dir, reference = straight_run
     assert (resumed["weights"], resumed["bias"]) == (reference["weights"], reference["bias"])
     assert (without_clock(kit.read_metrics(workdir))
@@ -195,7 +202,7 @@ def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_good_checkpo
     # lr 1e30: the first update makes the weights ~1e30, the next forward overflows.
     config = fake_config(**{"optim.peak_lr": 1e30, "checkpoint_every": 1, "eval_every": 100})
     with pytest.raises(training.TrainingDiverged, match=r"step 2: .* not finite.*after step 1"):
-        training.train(FakeTask(), config, workdir)
+        train(FakeTask(), config, workdir)
     records = kit.read_metrics(workdir)
     assert [r["step"] for r in records] == [1, 2] and "error" in records[-1]
     assert not os.path.exists(os.path.join(workdir, "results.json"))
@@ -203,7 +210,7 @@ def test_non_finite_loss_stops_before_the_update_and_keeps_the_last_good_checkpo
     saved = checkpoints.last.all_steps()
     checkpoints.close()
     assert list(saved) == [1]
-    params, meta = last_checkpoint(workdir, training.build_steps(FakeTask(), config, 0))
+    params, meta = last_checkpoint(workdir, training.build_steps(run_config(config, FakeTask()), 0))
     assert meta["step"] == 1 and all(np.all(np.isfinite(p)) for p in jax.tree.leaves(params))
 
 
@@ -214,8 +221,8 @@ def test_accumulating_micro_batches_and_a_data_parallel_mesh_match_one_device(st
     16 rows drawn the same way, to float32 rounding."""
     one = str(tmp_path / "one")
     mesh = str(tmp_path / "mesh")
-    training.train(FakeTask(micro_batches=2), fake_config(train_steps=3), one)
-    training.train(FakeTask(micro_batches=2), fake_config(train_steps=3, **{"mesh.data": 2}),
+    train(FakeTask(micro_batches=2), fake_config(train_steps=3), one)
+    train(FakeTask(micro_batches=2), fake_config(train_steps=3, **{"mesh.data": 2}),
                    mesh)
     losses = [[r["loss"] for r in kit.read_metrics(w) if "loss" in r] for w in (one, mesh)]
     assert len(losses[0]) == 3
@@ -231,7 +238,7 @@ def test_accumulating_micro_batches_and_a_data_parallel_mesh_match_one_device(st
 
 if __name__ == "__main__":
     workdir, kill_at = sys.argv[1], int(sys.argv[2])
-    training.train(FakeTask(kill_at=kill_at), fake_config(checkpoint_every=1), workdir)
+    train(FakeTask(kill_at=kill_at), fake_config(checkpoint_every=1), workdir)
 
 
 # What orbax raises for a save on a full disk (tensorstore's status, seen on a 2 MB tmpfs).
@@ -273,7 +280,7 @@ def test_a_save_on_a_full_disk_stops_the_run_in_one_line_and_the_rerun_resumes(
     workdir = str(tmp_path / "full")
     config = fake_config(checkpoint_every=1)
     with pytest.raises(DiskFull) as error:
-        training.train(FakeTask(), config, workdir)
+        train(FakeTask(), config, workdir)
     message = str(error.value)
     assert message.startswith(f"{workdir}: no space left on its filesystem to save checkpoint "
                               "last/3 (") and "\n" not in message
@@ -282,6 +289,6 @@ def test_a_save_on_a_full_disk_stops_the_run_in_one_line_and_the_rerun_resumes(
     assert max(r["step"] for r in kit.read_metrics(workdir)) in ((3,) if when == "at_save"
                                                                   else (3, 4))
     monkeypatch.undo()
-    resumed = training.train(FakeTask(), config, workdir)
+    resumed = train(FakeTask(), config, workdir)
     _, reference = straight_run
     assert (resumed["weights"], resumed["bias"]) == (reference["weights"], reference["bias"])

@@ -34,6 +34,7 @@ from flax import nnx
 
 from sparsemixer_jax import hf, sharding
 from sparsemixer_jax.partitioning import Partitioner
+from sparsemixer_jax.tasks import run_config
 from tests import kit, tiny_lm_config
 from tests.hf_on_processes import MAX_SHARD_BYTES, WIDTH_WHOLE
 from tests.multiprocess import run_processes
@@ -199,8 +200,8 @@ def test_translation_trains_and_resumes_on_two_processes_as_on_one(tmp_path, mes
     _check_written_once(runs, workdir, STEPS)
     one_device = kit.tiny_config(**{k: v for k, v in overrides.items()
                                     if not k.startswith("mesh.")})
-    steps = training.build_steps(translation.TranslationTask.from_config(one_device),
-                                 one_device, config.data.vocab_size)
+    steps = training.build_steps(run_config(one_device),
+                                 config.data.vocab_size)
     # 1,024 token positions an update, more than 2 layers x the vocab (128).
     kit.assert_same_training(workdir, reference, 1024,
                              lambda w: last_checkpoint(w, steps))
@@ -231,12 +232,11 @@ def lm_runs(tmp_path_factory):
 @pytest.mark.slow
 def test_language_model_trains_and_resumes_on_two_processes_as_on_one(lm_runs, last_checkpoint):
     from sparsemixer_jax import training
-    from sparsemixer_jax.tasks.language_model import LMTask
 
     corpus, reference, workdir, runs = lm_runs
     _check_written_once(runs, workdir, STEPS)
     config = kit.tiny_config("lm", corpus)
-    steps = training.build_steps(LMTask.from_config(config), config, config.data.vocab_size)
+    steps = training.build_steps(run_config(config), config.data.vocab_size)
     # 128 tokens an update, fewer than 2 layers x the vocab (120).
     kit.assert_same_training(workdir, reference, 240,
                              lambda w: last_checkpoint(w, steps))
@@ -283,8 +283,7 @@ def test_pretraining_trains_and_resumes_on_two_processes_as_on_one(tmp_path, las
                             workdir, overrides, first_steps=2)
     _check_written_once(runs, workdir, STEPS)
     config = kit.tiny_config("pretraining", corpus, **model)
-    steps = training.build_steps(pretraining.PretrainingTask.from_config(config), config,
-                                 config.data.vocab_size)
+    steps = training.build_steps(run_config(config), config.data.vocab_size)
     # 128 tokens an update, fewer than 3 layers (generator and discriminator) x the vocab (120).
     kit.assert_same_training(workdir, reference, 360,
                              lambda w: last_checkpoint(w, steps))

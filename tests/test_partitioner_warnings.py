@@ -33,8 +33,7 @@ from flax import nnx
 from configs import electra, wmt
 from sparsemixer_jax import sharding
 from sparsemixer_jax.aot import steps, translation
-from sparsemixer_jax.tasks.pretraining import PretrainingTask
-from sparsemixer_jax.training.optim import OptimSettings
+from sparsemixer_jax.tasks import run_config
 from sparsemixer_jax.training.steps import Steps
 
 mesh = sharding.make_mesh(1, 4, jax.devices()[:8], fsdp=2)
@@ -43,7 +42,7 @@ config.model.update(dispatch="padded", **{SMALL!r})
 config.data.update(**{SMALL_DATA!r})
 config.optim.tokens_per_update = 0  # one micro-batch: the fused training step
 config.mesh.update(data=1, fsdp=2, expert=4)
-(report,) = translation._compile_all(config, mesh, decode_step=False)
+(report,) = translation._compile_all(run_config(config), mesh, decode_step=False)
 print("compiled translation", report.name)
 
 # ELECTRA: a two-layer discriminator (the second an MoE layer), a one-layer generator.
@@ -52,10 +51,10 @@ config.model.update(num_layers=2, emb_dim=64, mlp_dim=128, num_heads=2, dispatch
 config.generator.num_layers = 1
 config.data.update(vocab_size=512, seq_len=32, batch_size=16, micro_batch_size=0)
 config.mesh.update(data=1, fsdp=2, expert=4)
-task = PretrainingTask.from_config(config)
-model = nnx.eval_shape(lambda: task.build_model(config, 512, mesh))
-partitioner = sharding.partitioner_from_config(config, mesh)
-pretraining = Steps(model, task, OptimSettings.from_config(config.optim), partitioner)
+run = run_config(config)
+model = nnx.eval_shape(lambda: run.task.build_model(run, 512, mesh))
+partitioner = sharding.partitioner_from_config(run, mesh)
+pretraining = Steps(model, run.task, run.optim, partitioner)
 state, rest = steps.train_state(pretraining, mesh, partitioner)
 ids = jax.ShapeDtypeStruct((16, 32), jnp.int32, sharding=sharding.batch_sharding(mesh))
 batch = dict(tokens=ids, segments=ids, inputs=ids, selected=jax.ShapeDtypeStruct(

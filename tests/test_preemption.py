@@ -22,7 +22,7 @@ import pytest
 from absl import flags
 
 from sparsemixer_jax import cli
-from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.tasks import run_config, translation
 from sparsemixer_jax.training import TrainingDiverged, build_steps, train
 from sparsemixer_jax.training.preemption import Stopped, StopSignals
 from tests import tiny_wmt_config
@@ -71,8 +71,8 @@ class SignalledTranslation(translation.TranslationTask):
         fields = {f.name: getattr(task, f.name) for f in dataclasses.fields(task)}
         return cls(**fields, step=step, signum=signum)
 
-    def load_data(self, config, workdir, batch_multiple):
-        data = super().load_data(config, workdir, batch_multiple)
+    def load_data(self, workdir, batch_multiple):
+        data = super().load_data(workdir, batch_multiple)
         first_batch = (self.step - 1) * data.micro_batches + 1
         return dataclasses.replace(data, train=SignalOnFetch(data.train, first_batch, self.signum))
 
@@ -121,7 +121,7 @@ def without_timing(record):
 def checkpointed(read, workdir, config):
     """``(params, meta)`` of the last checkpoint of a translation run of ``config``."""
     task = translation.TranslationTask.from_config(config)
-    return read(workdir, build_steps(task, config, config.data.vocab_size))
+    return read(workdir, build_steps(run_config(config, task), config.data.vocab_size))
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_sigterm_checkpoints_the_step_in_flight_and_the_rerun_matches_a_run_neve
     workdir, config, signum = str(tmp_path / "stopped"), tiny(), signal.SIGTERM
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with pytest.raises(Stopped) as stop:
-        train(SignalledTranslation.of(config, STOP_AT, signum), config, workdir)
+        train(run_config(config, SignalledTranslation.of(config, STOP_AT, signum)), workdir)
     assert (stop.value.step, stop.value.signum, stop.value.exit_code) == (STOP_AT, signum,
                                                                          128 + signum)
     assert str(stop.value) == f"stopped at step {STOP_AT}, checkpoint saved; rerun to resume"

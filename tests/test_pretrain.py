@@ -20,7 +20,7 @@ from flax import nnx
 from sparsemixer_jax import training
 from sparsemixer_jax.data import text
 from sparsemixer_jax.models.encoder import Encoder
-from sparsemixer_jax.tasks import pretraining
+from sparsemixer_jax.tasks import pretraining, run_config
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule, weight_decay_mask
 from tests import kit, tiny_electra_config
 
@@ -51,8 +51,7 @@ def task_steps(corpus, straight_run):
     """The steps of the tiny model (the straight run's vocabulary): the template checkpoints are
     read into."""
     vocab = text.Tokenizer(os.path.join(straight_run[0], "spm.model")).vocab_size
-    return training.build_steps(pretraining.PretrainingTask.from_config(tiny(corpus)),
-                                tiny(corpus), vocab)
+    return training.build_steps(run_config(tiny(corpus)), vocab)
 
 
 def test_straight_run_logs_the_electra_metrics(straight_run):
@@ -284,14 +283,14 @@ def test_packed_data_is_cached_by_text_vocabulary_and_settings(straight_run, tmp
     monkeypatch.setattr(text, "tokenize_and_pack", counting_pack)
     with monkeypatch.context() as m:
         m.setattr(text, "read_documents", no_reading)
-        data = pretraining.PretrainingTask.from_config(config).load_data(config, workdir, 1)
+        data = pretraining.PretrainingTask.from_config(config).load_data(workdir, 1)
     assert calls == []
     np.testing.assert_array_equal(data.train.tokens, fresh_tokens)
     np.testing.assert_array_equal(data.train.segments, fresh_segments)
     assert data.stats["train"]["sequences"] == len(fresh_tokens)
 
     config.data.seq_len = 12
-    data = pretraining.PretrainingTask.from_config(config).load_data(config, workdir, 1)
+    data = pretraining.PretrainingTask.from_config(config).load_data(workdir, 1)
     assert calls == [12, 12] and data.train.tokens.shape[1] == 12  # train and valid again
     second = sorted(os.listdir(os.path.join(workdir, pretraining.PACKED_DIR)))
     assert len(second) == 2 and not set(second) & set(first)
@@ -409,9 +408,10 @@ def test_admin_profiling_sets_the_residual_scales_before_training(corpus, tmp_pa
     config = tiny(corpus)
     assert config.model.init == "admin"
     task = pretraining.PretrainingTask.from_config(config)
-    data = task.load_data(config, str(tmp_path), 1)
+    data = task.load_data(str(tmp_path), 1)
     position, first = data.train.state(), data.train.peek()
-    steps = training.build_steps(task, config, data.vocab_size, init_model=data.init_model)
+    steps = training.build_steps(run_config(config, task), data.vocab_size,
+                                 init_model=data.init_model)
     assert data.train.state() == position
     jax.tree.map(np.testing.assert_array_equal, next(data.train), first)  # peek is next's
     scales = {}
@@ -428,4 +428,4 @@ def test_admin_profiling_sets_the_residual_scales_before_training(corpus, tmp_pa
     # Without the scheme there is nothing to profile and no scale.
     plain = tiny(corpus, **{"model.init": "fairseq"})
     assert pretraining.PretrainingTask.from_config(plain).load_data(
-        plain, str(tmp_path), 1).init_model is None
+        str(tmp_path), 1).init_model is None

@@ -371,14 +371,16 @@ def test_a_pallas_kernel_wrapped_in_a_fusion_counts_as_the_kernel_on_its_layer()
 def test_model_flops_of_a_program_come_from_its_batch_and_are_per_device():
     from configs import wmt
     from sparsemixer_jax import model_flops
+    from sparsemixer_jax.tasks import run_config
 
     config = wmt.get_config("n4")
     sizes = {"emb": 512, "mlp": 2048, "layers": 6, "vocab": config.data.vocab_size,
              "length": 32, "tokens": 8 * 32}
-    got = command.program_model_flops(config, "accumulate (one of 2 micro-batches), batch "
+    run = run_config(config)
+    got = command.program_model_flops(run, "accumulate (one of 2 micro-batches), batch "
                                       "[8, 32]", devices=4)
     assert got == model_flops.model_flops_per_step(sizes, 4, config.router.name) / 4
-    assert command.program_model_flops(config, "update", devices=4) is None
+    assert command.program_model_flops(run, "update", devices=4) is None
 
 
 def test_the_fit_predicts_an_update_as_the_roofline_does_with_accumulate_repeated():

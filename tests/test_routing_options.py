@@ -25,7 +25,7 @@ from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.config import moe_model_fields, router_config
 from sparsemixer_jax.moe import MoEConfig, MoEFeedForward, end_of_update
 from sparsemixer_jax.sharding import batch_sharding, make_mesh, shard_state
-from sparsemixer_jax.tasks import check_config, translation
+from sparsemixer_jax.tasks import check_config, run_config, translation
 from sparsemixer_jax.training import steps as training_steps
 from sparsemixer_jax.training.optim import OptimSettings
 from sparsemixer_jax.training.state import restore_checkpoint
@@ -512,8 +512,7 @@ def test_translation_training_resumes_the_bias_state_exactly(tmp_path):
     translation.train_and_evaluate(tiny(train_steps=1), resumed)
     again = translation.train_and_evaluate(tiny(train_steps=2), resumed)
     assert again["valid_loss"] == reference["valid_loss"]
-    steps = training.build_steps(translation.TranslationTask.from_config(tiny()), tiny(),
-                                 tiny().data.vocab_size)
+    steps = training.build_steps(run_config(tiny()), tiny().data.vocab_size)
     assert len(steps.balance) == 2  # the encoder's and the decoder's MoE layers
     state = restore_checkpoint(resumed, steps.abstract_state(), "last").state
     expected = restore_checkpoint(straight, steps.abstract_state(), "last").state
@@ -611,7 +610,7 @@ def test_electra_generator_and_discriminator_take_the_options():
                          balance_scope="sequence")
     config.model.update(num_shared_experts=1, shared_expert_gate=True)
     check_config(config)
-    model = loop.build_model(config, electra.Electra, VOCAB, None)
+    model = loop.build_model(electra.Electra, config, VOCAB, None, seed=config.seed)
     plan = balance_plan(model)
     assert len(plan) == 3  # generator layer 0, discriminator layers 0 and 1
     batch = make_batch(1)

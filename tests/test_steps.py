@@ -18,7 +18,7 @@ from sparsemixer_jax import runtime, training
 from sparsemixer_jax.layers import Attention
 from sparsemixer_jax.models.encoder_decoder import Transformer
 from sparsemixer_jax.routers import RouterConfig
-from sparsemixer_jax.tasks import check_config, translation
+from sparsemixer_jax.tasks import check_config, run_config, translation
 from sparsemixer_jax.training import steps as training_steps
 from tests import kit, tiny_wmt_config
 
@@ -41,7 +41,7 @@ def batch(seed=0, rows=4, length=8):
 @pytest.fixture(scope="module")
 def steps():
     config = tiny_config()
-    return training.build_steps(translation.TranslationTask.from_config(config), config, VOCAB)
+    return training.build_steps(run_config(config), VOCAB)
 
 
 def copy(tree):

@@ -24,11 +24,11 @@ from sparsemixer_jax import cli, sharding, training, translate
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.data.sources import read_split
 from sparsemixer_jax.data.translation import load_datasets
-from sparsemixer_jax.tasks import check_config, translation
+from sparsemixer_jax.tasks import check_config, run_config, translation
+from sparsemixer_jax.training import resume
 from sparsemixer_jax.training.hosts import BatchPlacer
 from sparsemixer_jax.training.logs import Progress
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule
-from sparsemixer_jax.training.resume import check_resume_config
 from sparsemixer_jax.training.state import restore_checkpoint
 from tests import kit
 from tests.tiny_wmt_config import tiny
@@ -50,8 +50,12 @@ def task():
 @pytest.fixture(scope="module")
 def task_steps():
     """The steps of the tiny model: the template checkpoints are read into."""
-    return training.build_steps(translation.TranslationTask.from_config(tiny()), tiny(),
-                                tiny().data.vocab_size)
+    return training.build_steps(run_config(tiny()), tiny().data.vocab_size)
+
+
+def check_resume_config(workdir, config):
+    """The resumption check of ``config``'s run in ``workdir``."""
+    resume.check_resume_config(workdir, run_config(config))
 
 
 def test_straight_run_learns_and_writes_results(straight_run):

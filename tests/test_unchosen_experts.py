@@ -17,7 +17,7 @@ from flax import nnx
 from sparsemixer_jax import routers, training
 from sparsemixer_jax.moe.unchosen import all_expert_outputs, update_expert_defaults
 from sparsemixer_jax.sharding import batch_sharding, make_mesh
-from sparsemixer_jax.tasks import check_config, translation
+from sparsemixer_jax.tasks import check_config, run_config, translation
 from sparsemixer_jax.training.state import restore_checkpoint
 from tests import kit, tiny_wmt_config
 
@@ -363,8 +363,7 @@ def tiny(**overrides):
 
 
 def last_state(workdir, config):
-    steps = training.build_steps(translation.TranslationTask.from_config(config), config,
-                                 config.data.vocab_size)
+    steps = training.build_steps(run_config(config), config.data.vocab_size)
     restored = restore_checkpoint(workdir, steps.abstract_state(), "last")
     return jax.tree.map(np.asarray, restored.state), restored.meta
 

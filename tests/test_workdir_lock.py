@@ -13,7 +13,7 @@ import pytest
 from absl import flags
 
 from sparsemixer_jax import cli, training
-from sparsemixer_jax.tasks import translation
+from sparsemixer_jax.tasks import run_config, translation
 from sparsemixer_jax.training.workdir_lock import (
     LOCK_FILE,
     WorkdirError,
@@ -48,7 +48,7 @@ class DataThatWaits:
     def __init__(self):
         self.loading, self.go = threading.Event(), threading.Event()
 
-    def load_data(self, config, workdir, batch_multiple):
+    def load_data(self, workdir, batch_multiple):
         self.loading.set()
         self.go.wait(timeout=60)
         raise ValueError("the test ends this run here")
@@ -60,7 +60,7 @@ def test_two_runs_at_once_the_second_is_refused_and_the_first_ends_normally(tmp_
 
     def first_run():
         try:
-            training.train(first, config, workdir)
+            training.train(run_config(config, first), workdir)
         except ValueError as e:
             outcome.append(str(e))
 

@@ -33,7 +33,7 @@ def bench_decode(sizes, experts, dtype, warmup, repeats, beam_size=4, max_extra_
     out: dict[str, Any] = {"beam_size": beam_size, "max_extra_len": max_extra_len}
     for n in [0, *experts]:
         config = model_config(sizes, n, "sparsemixer", dtype)
-        model = build_model(config, Transformer, sizes["vocab"], None)
+        model = build_model(Transformer, config, sizes["vocab"], None, seed=config.seed)
         name = "dense" if n == 0 else f"n{n}"
         for shape_name, (rows, length) in shapes.items():
             rng = np.random.default_rng(0)

@@ -140,11 +140,12 @@ class LMTrainStep:
     def __init__(self, task: Any, config: Any, batch: dict[str, Any], micro_batches: int = 1):
         import jax
 
+        from sparsemixer_jax.tasks import run_config
         from sparsemixer_jax.training import build_steps
         from sparsemixer_jax.training.steps import count_params
 
         self.lm = task.lm
-        self.steps = build_steps(task, config, task.lm.vocab_size)
+        self.steps = build_steps(run_config(config, task), task.lm.vocab_size)
         self.state = self.steps.init_state()
         self.micro_batches = [batch] * micro_batches
         self.key = jax.random.key(0)

@@ -81,8 +81,9 @@ def compiled_programs(arm: dict[str, Any], cache: str) -> list[tuple[str, int]]:
 def _compile_into(arm: dict[str, Any], cache: str, key: str) -> None:
     from lab.benchmarks.lm_step import dense_twin, lm_model_config
     from sparsemixer_jax import runtime
-    from sparsemixer_jax.aot import lm, targets
+    from sparsemixer_jax.aot import command, lm, targets
     from sparsemixer_jax.cli import load_config_file
+    from sparsemixer_jax.tasks import run_config
     from sparsemixer_jax.tasks.language_model import LMTask
 
     target = targets.parse_target(f"{arm['chip']}:1x1")
@@ -90,10 +91,10 @@ def _compile_into(arm: dict[str, Any], cache: str, key: str) -> None:
     config = lm_model_config(arm["sizes"], arm["router"] or "switch", arm["dtype"],
                              arm["dispatch"], arm["attention_impl"], base)
     runtime.configure(config)
-    config = lm.config_for_target(config, target)
+    config = command.config_for_target(config, target)
     task = LMTask.from_config(config)
     task = dense_twin(task) if arm["router"] is None else task
-    reports = lm.compile_lm_task(task, config, targets.target_devices(target))
+    reports = lm.compile_lm(run_config(config, task), targets.target_devices(target))
     micro_batches = task.data.batch_size // task.data.micro
     repeats = [micro_batches if r.name.startswith("accumulate") else 1 for r in reports]
     os.makedirs(cache, exist_ok=True)

@@ -68,11 +68,11 @@ class TrainStep:
     def __init__(self, config: Any, vocab: int, batch: dict[str, Any], fused: bool = True):
         import jax
 
-        from sparsemixer_jax.tasks import translation
+        from sparsemixer_jax.tasks import run_config
         from sparsemixer_jax.training import build_steps
         from sparsemixer_jax.training.steps import count_params
 
-        self.steps = build_steps(translation.TranslationTask.from_config(config), config, vocab)
+        self.steps = build_steps(run_config(config), vocab)
         self.state = self.steps.init_state()
         self.batch = batch
         self.key = jax.random.key(0)

@@ -227,6 +227,7 @@ def restored_model(workdir: str) -> tuple[Any, Any, Any]:
     import ml_collections
 
     from sparsemixer_jax import hf, sharding
+    from sparsemixer_jax.tasks import run_config
     from sparsemixer_jax.tasks.language_model import KEPT_DIR, LMTask
     from sparsemixer_jax.training.loop import build_steps
     from sparsemixer_jax.training.state import restore_checkpoint
@@ -235,8 +236,8 @@ def restored_model(workdir: str) -> tuple[Any, Any, Any]:
         config = ml_collections.ConfigDict(json.load(f))
     config.init_from = os.path.join(workdir, KEPT_DIR)
     task = LMTask.from_config(config)
-    steps = build_steps(dataclasses.replace(task, init_from=""), config, task.lm.vocab_size,
-                        sharding.mesh_from_config(config))
+    run = run_config(config, dataclasses.replace(task, init_from=""))
+    steps = build_steps(run, task.lm.vocab_size, sharding.mesh_from_config(run))
     restored = restore_checkpoint(workdir, steps.abstract_state(), "last")
     if restored is None:
         raise FileNotFoundError(f"{workdir} holds no checkpoint to score")

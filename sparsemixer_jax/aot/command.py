@@ -12,7 +12,7 @@ micro-batches, plus ``update``) its own.
 
 from __future__ import annotations
 
-import importlib
+import copy
 import json
 import os
 import re
@@ -22,16 +22,15 @@ from typing import Any
 import ml_collections
 
 from sparsemixer_jax import config as config_schema
-from sparsemixer_jax import runtime, sharding
+from sparsemixer_jax import runtime
 from sparsemixer_jax.aot import analysis, roofline, targets
-from sparsemixer_jax.tasks import check_config
+from sparsemixer_jax.tasks import TASKS, check_config, load, run_config
+from sparsemixer_jax.training.run_config import RunConfig
 
-# The compile function of each task's aot module, ``(config, target, devices, decode_step=)`` ->
-# reports: a task joins the command by adding its module here (the task-independent part is
+# The tasks whose registration (sparsemixer_jax.tasks.TASKS) names a compile function of their
+# aot module, ``(run, devices, decode_step=)`` -> reports (the task-independent part is
 # sparsemixer_jax.aot.steps).
-COMPILERS = {"translation": ("sparsemixer_jax.aot.translation", "compile_translation"),
-             "lm": ("sparsemixer_jax.aot.lm", "compile_lm")}
-SUPPORTED_TASKS = tuple(COMPILERS)
+SUPPORTED_TASKS = tuple(name for name, task in TASKS.items() if task.compiler)
 
 
 def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
@@ -48,9 +47,8 @@ def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
     try:
         target = targets.parse_target(spec)
         devices = targets.target_devices(target)
-        module, function = COMPILERS[task]
-        compile_task = getattr(importlib.import_module(module), function)
-        reports = compile_task(config, target, devices, decode_step=decode_step)
+        run = run_config(config_for_target(config, target))
+        reports = load(TASKS[task].compiler)(run, devices, decode_step=decode_step)
     except (ValueError, RuntimeError) as err:
         reason = str(err).splitlines()[0]
         if "cudnn" in reason.lower() and config.model.get("attention_impl") == "cudnn":
@@ -58,7 +56,7 @@ def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
             reason += (" (model.attention_impl='cudnn' compiles where cuDNN is installed: "
                        "pip install nvidia-cudnn-cu13==9.12.0.46, as requirements-compile.txt)")
         return {"target": spec, "error": reason}
-    data, fsdp, expert = sharding.MeshConfig.from_config(config.mesh).sizes(len(devices))
+    data, fsdp, expert = run.mesh.sizes(len(devices))
     result = {"target": spec, "device_kind": devices[0].device_kind, "devices": len(devices),
               "mesh": f"data={data} x fsdp={fsdp} x expert={expert}",
               "hbm_bytes": target.hbm_bytes,
@@ -68,7 +66,7 @@ def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
         chip = roofline.CHIPS[target.chip]
         for program, report in zip(result["programs"], reports, strict=True):
             program.update(roofline.roofline(
-                report.hlo_text, chip, program_model_flops(config, report.name, len(devices)),
+                report.hlo_text, chip, program_model_flops(run, report.name, len(devices)),
                 devices=len(devices)))
         result["step"] = step_prediction(result["programs"], chip)
     return result
@@ -78,8 +76,20 @@ _BATCH = re.compile(r"batch \[(\d+), (\d+)\]")
 _MICRO_BATCHES = re.compile(r"one of (\d+) micro-batches")
 
 
-def program_model_flops(config: ml_collections.ConfigDict, program: str,
-                        devices: int) -> float | None:
+def config_for_target(config: ml_collections.ConfigDict,
+                      target: targets.Target) -> ml_collections.ConfigDict:
+    """A copy of ``config`` with ``model.dispatch = "auto"`` resolved for the target's platform
+    (not for this machine's, which ``"auto"`` would otherwise pick at trace time)."""
+    from sparsemixer_jax.moe.dispatch import resolve_dispatch
+
+    config = copy.deepcopy(config)
+    with config.unlocked():
+        config.model.dispatch = resolve_dispatch(str(config.model.dispatch),
+                                                 target.dispatch_platform)
+    return config
+
+
+def program_model_flops(run: RunConfig, program: str, devices: int) -> float | None:
     """Model FLOPs (:mod:`sparsemixer_jax.model_flops`) one device computes in one run of the
     training program named ``program`` (its batch ``[rows, length]`` over all devices is in
     its name); None for programs that compute no model FLOPs of their own (``update``,
@@ -90,18 +100,16 @@ def program_model_flops(config: ml_collections.ConfigDict, program: str,
     if batch is None or not program.startswith(("train step", "accumulate")):
         return None
     rows, length = map(int, batch.groups())
-    if config_schema.task_of(config) == "lm":
-        from sparsemixer_jax.tasks.language_model import LMTask
+    from sparsemixer_jax.tasks.language_model import LMTask
 
-        lm = LMTask.from_config(config).lm
-        return model_flops.lm_flops_per_token(lm, length)["total"] * rows * length / devices
-    from sparsemixer_jax.moe import MoEConfig
-
-    model = config.model
+    task = run.task
+    if isinstance(task, LMTask):
+        return model_flops.lm_flops_per_token(task.lm, length)["total"] * rows * length / devices
+    model = task.model
     sizes = {"emb": model.emb_dim, "mlp": model.mlp_dim, "layers": model.encoder_layers,
-             "vocab": config.data.vocab_size, "length": length, "tokens": rows * length}
-    experts = MoEConfig.from_config(model).num_experts
-    return model_flops.model_flops_per_step(sizes, experts, config.router.name) / devices
+             "vocab": task.data.vocab_size, "length": length, "tokens": rows * length}
+    return model_flops.model_flops_per_step(sizes, model.moe.num_experts,
+                                            task.router.name) / devices
 
 
 def step_prediction(programs: list[dict[str, Any]], chip: roofline.Chip) -> dict[str, Any]:

@@ -12,42 +12,26 @@ update compile the loop's two programs, ``accumulate`` and ``update``.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
 from sparsemixer_jax import sharding
 from sparsemixer_jax.aot import steps as aot_steps
 from sparsemixer_jax.aot.analysis import ProgramReport
-from sparsemixer_jax.aot.targets import Target
 from sparsemixer_jax.models.causal_lm import CausalLM
-from sparsemixer_jax.moe.dispatch import resolve_dispatch
 from sparsemixer_jax.tasks.language_model import LMTask
-from sparsemixer_jax.training.optim import OptimSettings
+from sparsemixer_jax.training.run_config import RunConfig
 from sparsemixer_jax.training.steps import Steps
 
 
-def config_for_target(config: ml_collections.ConfigDict,
-                      target: Target) -> ml_collections.ConfigDict:
-    """A copy of ``config`` with ``model.dispatch = "auto"`` resolved for the target's platform
-    (not for this machine's, which ``"auto"`` would otherwise pick at trace time)."""
-    config = copy.deepcopy(config)
-    with config.unlocked():
-        config.model.dispatch = resolve_dispatch(str(config.model.dispatch),
-                                                 target.dispatch_platform)
-    return config
-
-
-def target_mesh(task: LMTask, config: ml_collections.ConfigDict,
-                devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
-    """The ``(data, fsdp, expert)`` mesh of ``config.mesh`` over ``devices`` (all of them), or a
+def target_mesh(run: RunConfig, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
+    """The ``(data, fsdp, expert)`` mesh of ``run.mesh`` over ``devices`` (all of them), or a
     ValueError naming the config field that does not fit the target."""
-    sections = sharding.MeshConfig.from_config(config.mesh)
-    data, fsdp, expert = sections.sizes(len(devices))
+    task: LMTask = run.task
+    data, fsdp, expert = run.mesh.sizes(len(devices))
     try:
         mesh = sharding.make_mesh(data, expert, devices, fsdp=fsdp)
         sharding.check_mesh(mesh, task.lm.num_experts)
@@ -75,28 +59,20 @@ def abstract_model(task: LMTask, mesh: jax.sharding.Mesh | None) -> CausalLM:
     return nnx.eval_shape(build)
 
 
-def compile_lm(config: ml_collections.ConfigDict, target: Target,
-               devices: Sequence[jax.Device], *, decode_step: bool = True,
+def compile_lm(run: RunConfig, devices: Sequence[jax.Device], *, decode_step: bool = True,
                ) -> list[ProgramReport]:
-    """Compile the training programs of ``config`` for ``target``: the fused step (one
-    micro-batch per update) or ``accumulate`` and ``update``. ``decode_step`` is accepted for
-    the command's sake; generation is not compiled. Raises ValueError (one line) when the config
-    does not shard over the target."""
+    """Compile the training programs of ``run`` (its config's ``model.dispatch`` resolved for
+    the target) for the target's ``devices``: the fused step (one micro-batch per update) or
+    ``accumulate`` and ``update``. ``decode_step`` is accepted for the command's sake;
+    generation is not compiled. Raises ValueError (one line) when the config does not shard
+    over the target."""
     del decode_step
-    config = config_for_target(config, target)
-    return compile_lm_task(LMTask.from_config(config), config, devices)
-
-
-def compile_lm_task(task: LMTask, config: ml_collections.ConfigDict,
-                    devices: Sequence[jax.Device]) -> list[ProgramReport]:
-    """:func:`compile_lm` for a task built by hand (``config``, already resolved for the
-    target by :func:`config_for_target`, gives the mesh, the optimizer and the runtime)."""
-    mesh = target_mesh(task, config, devices)
+    task: LMTask = run.task
+    mesh = target_mesh(run, devices)
     with jax.default_device(devices[0]):  # what the grouped kernels' device check asks
         model = abstract_model(task, mesh if mesh.size > 1 else None)
-        partitioner = sharding.partitioner_from_config(config, mesh)
-        steps = Steps(model, task, OptimSettings.from_config(config.optim, router=config.router),
-                      partitioner if mesh.size > 1 else None)
+        partitioner = sharding.partitioner_from_config(run, mesh)
+        steps = Steps(model, task, run.optim, partitioner if mesh.size > 1 else None)
         state, rest = aot_steps.train_state(steps, mesh, partitioner)
         rows, length = task.data.micro, task.data.seq_len
         placement = sharding.batch_sharding(mesh)

@@ -1,8 +1,8 @@
 """The translation task's training and decode steps, compiled for a target without its hardware.
 
 The model is built abstractly (``nnx.eval_shape``: shapes, dtypes and shardings, no values) on a
-mesh of the target's compile-only devices, laid out as ``config.mesh`` says; the steps are the
-library's own (:class:`sparsemixer_jax.training.steps.Steps` of the
+mesh of the target's compile-only devices, laid out as the run's mesh section says; the steps
+are the library's own (:class:`sparsemixer_jax.training.steps.Steps` of the
 :class:`~sparsemixer_jax.tasks.translation.TranslationTask`), lowered with
 ``jax.ShapeDtypeStruct`` arguments sharded as the training loop places them, and compiled by the
 target's compiler. The batch is the longest length bucket (``data.max_len`` tokens per row, as
@@ -11,45 +11,28 @@ many rows as ``data.max_tokens`` allows on the mesh): the one that needs the mos
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from flax import nnx
 
 from sparsemixer_jax import decode, sharding
 from sparsemixer_jax.aot import steps as aot_steps
 from sparsemixer_jax.aot.analysis import ProgramReport
-from sparsemixer_jax.aot.targets import Target
 from sparsemixer_jax.data.batching import bucket_batch_size, bucket_lengths
 from sparsemixer_jax.data.sources import DataConfig
 from sparsemixer_jax.data.tokenizer import EOS_ID
-from sparsemixer_jax.moe import MoEConfig
-from sparsemixer_jax.moe.dispatch import resolve_dispatch
 from sparsemixer_jax.tasks.translation import TranslationTask, accumulation_steps
-from sparsemixer_jax.training.optim import OptimSettings
+from sparsemixer_jax.training.run_config import RunConfig
 from sparsemixer_jax.training.steps import Steps
 
 
-def config_for_target(config: ml_collections.ConfigDict,
-                      target: Target) -> ml_collections.ConfigDict:
-    """A copy of ``config`` with ``model.dispatch = "auto"`` resolved for the target's platform
-    (not for this machine's, which ``"auto"`` would otherwise pick at trace time)."""
-    config = copy.deepcopy(config)
-    with config.unlocked():
-        config.model.dispatch = resolve_dispatch(MoEConfig.from_config(config.model).dispatch,
-                                                 target.dispatch_platform)
-    return config
-
-
-def target_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device]):
-    """The ``(data, fsdp, expert)`` mesh of ``config.mesh`` over ``devices`` (all of them), or
-    a ValueError naming the config field that does not fit the target."""
-    sections = sharding.MeshConfig.from_config(config.mesh)
-    expert, fsdp, data = sections.expert, sections.fsdp, sections.data
-    num_experts = MoEConfig.from_config(config.model).num_experts
+def target_mesh(run: RunConfig, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
+    """The ``(data, fsdp, expert)`` mesh of ``run.mesh`` over ``devices`` (all of them), or a
+    ValueError naming the config field that does not fit the target."""
+    data, fsdp, expert = run.mesh.data, run.mesh.fsdp, run.mesh.expert
+    num_experts = run.task.model.moe.num_experts
     try:
         mesh = sharding.make_mesh(data, expert, devices, fsdp=fsdp)
         if num_experts:
@@ -60,9 +43,8 @@ def target_mesh(config: ml_collections.ConfigDict, devices: Sequence[jax.Device]
     return mesh
 
 
-def batch_shape(config: ml_collections.ConfigDict, mesh) -> tuple[int, int]:
+def batch_shape(data: DataConfig, mesh: jax.sharding.Mesh) -> tuple[int, int]:
     """``(rows, length)`` of the longest bucket's batch, as the data pipeline would make it."""
-    data = DataConfig.of(config)
     step = data.bucket_step
     length = bucket_lengths(data.max_len, min_len=step, step=step)[-1]
     max_tokens = data.max_tokens
@@ -73,39 +55,37 @@ def batch_shape(config: ml_collections.ConfigDict, mesh) -> tuple[int, int]:
     return bucket_batch_size(length, max_tokens, mesh.size), length
 
 
-def abstract_model(config: ml_collections.ConfigDict, mesh=None) -> nnx.Module:
-    """The task's model of ``config`` as shapes, dtypes and shardings (``nnx.eval_shape``), with
-    a vocabulary of ``data.vocab_size`` (the size the tokenizer is trained to)."""
-    task = TranslationTask.from_config(config)
-    return nnx.eval_shape(lambda: task.build_model(config, task.data.vocab_size, mesh))
+def abstract_model(run: RunConfig, mesh: jax.sharding.Mesh | None = None) -> nnx.Module:
+    """The run's model as shapes, dtypes and shardings (``nnx.eval_shape``), with a vocabulary
+    of ``data.vocab_size`` (the size the tokenizer is trained to)."""
+    task: TranslationTask = run.task
+    return nnx.eval_shape(lambda: task.build_model(run, task.data.vocab_size, mesh))
 
 
-def compile_translation(config: ml_collections.ConfigDict, target: Target,
-                        devices: Sequence[jax.Device], *, decode_step: bool = True,
-                        ) -> list[ProgramReport]:
-    """Compile the training step (and the beam-search decode step) of ``config`` for ``target``.
+def compile_translation(run: RunConfig, devices: Sequence[jax.Device], *,
+                        decode_step: bool = True) -> list[ProgramReport]:
+    """Compile the training step (and the beam-search decode step) of ``run`` (its config's
+    ``model.dispatch`` resolved for the target) for the target's ``devices``.
 
     One micro-batch per update: the fused training step. Several (gradient accumulation): the
     two programs the loop runs, ``accumulate`` (one micro-batch's gradient added to the
     accumulator) and ``update``. Raises ValueError (one line) when the config does not shard.
     """
-    config = config_for_target(config, target)
-    mesh = target_mesh(config, devices)
+    mesh = target_mesh(run, devices)
     with jax.default_device(devices[0]):  # what the grouped kernels' device check asks
-        return _compile_all(config, mesh, decode_step)
+        return _compile_all(run, mesh, decode_step)
 
 
-def _compile_all(config: ml_collections.ConfigDict, mesh, decode_step: bool
+def _compile_all(run: RunConfig, mesh: jax.sharding.Mesh, decode_step: bool
                  ) -> list[ProgramReport]:
-    rows, length = batch_shape(config, mesh)
-    task = TranslationTask.from_config(config)
+    task: TranslationTask = run.task
+    rows, length = batch_shape(task.data, mesh)
     # One device: no mesh in the model, as the training loop does (sharding.mesh_from_config).
-    model = abstract_model(config, mesh if mesh.size > 1 else None)
+    model = abstract_model(run, mesh if mesh.size > 1 else None)
     # Placed as the training loop places them: parameters, gradients and optimizer state by
-    # config.mesh.rules, everything else replicated.
-    partitioner = sharding.partitioner_from_config(config, mesh)
-    steps = Steps(model, task, OptimSettings.from_config(config.optim, router=config.router),
-                  partitioner if mesh.size > 1 else None)
+    # the mesh section's rules, everything else replicated.
+    partitioner = sharding.partitioner_from_config(run, mesh)
+    steps = Steps(model, task, run.optim, partitioner if mesh.size > 1 else None)
     micro_batches = accumulation_steps(task.tokens_per_update, task.data.max_tokens)
     state, rest = aot_steps.train_state(steps, mesh, partitioner)
     tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding.batch_sharding(mesh))

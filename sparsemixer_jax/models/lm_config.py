@@ -202,6 +202,23 @@ class LMConfig:
     hf_config: str = ""
 
     def __post_init__(self) -> None:
+        """Every field checked, one group at a time: a one-line ValueError naming the first
+        that the model cannot compute."""
+        self._check_sizes()
+        self._check_choices()
+        self._check_layer_options()
+        self._check_rope()
+        if self.hf_config:
+            json.loads(self.hf_config)  # must be JSON text
+        try:
+            routers.check_router(self.router, top_k=self.top_k, jitter_eps=self.jitter_eps,
+                                 num_experts=self.num_experts, where="",
+                                 **self.router_option_dict())
+        except ValueError as err:
+            self._fail(f"router {self.router!r}: {err}")
+
+    def _check_sizes(self) -> None:
+        """The model type, the widths and counts, and how heads and layers divide up."""
         fail = self._fail
         if self.model_type not in MODEL_TYPES:
             fail(f"model_type={self.model_type!r} is not supported; supported: {MODEL_TYPES}")
@@ -226,6 +243,9 @@ class LMConfig:
                  f"{self.intermediate_size}")
         if self.shared_expert_size < 0:
             fail(f"shared_expert_size must be >= 0, got {self.shared_expert_size}")
+
+    def _check_choices(self) -> None:
+        """The fields that name one of a few implementations, and attention's dtype."""
         for name, value, choices in (("norm", self.norm, NORMS),
                                      ("qk_norm", self.qk_norm, QK_NORMS),
                                      ("compute_dtype", self.compute_dtype, COMPUTE_DTYPES),
@@ -235,11 +255,15 @@ class LMConfig:
                                       tuple(ATTENTION_IMPLS)),
                                      ("remat", self.remat, REMAT_POLICIES)):
             if value not in choices:
-                fail(f"{name}={value!r}; choose one of {choices}")
+                self._fail(f"{name}={value!r}; choose one of {choices}")
         try:
             check_attention_dtype(self.attention_impl, self.compute_dtype)
         except ValueError as err:
-            fail(str(err))
+            self._fail(str(err))
+
+    def _check_layer_options(self) -> None:
+        """The norms', attention's and the MoE sublayer's numeric options."""
+        fail = self._fail
         if not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):
             fail(f"norm_eps must be > 0, got {self.norm_eps}")
         if self.clip_qkv is not None and not self.clip_qkv > 0:
@@ -254,7 +278,15 @@ class LMConfig:
                  f"has no sink logit), got {self.attention_impl!r}")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             fail(f"swiglu_limit must be > 0 or None, got {self.swiglu_limit}")
-        rope = self.rope
+        if not 0.0 <= self.moe_input_jitter < 1.0:
+            fail(f"moe_input_jitter must lie in [0, 1), got {self.moe_input_jitter}")
+        if self.capacity_factor < 0:
+            fail(f"capacity_factor must be >= 0, got {self.capacity_factor}")
+
+    def _check_rope(self) -> None:
+        """The rotary positions: their kind's settings and the rotated width (latent
+        attention's is its own ``qk_rope_head_dim``, so its fields are checked first)."""
+        fail, rope = self._fail, self.rope
         if not rope.theta > 0:
             fail(f"rope theta must be > 0, got {rope.theta}")
         if rope.kind not in ROPE_KINDS:
@@ -280,18 +312,6 @@ class LMConfig:
                      f"values, got {len(rope.short_factor)} and {len(rope.long_factor)}")
             if rope.original_max_position_embeddings < 1:
                 fail("longrope needs original_max_position_embeddings >= 1")
-        if not 0.0 <= self.moe_input_jitter < 1.0:
-            fail(f"moe_input_jitter must lie in [0, 1), got {self.moe_input_jitter}")
-        if self.capacity_factor < 0:
-            fail(f"capacity_factor must be >= 0, got {self.capacity_factor}")
-        if self.hf_config:
-            json.loads(self.hf_config)  # must be JSON text
-        try:
-            routers.check_router(self.router, top_k=self.top_k, jitter_eps=self.jitter_eps,
-                                 num_experts=self.num_experts, where="",
-                                 **self.router_option_dict())
-        except ValueError as err:
-            fail(f"router {self.router!r}: {err}")
 
     def _check_latent_attention(self) -> None:
         fail = self._fail

@@ -147,7 +147,7 @@ class RouterConfig:
     @classmethod
     def from_config(cls, section: Any, where: str = "config.router.",
                     num_experts: int | None = None) -> RouterConfig:
-        """The router of ``section`` (a ConfigDict, dict or any attribute object), checked
+        """The router of ``section`` (a mapping or any attribute object), checked
         (:meth:`check`); a field the section lacks takes its default (configs saved before it
         existed). ``num_experts`` (when given) bounds ``top_k``."""
         return cls(**read_fields(cls, section, where)).check(where, num_experts)

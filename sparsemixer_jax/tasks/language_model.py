@@ -35,7 +35,7 @@ from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.models.lm_loss import token_nll
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast
-from sparsemixer_jax.tasks import check_loop_sections
+from sparsemixer_jax.tasks import check_sections, run_config
 from sparsemixer_jax.tasks.lm_sections import (
     INIT_ROUTERS,
     LMModelConfig,
@@ -115,7 +115,7 @@ class LMTask:
     def from_config(cls, config: ml_collections.ConfigDict) -> LMTask:
         """Every section, each checked, and the rules between them: a ValueError naming the
         first bad field (or what is wrong with ``init_from``)."""
-        config_schema.validate_sections(config)
+        check_sections(config)
         model = LMModelConfig.from_config(config.model)
         init_from = cast(str, config.init_from, "config.init_from")
         init_router = cast(str, config.init_router, "config.init_router")
@@ -124,7 +124,6 @@ class LMTask:
         router = router_of_run(config.router, init_from, init_router)
         data = lm_text.LMDataConfig.from_config(config)
         sample = SampleConfig.from_config(config.sample)
-        check_loop_sections(config)
         if init_from and data.tokenizer != "spm":
             raise ValueError(f"config.data.tokenizer={data.tokenizer!r}: a run from a "
                              "checkpoint (config.init_from) tokenizes with the checkpoint's "
@@ -136,7 +135,7 @@ class LMTask:
                              "tokenizer (and, for chat, its chat template): set "
                              "config.init_from to a Hugging Face directory")
         else:
-            config_schema.validate(config)
+            config_schema.validate(config, router)
             lm = from_scratch_config(model, router, data.vocab_size)
             if data.tokenizer == "bpe":  # config.json names its special tokens' ids
                 lm = lm.replace(hf_config=json.dumps({**lm.hf, **bpe.TOKEN_IDS}))
@@ -223,7 +222,7 @@ class LMTask:
             workdir, paragraphs() if needed and paragraphs is not None else ())
         return lm_text.SentencePieceLM(spm)
 
-    def load_data(self, config, workdir: str, batch_multiple: int) -> TaskData:
+    def load_data(self, workdir: str, batch_multiple: int) -> TaskData:
         """Reads the documents or rows (only when the packing cache lacks them), trains the
         vocabulary on first use, packs every split."""
         d = self.data
@@ -277,21 +276,21 @@ class LMTask:
         return TaskData(train=batches, valid=valid, vocab_size=self.lm.vocab_size, stats=stats,
                         micro_batches=d.batch_size // d.micro, extra=extra)
 
-    def build_model(self, config, vocab_size: int, mesh) -> CausalLM:
-        """From scratch: a fresh model seeded from ``config.seed``; fine-tuning: the
+    def build_model(self, run, vocab_size: int, mesh) -> CausalLM:
+        """From scratch: a fresh model seeded from ``run.seed``; fine-tuning: the
         checkpoint's weights. In training mode either way."""
         del vocab_size  # the LMConfig's (checked against the tokenizer)
-        seed = config.seed
+        seed = run.seed
         if self.init_from:
             from sparsemixer_jax import hf
 
             model, _ = hf.load_pretrained(self.init_from, seed=seed, mesh=mesh,
-                                          rules=sharding.mesh_config_of(config).rules,
+                                          rules=run.mesh.rules,
                                           **_changes(self.lm, self.init_from))
         else:
             model = CausalLM(self.lm, mesh=mesh, rngs=nnx.Rngs(params=seed, router=seed + 2))
-            if mesh is not None:  # by config.mesh.rules, as the optimizer state will be
-                sharding.shard_state(model, sharding.partitioner_from_config(config, mesh))
+            if mesh is not None:  # by the mesh section's rules, as the optimizer state will be
+                sharding.shard_state(model, mesh, run.mesh.rules)
         model.train()
         return model
 
@@ -443,10 +442,11 @@ def train_lm(config: ml_collections.ConfigDict, workdir: str,
     non-finite."""
     refuse_unused_router_fields(cast(str, config.init_from, "config.init_from"),
                                 cast(str, config.init_router, "config.init_router"), given)
-    task = LMTask.from_config(config)
+    run = run_config(config, LMTask.from_config(config))
+    task = run.task
     if task.init_from:  # its errors name the file
         from sparsemixer_jax import hf
 
         hf.check_checkpoint(task.init_from, task.lm)
     task.data.check_files()
-    return train(task, config, workdir)
+    return train(run, workdir)

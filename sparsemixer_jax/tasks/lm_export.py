@@ -27,6 +27,7 @@ from sparsemixer_jax import config as config_schema
 from sparsemixer_jax import sharding
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.routers import RouterConfig
+from sparsemixer_jax.tasks import run_config
 from sparsemixer_jax.tasks.language_model import KEPT_DIR, KEPT_FILES, LMTask
 from sparsemixer_jax.training.loop import build_steps
 
@@ -84,12 +85,13 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
     if source and os.path.isdir(os.path.join(workdir, KEPT_DIR)):
         source = config.init_from = os.path.join(workdir, KEPT_DIR)
     task = LMTask.from_config(config)
+    # Built as from scratch (init_from's weights are not read): the model's structure is the
+    # config's; its weights come from the run's checkpoint.
+    run = run_config(config, dataclasses.replace(task, init_from=""))
     trained = task.lm
     own = hf.from_hf(hf.without_routing_record(hf.to_hf(trained)))  # transformers' routing
     written = _written_config(trained, own, routing)
-    # The model's structure is the config's; its weights come from the checkpoint.
-    mesh = sharding.mesh_from_config(config)
-    steps = build_steps(dataclasses.replace(task, init_from=""), config, trained.vocab_size, mesh)
+    steps = build_steps(run, trained.vocab_size, sharding.mesh_from_config(run))
     restored = restore_checkpoint(workdir, steps.abstract_state(), checkpoint)
     if restored is None:
         raise FileNotFoundError(f"{workdir} holds no {checkpoint} checkpoint")

@@ -33,7 +33,7 @@ from sparsemixer_jax.models.electra import Electra, GeneratorConfig, LossSetting
 from sparsemixer_jax.models.encoder import Encoder, EncoderConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast
-from sparsemixer_jax.tasks import check_loop_sections
+from sparsemixer_jax.tasks import check_sections, run_config
 from sparsemixer_jax.token_ids import PAD_ID
 from sparsemixer_jax.training import Run, TaskData, train
 from sparsemixer_jax.training.hosts import is_main_process, wait_for_all_processes
@@ -124,7 +124,7 @@ class PretrainingTask:
     def from_config(cls, config: ml_collections.ConfigDict) -> PretrainingTask:
         """Every section of a pretraining config, each checked, and the rules between them
         (:func:`sparsemixer_jax.config.validate`): a ValueError naming the first bad field."""
-        config_schema.validate_sections(config)
+        check_sections(config)
         # The discriminator's own fields first: a bad model.* is reported as such, not through
         # the generator that inherits it.
         model = EncoderConfig.from_config(config.model)
@@ -134,8 +134,7 @@ class PretrainingTask:
         disc_weight = cast(float, config.optim.disc_weight, "config.optim.disc_weight")
         if disc_weight < 0:
             raise ValueError(f"config.optim.disc_weight must be >= 0, got {disc_weight}")
-        check_loop_sections(config)
-        config_schema.validate(config)
+        config_schema.validate(config, router)
         settings = LossSettings(disc_weight=disc_weight, balance_weight=router.balance_weight,
                                 z_loss_weight=router.z_loss_weight, mask_prob=data.mask_prob)
         return cls(settings, model, router, generator, data)
@@ -177,7 +176,7 @@ class PretrainingTask:
 
     # -- on the host
 
-    def load_data(self, config, workdir: str, batch_multiple: int) -> TaskData:
+    def load_data(self, workdir: str, batch_multiple: int) -> TaskData:
         """Reads, tokenizes (training the vocabulary if needed) and packs; the batch streams."""
         del batch_multiple  # data.batch_size is checked against the mesh by the MoE layer
         d = self.data
@@ -210,8 +209,8 @@ class PretrainingTask:
                         init_model=_admin_profiling(batches) if uses_admin(self.model.init)
                         else None)
 
-    def build_model(self, config, vocab_size: int, mesh) -> Electra:
-        return build_model(config, Electra, vocab_size, mesh, sections=self)
+    def build_model(self, run, vocab_size: int, mesh) -> Electra:
+        return build_model(Electra, self, vocab_size, mesh, seed=run.seed, rules=run.mesh.rules)
 
     def validation_metrics(self, total) -> dict[str, float]:
         safe = lambda x: max(float(x), 1.0)
@@ -259,9 +258,9 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     Raises :class:`sparsemixer_jax.training.TrainingDiverged` if the loss or gradient becomes
     non-finite.
     """
-    task = PretrainingTask.from_config(config)  # checks the config before anything is written
+    run = run_config(config, PretrainingTask.from_config(config))  # before anything is written
     text.check_pretraining_text(config)  # before the workdir is written or the vocabulary trained
-    return train(task, config, workdir)
+    return train(run, workdir)
 
 
 @dataclasses.dataclass
@@ -313,7 +312,8 @@ def load_pretrained(
                                 "one yet?")
     tokenizer = Tokenizer(vocab_path)
     text.check_special_pieces(tokenizer)
-    built = build_steps(PretrainingTask.from_config(config), config, tokenizer.vocab_size, mesh)
+    built = build_steps(run_config(config, PretrainingTask.from_config(config)),
+                        tokenizer.vocab_size, mesh)
     restored = restore_checkpoint(workdir, built.abstract_state(), checkpoint)
     if restored is None:  # removed since it was listed
         raise FileNotFoundError(f"{kind_dir} holds no checkpoint")

@@ -30,7 +30,7 @@ from sparsemixer_jax.decode import DecodeConfig
 from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast, check_fraction
-from sparsemixer_jax.tasks import check_loop_sections
+from sparsemixer_jax.tasks import check_sections, run_config
 from sparsemixer_jax.token_ids import PAD_ID
 from sparsemixer_jax.training import Run, TaskData, train
 from sparsemixer_jax.training.hosts import (
@@ -130,7 +130,7 @@ class TranslationTask:
     def from_config(cls, config: ml_collections.ConfigDict) -> TranslationTask:
         """Every section of a translation config, each checked, and the rules between them
         (:func:`sparsemixer_jax.config.validate`): a ValueError naming the first bad field."""
-        config_schema.validate_sections(config)
+        check_sections(config)
         model = TransformerConfig.from_config(config.model)
         router = RouterConfig.from_config(config.router)
         data = DataConfig.from_config(config)
@@ -141,8 +141,7 @@ class TranslationTask:
         if per_update < 0:
             raise ValueError(f"config.optim.tokens_per_update must be >= 0 (0 = no "
                              f"accumulation), got {per_update}")
-        check_loop_sections(config)
-        config_schema.validate(config)
+        config_schema.validate(config, router)
         return cls(label_smoothing, router, model, data, decode, per_update)
 
     # -- in the compiled steps
@@ -191,7 +190,7 @@ class TranslationTask:
 
     # -- on the host
 
-    def load_data(self, config, workdir: str, batch_multiple: int) -> TaskData:
+    def load_data(self, workdir: str, batch_multiple: int) -> TaskData:
         raw_train = None
         if jax.process_count() > 1:
             # Process 0 trains the vocabulary; then every host loads its data at the same time.
@@ -207,8 +206,9 @@ class TranslationTask:
                         stats=data.stats, extra=data, micro_batches=accumulation_steps(
                             self.tokens_per_update, self.data.max_tokens))
 
-    def build_model(self, config, vocab_size: int, mesh) -> Transformer:
-        return build_model(config, Transformer, vocab_size, mesh, sections=self)
+    def build_model(self, run, vocab_size: int, mesh) -> Transformer:
+        return build_model(Transformer, self, vocab_size, mesh, seed=run.seed,
+                           rules=run.mesh.rules)
 
     def validation_metrics(self, sums) -> dict[str, float]:
         smoothed, nll, tokens = (float(x) for x in sums)
@@ -253,10 +253,11 @@ class TranslationTask:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Trains the translation model of ``config`` in ``workdir`` (resuming), then test BLEU.
+    """Trains the translation model of the experiment config ``config`` in ``workdir``
+    (resuming), then test BLEU.
 
     Returns the results also written to ``{workdir}/results.json``.
     """
-    task = TranslationTask.from_config(config)  # checks the config before anything is written
+    run = run_config(config, TranslationTask.from_config(config))  # before anything is written
     check_text_files(config)  # before the workdir is written or the vocabulary trained
-    return train(task, config, workdir)
+    return train(run, workdir)

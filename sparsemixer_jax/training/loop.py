@@ -1,10 +1,12 @@
-"""The training loop every task runs: ``train(task, config, workdir)``.
+"""The training loop every task runs: ``train(run, workdir)``.
 
 A task (:class:`Task`) says what its loss, evaluation, data, model and final results are; the loop
-owns everything else: the config check, the mesh, gradient accumulation, validation every
-``eval_every`` steps, ``best`` and ``last`` checkpoints (resumed automatically from the newest
-intact one), ``metrics.jsonl`` and TensorBoard, the progress line, the stop on a non-finite loss,
-several hosts, and ``results.json``. Read top to bottom, :func:`train` is the whole run.
+owns everything else, read from the run's sections
+(:class:`~sparsemixer_jax.training.run_config.RunConfig`): the resumption check, the mesh,
+gradient accumulation, validation every ``eval_every`` steps, ``best`` and ``last`` checkpoints
+(resumed automatically from the newest intact one), ``metrics.jsonl`` and TensorBoard, the
+progress line, the stop on a non-finite loss, several hosts, and ``results.json``. Read top to
+bottom, :func:`train` is the whole run.
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -27,10 +28,10 @@ from sparsemixer_jax import runtime, sharding
 from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.training.hosts import BatchPlacer, is_main_process, write_atomically
 from sparsemixer_jax.training.logs import MetricLog, Progress, StepMetrics
-from sparsemixer_jax.training.optim import OptimSettings
 from sparsemixer_jax.training.preemption import StopSignals
 from sparsemixer_jax.training.resume import check_resume_config, resume_from_newest_intact
 from sparsemixer_jax.training.routing_watch import CollapseRule, RoutingWatch
+from sparsemixer_jax.training.run_config import RunConfig
 from sparsemixer_jax.training.state import TrainState
 from sparsemixer_jax.training.steps import Steps, count_params
 from sparsemixer_jax.training.workdir_lock import hold_workdir
@@ -72,10 +73,10 @@ class TaskData:
 
 @dataclasses.dataclass
 class Run:
-    """A trained run as the task's :meth:`Task.finish` sees it: ``state`` is the train state
-    after the last step."""
+    """A trained run as the task's :meth:`Task.finish` sees it: ``config`` its sections,
+    ``state`` the train state after the last step."""
 
-    config: ml_collections.ConfigDict
+    config: RunConfig
     workdir: str
     steps: Steps
     state: TrainState
@@ -88,9 +89,10 @@ class Run:
 class Task(Protocol):
     """A task: what the compiled steps compute and what the loop needs around them.
 
-    One hashable object (a frozen dataclass: a static argument of the compiled steps), built
-    from the config by the task's ``from_config``. ``batch_keys`` are the fields of a batch
-    placed on devices; ``progress_keys`` the update metrics shown on the progress line.
+    One hashable object (a frozen dataclass: a static argument of the compiled steps) holding
+    the task's own typed sections, built by the task's ``from_config``. ``batch_keys`` are the
+    fields of a batch placed on devices; ``progress_keys`` the update metrics shown on the
+    progress line.
     """
 
     batch_keys: tuple[str, ...]
@@ -115,15 +117,14 @@ class Task(Protocol):
 
     # -- on the host
 
-    def load_data(self, config: ml_collections.ConfigDict, workdir: str,
-                  batch_multiple: int) -> TaskData:
+    def load_data(self, workdir: str, batch_multiple: int) -> TaskData:
         """Reads and batches the data (training the vocabulary on first use); micro-batches
         have a multiple of ``batch_multiple`` rows."""
 
-    def build_model(self, config: ml_collections.ConfigDict, vocab_size: int,
+    def build_model(self, run: RunConfig, vocab_size: int,
                     mesh: jax.sharding.Mesh | None) -> nnx.Module:
-        """The model, initialised from ``config.seed`` and placed on ``mesh``
-        (:func:`build_model`)."""
+        """The model, initialised from ``run.seed`` and placed on ``mesh`` by ``run.mesh``'s
+        rules (:func:`build_model`)."""
 
     def validation_metrics(self, sums: Any) -> dict[str, float]:
         """``valid_*`` metrics from :meth:`evaluate`'s sums over the whole set; must hold
@@ -139,30 +140,26 @@ class Task(Protocol):
         """Results computed once at the end (e.g. test BLEU), merged into ``results.json``."""
 
 
-def build_model(config: ml_collections.ConfigDict, model_class: type, vocab_size: int,
-                mesh: jax.sharding.Mesh | None, sections: Any = None) -> nnx.Module:
-    """``model_class(sections or config, vocab_size, mesh=..., rngs=...)`` seeded from
-    ``config.seed``; ``sections`` holds the model's typed config sections (the task's)."""
-    seed = config.seed
+def build_model(model_class: type, sections: Any, vocab_size: int,
+                mesh: jax.sharding.Mesh | None, *, seed: int, rules: Any = None) -> nnx.Module:
+    """``model_class(sections, vocab_size, mesh=..., rngs=...)`` seeded from ``seed``, its
+    parameters placed on ``mesh`` by the logical-axis ``rules`` (a mesh section's; None for the
+    defaults), the rest replicated."""
     rngs = nnx.Rngs(params=seed, dropout=seed + 1, router=seed + 2)
-    model = model_class(config if sections is None else sections, vocab_size, mesh=mesh,
-                        rngs=rngs)
-    if mesh is not None:  # parameters by the logical-axis rules of config.mesh, the rest replicated
-        sharding.shard_state(model, sharding.partitioner_from_config(config, mesh))
+    model = model_class(sections, vocab_size, mesh=mesh, rngs=rngs)
+    if mesh is not None:
+        sharding.shard_state(model, mesh, rules)
     return model
 
 
-def build_steps(task: Task, config: ml_collections.ConfigDict, vocab_size: int,
-                mesh: jax.sharding.Mesh | None = None,
+def build_steps(run: RunConfig, vocab_size: int, mesh: jax.sharding.Mesh | None = None,
                 init_model: Callable[[nnx.Module], Any] | None = None) -> Steps:
-    """A fresh model of ``task`` under ``config`` (seeded from ``config.seed``, placed on
-    ``mesh``, then ``init_model`` applied to it) with its compiled training and evaluation
-    steps."""
-    model = task.build_model(config, vocab_size, mesh)
+    """A fresh model of ``run.task`` (seeded from ``run.seed``, placed on ``mesh``, then
+    ``init_model`` applied to it) with its compiled training and evaluation steps."""
+    model = run.task.build_model(run, vocab_size, mesh)
     if init_model is not None:
         init_model(model)
-    return Steps(model, task, OptimSettings.from_config(config.optim, router=config.router),
-                 sharding.partitioner_from_config(config, mesh))
+    return Steps(model, run.task, run.optim, sharding.partitioner_from_config(run, mesh))
 
 
 def evaluate(steps: Steps, state: TrainState, batches: list, place: BatchPlacer,
@@ -195,12 +192,13 @@ def _finished_results(workdir: str, train_steps: int) -> dict[str, Any] | None:
     return results if results.get("steps") == train_steps else None
 
 
-def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Trains ``task`` (resuming from ``workdir`` if it holds a checkpoint), evaluates, and
+def train(run: RunConfig, workdir: str) -> dict[str, Any]:
+    """Trains ``run.task`` (resuming from ``workdir`` if it holds a checkpoint), evaluates, and
     writes ``{workdir}/results.json``, which it also returns.
 
-    Rerunning a finished run returns its results as they were. ``task`` is built by its
-    ``from_config``, which raised ValueError for a bad config before anything was written.
+    Rerunning a finished run returns its results as they were. ``run`` is built by the task's
+    door (:func:`sparsemixer_jax.tasks.run_config`), which raised ValueError for a bad config
+    before anything was written.
     Raises :class:`~sparsemixer_jax.training.resume.ResumeError` for
     a workdir that cannot be resumed, :class:`TrainingDiverged` if the loss becomes non-finite,
     :class:`~sparsemixer_jax.training.workdir_lock.WorkdirError` for a workdir that is a file or
@@ -210,138 +208,163 @@ def train(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[s
     :class:`~sparsemixer_jax.checkpoint.DiskFull` at a checkpoint save that ran out of space
     (one line naming the workdir and the space a checkpoint needs).
     """
-    # Start: the task's from_config checked the config before anything is written; then the
-    # data, model and steps.
-    runtime.configure(config)  # before any key is made (the entry points call it earlier still)
+    runtime.configure(run)  # before any key is made (the entry points call it earlier still)
     with hold_workdir(workdir):
-        return _train_in(task, config, workdir)
+        return _train_in(run, workdir)
 
 
-def _train_in(task: Task, config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """:func:`train` in a workdir this run holds."""
-    check_resume_config(workdir, config)
+def _train_in(run: RunConfig, workdir: str) -> dict[str, Any]:
+    """:func:`train` in a workdir this run holds: the data, model and steps; then the steps
+    from the newest intact checkpoint (a finished run returns its results) and the results."""
+    check_resume_config(workdir, run)
     if is_main_process():  # atomically: the other processes may be reading it just now
-        write_atomically(os.path.join(workdir, "config.json"), config.to_json(indent=1))
+        write_atomically(os.path.join(workdir, "config.json"), run.record)
 
-    mesh = sharding.mesh_from_config(config)
-    data = task.load_data(config, workdir, 1 if mesh is None else mesh.size)
-    steps = build_steps(task, config, data.vocab_size, mesh, data.init_model)
-    place = BatchPlacer(mesh, task.batch_keys)
+    mesh = sharding.mesh_from_config(run)
+    data = run.task.load_data(workdir, 1 if mesh is None else mesh.size)
+    steps = build_steps(run, data.vocab_size, mesh, data.init_model)
+    place = BatchPlacer(mesh, run.task.batch_keys)
     state = steps.init_state()
     # The starting model's routing of the validation set (read before an update donates it).
-    watch = _routing_watch(task, steps, state, data.valid, place, CollapseRule.from_config(config))
-    accum = data.micro_batches
+    watch = _routing_watch(run.task, steps, state, data.valid, place, run.collapse)
     logger.info("model: %s parameters; %d micro-batches per update; mesh %s; data %s",
-                f"{count_params(state.params):,}", accum,
+                f"{count_params(state.params):,}", data.micro_batches,
                 None if mesh is None else dict(mesh.shape), data.stats)
 
-    # Resume from the newest intact checkpoint, if any (a finished run returns its results).
-    train_steps = config.train_steps
-    start_step, best_loss, best_step = 0, math.inf, -1
-    restored, checkpoints = resume_from_newest_intact(state, workdir, train_steps)
+    restored, checkpoints = resume_from_newest_intact(state, workdir, run.train_steps)
+    training = _Training(run, workdir, steps, data, place, checkpoints, watch)
+    start_step, earlier = 0, {}
     if restored is not None:
-        if restored.step == train_steps:
-            finished = _finished_results(workdir, train_steps)
+        if restored.step == run.train_steps:
+            finished = _finished_results(workdir, run.train_steps)
             if finished is not None:
                 checkpoints.close()
                 logger.info("%s already finished %d steps: results.json kept", workdir,
-                            train_steps)
+                            run.train_steps)
                 return finished
-        state = restored.state
-        start_step = restored.step
-        best_loss = float(restored.meta["best_valid_loss"])
-        best_step = int(restored.meta["best_step"])
-        data.train.restore(restored.meta["data"])
+        state, start_step, earlier = restored.state, restored.step, restored.meta
+        training.best_loss = float(earlier["best_valid_loss"])
+        training.best_step = int(earlier["best_step"])
+        data.train.restore(earlier["data"])
+    state, valid, step_metrics = training.run_steps(state, start_step, earlier)
+    return training.finish(state, valid, step_metrics)
 
-    # The step loop: one update per step, validation and checkpoints on their intervals.
-    log = MetricLog(workdir, start_step)
-    if watch is not None:
-        watch.continue_from(log.records())  # a collapse streak goes on across a resumption
-    key = jax.random.key(config.seed + 3)
-    eval_key = jax.random.key(config.seed + 5)
-    train_iter: Iterator = data.train
-    progress = Progress(train_steps, start_step)
 
-    def meta_for(step: int) -> dict:
-        return {"step": step, "data": data.train.state(), "best_valid_loss": best_loss,
-                "best_step": best_step, "train_time_s": step_metrics.seconds,
+@dataclasses.dataclass
+class _Training:
+    """A run being trained: its sections and built pieces, and the best validation so far."""
+
+    run: RunConfig
+    workdir: str
+    steps: Steps
+    data: TaskData
+    place: BatchPlacer
+    checkpoints: RunCheckpoints
+    watch: RoutingWatch | None
+    best_loss: float = math.inf
+    best_step: int = -1
+
+    def run_steps(self, state: TrainState, start_step: int, earlier: dict[str, Any]
+                  ) -> tuple[TrainState, dict[str, Any], StepMetrics]:
+        """Steps ``start_step + 1 .. train_steps``: one update each, validation and checkpoints
+        on their intervals. ``earlier``: the resumed checkpoint's meta (its time and tokens
+        count on). Returns the last state, the last validation (empty if none ran) and the
+        step metrics."""
+        run, task, steps = self.run, self.run.task, self.steps
+        log = MetricLog(self.workdir, start_step)
+        if self.watch is not None:
+            self.watch.continue_from(log.records())  # a collapse streak goes on across resuming
+        key = jax.random.key(run.seed + 3)
+        progress = Progress(run.train_steps, start_step)
+        # Time and tokens of the steps before the checkpoint resumed from: results cover the
+        # whole run.
+        step_metrics = StepMetrics(log, progress, steps.schedule, task.progress_keys,
+                                   self.diverged,
+                                   tokens=float(earlier.get("train_tokens", 0.0)),
+                                   seconds=float(earlier.get("train_time_s", 0.0)))
+        seen_shapes = set()  # batch shapes the step functions were compiled for
+        valid: dict[str, Any] = {}
+        stop = StopSignals()
+        try:
+            for step in range(start_step + 1, run.train_steps + 1):
+                started = time.perf_counter()
+                micro = [next(self.data.train) for _ in range(self.data.micro_batches)]
+                new_shapes = {tuple(b[k].shape for k in task.batch_keys) for b in micro}
+                new_shapes -= seen_shapes
+                seen_shapes |= new_shapes
+                state, metrics = steps.train_step(state, [self.place(batch) for batch in micro],
+                                                  jax.random.fold_in(key, step))
+                step_metrics.add(step, metrics, started, with_moe=step % run.log_every == 0)
+                progress.advance(compiled=bool(new_shapes))
+
+                is_last = step == run.train_steps
+                if step % run.eval_every == 0 or is_last:
+                    step_metrics.flush()
+                    valid = self.validate(step, state)
+                    log.write({"step": step, **valid})
+                    if valid["valid_loss"] < self.best_loss:
+                        self.best_loss, self.best_step = valid["valid_loss"], step
+                        self.checkpoints.save_best(step, state, self.meta(step, step_metrics))
+                stopping = stop.requested(step)  # SIGTERM or SIGINT: checkpoint it and stop
+                if step % run.checkpoint_every == 0 or is_last or stopping:
+                    step_metrics.flush()
+                    self.checkpoints.save_last(step, state, self.meta(step, step_metrics))
+                self.checkpoints.poll()  # a background save out of space stops the run here
+                if stopping:
+                    raise stop.stopped(step)
+            step_metrics.flush()
+        finally:
+            stop.close()
+            self.checkpoints.wait()
+            log.close()  # a run stopped here may end without Python's exit work
+            progress.close()
+        return state, valid, step_metrics
+
+    def validate(self, step: int, state: TrainState) -> dict[str, Any]:
+        """The task's validation metrics at ``step``, with the routing diagnostics if watched."""
+        eval_key = jax.random.key(self.run.seed + 5)
+        valid = evaluate(self.steps, state, self.data.valid, self.place, self.run.task, eval_key)
+        logger.info("step %d: %s", step, valid)
+        if self.watch is not None:
+            valid["routing"] = self.watch.evaluate(step, self.steps, state)
+        return valid
+
+    def meta(self, step: int, step_metrics: StepMetrics) -> dict[str, Any]:
+        """What a checkpoint of ``step`` keeps beside the train state."""
+        return {"step": step, "data": self.data.train.state(), "best_valid_loss": self.best_loss,
+                "best_step": self.best_step, "train_time_s": step_metrics.seconds,
                 "train_tokens": step_metrics.tokens}
 
-    seen_shapes = set()  # batch shapes the step functions were compiled for
-    valid: dict[str, float] = {}
-
-    def diverged(step: int, loss: float, grad_norm: float) -> None:
+    def diverged(self, step: int, loss: float, grad_norm: float) -> None:
         raise TrainingDiverged(
             f"step {step}: loss {loss} / gradient norm {grad_norm} is not finite; the update was "
             f"not applied and no checkpoint was written after step "
-            f"{checkpoints.last.latest_step()} (the last good one, in "
-            f"{workdir}/checkpoints/last). Lower optim.peak_lr, set optim.clip_norm, or use "
+            f"{self.checkpoints.last.latest_step()} (the last good one, in "
+            f"{self.workdir}/checkpoints/last). Lower optim.peak_lr, set optim.clip_norm, or use "
             "float32 compute."
         )
 
-    # Time and tokens of the steps before the checkpoint resumed from: results cover the whole run.
-    earlier = restored.meta if restored is not None else {}
-    step_metrics = StepMetrics(log, progress, steps.schedule, task.progress_keys, diverged,
-                               tokens=float(earlier.get("train_tokens", 0.0)),
-                               seconds=float(earlier.get("train_time_s", 0.0)))
-
-    stop = StopSignals()
-    try:
-        for step in range(start_step + 1, train_steps + 1):
-            started = time.perf_counter()
-            micro = [next(train_iter) for _ in range(accum)]
-            shapes = {tuple(b[k].shape for k in task.batch_keys) for b in micro}
-            new_shapes = shapes - seen_shapes
-            seen_shapes |= new_shapes
-            state, metrics = steps.train_step(state, [place(batch) for batch in micro],
-                                              jax.random.fold_in(key, step))
-            step_metrics.add(step, metrics, started,
-                             with_moe=step % config.log_every == 0)
-            progress.advance(compiled=bool(new_shapes))
-
-            is_last = step == train_steps
-            if step % config.eval_every == 0 or is_last:
-                step_metrics.flush()
-                valid = evaluate(steps, state, data.valid, place, task, eval_key)
-                logger.info("step %d: %s", step, valid)
-                if watch is not None:
-                    valid["routing"] = watch.evaluate(step, steps, state)
-                log.write({"step": step, **valid})
-                if valid["valid_loss"] < best_loss:
-                    best_loss, best_step = valid["valid_loss"], step
-                    checkpoints.save_best(step, state, meta_for(step))
-            stopping = stop.requested(step)  # SIGTERM or SIGINT: checkpoint this step and stop
-            if step % config.checkpoint_every == 0 or is_last or stopping:
-                step_metrics.flush()
-                checkpoints.save_last(step, state, meta_for(step))
-            checkpoints.poll()  # a background save that ran out of space stops the run here
-            if stopping:
-                raise stop.stopped(step)
-        step_metrics.flush()
-    finally:
-        stop.close()
-        checkpoints.wait()
-        log.close()  # a run stopped here may end without Python's exit work (cli.exit_process)
-        progress.close()
-
-    # Finish: results.json with the task's own final results.
-    if not valid:  # resumed a finished run that wrote no results: evaluate what is there
-        valid = evaluate(steps, state, data.valid, place, task, eval_key)
-        if watch is not None:
-            valid["routing"] = watch.evaluate(train_steps, steps, state)
-    results = {
-        "steps": train_steps,
-        **valid,
-        "best_valid_loss": best_loss,
-        "best_step": best_step,
-        **step_metrics.results(),
-        "num_params": count_params(state.params),
-        "data_stats": data.stats,
-    }
-    results.update(task.finish(Run(config, workdir, steps, state, checkpoints, best_step, data,
-                                   place)))
-    results["config"] = json.loads(config.to_json())
-    if is_main_process():
-        write_atomically(os.path.join(workdir, "results.json"), json.dumps(results, indent=1))
-    checkpoints.close()
-    return results
+    def finish(self, state: TrainState, valid: dict[str, Any],
+               step_metrics: StepMetrics) -> dict[str, Any]:
+        """``results.json`` with the task's own final results (written and returned)."""
+        run = self.run
+        if not valid:  # resumed a finished run that wrote no results: evaluate what is there
+            valid = self.validate(run.train_steps, state)
+        results = {
+            "steps": run.train_steps,
+            **valid,
+            "best_valid_loss": self.best_loss,
+            "best_step": self.best_step,
+            **step_metrics.results(),
+            "num_params": count_params(state.params),
+            "data_stats": self.data.stats,
+        }
+        results.update(run.task.finish(Run(run, self.workdir, self.steps, state,
+                                           self.checkpoints, self.best_step, self.data,
+                                           self.place)))
+        results["config"] = json.loads(run.record)
+        if is_main_process():
+            write_atomically(os.path.join(self.workdir, "results.json"),
+                             json.dumps(results, indent=1))
+        self.checkpoints.close()
+        return results

@@ -14,13 +14,13 @@ import os
 from typing import Any
 
 import jax
-import ml_collections
 
 from sparsemixer_jax import config as config_schema
 from sparsemixer_jax.checkpoint import CheckpointError, RunCheckpoints, has_checkpoint
 from sparsemixer_jax.sharding import MeshConfig
 from sparsemixer_jax.training.hosts import is_main_process
 from sparsemixer_jax.training.logs import flatten
+from sparsemixer_jax.training.run_config import RunConfig
 from sparsemixer_jax.training.state import Restored, TrainState, restore_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -48,8 +48,10 @@ class ResumeError(ValueError):
     """The workdir cannot be resumed with this config; the message names what and how to fix it."""
 
 
-def check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-    """Refuses to resume a workdir whose saved config differs in anything but RESUMABLE_CHANGES.
+def check_resume_config(workdir: str, run: RunConfig) -> None:
+    """Refuses to resume a workdir whose saved config differs from ``run``'s (its
+    :attr:`~sparsemixer_jax.training.run_config.RunConfig.record`) in anything but
+    RESUMABLE_CHANGES.
 
     A workdir without a checkpoint (a run stopped by a config or data error) starts afresh with
     the new config; its cached vocabulary is dropped if the data settings changed.
@@ -59,7 +61,7 @@ def check_resume_config(workdir: str, config: ml_collections.ConfigDict) -> None
         return
     with open(path) as f:
         saved = json.load(f)
-    current = json.loads(config.to_json())
+    current = json.loads(run.record)
     if not has_checkpoint(workdir):
         vocabulary = os.path.join(workdir, "spm.model")
         stale = saved.get("data") != current.get("data") or saved.get("seed") != current.get("seed")
