@@ -219,7 +219,7 @@ def test_the_fine_tuning_arms_build_configs_that_check(checkpoint):
     routers = {}
     for arm in chat_sft.ARMS:
         config = make_config(chat_sft.SFT_CONFIG, arm, 0, None, [f"init_from={checkpoint}"])
-        task = check_config(config)  # raises on anything the run would refuse
+        task = check_config(config).task  # raises on anything the run would refuse
         routers[arm] = (task.router.name, task.router.top_k, task.lm.router,
                         config.router.trainable)
     assert routers[chat_sft.VERSUS] == ("switch", 2, "switch", True)
@@ -236,7 +236,7 @@ def test_the_base_config_checks_and_trains_a_bpe_vocabulary_with_top_2():
     from configs import lm_chat_base
 
     config = lm_chat_base.get_config()
-    task = check_config(config)
+    task = check_config(config).task
     assert (task.data.tokenizer, task.lm.router, task.lm.top_k) == ("bpe", "switch", 2)
     assert task.data.seq_len == make_config(chat_sft.SFT_CONFIG, chat_sft.VERSUS, 0,
                                             None).data.seq_len
