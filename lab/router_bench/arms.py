@@ -329,13 +329,20 @@ def balancing_table() -> list[Arm]:
     ``N = K``), ``{router}_k{k}_n{N}_{balancing}``; ordered by priority: ``k = 2, N = 8``, then
     ``k = 1, N = 8``, then ``N = 16`` (``k = 2``, then ``k = 1``). A pair the router's
     config refuses would be reported and not trained (:meth:`Arm.refusal`); none is now."""
+    return _estimator_arms(((2, 8), (1, 8), (2, 16), (1, 16)), BALANCINGS)
+
+
+def _estimator_arms(cells: tuple[tuple[int, int], ...], settings: dict[str, dict]) -> list[Arm]:
+    """``{router}_k{k}_n{N}_{suffix}`` for each ``(k, N)`` of ``cells``, each setting of
+    ``settings`` (suffix -> Arm fields, over the balancing table's 2 micro-batches) and each of
+    :func:`balancing_estimators` ``(k)``, in that order."""
     arms = []
-    for k, n in ((2, 8), (1, 8), (2, 16), (1, 16)):
-        for balancing, fields in BALANCINGS.items():
+    for k, n in cells:
+        for suffix, fields in settings.items():
+            fields = {"micro_batches": BALANCING_MICRO_BATCHES, **fields}
             for router in balancing_estimators(k):
-                arms.append(_arm(f"{router}_k{k}_n{n}_{balancing}", router=router, top_k=k,
-                                 num_experts=n, measure_gradient=False,
-                                 micro_batches=BALANCING_MICRO_BATCHES, **fields))
+                arms.append(_arm(f"{router}_k{k}_n{n}_{suffix}", router=router, top_k=k,
+                                 num_experts=n, measure_gradient=False, **fields))
     return arms
 
 
@@ -372,14 +379,7 @@ def balancing_settings_table() -> list[Arm]:
     """The balancing table's estimators at ``N = 8`` (``k = 2``, then ``k = 1``) under
     :data:`BALANCING_SETTINGS`: more micro-batches for the two balance losses, other bias
     rates. Read with the balancing table's arms (``--merge``), which it is compared with."""
-    arms = []
-    for k, n in ((2, 8), (1, 8)):
-        for balancing, fields in BALANCING_SETTINGS.items():
-            fields = {"micro_batches": BALANCING_MICRO_BATCHES, **fields}
-            for router in balancing_estimators(k):
-                arms.append(_arm(f"{router}_k{k}_n{n}_{balancing}", router=router, top_k=k,
-                                 num_experts=n, measure_gradient=False, **fields))
-    return arms
+    return _estimator_arms(((2, 8), (1, 8)), BALANCING_SETTINGS)
 
 
 def scores_table() -> list[Arm]:
@@ -388,14 +388,7 @@ def scores_table() -> list[Arm]:
     renormalised gate is always 1, and their arms are listed as refused). Read with the
     balancing table's arms (``--merge``): each arm is compared with top-k under the same
     routing and with the same estimator under softmax scores and the same balancing."""
-    arms = []
-    for k, n in ((2, 8), (2, 16), (1, 8), (1, 16)):
-        for suffix, fields in SCORES.items():
-            fields = {"micro_batches": BALANCING_MICRO_BATCHES, **fields}
-            for router in balancing_estimators(k):
-                arms.append(_arm(f"{router}_k{k}_n{n}_{suffix}", router=router, top_k=k,
-                                 num_experts=n, measure_gradient=False, **fields))
-    return arms
+    return _estimator_arms(((2, 8), (2, 16), (1, 8), (1, 16)), SCORES)
 
 
 TABLES = {"main": main_table, "depth": depth_table, "gate": gate_table,
