@@ -73,6 +73,7 @@ def get_config(variant: str = "n4") -> ml_collections.ConfigDict:
     # pretraining used shorter sequences (ELECTRA-Small pretrains at 128 with a 512 table).
     c.model.absolute_positions = 512
     c.model.num_experts = EXPERTS[variant]
+    c.model.moe_every = 2  # MoE on every other FFN (layers 0, 2, ...)
     c.model.compute_dtype = "bfloat16"
     c.model.init = "admin"  # the paper's: Admin's residual scales on the fairseq draws
 

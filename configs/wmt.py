@@ -51,6 +51,7 @@ def get_config(variant: str = "n4") -> ml_collections.ConfigDict:
     c.model.num_heads = 8
     moe_model_fields(c.model)
     c.model.num_experts = EXPERTS[variant]
+    c.model.moe_every = 2  # Switch's layout: MoE replaces every other FFN (layers 0, 2, 4)
 
     c.router = router_config()
 

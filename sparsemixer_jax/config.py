@@ -149,12 +149,14 @@ def optim_config(schedule: str, **overrides: Any) -> ml_collections.ConfigDict:
 
 
 def moe_model_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """Adds the fields every model section has (widths are the task's) to ``c``."""
+    """Adds the fields every model section has (widths are the task's) to ``c``, each at its
+    typed section's default (``ModelConfig``'s and ``MoEConfig``'s); a task's config sets what
+    it chooses otherwise (the paper's: the number of experts, MoE on every other layer)."""
     c.dropout = 0.1
     c.attention_dropout = 0.1
     c.activation_dropout = 0.1
-    c.num_experts = 4  # 0 = dense
-    c.moe_every = 2  # MoE replaces the FFN of layers 0, k, 2k, ...
+    c.num_experts = 0  # 0 = dense
+    c.moe_every = 1  # MoE replaces the FFN of layers 0, k, 2k, ...
     c.dispatch = "auto"  # see sparsemixer_jax.moe.DISPATCHES
     c.grouped_impl = "mosaic"  # dispatch "grouped": Hopper kernels ("mosaic"), "tokamax", "xla"
     c.capacity_factor = 0.0  # 0 = dropless; > 0 = Switch-style capacity with dropping

@@ -162,7 +162,8 @@ class Attention(nnx.Module):
     """Multi-head attention with separate q/k/v/out projections (with biases), as in fairseq.
 
     Split into :meth:`project_kv` and :meth:`attend` so that the decoder can cache keys/values.
-    ``init`` is the initialisation scheme (:mod:`sparsemixer_jax.initializers`).
+    ``init`` is the initialisation scheme (:mod:`sparsemixer_jax.initializers`; by default the
+    model section's, :class:`~sparsemixer_jax.moe.MoEConfig`'s).
     """
 
     def __init__(
@@ -173,7 +174,7 @@ class Attention(nnx.Module):
         attention_dropout: float,
         dtype: jnp.dtype,
         implementation: str = "einsum",
-        init: str = "flax",
+        init: str = MoEConfig.init,
         rngs: nnx.Rngs,
     ):
         if emb_dim % num_heads:
@@ -254,7 +255,8 @@ class FeedForward(nnx.Module):
 
     ``activation`` is ``"relu"`` (fairseq's translation Transformer, the default) or ``"gelu"``
     (BERT / ELECTRA / COCO-LM); ``init`` the initialisation scheme
-    (:mod:`sparsemixer_jax.initializers`); ``x [..., emb] -> [..., emb]``.
+    (:mod:`sparsemixer_jax.initializers`; by default the model section's); ``x [..., emb] ->
+    [..., emb]``.
     """
 
     def __init__(
@@ -266,7 +268,7 @@ class FeedForward(nnx.Module):
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
         activation: str = "relu",
-        init: str = "flax",
+        init: str = MoEConfig.init,
     ):
         activation_fn(activation)  # validates the name
         self.activation = activation

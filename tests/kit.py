@@ -41,14 +41,14 @@ def _transformer_config():
 
 def _encoder_config():
     """The pretraining encoder alone: 2 layers, emb 16, mlp 32, 2 heads, T5 buckets 32 / 128,
-    no absolute positions, 2 experts."""
+    no absolute positions, 2 experts in layer 0."""
     from sparsemixer_jax.config import moe_model_fields, router_config
 
     c = ml_collections.ConfigDict()
     c.model = moe_model_fields(ml_collections.ConfigDict(dict(
         num_layers=2, emb_dim=16, mlp_dim=32, num_heads=2, relative_buckets=32,
         relative_max_distance=128, absolute_positions=0)))
-    c.model.num_experts = 2
+    c.model.num_experts, c.model.moe_every = 2, 2
     c.router = router_config()
     return c
 

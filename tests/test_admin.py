@@ -17,7 +17,7 @@ def admin_config(init="admin", num_layers=4):
     c.model = moe_model_fields(ml_collections.ConfigDict(dict(
         num_layers=num_layers, emb_dim=64, mlp_dim=128, num_heads=4, relative_buckets=32,
         relative_max_distance=128, absolute_positions=0)))
-    c.model.num_experts = 4
+    c.model.num_experts, c.model.moe_every = 4, 2
     c.model.init = init
     c.router = router_config()
     return c

@@ -35,14 +35,16 @@ class Student(nnx.Module):
             if arm.dense is not None:
                 width = hidden * arm.num_experts if arm.dense == "params" else hidden
                 layer = MoEFeedForward(dim, width, 1, router="switch", jitter_eps=0.0,
-                                       activation_dropout=0.0, dispatch=dispatch, rngs=rngs)
+                                       activation_dropout=0.0, dispatch=dispatch, init="flax",
+                                       rngs=rngs)
             else:
                 activation = "tanh" if arm.student_experts == "tanh" else "relu"
                 layer = MoEFeedForward(dim, hidden, arm.num_experts, router=arm.router,
                                        jitter_eps=arm.jitter_eps, top_k=arm.top_k,
                                        activation_dropout=0.0, dispatch=dispatch,
                                        activation=activation,
-                                       router_options=arm.router_options(), rngs=rngs)
+                                       router_options=arm.router_options(), init="flax",
+                                       rngs=rngs)
             layers.append(layer)
         self.layers = nnx.List(layers)
 

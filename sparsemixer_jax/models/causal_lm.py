@@ -232,7 +232,7 @@ class MoEBlock(nnx.Module):
             capacity_factor=config.capacity_factor, activation=expert_activation(config),
             gated=True, gated_biases=config.expert_biases, router_bias=config.router_bias,
             router_options=config.router_option_dict(), dtype=_dtype(config), mesh=mesh,
-            rngs=rngs)
+            init="flax", rngs=rngs)
         # Initialised as the Hugging Face types are (normal(initializer_range) for the router
         # and every expert's weights; biases zero), not by the layer's own scheme.
         normal = nnx.initializers.normal(config.initializer_range)

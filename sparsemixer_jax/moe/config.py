@@ -35,9 +35,9 @@ class MoEConfig:
       activation: the nonlinearity, ``"relu"`` (fairseq's translation Transformer) or
         ``"gelu"`` (BERT / ELECTRA).
       activation_dropout: dropout rate after the nonlinearity.
-      init: the initialisation scheme (:mod:`sparsemixer_jax.initializers`), e.g. ``"fairseq"``,
-        ``"flax"`` or ``"flax,router=fairseq"``. The default is the layer's (``"flax"``, as it
-        has always been initialised); the experiment configs set ``"fairseq"``.
+      init: the initialisation scheme (:mod:`sparsemixer_jax.initializers`), e.g. ``"fairseq"``
+        (the default: the paper's code, as the experiment configs initialise), ``"flax"`` or
+        ``"flax,router=fairseq"``.
       num_shared_experts: always-on experts beside the routed ones (DeepSeek, Qwen2-MoE), run
         as one dense feed-forward of width ``num_shared_experts * mlp_dim`` on every token;
         0 = none.
@@ -52,7 +52,7 @@ class MoEConfig:
     capacity_factor: float = 0.0
     activation: str = "relu"
     activation_dropout: float = 0.1
-    init: str = "flax"
+    init: str = "fairseq"
     num_shared_experts: int = 0
     shared_expert_gate: bool = False
 

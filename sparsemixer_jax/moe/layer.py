@@ -13,6 +13,7 @@ result.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -46,14 +47,6 @@ def _stream(rngs: nnx.Rngs, name: str, fallback: str) -> nnx.RngStream:
                 f"MoEFeedForward needs an RNG stream {name!r} (or {fallback!r}, or a default "
                 f"seed) in rngs; got streams {sorted(rngs)}"
             ) from None
-
-
-# The keyword settings of MoEFeedForward and their defaults: a layer built from config sections
-# (MoEFeedForward.from_config) takes none of them (they are the sections' fields).
-_KEYWORD_DEFAULTS = {"router": "sparsemixer", "jitter_eps": 0.1, "top_k": 1,
-                     "activation_dropout": 0.1, "dispatch": "auto", "grouped_impl": "mosaic",
-                     "capacity_factor": 0.0, "activation": "relu", "router_init_scale": 1.0,
-                     "init": "flax", "default_decay": 0.9, "router_options": None}
 
 
 def _sections_of_keywords(num_experts: int, keywords: dict
@@ -135,10 +128,10 @@ class MoEFeedForward(nnx.Module):
         ``init`` draws them: 1.0 is the scheme itself, 0.1 the Switch Transformer's smaller
         router.
       init: the initialisation scheme of the router and experts
-        (:mod:`sparsemixer_jax.initializers`): ``"flax"`` (truncated-normal router, LeCun-normal
-        experts, zero biases; the default, as this layer has always been initialised) or
-        ``"fairseq"`` (the paper's code: PyTorch ``nn.Linear``'s ``U(+-1/sqrt(fan_in))`` for
-        every weight and bias), or a spec setting the ``router`` or ``experts`` apart, e.g.
+        (:mod:`sparsemixer_jax.initializers`): ``"fairseq"`` (the default, as the experiment
+        configs initialise: the paper's code, PyTorch ``nn.Linear``'s ``U(+-1/sqrt(fan_in))``
+        for every weight and bias) or ``"flax"`` (truncated-normal router, LeCun-normal experts,
+        zero biases), or a spec setting the ``router`` or ``experts`` apart, e.g.
         ``"flax,router=fairseq"``.
       dtype: compute dtype of the experts (params stay float32; the router runs in float32).
       mesh: optional mesh with axes ``("data", "fsdp", "expert")`` for expert parallelism
@@ -179,17 +172,17 @@ class MoEFeedForward(nnx.Module):
         mlp_dim: int,
         num_experts: int,
         *,
-        router: str = "sparsemixer",
-        jitter_eps: float = 0.1,
-        top_k: int = 1,
-        activation_dropout: float = 0.1,
-        dispatch: str = "auto",
-        grouped_impl: str = "mosaic",
-        capacity_factor: float = 0.0,
-        activation: str = "relu",
-        router_init_scale: float = 1.0,
-        init: str = "flax",
-        default_decay: float = 0.9,
+        router: str = routers.RouterConfig.name,
+        jitter_eps: float = routers.RouterConfig.jitter_eps,
+        top_k: int = routers.RouterConfig.top_k,
+        activation_dropout: float = MoEConfig.activation_dropout,
+        dispatch: str = MoEConfig.dispatch,
+        grouped_impl: str = MoEConfig.grouped_impl,
+        capacity_factor: float = MoEConfig.capacity_factor,
+        activation: str = MoEConfig.activation,
+        router_init_scale: float = routers.RouterConfig.init_scale,
+        init: str = MoEConfig.init,
+        default_decay: float = routers.RouterConfig.default_decay,
         router_options: dict | None = None,
         dtype=jnp.float32,
         mesh: jax.sharding.Mesh | None = None,
@@ -486,6 +479,15 @@ class MoEFeedForward(nnx.Module):
         if token_mask is not None:
             term = term * token_mask[..., None].astype(term.dtype)
         return term
+
+
+# The keyword settings of MoEFeedForward and their defaults (the sections' own, as its signature
+# reads them): a layer built from config sections (MoEFeedForward.from_config) takes none of them.
+_KEYWORD_DEFAULTS = {name: p.default for name, p in
+                     inspect.signature(MoEFeedForward.__init__).parameters.items()
+                     if name in ("router", "jitter_eps", "top_k", "activation_dropout", "dispatch",
+                                 "grouped_impl", "capacity_factor", "activation",
+                                 "router_init_scale", "init", "default_decay", "router_options")}
 
 
 def routing_param_paths(model: nnx.Module) -> tuple[tuple[tuple[str, ...], ...],
