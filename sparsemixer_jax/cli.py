@@ -301,7 +301,8 @@ def run_training(train_fn, config, workdir: str, summary_keys: tuple[str, ...]) 
     :func:`train_or_exit`, and a one-line summary of the results on process 0."""
     from sparsemixer_jax import runtime
 
-    runtime.configure(config)
+    if "runtime" in config:  # GLUE fine-tuning's config has none: JAX's defaults
+        runtime.configure(runtime.RuntimeConfig.from_config(config.runtime))
     initialize_distributed()
     import jax
 
@@ -321,9 +322,9 @@ def try_it_hint(config, workdir: str) -> str | None:
         return None
     import shlex
 
-    from sparsemixer_jax.data.sources import read_split
+    from sparsemixer_jax.data.sources import DataConfig, read_split
 
-    source = read_split(config, "test")[0][0]
+    source = read_split(DataConfig.from_config(config), "test")[0][0]
     return (
         "this model translates the generated language of sparsemixer_jax.data.synthetic (not "
         "English or German); try it on a sentence of its test split:\n"

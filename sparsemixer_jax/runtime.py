@@ -73,19 +73,13 @@ def set_deterministic_gpu_ops() -> None:
         raise RuntimeError(
             "config.runtime.deterministic needs XLA_FLAGS to hold "
             f"{DETERMINISTIC_XLA_FLAG} before JAX starts its GPU backend; call "
-            "sparsemixer_jax.runtime.configure(config) before any computation, or export it"
+            "sparsemixer_jax.runtime.configure(runtime) before any computation, or export it"
         )
     os.environ["XLA_FLAGS"] = f"{flags} {DETERMINISTIC_XLA_FLAG}".strip()
 
 
-def configure(config: Any) -> None:
-    """Applies ``config.runtime`` (module docstring; a :class:`RuntimeConfig` or the section it
-    is read from). A config without ``runtime`` is left as JAX's defaults."""
-    runtime = getattr(config, "runtime", None)
-    if runtime is None:
-        return
-    if not isinstance(runtime, RuntimeConfig):
-        runtime = RuntimeConfig.from_config(runtime)
+def configure(runtime: RuntimeConfig) -> None:
+    """Applies the runtime section ``runtime`` (module docstring)."""
     if runtime.deterministic:
         set_deterministic_gpu_ops()
     if jax.config.values["jax_default_prng_impl"] != runtime.rng_impl:

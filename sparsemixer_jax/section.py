@@ -82,16 +82,6 @@ def read_fields(cls: type, section: Any, where: str, *, skip: tuple[str, ...] = 
     return values
 
 
-def section_of(cls: type, config: Any, name: str) -> Any:
-    """The typed section ``name`` of ``config``: ``config`` itself or ``config.<name>`` if either
-    is a ``cls`` already (a task hands its sections down), else ``cls.from_config(config)`` read
-    from the experiment config."""
-    if isinstance(config, cls):
-        return config
-    section = getattr(config, name)
-    return section if isinstance(section, cls) else cls.from_config(config)
-
-
 def check_positive(where: str, **values: float) -> None:
     """ValueError ``{where}{name} must be > 0`` for the first value that is not."""
     for name, value in values.items():

@@ -255,15 +255,9 @@ class MeshConfig:
         return devices // inner, self.fsdp, self.expert
 
 
-def mesh_config_of(config: Any) -> MeshConfig:
-    """``config.mesh`` as a :class:`MeshConfig` (built from the section if it is one)."""
-    return config.mesh if isinstance(config.mesh, MeshConfig) else MeshConfig.from_config(
-        config.mesh)
-
-
-def mesh_from_config(config: Any) -> Mesh | None:
-    """The mesh of ``config.mesh`` (a :class:`MeshConfig` or the section it is read from), or
-    None for a single device; ``config.model.num_experts`` must divide by its expert axis
+def device_mesh(section: MeshConfig) -> Mesh | None:
+    """The mesh the mesh section ``section`` describes (a run's ``run.mesh``), or None for a
+    single device; ``config.model.num_experts`` must divide by its expert axis
     (:func:`sparsemixer_jax.config.validate`).
 
     ``mesh.data = -1`` takes every device the fsdp and expert axes leave. A single process may
@@ -271,7 +265,7 @@ def mesh_from_config(config: Any) -> Mesh | None:
     them all.
     """
     available = jax.device_count()
-    data, fsdp, expert = mesh_config_of(config).sizes(available)
+    data, fsdp, expert = section.sizes(available)
     wanted = data * fsdp * expert
     if wanted > available or (wanted < available and jax.process_count() > 1):
         raise ValueError(
@@ -283,6 +277,7 @@ def mesh_from_config(config: Any) -> Mesh | None:
     return make_mesh(data, expert, jax.devices()[:wanted], fsdp=fsdp)
 
 
-def partitioner_from_config(config: Any, mesh: Mesh | None) -> Partitioner | None:
-    """The :class:`Partitioner` of ``mesh`` with ``config.mesh.rules``; None without a mesh."""
-    return None if mesh is None else Partitioner(mesh, mesh_config_of(config).rules)
+def mesh_partitioner(section: MeshConfig, mesh: Mesh | None) -> Partitioner | None:
+    """The :class:`Partitioner` of ``mesh`` with the mesh section's rules; None without a
+    mesh."""
+    return None if mesh is None else Partitioner(mesh, section.rules)

@@ -19,6 +19,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI30K = os.path.join(REPO, "..", "shared", "data", "multi30k")
 
 
+def data_section(config) -> sources.DataConfig:
+    """The typed data section of an experiment config, as the task builds it."""
+    return sources.DataConfig.from_config(config)
+
+
 def synthetic_config(size: int = 400, vocab: int = 120, max_len: int = 64, max_tokens: int = 1024):
     c = get_config()
     c.data.source = "synthetic"
@@ -65,7 +70,7 @@ def synth(tmp_path_factory):
     config = synthetic_config()
     workdir = str(tmp_path_factory.mktemp("synth"))
     data = translation.load_datasets(
-        config, workdir, batch_multiple=4, process_index=0, process_count=1
+        data_section(config), workdir, batch_multiple=4, process_index=0, process_count=1
     )
     return config, workdir, data
 
@@ -87,7 +92,8 @@ def test_unknown_source_is_named():
     with pytest.raises(
         ValueError, match=r"unknown config.data.source 'csv'.*tfds, text, synthetic"
     ):
-        translation.load_datasets(c, "/nonexistent", process_index=0, process_count=1)
+        translation.load_datasets(data_section(c), "/nonexistent", process_index=0,
+                                  process_count=1)
 
 
 @pytest.mark.parametrize(
@@ -104,7 +110,7 @@ def test_missing_config_field_is_named(source, field):
     c.data.source = source
     del c.data[field]
     with pytest.raises(ValueError, match=f"missing fields .*'{field}'"):
-        sources.check_config(c)
+        data_section(c)
 
 
 def test_missing_text_file_names_both_paths(tmp_path):
@@ -210,19 +216,21 @@ def test_tokenizer_is_cached_and_size_checked(synth):
     config, workdir, data = synth
     path = os.path.join(workdir, "spm.model")
     mtime = os.path.getmtime(path)
-    again = tokenization.get_tokenizer(config, workdir, [])  # no text: must come from the cache
+    # No text: the vocabulary must come from the cache.
+    again = tokenization.get_tokenizer(data_section(config), workdir, [])
     assert os.path.getmtime(path) == mtime and again.encode("ta") == data.tokenizer.encode("ta")
     bigger = synthetic_config(vocab=150)
     with pytest.raises(
         ValueError, match=r"spm.model has 120 pieces but config.data.vocab_size is 150"
     ):
-        tokenization.get_tokenizer(bigger, workdir, [])
+        tokenization.get_tokenizer(data_section(bigger), workdir, [])
 
 
 def test_vocab_too_large_fails_with_suggestion(tmp_path):
     c = synthetic_config(size=50, vocab=5000)
     with pytest.raises(ValueError, match=r"vocab_size=5000 is too large.*at most \d+ pieces"):
-        tokenization.get_tokenizer(c, str(tmp_path), synthetic.synthetic_pairs(50, 0, 0))
+        tokenization.get_tokenizer(data_section(c), str(tmp_path),
+                                   synthetic.synthetic_pairs(50, 0, 0))
     assert not os.path.exists(tmp_path / "spm.model")
 
 
@@ -334,7 +342,7 @@ def test_too_small_token_budget_is_rejected():
     c = synthetic_config(max_len=64, max_tokens=100)
     with pytest.raises(ValueError, match="max_tokens=100 cannot hold 2 rows"):
         translation.load_datasets(
-            c, "/nonexistent", batch_multiple=2, process_index=0, process_count=1
+            data_section(c), "/nonexistent", batch_multiple=2, process_index=0, process_count=1
         )
 
 
@@ -352,7 +360,7 @@ def test_empty_and_long_pairs_are_skipped_counted_and_logged(tmp_path, caplog):
     config = text_config(tmp_path)
     with caplog.at_level(logging.INFO, logger="sparsemixer_jax.data.translation"):
         data = translation.load_datasets(
-            config, str(tmp_path / "work"), process_index=0, process_count=1
+            data_section(config), str(tmp_path / "work"), process_index=0, process_count=1
         )
     stats = data.stats["train"]
     assert (stats["pairs"], stats["empty"], stats["too_long"], stats["kept"]) == (120, 2, 1, 117)
@@ -374,7 +382,8 @@ def test_empty_eval_split_is_an_error_naming_the_split(tmp_path):
     write_pair(tmp_path, "test", ["the house"], ["house the"])
     with pytest.raises(ValueError, match=r"valid split has no usable pairs \(2 read, 2 with an"):
         translation.load_datasets(
-            text_config(tmp_path), str(tmp_path / "work"), process_index=0, process_count=1
+            data_section(text_config(tmp_path)), str(tmp_path / "work"), process_index=0,
+            process_count=1
         )
 
 
@@ -448,7 +457,7 @@ def test_multi30k_relative_dir(tmp_path):
         max_tokens=2048,
     )
     data = translation.load_datasets(
-        config, str(tmp_path), batch_multiple=8, process_index=0, process_count=1
+        data_section(config), str(tmp_path), batch_multiple=8, process_index=0, process_count=1
     )
     stats = data.stats["train"]
     assert stats["pairs"] == 29000 and stats["kept"] + stats["too_long"] + stats["empty"] == 29000
@@ -472,7 +481,8 @@ def test_tfds_reads_fields_by_name_not_supervised_keys(tmp_path):
         assert builder.info.supervised_keys == ("de", "en")  # the trap: de first
         raw = list(tfds.as_numpy(builder.as_dataset(split="validation", shuffle_files=False)))
         pairs = sources.read_tfds(c.data.tfds_name, "validation", "en", "de")
-        data = translation.load_datasets(c, str(tmp_path), process_index=0, process_count=1)
+        data = translation.load_datasets(data_section(c), str(tmp_path), process_index=0,
+                                         process_count=1)
     assert pairs == [(ex["en"].decode(), ex["de"].decode()) for ex in raw]
     assert data.stats["train"]["pairs"] == 30
     assert len(data.valid_sources) + data.stats["valid"]["empty"] == 30
@@ -497,7 +507,8 @@ def test_an_unprepared_tfds_dataset_without_its_servers_is_one_error_naming_the_
 def test_vocab_too_small_says_larger_and_the_minimum(tmp_path):
     pairs = synthetic.synthetic_pairs(200, 0, 0)
     with pytest.raises(ValueError) as error:
-        tokenization.get_tokenizer(synthetic_config(vocab=10), str(tmp_path), pairs)
+        tokenization.get_tokenizer(data_section(synthetic_config(vocab=10)), str(tmp_path),
+                                   pairs)
     minimum = int(str(error.value).rsplit(">= ", 1)[1])
     assert "vocab_size=10 is too small" in str(error.value) and "larger" in str(error.value)
     # The minimum is exact: one piece fewer fails, the minimum trains.
@@ -512,7 +523,7 @@ def test_empty_training_text_is_named_before_sentencepiece(tmp_path):
     write_pair(tmp_path, "valid", ["the dog"], ["dog the"])
     write_pair(tmp_path, "test", ["the dog"], ["dog the"])
     with pytest.raises(ValueError, match=r"train split has no usable pairs \(2 read, all with an"):
-        translation.load_datasets(text_config(tmp_path), str(tmp_path / "work"),
+        translation.load_datasets(data_section(text_config(tmp_path)), str(tmp_path / "work"),
                                   process_index=0, process_count=1)
     with pytest.raises(ValueError, match=r"training text for the vocabulary is empty"):
         tokenization.train_tokenizer([], str(tmp_path / "spm.model"), 30, seed=0)
@@ -526,8 +537,9 @@ def test_training_data_all_over_max_len_is_named(tmp_path):
     write_pair(tmp_path, "test", ["the dog"], ["dog the"])
     with pytest.raises(ValueError, match=r"0 with an empty side, 80 with a side over "
                                          r"config\.data\.max_len=4 tokens.*raise config\.data"):
-        translation.load_datasets(text_config(tmp_path, max_len=4, max_tokens=64, vocab_size=20),
-                                  str(tmp_path / "work"), process_index=0, process_count=1)
+        translation.load_datasets(
+            data_section(text_config(tmp_path, max_len=4, max_tokens=64, vocab_size=20)),
+            str(tmp_path / "work"), process_index=0, process_count=1)
 
 
 # ----- the real WMT'14 builder, offline ---------------------------------------------------------

@@ -303,12 +303,12 @@ def test_sharded_checkpoint_restores_onto_another_mesh(translation_runs):
     placed as that mesh's rules say, with the values restored onto one device."""
     sharded = translation_runs["sharded"][0]
     config = tiny(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.expert": 2})
-    device_mesh = sharding.mesh_from_config(config)
     # The model is only the template's shapes: built abstractly, as a reader would.
     run = run_config(config, NoTestDecoding.from_config(config))
+    device_mesh = sharding.device_mesh(run.mesh)
     model = nnx.eval_shape(lambda: run.task.build_model(run, config.data.vocab_size,
                                                         device_mesh))
-    steps = Steps(model, run.task, run.optim, sharding.partitioner_from_config(run, device_mesh))
+    steps = Steps(model, run.task, run.optim, sharding.mesh_partitioner(run.mesh, device_mesh))
     restored = restore_checkpoint(sharded, steps.abstract_state(), "last")
     assert restored.step == STEPS
     run_one = run_config(tiny(), NoTestDecoding.from_config(tiny()))
@@ -368,7 +368,7 @@ def test_rules_are_config_fields():
     config = tiny(**{"mesh.fsdp": 8, "mesh.rules.mlp": "fsdp", "mesh.rules.embed": None})
     mesh_config = sharding.MeshConfig.from_config(config.mesh)
     assert dict(mesh_config.rules)["mlp"] == ("fsdp",)
-    partitioner = sharding.partitioner_from_config(config, sharding.make_mesh(1, 1, fsdp=8))
+    partitioner = sharding.mesh_partitioner(mesh_config, sharding.make_mesh(1, 1, fsdp=8))
     assert partitioner.spec(("expert", "embed", "mlp"), (2, 16, 32)) == P(None, None, "fsdp")
     assert partitioner.spec(("vocab", "embed"), (100, 16)) == P()
     with pytest.raises(ValueError, match=r"config.mesh.rules.hidden: unknown logical axis"):
@@ -438,8 +438,8 @@ def test_lm_model_is_placed_by_the_configs_rules():
     config = kit.tiny_config("lm", **{"mesh.fsdp": 4, "mesh.expert": 2, "mesh.rules.embed": None,
                                       "mesh.rules.mlp": "fsdp"})
     task = LMTask.from_config(config)
-    model = task.build_model(run_config(config, task), task.lm.vocab_size,
-                             sharding.mesh_from_config(config))
+    run = run_config(config, task)
+    model = task.build_model(run, task.lm.vocab_size, sharding.device_mesh(run.mesh))
     params = nnx.state(model, nnx.Param)
     assert params["embed_tokens"]["embedding"][...].sharding.spec in (P(), P(None, None))
     w_gate = params["stacks"][0]["layers"][0]["mlp"]["moe"]["w_gate"][...]

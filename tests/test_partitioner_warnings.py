@@ -53,7 +53,7 @@ config.data.update(vocab_size=512, seq_len=32, batch_size=16, micro_batch_size=0
 config.mesh.update(data=1, fsdp=2, expert=4)
 run = run_config(config)
 model = nnx.eval_shape(lambda: run.task.build_model(run, 512, mesh))
-partitioner = sharding.partitioner_from_config(run, mesh)
+partitioner = sharding.mesh_partitioner(run.mesh, mesh)
 pretraining = Steps(model, run.task, run.optim, partitioner)
 state, rest = steps.train_state(pretraining, mesh, partitioner)
 ids = jax.ShapeDtypeStruct((16, 32), jnp.int32, sharding=sharding.batch_sharding(mesh))

@@ -268,7 +268,8 @@ def test_packed_data_is_cached_by_text_vocabulary_and_settings(straight_run, tmp
     assert [n.split("-")[0] for n in first] == ["train", "valid"]
     tokenizer = text.Tokenizer(os.path.join(workdir, "spm.model"))
     paragraphs = [p for doc in text.read_documents(config.data.train) for p in doc]
-    fresh_tokens, fresh_segments = pretraining._packed(config, tokenizer, paragraphs)
+    fresh_tokens, fresh_segments = pretraining._packed(text.TextDataConfig.from_config(config),
+                                                       tokenizer, paragraphs)
 
     calls = []
     real_pack = text.tokenize_and_pack

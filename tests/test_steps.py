@@ -178,12 +178,12 @@ def test_runtime_configure_sets_prng_and_xla_flags(monkeypatch):
     c.runtime.deterministic = True
     c.runtime.matmul_precision = "high"
     try:
-        runtime.configure(c)
+        runtime.configure(runtime.RuntimeConfig.from_config(c.runtime))
         assert jax.config.values["jax_default_matmul_precision"] == "high"
         assert jax.config.values["jax_default_prng_impl"] == "unsafe_rbg"
         assert str(jax.random.key_impl(jax.random.key(0))) == "unsafe_rbg"
         assert os.environ["XLA_FLAGS"].split() == [*flags.split(), runtime.DETERMINISTIC_XLA_FLAG]
-        runtime.configure(c)  # idempotent
+        runtime.configure(runtime.RuntimeConfig.from_config(c.runtime))  # idempotent
         assert os.environ["XLA_FLAGS"].count("deterministic") == 1
     finally:
         jax.config.update("jax_default_prng_impl", before)

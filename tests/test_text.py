@@ -158,11 +158,13 @@ def test_vocabulary_has_the_special_pieces(tmp_path):
     corpus = tiny_electra_config.write_corpus(str(tmp_path / "corpus"))
     config = tiny_electra_config.get_config(corpus)
     paragraphs = [p for doc in text.read_documents(config.data.train) for p in doc]
-    tokenizer = text.get_text_tokenizer(config, str(tmp_path / "work"), paragraphs)
+    data = text.TextDataConfig.from_config(config)
+    tokenizer = text.get_text_tokenizer(data, str(tmp_path / "work"), paragraphs)
     assert tokenizer.vocab_size == config.data.vocab_size
     pieces = [tokenizer.sp.id_to_piece(i) for i in range(6)]
     assert pieces == ["<pad>", "</s>", "<unk>", "[CLS]", "[SEP]", "[MASK]"]
     assert text.MASK_ID in tokenizer.encode("the king [MASK] walked")
     config.data.vocab_size = 100
     with pytest.raises(ValueError, match="delete the file to retrain"):
-        text.get_text_tokenizer(config, str(tmp_path / "work"), paragraphs)
+        text.get_text_tokenizer(text.TextDataConfig.from_config(config), str(tmp_path / "work"),
+                                paragraphs)

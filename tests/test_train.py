@@ -22,7 +22,7 @@ import pytest
 from lab.studies.curves import plot_losses, read_run
 from sparsemixer_jax import cli, sharding, training, translate
 from sparsemixer_jax.checkpoint import RunCheckpoints
-from sparsemixer_jax.data.sources import read_split
+from sparsemixer_jax.data.sources import DataConfig, read_split
 from sparsemixer_jax.data.translation import load_datasets
 from sparsemixer_jax.tasks import check_config, run_config, translation
 from sparsemixer_jax.training import resume
@@ -134,7 +134,7 @@ def test_config_errors_are_caught_before_compiling(tmp_path):
         check_config(tiny(**{"mesh.data": 1, "mesh.expert": 4,
                                         "model.num_experts": 6}))
     with pytest.raises(ValueError, match="devices"):
-        sharding.mesh_from_config(tiny(**{"mesh.data": 16, "mesh.expert": 1}))
+        sharding.device_mesh(sharding.MeshConfig(data=16))
 
 
 def test_rerunning_a_finished_run_keeps_its_results(straight_run):
@@ -257,7 +257,7 @@ def test_training_on_an_expert_mesh_matches_one_device(tmp_path, task_steps, las
 
     config = tiny(**run, **mesh)
     state = restore_checkpoint(workdir, task_steps.abstract_state(), "last").state
-    data = load_datasets(config, workdir, batch_multiple=4)  # the mesh's batches
+    data = load_datasets(DataConfig.from_config(config), workdir, batch_multiple=4)  # mesh batches
     texts = translation.translate_batches(
         task_steps.model(state), data.test, data.tokenizer,
         len(data.test_sources), config.decode, BatchPlacer(None, ("inputs", "targets")),
@@ -352,7 +352,7 @@ def test_progress_eta_leaves_out_compilation_and_elapsed_time_never_runs_backwar
 def test_quickstart_hint_names_the_generated_language_and_a_test_line(tmp_path):
     config = tiny()
     hint = cli.try_it_hint(config, str(tmp_path))
-    first_test_source = read_split(config, "test")[0][0]
+    first_test_source = read_split(DataConfig.from_config(config), "test")[0][0]
     assert "generated language" in hint and first_test_source in hint
     assert f"python -m experiments.translate --workdir {tmp_path}" in hint
     config.data.source = "text"

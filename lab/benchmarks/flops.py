@@ -63,7 +63,7 @@ def electra_flops_per_token(config) -> dict[str, float]:
     from sparsemixer_jax.models.electra import generator_config, num_predictions
     from sparsemixer_jax.models.encoder import EncoderConfig
 
-    data = TextDataConfig.of(config)
+    data = TextDataConfig.from_config(config)
     discriminator = EncoderConfig.from_config(config.model)
     e, length, vocab = discriminator.emb_dim, data.seq_len, data.vocab_size
 

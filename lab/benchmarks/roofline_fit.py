@@ -90,7 +90,7 @@ def _compile_into(arm: dict[str, Any], cache: str, key: str) -> None:
     base = load_config_file(arm["lm_config"]) if arm["lm_config"] else None
     config = lm_model_config(arm["sizes"], arm["router"] or "switch", arm["dtype"],
                              arm["dispatch"], arm["attention_impl"], base)
-    runtime.configure(config)
+    runtime.configure(runtime.RuntimeConfig.from_config(config.runtime))
     config = command.config_for_target(config, target)
     task = LMTask.from_config(config)
     task = dense_twin(task) if arm["router"] is None else task

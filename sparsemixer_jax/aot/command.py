@@ -136,8 +136,9 @@ def run(config: ml_collections.ConfigDict, target_specs: Sequence[str], *,
     """Compile for every target, print each report and a summary line; write JSON if asked.
     Returns the results (without the report objects)."""
     try:
-        check_config(config)
-        runtime.configure(config)  # the RNG implementation and matmul precision shape the program
+        checked = check_config(config)
+        if isinstance(checked, RunConfig):  # its RNG and matmul precision shape the program
+            runtime.configure(checked.runtime)
     except ValueError as err:
         results = [{"target": spec, "error": str(err).splitlines()[0]} for spec in target_specs]
         for result in results:

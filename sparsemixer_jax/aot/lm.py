@@ -71,7 +71,7 @@ def compile_lm(run: RunConfig, devices: Sequence[jax.Device], *, decode_step: bo
     mesh = target_mesh(run, devices)
     with jax.default_device(devices[0]):  # what the grouped kernels' device check asks
         model = abstract_model(task, mesh if mesh.size > 1 else None)
-        partitioner = sharding.partitioner_from_config(run, mesh)
+        partitioner = sharding.mesh_partitioner(run.mesh, mesh)
         steps = Steps(model, task, run.optim, partitioner if mesh.size > 1 else None)
         state, rest = aot_steps.train_state(steps, mesh, partitioner)
         rows, length = task.data.micro, task.data.seq_len

@@ -80,11 +80,11 @@ def _compile_all(run: RunConfig, mesh: jax.sharding.Mesh, decode_step: bool
                  ) -> list[ProgramReport]:
     task: TranslationTask = run.task
     rows, length = batch_shape(task.data, mesh)
-    # One device: no mesh in the model, as the training loop does (sharding.mesh_from_config).
+    # One device: no mesh in the model, as the training loop does (sharding.device_mesh).
     model = abstract_model(run, mesh if mesh.size > 1 else None)
     # Placed as the training loop places them: parameters, gradients and optimizer state by
     # the mesh section's rules, everything else replicated.
-    partitioner = sharding.partitioner_from_config(run, mesh)
+    partitioner = sharding.mesh_partitioner(run.mesh, mesh)
     steps = Steps(model, task, run.optim, partitioner if mesh.size > 1 else None)
     micro_batches = accumulation_steps(task.tokens_per_update, task.data.max_tokens)
     state, rest = aot_steps.train_state(steps, mesh, partitioner)

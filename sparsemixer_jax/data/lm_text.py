@@ -45,7 +45,7 @@ import numpy as np
 
 from sparsemixer_jax.data import chat, text
 from sparsemixer_jax.data.tokenizer import Tokenizer
-from sparsemixer_jax.section import cast, check_choice, check_positive, read_fields, section_of
+from sparsemixer_jax.section import cast, check_choice, check_positive, read_fields
 from sparsemixer_jax.token_ids import EOS_ID, FIRST_WORD_ID
 
 logger = logging.getLogger(__name__)
@@ -194,10 +194,6 @@ class LMDataConfig:
             raise ValueError(f"{where}micro_batch_size={d.micro_batch_size} must divide "
                              f"{where}batch_size={d.batch_size} (0 = no accumulation)")
         return d
-
-    @classmethod
-    def of(cls, config: Any) -> LMDataConfig:
-        return section_of(cls, config, "data")
 
     @property
     def micro(self) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 
 from sparsemixer_jax.data import Pair
 from sparsemixer_jax.data.synthetic import synthetic_pairs, synthetic_split_sizes
-from sparsemixer_jax.section import cast, check_positive, read_fields, section_of
+from sparsemixer_jax.section import cast, check_positive, read_fields
 
 SOURCES = ("tfds", "text", "synthetic")
 # Fields every source needs, then the extra ones each source reads.
@@ -102,17 +102,6 @@ class DataConfig:
             raise ValueError(f"{where}bucket_step must be >= 1, got {section.bucket_step}")
         check_positive(where, vocab_size=section.vocab_size, max_tokens=section.max_tokens)
         return section
-
-    @classmethod
-    def of(cls, config: Any) -> DataConfig:
-        """The typed data section of ``config`` (:func:`~sparsemixer_jax.section.section_of`)."""
-        return section_of(cls, config, "data")
-
-
-def check_config(config: Any) -> None:
-    """Raises ``ValueError`` naming every missing ``config.data`` field, or an unknown source
-    (:meth:`DataConfig.from_config`)."""
-    DataConfig.from_config(config)
 
 
 def resolve_data_dir(path: str) -> str:
@@ -286,10 +275,9 @@ def read_tfds(name: str, split: str, src: str, tgt: str, data_dir: str = "") -> 
     return [(ex[src].decode("utf-8"), ex[tgt].decode("utf-8")) for ex in tfds.as_numpy(ds)]
 
 
-def read_split(config: Any, split: str) -> list[Pair]:
-    """Raw pairs of ``split`` in {"train", "valid", "test"} from the source the config names
-    (``config.data`` a :class:`DataConfig` or the section it is read from)."""
-    data = DataConfig.of(config)
+def read_split(data: DataConfig, split: str) -> list[Pair]:
+    """Raw pairs of ``split`` in {"train", "valid", "test"} from the source the data section
+    ``data`` names."""
     prefix = getattr(data, f"{split}_prefix")
     if data.source == "text":
         return read_text(data.dir, prefix, data.src, data.tgt)

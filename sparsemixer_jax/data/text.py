@@ -35,7 +35,7 @@ import numpy as np
 
 from sparsemixer_jax.data.sources import iter_lines, read_lines, resolve_data_dir
 from sparsemixer_jax.data.tokenizer import Tokenizer, train_tokenizer, vocabulary_sample
-from sparsemixer_jax.section import cast, check_positive, read_fields, section_of
+from sparsemixer_jax.section import cast, check_positive, read_fields
 from sparsemixer_jax.token_ids import CLS_ID, FIRST_WORD_ID, MASK_ID, SEP_ID
 
 logger = logging.getLogger(__name__)
@@ -68,16 +68,17 @@ def text_files(path: str) -> list[str]:
     return files
 
 
-def check_pretraining_text(config: Any) -> None:
-    """The training and validation text of ``config.data`` are there, and the validation text is
-    UTF-8 (intact, for ``.gz``) and holds text; raises the one-line error reading them would.
+def check_pretraining_text(data: TextDataConfig) -> None:
+    """The training and validation text of the data section ``data`` are there, and the
+    validation text is UTF-8 (intact, for ``.gz``) and holds text; raises the one-line error
+    reading them would.
 
     The run calls this before it writes anything or trains its vocabulary, so that a bad
     validation file stops it at once. The training text (gigabytes for Wikipedia) is only looked
     for: it is read first in any case, before the vocabulary is trained.
     """
-    text_files(config.data.train)
-    path = config.data.valid
+    text_files(data.train)
+    path = data.valid
     if not any(line.strip() for file in text_files(path)
                for line in iter_lines(file, universal_newlines=True)):
         raise ValueError(f"pretraining text {path!r} holds no text")
@@ -197,25 +198,18 @@ class TextDataConfig:
             raise ValueError(f"{where}mask_prob must be > 0: nothing would be replaced")
         return d
 
-    @classmethod
-    def of(cls, config: Any) -> TextDataConfig:
-        """The typed data section of ``config`` (:func:`~sparsemixer_jax.section.section_of`)."""
-        return section_of(cls, config, "data")
-
     @property
     def micro(self) -> int:
         """Sequences per accumulation micro-step."""
         return self.micro_batch_size or self.batch_size
 
 
-def get_text_tokenizer(config: Any, workdir: str, paragraphs: Sequence[str]) -> Tokenizer:
-    """Loads ``{workdir}/spm.model`` or trains it on a seeded sample of ``paragraphs``.
-
-    ``config`` is the experiment config or its :class:`TextDataConfig`. Raises ``ValueError``
-    if the model's size differs from ``config.data.vocab_size`` or its special pieces are not
-    ``[CLS] = 3, [SEP] = 4, [MASK] = 5``.
+def get_text_tokenizer(data: TextDataConfig, workdir: str, paragraphs: Sequence[str]
+                       ) -> Tokenizer:
+    """Loads ``{workdir}/spm.model`` or trains it on a seeded sample of ``paragraphs``, as the
+    data section ``data`` says. Raises ``ValueError`` if the model's size differs from
+    ``data.vocab_size`` or its special pieces are not ``[CLS] = 3, [SEP] = 4, [MASK] = 5``.
     """
-    data = TextDataConfig.of(config)
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "spm.model")
     if not os.path.exists(path):

@@ -10,12 +10,15 @@ import os
 import re
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from sparsemixer_jax.data import Pair
 from sparsemixer_jax.token_ids import EOS_ID, PAD_ID, UNK_ID
+
+if TYPE_CHECKING:  # sources imports this module's users
+    from sparsemixer_jax.data.sources import DataConfig
 
 logger = logging.getLogger(__name__)
 
@@ -145,16 +148,11 @@ def vocabulary_sample(items: Sequence[Any], limit: int, seed: int) -> list[Any]:
     return [items[i] for i in rows]
 
 
-def get_tokenizer(config: Any, workdir: str, train_pairs: Sequence[Pair]) -> Tokenizer:
-    """Loads ``{workdir}/spm.model`` or trains it on (a seeded sample of) ``train_pairs``.
-
-    ``config`` is the experiment config or its typed data section
-    (:class:`sparsemixer_jax.data.sources.DataConfig`). Raises ``ValueError`` if a cached
-    model's size differs from ``config.data.vocab_size``.
+def get_tokenizer(data: DataConfig, workdir: str, train_pairs: Sequence[Pair]) -> Tokenizer:
+    """Loads ``{workdir}/spm.model`` or trains it on (a seeded sample of) ``train_pairs``, as
+    the data section ``data`` says. Raises ``ValueError`` if a cached model's size differs from
+    ``data.vocab_size``.
     """
-    from sparsemixer_jax.data.sources import DataConfig  # sources imports this module's users
-
-    data = DataConfig.of(config)
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, "spm.model")
     if not os.path.exists(path):

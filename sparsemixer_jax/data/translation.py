@@ -104,7 +104,7 @@ def _eval_split(
 
 
 def load_datasets(
-    config: Any,
+    data: DataConfig,
     workdir: str,
     *,
     batch_multiple: int = 1,
@@ -112,17 +112,16 @@ def load_datasets(
     process_count: int | None = None,
     raw_train: list[Pair] | None = None,
 ) -> Datasets:
-    """Reads, tokenizes and batches the train/valid/test splits that ``config.data`` names.
+    """Reads, tokenizes and batches the train/valid/test splits that ``data`` names.
 
     Args:
-      config: the experiment config (``config.data.*`` and ``config.seed``; configs/wmt.py).
+      data: the data section (``config.data`` and ``config.seed``; configs/wmt.py).
       workdir: where the SentencePiece model is cached (``{workdir}/spm.model``).
       batch_multiple: global batch sizes are multiples of this (the data-parallel mesh size).
       process_index, process_count: this host and the number of hosts (default: from JAX). Each
         host gets rows ``[p * B / P, (p + 1) * B / P)`` of every global batch of ``B`` rows.
       raw_train: the train split as :func:`read_split` returns it, if already read.
     """
-    data = DataConfig.of(config)
     if process_index is None or process_count is None:
         import jax
 

@@ -91,7 +91,7 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
     trained = task.lm
     own = hf.from_hf(hf.without_routing_record(hf.to_hf(trained)))  # transformers' routing
     written = _written_config(trained, own, routing)
-    steps = build_steps(run, trained.vocab_size, sharding.mesh_from_config(run))
+    steps = build_steps(run, trained.vocab_size, sharding.device_mesh(run.mesh))
     restored = restore_checkpoint(workdir, steps.abstract_state(), checkpoint)
     if restored is None:
         raise FileNotFoundError(f"{workdir} holds no {checkpoint} checkpoint")

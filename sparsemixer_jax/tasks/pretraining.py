@@ -47,11 +47,9 @@ _EVAL_SUMS = ("mlm_nll", "mlm_correct", "mlm_count", "disc_nll", "disc_correct",
               "replaced", "replaced_correct")
 
 
-def _packed(data: Any, tokenizer: Tokenizer,
+def _packed(data: text.TextDataConfig, tokenizer: Tokenizer,
             paragraphs: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """``paragraphs`` packed as ``data`` (a :class:`~sparsemixer_jax.data.text.TextDataConfig`,
-    or an experiment config) says."""
-    data = text.TextDataConfig.of(data)
+    """``paragraphs`` packed as the data section ``data`` says."""
     return text.tokenize_and_pack(tokenizer, paragraphs, data.seq_len, pair_prob=data.pair_prob,
                                   seed=data.seed)
 
@@ -64,8 +62,8 @@ def _stats(documents, paragraphs, tokens) -> dict[str, Any]:
 PACKED_DIR = "packed"  # {workdir}/packed: the packing cache
 
 
-def packed_split(data: Any, workdir: str, split: str, path: str, tokenizer: Tokenizer,
-                 documents: list[list[str]] | None = None
+def packed_split(data: text.TextDataConfig, workdir: str, split: str, path: str,
+                 tokenizer: Tokenizer, documents: list[list[str]] | None = None
                  ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """``(tokens, segments, stats)`` of the text at ``path``, packed with ``tokenizer``.
 
@@ -74,9 +72,8 @@ def packed_split(data: Any, workdir: str, split: str, path: str, tokenizer: Toke
     resumed run reads the arrays back instead of tokenizing the corpus again (minutes for the
     Wikipedia sample), and a changed setting, text or vocabulary packs anew. ``documents`` are
     the already-read documents of ``path``, if the caller has them. ``data`` is the run's
-    :class:`~sparsemixer_jax.data.text.TextDataConfig` (or the experiment config).
+    data section.
     """
-    data = text.TextDataConfig.of(data)
     key = text.packing_key(text.text_files(path), tokenizer.path, seq_len=data.seq_len,
                            pair_prob=data.pair_prob, seed=data.seed)
     cache = os.path.join(workdir, PACKED_DIR)
@@ -259,7 +256,7 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     non-finite.
     """
     run = run_config(config, PretrainingTask.from_config(config))  # before anything is written
-    text.check_pretraining_text(config)  # before the workdir is written or the vocabulary trained
+    text.check_pretraining_text(run.task.data)  # before the workdir or vocabulary is written
     return train(run, workdir)
 
 

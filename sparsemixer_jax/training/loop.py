@@ -159,7 +159,7 @@ def build_steps(run: RunConfig, vocab_size: int, mesh: jax.sharding.Mesh | None 
     model = run.task.build_model(run, vocab_size, mesh)
     if init_model is not None:
         init_model(model)
-    return Steps(model, run.task, run.optim, sharding.partitioner_from_config(run, mesh))
+    return Steps(model, run.task, run.optim, sharding.mesh_partitioner(run.mesh, mesh))
 
 
 def evaluate(steps: Steps, state: TrainState, batches: list, place: BatchPlacer,
@@ -208,7 +208,7 @@ def train(run: RunConfig, workdir: str) -> dict[str, Any]:
     :class:`~sparsemixer_jax.checkpoint.DiskFull` at a checkpoint save that ran out of space
     (one line naming the workdir and the space a checkpoint needs).
     """
-    runtime.configure(run)  # before any key is made (the entry points call it earlier still)
+    runtime.configure(run.runtime)  # before any key is made (the entry points: earlier still)
     with hold_workdir(workdir):
         return _train_in(run, workdir)
 
@@ -220,7 +220,7 @@ def _train_in(run: RunConfig, workdir: str) -> dict[str, Any]:
     if is_main_process():  # atomically: the other processes may be reading it just now
         write_atomically(os.path.join(workdir, "config.json"), run.record)
 
-    mesh = sharding.mesh_from_config(run)
+    mesh = sharding.device_mesh(run.mesh)
     data = run.task.load_data(workdir, 1 if mesh is None else mesh.size)
     steps = build_steps(run, data.vocab_size, mesh, data.init_model)
     place = BatchPlacer(mesh, run.task.batch_keys)
