@@ -320,16 +320,18 @@ def test_the_compile_command_reports_a_roofline_per_program(tiny_lm_roofline):
     assert f"roofline on H100 SXM: {1e3 * step['predicted_seconds']:.2f} ms" in printed
     assert "training step: predicted" in printed
 
-def test_the_step_is_accumulate_once_per_micro_batch_plus_update():
+def test_the_step_is_accumulate_once_per_micro_batch_plus_cast_and_update():
     programs = [
+        {"name": "cast (once per update)", "model_flops": None, "predicted_seconds": 0.125,
+         "predicted_seconds_pure": 0.0625},
         {"name": "accumulate (one of 4 micro-batches), batch [8, 64]", "model_flops": 1e12,
          "predicted_seconds": 2.0, "predicted_seconds_pure": 1.0},
         {"name": "update", "model_flops": None, "predicted_seconds": 0.5,
          "predicted_seconds_pure": 0.25}]
     step = command.step_prediction(programs, CHIP)
-    assert step["predicted_seconds"] == 4 * 2.0 + 0.5
-    assert step["predicted_seconds_pure"] == 4 * 1.0 + 0.25
-    assert step["mfu_bound"] == pytest.approx(4e12 / 8.5 / 1e12, rel=1e-12)
+    assert step["predicted_seconds"] == 0.125 + 4 * 2.0 + 0.5
+    assert step["predicted_seconds_pure"] == 0.0625 + 4 * 1.0 + 0.25
+    assert step["mfu_bound"] == pytest.approx(4e12 / 8.625 / 1e12, rel=1e-12)
 
 WRAPPED = """HloModule m
 
