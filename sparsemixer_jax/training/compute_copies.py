@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core
 
-# Primitives whose body sees the operand as one of its own inputs, with the body's input index
-# for the operand's index (None: the operand is not passed through as such, e.g. a scan's
-# carry, or a loop constant cast once per iteration, whose cotangents add up across iterations).
+# Primitives whose body receives each operand as its own input of the same index. Of a scan's
+# operands only the scanned-over ones qualify: a constant or a carry cast inside the body is cast
+# once per iteration, and its cotangents add up across iterations after their conversion.
 _SCANNED_OR_CALLED = ("jit", "pjit", "closed_call", "checkpoint", "remat", "remat2", "scan")
 
 
