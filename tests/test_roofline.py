@@ -223,6 +223,63 @@ backend_config={"cudnn_fmha_backend_config":{"bmm1_dot_dimension_numbers":{"lhs_
 """
 
 
+# How XLA writes an einsum attention's matmuls for a TPU (from a one-layer model compiled for
+# tpu:v5e:2x2: 2 rows a device of 256 tokens, 2 key-value heads of 2 query heads each, head
+# width 64): the batch dimensions (rows, heads) become spatial dimensions with a window the
+# size of the dimension, dilated or padded so that one tap of it lands on the input.
+CONVOLUTIONS = """HloModule m
+
+%scores_computation (q: bf16[2,256,2,64,1], k: bf16[2,256,2,2,64]) -> f32[2,2,256,256,2] {
+  %q = bf16[2,256,2,64,1]{4,3,2,1,0} parameter(0)
+  %k = bf16[2,256,2,2,64]{4,3,2,1,0} parameter(1)
+  ROOT %scores = f32[2,2,256,256,2]{4,3,2,1,0} convolution(%q, %k), \
+window={size=2x2x2 pad=0_0x0_0x1_1 lhs_dilate=2x2x1 rhs_reversal=0x0x1}, \
+dim_labels=0b1f2_0o12i->01bf2
+}
+
+%values_computation (p: f32[2,2,256,256,2], v: bf16[2,256,2,2,64]) -> f32[2,2,256,64,1] {
+  %p = f32[2,2,256,256,2]{4,3,2,1,0} parameter(0)
+  %v = bf16[2,256,2,2,64]{4,3,2,1,0} parameter(1)
+  ROOT %dv = f32[2,2,256,64,1]{4,3,2,1,0} convolution(%p, %v), \
+window={size=2x2x2 lhs_dilate=2x2x1}, dim_labels=01bf2_0i12o->01bf2
+}
+
+%query_projection (x: bf16[2,256,256,1], w: bf16[4,64,256,1]) -> bf16[2,256,4,64] {
+  %x = bf16[2,256,256,1]{3,2,1,0} parameter(0)
+  %w = bf16[4,64,256,1]{3,2,1,0} parameter(1)
+  ROOT %q = bf16[2,256,4,64]{3,2,1,0} convolution(%x, %w), \
+window={size=1x4 pad=0_0x3_3 rhs_reversal=0x1}, dim_labels=0bf1_1oi0->0b1f
+}
+
+%weight_gradient (x: bf16[2,256,256], dy: bf16[2,256,1024]) -> bf16[256,1024,1] {
+  %x = bf16[2,256,256]{2,1,0} parameter(0)
+  %dy = bf16[2,256,1024]{2,1,0} parameter(1)
+  ROOT %dw = bf16[256,1024,1]{2,1,0} convolution(%x, %dy), window={size=2}, \
+dim_labels=0fb_0io->bf0
+}
+
+ENTRY %main (q: bf16[2,256,2,64,1], k: bf16[2,256,2,2,64]) -> f32[2,2,256,256,2] {
+  %q = bf16[2,256,2,64,1]{4,3,2,1,0} parameter(0)
+  %k = bf16[2,256,2,2,64]{4,3,2,1,0} parameter(1)
+  ROOT %s = f32[2,2,256,256,2]{4,3,2,1,0} fusion(%q, %k), kind=kOutput, \
+calls=%scores_computation
+}
+"""
+
+
+@pytest.mark.parametrize("computation, flops", [
+    ("scores_computation", 2 * 2 * 4 * 256 * 256 * 64),  # rows, query heads, T x T, width
+    ("values_computation", 2 * 2 * 4 * 256 * 256 * 64),  # a gradient: the group's heads summed
+    ("query_projection", 2 * 2 * 256 * 256 * (4 * 64)),  # tokens x hidden x heads' widths
+    ("weight_gradient", 2 * (2 * 256) * 256 * 1024),  # the rows summed: a window of 2
+])
+def test_a_tpu_convolution_counts_the_taps_that_land_on_its_input(computation, flops):
+    """Counting every tap of the window counted these matmuls once per head (or row) too."""
+    flops_counted, kind = roofline.computation_flops(hlo.parse_module(CONVOLUTIONS),
+                                                     computation)
+    assert (flops_counted, kind) == (flops, "gemm")
+
+
 def test_cudnn_attention_counts_two_batched_matmuls_halved_by_the_causal_mask():
     (op,) = _ops(ATTENTION).values()
     scores = 2 * (4 * 16) * 2048 * 2048 * 64  # q k^T; the weighted sum is as large
@@ -320,16 +377,18 @@ def test_the_compile_command_reports_a_roofline_per_program(tiny_lm_roofline):
     assert f"roofline on H100 SXM: {1e3 * step['predicted_seconds']:.2f} ms" in printed
     assert "training step: predicted" in printed
 
-def test_the_step_is_accumulate_once_per_micro_batch_plus_update():
+def test_the_step_is_accumulate_once_per_micro_batch_plus_cast_and_update():
     programs = [
+        {"name": "cast (once per update)", "model_flops": None, "predicted_seconds": 0.125,
+         "predicted_seconds_pure": 0.0625},
         {"name": "accumulate (one of 4 micro-batches), batch [8, 64]", "model_flops": 1e12,
          "predicted_seconds": 2.0, "predicted_seconds_pure": 1.0},
         {"name": "update", "model_flops": None, "predicted_seconds": 0.5,
          "predicted_seconds_pure": 0.25}]
     step = command.step_prediction(programs, CHIP)
-    assert step["predicted_seconds"] == 4 * 2.0 + 0.5
-    assert step["predicted_seconds_pure"] == 4 * 1.0 + 0.25
-    assert step["mfu_bound"] == pytest.approx(4e12 / 8.5 / 1e12, rel=1e-12)
+    assert step["predicted_seconds"] == 0.125 + 4 * 2.0 + 0.5
+    assert step["predicted_seconds_pure"] == 0.0625 + 4 * 1.0 + 0.25
+    assert step["mfu_bound"] == pytest.approx(4e12 / 8.625 / 1e12, rel=1e-12)
 
 WRAPPED = """HloModule m
 

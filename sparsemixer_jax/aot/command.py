@@ -114,8 +114,8 @@ def program_model_flops(run: RunConfig, program: str, devices: int) -> float | N
 
 def step_prediction(programs: list[dict[str, Any]], chip: roofline.Chip) -> dict[str, Any]:
     """The training step's predicted seconds and MFU bounds (calibrated and pure): the fused
-    step, or ``accumulate`` once per micro-batch plus ``update``."""
-    training = [p for p in programs if p["name"].startswith(("train step", "accumulate",
+    step, or ``accumulate`` once per micro-batch plus ``cast`` and ``update``."""
+    training = [p for p in programs if p["name"].startswith(("train step", "cast", "accumulate",
                                                              "update"))]
     out: dict[str, Any] = {}
     for suffix in ("", "_pure"):

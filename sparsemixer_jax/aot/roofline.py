@@ -186,11 +186,68 @@ def dot_flops(instruction: hlo.Instruction, types: dict[str, str]) -> float:
         contracted = math.prod(lhs[0].dims[d] for d in
                                _dims(instruction.attribute(r"lhs_contracting_dims=\{([\d,]*)\}")))
         return 2.0 * outputs[0].size * contracted
-    labels = instruction.attribute(r"dim_labels=\w+_(\w+)->")  # the kernel's, e.g. "01io"
-    if not labels or "o" not in labels:
+    labels = instruction.attribute(r"dim_labels=(\w+->\w+)")  # e.g. "0bf1_1oi0->0b1f"
+    if not labels or labels.count("_") != 1:
         return 0.0
-    kernel = rhs[0]
-    return 2.0 * outputs[0].size * kernel.size / max(1, kernel.dims[labels.index("o")])
+    operands, out_labels = labels.split("->")
+    lhs_labels, kernel_labels = operands.split("_")
+    if "i" not in kernel_labels:
+        return 0.0
+    window = _Window.parse(instruction.attribute(r"window=\{([^}]*)\}") or "")
+    # Per output element, the contracted features times the window taps that land on the
+    # input rather than on its padding or between dilated elements. TPU programs write a
+    # matmul's batch dimensions (attention's heads and rows) as spatial dimensions with a
+    # window the size of the dimension, padded or dilated so that one tap lands: counting
+    # every tap counted those matmuls once more per head.
+    macs = outputs[0].size * rhs[0].dims[kernel_labels.index("i")]
+    for d in range(len(window.sizes)):
+        if str(d) not in out_labels or str(d) not in lhs_labels:
+            return 0.0
+        out = outputs[0].dims[out_labels.index(str(d))]
+        macs *= window.landing(d, out, lhs[0].dims[lhs_labels.index(str(d))]) / max(1, out)
+    return 2.0 * macs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """A convolution's window (HLO ``window={size=.. stride=.. pad=.. lhs_dilate=..
+    rhs_dilate=..}``), one entry per spatial dimension."""
+
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    pads: tuple[int, ...]  # the low padding
+    lhs_dilations: tuple[int, ...]
+    rhs_dilations: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> _Window:
+        fields = dict(item.split("=", 1) for item in text.split() if "=" in item)
+        sizes = tuple(int(v) for v in fields.get("size", "").split("x") if v)
+
+        def each(key: str, default: int) -> tuple[int, ...]:
+            if key not in fields:
+                return (default,) * len(sizes)
+            return tuple(int(v.split("_")[0]) for v in fields[key].split("x"))
+
+        return cls(sizes, each("stride", 1), each("pad", 0), each("lhs_dilate", 1),
+                   each("rhs_dilate", 1))
+
+    def landing(self, d: int, out: int, size: int) -> int:
+        """How many (output position, tap) pairs of spatial dimension ``d`` (``out`` outputs,
+        an input of ``size``) read an input element."""
+        stride, dilation, last = self.strides[d], self.lhs_dilations[d], \
+            (size - 1) * self.lhs_dilations[d]
+        total = 0
+        for tap in range(self.sizes[d]):
+            offset = tap * self.rhs_dilations[d] - self.pads[d]  # input position of output 0
+            if dilation == 1:  # outputs o with 0 <= o stride + offset <= last
+                first = max(0, -(offset // stride))  # ceil(-offset / stride)
+                end = min(out - 1, (last - offset) // stride) if last >= offset else -1
+                total += max(0, end - first + 1)
+            else:
+                total += sum(1 for o in range(out) if 0 <= o * stride + offset <= last
+                             and (o * stride + offset) % dilation == 0)
+        return total
 
 
 def computation_flops(module: hlo.Module, name: str) -> tuple[float, str]:

@@ -58,7 +58,9 @@ def compile_program(name: str, fn: Any, args: tuple, donate: tuple[int, ...] = (
 def compile_training(steps: Steps, state: TrainState, rest: Any, batch: dict[str, Any],
                      micro_batches: int, batch_label: str) -> list[ProgramReport]:
     """The training programs the loop runs for ``batch`` (abstract, placed as the loop places a
-    micro-batch): one fused step, or for several micro-batches ``accumulate`` and ``update``."""
+    micro-batch): one fused step, or for several micro-batches ``accumulate`` and ``update``,
+    and ``cast`` where the model consumes parameters through copies in its compute dtype
+    (:meth:`~sparsemixer_jax.training.steps.Steps.compute_copies`, made once per update)."""
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=jax.tree.leaves(state.step)[0].sharding)
     if micro_batches == 1:
@@ -68,13 +70,24 @@ def compile_training(steps: Steps, state: TrainState, rest: Any, batch: dict[str
         return [compile_program(f"train step, batch {batch_label}", train_step,
                                 (state, rest, batch, key), donate=(0,), state=state)]
 
-    def accumulate(state, rest, acc, batch, key):
-        return steps.with_rest(rest).accumulate(state, acc, batch, key)
+    def accumulate(state, rest, acc, batch, key, copies):
+        return steps.with_rest(rest).accumulate(state, acc, batch, key, copies)
+
+    def cast(state, rest, batch):
+        return steps.with_rest(rest).compute_copies(state, batch)
 
     acc = jax.eval_shape(lambda s, r, b: steps.with_rest(r).zeros(s, b), state, rest, batch)
+    copies = jax.eval_shape(cast, state, rest, batch)
+    copies = jax.tree.map(  # placed as their parameters
+        lambda c, p: None if c is None else jax.ShapeDtypeStruct(c.shape, c.dtype,
+                                                                 sharding=p.sharding),
+        copies, state.params, is_leaf=lambda x: x is None)
+    reports = [compile_program("cast (once per update)", cast, (state, rest, batch),
+                               state=state)] if jax.tree.leaves(copies) else []
     return [
+        *reports,
         compile_program(f"accumulate (one of {micro_batches} micro-batches), batch "
-                        f"{batch_label}", accumulate, (state, rest, acc, batch, key),
+                        f"{batch_label}", accumulate, (state, rest, acc, batch, key, copies),
                         donate=(2,), state=state),
         compile_program("update", steps.update, (state, acc, state.layer_state), donate=(0,),
                         state=state),

@@ -43,6 +43,7 @@ from flax import nnx
 from sparsemixer_jax.moe.balancing import BalancePlan, balance_plan, end_of_update
 from sparsemixer_jax.moe.layer import report_choices, routing_param_paths
 from sparsemixer_jax.partitioning import Partitioner, constrain
+from sparsemixer_jax.training import compute_copies
 from sparsemixer_jax.training.optim import (
     FROZEN,
     OptimSettings,
@@ -76,10 +77,31 @@ def micro_batch_loss(graphdef: nnx.GraphDef, task: Any, params: Any, layer_state
     return loss, (metrics, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
 
 
-def _gradient(graphdef, task, params, layer_state, rest, batch, key):
-    """``({"grads", "metrics"}, new layer_state)`` of one micro-batch."""
+def _copies(graphdef, task, params, layer_state, rest, batch, partitioner=None):
+    """The parameters the model consumes in its compute dtype, cast to it (None for the others;
+    :mod:`~sparsemixer_jax.training.compute_copies`). Sharded models cast none: their gradients'
+    reductions across devices would run in the compute dtype on the copies."""
+    if partitioner is not None:
+        return jax.tree.map(lambda _: None, params)
+    dtypes = compute_copies.copy_dtypes(
+        lambda p, s, r, b: micro_batch_loss(graphdef, task, p, s, r, b, jax.random.key(0)),
+        params, layer_state, rest, batch)
+    return compute_copies.cast_copies(params, dtypes)
+
+
+def _gradient(graphdef, task, params, layer_state, rest, batch, key, copies=None,
+              partitioner=None):
+    """``({"grads", "metrics"}, new layer_state)`` of one micro-batch. The gradient is taken
+    with respect to ``copies`` (:func:`_copies`; made here if None) where the model consumes a
+    parameter only through its copy, and converted back to the parameter's dtype: the same
+    values as the parameter's own gradient, without casting it in every layer of both
+    passes."""
+    if copies is None:
+        copies = _copies(graphdef, task, params, layer_state, rest, batch, partitioner)
     grads, (metrics, layer_state) = jax.grad(micro_batch_loss, argnums=2, has_aux=True)(
-        graphdef, task, params, layer_state, rest, batch, key)
+        graphdef, task, compute_copies.with_copies(params, copies), layer_state, rest, batch,
+        key)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     return {"grads": grads, "metrics": metrics}, layer_state
 
 
@@ -102,11 +124,16 @@ def _zero_accumulator(graphdef, task, state, rest, batch, partitioner=None):
             "metrics": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)}
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("partitioner",))
+def _compute_copies(graphdef, task, state, rest, batch, partitioner=None):
+    return _copies(graphdef, task, state.params, state.layer_state, rest, batch, partitioner)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4,),
                    static_argnames=("partitioner",))
-def _accumulate(graphdef, task, state, rest, acc, batch, key, partitioner=None):
+def _accumulate(graphdef, task, state, rest, acc, batch, key, copies=None, partitioner=None):
     summand, layer_state = _gradient(graphdef, task, state.params, state.layer_state, rest,
-                                     batch, key)
+                                     batch, key, copies, partitioner)
     acc = jax.tree.map(jnp.add, acc, summand)
     return {**acc, "grads": constrain(partitioner, acc["grads"])}, layer_state
 
@@ -154,7 +181,7 @@ def _train_step(graphdef, task, optim, state, rest, batch, key, balance: Balance
     last ops into the optimizer's. The train state is donated.
     """
     summand, layer_state = _gradient(graphdef, task, state.params, state.layer_state, rest,
-                                     batch, key)
+                                     batch, key, partitioner=partitioner)
     return _apply_update(task, optim, state, summand, layer_state, balance, partitioner)
 
 
@@ -267,12 +294,20 @@ class Steps:
         return _zero_accumulator(self.graphdef, self.task, state, self.rest, batch,
                                  partitioner=self.partitioner)
 
+    def compute_copies(self, state: TrainState, batch: dict[str, jax.Array]) -> Any:
+        """The parameters of ``state`` that the model consumes in its compute dtype, cast to it
+        (None for the others), for batches shaped like ``batch``: made once per update and
+        passed to every :meth:`accumulate` of it."""
+        return _compute_copies(self.graphdef, self.task, state, self.rest, batch,
+                               partitioner=self.partitioner)
+
     def accumulate(self, state: TrainState, acc: dict[str, Any], batch: dict[str, jax.Array],
-                   key: jax.Array) -> tuple[dict[str, Any], Any]:
+                   key: jax.Array, copies: Any = None) -> tuple[dict[str, Any], Any]:
         """``(acc + the gradient and metric sums of batch at state.params, the layer state
-        after its forward from state.layer_state)``; ``acc`` is donated."""
+        after its forward from state.layer_state)``; ``acc`` is donated. ``copies``:
+        :meth:`compute_copies` of ``state`` (None: made inside, once per micro-batch)."""
         return _accumulate(self.graphdef, self.task, state, self.rest, acc, batch, key,
-                           partitioner=self.partitioner)
+                           copies, partitioner=self.partitioner)
 
     def update(self, state: TrainState, acc: dict[str, Any],
                layer_state: Any = None) -> tuple[TrainState, dict[str, Any]]:
@@ -299,10 +334,11 @@ class Steps:
                                micro_batches[0], jax.random.fold_in(step_key, 0),
                                self.balance, partitioner=self.partitioner)
         acc = self.zeros(state, micro_batches[0])
+        copies = self.compute_copies(state, micro_batches[0])
         layer_state = state.layer_state
         for j, batch in enumerate(micro_batches):
             acc, layer_state = self.accumulate(state.replace(layer_state=layer_state), acc,
-                                               batch, jax.random.fold_in(step_key, j))
+                                               batch, jax.random.fold_in(step_key, j), copies)
         return self.update(state, acc, layer_state)
 
     def evaluate(self, state: TrainState, batch: dict[str, jax.Array], key: jax.Array) -> Any:
