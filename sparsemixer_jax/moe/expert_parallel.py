@@ -27,6 +27,8 @@ these buffers; a ``ragged_all_to_all`` exchange would.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -69,64 +71,23 @@ def expert_parallel_ffn(
     num_experts = params[0].shape[0]
     check_mesh(mesh, num_experts)
     data, n_exp_dev = batch_groups(mesh), mesh.shape["expert"]
-    local_experts = num_experts // n_exp_dev
     batch, length, emb = x.shape
     per_shard = batch // data * length  # tokens of one data shard
     chunk = -(-per_shard // n_exp_dev)  # tokens per device after splitting over "expert"
-    pad = chunk * n_exp_dev - per_shard
-
-    def to_chunks(a: jax.Array, fill) -> jax.Array:
-        # [B, T, ...] -> [data * E * chunk, ...]: data shard d, chunk e sits at block d * E + e,
-        # which is exactly how P(("data", "fsdp", "expert")) splits the leading axis.
-        a = a.reshape(data, per_shard, *a.shape[2:])
-        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
-        return a.reshape(data * n_exp_dev * chunk, *a.shape[2:])
-
+    to_chunks = functools.partial(_to_chunks, shards=data, per_shard=per_shard,
+                                  devices=n_exp_dev, chunk=chunk)
     xs = to_chunks(x, 0)
     gs = to_chunks(group.astype(jnp.int32), num_experts)  # padding rows: no expert
     ids = to_chunks(token_ids.astype(jnp.int32), 0)
     has_key = dropout_key is not None and dropout_rate > 0
-
-    num_params = len(params)
-
-    def local(xc, gc, ic, *rest):
-        local_params, key = rest[:num_params], rest[num_params:]
-        # xc [chunk, emb], gc/ic [chunk]; local_params hold this device's local experts.
-        dest = gc // local_experts  # owning device on the expert axis; n_exp_dev = none
-        rank = jnp.sum(
-            (jnp.cumsum(jax.nn.one_hot(dest, n_exp_dev, dtype=jnp.int32), axis=0) - 1)
-            * jax.nn.one_hot(dest, n_exp_dev, dtype=jnp.int32),
-            axis=-1,
-        )  # position among this chunk's tokens bound to the same device
-        size = n_exp_dev * chunk
-        # Rows without expert get distinct slots past the end (dropped), so every slot is
-        # unique and the scatter can say so: differentiating a scatter that may write a slot
-        # twice makes JAX scatter an id per element, a uint32 array of the whole buffer's shape
-        # ([E * chunk, emb]) kept for the backward pass.
-        slot = jnp.where(dest < n_exp_dev, dest * chunk + rank, size + jnp.arange(chunk))
-        send_x = jnp.zeros((size, emb), xc.dtype).at[slot].set(
-            xc, mode="drop", unique_indices=True)
-        send_g = jnp.full((size,), local_experts, jnp.int32).at[slot].set(
-            gc - dest * local_experts, mode="drop", unique_indices=True)
-        send_i = jnp.zeros((size,), jnp.int32).at[slot].set(ic, mode="drop",
-                                                            unique_indices=True)
-
-        def exchange(a):
-            a = a.reshape(n_exp_dev, chunk, *a.shape[1:])
-            a = jax.lax.all_to_all(a, "expert", 0, 0, tiled=True)
-            return a.reshape(size, *a.shape[2:])
-
-        recv_x, recv_g, recv_i = exchange(send_x), exchange(send_g), exchange(send_i)
-        out = expert_ffn(recv_x, recv_g, recv_i, tuple(local_params), dispatch=dispatch,
-                         dropout_key=key[0] if key else None, dropout_rate=dropout_rate,
-                         grouped_impl=grouped_impl,
-                         activation=activation)
-        back = exchange(out)  # back[slot] = output for the token sent into that slot
-        return back.at[slot].get(mode="fill", fill_value=0, unique_indices=True)
-
+    local = functools.partial(
+        _local_expert_ffn, num_params=len(params), local_experts=num_experts // n_exp_dev,
+        devices=n_exp_dev, chunk=chunk,
+        ffn=functools.partial(expert_ffn, dispatch=dispatch, dropout_rate=dropout_rate,
+                              grouped_impl=grouped_impl, activation=activation))
     tokens = P(MESH_AXES)
     experts = P("expert")
-    in_specs = (tokens, tokens, tokens) + (experts,) * num_params
+    in_specs = (tokens, tokens, tokens) + (experts,) * len(params)
     args = (xs, gs, ids, *params)
     if has_key:
         in_specs += (P(),)
@@ -134,3 +95,61 @@ def expert_parallel_ffn(
     out = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=tokens)(*args)
     out = out.reshape(data, n_exp_dev * chunk, emb)[:, :per_shard]
     return out.reshape(batch, length, emb)
+
+
+def _to_chunks(a: jax.Array, fill, *, shards: int, per_shard: int, devices: int,
+               chunk: int) -> jax.Array:
+    """``a [B, T, ...]`` -> ``[shards * devices * chunk, ...]``: each data shard's
+    ``per_shard`` rows padded with ``fill`` to ``devices`` chunks of ``chunk`` rows. Data shard
+    ``d``'s chunk ``e`` sits at block ``d * devices + e``, which is exactly how
+    ``P(("data", "fsdp", "expert"))`` splits the leading axis."""
+    pad = chunk * devices - per_shard
+    a = a.reshape(shards, per_shard, *a.shape[2:])
+    a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+    return a.reshape(shards * devices * chunk, *a.shape[2:])
+
+
+def _local_expert_ffn(xc, gc, ic, *rest, num_params: int, local_experts: int, devices: int,
+                      chunk: int, ffn) -> jax.Array:
+    """One device's part inside ``shard_map``: its chunk's rows (``xc [chunk, emb]``, global
+    experts ``gc`` and row ids ``ic`` ``[chunk]``) sent to the devices owning their experts,
+    ``ffn`` (:func:`~sparsemixer_jax.moe.dispatch.expert_ffn` with the layer's options) run on
+    the rows received, the outputs sent back: ``[chunk, emb]``. ``rest`` holds this device's
+    ``num_params`` expert arrays, then the dropout key if there is one."""
+    local_params, key = rest[:num_params], rest[num_params:]
+    size = devices * chunk
+    dest = gc // local_experts  # owning device on the expert axis; devices = none
+    slot = _send_slots(dest, devices, chunk)
+    send_x = jnp.zeros((size, xc.shape[-1]), xc.dtype).at[slot].set(
+        xc, mode="drop", unique_indices=True)
+    send_g = jnp.full((size,), local_experts, jnp.int32).at[slot].set(
+        gc - dest * local_experts, mode="drop", unique_indices=True)
+    send_i = jnp.zeros((size,), jnp.int32).at[slot].set(ic, mode="drop",
+                                                        unique_indices=True)
+    exchange = functools.partial(_exchange, devices=devices, chunk=chunk)
+    recv_x, recv_g, recv_i = exchange(send_x), exchange(send_g), exchange(send_i)
+    out = ffn(recv_x, recv_g, recv_i, tuple(local_params), dropout_key=key[0] if key else None)
+    back = exchange(out)  # back[slot] = output for the row sent into that slot
+    return back.at[slot].get(mode="fill", fill_value=0, unique_indices=True)
+
+
+def _send_slots(dest: jax.Array, devices: int, chunk: int) -> jax.Array:
+    """int32 ``[chunk]``: the slot of each row of a chunk in the send buffer
+    ``[devices * chunk]``, ``dest * chunk`` plus its position among the chunk's rows bound to
+    the same device ``dest`` (``devices`` for a row without expert).
+
+    Rows without expert get distinct slots past the end (dropped), so every slot is unique and
+    the scatter can say so: differentiating a scatter that may write a slot twice makes JAX
+    scatter an id per element, a uint32 array of the whole buffer's shape
+    (``[devices * chunk, emb]``) kept for the backward pass."""
+    bound = jax.nn.one_hot(dest, devices, dtype=jnp.int32)
+    rank = jnp.sum((jnp.cumsum(bound, axis=0) - 1) * bound, axis=-1)
+    return jnp.where(dest < devices, dest * chunk + rank, devices * chunk + jnp.arange(chunk))
+
+
+def _exchange(a: jax.Array, *, devices: int, chunk: int) -> jax.Array:
+    """``a [devices * chunk, ...]``: block ``e`` sent to device ``e`` of the expert axis, and
+    block ``e`` of the result received from it (:func:`jax.lax.all_to_all`)."""
+    a = a.reshape(devices, chunk, *a.shape[1:])
+    a = jax.lax.all_to_all(a, "expert", 0, 0, tiled=True)
+    return a.reshape(devices * chunk, *a.shape[2:])

@@ -12,6 +12,9 @@ One module per concern; import the names from this package, not from the modules
 
 * :mod:`~sparsemixer_jax.routers.common`: :class:`RouterOutput` and the argument checks.
 * :mod:`~sparsemixer_jax.routers.sparsemixer`: SparseMixer and GRIN's SparseMixer-v2.
+* :mod:`~sparsemixer_jax.routers.estimators`: SparseMixer's gradient estimators as data (their
+  forward weights, coins and backward scales, and their two-path split) and the checks of their
+  options.
 * :mod:`~sparsemixer_jax.routers.sigmoid_scores`: SparseMixer under sigmoid scores (its sampling
   distribution and two-path backward over the chosen set).
 * :mod:`~sparsemixer_jax.routers.switch`: Switch routing (also DenseMixer's and Default MoE's
@@ -33,6 +36,14 @@ from sparsemixer_jax.routers.common import (
     check_jitter_eps,
     check_route_args,
     check_top_k,
+)
+from sparsemixer_jax.routers.estimators import (
+    ESTIMATORS,
+    TWO_PATH_RULES,
+    Estimator,
+    EstimatorRule,
+    TwoPathRule,
+    two_path_scales,
 )
 from sparsemixer_jax.routers.losses import (
     global_balancing_loss,
@@ -65,12 +76,7 @@ from sparsemixer_jax.routers.selection import (
 )
 from sparsemixer_jax.routers.sigmoid_scores import renormalised_gates, sigmoid_sample_probs
 from sparsemixer_jax.routers.sparsemixer import (
-    ESTIMATORS,
-    TWO_PATH_RULES,
-    Estimator,
-    EstimatorRule,
     MaskRule,
-    TwoPathRule,
     router_probs,
     routing_keys,
     routing_mask,
@@ -78,7 +84,6 @@ from sparsemixer_jax.routers.sparsemixer import (
     selection_probs,
     sparsemixer_route,
     two_path_gate,
-    two_path_scales,
 )
 from sparsemixer_jax.routers.switch import switch_route
 from sparsemixer_jax.routers.unchosen import UnchosenExperts, unchosen_expert_term

@@ -19,15 +19,13 @@ import jax
 import jax.numpy as jnp
 
 from sparsemixer_jax.routers.common import RouterOutput, routing_dtype, take_expert
+from sparsemixer_jax.routers.estimators import ESTIMATORS, TWO_PATH_RULES, two_path_scales
 from sparsemixer_jax.routers.selection import selection_scores
 from sparsemixer_jax.routers.sparsemixer import (
-    ESTIMATORS,
-    TWO_PATH_RULES,
     MaskRule,
     routing_keys,
     routing_mask,
     two_path_gate,
-    two_path_scales,
 )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +24,17 @@ from sparsemixer_jax.routers.common import (
     routing_dtype,
     take_expert,
 )
+from sparsemixer_jax.routers.estimators import (
+    ESTIMATORS,
+    TWO_PATH_RULES,
+    Estimator,
+    EstimatorRule,
+    check_estimator_args,
+    two_path_scales,
+)
 from sparsemixer_jax.routers.selection import limit_to_groups, selection_scores
 
 MaskRule = Literal["reference", "paper", "none"]
-Estimator = Literal["mix", "euler", "midpoint", "v2", "v2star"]
 
 
 def routing_mask(logits: jax.Array, jitter_eps: float, rule: MaskRule = "reference") -> jax.Array:
@@ -171,66 +178,6 @@ def _two_path_gate_bwd(residuals, cotangent):
 
 
 two_path_gate.defvjp(_two_path_gate_fwd, _two_path_gate_bwd)
-
-
-class EstimatorRule(NamedTuple):
-    """How an estimator of :data:`ESTIMATORS` treats a chosen expert ``D``
-    (see :func:`sparsemixer_route`).
-
-    With probability ``reduced_prob`` (never on the argmax unless ``on_argmax``) the forward
-    weight is ``reduced_weight * pi_D`` instead of ``pi_D``; the backward pass always sends
-    ``backward_scale * dL/dgate`` to ``pi_D``. ``takes_coin``: whether ``midpoint_prob`` sets
-    ``reduced_prob`` (``"euler"`` never reduces, ``"midpoint"`` always does).
-
-    ``argmax_of`` says which argmax the coin's "is ``D`` the argmax" compares with in training,
-    as each estimator's released reference does; the two differ only where float32
-    probabilities tie (logits a few ulps apart):
-
-    * ``"logits"``: the argmax of the logits (microsoft/SparseMixer, top-1), so a tie of
-      probabilities goes to the larger logit;
-    * ``"probs"``: the first index of the largest float32 masked probability (Hugging Face's
-      ``phimoe``, GRIN's top-2, which takes ``torch.max`` of the softmax).
-
-    Evaluation routes by the argmax of the logits for every estimator, as both references do.
-    """
-
-    reduced_weight: float
-    reduced_prob: float
-    backward_scale: float
-    on_argmax: bool = False
-    takes_coin: bool = True
-    argmax_of: Literal["logits", "probs"] = "logits"
-
-
-ESTIMATORS: dict[str, EstimatorRule] = {
-    "mix": EstimatorRule(0.5, 0.5, 2.0),
-    "euler": EstimatorRule(0.5, 0.0, 2.0, takes_coin=False),
-    "midpoint": EstimatorRule(0.5, 1.0, 2.0, on_argmax=True, takes_coin=False),
-    "v2": EstimatorRule(1.0 / 3.0, 0.75, 1.0, argmax_of="probs"),
-    # No released reference: it follows v2's.
-    "v2star": EstimatorRule(1.0 / 3.0, 0.375, 2.0, argmax_of="probs"),
-}
-
-
-def check_estimator_args(
-    fn: str, estimator: str, midpoint_prob: float | None, backward_scale: float | None
-) -> None:
-    """ValueError naming the argument for an estimator option SparseMixer cannot use."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(
-            f"{fn}: unknown estimator {estimator!r}; expected one of {list(ESTIMATORS)}"
-        )
-    if midpoint_prob is not None:
-        if not ESTIMATORS[estimator].takes_coin:
-            users = [name for name, rule in ESTIMATORS.items() if rule.takes_coin]
-            raise ValueError(
-                f"{fn}: midpoint_prob={midpoint_prob!r} has no effect with "
-                f"estimator={estimator!r} (it never flips a coin); only {users} take it"
-            )
-        if isinstance(midpoint_prob, bool) or not 0.0 <= midpoint_prob <= 1.0:
-            raise ValueError(f"{fn}: midpoint_prob must lie in [0, 1], got {midpoint_prob}")
-    if backward_scale is not None and not math.isfinite(backward_scale):
-        raise ValueError(f"{fn}: backward_scale must be a finite number, got {backward_scale}")
 
 
 def routing_keys(key: jax.Array, top_k: int) -> jax.Array:
@@ -382,13 +329,10 @@ def sparsemixer_route(
     invalid = check_finite_logits(fn, logits, top_k)
     check_score_args(fn, logits, score, routed_scaling_factor, selection_bias, backward_scale)
     if num_groups > 1:
-        # SparseMixer samples among the experts of the kept groups; no gradient flows through
-        # the choice of groups.
-        selection = jax.lax.stop_gradient(selection_scores(logits, selection_bias, score))
-        kept = limit_to_groups(selection, num_groups, top_groups, group_score)
-        logits = jnp.where(jnp.isneginf(kept), -jnp.inf, logits)
+        logits = _exclude_unkept_groups(logits, selection_bias, score, num_groups, top_groups,
+                                        group_score)
     if score == "sigmoid":
-        # Imported here: that module builds on this one's estimator rules and gates.
+        # Imported here: that module builds on this one's mask, keys and gates.
         from sparsemixer_jax.routers.sigmoid_scores import sigmoid_route
 
         return sigmoid_route(logits, selection_bias, key, invalid, top_k, jitter_eps, training,
@@ -397,7 +341,28 @@ def sparsemixer_route(
         check_selection_bias_args(fn, logits, selection_bias, estimator, backward_scale)
         return _route_with_selection_bias(logits, selection_bias, key, invalid, top_k,
                                           jitter_eps, training, mask, estimator, reduced_prob)
+    return _route_softmax(logits, key, invalid, top_k, jitter_eps, training, mask, estimator,
+                          reduced_prob, scale)
 
+
+def _exclude_unkept_groups(logits, selection_bias, score, num_groups, top_groups,
+                           group_score) -> jax.Array:
+    """``logits`` with ``-inf`` on the experts outside the token's ``top_groups`` groups, chosen
+    on the selection scores (:func:`~sparsemixer_jax.routers.selection.limit_to_groups`).
+
+    SparseMixer samples among the experts of the kept groups; no gradient flows through the
+    choice of groups."""
+    selection = jax.lax.stop_gradient(selection_scores(logits, selection_bias, score))
+    kept = limit_to_groups(selection, num_groups, top_groups, group_score)
+    return jnp.where(jnp.isneginf(kept), -jnp.inf, logits)
+
+
+def _route_softmax(logits, key, invalid, top_k, jitter_eps, training, mask, estimator,
+                   reduced_prob, scale) -> RouterOutput:
+    """SparseMixer on the softmax of the logits without a selection bias: ``D_t ~ pi^(t)``, the
+    masked softmax of the logits with the experts already chosen removed, and its gate with the
+    estimator's backward (:func:`scaled_gate`); evaluation takes the top-k of the logits."""
+    rule = ESTIMATORS[estimator]
     remaining = logits.astype(routing_dtype(logits))
     keys = routing_keys(key, top_k) if training else None
     experts, gates, first_probs = [], [], None
@@ -421,7 +386,13 @@ def sparsemixer_route(
         if step + 1 < top_k:  # later steps choose among the experts not yet chosen
             chosen = jax.nn.one_hot(expert, remaining.shape[-1], dtype=bool)
             remaining = fill_masked(remaining, ~chosen)
-    if top_k == 1:
+    return _router_output(experts, gates, first_probs)
+
+
+def _router_output(experts: list, gates: list, first_probs: jax.Array) -> RouterOutput:
+    """The :class:`RouterOutput` of the ``k`` steps' experts and gates (each ``[...]``): as
+    they are for top-1, stacked on a last axis ``[..., k]`` otherwise."""
+    if len(experts) == 1:
         return RouterOutput(expert=experts[0], gate=gates[0], probs=first_probs)
     return RouterOutput(
         expert=jnp.stack(experts, axis=-1), gate=jnp.stack(gates, axis=-1), probs=first_probs
@@ -453,51 +424,6 @@ def chosen_prob(probs: jax.Array, expert: jax.Array) -> jax.Array:
     gather's is a scatter kernel of its own."""
     one_hot = jax.nn.one_hot(expert, probs.shape[-1], dtype=probs.dtype)
     return jnp.sum(probs * one_hot, axis=-1)
-
-
-class TwoPathRule(NamedTuple):
-    """How an estimator splits its backward under a selection bias (docs/routing.md).
-
-    Per sample the logits receive ``a c grad pi_D + b c pi_D grad log q_D``, ``c`` the gate's
-    cotangent. ``sure``: ``(a, b)`` where no coin is flipped (the argmax, and every token when
-    the coin's probability ``r`` is 0 or 1). Elsewhere, with ``r`` in ``(0, 1)``: the
-    full-weight branch sends ``(gate / (1 - r), quadrature[0] / (1 - r))``, the reduced branch
-    ``(0, quadrature[1] / r)``, so that the expectation is ``gate`` times the exact ``nabla_1``
-    plus the quadrature ``quadrature[0] u(1) + quadrature[1] u(w)`` of ``nabla_0``.
-    """
-
-    sure: tuple[float, float]
-    gate: float
-    quadrature: tuple[float, float]
-
-
-#: The estimators that take a selection bias, and their two-path split (``"euler"`` and
-#: ``"midpoint"`` flip no coin). With ``b = 0`` each is the released backward sample by sample
-#: at the estimator's default coin: mix (2, 0) / (0, 2); v2 (0, 1) / (0, 1); v2star
-#: (8/5, 2/5) / (0, 2).
-TWO_PATH_RULES: dict[str, TwoPathRule] = {
-    "mix": TwoPathRule((1.0, 1.0), 1.0, (0.0, 1.0)),  # nabla_1 + mid-point
-    "euler": TwoPathRule((1.0, 1.0), 1.0, (1.0, 0.0)),
-    "midpoint": TwoPathRule((1.0, 1.0), 1.0, (0.0, 1.0)),
-    "v2": TwoPathRule((0.0, 1.0), 0.0, (0.25, 0.75)),  # Heun's rule alone, as published
-    "v2star": TwoPathRule((1.0, 1.0), 1.0, (0.25, 0.75)),  # nabla_1 + Heun's rule
-}
-
-
-def two_path_scales(rule: TwoPathRule, reduced: jax.Array, coin_flipped: jax.Array,
-                    reduced_prob: float) -> tuple[jax.Array, jax.Array]:
-    """``(gate_scale, selection_scale)`` per token for :func:`two_path_gate`: ``reduced`` (bool)
-    the reduced-weight branch was taken, ``coin_flipped`` (bool) a coin of probability
-    ``reduced_prob`` was flipped for this token (off the argmax)."""
-    sure_gate, sure_selection = rule.sure
-    if not 0.0 < reduced_prob < 1.0:
-        return (jnp.full(reduced.shape, sure_gate, jnp.float32),
-                jnp.full(reduced.shape, sure_selection, jnp.float32))
-    full, part = 1.0 - reduced_prob, reduced_prob
-    gate = jnp.where(reduced, 0.0, rule.gate / full)
-    selection = jnp.where(reduced, rule.quadrature[1] / part, rule.quadrature[0] / full)
-    return (jnp.where(coin_flipped, gate, sure_gate).astype(jnp.float32),
-            jnp.where(coin_flipped, selection, sure_selection).astype(jnp.float32))
 
 
 def check_selection_bias_args(fn: str, logits, selection_bias, estimator: str,
@@ -542,7 +468,6 @@ def _route_with_selection_bias(logits, selection_bias, key, invalid, top_k, jitt
     removed) and gates ``pi^(t)_{D_t}``; the backward splits as :data:`TWO_PATH_RULES` says.
     The coin's argmax is that of ``z + b`` (``argmax_of="logits"``) or the first of the largest
     float32 ``q^(t)`` (``"probs"``), as without a bias."""
-    rule, two_path = ESTIMATORS[estimator], TWO_PATH_RULES[estimator]
     dtype = routing_dtype(logits)
     gate_logits = logits.astype(dtype)
     remaining = gate_logits + jax.lax.stop_gradient(selection_bias).astype(dtype)
@@ -560,33 +485,37 @@ def _route_with_selection_bias(logits, selection_bias, key, invalid, top_k, jitt
         if not training:
             expert, gate = top, take_expert(pi, top)
         else:
-            coin_top = top if rule.argmax_of == "logits" else jnp.argmax(
-                q, axis=-1).astype(jnp.int32)
-            sample_key, coin_key = keys[step][0], keys[step][1]
-            # Drawn as the plain router draws (log of the probabilities): b = 0 samples alike.
-            expert = jax.random.categorical(sample_key, jnp.log(jax.lax.stop_gradient(q)),
-                                            axis=-1).astype(jnp.int32)
-            if estimator == "euler":
-                coin_flipped = reduced = jnp.zeros(expert.shape, dtype=bool)
-            elif estimator == "midpoint":
-                coin_flipped, reduced = (jnp.zeros(expert.shape, dtype=bool),
-                                         jnp.ones(expert.shape, dtype=bool))
-            else:
-                coin_flipped = expert != coin_top
-                reduced = jax.random.bernoulli(coin_key, reduced_prob,
-                                               expert.shape) & coin_flipped
-            gate_scale, selection_scale = two_path_scales(two_path, reduced, coin_flipped,
-                                                          reduced_prob)
-            forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(pi.dtype)
-            gate = two_path_gate(take_expert(pi, expert), take_expert(log_q, expert),
-                                 forward_scale, gate_scale, selection_scale)
+            expert, gate = _two_path_step(pi, q, log_q, top, keys[step], estimator,
+                                          reduced_prob)
         experts.append(expert)
         gates.append(gate)
         if step + 1 < top_k:  # later steps choose among the experts not yet chosen
             chosen = jax.nn.one_hot(expert, remaining.shape[-1], dtype=bool)
             remaining = jnp.where(chosen, -jnp.inf, remaining)
             gate_logits = jnp.where(chosen, -jnp.inf, gate_logits)
-    if top_k == 1:
-        return RouterOutput(expert=experts[0], gate=gates[0], probs=first_probs)
-    return RouterOutput(expert=jnp.stack(experts, axis=-1), gate=jnp.stack(gates, axis=-1),
-                        probs=first_probs)
+    return _router_output(experts, gates, first_probs)
+
+
+def _two_path_step(pi, q, log_q, top, keys, estimator, reduced_prob):
+    """One draw ``D ~ q`` and its gate ``w pi_D`` with the two-path backward
+    (:func:`two_path_gate`); ``top`` is the argmax of the selection logits, ``keys`` ``[2]``
+    this step's sample and coin keys."""
+    rule, two_path = ESTIMATORS[estimator], TWO_PATH_RULES[estimator]
+    coin_top = top if rule.argmax_of == "logits" else jnp.argmax(q, axis=-1).astype(jnp.int32)
+    sample_key, coin_key = keys[0], keys[1]
+    # Drawn as the plain router draws (log of the probabilities): b = 0 samples alike.
+    expert = jax.random.categorical(sample_key, jnp.log(jax.lax.stop_gradient(q)),
+                                    axis=-1).astype(jnp.int32)
+    if estimator == "euler":
+        coin_flipped = reduced = jnp.zeros(expert.shape, dtype=bool)
+    elif estimator == "midpoint":
+        coin_flipped, reduced = (jnp.zeros(expert.shape, dtype=bool),
+                                 jnp.ones(expert.shape, dtype=bool))
+    else:
+        coin_flipped = expert != coin_top
+        reduced = jax.random.bernoulli(coin_key, reduced_prob, expert.shape) & coin_flipped
+    gate_scale, selection_scale = two_path_scales(two_path, reduced, coin_flipped, reduced_prob)
+    forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(pi.dtype)
+    gate = two_path_gate(take_expert(pi, expert), take_expert(log_q, expert), forward_scale,
+                         gate_scale, selection_scale)
+    return expert, gate
