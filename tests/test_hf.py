@@ -168,8 +168,10 @@ def test_one_line_errors(tmp_path):
     cfg = read_json(os.path.join(DATA, "mixtral", "config.json"))
     with pytest.raises(ValueError, match="is not a Hugging Face model directory"):
         hf.load_pretrained(str(tmp_path))
-    with pytest.raises(ValueError, match="'llama' is not supported; supported: mixtral, "):
+    with pytest.raises(ValueError, match="'llama' is not supported; supported: "
+                                         + ", ".join(MODEL_TYPES) + " "):  # all eight
         hf.from_hf({**cfg, "model_type": "llama"})
+    assert len(MODEL_TYPES) == 8
     with pytest.raises(ValueError, match="key 'attn_logit_softcapping' is not known"):
         hf.from_hf({**cfg, "attn_logit_softcapping": 30.0})
     with pytest.raises(ValueError, match="rope scaling 'dynamic' is not implemented"):
