@@ -29,7 +29,6 @@ from configs import (
     qwen3_30b_a3b,
 )
 from sparsemixer_jax.aot import lm, targets
-from sparsemixer_jax.tasks.language_model import LMTask
 from sparsemixer_jax.training.steps import count_params
 from tests import kit
 
@@ -49,23 +48,26 @@ def _two_layer_olmoe():
 
 @functools.cache
 def _programs(name: str, variant: str, spec: str):
+    """``(target, config, {program: report}, parameter bytes)``: the parameters counted on the
+    model built for the target's own mesh (a model built for this CPU host would refuse the
+    H100 targets' Mosaic GPU kernels)."""
     target, devices = kit.target_devices_or_skip(spec)
     config = _two_layer_olmoe() if name == "small" else CONFIGS[name].get_config(variant)
+    run = kit.run_for_target(config, target)
     # As the command compiles it (runtime.matmul_precision "default"), not at the precision
     # the test session sets for CPU comparisons (bfloat16 TPU kernels refuse "highest").
     with jax.default_matmul_precision("default"):
-        reports = lm.compile_lm(kit.run_for_target(config, target), devices)
-    return target, config, {r.name.split(" ")[0]: r for r in reports}
+        reports = lm.compile_lm(run, devices)
+    model = lm.abstract_model(run.task, lm.target_mesh(run, devices))
+    param_bytes = 4 * count_params(nnx.state(model, nnx.Param))
+    return target, config, {r.name.split(" ")[0]: r for r in reports}, param_bytes
 
 
 def test_two_layer_olmoe_training_step_is_sharded_on_the_v5e_slice():
-    target, config, programs = _programs("small", "tpu", "tpu:v5e:4x4")
+    target, config, programs, param_bytes = _programs("small", "tpu", "tpu:v5e:4x4")
     assert set(programs) == {"accumulate", "update"}
     accumulate = programs["accumulate"]
     assert accumulate.total < target.hbm_bytes
-    task = LMTask.from_config(config)
-    model = lm.abstract_model(task, None)
-    param_bytes = 4 * count_params(nnx.state(model, nnx.Param))
     # Every matrix split 16 ways (norm scales whole): about a sixteenth per device.
     assert param_bytes / 16 <= accumulate.parameters < 1.05 * param_bytes / 16
     # Adam's two moments (and its step counts)
@@ -116,14 +118,11 @@ REAL_SIZES = [("olmoe_1b_7b", "tpu", "tpu:v5e:4x4"), ("olmoe_1b_7b", "h100", "h1
 @pytest.mark.slow  # minutes of CPU each
 @pytest.mark.parametrize("name, variant, spec", REAL_SIZES)
 def test_real_size_training_step_fits(name, variant, spec):
-    target, config, programs = _programs(name, variant, spec)
+    target, _, programs, param_bytes = _programs(name, variant, spec)
     for report in programs.values():
         assert report.total <= target.hbm_bytes, (report.name, report.total)
     accumulate = programs["accumulate"]
     assert accumulate.collectives.get("all-to-all", 0) >= 1
     # The train state is split over every device: a device holds at most about 1/16 of it.
-    task = LMTask.from_config(config)
-    model = lm.abstract_model(task, None)
-    param_bytes = 4 * count_params(nnx.state(model, nnx.Param))
     assert accumulate.parameters < 1.05 * param_bytes / min(16, len(targets.target_devices(
         target)))

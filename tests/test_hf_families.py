@@ -8,6 +8,7 @@ import pytest
 from sparsemixer_jax import hf
 from sparsemixer_jax.hf.families import FAMILIES
 from sparsemixer_jax.models.lm_config import MODEL_TYPES
+from sparsemixer_jax.routers.registry import ROUTERS
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "hf")
 
@@ -68,3 +69,23 @@ def test_glm4_moe_reads_the_hubs_spelling_as_transformers_5s():
     # A model routing otherwise than the checkpoint type is not exported as one.
     with pytest.raises(ValueError, match="glm4_moe checkpoints route by score='sigmoid'"):
         hf.to_hf(config.replace(router_options=()))
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v3"])
+def test_every_router_that_composes_with_sigmoid_scores_takes_the_checkpoint(model_type):
+    """Chosen at load, every router of the registry keeps the type's sigmoid scores, groups
+    scored by their two best and scaling; the one whose formula has no sigmoid form is
+    refused in one line saying so."""
+    with open(os.path.join(DATA, model_type, "config.json")) as f:
+        cfg = json.load(f)
+    own = dict(hf.from_hf(cfg).router_options)
+    assert own["score"] == "sigmoid" and own["group_score"] == "top2_sum"
+    for name in ROUTERS:
+        if name == "densemixer_blog":
+            with pytest.raises(ValueError, match="score='sigmoid' does not compose with router "
+                                                 "'densemixer_blog': its formula") as error:
+                hf.from_hf(cfg, router=name)
+            assert "\n" not in str(error.value)
+            continue
+        config = hf.from_hf(cfg, router=name, jitter_eps=0.1 if "sparsemixer" in name else 0.0)
+        assert config.router == name and dict(config.router_options) == own

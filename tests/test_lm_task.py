@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import os
+import pathlib
 import shutil
 import signal
 
@@ -497,6 +498,55 @@ def test_bad_checkpoints_are_one_line_errors_before_anything_is_written(
             train_lm(tiny(corpus, init_from=path), workdir)
         assert message.format(path=path) in str(error.value), str(error.value)
         assert "\n" not in str(error.value)
+        assert not os.path.exists(workdir)
+
+
+def _family(checkpoint, tmp_path, model_type, name, change):
+    """``tests/data/hf/<model_type>`` with ``checkpoint``'s tokenizer, changed by ``change``."""
+    path = str(tmp_path / name)
+    shutil.copytree(os.path.join(HF_DATA, model_type), path)
+    shutil.copy(os.path.join(checkpoint, "tokenizer.json"), path)
+    change(path)
+    return path
+
+
+def test_bad_quantized_checkpoints_are_one_line_errors_before_anything_is_written(
+        corpus, checkpoint, tmp_path):
+    """gpt-oss's MXFP4 and DeepSeek-V3's block-FP8 checkpoints as the Hub ships them: an
+    unsupported quantization method, a missing or misshaped scale tensor and an unknown
+    ``layer_types`` entry are each one line naming the checkpoint's file and the tensor (or
+    key), found from ``config.json`` and the safetensors headers before the workdir is made."""
+    from tests.test_hf_deepseek import SCALE, _rewrite
+
+    mx_scales = "model.layers.1.mlp.experts.down_proj_scales"
+    weights = os.path.join("{path}", "model.safetensors")
+    cases = [
+        (_family(checkpoint, tmp_path, "gpt_oss_mxfp4", "awq", lambda p: _edit_config(
+            p, quantization_config={"quant_method": "awq"})),
+         "config.json (gpt_oss): quantization_config.quant_method='awq' is not supported for "
+         "this type (supported: mxfp4)"),
+        (_family(checkpoint, tmp_path, "gpt_oss_mxfp4", "noscales",
+                 _changed_tensor(mx_scales, None)),
+         f"{weights}: tensor 'model.layers.1.mlp.experts.down_proj_blocks' has no "
+         f"'{mx_scales}' in the checkpoint"),
+        (_family(checkpoint, tmp_path, "deepseek_v3_fp8", "fp8shape", lambda p: _rewrite(
+            pathlib.Path(p), replace={SCALE: np.ones((1, 2), np.float32)})),
+         f"{weights}: tensor '{SCALE}' is float32 [1, 2], expected float [2, 2]"),
+        (_family(checkpoint, tmp_path, "deepseek_v3_fp8", "fp8none", lambda p: _rewrite(
+            pathlib.Path(p), drop=(SCALE,))),
+         f"{weights}: tensor '{SCALE.removesuffix('_scale_inv')}' is float8 but the checkpoint "
+         f"has no '{SCALE}'"),
+        (_family(checkpoint, tmp_path, "gpt_oss", "layers", lambda p: _edit_config(
+            p, layer_types=["sliding_attention", "chunked_attention", "full_attention",
+                            "full_attention"])),
+         "config.json (gpt_oss): layer_types[1]='chunked_attention' is not implemented"),
+    ]
+    for path, message in cases:
+        workdir = str(tmp_path / "w")
+        with pytest.raises(ValueError) as error:
+            train_lm(tiny(corpus, init_from=path), workdir)
+        assert message.format(path=path) in str(error.value), str(error.value)
+        assert path in str(error.value) and "\n" not in str(error.value)
         assert not os.path.exists(workdir)
 
 
