@@ -36,6 +36,7 @@ from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
 from sparsemixer_jax.models.rope import apply_rope, rope_cos_sin
 from sparsemixer_jax.moe import MoEFeedForward
 from sparsemixer_jax.moe.dispatch import clamped_swiglu
+from sparsemixer_jax.moe.shared import MakeLinear, SharedExperts
 
 # Large negative logit for masked attention entries; finite so that a fully masked row (padding)
 # gives a uniform distribution instead of NaN.
@@ -121,6 +122,14 @@ def linear(din: int, dout: int, bias: bool, config: LMConfig, rngs: nnx.Rngs) ->
     # Initialised as the Hugging Face types are: normal(initializer_range), zero bias.
     return nnx.Linear(din, dout, use_bias=bias, dtype=_dtype(config), param_dtype=jnp.float32,
                       kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+
+
+def linear_maker(config: LMConfig, rngs: nnx.Rngs) -> MakeLinear:
+    """:func:`linear` of ``config`` as a :class:`~sparsemixer_jax.moe.shared.MakeLinear`."""
+    def make(in_features: int, out_features: int, *, use_bias: bool) -> nnx.Linear:
+        return linear(in_features, out_features, use_bias, config, rngs)
+
+    return make
 
 
 class Attention(nnx.Module):
@@ -221,8 +230,10 @@ def expert_activation(config: LMConfig) -> str:
 
 class MoEBlock(nnx.Module):
     """The routed sublayer: :class:`MoEFeedForward` with gated experts and a bias-free router,
-    the optional input jitter in training, and Qwen2-MoE's shared expert
-    ``sigmoid(x w_g) * mlp(x)`` added to the routed output."""
+    the optional input jitter in training, and the type's shared experts
+    (:class:`~sparsemixer_jax.moe.shared.SharedExperts`: one SwiGLU MLP of width
+    ``shared_expert_size``, times Qwen2-MoE's gate ``sigmoid(x w_g)`` where the config has
+    one) added to the routed output. Every projection is drawn as :func:`linear` draws."""
 
     def __init__(self, config: LMConfig, mesh: jax.sharding.Mesh | None, rngs: nnx.Rngs):
         self.moe = MoEFeedForward(
@@ -240,10 +251,11 @@ class MoEBlock(nnx.Module):
             param[...] = normal(rngs.params(), param.shape, jnp.float32)
         self.input_jitter = config.moe_input_jitter
         self.jitter_rng = rngs["router"].fork() if config.moe_input_jitter > 0 else None
-        self.shared_expert = GatedMLP(config, config.shared_expert_size, rngs) \
-            if config.shared_expert_size else None
-        self.shared_expert_gate = linear(config.hidden_size, 1, False, config, rngs) \
-            if config.shared_expert_size and config.shared_expert_gate else None
+        make = linear_maker(config, rngs)
+        self.shared_experts = SharedExperts(
+            config.hidden_size, config.shared_expert_size, gated=True, activation="silu",
+            linear=make, gate_linear=make if config.shared_expert_gate else None,
+        ) if config.shared_expert_size else None
         if config.selection_bias and self.moe.expert_bias is None:
             # The checkpoint's selection bias, kept where bias balancing keeps its own (the
             # layer's bias state, moved only by a bias_update_rate > 0).
@@ -257,11 +269,8 @@ class MoEBlock(nnx.Module):
             e = self.input_jitter
             x = x * jax.random.uniform(self.jitter_rng(), x.shape, x.dtype, 1.0 - e, 1.0 + e)
         y, metrics = self.moe(x, token_mask, deterministic=deterministic, dropless=dropless)
-        if self.shared_expert_gate is not None:
-            gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
-            y = y + (gate * self.shared_expert(x).astype(jnp.float32)).astype(y.dtype)
-        elif self.shared_expert is not None:
-            y = y + self.shared_expert(x).astype(y.dtype)
+        if self.shared_experts is not None:  # on every token, padding too, as transformers'
+            y = y + self.shared_experts(x).astype(y.dtype)
         return y, metrics
 
 
