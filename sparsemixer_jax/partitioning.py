@@ -96,7 +96,7 @@ PARAMETER_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"router/kernel", ("embed", "routes")),
     (r"router/[a-z_]+", ("routes",)),  # its bias, and any per-expert vector of a router
     # heads projecting to one value, or from the width to the width
-    (r"(discriminator_head/out|shared_expert_gate|shared_experts/gate)/kernel", ("embed", "score")),
+    (r"(discriminator_head/out|shared_experts/gate)/kernel", ("embed", "score")),
     (r"discriminator_head/out/bias", ("score",)),
     (r"(generator_head|discriminator_head)/dense/kernel", ("embed", "mlp")),
     (r"(generator_head|discriminator_head)/dense/bias", ("mlp",)),

@@ -41,6 +41,9 @@ from sparsemixer_jax.hf.families import (
 from sparsemixer_jax.models.lm_config import LMConfig
 
 Path = tuple[Any, ...]
+#: The shared expert's projections in a checkpoint -> their
+#: :class:`~sparsemixer_jax.moe.shared.SharedExperts` params (its gate is ``gate``).
+SHARED_EXPERT_PARAMS = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
 #: Where each stacked layer lives: ``(stack, repeat, position)`` per layer, in order
 #: (:meth:`CausalLM.layer_index_of`).
 Layers = list[tuple[int, int, int]]
@@ -110,13 +113,12 @@ def _layer_tensors(config: LMConfig, number: int, stack: int, repeat: int, pos: 
             yield (f"{layer}.{names[param].format(e=expert)}",
                    Slot((*moe, param), (repeat, expert), "T"))
     if config.shared_expert_size:
-        shared = family.shared_expert_names
-        for proj in ("gate_proj", "up_proj", "down_proj"):
+        shared, params = family.shared_expert_names, (*base, "mlp", "shared_experts")
+        for proj, param in SHARED_EXPERT_PARAMS.items():
             yield (f"{layer}.{shared}.{proj}.weight",
-                   Slot((*base, "mlp", "shared_expert", proj, "kernel"), (repeat,), "T"))
+                   Slot((*params, param, "kernel"), (repeat,), "T"))
         if config.shared_expert_gate:
-            yield (f"{layer}.{shared}_gate.weight",
-                   Slot((*base, "mlp", "shared_expert_gate", "kernel"), (repeat,), "T"))
+            yield f"{layer}.{shared}_gate.weight", Slot((*params, "gate", "kernel"), (repeat,), "T")
 
 
 def _attention(config: LMConfig, layer: str, attn: Path, repeat: int

@@ -36,6 +36,7 @@ from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
 from sparsemixer_jax.models.rope import apply_rope, rope_cos_sin
 from sparsemixer_jax.moe import MoEFeedForward
 from sparsemixer_jax.moe.dispatch import clamped_swiglu
+from sparsemixer_jax.moe.shared import MakeLinear, SharedExperts
 
 # Large negative logit for masked attention entries; finite so that a fully masked row (padding)
 # gives a uniform distribution instead of NaN.
@@ -121,6 +122,14 @@ def linear(din: int, dout: int, bias: bool, config: LMConfig, rngs: nnx.Rngs) ->
     # Initialised as the Hugging Face types are: normal(initializer_range), zero bias.
     return nnx.Linear(din, dout, use_bias=bias, dtype=_dtype(config), param_dtype=jnp.float32,
                       kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+
+
+def linear_maker(config: LMConfig, rngs: nnx.Rngs) -> MakeLinear:
+    """:func:`linear` of ``config`` as a :class:`~sparsemixer_jax.moe.shared.MakeLinear`."""
+    def make(in_features: int, out_features: int, *, use_bias: bool) -> nnx.Linear:
+        return linear(in_features, out_features, use_bias, config, rngs)
+
+    return make
 
 
 class Attention(nnx.Module):
@@ -221,8 +230,10 @@ def expert_activation(config: LMConfig) -> str:
 
 class MoEBlock(nnx.Module):
     """The routed sublayer: :class:`MoEFeedForward` with gated experts and a bias-free router,
-    the optional input jitter in training, and Qwen2-MoE's shared expert
-    ``sigmoid(x w_g) * mlp(x)`` added to the routed output."""
+    the optional input jitter in training, and the type's shared experts
+    (:class:`~sparsemixer_jax.moe.shared.SharedExperts`: one SwiGLU MLP of width
+    ``shared_expert_size``, times Qwen2-MoE's gate ``sigmoid(x w_g)`` where the config has
+    one) added to the routed output. Every projection is drawn as :func:`linear` draws."""
 
     def __init__(self, config: LMConfig, mesh: jax.sharding.Mesh | None, rngs: nnx.Rngs):
         self.moe = MoEFeedForward(
@@ -240,10 +251,11 @@ class MoEBlock(nnx.Module):
             param[...] = normal(rngs.params(), param.shape, jnp.float32)
         self.input_jitter = config.moe_input_jitter
         self.jitter_rng = rngs["router"].fork() if config.moe_input_jitter > 0 else None
-        self.shared_expert = GatedMLP(config, config.shared_expert_size, rngs) \
-            if config.shared_expert_size else None
-        self.shared_expert_gate = linear(config.hidden_size, 1, False, config, rngs) \
-            if config.shared_expert_size and config.shared_expert_gate else None
+        make = linear_maker(config, rngs)
+        self.shared_experts = SharedExperts(
+            config.hidden_size, config.shared_expert_size, gated=True, activation="silu",
+            linear=make, gate_linear=make if config.shared_expert_gate else None,
+        ) if config.shared_expert_size else None
         if config.selection_bias and self.moe.expert_bias is None:
             # The checkpoint's selection bias, kept where bias balancing keeps its own (the
             # layer's bias state, moved only by a bias_update_rate > 0).
@@ -257,11 +269,8 @@ class MoEBlock(nnx.Module):
             e = self.input_jitter
             x = x * jax.random.uniform(self.jitter_rng(), x.shape, x.dtype, 1.0 - e, 1.0 + e)
         y, metrics = self.moe(x, token_mask, deterministic=deterministic, dropless=dropless)
-        if self.shared_expert_gate is not None:
-            gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
-            y = y + (gate * self.shared_expert(x).astype(jnp.float32)).astype(y.dtype)
-        elif self.shared_expert is not None:
-            y = y + self.shared_expert(x).astype(y.dtype)
+        if self.shared_experts is not None:  # on every token, padding too, as transformers'
+            y = y + self.shared_experts(x).astype(y.dtype)
         return y, metrics
 
 
@@ -404,6 +413,53 @@ def _unpack_metrics(packed: tuple[jax.Array | None, list[jax.Array]], tree,
     return jax.tree.unflatten(tree, leaves)
 
 
+def _positions_and_masks(config: LMConfig, real: jax.Array, positions: jax.Array | None,
+                         segment_ids: jax.Array | None, cache: KVCache | None
+                         ) -> tuple[jax.Array, tuple[jax.Array, jax.Array | None], jax.Array]:
+    """The rotary positions, attention masks and real key slots of a forward pass of
+    ``real [B, T]`` (its token mask; the other arguments as :meth:`CausalLM.forward`'s).
+
+    Returns ``(positions [B, T], (mask, window), k_real)``: bool ``[B, T, S]`` masks, causal
+    over slots and real keys only (and within a segment); ``window`` where some layers take a
+    sliding window and others not (None otherwise: with a window on every layer, ``mask``
+    has it); ``k_real`` bool ``[B, S]``, the slots holding a real token after this pass
+    (``S = T`` without a cache, the cache's length with one)."""
+    b, t = real.shape
+    q_slot = jnp.arange(t)
+    if cache is None:
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        k_slot, k_real = q_slot, real
+    else:
+        if positions is None:
+            positions = cache.positions[:, None] + jnp.cumsum(real, axis=1) - 1
+            positions = jnp.maximum(positions, 0)
+        q_slot = cache.index + q_slot
+        k_slot = jnp.arange(cache.valid.shape[1])
+        k_real = jax.lax.dynamic_update_slice_in_dim(cache.valid, real, cache.index, 1)
+    # Causal over slots (queries see their own and earlier slots), real keys only.
+    mask = (k_slot[None, None, :] <= q_slot[None, :, None]) & k_real[:, None, :]
+    if segment_ids is not None:
+        if cache is not None:
+            raise ValueError("segment_ids (packed sequences) are for full forward passes, "
+                             "not for cached decoding")
+        mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    if config.sliding_window is None:
+        return positions, (mask, None), k_real
+    # A key at most sliding_window - 1 positions back (transformers' sliding overlay); left
+    # padding holds no real key, so slot distance equals position distance.
+    window = mask & ((q_slot[None, :, None] - k_slot[None, None, :]) < config.sliding_window)
+    return positions, (mask, window) if config.sliding_layers else (window, None), k_real
+
+
+def _summed_moe_aux(moe: dict[str, dict]) -> dict[str, Any]:
+    """:attr:`LMOutput.aux` of the MoE layers' metrics ``{"layer_{i}": metrics}``."""
+    zero = jnp.zeros((), jnp.float32)
+    return {"balance_loss": sum((m["balance_loss"] for m in moe.values()), zero),
+            "z_loss": sum((m["z_loss"] for m in moe.values()), zero),
+            "moe": dict(sorted(moe.items(), key=lambda kv: int(kv[0][6:])))}
+
+
 class CausalLM(nnx.Module):
     """The decoder-only MoE language model.
 
@@ -481,35 +537,32 @@ class CausalLM(nnx.Module):
         b, t = input_ids.shape
         real = jnp.ones((b, t), bool) if token_mask is None else token_mask.astype(bool)
         x = sharding.keep_rows_split(self.embed_tokens(input_ids), self.rows_sharding)
-        q_slot = jnp.arange(t)
-        if cache is None:
-            if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-            k_slot, k_real = q_slot, real
-        else:
-            if positions is None:
-                positions = cache.positions[:, None] + jnp.cumsum(real, axis=1) - 1
-                positions = jnp.maximum(positions, 0)
-            q_slot = cache.index + q_slot
-            k_slot = jnp.arange(cache.valid.shape[1])
-            k_real = jax.lax.dynamic_update_slice_in_dim(cache.valid, real, cache.index, 1)
-        # Causal over slots (queries see their own and earlier slots), real keys only.
-        mask = (k_slot[None, None, :] <= q_slot[None, :, None]) & k_real[:, None, :]
-        if segment_ids is not None:
-            if cache is not None:
-                raise ValueError("segment_ids (packed sequences) are for full forward passes, "
-                                 "not for cached decoding")
-            mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
-        masks = (mask, None)
-        if c.sliding_window is not None:
-            # A key at most sliding_window - 1 positions back (transformers' sliding overlay);
-            # left padding holds no real key, so slot distance equals position distance.
-            window = mask & ((q_slot[None, :, None] - k_slot[None, None, :]) < c.sliding_window)
-            masks = (mask, window) if c.sliding_layers else (window, None)
+        positions, masks, k_real = _positions_and_masks(c, real, positions, segment_ids, cache)
         num_positions = None
         if cache is not None and c.rope.kind == "longrope":
             num_positions = jnp.max(positions) + 1
         cos, sin = rope_cos_sin(c, positions, num_positions)
+        x, (new_keys, new_values), moe = self._run_stacks(x, cache, cos, sin, masks, real,
+                                                          deterministic)
+        aux = _summed_moe_aux(moe)
+        x = self.norm(x)
+        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        logits = sharding.keep_rows_split(logits, self.rows_sharding)
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(tuple(new_keys), tuple(new_values), cache.index + t, k_real,
+                                cache.positions + jnp.sum(real, axis=1, dtype=jnp.int32))
+        return LMOutput(logits.astype(jnp.float32), new_cache, aux)
+
+    def _run_stacks(self, x: jax.Array, cache: KVCache | None, cos: jax.Array, sin: jax.Array,
+                    masks: tuple[jax.Array, jax.Array | None], real: jax.Array,
+                    deterministic: bool
+                    ) -> tuple[jax.Array, tuple[list, list], dict[str, dict]]:
+        """Runs every stack on ``x [B, T, emb]`` (:func:`_scan_stack`; ``masks`` as
+        :func:`_positions_and_masks` gives them, ``real`` the token mask). Returns ``(x, (keys,
+        values) per layer (empty without a cache), each MoE layer's metrics under
+        "layer_{i}")``."""
+        c = self.config
         dropless = cache is not None
         kv_in = iter(zip(cache.keys, cache.values, strict=True)) if cache is not None else None
         new_keys, new_values = [], []
@@ -534,19 +587,7 @@ class CausalLM(nnx.Module):
                     moe[f"layer_{first + r * len(pattern) + i}"] = jax.tree.map(
                         lambda a, r=r: a[r], metrics[i])
             first += repeats * len(pattern)
-        zero = jnp.zeros((), jnp.float32)
-        balance = sum((m["balance_loss"] for m in moe.values()), zero)
-        z_loss = sum((m["z_loss"] for m in moe.values()), zero)
-        x = self.norm(x)
-        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        logits = sharding.keep_rows_split(logits, self.rows_sharding)
-        new_cache = None
-        if cache is not None:
-            new_cache = KVCache(tuple(new_keys), tuple(new_values), cache.index + t, k_real,
-                                cache.positions + jnp.sum(real, axis=1, dtype=jnp.int32))
-        return LMOutput(logits.astype(jnp.float32), new_cache,
-                        {"balance_loss": balance, "z_loss": z_loss,
-                         "moe": dict(sorted(moe.items(), key=lambda kv: int(kv[0][6:])))})
+        return x, (new_keys, new_values), moe
 
     def __call__(self, input_ids: jax.Array, **kwargs: Any) -> jax.Array:
         """Logits float32 ``[B, T, V]`` of ``input_ids [B, T]`` (keyword arguments as

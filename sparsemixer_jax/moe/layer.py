@@ -228,7 +228,7 @@ class MoEFeedForward(nnx.Module):
         self.dropout_rng = _stream(rngs, "dropout", "router").fork() \
             if moe.activation_dropout > 0 else None
         # Drawn last, so that a layer without them draws every other param as before.
-        self.shared_experts = SharedExperts(
+        self.shared_experts = SharedExperts.from_scheme(
             emb_dim, moe.num_shared_experts * mlp_dim, gated=gated, activation=moe.activation,
             use_gate=moe.shared_expert_gate, init=moe.init, dtype=dtype,
             rngs=rngs) if moe.num_shared_experts else None
