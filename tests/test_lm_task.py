@@ -492,12 +492,20 @@ def test_bad_checkpoints_are_one_line_errors_before_anything_is_written(
             "model.layers.1.block_sparse_moe.experts.0.w2.weight", None)),
          "tensor 'model.layers.1.block_sparse_moe.experts.0.w2.weight' is missing"),
     ]
+    _assert_refused_before_writing(corpus, tmp_path, cases)
+
+
+def _assert_refused_before_writing(corpus, tmp_path, cases, *, names_path: bool = False):
+    """Each ``(checkpoint, message)`` of ``cases``: training from it raises one line holding
+    ``message`` (``{path}`` filled in; the checkpoint's path too where ``names_path``) and
+    the workdir is never made."""
     for path, message in cases:
         workdir = str(tmp_path / "w")
         with pytest.raises(ValueError) as error:
             train_lm(tiny(corpus, init_from=path), workdir)
         assert message.format(path=path) in str(error.value), str(error.value)
         assert "\n" not in str(error.value)
+        assert not names_path or path in str(error.value)
         assert not os.path.exists(workdir)
 
 
@@ -541,13 +549,7 @@ def test_bad_quantized_checkpoints_are_one_line_errors_before_anything_is_writte
                             "full_attention"])),
          "config.json (gpt_oss): layer_types[1]='chunked_attention' is not implemented"),
     ]
-    for path, message in cases:
-        workdir = str(tmp_path / "w")
-        with pytest.raises(ValueError) as error:
-            train_lm(tiny(corpus, init_from=path), workdir)
-        assert message.format(path=path) in str(error.value), str(error.value)
-        assert path in str(error.value) and "\n" not in str(error.value)
-        assert not os.path.exists(workdir)
+    _assert_refused_before_writing(corpus, tmp_path, cases, names_path=True)
 
 
 @pytest.mark.parametrize("override, message", [
