@@ -8,8 +8,9 @@
 # Parts (each a few minutes on one GPU), in the order they run, the parts that measure open
 # targets first: env, lm, routing, lm_profile, layer, grouped, step, variants, flags, profile,
 # decode, tests. Measured on an H200 with a warm machine: "lm" 60-65 s a run (one run without
-# LM_ROUTERS, one per router with it), "lm_profile" 25 s, "routing" 8-9 min (each of its 7
-# options takes 60-70 s to build and compile on a 16-core host: it needs RUN_LIMIT >= 540).
+# LM_ROUTERS, one per router with it), "lm_profile" 25 s, "routing" about 9 min (its 8 models,
+# the plain router and 7 options, take 60-70 s each to build and compile on a 16-core host,
+# then 5 rounds of timing: at the edge of the default RUN_LIMIT; give it RUN_LIMIT=600).
 # Results go to $OUT (default runs/gpu_campaign, git-ignored) as each run finishes, 8 files:
 #   campaign.txt     GPU, driver, jax/jaxlib/CUDA/cuDNN versions, then each run's start and exit
 #   layer.json       one MoE layer fwd+bwd vs dense FFN, N=2,4,8,16: ragged (XLA's lowering),
@@ -53,7 +54,7 @@ set -uo pipefail
 OUT=${OUT:-runs/gpu_campaign}
 REPEATS=${REPEATS:-10}
 RUN_LIMIT=${RUN_LIMIT:-560}  # seconds; one run past it is stopped and the campaign goes on
-# (560 s holds every run measured so far: the longest, "routing", about 8-9 min on an H200)
+# (the longest run, "routing", takes about 9 min on an H200: see above)
 PLATFORM=${PLATFORM:-cuda}  # PLATFORM=cpu BENCH_ARGS="--emb 16 ..." checks the script on a CPU
 BENCH_ARGS=${BENCH_ARGS:-}  # appended to every benchmark run (e.g. smaller sizes)
 GROUPED_ARGS=${GROUPED_ARGS:-}  # appended to the grouped part (on a CPU: "--interpret --tiny --experts 2")
