@@ -5,9 +5,12 @@
 #     bash experiments/gpu_campaign.sh              # all parts, ~30 min on an H100
 #     bash experiments/gpu_campaign.sh env lm routing   # some parts
 #
-# Parts (each a few minutes on one GPU: on an H200, "lm" 2.5 min, "routing" 1.5 min), in the
-# order they run, the parts that measure open targets first: env, lm, routing, lm_profile, layer,
-# grouped, step, variants, flags, profile, decode, tests.
+# Parts (each a few minutes on one GPU), in the order they run, the parts that measure open
+# targets first: env, lm, routing, lm_profile, layer, grouped, step, variants, flags, profile,
+# decode, tests. Measured on an H200 with a warm machine: "lm" 60-65 s a run (one run without
+# LM_ROUTERS, one per router with it), "lm_profile" 25 s, "routing" about 9 min (its 8 models,
+# the plain router and 7 options, take 60-70 s each to build and compile on a 16-core host,
+# then 5 rounds of timing: at the edge of the default RUN_LIMIT; give it RUN_LIMIT=600).
 # Results go to $OUT (default runs/gpu_campaign, git-ignored) as each run finishes, 8 files:
 #   campaign.txt     GPU, driver, jax/jaxlib/CUDA/cuDNN versions, then each run's start and exit
 #   layer.json       one MoE layer fwd+bwd vs dense FFN, N=2,4,8,16: ragged (XLA's lowering),
@@ -19,11 +22,12 @@
 #                    overhead and the routers alone at N=2,4,8,16; default config (dispatch auto);
 #                    with ROUTERS set, also runs "router_cost_layer" and "router_cost": those
 #                    routers against Switch, one MoE layer and the whole step, N=4 and 8;
-#                    part "lm" adds run "lm_throughput_cudnn": the decoder-only language
+#                    part "lm" adds run "lm_throughput_cudnn" (with LM_ROUTERS, one run
+#                    "lm_throughput_cudnn_<router>" per router): the decoder-only language
 #                    model's update at configs/lm_bench.py's sizes (hidden 2048, 16 layers,
-#                    65,536 tokens in 4 micro-batches, bf16, cuDNN attention),
+#                    65,536 tokens in 2 micro-batches of 8 sequences, bf16, cuDNN attention),
 #                    MoE (8 experts, top-2, grouped) vs dense of equal active parameters, and
-#                    LM_ROUTERS vs top-2, with model FLOPs and MFU; part "lm_profile" adds
+#                    each router vs top-2, with model FLOPs and MFU; part "lm_profile" adds
 #                    "lm_cudnn" to profile.json: where that update's device time goes;
 #                    part "routing" adds run "routing_options": each routing option's update
 #                    (sigmoid, bias balancing, global/sequence loss, groups, a shared expert)
@@ -35,7 +39,8 @@
 #   profile.json     device time per GPU kernel category (N=4, default config and fast variant)
 #   profile.trace.json.gz  the default config's trace (Perfetto / TensorBoard)
 #   decode.json      beam search (beam 4) sentences/s, Multi30k-test and newstest-like batches
-#   tests.txt        the test files that run on GPU, with JAX_PLATFORMS=cuda
+#   tests.txt        the test files that run on GPU, with JAX_PLATFORMS=cuda,cpu (the Mosaic
+#                    GPU interpreter's callbacks need a CPU device; the GPU is the default)
 # Each JSON holds {"runs": {name: the benchmark's JSON}}; print its tables with
 #     python -m experiments.benchmark --report $OUT/step.json
 #
@@ -49,12 +54,13 @@ set -uo pipefail
 OUT=${OUT:-runs/gpu_campaign}
 REPEATS=${REPEATS:-10}
 RUN_LIMIT=${RUN_LIMIT:-560}  # seconds; one run past it is stopped and the campaign goes on
+# (the longest run, "routing", takes about 9 min on an H200: see above)
 PLATFORM=${PLATFORM:-cuda}  # PLATFORM=cpu BENCH_ARGS="--emb 16 ..." checks the script on a CPU
 BENCH_ARGS=${BENCH_ARGS:-}  # appended to every benchmark run (e.g. smaller sizes)
 GROUPED_ARGS=${GROUPED_ARGS:-}  # appended to the grouped part (on a CPU: "--interpret --tiny --experts 2")
 ROUTING_ARGS=${ROUTING_ARGS:-}  # appended to the routing part (on a CPU: "--emb 32 --mlp 64 ...")
 ROUTERS=${ROUTERS:-}  # e.g. "sparsemixer densemixer default_moe": part "step" times them against Switch
-LM_ROUTERS=${LM_ROUTERS:-}  # e.g. "sparsemixer_v2 densemixer": part "lm" times them against top-2
+LM_ROUTERS=${LM_ROUTERS:-}  # e.g. "sparsemixer_v2 densemixer": part "lm" times each against top-2
 PARTS=("$@")
 [ ${#PARTS[@]} -eq 0 ] && PARTS=(env lm routing lm_profile layer grouped step variants flags profile decode tests)
 mkdir -p "$OUT"
@@ -161,18 +167,27 @@ for part in "${PARTS[@]}"; do
       ;;
     lm)
       # The language model's whole training step at configs/lm_bench.py's sizes (hidden 2048,
-      # 16 layers, sequences of 4,096, 65,536 tokens an update in 4 micro-batches, bf16): the
-      # MoE model (8 experts, top-2, grouped dispatch) against its dense twin of equal active
-      # parameters, and LM_ROUTERS against top-2 (targets on one H100: MoE >= 0.85x the dense
-      # tokens/s, dense >= 45% MFU, SparseMixer-v2 / top-2 <= 1.01); into step.json. Every arm
-      # holds its train state (the MoE model's 21 GiB, the dense twin's 8) while the others
-      # run, and each micro-batch of 4 rows needs up to 37 GiB more: with LM_ROUTERS set, an
-      # H200. (The einsum attention, measured at commit 566fd23 against cuDNN's, needs
-      # one-row micro-batches, which the benchmark takes from the config.)
-      # shellcheck disable=SC2086  # LM_ROUTERS is a list of words
-      XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
-        bench step lm_throughput_cudnn --sections lm_throughput \
-        --lm-config configs/lm_bench.py:moe --lm-routers $LM_ROUTERS
+      # 16 layers, sequences of 4,096, 65,536 tokens an update in 2 micro-batches of 8 rows,
+      # bf16): the MoE model (8 experts, top-2, grouped dispatch) against its dense twin of equal
+      # active parameters, and each router of LM_ROUTERS against top-2 (targets on one H100: MoE
+      # >= 0.85x the dense tokens/s, dense >= 45% MFU, SparseMixer-v2 / top-2 <= 1.01); into
+      # step.json. Every arm of a run holds its train state (the MoE model's 21 GiB, the dense
+      # twin's 8) while the others run, and a micro-batch of 8 rows needs about 33 GiB more
+      # (experiments.compile for h200:1x1): top-2, one more router and dense fit an H200
+      # (143 GiB), four arms do not (they ran out of memory at commit c06cbc4), and three are
+      # over an H100's 80 GiB. So each router gets a run of its own, top-2 and dense timed again
+      # beside it. (The einsum attention, measured at commit
+      # 566fd23 against cuDNN's, needs one-row micro-batches, which the benchmark takes from
+      # the config.)
+      routers=("$LM_ROUTERS")
+      # shellcheck disable=SC2206  # LM_ROUTERS is a list of words
+      [ -n "$LM_ROUTERS" ] && routers=($LM_ROUTERS)
+      for router in "${routers[@]}"; do
+        # shellcheck disable=SC2086  # empty: no router flag, top-2 and dense alone
+        XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
+          bench step "lm_throughput_cudnn${router:+_$router}" --sections lm_throughput \
+          --lm-config configs/lm_bench.py:moe ${router:+--lm-routers $router}
+      done
       ;;
     lm_profile)
       # Where the LM update's device time goes (cuDNN attention), into profile.json.
@@ -211,11 +226,17 @@ for part in "${PARTS[@]}"; do
       (unset JAX_COMPILATION_CACHE_DIR; bench decode beam4 --sections decode --experts 4 --repeats 3)
       ;;
     tests)
-      log "tests: JAX_PLATFORMS=$PLATFORM pytest (GPU subset)"
-      timeout "$RUN_LIMIT" python -m pytest -q -n 0 -p no:cacheprovider \
+      # The GPU the default backend, the CPU beside it: the Mosaic GPU interpreter's io_callbacks
+      # need a CPU device. Tests that take the CPU's 8 simulated devices (tests/conftest.py) as
+      # the default ones skip on a GPU host.
+      platforms=$PLATFORM
+      [ "$PLATFORM" != cpu ] && platforms=$PLATFORM,cpu
+      log "tests: JAX_PLATFORMS=$platforms pytest (GPU subset)"
+      JAX_PLATFORMS=$platforms timeout "$RUN_LIMIT" python -m pytest -q -n 0 -p no:cacheprovider \
         tests/test_routing.py tests/test_moe.py tests/test_models.py tests/test_decode.py \
         tests/test_exact_gradient.py tests/test_steps.py tests/test_triton_ragged_dot.py \
-        tests/test_gpu.py tests/test_train.py tests/test_grouped_ffn.py tests/test_lm_attention.py >"$OUT/tests.txt" 2>&1
+        tests/test_gpu.py tests/test_train.py tests/test_grouped_ffn.py tests/test_lm_attention.py \
+        tests/test_compute_copies.py >"$OUT/tests.txt" 2>&1
       log "tests: exit $? ($(tail -n 1 "$OUT/tests.txt"))"
       ;;
     *) log "unknown part $part (env lm routing lm_profile layer grouped step variants flags profile decode tests)" ;;

@@ -160,6 +160,44 @@ def test_gpu_campaign_script_parses_and_names_real_files():
     assert len((outputs - {"$part.json"}) | {f"{p}.json" for p in parts}) <= 8, outputs
 
 
+_FAKE_BENCHMARK = """#!{python}
+# experiments.benchmark stand-in: writes its arguments where --out names; all else runs python.
+import json, os, sys
+if sys.argv[1:3] == ["-m", "experiments.benchmark"]:
+    with open(sys.argv[sys.argv.index("--out") + 1], "w") as f:
+        json.dump({{"argv": sys.argv[3:]}}, f)
+else:
+    os.execv({python!r}, [{python!r}] + sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("lm_routers, runs", [
+    ("sparsemixer_v2 densemixer", {"lm_throughput_cudnn_sparsemixer_v2": ["sparsemixer_v2"],
+                                   "lm_throughput_cudnn_densemixer": ["densemixer"]}),
+    ("", {"lm_throughput_cudnn": []}),
+])
+def test_gpu_campaign_times_each_lm_router_in_a_run_of_its_own(tmp_path, lm_routers, runs):
+    """Four arms of the language model do not fit one H200: part "lm" runs top-2, one router and
+    dense per process, one run per router of LM_ROUTERS (none set: top-2 and dense alone)."""
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(_FAKE_BENCHMARK.format(python=sys.executable))
+    (bin_dir / "python").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               LM_ROUTERS=lm_routers, PLATFORM="cpu", BENCH_ARGS="")
+    subprocess.run(["bash", "experiments/gpu_campaign.sh", "lm"], cwd=REPO, env=env,
+                   check=True, capture_output=True, timeout=120)
+    saved = json.loads((tmp_path / "out" / "step.json").read_text())["runs"]
+    assert set(saved) == set(runs)
+    for name, routers in runs.items():
+        argv = saved[name]["argv"]
+        got = argv[argv.index("--lm-routers") + 1:] if "--lm-routers" in argv else []
+        assert got == routers, argv  # that router alone
+
+
 @pytest.mark.slow
 def test_benchmark_whole_training_step(tmp_path):
     """The real thing at tiny sizes: four compiled training steps, Switch, SparseMixer,

@@ -1,8 +1,10 @@
 """Parameters cast to the compute dtype once per update (training/compute_copies.py): which ones
 the model's own casts select, and that training with the copies is bit for bit training
-without them (on CPU, where reductions are deterministic)."""
+without them on CPU (on a GPU: within two bfloat16 ulps, see the last test)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -75,12 +77,35 @@ def test_the_model_selects_its_bf16_matmul_weights_not_its_router(steps_and_batc
         steps.params["stacks"][0]["layers"][0]["mlp"]["moe"]["w_up"].astype(jnp.bfloat16))
 
 
+def _assert_within_bf16_rounding(actual, desired):
+    """On a GPU the matmuls that consume a parameter through a cast and those that consume its
+    copy are different kernels: XLA fuses the cast into the GEMM's operand read (a Triton GEMM)
+    in one program and hands a bfloat16 parameter to a library GEMM in the other, and the two sum
+    their float32 products in different orders. Where a product lies at a bfloat16 rounding
+    boundary its two roundings differ by one ulp, and a gradient that such a product feeds (itself
+    rounded to bfloat16 again) by up to two: relative 2**-6 of the value, or 2**-6 of the leaf's
+    largest element where a sum cancels to near zero."""
+    actual, desired = np.asarray(actual, np.float32), np.asarray(desired, np.float32)
+    scale = float(np.max(np.abs(desired), initial=0.0))
+    np.testing.assert_allclose(actual, desired, rtol=2**-6, atol=2**-6 * scale)
+
+
 def test_updates_with_copies_equal_updates_without_bitwise(steps_and_batches):
     """Three updates of two micro-batches: with the copies made once per update (the steps'
     own path) and without any (every layer casting its weights, as before): the accumulated
-    gradients and the parameters are equal bit for bit, since the copies' gradients are the
-    cotangents the casts' own derivative converts to float32."""
+    gradients and the parameters are equal bit for bit on CPU, since the copies' gradients are
+    the cotangents the casts' own derivative converts to float32 and XLA:CPU runs the same
+    matmul kernel whichever way its bfloat16 operand was made. On a GPU they agree to bfloat16
+    rounding (:func:`_assert_within_bf16_rounding`); an H200 showed 10 of 1,920 elements of one
+    gradient a bfloat16 ulp or two apart (at most 0.0156, relative 0.0081)."""
     steps, batches = steps_and_batches
+    bitwise = jax.default_backend() == "cpu"
+    # On a GPU, parameters within one Adam step at the peak learning rate (3e-3, about what a
+    # step moves an element): gradients that agree to bfloat16 rounding give steps that differ
+    # by far less than a whole step.
+    same_grads = np.testing.assert_array_equal if bitwise else _assert_within_bf16_rounding
+    same_params = np.testing.assert_array_equal if bitwise else functools.partial(
+        np.testing.assert_allclose, rtol=0, atol=3e-3)
     key = jax.random.key(3)
     none = jax.tree.map(lambda _: None, steps.params)
     ref = steps.new_state(jax.tree.map(jnp.copy, steps.params), steps.layer_state)
@@ -95,10 +120,14 @@ def test_updates_with_copies_equal_updates_without_bitwise(steps_and_batches):
                 acc, _ = steps.accumulate(state, acc, b, jax.random.fold_in(step_key, j),
                                           copies)
             accs.append(acc)
-        jax.tree.map(np.testing.assert_array_equal, accs[0]["grads"], accs[1]["grads"])
+        jax.tree.map(same_grads, accs[0]["grads"], accs[1]["grads"])
+        equal = [np.asarray(a) == np.asarray(b) for a, b in zip(
+            jax.tree.leaves(accs[0]["grads"]), jax.tree.leaves(accs[1]["grads"]), strict=True)]
+        # where the kernels differ, few elements land on a rounding boundary
+        assert sum(e.sum() for e in equal) >= 0.95 * sum(e.size for e in equal)
         ref, _ = steps.update(ref, accs[0])
         new, _ = steps.train_step(new, pair, step_key)
-        jax.tree.map(np.testing.assert_array_equal, ref.params, new.params)
+        jax.tree.map(same_params, ref.params, new.params)
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: not np.array_equal(a, b), new.params,
                                          steps_and_batches[0].params))
     assert sum(moved) > len(moved) // 2  # three updates changed the parameters

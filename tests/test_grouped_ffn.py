@@ -32,6 +32,25 @@ from sparsemixer_jax.kernels import mosaic_grouped_matmul as mgm
 from sparsemixer_jax.moe.dispatch import grouped_ffn
 from tests import kit
 
+
+def _has_cpu_backend() -> bool:
+    try:
+        return bool(jax.devices("cpu"))
+    except RuntimeError:  # JAX_PLATFORMS names no cpu
+        return False
+
+
+# The interpreter runs each kernel in io_callbacks, which place their operands on a CPU device:
+# on a GPU host JAX_PLATFORMS must list cpu too (cuda,cpu).
+needs_cpu_backend = pytest.mark.skipif(
+    not _has_cpu_backend(), reason="the Mosaic GPU interpreter's callbacks need a CPU device: "
+    "JAX_PLATFORMS=cuda,cpu")
+# Tests that take the CPU host's simulated devices (conftest: 8) as the default ones: on a GPU
+# host the GPU is the default backend and the CPU devices are not what jax.devices() lists.
+needs_cpu_default = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or jax.device_count() < 4,
+    reason="needs the CPU as the default backend with its 8 simulated devices (conftest)")
+
 # Widths an H100 lowering accepts for all three kernels (the weight-gradient kernel's tiles are
 # >= 64), so weight_grad="auto" picks the kernel, as on a GPU; 200 rows: not a multiple of 64.
 EMB, MLP, ROWS, RATE = 64, 128, 200, 0.25
@@ -190,6 +209,7 @@ def _ragged_dot_value_and_vjp(lhs, rhs, sizes, cotangent):
     return out, vjp(cotangent)
 
 
+@needs_cpu_backend
 @pytest.mark.parametrize("sizes", [(70, 0, 120), (0, 200, 0)])
 def test_three_kernels_match_ragged_dot_and_its_vjp(sizes):
     # Forward (ragged_dot_mgpu), input gradient (its transpose_rhs form) and weight gradient
@@ -215,6 +235,7 @@ def test_three_kernels_match_ragged_dot_and_its_vjp(sizes):
     _assert_close(got, want, 1e-2)
 
 
+@needs_cpu_backend
 @pytest.mark.parametrize("case", ["mixed", "all_dropped"])
 def test_mosaic_bfloat16_forward_and_grads(case):
     # One compiled function (G = 4, bfloat16) for every group layout: group is a traced input.
@@ -227,6 +248,7 @@ def test_mosaic_bfloat16_forward_and_grads(case):
     _check_zero_rows(got[0], group, 4)
 
 
+@needs_cpu_backend
 @pytest.mark.slow  # fast counterparts: the same kernels at N = 2 and 4, one group above
 def test_mosaic_float16_eight_experts_and_one_expert():
     x, *params = _params(jax.random.key(2), 8, jnp.float16)
@@ -248,6 +270,7 @@ def test_mosaic_float32_params_cast_to_bfloat16_and_back():
     assert "bf16[" in jaxpr
 
 
+@needs_cpu_backend
 @pytest.mark.slow  # fast counterpart: the casts above; the kernels at bfloat16 above
 def test_mosaic_float32_params_two_experts_capacity():
     # float32 parameters run as bfloat16 operands: everything equals the reference run on the
@@ -301,6 +324,7 @@ def test_check_grouped_supported_messages():
             grouped_ffn(x, _groups("mixed", 2), jnp.arange(ROWS), *params, None, 0.0)
 
 
+@needs_cpu_default
 def test_device_check_asks_the_target_device():
     # A compile-only H100 (jax.experimental.topologies) reports platform "cuda" and its kind;
     # the check asks it, not the host's first device, wherever it is named: as the device, as
@@ -419,6 +443,7 @@ def _h100_lowering_error(kernel, config: dict, dtype=jnp.bfloat16) -> str | None
     return None
 
 
+@needs_cpu_default
 def test_grouped_ffn_lowers_for_a_compile_only_h100_from_a_cpu_host():
     # The expert FFN with all three kernels (weight_grad="auto" at these widths) lowered for an
     # H100 whose devices exist only as a topology: the device check asks the mesh of the
@@ -498,6 +523,7 @@ def test_tokamax_impl_or_its_missing_package_error():
                   REL_TOL["bfloat16"])
 
 
+@needs_cpu_default
 def test_inside_shard_map_with_local_experts():
     # The expert-parallel layer runs the FFN per device on its local experts (G = N / devices).
     # The XLA impl: the Mosaic GPU interpreter inside a multi-device shard_map on CPU can hang
@@ -519,6 +545,7 @@ def test_inside_shard_map_with_local_experts():
     _assert_close(got.reshape(ROWS, EMB), want, REL_TOL["f32_xla"])
 
 
+@needs_cpu_backend
 @pytest.mark.slow  # kept out of the default run for time; python -m pytest -q -m slow
 def test_benchmark_runs_tiny_in_interpret_mode(tmp_path):
     from lab.benchmarks import grouped_ffn as benchmark
@@ -533,6 +560,7 @@ def test_benchmark_runs_tiny_in_interpret_mode(tmp_path):
     assert saved["environment"]["jax"] == jax.__version__
 
 
+@needs_cpu_default
 def test_grouped_matmul_gradients_under_expert_parallel_shard_map():
     """Expert parallelism: tokens replicated over the `expert` axis, each shard holding its own
     experts. The custom VJP's cotangents vary as their operands do (a Mosaic kernel's result

@@ -162,3 +162,20 @@ def test_a_module_needing_a_missing_extra_names_the_extra():
     """)
     assert "named" in out and "No module named 'flax': it comes with sparsemixer-jax's " \
         "train extra" in out
+
+
+def test_a_probe_for_a_missing_extra_is_answered_none(monkeypatch):
+    """``importlib.util.find_spec`` asks whether a package is installed (orbax's paths and JAX's
+    compilation cache ask it of tensorflow): it gets None, as without the finder; only an
+    import raises the error that names the extra."""
+    import importlib.util
+
+    import pytest
+
+    from sparsemixer_jax import extras
+
+    extras.name_missing_extras()
+    monkeypatch.setitem(extras.EXTRA_OF, "sparsemixer_no_such_package", "train")
+    assert importlib.util.find_spec("sparsemixer_no_such_package") is None
+    with pytest.raises(ModuleNotFoundError, match=r"sparsemixer-jax\[train\]"):
+        __import__("sparsemixer_no_such_package")

@@ -118,9 +118,15 @@ def test_cudnn_attention_gives_the_xla_logits_on_a_gpu():
         model = CausalLM(config, rngs=nnx.Rngs(params=0, router=1))
         model.eval()
         graphdef, state = nnx.split(model)
-        ids, segments, real = _inputs()
-        outs[impl] = np.asarray(jax.jit(lambda ids, s, r, g=graphdef, st=state: nnx.merge(
-            g, st).forward(ids, segment_ids=s, token_mask=r).logits)(ids, segments, real))
+
+        # the state an argument: merged inside the trace, the layer scan may update its
+        # variables (a closed-over state's would belong to the outer trace level)
+        @jax.jit
+        def logits(state, ids, segments, real, graphdef=graphdef):
+            return nnx.merge(graphdef, state).forward(ids, segment_ids=segments,
+                                                      token_mask=real).logits
+
+        outs[impl] = np.asarray(logits(state, *_inputs()))
     keep = np.asarray(_inputs()[2])
     scale = np.abs(outs["xla"]).max()
     np.testing.assert_allclose(outs["cudnn"][keep], outs["xla"][keep], rtol=0, atol=2e-2 * scale)

@@ -473,3 +473,14 @@ def test_the_fit_reads_the_measured_runs_with_their_chip_and_model():
     assert top2["model_flops"] == lm_flops_per_token(lm, 4096)["total"] * 65536
     h100 = roofline_fit.measured_arms("docs/results/benchmark_lm_h100.json")
     assert {a["chip"] for a in h100} == {"h100"} and {a["lm_config"] for a in h100} == {None}
+
+
+def test_the_fit_reads_the_eight_row_runs_one_router_a_run():
+    from lab.benchmarks import roofline_fit
+
+    arms = roofline_fit.measured_arms("docs/results/benchmark_lm_bench_h200_8row.json")
+    # two runs of three arms (top-2, the router, dense); the profile and the failed run skipped
+    assert [(a["run"].removeprefix("lm_throughput_cudnn_"), a["arm"]) for a in arms] == [
+        (r, arm) for r in ("sparsemixer_v2", "densemixer") for arm in ("top2", r, "dense")]
+    assert {a["sizes"]["micro_rows"] for a in arms} == {8}
+    assert {a["attention_impl"] for a in arms} == {"cudnn"}

@@ -1,7 +1,7 @@
 """Fit the roofline's calibration on measured GPU step times, and show predicted against measured.
 
     python -m lab.benchmarks.roofline_fit --measured docs/results/benchmark_lm_h100.json \
-        docs/results/benchmark_lm_bench_h200.json
+        docs/results/benchmark_lm_bench_h200.json docs/results/benchmark_lm_bench_h200_8row.json
 
 For every arm of every ``lm_throughput`` run in the measured JSON files (the benchmark's
 language model: top-2, the routers timed against it, the dense twin; its sizes, or the LM config
@@ -67,7 +67,11 @@ def measured_arms(path: str) -> list[dict[str, Any]]:
 def compiled_programs(arm: dict[str, Any], cache: str) -> list[tuple[str, int]]:
     """The optimised HLO of each program of ``arm``'s update on one GPU of its chip, with the
     times an update runs it (``accumulate``: once per micro-batch), compiled once and cached."""
+    # Runs of one config at different micro-batch sizes are different programs; runs that record
+    # none, or one row, keep the keys their cached programs were written under.
+    rows = arm["sizes"].get("micro_rows", 1)
     key = f"{arm['chip']}.{arm['attention_impl']}.{arm['dispatch']}.{arm['arm']}" + \
+        (f".rows{rows}" if rows != 1 else "") + \
         (f".{arm['lm_config'].replace('/', '_')}" if arm["lm_config"] else "")
     index = os.path.join(cache, f"{key}.json")
     if not os.path.exists(index):
@@ -153,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--measured", nargs="+",
                         default=["docs/results/benchmark_lm_h100.json",
-                                 "docs/results/benchmark_lm_bench_h200.json"])
+                                 "docs/results/benchmark_lm_bench_h200.json",
+                                 "docs/results/benchmark_lm_bench_h200_8row.json"])
     parser.add_argument("--cache", default="runs/roofline_fit")
     parser.add_argument("--json", default=None, help="write the table and the fit here")
     args = parser.parse_args(argv)
