@@ -125,3 +125,46 @@ def test_whole_model_loss_and_gradients_equal_padded():
             steps.graphdef, steps.task, steps.params, steps.layer_state, steps.rest, batch,
             jax.random.key(1))[0]
     assert_same(grads["grouped"], grads["padded"], rtol=1e-4, atol=1e-6)
+
+
+def test_zero_unkept_is_where_bit_for_bit():
+    """Non-finite values on kept rows survive and unkept rows are +0, as ``jnp.where``."""
+    from sparsemixer_jax.kernels.mosaic_grouped_matmul import zero_unkept
+
+    x = jnp.array([[1.5, -0.0], [jnp.inf, jnp.nan], [jnp.nan, -2.0]], jnp.bfloat16)
+    keep = jnp.array([[True], [True], [False]])
+    got = zero_unkept(keep, x, jnp.array([3, 1], jnp.int32))
+    want = jnp.where(keep, x, 0)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+def test_moved_rows_keep_no_zero_array_in_a_differentiated_scan():
+    """Inside a differentiated, rematerialised ``lax.scan`` (a model's layer stack) the grouped
+    dispatch's row masks must not leave a zero-filled array of the moved rows' shape outside
+    the loop, which every masked kernel would read: JAX hoists a literal zero's broadcast out
+    of the loop as loop-invariant (``zero_unkept``). Two rows per token, as top-2 routes, so
+    the moved rows ``[2 * tokens, emb]`` have a shape of their own in the program."""
+    tokens, emb, mlp, n = 16, 8, 16, 2
+    ws = (jax.random.normal(jax.random.key(0), (3, n, emb, mlp)),
+          jax.random.normal(jax.random.key(1), (3, n, mlp, emb)))
+
+    def layer_body(x, w):
+        rows = jnp.repeat(x, 2, axis=0)
+        group = (jnp.sum(rows, axis=-1) > 0).astype(jnp.int32)
+        y = expert_ffn(rows, group, jnp.arange(2 * tokens), (w[0], None, w[1], None),
+                       dispatch="grouped", grouped_impl="xla")
+        return x + y.reshape(tokens, 2, emb).sum(axis=1), None
+
+    # remat="elementwise"'s kind of policy: products recomputed, everything else kept.
+    body = jax.checkpoint(layer_body, policy=lambda prim, *_, **__: prim.name != "mul",
+                          prevent_cse=False)
+
+    def loss(ws, x):
+        return jnp.sum(jax.lax.scan(body, x, ws)[0])
+
+    x = jax.random.normal(jax.random.key(2), (tokens, emb))
+    text = jax.jit(jax.grad(loss)).lower(ws, x).compile().as_text()
+    entry = text[text.index("\nENTRY"):]
+    hoisted = [line for line in entry.splitlines()
+               if f"[{2 * tokens},{emb}]" in line and "broadcast" in line]
+    assert not hoisted, hoisted

@@ -355,6 +355,22 @@ def _rows_valid(rows: int, group_sizes: jax.Array) -> jax.Array:
     return (jnp.arange(rows) < jnp.sum(group_sizes))[:, None]
 
 
+def zero_unkept(keep: jax.Array, x: jax.Array, anchor: jax.Array) -> jax.Array:
+    """``jnp.where(keep, x, 0)``, bit for bit, without a zero-filled array of ``x``'s shape.
+
+    ``keep`` broadcasts against ``x``; ``anchor`` is any integer array the computation
+    derives from its inputs (indices, group sizes), which the zero is computed from. With a
+    literal ``0``, JAX broadcasts it to ``x``'s shape, and inside a differentiated
+    ``lax.scan`` (a model's layer stack) it hoists that loop-invariant broadcast out of the
+    loop: the compiled program keeps a zero-filled array as large as ``x`` in memory and every
+    kernel that selects reads it as a second operand (XLA's select loads both sides). A zero
+    computed from ``anchor`` varies with the loop, so its broadcast stays inside the kernel
+    that reads it.
+    """
+    zero = (anchor.reshape(-1)[0] * 0).astype(x.dtype) if anchor.size else 0
+    return jnp.where(keep, x, zero)
+
+
 def _pad_rows(a: jax.Array, multiple: int) -> jax.Array:
     pad = -a.shape[0] % multiple
     return a if pad == 0 else jnp.pad(a, [(0, pad), (0, 0)])
@@ -385,7 +401,7 @@ def _mosaic_matmul(lhs, rhs, group_sizes, config: GroupedMatmulConfig,
             grid_block_n=config.grid_block_n, transpose_rhs=transpose_rhs)
     # The kernel never writes rows outside the groups (uninitialised memory, NaN in the
     # interpreter), and a NaN there would poison the transposed kernel's masked products.
-    return jnp.where(_rows_valid(rows, group_sizes), out[:rows], 0)
+    return zero_unkept(_rows_valid(rows, group_sizes), out[:rows], group_sizes)
 
 
 def _mosaic_weight_grad(lhs, dout, group_sizes, config: GroupedMatmulConfig) -> jax.Array:
@@ -397,7 +413,8 @@ def _mosaic_weight_grad(lhs, dout, group_sizes, config: GroupedMatmulConfig) -> 
     # zeroed since NaN * 0 is NaN.
     if not config.zero_past_groups:
         valid = _rows_valid(lhs.shape[0], group_sizes)
-        lhs, dout = jnp.where(valid, lhs, 0), jnp.where(valid, dout, 0)
+        lhs = zero_unkept(valid, lhs, group_sizes)
+        dout = zero_unkept(valid, dout, group_sizes)
     lhs, dout = _pad_rows(lhs, block_k), _pad_rows(dout, block_k)
     with _interpreting(config):
         return transposed_ragged_dot(

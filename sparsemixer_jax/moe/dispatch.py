@@ -47,6 +47,7 @@ from sparsemixer_jax.kernels.mosaic_grouped_matmul import (
     GroupedMatmulConfig,
     grouped_matmul,
     interpret_mode_active,
+    zero_unkept,
 )
 
 DISPATCHES = ("auto", "ragged", "padded", "grouped")
@@ -405,7 +406,7 @@ def move_rows(x: jax.Array, take: jax.Array, keep: jax.Array, take_back: jax.Arr
     The transpose is then the gather ``where(keep_back, g[take_back], 0)``, not a scatter-add
     into zeros, and nothing but the indices is kept for the backward pass.
     """
-    return jnp.where(keep[:, None], x[take], 0).astype(x.dtype)
+    return zero_unkept(keep[:, None], x[take], take).astype(x.dtype)
 
 
 def _move_rows_fwd(x, take, keep, take_back, keep_back):
