@@ -206,6 +206,11 @@ def beam_search(
 ) -> tuple[jax.Array, jax.Array]:
     """Beam search (module docstring for the rules).
 
+    Long because its step is a closure that ``jax.lax.while_loop`` runs over the static sizes
+    and ``tokens_to_logits``, read best in one piece; its parts are already helpers
+    (:func:`_step_log_probs`, :func:`_best_finished`, :func:`_gather_beams`,
+    :func:`_initial_state`).
+
     Args:
       tokens_to_logits: ``(tokens [B*K], cache) -> (logits [B*K, V], cache)``; beam ``k`` of
         sentence ``b`` is row ``b * K + k``.

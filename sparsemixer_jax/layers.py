@@ -99,18 +99,6 @@ class ModelConfig:
 M = TypeVar("M", bound=ModelConfig)
 
 
-def model_sections[M: ModelConfig](config: Any, model_type: type[M]) -> tuple[M, RouterConfig]:
-    """``(config.model, config.router)`` as typed sections: taken as they are when ``config``
-    holds them already (a task hands its sections down), else built from the experiment
-    config, which checks them."""
-    model, router = config.model, config.router
-    if not isinstance(model, model_type):
-        model = model_type.from_config(model)
-    if not isinstance(router, RouterConfig):
-        router = RouterConfig.from_config(router, num_experts=model.moe.num_experts or None)
-    return model, router
-
-
 # -- attention ------------------------------------------------------------------------------------
 
 

@@ -74,6 +74,15 @@ def tiny_config(task: str = "translation", corpus: str | None = None, *,
     return config
 
 
+def sections(config: ml_collections.ConfigDict, model_type: type) -> tuple:
+    """``(config.model, config.router)`` read into ``model_type`` (``TransformerConfig``,
+    ``EncoderConfig``) and a ``RouterConfig``, as a task's ``from_config`` reads them: the typed
+    sections the models take (``Transformer(*kit.sections(config, TransformerConfig), ...)``)."""
+    from sparsemixer_jax.routers import RouterConfig
+
+    return model_type.from_config(config.model), RouterConfig.from_config(config.router)
+
+
 def run_for_target(config: ml_collections.ConfigDict, target):
     """The run of ``config`` as the compile command builds it for ``target``: its
     ``model.dispatch`` resolved for the target's platform."""

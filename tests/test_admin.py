@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax.config import moe_model_fields, router_config
-from sparsemixer_jax.models.encoder import Encoder
+from sparsemixer_jax.models.encoder import Encoder, EncoderConfig
+from tests import kit
 
 
 def admin_config(init="admin", num_layers=4):
@@ -33,8 +34,8 @@ def _variance(v, real):
 def profiled():
     tokens = jax.random.randint(jax.random.key(3), (8, 24), 5, 200)
     tokens = tokens.at[:, 20:].set(0).at[0, 10:].set(0)  # padding, unequal lengths
-    encoder = Encoder(admin_config(), vocab_size=200, rngs=nnx.Rngs(params=0, dropout=1,
-                                                                     router=2))
+    encoder = Encoder(*kit.sections(admin_config(), EncoderConfig), vocab_size=200,
+                      rngs=nnx.Rngs(params=0, dropout=1, router=2))
     scales = encoder.set_admin_scales(tokens)
     return encoder, tokens, scales
 
@@ -105,7 +106,8 @@ def test_the_forward_applies_the_scales(profiled):
 
 
 def test_other_schemes_have_no_residual_scales():
-    encoder = Encoder(admin_config("fairseq", 2), vocab_size=50, rngs=nnx.Rngs(0))
+    encoder = Encoder(*kit.sections(admin_config("fairseq", 2), EncoderConfig), vocab_size=50,
+                      rngs=nnx.Rngs(0))
     names = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(encoder, nnx.Param))}
     assert not any("residual_scale" in n for n in names)
     with pytest.raises(ValueError, match=r"model\.init='admin'"):

@@ -13,17 +13,18 @@ from flax import nnx
 
 from sparsemixer_jax import config as config_schema
 from sparsemixer_jax.layers import ModelConfig
-from sparsemixer_jax.models.electra import GeneratorConfig
+from sparsemixer_jax.models.electra import Electra, GeneratorConfig
 from sparsemixer_jax.models.encoder import EncoderConfig
-from sparsemixer_jax.models.encoder_decoder import TransformerConfig
+from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
 from sparsemixer_jax.moe import MoEConfig, MoEFeedForward
 from sparsemixer_jax.partitioning import read_rules
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.runtime import RuntimeConfig
 from sparsemixer_jax.sharding import MeshConfig
-from sparsemixer_jax.tasks import TASKS
+from sparsemixer_jax.tasks import TASKS, run_config
 from sparsemixer_jax.tasks.lm_sections import LMModelConfig
 from sparsemixer_jax.training.optim import OptimSettings
+from tests import kit
 
 # Fields a section fills from another section or from the model, not from its own builder.
 NOT_BUILT = {OptimSettings: {"train_routers", "roles"}}
@@ -167,3 +168,26 @@ def test_a_layer_built_directly_is_initialised_as_the_configs_build_it():
     for a, b in zip(direct.expert_params(), built.expert_params(), strict=True):
         np.testing.assert_array_equal(a[...], b[...])
     np.testing.assert_array_equal(direct.router.bias[...], built.router.bias[...])
+
+
+@pytest.mark.parametrize("task_name", ["translation", "pretraining"])
+def test_a_model_built_directly_equals_the_tasks(task_name):
+    """A model built from the typed sections read straight off the config, with the loop's
+    seeds, has the parameters of the model its task builds, bit for bit: the task hands its
+    sections to the model unchanged, and the constructors take nothing else."""
+    config = kit.tiny_config(task_name)
+    run = run_config(config)
+    vocab_size = 40
+    by_task = run.task.build_model(run, vocab_size, None)
+    seed = config.seed
+    rngs = nnx.Rngs(params=seed, dropout=seed + 1, router=seed + 2)
+    if task_name == "translation":
+        direct = Transformer(*kit.sections(config, TransformerConfig), vocab_size, rngs=rngs)
+    else:
+        model, router = kit.sections(config, EncoderConfig)
+        generator = GeneratorConfig.from_config(config.generator).encoder(model)
+        direct = Electra(model, router, generator, vocab_size, rngs=rngs)
+    ours, theirs = (nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (direct, by_task))
+    assert [path for path, _ in ours] == [path for path, _ in theirs]
+    for (path, a), (_, b) in zip(ours, theirs, strict=True):
+        np.testing.assert_array_equal(a[...], b[...], err_msg=str(path))

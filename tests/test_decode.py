@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax import decode
-from sparsemixer_jax.models.encoder_decoder import Transformer
+from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
 from sparsemixer_jax.token_ids import PAD_ID
 from tests import kit
 
@@ -44,7 +44,8 @@ def copy_batch(rng: np.random.Generator, n: int) -> jax.Array:
 
 @pytest.fixture(scope="module")
 def model():
-    return Transformer(tiny_config(), VOCAB, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+    return Transformer(*kit.sections(tiny_config(), TransformerConfig), VOCAB,
+                       rngs=nnx.Rngs(params=0, dropout=1, router=2))
 
 
 @pytest.fixture(scope="module")

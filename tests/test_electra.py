@@ -10,15 +10,18 @@ from flax import nnx
 from sparsemixer_jax import token_ids
 from sparsemixer_jax.data import text
 from sparsemixer_jax.models import electra
-from sparsemixer_jax.training import loop
+from sparsemixer_jax.models.encoder import EncoderConfig
+from sparsemixer_jax.tasks import run_config
 from tests import tiny_electra_config
 
 VOCAB = 40
 
 
 def build_model(config, vocab_size):
-    """A fresh ELECTRA (generator + discriminator) of ``config``, seeded from ``config.seed``."""
-    return loop.build_model(electra.Electra, config, vocab_size, None, seed=config.seed)
+    """A fresh ELECTRA (generator + discriminator) of ``config``, seeded from ``config.seed``,
+    as the pretraining task builds it (which checks the config first)."""
+    run = run_config(config)
+    return run.task.build_model(run, vocab_size, None)
 SETTINGS = electra.LossSettings(disc_weight=50.0, balance_weight=0.01, z_loss_weight=0.0,
                                 mask_prob=0.15)
 
@@ -151,12 +154,13 @@ def test_selected_positions_and_prediction_count():
 
 def test_generator_config_rules():
     config = tiny_electra_config.get_config()
-    g = electra.generator_config(config)
+    g = electra.GeneratorConfig.from_config(config.generator).encoder(
+        EncoderConfig.from_config(config.model))
     assert g.num_layers == 1 and g.moe.num_experts == 0
     assert g.emb_dim == config.model.emb_dim and config.model.num_layers == 2
     config.generator.emb_dim = 8
     with pytest.raises(ValueError, match="emb_dim"):
-        electra.generator_config(config)
+        electra.GeneratorConfig.from_config(config.generator)
 
 
 def test_moe_generator_adds_its_routers_to_the_objective():

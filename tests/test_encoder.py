@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax.models.encoder import Encoder, relative_position_bucket
+from sparsemixer_jax.models.encoder import Encoder, EncoderConfig, relative_position_bucket
 from tests import kit
 
 # Computed by hand from T5's definition with 32 buckets (16 per direction, 8 exact distances
@@ -41,7 +41,7 @@ def encode(encoder, tokens, segments=None, deterministic=True):
 
 @pytest.fixture(scope="module")
 def encoder():
-    return Encoder(kit.tiny_config("encoder"), vocab_size=50,
+    return Encoder(*kit.sections(kit.tiny_config("encoder"), EncoderConfig), vocab_size=50,
                    rngs=nnx.Rngs(params=0, dropout=1, router=2))
 
 
@@ -79,8 +79,8 @@ def test_relative_bias_depends_on_offsets_only(encoder):
 
 
 def test_dense_encoder_has_no_moe_metrics():
-    enc = Encoder(kit.tiny_config("encoder", model={"num_experts": 0}), vocab_size=50,
-                  rngs=nnx.Rngs(0))
+    dense = kit.tiny_config("encoder", model={"num_experts": 0})
+    enc = Encoder(*kit.sections(dense, EncoderConfig), vocab_size=50, rngs=nnx.Rngs(0))
     hidden, aux = encode(enc, jnp.array([[3, 9, 4]], jnp.int32))
     assert aux["moe"] == {} and float(aux["balance_loss"]) == 0.0
     assert hidden.shape == (1, 3, 16)
@@ -101,7 +101,8 @@ def test_absolute_positions_and_gelu_switches():
     refused; ``activation`` reaches the dense and the MoE feed-forwards."""
     c = kit.tiny_config("encoder")
     c.model.absolute_positions, c.model.activation = 12, "gelu"
-    enc = Encoder(c, vocab_size=50, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+    enc = Encoder(*kit.sections(c, EncoderConfig), vocab_size=50,
+                  rngs=nnx.Rngs(params=0, dropout=1, router=2))
     assert enc.layers[0].ffn.activation == enc.layers[1].ffn.activation == "gelu"
     assert enc.embeddings.position.embedding.shape == (12, 16)
     tokens = jnp.asarray(np.random.default_rng(0).integers(6, 50, (2, 7)), jnp.int32)
@@ -117,7 +118,7 @@ def test_absolute_positions_and_gelu_switches():
     assert hidden.shape == (2, 7, 16)
     with pytest.raises(ValueError, match=r"sequence of 13 tokens.*positions for 12"):
         enc(jnp.ones((1, 13), jnp.int32))
-    plain = Encoder(kit.tiny_config("encoder"), vocab_size=50,
+    plain = Encoder(*kit.sections(kit.tiny_config("encoder"), EncoderConfig), vocab_size=50,
                     rngs=nnx.Rngs(params=0, dropout=1, router=2))
     assert plain.embeddings.position is None  # a config without the fields: none, ReLU
     assert plain.layers[0].ffn.activation == "relu"
@@ -141,7 +142,8 @@ def test_attention_impl_reaches_the_fused_attention(monkeypatch):
         # Dense: the attention is what is tested.
         c = kit.tiny_config("encoder", model={"num_experts": 0})
         c.model.attention_impl, c.model.attention_dropout = impl, 0.0
-        enc = Encoder(c, vocab_size=50, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+        enc = Encoder(*kit.sections(c, EncoderConfig), vocab_size=50,
+                      rngs=nnx.Rngs(params=0, dropout=1, router=2))
         hidden[impl], _ = encode(enc, tokens)  # traced: the spy sees the call
         assert [layer.self_attn.implementation for layer in enc.layers] == [impl, impl]
     assert calls == [("xla", True), ("xla", True)]  # one call per layer, none from "einsum"

@@ -14,8 +14,9 @@ import pytest
 from flax import nnx
 
 from configs import wmt_n4
-from sparsemixer_jax.models.encoder_decoder import Transformer
+from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
 from sparsemixer_jax.moe import MoEFeedForward
+from tests import kit
 
 TRUNCATED_STD = 0.87962566103423978  # std of the standard normal truncated to [-2, 2]
 
@@ -83,7 +84,7 @@ def wmt_n4_params():
     for scheme in ("fairseq", "flax"):
         config = wmt_n4.get_config()
         config.model.init = scheme
-        model = Transformer(config, config.data.vocab_size,
+        model = Transformer(*kit.sections(config, TransformerConfig), config.data.vocab_size,
                             rngs=nnx.Rngs(params=0, dropout=1, router=2))
         out[scheme] = {"/".join(map(str, path)): np.asarray(v[...])
                        for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
@@ -165,7 +166,8 @@ def test_a_component_set_apart_takes_its_own_scheme(component):
                          ("decoder_layers", 2), ("num_heads", 4)):
         config.model[field] = value
     config.model.init = f"flax,{component}=fairseq"
-    model = Transformer(config, 50, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+    model = Transformer(*kit.sections(config, TransformerConfig), 50,
+                        rngs=nnx.Rngs(params=0, dropout=1, router=2))
     owner = {"router": lambda p: "router" in p,
              "experts": lambda p: p.rsplit("/", 1)[-1] in ("wi", "bi", "wo", "bo"),
              "ffn": lambda p: "/ffn/w" in p and p.endswith(("kernel", "bias"))

@@ -76,8 +76,8 @@ class Stream:
 
 
 class Regression(nnx.Module):
-    def __init__(self, config, vocab_size: int, *, mesh, rngs: nnx.Rngs):
-        del config, vocab_size, mesh
+    def __init__(self, *, mesh, rngs: nnx.Rngs):
+        del mesh
         self.linear = nnx.Linear(FEATURES, 1, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -115,8 +115,8 @@ class FakeTask:
                                  stats={"rows": ROWS}, micro_batches=self.micro_batches)
 
     def build_model(self, run, vocab_size, mesh):
-        return training.build_model(Regression, None, vocab_size, mesh, seed=run.seed,
-                                    rules=run.mesh.rules)
+        del vocab_size
+        return training.build_model(Regression, mesh, seed=run.seed, rules=run.mesh.rules)
 
     def validation_metrics(self, sums):
         error, count = (float(x) for x in sums)

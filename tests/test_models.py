@@ -18,6 +18,7 @@ from sparsemixer_jax.layers import FeedForward
 from sparsemixer_jax.models.encoder_decoder import (
     PAD_ID,
     Transformer,
+    TransformerConfig,
     shift_right,
     sinusoidal_positions,
 )
@@ -35,6 +36,11 @@ def tiny_config(num_experts: int = 2, router: str = "sparsemixer", layers: int =
     return kit.tiny_config("transformer", model=dict(
         encoder_layers=layers, decoder_layers=layers, num_experts=num_experts, **model),
         **{"router.name": router})
+
+
+def transformer(config, vocab_size: int = VOCAB, **kwargs) -> Transformer:
+    """The Transformer of ``config``'s typed sections (``mesh``, ``rngs`` in ``kwargs``)."""
+    return Transformer(*kit.sections(config, TransformerConfig), vocab_size, **kwargs)
 
 
 def random_batch(seed: int, src_len: int = SRC_LEN, tgt_len: int = TGT_LEN):
@@ -56,7 +62,7 @@ def eval_forward(model, inputs, targets):
 @pytest.fixture(scope="module")
 def moe_model():
     """2+2 layers, N=2 SparseMixer: MoE FFN in layer 0, dense in layer 1 (encoder and decoder)."""
-    return Transformer(tiny_config(), VOCAB, rngs=nnx.Rngs(0))
+    return transformer(tiny_config(), rngs=nnx.Rngs(0))
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +86,7 @@ def test_builds_from_config(num_experts, router):
     """Every N and every router builds from the config alone (abstractly: nothing is
     allocated). The router does not change how N is laid out, so each varies on its own."""
     config = tiny_config(num_experts, router, layers=3)
-    model = nnx.eval_shape(lambda: Transformer(config, VOCAB, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: transformer(config, rngs=nnx.Rngs(0)))
     for stack in (model.encoder_layers, model.decoder_layers):
         for i, layer in enumerate(stack):
             if num_experts and i % 2 == 0:
@@ -102,7 +108,7 @@ def test_training_forward_traces(num_experts, router):
     inputs, targets = random_batch(0)
 
     def forward():
-        model = Transformer(config, VOCAB, rngs=nnx.Rngs(0))
+        model = transformer(config, rngs=nnx.Rngs(0))
         return model(inputs, targets, deterministic=False)
 
     logits, aux = jax.eval_shape(forward)
@@ -116,7 +122,7 @@ def test_training_forward_traces(num_experts, router):
 
 def test_moe_every_places_layers():
     config = tiny_config(4, layers=6, moe_every=3)
-    model = nnx.eval_shape(lambda: Transformer(config, VOCAB, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: transformer(config, rngs=nnx.Rngs(0)))
     moe = [isinstance(layer.ffn, MoEFeedForward) for layer in model.encoder_layers]
     assert moe == [True, False, False, True, False, False]
 
@@ -219,7 +225,7 @@ def test_decoding_is_dropless_in_capacity_mode(moe_model, batch):
     """A capacity that drops tokens in the teacher-forced pass leaves decoding as if dropless, so
     a translation does not depend on the other sentences of its batch."""
     inputs, targets = batch
-    capped = Transformer(tiny_config(capacity_factor=0.3), VOCAB, rngs=nnx.Rngs(0))
+    capped = transformer(tiny_config(capacity_factor=0.3), rngs=nnx.Rngs(0))
     _, aux = eval_forward(capped, inputs, targets)
     assert max(float(m["dropped_fraction"]) for m in aux["moe"].values()) > 0
     got, _ = cached_logits(capped, inputs, targets)
@@ -253,8 +259,8 @@ def test_fold_omega_keeps_outputs(moe_model, batch, eval_out):
 
 def test_fold_omega_skips_switch_and_dense():
     # Abstract models: fold_omega must not touch any parameter of these.
-    switch = nnx.eval_shape(lambda: Transformer(tiny_config(2, "switch"), VOCAB, rngs=nnx.Rngs(0)))
-    dense = nnx.eval_shape(lambda: Transformer(tiny_config(0), VOCAB, rngs=nnx.Rngs(0)))
+    switch = nnx.eval_shape(lambda: transformer(tiny_config(2, "switch"), rngs=nnx.Rngs(0)))
+    dense = nnx.eval_shape(lambda: transformer(tiny_config(0), rngs=nnx.Rngs(0)))
     assert fold_omega(switch) == 0 and fold_omega(dense) == 0
 
 
@@ -264,7 +270,7 @@ def test_fold_omega_skips_switch_and_dense():
 @pytest.mark.slow  # fast counterpart: tests/test_moe.py::test_bfloat16_compute (the layer)
 def test_bfloat16_compute_keeps_float32_params_and_logits(moe_model, batch, eval_out):
     config = tiny_config(compute_dtype="bfloat16")
-    model = Transformer(config, VOCAB, rngs=nnx.Rngs(0))
+    model = transformer(config, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
     # Same seed, same parameters as the float32 model: only the compute dtype differs.
@@ -302,7 +308,7 @@ def test_transformer_base_forward_backward_on_cpu():
     )
     config.model.num_experts = 4
     vocab = 512  # the vocabulary size does not change the architecture; keep the step cheap
-    model = Transformer(config, vocab, rngs=nnx.Rngs(params=0, dropout=1))
+    model = transformer(config, vocab, rngs=nnx.Rngs(params=0, dropout=1))
     rng = np.random.default_rng(0)
     inputs = jnp.asarray(rng.integers(1, vocab, (2, 8)), jnp.int32).at[1, 6:].set(PAD_ID)
     targets = jnp.asarray(rng.integers(1, vocab, (2, 8)), jnp.int32).at[0, 5:].set(PAD_ID)
@@ -327,8 +333,8 @@ def test_mesh_is_passed_to_moe_layers():
     from sparsemixer_jax.sharding import make_mesh
 
     mesh = make_mesh(data=2, expert=4)
-    model = nnx.eval_shape(lambda: Transformer(tiny_config(4), VOCAB, mesh=mesh, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: transformer(tiny_config(4), mesh=mesh, rngs=nnx.Rngs(0)))
     moe = [m for _, m in nnx.iter_modules(model) if isinstance(m, MoEFeedForward)]
     assert len(moe) == 2 and all(m.mesh is mesh for m in moe)
     with pytest.raises(ValueError, match="divisible"):
-        Transformer(tiny_config(6), VOCAB, mesh=mesh, rngs=nnx.Rngs(0))
+        transformer(tiny_config(6), mesh=mesh, rngs=nnx.Rngs(0))

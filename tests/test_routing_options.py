@@ -600,17 +600,15 @@ def test_electra_generator_and_discriminator_take_the_options():
     from sparsemixer_jax import token_ids
     from sparsemixer_jax.models import electra
     from sparsemixer_jax.moe import balance_plan
-    from sparsemixer_jax.training import loop
     from tests import tiny_electra_config
-    from tests.test_electra import SETTINGS, VOCAB, make_batch
+    from tests.test_electra import SETTINGS, VOCAB, build_model, make_batch
 
     config = tiny_electra_config.get_config()
     config.generator.num_experts = 2
     config.router.update(name="default_moe", top_k=2, bias_update_rate=0.01,
                          balance_scope="sequence")
     config.model.update(num_shared_experts=1, shared_expert_gate=True)
-    check_config(config)
-    model = loop.build_model(electra.Electra, config, VOCAB, None, seed=config.seed)
+    model = build_model(config, VOCAB)
     plan = balance_plan(model)
     assert len(plan) == 3  # generator layer 0, discriminator layers 0 and 1
     batch = make_batch(1)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from sparsemixer_jax import runtime, training
 from sparsemixer_jax.layers import Attention
-from sparsemixer_jax.models.encoder_decoder import Transformer
+from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.tasks import check_config, run_config, translation
 from sparsemixer_jax.training import steps as training_steps
@@ -129,7 +129,8 @@ def test_transformer_with_fused_attention_equals_the_paper_attention(monkeypatch
     outs, steps = {}, {}
     for impl in ("einsum", "xla", "cudnn"):
         config = tiny_config(attention_impl=impl, attention_dropout=0.0)
-        model = Transformer(config, VOCAB, rngs=nnx.Rngs(params=0, dropout=1, router=2))
+        model = Transformer(*kit.sections(config, TransformerConfig), VOCAB,
+                            rngs=nnx.Rngs(params=0, dropout=1, router=2))
         outs[impl] = model(b["inputs"], b["targets"], deterministic=False)[0]
         if impl != "xla":
             encoded = model.encode(b["inputs"])

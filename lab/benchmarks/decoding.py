@@ -26,14 +26,14 @@ def bench_decode(sizes, experts, dtype, warmup, repeats, beam_size=4, max_extra_
     import numpy as np
 
     from sparsemixer_jax import decode
-    from sparsemixer_jax.models.encoder_decoder import Transformer
-    from sparsemixer_jax.training import build_model
+    from sparsemixer_jax.tasks import run_config
 
     shapes = shapes or DECODE_SHAPES
     out: dict[str, Any] = {"beam_size": beam_size, "max_extra_len": max_extra_len}
     for n in [0, *experts]:
         config = model_config(sizes, n, "sparsemixer", dtype)
-        model = build_model(Transformer, config, sizes["vocab"], None, seed=config.seed)
+        run = run_config(config)
+        model = run.task.build_model(run, sizes["vocab"], None)
         name = "dense" if n == 0 else f"n{n}"
         for shape_name, (rows, length) in shapes.items():
             rng = np.random.default_rng(0)

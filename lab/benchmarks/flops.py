@@ -60,7 +60,7 @@ def electra_flops_per_token(config) -> dict[str, float]:
     ``4 L e`` part of both encoders, included in theirs) and ``total``.
     """
     from sparsemixer_jax.data.text import TextDataConfig
-    from sparsemixer_jax.models.electra import generator_config, num_predictions
+    from sparsemixer_jax.models.electra import GeneratorConfig, num_predictions
     from sparsemixer_jax.models.encoder import EncoderConfig
 
     data = TextDataConfig.from_config(config)
@@ -78,7 +78,8 @@ def electra_flops_per_token(config) -> dict[str, float]:
                 attention, extra)
 
     disc, disc_attention, disc_extra = encoder(discriminator)
-    gen, gen_attention, gen_extra = encoder(generator_config(config))
+    gen, gen_attention, gen_extra = encoder(
+        GeneratorConfig.from_config(config.generator).encoder(discriminator))
     predicted = num_predictions(length, data.mask_prob) / length
     heads = (2 * e * e + 2 * e) + predicted * (2 * e * e + 2 * e * vocab)
     out = {"discriminator": 3.0 * disc + disc_extra, "generator": 3.0 * gen + gen_extra,

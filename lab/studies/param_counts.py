@@ -14,6 +14,7 @@ from flax import nnx
 
 from sparsemixer_jax.models.encoder_decoder import Transformer
 from sparsemixer_jax.moe import MoEFeedForward
+from sparsemixer_jax.tasks import build_task
 
 EXPERTS = (0, 2, 4, 8, 16)
 # Stacked per-expert parameters of an MoE layer (leading axis N); the router and omega are shared.
@@ -37,7 +38,9 @@ def count(num_experts: int, vocab_size: int, config=None) -> dict[str, int]:
 
         config = get_config()
     config.model.num_experts = num_experts
-    model = nnx.eval_shape(lambda: Transformer(config, vocab_size, rngs=nnx.Rngs(0)))
+    task = build_task(config)
+    model = nnx.eval_shape(lambda: Transformer(task.model, task.router, vocab_size,
+                                               rngs=nnx.Rngs(0)))
     total = _size(nnx.state(model, nnx.Param))
     experts = router = unused = 0
     for _, module in nnx.iter_modules(model):

@@ -324,78 +324,74 @@ def _written(config: LMConfig, family: Family, key: Key) -> Any:
     return key.write(getattr(config, field))
 
 
-def to_hf(config: LMConfig) -> dict[str, Any]:
-    """The ``config.json`` dict of ``config`` as transformers 5.x writes it (``rope_parameters``),
-    keeping the keys of the file it was read from that do not change the computation, with the
-    model's routing recorded under :data:`ROUTING_KEY` (:func:`from_hf` restores it)."""
-    c, family = config, family_of(config.model_type, "LMConfig: model_type ")
+def _rope_parameters(rope: RopeConfig, family: Family) -> dict[str, Any]:
+    """``rope_parameters`` of ``config.json`` for ``rope`` (what :func:`_rope` reads)."""
+    out: dict[str, Any] = {"rope_theta": rope.theta, "rope_type": rope.kind}
+    if rope.partial_rotary_factor != 1.0 or family.default("partial_rotary_factor"):
+        out["partial_rotary_factor"] = rope.partial_rotary_factor
+    if rope.kind == "yarn":
+        out.update(factor=rope.factor, beta_fast=rope.beta_fast, beta_slow=rope.beta_slow,
+                   truncate=rope.truncate, attention_factor=rope.attention_factor,
+                   original_max_position_embeddings=rope.original_max_position_embeddings)
+    if rope.kind == "longrope":
+        out.update(short_factor=list(rope.short_factor), long_factor=list(rope.long_factor),
+                   short_mscale=rope.short_mscale, long_mscale=rope.long_mscale,
+                   original_max_position_embeddings=rope.original_max_position_embeddings)
+    if rope.mscale_all_dim:
+        out["mscale_all_dim"] = rope.mscale_all_dim
+    return out
+
+
+def _layer_keys(c: LMConfig, family: Family) -> dict[str, Any]:
+    """The feed-forward sizes and which layers are dense, in the family's keys (what
+    :func:`_layers` reads); a ValueError if the family cannot write this model's layout."""
     t = family.model_type
-    out = {k: v for k, v in c.hf.items() if k in METADATA_KEYS}
-    out.update(architectures=[family.architecture], model_type=t, vocab_size=c.vocab_size,
-               hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
-               num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-               head_dim=c.head_dim, hidden_act="silu", rms_norm_eps=c.norm_eps,
-               tie_word_embeddings=c.tie_word_embeddings, attention_dropout=0.0,
-               num_experts_per_tok=c.top_k, max_position_embeddings=c.max_position_embeddings,
-               initializer_range=c.initializer_range,
-               router_aux_loss_coef=c.router_aux_loss_coef)
-    # The expert count under the spelling the source file used (both load in transformers 5).
-    spelled = [k for k in EXPERT_KEYS if k in c.hf]
-    out[spelled[0] if spelled else family.experts_key] = c.num_experts
-    rope: dict[str, Any] = {"rope_theta": c.rope.theta, "rope_type": c.rope.kind}
-    if c.rope.partial_rotary_factor != 1.0 or family.default("partial_rotary_factor"):
-        rope["partial_rotary_factor"] = c.rope.partial_rotary_factor
-    if c.rope.kind == "yarn":
-        rope.update(factor=c.rope.factor, beta_fast=c.rope.beta_fast, beta_slow=c.rope.beta_slow,
-                    truncate=c.rope.truncate, attention_factor=c.rope.attention_factor,
-                    original_max_position_embeddings=c.rope.original_max_position_embeddings)
-    if c.rope.kind == "longrope":
-        rope.update(short_factor=list(c.rope.short_factor), long_factor=list(c.rope.long_factor),
-                    short_mscale=c.rope.short_mscale, long_mscale=c.rope.long_mscale,
-                    original_max_position_embeddings=c.rope.original_max_position_embeddings)
-    if c.rope.mscale_all_dim:
-        rope["mscale_all_dim"] = c.rope.mscale_all_dim
-    out["rope_parameters"] = rope
-    if family.latent_attention:
-        del out["head_dim"]
-        out["qk_nope_head_dim"] = c.head_dim - c.qk_rope_head_dim
-    if family.dense_layers:
-        out.update(intermediate_size=c.intermediate_size,
-                   moe_intermediate_size=c.moe_intermediate_size)
     if family.dense_layers == "sparse_step":
-        out.update(decoder_sparse_step=1,
-                   mlp_only_layers=[i for i, m in enumerate(c.moe_layers) if not m])
-    elif family.dense_layers == "first_k":
+        return dict(intermediate_size=c.intermediate_size,
+                    moe_intermediate_size=c.moe_intermediate_size, decoder_sparse_step=1,
+                    mlp_only_layers=[i for i, m in enumerate(c.moe_layers) if not m])
+    if family.dense_layers == "first_k":
         first = c.moe_layers.index(True) if any(c.moe_layers) else c.num_layers
         if not all(c.moe_layers[first:]):
             raise ValueError(f"{t} checkpoints have dense layers first only; this model has "
                              f"{c.moe_layers}")
-        out["first_k_dense_replace"] = first
-    elif not all(c.moe_layers):
+        return dict(intermediate_size=c.intermediate_size,
+                    moe_intermediate_size=c.moe_intermediate_size, first_k_dense_replace=first)
+    if not all(c.moe_layers):
         raise ValueError(f"{t} checkpoints have no dense layers; this model has "
                          f"{c.moe_layers.count(False)}")
-    else:
-        out["intermediate_size"] = c.moe_intermediate_size
+    return {"intermediate_size": c.moe_intermediate_size}
+
+
+def _window_keys(c: LMConfig, family: Family) -> dict[str, Any]:
+    """The sliding window in the family's keys (what :func:`_window` reads)."""
     if family.window == "every_layer":
-        out["sliding_window"] = c.sliding_window
-    elif family.window == "per_layer":
+        return {"sliding_window": c.sliding_window}
+    if family.window == "per_layer":
         sliding = c.sliding_layers or (True,) * c.num_layers
         named = {on: kind for kind, on in LAYER_TYPES.items()}
-        out.update(sliding_window=c.sliding_window, layer_types=[named[on] for on in sliding])
-    elif family.window != "none":
-        out["use_sliding_window"] = c.sliding_window is not None
-        if c.sliding_window is not None:
-            out["sliding_window"] = c.sliding_window
+        return {"sliding_window": c.sliding_window,
+                "layer_types": [named[on] for on in sliding]}
+    if family.window == "none":
+        return {}
+    out: dict[str, Any] = {"use_sliding_window": c.sliding_window is not None}
+    if c.sliding_window is not None:
+        out["sliding_window"] = c.sliding_window
+    return out
+
+
+def _router_keys(c: LMConfig, family: Family) -> dict[str, Any]:
+    """The family's routing keys and shared-expert count; a ValueError if transformers would
+    not compute this model's routing or shared experts."""
+    t = family.model_type
     if c.shared_expert_size and not family.has_shared_expert:
         raise ValueError(f"{t} checkpoints have no shared expert")
-    out.update({key.name: _written(c, family, key) for key in family.keys})
-    out.update(family.required)
     options = {**RouterConfig().__dict__, **c.router_option_dict()}
     for name, value in family.router_flags.items():
         if options[name] != value:
             raise ValueError(f"{t} checkpoints route by {name}={value!r}; this model routes by "
                              f"{name}={options[name]!r}, which transformers would not compute")
-    out.update({key.name: key.write(options[key.fields[0]]) for key in family.router_keys})
+    out = {key.name: key.write(options[key.fields[0]]) for key in family.router_keys}
     if family.shared_expert_count_key:
         count, rest = divmod(c.shared_expert_size, c.moe_intermediate_size)
         if rest:
@@ -403,5 +399,35 @@ def to_hf(config: LMConfig) -> dict[str, Any]:
                              f"{c.moe_intermediate_size} each; shared_expert_size="
                              f"{c.shared_expert_size} is not a multiple")
         out[family.shared_expert_count_key] = count
+    return out
+
+
+def to_hf(config: LMConfig) -> dict[str, Any]:
+    """The ``config.json`` dict of ``config`` as transformers 5.x writes it (``rope_parameters``),
+    keeping the keys of the file it was read from that do not change the computation, with the
+    model's routing recorded under :data:`ROUTING_KEY` (:func:`from_hf` restores it)."""
+    c, family = config, family_of(config.model_type, "LMConfig: model_type ")
+    out = {k: v for k, v in c.hf.items() if k in METADATA_KEYS}
+    out.update(architectures=[family.architecture], model_type=family.model_type,
+               vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+               num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+               num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_act="silu",
+               rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_word_embeddings,
+               attention_dropout=0.0, num_experts_per_tok=c.top_k,
+               max_position_embeddings=c.max_position_embeddings,
+               initializer_range=c.initializer_range,
+               router_aux_loss_coef=c.router_aux_loss_coef)
+    # The expert count under the spelling the source file used (both load in transformers 5).
+    spelled = [k for k in EXPERT_KEYS if k in c.hf]
+    out[spelled[0] if spelled else family.experts_key] = c.num_experts
+    out["rope_parameters"] = _rope_parameters(c.rope, family)
+    if family.latent_attention:
+        del out["head_dim"]
+        out["qk_nope_head_dim"] = c.head_dim - c.qk_rope_head_dim
+    out.update(_layer_keys(c, family))
+    out.update(_window_keys(c, family))
+    out.update({key.name: _written(c, family, key) for key in family.keys})
+    out.update(family.required)
+    out.update(_router_keys(c, family))
     out[ROUTING_KEY] = routing_record(c)
     return out

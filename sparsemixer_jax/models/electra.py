@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,26 +64,6 @@ class GeneratorConfig:
             if getattr(self, name) is not None}).check(where)
 
 
-def generator_config(config: Any) -> EncoderConfig:
-    """The generator's :class:`EncoderConfig`: ``config.model`` overridden by the fields of
-    ``config.generator`` (a :class:`GeneratorConfig` or the section it is read from), or
-    ``config.generator`` itself when it is the generator's :class:`EncoderConfig` already."""
-    generator = config.get("generator") if hasattr(config, "get") else config.generator
-    if isinstance(generator, EncoderConfig):  # built already (a task's sections)
-        return generator
-    model, _ = layers.model_sections(config, EncoderConfig)
-    if not isinstance(generator, GeneratorConfig):
-        generator = GeneratorConfig.from_config(generator or {})
-    return generator.encoder(model)
-
-
-class _Sections(NamedTuple):
-    """Typed sections an :class:`Encoder` builds from."""
-
-    model: EncoderConfig
-    router: RouterConfig
-
-
 class GeneratorHead(nnx.Module):
     """``Dense -> GELU -> LayerNorm``, then the tied token table plus an output bias (BERT's MLM
     head)."""
@@ -114,20 +94,18 @@ class DiscriminatorHead(nnx.Module):
 class Electra(nnx.Module):
     """Generator + discriminator with tied embeddings (module docstring).
 
-    ``discriminator`` is the :class:`Encoder` of ``config.model``; ``generator`` the encoder of
-    :func:`generator_config` sharing the discriminator's embedding block. ``config`` is the
-    experiment config, or an object whose ``model``, ``router`` and ``generator`` are typed
-    sections already (:class:`EncoderConfig`, :class:`~sparsemixer_jax.routers.RouterConfig`,
-    and the generator's :class:`EncoderConfig` or its :class:`GeneratorConfig`).
+    ``discriminator`` is the :class:`Encoder` of ``model``; ``generator`` the encoder of
+    ``generator`` (``model`` with ``config.generator``'s fields:
+    :meth:`GeneratorConfig.encoder`) sharing the discriminator's embedding block; both route
+    by ``router``.
     """
 
-    def __init__(self, config: Any, vocab_size: int, *, mesh=None, rngs: nnx.Rngs):
-        model, router = layers.model_sections(config, EncoderConfig)
+    def __init__(self, model: EncoderConfig, router: RouterConfig, generator: EncoderConfig,
+                 vocab_size: int, *, mesh=None, rngs: nnx.Rngs):
         dtype, emb = model.dtype, model.emb_dim
-        sections = _Sections(model, router)
-        self.discriminator = Encoder(sections, vocab_size, mesh=mesh, rngs=rngs)
-        self.generator = Encoder(_Sections(generator_config(config), router), vocab_size,
-                                 mesh=mesh, rngs=rngs, embeddings=self.discriminator.embeddings)
+        self.discriminator = Encoder(model, router, vocab_size, mesh=mesh, rngs=rngs)
+        self.generator = Encoder(generator, router, vocab_size, mesh=mesh, rngs=rngs,
+                                 embeddings=self.discriminator.embeddings)
         self.generator_head = GeneratorHead(emb, vocab_size, dtype=dtype, rngs=rngs)
         self.discriminator_head = DiscriminatorHead(emb, dtype=dtype, rngs=rngs)
 

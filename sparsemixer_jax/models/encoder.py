@@ -222,10 +222,8 @@ class Encoder(nnx.Module):
     """The encoder of ``config.model`` / ``config.router`` (schema: ``configs/electra.py``).
 
     Args:
-      config: the experiment config (its ``model`` and ``router`` sections are read into an
-        :class:`EncoderConfig` and a :class:`~sparsemixer_jax.routers.RouterConfig`, which
-        check them; a field a saved config lacks takes its default), or any object whose
-        ``model`` and ``router`` are those typed sections already.
+      model: the encoder's section (``config.model``).
+      router: the routers' section (``config.router``).
       vocab_size: vocabulary size (id 0 is padding).
       mesh: optional ``("data", "fsdp", "expert")`` mesh handed to the MoE layers.
       rngs: ``params`` for initialisation; ``dropout`` and ``router`` streams for training.
@@ -235,34 +233,34 @@ class Encoder(nnx.Module):
 
     def __init__(
         self,
-        config: Any,
+        model: EncoderConfig,
+        router: RouterConfig,
         vocab_size: int,
         *,
         mesh=None,
         rngs: nnx.Rngs,
         embeddings: Embeddings | None = None,
     ):
-        m, r = layers.model_sections(config, EncoderConfig)
         self.vocab_size = int(vocab_size)
-        self.emb_dim = m.emb_dim
-        self.num_experts = m.moe.num_experts
-        self.dtype = m.dtype
+        self.emb_dim = model.emb_dim
+        self.num_experts = model.moe.num_experts
+        self.dtype = model.dtype
         if embeddings is None:
             embeddings = Embeddings(
-                self.vocab_size, self.emb_dim, dropout=m.dropout, dtype=self.dtype,
-                rngs=rngs, absolute_positions=m.absolute_positions, mesh=mesh,
+                self.vocab_size, self.emb_dim, dropout=model.dropout, dtype=self.dtype,
+                rngs=rngs, absolute_positions=model.absolute_positions, mesh=mesh,
             )
         self.embeddings = embeddings
         self.position_bias = RelativePositionBias(
-            m.num_heads,
-            num_buckets=m.relative_buckets,
-            max_distance=m.relative_max_distance,
+            model.num_heads,
+            num_buckets=model.relative_buckets,
+            max_distance=model.relative_max_distance,
             rngs=rngs,
         )
         self.layers = nnx.List(
             [
-                EncoderLayer(m, r, i, dtype=self.dtype, mesh=mesh, rngs=rngs)
-                for i in range(m.num_layers)
+                EncoderLayer(model, router, i, dtype=self.dtype, mesh=mesh, rngs=rngs)
+                for i in range(model.num_layers)
             ]
         )
 

@@ -37,7 +37,6 @@ from sparsemixer_jax.layers import (
     layer_norm,
     make_attention,
     make_ffn,
-    model_sections,
 )
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import check_positive
@@ -201,10 +200,8 @@ class Transformer(nnx.Module):
     """Switch Transformer encoder-decoder for translation.
 
     Args:
-      config: the experiment config (its ``model`` and ``router`` sections are read into a
-        :class:`TransformerConfig` and a :class:`~sparsemixer_jax.routers.RouterConfig`, which
-        check them; see ``configs/wmt.py``), or any object whose ``model`` and ``router`` are
-        those typed sections already.
+      model: the model's section (``config.model``; see ``configs/wmt.py``).
+      router: the routers' section (``config.router``).
       vocab_size: size of the shared vocabulary (id 0 is padding / decoder start).
       mesh: optional ``jax.sharding.Mesh`` handed to the MoE layers; with one, the activations
         stay split by rows between layers and the embedding lookup reads the table gathered
@@ -214,13 +211,13 @@ class Transformer(nnx.Module):
         uses for routing) at training time.
     """
 
-    def __init__(self, config: Any, vocab_size: int, *, mesh=None, rngs: nnx.Rngs):
-        m, r = model_sections(config, TransformerConfig)
+    def __init__(self, model: TransformerConfig, router: RouterConfig, vocab_size: int, *,
+                 mesh=None, rngs: nnx.Rngs):
         self.vocab_size = int(vocab_size)
-        self.emb_dim = m.emb_dim
-        self.num_heads = m.num_heads
-        self.num_experts = m.moe.num_experts
-        self.dtype = dtype = m.dtype
+        self.emb_dim = model.emb_dim
+        self.num_heads = model.num_heads
+        self.num_experts = model.moe.num_experts
+        self.dtype = dtype = model.dtype
         self.rows_sharding = sharding.rows_sharding(mesh)
         self.whole_sharding = sharding.whole_sharding(mesh)
         self.embed = nnx.Embed(
@@ -230,17 +227,17 @@ class Transformer(nnx.Module):
             dtype=dtype,
             rngs=rngs,
         )
-        self.embed_dropout = nnx.Dropout(m.dropout, rngs=rngs)
+        self.embed_dropout = nnx.Dropout(model.dropout, rngs=rngs)
         self.encoder_layers = nnx.List(
             [
-                EncoderLayer(m, r, i, dtype=dtype, mesh=mesh, rngs=rngs)
-                for i in range(m.encoder_layers)
+                EncoderLayer(model, router, i, dtype=dtype, mesh=mesh, rngs=rngs)
+                for i in range(model.encoder_layers)
             ]
         )
         self.decoder_layers = nnx.List(
             [
-                DecoderLayer(m, r, i, dtype=dtype, mesh=mesh, rngs=rngs)
-                for i in range(m.decoder_layers)
+                DecoderLayer(model, router, i, dtype=dtype, mesh=mesh, rngs=rngs)
+                for i in range(model.decoder_layers)
             ]
         )
 

@@ -13,6 +13,7 @@ Exact resumption as for every task; in addition a batch's masking comes from
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -207,7 +208,9 @@ class PretrainingTask:
                         else None)
 
     def build_model(self, run, vocab_size: int, mesh) -> Electra:
-        return build_model(Electra, self, vocab_size, mesh, seed=run.seed, rules=run.mesh.rules)
+        return build_model(functools.partial(Electra, self.model, self.router, self.generator,
+                                             vocab_size),
+                           mesh, seed=run.seed, rules=run.mesh.rules)
 
     def validation_metrics(self, total) -> dict[str, float]:
         safe = lambda x: max(float(x), 1.0)

@@ -8,6 +8,7 @@ the end beam search and BLEU on the test split for the last and the best checkpo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -207,8 +208,8 @@ class TranslationTask:
                             self.tokens_per_update, self.data.max_tokens))
 
     def build_model(self, run, vocab_size: int, mesh) -> Transformer:
-        return build_model(Transformer, self, vocab_size, mesh, seed=run.seed,
-                           rules=run.mesh.rules)
+        return build_model(functools.partial(Transformer, self.model, self.router, vocab_size),
+                           mesh, seed=run.seed, rules=run.mesh.rules)
 
     def validation_metrics(self, sums) -> dict[str, float]:
         smoothed, nll, tokens = (float(x) for x in sums)

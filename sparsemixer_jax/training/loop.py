@@ -140,13 +140,14 @@ class Task(Protocol):
         """Results computed once at the end (e.g. test BLEU), merged into ``results.json``."""
 
 
-def build_model(model_class: type, sections: Any, vocab_size: int,
-                mesh: jax.sharding.Mesh | None, *, seed: int, rules: Any = None) -> nnx.Module:
-    """``model_class(sections, vocab_size, mesh=..., rngs=...)`` seeded from ``seed``, its
-    parameters placed on ``mesh`` by the logical-axis ``rules`` (a mesh section's; None for the
-    defaults), the rest replicated."""
+def build_model(make: Callable[..., nnx.Module], mesh: jax.sharding.Mesh | None, *, seed: int,
+                rules: Any = None) -> nnx.Module:
+    """``make(mesh=mesh, rngs=...)`` (a model class with its sections and vocabulary size
+    bound, e.g. ``functools.partial(Transformer, model, router, vocab_size)``) seeded from
+    ``seed``, its parameters placed on ``mesh`` by the logical-axis ``rules`` (a mesh section's;
+    None for the defaults), the rest replicated."""
     rngs = nnx.Rngs(params=seed, dropout=seed + 1, router=seed + 2)
-    model = model_class(sections, vocab_size, mesh=mesh, rngs=rngs)
+    model = make(mesh=mesh, rngs=rngs)
     if mesh is not None:
         sharding.shard_state(model, mesh, rules)
     return model
