@@ -7,6 +7,7 @@ type is named only where a config is read (the doors) and defined (the schema)."
 import ast
 import pathlib
 import re
+import sys
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -91,6 +92,38 @@ def test_the_models_never_import_the_data_pipelines():
                         if source.startswith(f"{LIBRARY}.data")
                         or (source == LIBRARY and name == "data")})
     assert not offending, offending
+
+
+LONG_FUNCTION_LINES = 80
+
+
+def _long_functions_without_a_reason() -> list[str]:
+    """Library functions over :data:`LONG_FUNCTION_LINES` lines (docstring included) whose
+    docstring has no paragraph beginning "Long" that says why."""
+    found = []
+    for path, tree in _library_sources():
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if node.end_lineno - node.lineno + 1 <= LONG_FUNCTION_LINES:
+                continue
+            paragraphs = (ast.get_docstring(node) or "").split("\n\n")
+            if not any(p.strip().startswith("Long") for p in paragraphs):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}")
+    return found
+
+
+def test_every_long_library_function_says_why():
+    """A library function runs to at most about 80 lines; a longer one says why in its
+    docstring (a paragraph beginning "Long ...")."""
+    offending = _long_functions_without_a_reason()
+    assert not offending, offending
+
+
+def test_the_long_function_check_sees_long_functions(monkeypatch):
+    """The check is not blind: with a lower limit, functions without a reason are found."""
+    monkeypatch.setattr(sys.modules[__name__], "LONG_FUNCTION_LINES", 40)
+    assert _long_functions_without_a_reason()
 
 
 def test_no_private_name_is_used_across_library_modules():

