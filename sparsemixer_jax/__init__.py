@@ -29,13 +29,14 @@ from sparsemixer_jax.routers import (
 )
 
 if TYPE_CHECKING:
+    from sparsemixer_jax.attention import KVCache
     from sparsemixer_jax.decode import (
         beam_search,
         beam_search_model,
         greedy_search,
         greedy_search_model,
     )
-    from sparsemixer_jax.models.encoder_decoder import DecodeCache, Encoded, Transformer
+    from sparsemixer_jax.models.encoder_decoder import Encoded, Transformer
     from sparsemixer_jax.moe import MoEFeedForward, expert_ffn, fold_omega
     from sparsemixer_jax.sharding import make_mesh, shard_state
 
@@ -46,7 +47,7 @@ _LAZY = {
     "beam_search_model": "sparsemixer_jax.decode",
     "greedy_search": "sparsemixer_jax.decode",
     "greedy_search_model": "sparsemixer_jax.decode",
-    "DecodeCache": "sparsemixer_jax.models.encoder_decoder",
+    "KVCache": "sparsemixer_jax.attention",
     "Encoded": "sparsemixer_jax.models.encoder_decoder",
     "Transformer": "sparsemixer_jax.models.encoder_decoder",
     "MoEFeedForward": "sparsemixer_jax.moe",
@@ -58,8 +59,8 @@ _LAZY = {
 
 __all__ = [
     "ROUTERS",
-    "DecodeCache",
     "Encoded",
+    "KVCache",
     "MoEFeedForward",
     "RouterOutput",
     "Transformer",

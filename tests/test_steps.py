@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax import runtime, training
-from sparsemixer_jax.layers import Attention
+from sparsemixer_jax.layers import fairseq_attention
 from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.tasks import check_config, run_config, translation
@@ -106,8 +106,8 @@ def test_micro_batches_compile_the_accumulation_once(steps):
 @pytest.mark.parametrize("impl", ["xla", "auto"])
 def test_dot_product_attention_equals_the_einsum_attention(impl):
     kw = dict(attention_dropout=0.0, dtype=jnp.float32)
-    ref = Attention(32, 4, **kw, rngs=nnx.Rngs(0))
-    fused = Attention(32, 4, **kw, implementation=impl, rngs=nnx.Rngs(0))
+    ref = fairseq_attention(32, 4, **kw, rngs=nnx.Rngs(0))
+    fused = fairseq_attention(32, 4, **kw, implementation=impl, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 5, 32))
     memory = jax.random.normal(jax.random.key(2), (2, 7, 32))
     pad = jnp.array([[True] * 7, [True] * 4 + [False] * 3])[:, None, None, :]
@@ -122,9 +122,9 @@ def test_transformer_with_fused_attention_equals_the_paper_attention(monkeypatch
     """Whole model in training mode (dropout elsewhere on), attention dropout 0: "xla" (boolean
     masks) and the "cudnn" path (masks as key lengths + causal flag, run by XLA here: cuDNN
     itself needs a GPU) equal the einsum attention; so does incremental decoding via "cudnn"."""
-    from sparsemixer_jax import layers
+    from sparsemixer_jax import attention
 
-    monkeypatch.setitem(layers.ATTENTION_IMPLS, "cudnn", "xla")
+    monkeypatch.setitem(attention.ATTENTION_IMPLS, "cudnn", "xla")
     b = batch()
     outs, steps = {}, {}
     for impl in ("einsum", "xla", "cudnn"):
@@ -144,7 +144,7 @@ def test_transformer_with_fused_attention_equals_the_paper_attention(monkeypatch
 
 
 def test_mask_as_lengths():
-    from sparsemixer_jax.layers import mask_as_lengths
+    from sparsemixer_jax.attention import mask_as_lengths
 
     pad = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], bool)[:, None, None, :]
     lengths, causal = mask_as_lengths(pad, 3, 5)

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from sparsemixer_jax.models.electra import Electra, GeneratorConfig
     from sparsemixer_jax.models.encoder import Encoder, EncoderConfig
     from sparsemixer_jax.models.encoder_decoder import (
-        DecodeCache,
         Encoded,
         Transformer,
         TransformerConfig,
@@ -35,7 +34,6 @@ _LAZY = {
     "Transformer": "sparsemixer_jax.models.encoder_decoder",
     "TransformerConfig": "sparsemixer_jax.models.encoder_decoder",
     "Encoded": "sparsemixer_jax.models.encoder_decoder",
-    "DecodeCache": "sparsemixer_jax.models.encoder_decoder",
     "Encoder": "sparsemixer_jax.models.encoder",
     "EncoderConfig": "sparsemixer_jax.models.encoder",
     "Electra": "sparsemixer_jax.models.electra",
@@ -47,7 +45,6 @@ _LAZY = {
 
 __all__ = [
     "CausalLM",
-    "DecodeCache",
     "Electra",
     "Encoded",
     "Encoder",

@@ -30,37 +30,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax import sharding
-from sparsemixer_jax.layers import ATTENTION_IMPLS
+from sparsemixer_jax.attention import HF_NAMES, Attention, AttentionOptions, KVCache, write_slots
 from sparsemixer_jax.models.latent_attention import LatentAttention
 from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
-from sparsemixer_jax.models.rope import apply_rope, rope_cos_sin
+from sparsemixer_jax.models.rope import rope_cos_sin
 from sparsemixer_jax.moe import MoEFeedForward
 from sparsemixer_jax.moe.dispatch import clamped_swiglu
 from sparsemixer_jax.moe.shared import MakeLinear, SharedExperts
-
-# Large negative logit for masked attention entries; finite so that a fully masked row (padding)
-# gives a uniform distribution instead of NaN.
-MASK_VALUE = -1e9
-
-
-class KVCache(NamedTuple):
-    """Keys and values of every layer for cached decoding.
-
-    Attributes:
-      keys, values: one array per stack and unit layer (in model order),
-        ``[repeats, B, S, num_kv_heads, head_dim]`` in the compute dtype; rotary positions are
-        applied to the keys already. Latent attention caches its normed latent as the keys
-        and its rotated shared key as the values (:attr:`LMConfig.cache_shapes`).
-      index: int32 scalar, the number of slots written.
-      valid: bool ``[B, S]``, slots that hold a real token (False: left padding of a prompt).
-      positions: int32 ``[B]``, the position the next token takes in each row.
-    """
-
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
-    index: jax.Array
-    valid: jax.Array
-    positions: jax.Array
 
 
 class LMOutput(NamedTuple):
@@ -132,80 +108,22 @@ def linear_maker(config: LMConfig, rngs: nnx.Rngs) -> MakeLinear:
     return make
 
 
-class Attention(nnx.Module):
-    """Grouped-query self-attention with rotary positions, as the Hugging Face types compute it:
-    projections (biases per config), q/k norms (per head or over the whole projection), value
-    clipping, rotary positions, softmax in float32 at scale ``head_dim^-0.5``, with a learned
-    sink logit per head in its denominator where the config has ``attention_sinks``."""
-
-    def __init__(self, config: LMConfig, rngs: nnx.Rngs):
-        h, kv, d, e = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
-        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
-        self.clip_qkv, self.qk_norm = config.clip_qkv, config.qk_norm
-        self.implementation = config.attention_impl
-        self.q_proj = linear(e, h * d, config.qkv_bias, config, rngs)
-        self.k_proj = linear(e, kv * d, config.qkv_bias, config, rngs)
-        self.v_proj = linear(e, kv * d, config.qkv_bias, config, rngs)
-        self.o_proj = linear(h * d, e, config.out_bias, config, rngs)
-        if config.qk_norm != "none":
-            per_head = config.qk_norm == "head"
-            self.q_norm = RMSNorm(d if per_head else h * d, config.norm_eps, _dtype(config))
-            self.k_norm = RMSNorm(d if per_head else kv * d, config.norm_eps, _dtype(config))
-        self.sinks = nnx.Param(nnx.initializers.normal(config.initializer_range)(
-            rngs.params(), (h,), jnp.float32)) if config.attention_sinks else None
-
-    def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array
-            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries ``[B, T, H, D]``, keys and values ``[B, T, KV, D]`` of ``x [B, T, emb]``."""
-        b, t, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.clip_qkv is not None:
-            q, k, v = (jnp.clip(a, -self.clip_qkv, self.clip_qkv) for a in (q, k, v))
-        q = q.reshape(b, t, self.num_heads, self.head_dim)
-        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "head":  # Qwen3-MoE: each head's query and key
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-               causal: bool = False) -> jax.Array:
-        """``q [B, T, H, D]`` over ``k, v [B, S, KV, D]`` with bool ``mask [B, T, S]``: the
-        output projection of the heads, ``[B, T, emb]``. Query head ``h`` reads key/value head
-        ``h // (H / KV)``, as transformers' ``repeat_kv`` lays them out. ``causal``: ``mask``
-        hides every key after its query (a full forward pass), which lets cuDNN skip those
-        blocks; the mask is applied either way, and without ``causal`` cuDNN is not used."""
-        b, t, h, d = q.shape
-        if self.implementation != "einsum":
-            # jax.nn.dot_product_attention groups query heads as repeat_kv does (head h reads
-            # key/value head h // (H / KV)) and takes the softmax in float32. cuDNN turns the
-            # boolean mask (padding, packed documents, a sliding window) into a constant
-            # additive bias, with no gradient computed for it. Cached decoding (a few queries
-            # against the whole cache) takes XLA's form: flash attention is for long queries.
-            implementation = ATTENTION_IMPLS[self.implementation]
-            if implementation == "cudnn" and not causal:
-                implementation = "xla"
-            heads = jax.nn.dot_product_attention(
-                q, k.astype(q.dtype), v.astype(q.dtype), mask=mask[:, None],
-                scale=d**-0.5, is_causal=implementation == "cudnn",
-                implementation=implementation)
-            return self.o_proj(heads.reshape(b, t, h * d))
-        group = h // self.num_kv_heads
-        q = q.reshape(b, t, self.num_kv_heads, group, d) * jnp.asarray(d**-0.5, q.dtype)
-        logits = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype),
-                            preferred_element_type=jnp.float32)
-        logits = jnp.where(mask[:, None, None], logits, MASK_VALUE)
-        if self.sinks is not None:  # one more logit per head, in the denominator only
-            sinks = self.sinks[...].reshape(1, self.num_kv_heads, group, 1, 1)
-            sinks = jnp.broadcast_to(sinks, (*logits.shape[:-1], 1))
-            weights = jax.nn.softmax(jnp.concatenate([logits, sinks], axis=-1), axis=-1)
-            weights = weights[..., :-1].astype(v.dtype)
-        else:
-            weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-        heads = jnp.einsum("bkgts,bskd->btkgd", weights, v)
-        return self.o_proj(heads.reshape(b, t, h * d))
+def make_attention(config: LMConfig, rngs: nnx.Rngs) -> Attention:
+    """Grouped-query self-attention as the Hugging Face types compute it (params ``q_proj``,
+    ``k_proj``, ``v_proj``, ``o_proj``, as their checkpoints name them): projections drawn as
+    :func:`linear` draws (biases per config), q/k norms (per head or over the whole
+    projection), value clipping, rotary positions (given to :meth:`Attention.qkv`), with a
+    learned sink logit per head in its softmax's denominator where the config has
+    ``attention_sinks``."""
+    options = AttentionOptions(
+        config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+        names=HF_NAMES, qkv_bias=config.qkv_bias, out_bias=config.out_bias,
+        implementation=config.attention_impl, qk_norm=config.qk_norm, clip_qkv=config.clip_qkv,
+        sinks=config.attention_sinks)
+    make = linear_maker(config, rngs)
+    return Attention(options, qkv_linear=make, out_linear=make,
+                     norm=lambda dim: RMSNorm(dim, config.norm_eps, _dtype(config)),
+                     sinks_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
 
 
 class GatedMLP(nnx.Module):
@@ -280,7 +198,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: LMConfig, is_moe: bool, mesh, rngs: nnx.Rngs):
         self.input_layernorm = make_norm(config)
         self.self_attn = LatentAttention(config, rngs) if config.kv_lora_rank \
-            else Attention(config, rngs)
+            else make_attention(config, rngs)
         self.post_attention_layernorm = make_norm(config)
         self.is_moe = is_moe
         if is_moe:
@@ -296,11 +214,10 @@ class DecoderLayer(nnx.Module):
         new_kv = None
         if kv is not None:
             keys, values, index = kv
-            keys = jax.lax.dynamic_update_slice_in_dim(keys, k.astype(keys.dtype), index, 1)
-            values = jax.lax.dynamic_update_slice_in_dim(values, v.astype(values.dtype), index, 1)
+            keys, values = write_slots(keys, k, index), write_slots(values, v, index)
             k, v, new_kv = keys, values, (keys, values)
         # Without a cache the mask is causal over the T new tokens (forward's mask).
-        x = x + self.self_attn.attend(q, k, v, mask, causal=kv is None).astype(x.dtype)
+        x = x + self.self_attn.attend(q, k, v, mask[:, None], causal=kv is None).astype(x.dtype)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             y, metrics = self.mlp(h, token_mask, deterministic, dropless)
@@ -415,15 +332,14 @@ def _unpack_metrics(packed: tuple[jax.Array | None, list[jax.Array]], tree,
 
 def _positions_and_masks(config: LMConfig, real: jax.Array, positions: jax.Array | None,
                          segment_ids: jax.Array | None, cache: KVCache | None
-                         ) -> tuple[jax.Array, tuple[jax.Array, jax.Array | None], jax.Array]:
-    """The rotary positions, attention masks and real key slots of a forward pass of
-    ``real [B, T]`` (its token mask; the other arguments as :meth:`CausalLM.forward`'s).
+                         ) -> tuple[jax.Array, tuple[jax.Array, jax.Array | None]]:
+    """The rotary positions and attention masks of a forward pass of ``real [B, T]`` (its
+    token mask; the other arguments as :meth:`CausalLM.forward`'s).
 
-    Returns ``(positions [B, T], (mask, window), k_real)``: bool ``[B, T, S]`` masks, causal
-    over slots and real keys only (and within a segment); ``window`` where some layers take a
-    sliding window and others not (None otherwise: with a window on every layer, ``mask``
-    has it); ``k_real`` bool ``[B, S]``, the slots holding a real token after this pass
-    (``S = T`` without a cache, the cache's length with one)."""
+    Returns ``(positions [B, T], (mask, window))``: bool ``[B, T, S]`` masks, causal over
+    slots and real keys only (and within a segment; ``S = T`` without a cache, the cache's
+    length with one); ``window`` where some layers take a sliding window and others not (None
+    otherwise: with a window on every layer, ``mask`` has it)."""
     b, t = real.shape
     q_slot = jnp.arange(t)
     if cache is None:
@@ -436,7 +352,7 @@ def _positions_and_masks(config: LMConfig, real: jax.Array, positions: jax.Array
             positions = jnp.maximum(positions, 0)
         q_slot = cache.index + q_slot
         k_slot = jnp.arange(cache.valid.shape[1])
-        k_real = jax.lax.dynamic_update_slice_in_dim(cache.valid, real, cache.index, 1)
+        k_real = cache.valid_after(real)
     # Causal over slots (queries see their own and earlier slots), real keys only.
     mask = (k_slot[None, None, :] <= q_slot[None, :, None]) & k_real[:, None, :]
     if segment_ids is not None:
@@ -445,11 +361,11 @@ def _positions_and_masks(config: LMConfig, real: jax.Array, positions: jax.Array
                              "not for cached decoding")
         mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
     if config.sliding_window is None:
-        return positions, (mask, None), k_real
+        return positions, (mask, None)
     # A key at most sliding_window - 1 positions back (transformers' sliding overlay); left
     # padding holds no real key, so slot distance equals position distance.
     window = mask & ((q_slot[None, :, None] - k_slot[None, None, :]) < config.sliding_window)
-    return positions, (mask, window) if config.sliding_layers else (window, None), k_real
+    return positions, (mask, window) if config.sliding_layers else (window, None)
 
 
 def _summed_moe_aux(moe: dict[str, dict]) -> dict[str, Any]:
@@ -511,9 +427,7 @@ class CausalLM(nnx.Module):
             return tuple(jnp.zeros((repeats, batch_size, max_len, *shape), dtype)
                          for pattern, repeats in self.stack_patterns for _ in pattern)
 
-        return KVCache(slots(key_shape), slots(value_shape), jnp.zeros((), jnp.int32),
-                       jnp.zeros((batch_size, max_len), bool),
-                       jnp.zeros((batch_size,), jnp.int32))
+        return KVCache.empty(slots(key_shape), slots(value_shape), batch_size, max_len)
 
     def forward(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                 segment_ids: jax.Array | None = None, token_mask: jax.Array | None = None,
@@ -537,7 +451,7 @@ class CausalLM(nnx.Module):
         b, t = input_ids.shape
         real = jnp.ones((b, t), bool) if token_mask is None else token_mask.astype(bool)
         x = sharding.keep_rows_split(self.embed_tokens(input_ids), self.rows_sharding)
-        positions, masks, k_real = _positions_and_masks(c, real, positions, segment_ids, cache)
+        positions, masks = _positions_and_masks(c, real, positions, segment_ids, cache)
         num_positions = None
         if cache is not None and c.rope.kind == "longrope":
             num_positions = jnp.max(positions) + 1
@@ -550,8 +464,7 @@ class CausalLM(nnx.Module):
         logits = sharding.keep_rows_split(logits, self.rows_sharding)
         new_cache = None
         if cache is not None:
-            new_cache = KVCache(tuple(new_keys), tuple(new_values), cache.index + t, k_real,
-                                cache.positions + jnp.sum(real, axis=1, dtype=jnp.int32))
+            new_cache = cache.advanced(tuple(new_keys), tuple(new_values), real)
         return LMOutput(logits.astype(jnp.float32), new_cache, aux)
 
     def _run_stacks(self, x: jax.Array, cache: KVCache | None, cos: jax.Array, sin: jax.Array,

@@ -11,7 +11,8 @@ target shifted right, as in flax ``examples/wmt``). Boolean attention masks are 
 may attend to a key. Parameters are float32; ``model.compute_dtype = "bfloat16"`` runs matmuls in
 bf16 while attention softmax, LayerNorm statistics and the logits stay float32.
 
-Generation uses an explicit key/value cache (:class:`DecodeCache`, a pytree of arrays) so that one
+Generation uses an explicit key/value cache (:class:`sparsemixer_jax.attention.KVCache`, a
+pytree of arrays, its keys and values one array per decoder layer) so that one
 decoding step is a pure function of ``(tokens, cache)`` and runs under ``jax.lax.while_loop``::
 
     encoded = model.encode(inputs)                 # once per batch
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax import sharding
+from sparsemixer_jax.attention import KVCache, write_slots
 from sparsemixer_jax.initializers import uses_admin
 from sparsemixer_jax.layers import (
     ModelConfig,
@@ -148,9 +150,11 @@ class DecoderLayer(nnx.Module):
         teacher-forced pass, or the cache in incremental decoding), ``cross_kv`` those of the
         encoder output ``[B, S, H, Dh]``. Masks broadcast to ``[B, H, T, L]`` and ``[B, H, T, S]``.
         """
-        h = self.self_attn.attend(x, *self_kv, self_mask, deterministic=deterministic)
+        h = self.self_attn.attend(self.self_attn.project_q(x), *self_kv, self_mask,
+                                  deterministic=deterministic)
         x = self._residual(self.self_attn_norm, x, h, deterministic)
-        h = self.cross_attn.attend(x, *cross_kv, cross_mask, deterministic=deterministic)
+        h = self.cross_attn.attend(self.cross_attn.project_q(x), *cross_kv, cross_mask,
+                                   deterministic=deterministic)
         x = self._residual(self.cross_attn_norm, x, h, deterministic)
         h, metrics = self.ffn(x, token_mask, deterministic=deterministic, dropless=dropless)
         x = self._residual(self.ffn_norm, x, h, deterministic)
@@ -171,19 +175,6 @@ class Encoded(NamedTuple):
     cross_k: tuple[jax.Array, ...]
     cross_v: tuple[jax.Array, ...]
     src_mask: jax.Array
-
-
-class DecodeCache(NamedTuple):
-    """Decoder self-attention cache (a pytree).
-
-    Attributes:
-      index: int32 scalar, the position of the next token to feed (shared by the whole batch).
-      k, v: per decoder layer, ``[B, L, H, Dh]`` keys/values of positions ``< index``.
-    """
-
-    index: jax.Array
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -339,22 +330,23 @@ class Transformer(nnx.Module):
         cross_k, cross_v = self._cross_kv(hidden)
         return Encoded(cross_k=cross_k, cross_v=cross_v, src_mask=src_mask)
 
-    def init_cache(self, batch_size: int, max_len: int) -> DecodeCache:
-        """An empty cache for ``batch_size`` sequences of at most ``max_len`` decoder positions."""
+    def init_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty cache for ``batch_size`` sequences of at most ``max_len`` decoder positions:
+        keys and values ``[B, max_len, H, Dh]`` per decoder layer."""
         head_dim = self.emb_dim // self.num_heads
         shape = (batch_size, max_len, self.num_heads, head_dim)
         n = len(self.decoder_layers)
         zeros = tuple(jnp.zeros(shape, self.dtype) for _ in range(n))
-        return DecodeCache(index=jnp.zeros((), jnp.int32), k=zeros, v=zeros)
+        return KVCache.empty(zeros, zeros, batch_size, max_len)
 
     def decode_step(
         self,
         tokens: jax.Array,
-        cache: DecodeCache,
+        cache: KVCache,
         encoded: Encoded,
         *,
         deterministic: bool = True,
-    ) -> tuple[jax.Array, DecodeCache]:
+    ) -> tuple[jax.Array, KVCache]:
         """Feeds one decoder input per sequence and returns the next-token logits.
 
         Args:
@@ -368,15 +360,16 @@ class Transformer(nnx.Module):
           cache (``index + 1``). Equal to the teacher-forced logits at that position.
         """
         index = cache.index
-        max_len = cache.k[0].shape[1]
+        real = jnp.ones((tokens.shape[0], 1), bool)  # every row feeds a token at every step
         x = self._embed(tokens[:, None], index[None, None], deterministic)
-        self_mask = (jnp.arange(max_len) <= index)[None, None, None, :]
+        # The keys at slots up to and including this one: a length per row, as cuDNN reads it.
+        self_mask = cache.valid_after(real)[:, None, None, :]
         cross_mask = encoded.src_mask[:, None, None, :]
         new_k, new_v = [], []
         for i, layer in enumerate(self.decoder_layers):
             k_new, v_new = layer.self_attn.project_kv(x)
-            k = jax.lax.dynamic_update_slice_in_dim(cache.k[i], k_new.astype(self.dtype), index, 1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache.v[i], v_new.astype(self.dtype), index, 1)
+            k = write_slots(cache.keys[i], k_new, index)
+            v = write_slots(cache.values[i], v_new, index)
             new_k.append(k)
             new_v.append(v)
             x, _ = layer(
@@ -389,5 +382,4 @@ class Transformer(nnx.Module):
                 deterministic=deterministic,
                 dropless=True,
             )
-        new_cache = DecodeCache(index=index + 1, k=tuple(new_k), v=tuple(new_v))
-        return self._logits(x[:, 0]), new_cache
+        return self._logits(x[:, 0]), cache.advanced(tuple(new_k), tuple(new_v), real)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparsemixer_jax.attention import MASK_VALUE
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.models.rope import apply_rope, deinterleave, yarn_softmax_mscale
 
@@ -36,12 +37,12 @@ LATENT_NORM_EPS = 1e-6
 
 class LatentAttention(nnx.Module):
     """Multi-head latent attention with the interface of
-    :class:`~sparsemixer_jax.models.causal_lm.Attention`: :meth:`qkv` gives the queries and
+    :class:`~sparsemixer_jax.attention.Attention`: :meth:`qkv` gives the queries and
     what the cache holds, :meth:`attend` expands and attends."""
 
     def __init__(self, config: LMConfig, rngs: nnx.Rngs):
         # Imported here: causal_lm builds this class, and its linear/norm layers are causal_lm's.
-        from sparsemixer_jax.models.causal_lm import MASK_VALUE, RMSNorm, linear
+        from sparsemixer_jax.models.causal_lm import RMSNorm, linear
 
         h, e, d = config.num_heads, config.hidden_size, config.head_dim
         dtype = jnp.dtype(config.compute_dtype)
@@ -49,7 +50,6 @@ class LatentAttention(nnx.Module):
         self.rope_dim, self.value_dim = config.qk_rope_head_dim, config.v_head_dim
         self.nope_dim = d - config.qk_rope_head_dim
         self.kv_lora_rank, self.interleave = config.kv_lora_rank, config.rope_interleave
-        self.mask_value = MASK_VALUE
         self.scale = d**-0.5 * yarn_softmax_mscale(config.rope)
         if config.q_lora_rank:
             self.q_a_proj = linear(e, config.q_lora_rank, config.qkv_bias, config, rngs)
@@ -89,8 +89,9 @@ class LatentAttention(nnx.Module):
                causal: bool = False) -> jax.Array:
         """``q [B, T, H, head_dim]`` over the keys and values expanded from ``latent
         [B, S, 1, kv_lora_rank]`` and ``shared_key [B, S, 1, qk_rope_head_dim]`` with bool
-        ``mask [B, T, S]``: the output projection of the heads, ``[B, T, emb]``. (``causal``
-        is the grouped-query attention's cuDNN hint; this einsum form applies ``mask``.)"""
+        ``mask`` broadcastable to ``[B, H, T, S]``: the output projection of the heads,
+        ``[B, T, emb]``. (``causal`` is the grouped-query attention's cuDNN hint; this einsum
+        form applies ``mask``.)"""
         del causal
         b, t, h, _ = q.shape
         s = latent.shape[1]
@@ -103,7 +104,7 @@ class LatentAttention(nnx.Module):
                             preferred_element_type=jnp.float32)
         logits = logits + jnp.einsum("bthd,bsd->bhts", q[..., self.nope_dim:], shared[:, :, 0],
                                      preferred_element_type=jnp.float32)
-        logits = jnp.where(mask[:, None], logits, self.mask_value)
+        logits = jnp.where(mask, logits, MASK_VALUE)
         weights = jax.nn.softmax(logits, axis=-1).astype(values.dtype)
         heads = jnp.einsum("bhts,bshd->bthd", weights, values)
         return self.o_proj(heads.reshape(b, t, h * self.value_dim))

@@ -16,7 +16,7 @@ import math
 from typing import Any, Literal
 
 from sparsemixer_jax import routers
-from sparsemixer_jax.layers import ATTENTION_IMPLS, check_attention_dtype
+from sparsemixer_jax.attention import ATTENTION_IMPLS, check_attention_dtype
 from sparsemixer_jax.moe.dispatch import DISPATCHES, GROUPED_IMPLS
 
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax.models.causal_lm import CausalLM, KVCache
+from sparsemixer_jax.attention import KVCache
+from sparsemixer_jax.models.causal_lm import CausalLM
 
 
 @nnx.jit

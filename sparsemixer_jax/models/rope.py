@@ -6,11 +6,14 @@ Phi-3.5-MoE's longrope, gpt-oss's YaRN) and the rotation, as transformers 5.23 c
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
-from sparsemixer_jax.models.lm_config import LMConfig, RopeConfig
+if TYPE_CHECKING:  # annotations only: sparsemixer_jax.attention, which lm_config imports,
+    # imports apply_rope from here
+    from sparsemixer_jax.models.lm_config import LMConfig, RopeConfig
 
 
 def yarn_inv_freq(rope: RopeConfig, dim: int) -> jax.Array:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from sparsemixer_jax.attention import ATTENTION_IMPLS, check_attention_dtype
 from sparsemixer_jax.hf.families import family_of, types_with
-from sparsemixer_jax.layers import ATTENTION_IMPLS, check_attention_dtype
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.routers.registry import ROUTER_OPTIONS
