@@ -2,7 +2,8 @@
 studies and experiments), nor ``experiments``, and the wheel holds the library alone; the models
 never import the data pipelines (what both need, such as the token ids, lives below both); no
 module of the library uses another module's private (underscore) name; the experiment config's
-type is named only where a config is read (the doors) and defined (the schema)."""
+type is named only where a config is read (the doors) and defined (the schema); no import cycle
+among the library's modules; library modules at most 600 lines, entry points at most 150."""
 
 import ast
 import pathlib
@@ -246,3 +247,90 @@ def test_the_readme_is_at_most_12000_bytes():
     """The README is a newcomer's page; detail belongs in docs/."""
     size = len((ROOT / "README.md").read_bytes())
     assert size <= 12_000, f"README.md is {size} bytes; move detail into docs/ (limit 12,000)"
+
+
+MODULE_LINES, ENTRY_POINT_LINES = 600, 150
+
+
+def test_library_modules_are_at_most_600_lines():
+    """A module that grows past 600 lines is split before it takes a third concern."""
+    long = [f"{path.relative_to(ROOT)}: {n} lines"
+            for path in sorted((ROOT / LIBRARY).rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MODULE_LINES]
+    assert not long, long
+
+
+def test_entry_points_are_at_most_150_lines():
+    """An entry point (``python -m experiments.NAME``) parses its flags and calls the library."""
+    long = [f"{path.relative_to(ROOT)}: {n} lines"
+            for path in sorted((ROOT / "experiments").glob("*.py"))
+            if (n := len(path.read_text().splitlines())) > ENTRY_POINT_LINES]
+    assert not long, long
+
+
+def _module_level_imports(path: pathlib.Path, tree: ast.Module, modules: set[str]) -> set[str]:
+    """The library modules ``path`` imports when it is loaded: imports at module level (inside
+    top-level ``if``/``try`` too, but not under ``TYPE_CHECKING``), ``from package import
+    module`` read as the submodule; imports inside functions run later and cannot cycle."""
+    statements = []
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                statements.append(node)
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+
+    visit(tree.body)
+    found = set()
+    for _, source, name in _library_imports(path, ast.Module(body=statements, type_ignores=[])):
+        if name and f"{source}.{name}" in modules:
+            found.add(f"{source}.{name}")
+        elif source in modules:
+            found.add(source)
+    return found
+
+
+def _import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (or a module importing itself)."""
+    order, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(node):
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in order:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], order[target])
+        if low[node] == order[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1 or node in graph.get(node, ()):
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in order:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycle_among_library_modules():
+    paths = {_module_name(path): path for path in sorted((ROOT / LIBRARY).rglob("*.py"))}
+    graph = {module: _module_level_imports(path, ast.parse(path.read_text()), set(paths))
+             for module, path in paths.items()}
+    assert sum(map(len, graph.values())) > 100  # the graph was read, not left empty
+    assert not _import_cycles(graph), _import_cycles(graph)
+
+
+def test_the_cycle_check_sees_cycles():
+    assert _import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _import_cycles({"a": {"a"}}) == [["a"]]
+    assert _import_cycles({"a": {"b"}, "b": set()}) == []
