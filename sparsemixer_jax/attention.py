@@ -126,6 +126,17 @@ class AttentionOptions:
     einsum_layout: str = "grouped"
 
 
+def _grouped_heads(x: jax.Array, num_kv_heads: int) -> jax.Array:
+    """``x`` broadcastable to ``[B, H, T, S]`` (a mask, a bias, the sinks) as
+    ``[B, KV, G, T, S]``: query head ``h = k * G + g``, as ``repeat_kv`` lays them out; a
+    head axis of 1 stays broadcast."""
+    x = jnp.asarray(x)
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    if x.shape[1] == 1:
+        return x[:, :, None]
+    return x.reshape(x.shape[0], num_kv_heads, x.shape[1] // num_kv_heads, *x.shape[2:])
+
+
 class Attention(nnx.Module):
     """Multi-head attention with grouped query heads, softmax in float32 at scale
     ``head_dim^-0.5``.
@@ -245,31 +256,36 @@ class Attention(nnx.Module):
         if o.implementation != "einsum":
             heads = self._fused(q, k, v, mask, causal, bias)
             return self._projection(3)(heads.reshape(b, t, h * d))
-        q = q * jnp.asarray(d**-0.5, q.dtype)
-        if o.einsum_layout == "heads":
-            logits = jnp.einsum("bthd,bshd->bhts", q, k.astype(q.dtype),
+        # The grouped layout keeps its logits as [B, KV, G, T, S] throughout (mask, bias and
+        # sinks are brought to it, not the logits to [B, H, T, S]): a reshape between the two
+        # einsums changes how XLA orders the backward pass's sums, and so the last bits of a
+        # language model's training.
+        grouped = o.einsum_layout == "grouped"
+        to_layout = (lambda a: _grouped_heads(a, o.num_kv_heads)) if grouped else (lambda a: a)
+        if grouped:
+            q = q.reshape(b, t, o.num_kv_heads, h // o.num_kv_heads, d) * jnp.asarray(
+                d**-0.5, q.dtype)
+            logits = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype),
                                 preferred_element_type=jnp.float32)
         else:
-            group = h // o.num_kv_heads
-            logits = jnp.einsum("btkgd,bskd->bkgts", q.reshape(b, t, o.num_kv_heads, group, d),
+            logits = jnp.einsum("bthd,bshd->bhts", q * jnp.asarray(d**-0.5, q.dtype),
                                 k.astype(q.dtype), preferred_element_type=jnp.float32)
-            logits = logits.reshape(b, h, t, k.shape[1])  # head k * group + g, as repeat_kv's
         if bias is not None:
-            logits = logits + bias
-        logits = jnp.where(mask, logits, MASK_VALUE)
+            logits = logits + to_layout(bias)
+        logits = jnp.where(to_layout(mask), logits, MASK_VALUE)
         if self.sinks is not None:  # one more logit per head, in the denominator only
-            sinks = jnp.broadcast_to(self.sinks[...].reshape(1, h, 1, 1), (*logits.shape[:-1], 1))
+            sinks = to_layout(self.sinks[...].reshape(1, h, 1, 1))
+            sinks = jnp.broadcast_to(sinks, (*logits.shape[:-1], 1))
             weights = jax.nn.softmax(jnp.concatenate([logits, sinks], axis=-1), axis=-1)[..., :-1]
         else:
             weights = jax.nn.softmax(logits, axis=-1)
         if self.dropout is not None:
             weights = self.dropout(weights, deterministic=deterministic)
         weights = weights.astype(v.dtype)
-        if o.einsum_layout == "heads":
-            heads = jnp.einsum("bhts,bshd->bthd", weights, v)
-        else:
-            weights = weights.reshape(b, o.num_kv_heads, h // o.num_kv_heads, t, k.shape[1])
+        if grouped:
             heads = jnp.einsum("bkgts,bskd->btkgd", weights, v)
+        else:
+            heads = jnp.einsum("bhts,bshd->bthd", weights, v)
         return self._projection(3)(heads.reshape(b, t, h * d))
 
     def _fused(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal: bool,
