@@ -83,6 +83,10 @@ def get_config() -> ml_collections.ConfigDict:
     # What the scanned layers' backward pass recomputes: "none" | "full" | a jax.checkpoint_policies
     # name ("dots_saveable", "nothing_saveable", ...): memory for compute, same numbers.
     c.model.remat = "none"
+    # How cuDNN's attention (attention_impl="cudnn") takes packed documents: "bias" (the mask, as
+    # an additive bias) | "offsets" (cuDNN's packed layout, at most max_segments_per_row each).
+    c.model.cudnn_document_mask = "bias"
+    c.model.max_segments_per_row = 64
 
     c.router = router_config("sparsemixer_v2star", top_k=2, jitter_eps=0.1)
     c.optim = optim_config("linear", peak_lr=3e-3, warmup_steps=30, decay_steps=300,

@@ -25,6 +25,7 @@ from flax import nnx
 
 from sparsemixer_jax.models.rope import apply_rope
 from sparsemixer_jax.moe.shared import MakeLinear
+from sparsemixer_jax.packed_attention import SegmentLayout, packed_attention
 
 # Large negative logit for masked attention entries; finite so that a fully masked row (padding)
 # gives a uniform distribution instead of NaN.
@@ -54,6 +55,21 @@ def mask_as_lengths(mask: jax.Array, batch: int, queries: int) -> tuple[jax.Arra
     causal = mask.shape[-2] > 1
     last_row = jnp.broadcast_to(mask, (batch, 1, queries, mask.shape[-1]))[:, 0, -1, :]
     return jnp.maximum(jnp.sum(last_row, axis=-1, dtype=jnp.int32), 1), causal
+
+
+class FusedMask(NamedTuple):
+    """What cuDNN's fused attention may take instead of a full causal pass's boolean mask
+    (:meth:`Attention.attend`; XLA's and the einsum attention read the mask as it is).
+
+    Attributes:
+      exactly_causal: the mask hides the keys after each query and nothing else (one sequence
+        per row, no padding, no sliding window): cuDNN takes its causal flag alone.
+      segments: the packed documents as segment offsets
+        (:func:`~sparsemixer_jax.packed_attention.segment_layout`), or None: the mask.
+    """
+
+    exactly_causal: bool = False
+    segments: SegmentLayout | None = None
 
 
 def check_attention_impl(implementation: str, attention_dropout: float) -> None:
@@ -241,7 +257,7 @@ class Attention(nnx.Module):
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
                causal: bool = False, bias: jax.Array | None = None,
-               deterministic: bool = True) -> jax.Array:
+               deterministic: bool = True, fused: FusedMask | None = None) -> jax.Array:
         """``q [B, T, H, D]`` over ``k, v [B, S, KV, D]``: the output projection of the heads,
         ``[B, T, emb]``.
 
@@ -250,11 +266,13 @@ class Attention(nnx.Module):
         bias ``[1, H, T, S]``) is added to the scaled logits before masking. ``causal``: the mask
         hides every key after its query (a full forward pass), which lets cuDNN skip those
         blocks; the mask is applied either way. ``deterministic``: no dropout on the weights.
+        ``fused``: how cuDNN may take a causal ``mask`` without reading it as a bias
+        (:class:`FusedMask`; the other implementations ignore it).
         """
         o = self.options
         b, t, h, d = q.shape
         if o.implementation != "einsum":
-            heads = self._fused(q, k, v, mask, causal, bias)
+            heads = self._fused(q, k, v, mask, causal, bias, fused)
             return self._projection(3)(heads.reshape(b, t, h * d))
         # The grouped layout keeps its logits as [B, KV, G, T, S] throughout (mask, bias and
         # sinks are brought to it, not the logits to [B, H, T, S]): a reshape between the two
@@ -289,12 +307,25 @@ class Attention(nnx.Module):
         return self._projection(3)(heads.reshape(b, t, h * d))
 
     def _fused(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal: bool,
-               bias: jax.Array | None) -> jax.Array:
+               bias: jax.Array | None, fused: FusedMask | None = None) -> jax.Array:
         """The heads ``[B, T, H, D]`` by ``jax.nn.dot_product_attention``: no dropout on the
         weights (:func:`check_attention_impl`), no sinks, softmax in float32 inside the kernel
         or XLA's reference, the same scale and mask; query heads grouped as ``repeat_kv``."""
         b, t = q.shape[:2]
         implementation = ATTENTION_IMPLS[self.options.implementation]
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+        scale = q.shape[-1]**-0.5
+        if implementation == "cudnn" and causal and fused is not None and bias is None:
+            if fused.exactly_causal:
+                return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                                    implementation="cudnn")
+            if fused.segments is not None:
+                # A micro-batch with a row of more segments than the layout holds (or a
+                # segment id in two runs) takes the mask instead: never a wrong attention.
+                return jax.lax.cond(
+                    fused.segments.fits,
+                    lambda: packed_attention(q, k, v, fused.segments, scale),
+                    lambda: self._fused(q, k, v, mask, causal, bias))
         kwargs = {}
         if implementation == "cudnn" and self.options.masks_are_lengths:
             lengths, is_causal = mask_as_lengths(mask, b, t)
@@ -310,9 +341,8 @@ class Attention(nnx.Module):
                       "is_causal": implementation == "cudnn"}
         if bias is not None:
             kwargs["bias"] = bias.astype(q.dtype)
-        return jax.nn.dot_product_attention(
-            q, k.astype(q.dtype), v.astype(q.dtype), scale=q.shape[-1]**-0.5,
-            implementation=implementation, **kwargs)
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, implementation=implementation,
+                                            **kwargs)
 
     def __call__(self, x: jax.Array, memory: jax.Array, mask: jax.Array, *,
                  deterministic: bool, bias: jax.Array | None = None) -> jax.Array:

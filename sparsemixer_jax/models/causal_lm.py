@@ -27,16 +27,25 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from sparsemixer_jax import sharding
-from sparsemixer_jax.attention import HF_NAMES, Attention, AttentionOptions, KVCache, write_slots
+from sparsemixer_jax.attention import (
+    HF_NAMES,
+    Attention,
+    AttentionOptions,
+    FusedMask,
+    KVCache,
+    write_slots,
+)
 from sparsemixer_jax.models.latent_attention import LatentAttention
 from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
 from sparsemixer_jax.models.rope import rope_cos_sin
 from sparsemixer_jax.moe import MoEFeedForward
 from sparsemixer_jax.moe.dispatch import clamped_swiglu
 from sparsemixer_jax.moe.shared import MakeLinear, SharedExperts
+from sparsemixer_jax.packed_attention import segment_layout
 
 
 class LMOutput(NamedTuple):
@@ -206,8 +215,9 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = GatedMLP(config, config.intermediate_size, rngs)
 
-    def __call__(self, x, cos, sin, mask, kv, token_mask, deterministic, dropless):
-        """``x [B, T, emb]``; ``kv``: this layer's cache ``(keys, values, index)`` or None.
+    def __call__(self, x, cos, sin, mask, kv, token_mask, deterministic, dropless, fused=None):
+        """``x [B, T, emb]``; ``kv``: this layer's cache ``(keys, values, index)`` or None;
+        ``fused``: how cuDNN may take ``mask`` (:class:`~sparsemixer_jax.attention.FusedMask`).
 
         Returns ``(x, (keys, values) or None, (balance_loss, z_loss))``."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
@@ -217,7 +227,9 @@ class DecoderLayer(nnx.Module):
             keys, values = write_slots(keys, k, index), write_slots(values, v, index)
             k, v, new_kv = keys, values, (keys, values)
         # Without a cache the mask is causal over the T new tokens (forward's mask).
-        x = x + self.self_attn.attend(q, k, v, mask[:, None], causal=kv is None).astype(x.dtype)
+        attend = {} if fused is None else {"fused": fused}  # latent attention takes none
+        x = x + self.self_attn.attend(q, k, v, mask[:, None], causal=kv is None,
+                                      **attend).astype(x.dtype)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             y, metrics = self.mlp(h, token_mask, deterministic, dropless)
@@ -246,7 +258,7 @@ def _make_stack(config: LMConfig, pattern: tuple[bool, ...], repeats: int, mesh,
 
 
 def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token_mask,
-                deterministic, dropless, remat: str = "none", rows_sharding=None):
+                deterministic, dropless, remat: str = "none", rows_sharding=None, fused=None):
     """Runs a stack (a :class:`LayerUnit` whose state has a leading ``repeats`` axis) with
     ``jax.lax.scan``: each step merges one repeat's state, runs its layers, and returns the
     state again (router RNG counts and Default MoE's vectors change in training). ``masks``:
@@ -254,7 +266,8 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
     (bool ``[repeats, unit layers]``) says, the first everywhere when it is None. ``remat``:
     :data:`~sparsemixer_jax.models.lm_config.REMAT_POLICIES`, applied to the step.
     ``rows_sharding``: the sharding each step's activations keep
-    (:func:`sparsemixer_jax.sharding.keep_rows_split`).
+    (:func:`sparsemixer_jax.sharding.keep_rows_split`). ``fused``: how cuDNN may take the mask
+    (:class:`~sparsemixer_jax.attention.FusedMask`; None where there is a window).
     """
     graphdef, state = nnx.split(stack)
     metrics_tree: dict[str, Any] = {}
@@ -269,7 +282,7 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
             mask = masks[0] if unit_sliding is None else \
                 jnp.where(unit_sliding[i], masks[1], masks[0])
             h, new_kv, layer_metrics = layer(h, cos, sin, mask, kv, token_mask, deterministic,
-                                             dropless)
+                                             dropless, fused)
             new_kvs.append(new_kv)
             metrics.append(layer_metrics)
         out_kvs = None if unit_kvs is None else tuple(new_kvs)
@@ -368,6 +381,25 @@ def _positions_and_masks(config: LMConfig, real: jax.Array, positions: jax.Array
     return positions, (mask, window) if config.sliding_layers else (window, None)
 
 
+def _fused_mask(config: LMConfig, token_mask: jax.Array | None, segment_ids: jax.Array | None,
+                cache: KVCache | None) -> FusedMask | None:
+    """How cuDNN's attention may take the mask of :func:`_positions_and_masks` (arguments as
+    :meth:`CausalLM.forward`'s): its causal flag alone where the mask is exactly causal (no
+    segment ids, no padding as far as is known when tracing, no cache, no window), the
+    segments' offsets where ``config.cudnn_document_mask`` says so; None (the mask) otherwise
+    and for the other implementations, which read the mask as it is."""
+    if config.attention_impl != "cudnn" or cache is not None or config.sliding_window is not None:
+        return None
+    all_real = token_mask is None or (not isinstance(token_mask, jax.core.Tracer)
+                                      and bool(np.all(np.asarray(token_mask))))
+    if segment_ids is None:
+        return FusedMask(exactly_causal=True) if all_real else None
+    if config.cudnn_document_mask != "offsets":
+        return None
+    real = jnp.ones(segment_ids.shape, bool) if token_mask is None else token_mask
+    return FusedMask(segments=segment_layout(segment_ids, real, config.max_segments_per_row))
+
+
 def _summed_moe_aux(moe: dict[str, dict]) -> dict[str, Any]:
     """:attr:`LMOutput.aux` of the MoE layers' metrics ``{"layer_{i}": metrics}``."""
     zero = jnp.zeros((), jnp.float32)
@@ -452,12 +484,13 @@ class CausalLM(nnx.Module):
         real = jnp.ones((b, t), bool) if token_mask is None else token_mask.astype(bool)
         x = sharding.keep_rows_split(self.embed_tokens(input_ids), self.rows_sharding)
         positions, masks = _positions_and_masks(c, real, positions, segment_ids, cache)
+        fused = _fused_mask(c, real if token_mask is not None else None, segment_ids, cache)
         num_positions = None
         if cache is not None and c.rope.kind == "longrope":
             num_positions = jnp.max(positions) + 1
         cos, sin = rope_cos_sin(c, positions, num_positions)
         x, (new_keys, new_values), moe = self._run_stacks(x, cache, cos, sin, masks, real,
-                                                          deterministic)
+                                                          deterministic, fused)
         aux = _summed_moe_aux(moe)
         x = self.norm(x)
         logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
@@ -469,10 +502,11 @@ class CausalLM(nnx.Module):
 
     def _run_stacks(self, x: jax.Array, cache: KVCache | None, cos: jax.Array, sin: jax.Array,
                     masks: tuple[jax.Array, jax.Array | None], real: jax.Array,
-                    deterministic: bool
+                    deterministic: bool, fused: FusedMask | None = None
                     ) -> tuple[jax.Array, tuple[list, list], dict[str, dict]]:
         """Runs every stack on ``x [B, T, emb]`` (:func:`_scan_stack`; ``masks`` as
-        :func:`_positions_and_masks` gives them, ``real`` the token mask). Returns ``(x, (keys,
+        :func:`_positions_and_masks` gives them, ``real`` the token mask, ``fused`` as
+        :func:`_fused_mask` gives it). Returns ``(x, (keys,
         values) per layer (empty without a cache), each MoE layer's metrics under
         "layer_{i}")``."""
         c = self.config
@@ -491,7 +525,7 @@ class CausalLM(nnx.Module):
                 sliding = jnp.asarray(c.sliding_layers)[layer]
             x, out_kvs, metrics = _scan_stack(stack, x, kvs, index, cos, sin, masks, sliding,
                                               real, deterministic, dropless, c.remat,
-                                              self.rows_sharding)
+                                              self.rows_sharding, fused)
             for i, is_moe in enumerate(pattern):
                 if out_kvs is not None:
                     new_keys.append(out_kvs[i][0])

@@ -26,6 +26,8 @@ ROPE_KINDS = ("default", "longrope", "yarn")
 NORMS = ("rms", "layer")
 QK_NORMS = ("none", "head", "full")
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# How cuDNN's fused attention takes packed documents (LMConfig.cudnn_document_mask).
+CUDNN_DOCUMENT_MASKS = ("bias", "offsets")
 #: Rematerialisation of the scanned layers: ``"none"`` (keep every activation the backward pass
 #: needs), ``"full"`` (keep only each layer's input; recompute the rest in the backward pass),
 #: ``"elementwise"`` (recompute elementwise and layout operations only, fused into the backward
@@ -143,6 +145,19 @@ class LMConfig:
       attention_impl: ``"einsum"`` (the model's own attention, what transformers computes),
         ``"xla"`` or ``"auto"`` (``jax.nn.dot_product_attention``'s XLA form), ``"cudnn"``
         (cuDNN's fused flash attention: NVIDIA GPUs, ``compute_dtype="bfloat16"``).
+      cudnn_document_mask: how cuDNN's attention takes packed documents (``segment_ids``) in a
+        full forward pass: ``"bias"``, the boolean mask, which it reads as an additive bias
+        ``[B, 1, T, T]``; ``"offsets"``, each row's segments as offsets and lengths in cuDNN's
+        packed layout (:mod:`sparsemixer_jax.packed_attention`), no bias, with
+        ``max_segments_per_row`` segments at most (a micro-batch with a row of more takes the
+        mask). Without segment ids, padding or a sliding window cuDNN takes its causal flag
+        alone either way.
+      max_segments_per_row: ``M``, the segments (documents, padding) a row may hold for
+        ``cudnn_document_mask="offsets"``. cuDNN's softmax statistics, kept for the backward
+        pass, take ``B M H T`` floats. 64: a 4,096-token row of the Wikipedia sample, packed
+        as :func:`~sparsemixer_jax.data.lm_text.pack_documents` packs it, holds about 12
+        articles on average, 30 at the 99th percentile and about 50 at most (estimated from
+        whitespace words at 1.3 to 1.5 tokens a word).
       remat: a name in :data:`REMAT_POLICIES`: what the backward pass of the scanned layers
         recomputes instead of keeping (memory for compute; the numbers are unchanged).
       hf_config: the ``config.json`` this config was read from (JSON text), so that saving keeps
@@ -198,6 +213,8 @@ class LMConfig:
     grouped_impl: str = "mosaic"
     capacity_factor: float = 0.0
     attention_impl: str = "einsum"
+    cudnn_document_mask: str = "bias"
+    max_segments_per_row: int = 64
     remat: str = "none"
     hf_config: str = ""
 
@@ -253,6 +270,8 @@ class LMConfig:
                                      ("grouped_impl", self.grouped_impl, GROUPED_IMPLS),
                                      ("attention_impl", self.attention_impl,
                                       tuple(ATTENTION_IMPLS)),
+                                     ("cudnn_document_mask", self.cudnn_document_mask,
+                                      CUDNN_DOCUMENT_MASKS),
                                      ("remat", self.remat, REMAT_POLICIES)):
             if value not in choices:
                 self._fail(f"{name}={value!r}; choose one of {choices}")
@@ -273,6 +292,9 @@ class LMConfig:
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             fail(f"sliding_layers has {len(self.sliding_layers)} entries for num_layers="
                  f"{self.num_layers}")
+        m = self.max_segments_per_row
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            fail(f"max_segments_per_row must be an int >= 1, got {m!r}")
         if self.attention_sinks and self.attention_impl != "einsum":
             fail(f"attention_sinks need attention_impl='einsum' (jax.nn.dot_product_attention "
                  f"has no sink logit), got {self.attention_impl!r}")

@@ -14,7 +14,7 @@ from typing import Any
 
 from sparsemixer_jax.attention import ATTENTION_IMPLS, check_attention_dtype
 from sparsemixer_jax.hf.families import family_of, types_with
-from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.models.lm_config import CUDNN_DOCUMENT_MASKS, LMConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.routers.registry import ROUTER_OPTIONS
 from sparsemixer_jax.section import check_positive, read_fields
@@ -95,6 +95,8 @@ class LMModelConfig:
       dispatch, grouped_impl, capacity_factor, compute_dtype: the MoE layer's and the matmuls'.
       attention_impl: ``einsum`` (transformers' computation), ``xla``/``auto``
         (``jax.nn.dot_product_attention``) or ``cudnn`` (flash attention, bf16 on NVIDIA GPUs).
+      cudnn_document_mask, max_segments_per_row: how cuDNN's attention takes packed documents
+        (:class:`~sparsemixer_jax.models.lm_config.LMConfig`'s fields of these names).
       remat: what the scanned layers' backward pass recomputes
         (:data:`~sparsemixer_jax.models.lm_config.REMAT_POLICIES`).
       dropout, attention_dropout, activation_dropout, activation, init,
@@ -135,6 +137,8 @@ class LMModelConfig:
     activation_dropout: float = 0.0
     activation: str = "silu"
     attention_impl: str = "einsum"
+    cudnn_document_mask: str = "bias"
+    max_segments_per_row: int = 64
     init: str = "normal"
     num_shared_experts: int = 0
     shared_expert_gate: bool = False
@@ -178,6 +182,10 @@ class LMModelConfig:
             raise ValueError(f"{where}attention_impl={m.attention_impl!r}; choose one of "
                              f"{', '.join(ATTENTION_IMPLS)}")
         check_attention_dtype(m.attention_impl, m.compute_dtype, where)
+        if m.cudnn_document_mask not in CUDNN_DOCUMENT_MASKS:
+            raise ValueError(f"{where}cudnn_document_mask={m.cudnn_document_mask!r}; choose one "
+                             f"of {', '.join(CUDNN_DOCUMENT_MASKS)}")
+        check_positive(where, max_segments_per_row=m.max_segments_per_row)
         if m.moe_every != 1 and family.dense_layers != "sparse_step":
             alternating = types_with(lambda f: f.dense_layers == "sparse_step")
             layout = "routes every layer" if not family.dense_layers else \
@@ -301,7 +309,9 @@ def model_overrides(model: LMModelConfig) -> dict[str, Any]:
     """The :class:`LMConfig` fields the model section sets on a checkpoint too."""
     return {"dispatch": model.dispatch, "grouped_impl": model.grouped_impl,
             "capacity_factor": model.capacity_factor, "compute_dtype": model.compute_dtype,
-            "attention_impl": model.attention_impl, "remat": model.remat}
+            "attention_impl": model.attention_impl, "remat": model.remat,
+            "cudnn_document_mask": model.cudnn_document_mask,
+            "max_segments_per_row": model.max_segments_per_row}
 
 
 @dataclasses.dataclass(frozen=True)

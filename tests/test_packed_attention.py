@@ -1,0 +1,176 @@
+"""Packed documents as cuDNN's segment offsets (:mod:`sparsemixer_jax.packed_attention`): the
+offsets and lengths of hand-made rows, the mask they imply against the language model's own,
+the private JAX entry point they need, and (compile-only, for an H100) that the compiled
+program passes cuDNN no ``[B, 1, T, T]`` bias where the mask is exactly causal or taken as
+offsets. Running the kernel needs a GPU: tests/test_lm_attention.py."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparsemixer_jax.data.lm_text import pack_documents
+from sparsemixer_jax.models.causal_lm import CausalLM, _positions_and_masks
+from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.packed_attention import (
+    compute_capability_of,
+    segment_layout,
+)
+from tests import kit
+
+
+def _layout(ids, real=None, max_segments=3):
+    ids = jnp.asarray(ids, jnp.int32)
+    real = jnp.ones(ids.shape, bool) if real is None else jnp.asarray(real, bool)
+    out = segment_layout(ids, real, max_segments)
+    return np.asarray(out.lengths), np.asarray(out.offsets), bool(out.fits)
+
+
+def test_one_segment_a_row():
+    lengths, offsets, fits = _layout([[5] * 6, [0] * 6])
+    np.testing.assert_array_equal(lengths, [[6, -1, -1], [6, -1, -1]])
+    np.testing.assert_array_equal(offsets, [[0, -1, -1, -1], [0, -1, -1, -1]])
+    assert fits
+
+
+def test_documents_and_padding():
+    # As the text packer lays them out: documents 7 and 8, then padding (segment 0, not real).
+    ids = [[7, 7, 8, 8, 8, 0, 0], [3, 4, 5, 5, 5, 5, 5]]
+    lengths, offsets, fits = _layout(ids, np.asarray(ids) != 0)
+    np.testing.assert_array_equal(lengths, [[2, 3, 2], [1, 1, 5]])
+    np.testing.assert_array_equal(offsets, [[0, 2, 5, -1], [0, 1, 2, -1]])
+    assert fits
+    # Padding is one segment whatever ids it carries; without a token mask id 0 is a document.
+    lengths, _, _ = _layout([[7, 7, 0, 9, 9]], [[True, True, False, False, False]])
+    np.testing.assert_array_equal(lengths, [[2, 3, -1]])
+    lengths, _, _ = _layout([[7, 7, 0, 9, 9]])
+    np.testing.assert_array_equal(lengths, [[2, 1, 2]])
+
+
+def test_a_row_over_the_limit_or_an_id_in_two_runs_does_not_fit():
+    lengths, offsets, fits = _layout([[1, 2, 3, 4, 4], [1, 1, 1, 1, 1]])
+    np.testing.assert_array_equal(offsets[1], [0, -1, -1, -1])
+    assert not fits  # row 0: four segments, three allowed
+    np.testing.assert_array_equal(lengths[0], [1, 1, 1])
+    assert _layout([[1, 2, 3, 4, 4]], max_segments=4)[2]
+    # Id 1 in two runs: the mask lets the second run see the first, the layout would not.
+    assert not _layout([[1, 1, 2, 1, 0]], [[True, True, True, True, False]])[2]
+    # Padding runs split by a document are not a repeated document.
+    assert _layout([[0, 0, 2, 0, 0]], [[False, False, True, False, False]])[2]
+
+
+def _implied_mask(lengths: np.ndarray, offsets: np.ndarray, t: int) -> np.ndarray:
+    """bool ``[B, T, T]``: causal within each segment of the layout."""
+    segment = np.full((len(lengths), t), -1)
+    for row, (ls, os_) in enumerate(zip(lengths, offsets, strict=True)):
+        for i, (length, start) in enumerate(zip(ls, os_, strict=False)):
+            if length >= 0:
+                segment[row, start:start + length] = i
+    assert (segment >= 0).all()  # the segments cover every row
+    causal = np.tril(np.ones((t, t), bool))
+    return causal & (segment[:, :, None] == segment[:, None, :])
+
+
+def test_the_offsets_give_the_language_models_mask_on_real_queries():
+    rng = np.random.default_rng(0)
+    t = 32
+    documents = [rng.integers(1, 9, size=n) for n in rng.integers(1, 14, size=20)]
+    tokens, segments = pack_documents(documents, t)
+    assert len(tokens) >= 4 and (segments == 0).any()  # several rows, the last padded
+    real = segments != 0
+    config = LMConfig(model_type="mixtral", vocab_size=9, hidden_size=8, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=8,
+                      moe_intermediate_size=4, num_experts=2, top_k=1, moe_layers=(False,))
+    _, (mask, _) = _positions_and_masks(config, jnp.asarray(real), None, jnp.asarray(segments),
+                                        None)
+    lengths, offsets, fits = _layout(segments, real, max_segments=t)
+    assert fits and (lengths > 0).sum(axis=1).max() > 2
+    implied = _implied_mask(lengths, offsets, t)
+    mask = np.asarray(mask)
+    np.testing.assert_array_equal(implied[real], mask[real])
+    # Padding queries see only padding under the layout (the mask gives them nothing).
+    assert not (implied[~real] & real[np.nonzero(~real)[0]]).any()
+
+
+def test_the_private_cudnn_entry_point_takes_what_packed_attention_passes():
+    """A JAX release that renames or drops these arguments fails here (packed_attention)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    parameters = inspect.signature(cudnn_attention.dot_product_attention).parameters
+    for name in ("q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "scale", "mask_type"):
+        assert name in parameters, name
+    assert list(parameters)[:3] == ["query", "key", "value"]
+    assert cudnn_attention.MaskType.PADDING_CAUSAL.name == "PADDING_CAUSAL"
+    # Offsets [B, M + 1] make M segments a row: what the layout's shapes assume.
+    assert cudnn_attention.get_max_seg_per_batch(jnp.zeros((2, 4), jnp.int32)) == 3
+    assert callable(cudnn_attention.check_compute_capability)  # compute_capability_of's
+
+
+# ------------------------------------------------------------ compile-only, for an H100
+
+B, T = 2, 128
+
+
+@functools.cache
+def _cudnn_custom_calls(document_mask: str, with_segments: bool) -> list[tuple[str, str]]:
+    """``(computation, line)`` of each cuDNN attention custom call of a compiled forward and
+    backward pass of a one-layer bf16 model for one H100, with packed documents
+    (``with_segments``) or one sequence a row; ``computation``: the HLO computation holding
+    it, ``"fallback"`` for the false branch of a conditional (the mask path)."""
+    _, devices = kit.target_devices_or_skip("h100:1x1")
+    config = LMConfig(model_type="mixtral", vocab_size=64, hidden_size=128, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=128,
+                      moe_intermediate_size=64, num_experts=2, top_k=1, moe_layers=(False,),
+                      compute_dtype="bfloat16", attention_impl="cudnn",
+                      cudnn_document_mask=document_mask, max_segments_per_row=4)
+    graphdef, params = nnx.split(CausalLM(config, rngs=nnx.Rngs(params=0, router=1)))
+
+    def loss(params, ids, segments):
+        kwargs = {"segment_ids": segments, "token_mask": segments != 0} if with_segments else {}
+        logits = nnx.merge(graphdef, params).forward(ids, **kwargs).logits
+        return jnp.mean(logits)
+
+    on_h100 = jax.sharding.SingleDeviceSharding(devices[0])
+    args = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_h100),
+                         params),
+            jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=on_h100),
+            jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=on_h100))
+    with jax.default_device(devices[0]), compute_capability_of(devices[0]):
+        hlo = jax.jit(jax.grad(loss)).lower(*args).compile().as_text()
+    fallbacks = set(re.findall(r"false_computation=%([\w.\-]+)", hlo))
+    calls, computation = [], ""
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%([\w.\-]+) .*\{$", line)
+        if header:
+            computation = header.group(1)
+        elif "custom-call(" in line and "__cudnn$fmha" in line:
+            calls.append(("fallback" if computation in fallbacks else computation, line))
+    return calls
+
+
+BIAS = f"bf16[{B},1,{T},{T}]"
+
+
+def test_cudnn_takes_its_causal_flag_alone_for_one_sequence_a_row():
+    calls = _cudnn_custom_calls("bias", False)
+    assert len(calls) >= 2  # forward and backward
+    assert not any(BIAS in line for _, line in calls), calls
+
+
+def test_cudnn_takes_packed_documents_as_offsets_and_the_mask_only_as_fallback():
+    calls = _cudnn_custom_calls("offsets", True)
+    packed = [line for where, line in calls if where != "fallback"]
+    assert len(packed) >= 2 and len(calls) > len(packed)
+    for line in packed:  # offsets [B, M + 1], no bias
+        assert re.search(rf"s32\[{B},5\]", line) and BIAS not in line, line
+
+
+def test_cudnn_reads_the_documents_mask_as_a_bias_by_default():
+    calls = _cudnn_custom_calls("bias", True)
+    assert calls and all(where != "fallback" and BIAS in line for where, line in calls), calls
