@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lab.benchmarks.decoding import DECODE_SHAPES, parse_shapes
-from lab.benchmarks.lm_step import LM_ACCEL_SIZES, LM_CPU_SIZES
+from lab.benchmarks.lm_step import DOCUMENT_MASKS, LM_ACCEL_SIZES, LM_CPU_SIZES
 from lab.benchmarks.report import print_report
 from lab.benchmarks.runner import (
     ACCEL_SIZES,
@@ -62,6 +62,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="lm_throughput and lm_profile: an MoE LM config (configs/lm_bench.py:moe) giving "
              "the model, its sizes and micro-batches (the size options then apply to the other "
              "sections only); the dense arm is its dense twin (configs/lm_bench.py:dense)")
+    add("--lm-document-mask", default=DEFAULT.lm_document_mask, choices=DOCUMENT_MASKS,
+        help="lm_throughput and lm_profile: how cuDNN's attention gets the batch's documents: "
+             "bias (model.cudnn_document_mask), offsets (cuDNN's packed layout), causal (no "
+             "segment ids: its causal flag alone)")
     add("--kv-heads", type=int, default=None,
         help=f"lm_throughput: key/value heads (default: {LM_CPU_SIZES['kv_heads']} on CPU, "
              f"{LM_ACCEL_SIZES['kv_heads']} else)")

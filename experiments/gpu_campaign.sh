@@ -28,7 +28,9 @@
 #                    65,536 tokens in 2 micro-batches of 8 sequences, bf16, cuDNN attention),
 #                    MoE (8 experts, top-2, grouped) vs dense of equal active parameters, and
 #                    each router vs top-2, with model FLOPs and MFU; part "lm_profile" adds
-#                    "lm_cudnn" to profile.json: where that update's device time goes;
+#                    "lm_cudnn" to profile.json: where that update's device time goes (with
+#                    LM_DOCUMENT_MASKS, both parts run once per way of passing the documents'
+#                    mask to cuDNN, the name ending in it: "_bias", "_offsets", "_causal");
 #                    part "routing" adds run "routing_options": each routing option's update
 #                    (sigmoid, bias balancing, global/sequence loss, groups, a shared expert)
 #                    against the plain router, Transformer-base N=4, 2 x 4,096 tokens
@@ -61,6 +63,9 @@ GROUPED_ARGS=${GROUPED_ARGS:-}  # appended to the grouped part (on a CPU: "--int
 ROUTING_ARGS=${ROUTING_ARGS:-}  # appended to the routing part (on a CPU: "--emb 32 --mlp 64 ...")
 ROUTERS=${ROUTERS:-}  # e.g. "sparsemixer densemixer default_moe": part "step" times them against Switch
 LM_ROUTERS=${LM_ROUTERS:-}  # e.g. "sparsemixer_v2 densemixer": part "lm" times each against top-2
+# e.g. "bias offsets causal": part "lm" runs once per way cuDNN's attention gets the documents
+# (python -m experiments.benchmark --lm-document-mask), each run named with it: what the mask costs
+LM_DOCUMENT_MASKS=${LM_DOCUMENT_MASKS:-}
 PARTS=("$@")
 [ ${#PARTS[@]} -eq 0 ] && PARTS=(env lm routing lm_profile layer grouped step variants flags profile decode tests)
 mkdir -p "$OUT"
@@ -180,20 +185,33 @@ for part in "${PARTS[@]}"; do
       # 566fd23 against cuDNN's, needs one-row micro-batches, which the benchmark takes from
       # the config.)
       routers=("$LM_ROUTERS")
-      # shellcheck disable=SC2206  # LM_ROUTERS is a list of words
+      masks=("$LM_DOCUMENT_MASKS")
+      # shellcheck disable=SC2206  # LM_ROUTERS and LM_DOCUMENT_MASKS are lists of words
       [ -n "$LM_ROUTERS" ] && routers=($LM_ROUTERS)
+      # shellcheck disable=SC2206
+      [ -n "$LM_DOCUMENT_MASKS" ] && masks=($LM_DOCUMENT_MASKS)
       for router in "${routers[@]}"; do
-        # shellcheck disable=SC2086  # empty: no router flag, top-2 and dense alone
-        XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
-          bench step "lm_throughput_cudnn${router:+_$router}" --sections lm_throughput \
-          --lm-config configs/lm_bench.py:moe ${router:+--lm-routers $router}
+        for mask in "${masks[@]}"; do
+          # shellcheck disable=SC2086  # empty: no router flag, top-2 and dense alone
+          XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
+            bench step "lm_throughput_cudnn${router:+_$router}${mask:+_$mask}" \
+            --sections lm_throughput --lm-config configs/lm_bench.py:moe \
+            ${router:+--lm-routers $router} ${mask:+--lm-document-mask $mask}
+        done
       done
       ;;
     lm_profile)
       # Where the LM update's device time goes (cuDNN attention), into profile.json.
-      rm -rf "$WORK/trace_lm"
-      bench profile lm_cudnn --sections lm_profile --lm-config configs/lm_bench.py:moe \
-        --profile-dir "$WORK/trace_lm" --repeats 1
+      masks=("$LM_DOCUMENT_MASKS")
+      # shellcheck disable=SC2206  # LM_DOCUMENT_MASKS is a list of words
+      [ -n "$LM_DOCUMENT_MASKS" ] && masks=($LM_DOCUMENT_MASKS)
+      for mask in "${masks[@]}"; do
+        rm -rf "$WORK/trace_lm"
+        # shellcheck disable=SC2086  # empty: no flag, the config's mask
+        bench profile "lm_cudnn${mask:+_$mask}" --sections lm_profile \
+          --lm-config configs/lm_bench.py:moe --profile-dir "$WORK/trace_lm" --repeats 1 \
+          ${mask:+--lm-document-mask $mask}
+      done
       ;;
     variants)
       bench variants cudnn_attention --sections throughput --attention-impl cudnn

@@ -121,3 +121,29 @@ def test_lm_flops_match_a_hand_count():
     assert dm["unchosen"] == 2304 + 128
     assert dm["total"] == 19008 + 2432
 
+
+
+def test_document_masks_set_the_model_field_or_drop_the_segment_ids():
+    import jax
+    import pytest
+    from flax import nnx
+
+    from sparsemixer_jax.models.causal_lm import CausalLM
+
+    sizes = {**{k: v for k, v in TINY_LM.items() if k not in ("warmup", "repeats")},
+             "experts": 4, "top_k": 2}
+    config = lm_step.lm_model_config(sizes, "switch", "float32", document_mask="offsets")
+    assert config.model.cudnn_document_mask == "offsets"
+    causal = lm_step.lm_model_config(sizes, "switch", "float32", document_mask="causal")
+    assert causal.model.cudnn_document_mask == "bias"  # the config's; the batch changes
+    with pytest.raises(ValueError, match=r"document_mask='mask'; choose one of bias, offsets"):
+        lm_step.lm_model_config(sizes, "switch", "float32", document_mask="mask")
+    with_ids = lm_step.synthetic_lm_batch(sizes)
+    without = lm_step.synthetic_lm_batch(sizes, segments=False)
+    assert "segments" in with_ids and "segments" not in without
+    # One document a row: the loss without segment ids is the loss with them, to the bit.
+    task = LMTask.from_config(causal)
+    model = CausalLM(task.lm, rngs=nnx.Rngs(params=0, router=1))
+    key = jax.random.key(0)
+    losses = [float(task.loss(model, batch, key)[0]) for batch in (with_ids, without)]
+    assert losses[0] == losses[1] and math.isfinite(losses[0])

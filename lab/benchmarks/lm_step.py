@@ -7,6 +7,11 @@ Every arm is ``LMTask.loss`` through the project's compiled training step
 (``training.build_steps``), on one synthetic batch of random token ids (one document per row),
 timed in interleaved rounds by :func:`lab.benchmarks.harness.time_interleaved`.
 
+``document_mask`` says how cuDNN's attention gets the batch's documents (:data:`DOCUMENT_MASKS`):
+``"bias"`` and ``"offsets"`` set ``model.cudnn_document_mask`` (the batch carries segment ids,
+as training's does); ``"causal"`` gives the model no segment ids, so cuDNN takes its causal
+flag alone. With one document a row all three compute the same attention: what the mask costs.
+
 The arms (``model config`` from ``configs/lm_quickstart.py`` with the benchmark's sizes):
 
 * ``top2``: ``switch`` with ``normalize_top_k``, jitter 0: Mixtral's routing, the reference of
@@ -31,6 +36,7 @@ from lab.benchmarks.harness import load_average, ratios_to, stats, time_interlea
 # Mixtral's routing, the reference arm; the routers timed against it by default.
 REFERENCE = "top2"
 LM_ROUTERS = ("sparsemixer_v2", "sparsemixer_v2star", "densemixer")
+DOCUMENT_MASKS = ("bias", "offsets", "causal")
 
 # Default sizes (``mlp`` is each expert's width): a model a loaded 2-core CPU runs in a couple
 # of minutes, and one for an H100 (bf16, sequences of 2048). Every arm's train state stays on
@@ -47,13 +53,13 @@ LM_ACCEL_SIZES = {"emb": 1024, "mlp": 2048, "heads": 16, "kv_heads": 4, "layers"
 
 def lm_model_config(sizes: dict[str, int], router: str, dtype: str,
                     dispatch: str = "auto", attention_impl: str = "einsum",
-                    base: Any = None) -> Any:
+                    base: Any = None, document_mask: str = "bias") -> Any:
     """The ``top2`` arm's config routed by ``router`` instead (top-``k`` of
     ``sizes["experts"]``; ``switch`` renormalised with jitter 0: Mixtral's routing).
 
     ``base`` None: ``configs/lm_quickstart.py`` with the benchmark's sizes. Else an LM config
     (``configs/lm_bench.py``) whose sizes :func:`lm_sizes_of` read; only the router, the compute
-    dtype, the dispatch and the attention change."""
+    dtype, the dispatch and the attention (``document_mask``: module docstring) change."""
     from configs import lm_quickstart
     from sparsemixer_jax.routers.registry import routers_taking
 
@@ -68,6 +74,11 @@ def lm_model_config(sizes: dict[str, int], router: str, dtype: str,
         m.num_kv_heads, m.num_experts = sizes["kv_heads"], sizes["experts"]
     c.model.dispatch, c.model.compute_dtype = dispatch, dtype
     c.model.attention_impl = attention_impl
+    if document_mask not in DOCUMENT_MASKS:
+        raise ValueError(f"document_mask={document_mask!r}; choose one of "
+                         f"{', '.join(DOCUMENT_MASKS)}")
+    if document_mask != "causal":
+        c.model.cudnn_document_mask = document_mask
     c.router.name, c.router.top_k = router, sizes["top_k"]
     c.router.jitter_eps = 0.0 if router == "switch" else c.router.jitter_eps
     # Mixtral renormalises the k gates: every router with Switch's forward does so here too.
@@ -107,10 +118,12 @@ def dense_twin(task: Any) -> Any:
     return dataclasses.replace(task, lm=dense)
 
 
-def synthetic_lm_batch(sizes: dict[str, int], seed: int = 0) -> dict[str, Any]:
+def synthetic_lm_batch(sizes: dict[str, int], seed: int = 0, segments: bool = True
+                       ) -> dict[str, Any]:
     """The batch ``LMTask`` trains on: ``tokens`` int32 ``[rows, length]`` of random ids (id 1,
-    the document start, first), ``segments`` all 1 (one document per row, every position real),
-    ``bytes`` float32 ``[rows]`` (4 per target; it only enters bits per byte)."""
+    the document start, first), ``segments`` all 1 (one document per row, every position real;
+    left out where ``segments`` is False: the model gets no segment ids), ``bytes`` float32
+    ``[rows]`` (4 per target; it only enters bits per byte)."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -118,10 +131,13 @@ def synthetic_lm_batch(sizes: dict[str, int], seed: int = 0) -> dict[str, Any]:
     rows, length = rows_of(sizes), sizes["length"]
     tokens = rng.integers(2, sizes["vocab"], (rows, length), dtype=np.int32)
     tokens[:, 0] = 1
-    return {"tokens": jnp.asarray(tokens),
-            "segments": jnp.ones((rows, length), jnp.int32),
-            "targets": jnp.ones((rows, length), bool).at[:, 0].set(False),
-            "bytes": jnp.full((rows,), 4.0 * (length - 1), jnp.float32)}
+    batch = {"tokens": jnp.asarray(tokens),
+             "segments": jnp.ones((rows, length), jnp.int32),
+             "targets": jnp.ones((rows, length), bool).at[:, 0].set(False),
+             "bytes": jnp.full((rows,), 4.0 * (length - 1), jnp.float32)}
+    if not segments:
+        del batch["segments"]
+    return batch
 
 
 def active_params(lm: Any, num_params: int) -> int:
@@ -163,31 +179,36 @@ class LMTrainStep:
 
 
 def build_arms(sizes: dict[str, int], dtype: str, routers: Sequence[str],
-               dispatch: str = "auto", attention_impl: str = "einsum", base: Any = None
-               ) -> dict[str, LMTrainStep]:
+               dispatch: str = "auto", attention_impl: str = "einsum", base: Any = None,
+               document_mask: str = "bias") -> dict[str, LMTrainStep]:
     """``top2``, each router of ``routers``, then ``dense`` (module docstring), built on one
-    batch (``base``: :func:`lm_model_config`'s)."""
+    batch (``base``, ``document_mask``: :func:`lm_model_config`'s)."""
     from sparsemixer_jax.tasks.language_model import LMTask
 
-    batch, micro = synthetic_lm_batch(sizes), micro_batches_of(sizes)
+    batch = synthetic_lm_batch(sizes, segments=document_mask != "causal")
+    micro = micro_batches_of(sizes)
     names = {REFERENCE: "switch", **{r: r for r in routers if r != "switch"}}
     arms: dict[str, LMTrainStep] = {}
     for name, router in names.items():
-        config = lm_model_config(sizes, router, dtype, dispatch, attention_impl, base)
+        config = lm_model_config(sizes, router, dtype, dispatch, attention_impl, base,
+                                 document_mask)
         arms[name] = LMTrainStep(LMTask.from_config(config), config, batch, micro)
-    config = lm_model_config(sizes, "switch", dtype, dispatch, attention_impl, base)
+    config = lm_model_config(sizes, "switch", dtype, dispatch, attention_impl, base,
+                             document_mask)
     arms["dense"] = LMTrainStep(dense_twin(LMTask.from_config(config)), config, batch, micro)
     return arms
 
 
 def bench_lm_throughput(sizes: dict[str, int], dtype: str, warmup: int, repeats: int,
                         routers: Sequence[str] = LM_ROUTERS, dispatch: str = "auto",
-                        attention_impl: str = "einsum", base: Any = None) -> dict[str, Any]:
-    """Every arm of :func:`build_arms`, interleaved repeats; ``sizes`` and ``base`` as
-    :func:`lm_model_config` takes them (an update of ``sizes["tokens"]`` tokens).
+                        attention_impl: str = "einsum", base: Any = None,
+                        document_mask: str = "bias") -> dict[str, Any]:
+    """Every arm of :func:`build_arms`, interleaved repeats; ``sizes``, ``base`` and
+    ``document_mask`` as :func:`lm_model_config` takes them (an update of ``sizes["tokens"]``
+    tokens).
 
-    JSON: ``sizes``, ``dtype``, ``device_kind``, ``peak_flops`` (None where unknown),
-    ``micro_batches``, ``tokens_per_step`` (rows x length x micro-batches; the loss counts
+    JSON: ``sizes``, ``dtype``, ``document_mask``, ``device_kind``, ``peak_flops`` (None where
+    unknown), ``micro_batches``, ``tokens_per_step`` (rows x length x micro-batches; the loss counts
     ``length - 1`` targets a row),
     ``load_average`` before and after, and per arm ``router``, ``num_params``,
     ``active_params``, ``step_s`` (stats), ``tokens_per_s`` with its ``[min, max]`` range,
@@ -198,7 +219,7 @@ def bench_lm_throughput(sizes: dict[str, int], dtype: str, warmup: int, repeats:
     CPU time (``paired_cpu``: on shared CPU cores, the work done).
     """
     load_before = load_average()
-    arms = build_arms(sizes, dtype, routers, dispatch, attention_impl, base)
+    arms = build_arms(sizes, dtype, routers, dispatch, attention_impl, base, document_mask)
     cpu: dict[str, list[float]] = {}
     times = time_interleaved(arms, warmup, repeats, cpu_times=cpu)
     length = sizes["length"]
@@ -208,7 +229,8 @@ def bench_lm_throughput(sizes: dict[str, int], dtype: str, warmup: int, repeats:
     to_ref = ratios_to(times, REFERENCE, cpu, flops)
     kind, peak = device_peak(dtype)
     out: dict[str, Any] = {"sizes": dict(sizes), "dtype": dtype, "dispatch": dispatch,
-                           "attention_impl": attention_impl, "device_kind": kind,
+                           "attention_impl": attention_impl,
+                           "document_mask": document_mask, "device_kind": kind,
                            "peak_flops": peak, "micro_batches": micro_batches_of(sizes),
                            "tokens_per_step": tokens}
     for name, arm in arms.items():
@@ -248,16 +270,18 @@ def _paired(times: dict[str, list[float]], reference: str, name: str) -> list[fl
 
 def bench_lm_profile(sizes: dict[str, int], dtype: str, warmup: int, steps: int, logdir: str,
                      dispatch: str = "auto", attention_impl: str = "einsum",
-                     base: Any = None) -> dict[str, Any]:
+                     base: Any = None, document_mask: str = "bias") -> dict[str, Any]:
     """A ``jax.profiler`` trace of ``steps`` training steps of the ``top2`` arm and where its
     device time goes (:func:`lab.benchmarks.trace.profile_steps`), as ``profile`` does for
     the translation model."""
     from lab.benchmarks.trace import profile_steps
     from sparsemixer_jax.tasks.language_model import LMTask
 
-    config = lm_model_config(sizes, "switch", dtype, dispatch, attention_impl, base)
-    step = LMTrainStep(LMTask.from_config(config), config, synthetic_lm_batch(sizes),
-                       micro_batches_of(sizes))
+    config = lm_model_config(sizes, "switch", dtype, dispatch, attention_impl, base,
+                             document_mask)
+    batch = synthetic_lm_batch(sizes, segments=document_mask != "causal")
+    step = LMTrainStep(LMTask.from_config(config), config, batch, micro_batches_of(sizes))
     out = profile_steps(step, warmup, steps, logdir, "lm_profile")
     return {"sizes": dict(sizes), "dtype": dtype, "dispatch": dispatch,
-            "attention_impl": attention_impl, "load_average": load_average(), **out}
+            "attention_impl": attention_impl, "document_mask": document_mask,
+            "load_average": load_average(), **out}

@@ -36,8 +36,9 @@ Sections (``sections`` picks some):
   each expert's width), which the size settings override; or, with ``lm_config`` (an MoE LM
   config such as ``configs/lm_bench.py:moe``), that config's model, sizes and micro-batches,
   its dense arm the config's dense twin (``configs/lm_bench.py:dense``), the ``dispatch`` and
-  ``attention_impl`` settings overriding the config's where given. JSON:
-  ``lm_throughput[arm]``.
+  ``attention_impl`` settings overriding the config's where given; ``lm_document_mask``: how
+  cuDNN gets the batch's documents (:data:`lab.benchmarks.lm_step.DOCUMENT_MASKS`: ``bias``,
+  the default, ``offsets``, or ``causal``, no segment ids). JSON: ``lm_throughput[arm]``.
 * ``fusion`` (not run by default): the one-call update against the three calls of an
   accumulating update (zero, accumulate, update), dense and each N.
 * ``decode`` (not run by default): beam search (beam 4) in sentences per second on Multi30k-test
@@ -133,6 +134,7 @@ class BenchmarkSettings:
     layer_dispatches: list[str] = dataclasses.field(default_factory=lambda: ["ragged", "padded"])
     attention_impl: str | None = None  # "einsum", or for the LM sections the config's
     lm_config: str | None = None  # "configs/lm_bench.py:moe": the LM sections' model and sizes
+    lm_document_mask: str = "bias"  # the LM sections: lab.benchmarks.lm_step.DOCUMENT_MASKS
     rng_impl: str | None = None
     triton_ragged_dot: bool = False
     deterministic: bool = False
@@ -218,7 +220,8 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
     base = load_config_file(s.lm_config) if s.lm_config else None
     lm_options = {"dispatch": s.dispatch or (base.model.dispatch if base else "auto"),
                   "attention_impl": s.attention_impl
-                  or (base.model.attention_impl if base else "einsum"), "base": base}
+                  or (base.model.attention_impl if base else "einsum"), "base": base,
+                  "document_mask": s.lm_document_mask}
     print(json.dumps({k: result[k] for k in ("machine", "sizes", "dtype")}), flush=True)
     if "overhead" in s.sections:
         result["overhead"] = bench_overhead(sizes, s.experts, dtype, s.warmup, s.repeats,

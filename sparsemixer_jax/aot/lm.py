@@ -22,6 +22,7 @@ from sparsemixer_jax import sharding
 from sparsemixer_jax.aot import steps as aot_steps
 from sparsemixer_jax.aot.analysis import ProgramReport
 from sparsemixer_jax.models.causal_lm import CausalLM
+from sparsemixer_jax.packed_attention import compute_capability_of
 from sparsemixer_jax.tasks.language_model import LMTask
 from sparsemixer_jax.training.run_config import RunConfig
 from sparsemixer_jax.training.steps import Steps
@@ -69,7 +70,9 @@ def compile_lm(run: RunConfig, devices: Sequence[jax.Device], *, decode_step: bo
     del decode_step
     task: LMTask = run.task
     mesh = target_mesh(run, devices)
-    with jax.default_device(devices[0]):  # what the grouped kernels' device check asks
+    # The grouped kernels' device check asks the default device; cuDNN's packed layout
+    # (model.cudnn_document_mask="offsets") the compute capability of the target's GPU.
+    with jax.default_device(devices[0]), compute_capability_of(devices[0]):
         model = abstract_model(task, mesh if mesh.size > 1 else None)
         partitioner = sharding.mesh_partitioner(run.mesh, mesh)
         steps = Steps(model, task, run.optim, partitioner if mesh.size > 1 else None)

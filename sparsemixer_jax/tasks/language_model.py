@@ -79,7 +79,9 @@ def next_token_sums(logits: jax.Array, tokens: jax.Array, is_target: jax.Array,
 
 
 def _forward(model: CausalLM, batch, deterministic: bool):
-    segments = batch["segments"]
+    segments = batch.get("segments")
+    if segments is None:  # one sequence a row, every token real (a benchmark's batch)
+        return model.forward(batch["tokens"], deterministic=deterministic)
     return model.forward(batch["tokens"], segment_ids=segments, token_mask=segments != 0,
                          deterministic=deterministic)
 
