@@ -160,15 +160,17 @@ BIAS = f"bf16[{B},1,{T},{T}]"
 def test_cudnn_takes_its_causal_flag_alone_for_one_sequence_a_row():
     calls = _cudnn_custom_calls("bias", False)
     assert len(calls) >= 2  # forward and backward
-    assert not any(BIAS in line for _, line in calls), calls
+    for _, line in calls:
+        assert BIAS not in line and re.search(r'"mask_type": ?"CAUSAL"', line), line
 
 
 def test_cudnn_takes_packed_documents_as_offsets_and_the_mask_only_as_fallback():
     calls = _cudnn_custom_calls("offsets", True)
     packed = [line for where, line in calls if where != "fallback"]
     assert len(packed) >= 2 and len(calls) > len(packed)
-    for line in packed:  # offsets [B, M + 1], no bias
+    for line in packed:  # offsets [B, M + 1], no bias, causal within each segment
         assert re.search(rf"s32\[{B},5\]", line) and BIAS not in line, line
+        assert re.search(r'"mask_type": ?"PADDING_CAUSAL"', line), line
 
 
 def test_cudnn_reads_the_documents_mask_as_a_bias_by_default():
