@@ -63,6 +63,9 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     "router.trainable": True,
     "optim.router_lr_scale": 1.0,
     "optim.train_only": "all",
+    # Language-modelling runs saved before cuDNN could take packed documents as offsets.
+    "model.cudnn_document_mask": {"lm": "bias"},
+    "model.max_segments_per_row": {"lm": 64},
 }
 
 
