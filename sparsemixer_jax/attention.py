@@ -35,7 +35,7 @@ MASK_VALUE = -1e9
 # own attention, the only one with dropout on the attention weights and sink logits: the paper's
 # setting). "xla" and "auto" (jax picks; XLA in jax 0.10) take the boolean mask as it is. "cudnn"
 # is cuDNN's fused flash attention (NVIDIA GPUs, bf16); how it takes the masks is
-# :attr:`AttentionOptions.masks_are_lengths`'s.
+# :attr:`AttentionOptions.masks_are_lengths`'s, or a :class:`FusedMask`'s.
 ATTENTION_IMPLS = {"einsum": None, "xla": "xla", "cudnn": "cudnn", "auto": None}
 
 #: Parameter names of the query, key, value and output projections: fairseq's (the translation
@@ -113,8 +113,8 @@ class AttentionOptions:
         cuDNN takes them as lengths and a causal flag (:func:`mask_as_lengths`) instead of a
         general mask that it would read in full as an additive bias. False (the language
         models: packed documents, sliding windows, left padding): cuDNN takes the boolean mask,
-        and only for a full causal pass (:meth:`Attention.attend`'s ``causal``); cached decoding
-        takes XLA's form.
+        or what the caller's :class:`FusedMask` gives instead, and only for a full causal pass
+        (:meth:`Attention.attend`'s ``causal``); cached decoding takes XLA's form.
       qk_norm: ``"none"``, ``"head"`` (a norm over each head's query and key, Qwen3-MoE) or
         ``"full"`` (over the whole query and key projections, before the head split, OLMoE).
       clip_qkv: clamp queries, keys and values to ``[-clip_qkv, clip_qkv]`` (OLMoE), or None.

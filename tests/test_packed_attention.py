@@ -176,3 +176,37 @@ def test_cudnn_takes_packed_documents_as_offsets_and_the_mask_only_as_fallback()
 def test_cudnn_reads_the_documents_mask_as_a_bias_by_default():
     calls = _cudnn_custom_calls("bias", True)
     assert calls and all(where != "fallback" and BIAS in line for where, line in calls), calls
+
+
+def test_the_fused_call_takes_the_offsets_only_where_they_fit(monkeypatch):
+    """Wiring, on any backend: cuDNN's calls replaced by stand-ins that say which ran (the
+    packed layout's output 1, the mask path's 2)."""
+    from sparsemixer_jax import attention as attention_module
+    from sparsemixer_jax.attention import Attention, AttentionOptions, FusedMask
+
+    calls = []
+
+    def mask_path(q, k, v, **kwargs):
+        calls.append(kwargs)
+        return jnp.full(q.shape, 2.0, q.dtype)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", mask_path)
+    monkeypatch.setattr(attention_module, "packed_attention",
+                        lambda q, k, v, layout, scale: jnp.full(q.shape, 1.0, q.dtype))
+    rngs = nnx.Rngs(0)
+    make = lambda i, o, *, use_bias: nnx.Linear(i, o, use_bias=use_bias, rngs=rngs)
+    attn = Attention(AttentionOptions(8, 2, 1, 4, implementation="cudnn"), qkv_linear=make,
+                     out_linear=make, rngs=rngs)
+    q, k = jnp.ones((1, 4, 2, 4), jnp.bfloat16), jnp.ones((1, 4, 1, 4), jnp.bfloat16)
+    mask = jnp.tril(jnp.ones((4, 4), bool))[None, None]
+
+    def run(fused):
+        return float(attn._fused(q, k, k, mask, True, None, fused).mean())
+
+    assert run(FusedMask(exactly_causal=True)) == 2.0
+    assert calls[-1] == {"scale": 0.5, "is_causal": True, "implementation": "cudnn"}
+    real = jnp.ones((1, 4), bool)
+    assert run(FusedMask(segments=segment_layout(jnp.array([[1, 1, 2, 2]]), real, 3))) == 1.0
+    assert run(FusedMask(segments=segment_layout(jnp.array([[1, 2, 3, 4]]), real, 3))) == 2.0
+    assert calls[-1]["is_causal"] and calls[-1]["mask"].shape == (1, 1, 4, 4)
+    assert run(None) == 2.0  # no FusedMask: the mask, as before
