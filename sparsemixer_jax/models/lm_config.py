@@ -154,10 +154,10 @@ class LMConfig:
         alone either way.
       max_segments_per_row: ``M``, the segments (documents, padding) a row may hold for
         ``cudnn_document_mask="offsets"``. cuDNN's softmax statistics, kept for the backward
-        pass, take ``B M H T`` floats. 64: a 4,096-token row of the Wikipedia sample, packed
-        as :func:`~sparsemixer_jax.data.lm_text.pack_documents` packs it, holds about 12
-        articles on average, 30 at the 99th percentile and about 50 at most (estimated from
-        whitespace words at 1.3 to 1.5 tokens a word).
+        pass, take ``B M H T`` floats. 64: the Wikipedia sample's 36,183 articles, encoded by
+        ``configs/lm_bench.py``'s 32,768-token SentencePiece vocabulary and packed into 3,107
+        rows of 4,096 (:func:`~sparsemixer_jax.data.lm_text.pack_documents`), hold 12.6
+        segments a row on average, 32 at the 99th percentile and 54 at most.
       remat: a name in :data:`REMAT_POLICIES`: what the backward pass of the scanned layers
         recomputes instead of keeping (memory for compute; the numbers are unchanged).
       hf_config: the ``config.json`` this config was read from (JSON text), so that saving keeps
