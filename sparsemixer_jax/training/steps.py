@@ -52,6 +52,7 @@ from sparsemixer_jax.training.optim import (
     make_optimizer,
     param_labels,
 )
+from sparsemixer_jax.training.packed import PackedTree
 from sparsemixer_jax.training.state import TrainState
 
 
@@ -102,7 +103,7 @@ def _gradient(graphdef, task, params, layer_state, rest, batch, key, copies=None
         graphdef, task, compute_copies.with_copies(params, copies), layer_state, rest, batch,
         key)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    return {"grads": grads, "metrics": metrics}, layer_state
+    return {"grads": grads, "metrics": PackedTree.pack(metrics)}, layer_state
 
 
 # ``partitioner`` (static; None on one device) places parameters, gradients and optimizer state
@@ -121,7 +122,8 @@ def _zero_accumulator(graphdef, task, state, rest, batch, partitioner=None):
                                          jax.random.key(0))[1][0],
         state, rest, batch)
     return {"grads": constrain(partitioner, jax.tree.map(jnp.zeros_like, state.params)),
-            "metrics": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)}
+            "metrics": PackedTree.pack(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                                    shapes))}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("partitioner",))
@@ -151,7 +153,7 @@ def _apply_update(task, optim: OptimSettings, state: TrainState, acc, layer_stat
     finite. The step counts every update taken, skipped or not (the loop stops at a skip).
     ``balance``: the MoE layers whose bias and loads the update steps (:class:`Steps`);
     ``partitioner``: keeps the new state sharded (module comment above)."""
-    divisor, out = task.summarize(acc["metrics"])
+    divisor, out = task.summarize(acc["metrics"].unpack())
     grads = constrain(partitioner, jax.tree.map(lambda g: g / divisor, acc["grads"]))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(out["loss"])
@@ -163,7 +165,8 @@ def _apply_update(task, optim: OptimSettings, state: TrainState, acc, layer_stat
                      params=_keep_if_finite(finite, new_params, state.params),
                      layer_state=_keep_if_finite(finite, layer_state, state.layer_state),
                      opt_state=_keep_if_finite(finite, new_opt_state, state.opt_state))
-    return constrain(partitioner, new), {**out, "grad_norm": grad_norm, "finite": finite}
+    return constrain(partitioner, new), PackedTree.pack(
+        {**out, "grad_norm": grad_norm, "finite": finite})
 
 
 _update = functools.partial(jax.jit, static_argnums=(0, 1, 5), donate_argnums=(2,),
