@@ -103,7 +103,7 @@ def _gradient(graphdef, task, params, layer_state, rest, batch, key, copies=None
         graphdef, task, compute_copies.with_copies(params, copies), layer_state, rest, batch,
         key)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    return {"grads": grads, "metrics": PackedTree.pack(metrics)}, layer_state
+    return {"grads": grads, "metrics": metrics}, layer_state
 
 
 # ``partitioner`` (static; None on one device) places parameters, gradients and optimizer state
@@ -136,8 +136,13 @@ def _compute_copies(graphdef, task, state, rest, batch, partitioner=None):
 def _accumulate(graphdef, task, state, rest, acc, batch, key, copies=None, partitioner=None):
     summand, layer_state = _gradient(graphdef, task, state.params, state.layer_state, rest,
                                      batch, key, copies, partitioner)
-    acc = jax.tree.map(jnp.add, acc, summand)
-    return {**acc, "grads": constrain(partitioner, acc["grads"])}, layer_state
+    # Each metric sum is added as a leaf of its own, then packed: XLA computes every sum in
+    # one kernel, each as the same expression as before packing (the same rounding: a
+    # product added in one fused expression may be contracted, a packed product not).
+    grads = jax.tree.map(jnp.add, acc["grads"], summand["grads"])
+    metrics = jax.tree.map(jnp.add, acc["metrics"].unpack(), summand["metrics"])
+    return {"grads": constrain(partitioner, grads),
+            "metrics": PackedTree.pack(metrics)}, layer_state
 
 
 def _keep_if_finite(finite, new, old):
@@ -185,6 +190,7 @@ def _train_step(graphdef, task, optim, state, rest, batch, key, balance: Balance
     """
     summand, layer_state = _gradient(graphdef, task, state.params, state.layer_state, rest,
                                      batch, key, partitioner=partitioner)
+    summand = {**summand, "metrics": PackedTree.pack(summand["metrics"])}
     return _apply_update(task, optim, state, summand, layer_state, balance, partitioner)
 
 
