@@ -5,10 +5,13 @@ diagnostics). Each leaf of a compiled program's output is a buffer of its own, a
 each in a kernel of its own: about 200 one-element kernels per accumulation and as many again
 in the update for a 16-layer MoE model, each costing a kernel launch. :class:`PackedTree` holds
 the float32 leaves concatenated in one vector (the other leaves, such as a bool flag, as they
-are), so that a program adds or divides them all in one kernel and returns one buffer; the
-leaves are read back by slicing, on the device or, after ``jax.device_get``, on the host. The
-values are those of the leaves: packing copies them, elementwise arithmetic on the vector is
-that on each leaf.
+are), so that a program computes them in a few kernels (the concatenation, which takes each
+leaf's expression as its operand) and returns one buffer; the leaves are read back by slicing,
+on the device or, after ``jax.device_get``, on the host. Packing copies the values. A program
+that computes on the leaves computes on :meth:`PackedTree.unpack`'s and packs the result: each
+value is then computed by the same expression as on the unpacked tree, rounded the same way
+(XLA may contract a product and a sum written in one expression, not one split by the
+concatenation).
 """
 
 from __future__ import annotations
