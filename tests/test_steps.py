@@ -103,6 +103,47 @@ def test_micro_batches_compile_the_accumulation_once(steps):
     assert training_steps._accumulate._cache_size() == before + 1
 
 
+def test_a_non_finite_update_changes_nothing_but_the_step(steps):
+    """An infinite parameter makes the loss NaN: the update is skipped, bit for bit, on the
+    accumulating path and the fused one, and counted."""
+    state = copy(steps.init_state())
+    params = jax.tree.map(jnp.copy, state.params)
+    first = jax.tree.leaves(params)[0]
+    leaves, treedef = jax.tree.flatten(params)
+    leaves[0] = first.at[(0,) * first.ndim].set(jnp.inf)
+    state = state.replace(params=jax.tree.unflatten(treedef, leaves))
+    # A moved optimizer state, so that "unchanged" is not "still zero".
+    state = state.replace(opt_state=jax.tree.map(lambda a: a + 1 if a.dtype == jnp.float32
+                                                 else a, state.opt_state))
+    for micro in ([batch(0)], [batch(0), batch(1)]):
+        new, metrics = steps.train_step(copy(state), micro, jax.random.key(1))
+        assert not bool(metrics["finite"]) and not np.isfinite(float(metrics["loss"]))
+        assert int(new.step) == int(state.step) + 1
+        jax.tree.map(np.testing.assert_array_equal, (new.params, new.opt_state,
+                                                     new.layer_state),
+                     (state.params, state.opt_state, state.layer_state))
+
+
+def test_the_update_returns_its_float32_metrics_in_one_buffer(steps):
+    """Each output leaf of a compiled program is a kernel of its own: the metrics come back as
+    one float32 vector (and the bool ``finite``), read as the tree they pack, on the device and
+    after ``jax.device_get``."""
+    state = copy(steps.init_state())
+    _, metrics = steps.train_step(state, [batch(0), batch(1)], jax.random.key(2))
+    leaves = jax.tree.leaves(metrics)
+    assert [leaf.dtype for leaf in leaves] == [jnp.float32, jnp.bool_], leaves
+    host = jax.device_get(metrics)
+    assert isinstance(host["loss"], np.ndarray) and host["loss"].shape == ()
+    assert set(host) == set(metrics) >= {"loss", "grad_norm", "finite", "tokens"}
+    for key in host:  # the same values, wherever they are read
+        jax.tree.map(np.testing.assert_array_equal, host[key], metrics[key])
+    packed = training_steps.PackedTree.pack({"a": jnp.arange(6.0).reshape(2, 3),
+                                             "b": {"c": jnp.float32(7.0), "d": jnp.int32(3)}})
+    assert packed.vector.shape == (7,) and packed.others[0].dtype == jnp.int32
+    np.testing.assert_array_equal(packed["a"], np.arange(6.0).reshape(2, 3))
+    assert float(packed["b"]["c"]) == 7.0 and int(packed["b"]["d"]) == 3
+
+
 @pytest.mark.parametrize("impl", ["xla", "auto"])
 def test_dot_product_attention_equals_the_einsum_attention(impl):
     kw = dict(attention_dropout=0.0, dtype=jnp.float32)

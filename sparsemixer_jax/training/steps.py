@@ -52,6 +52,7 @@ from sparsemixer_jax.training.optim import (
     make_optimizer,
     param_labels,
 )
+from sparsemixer_jax.training.packed import PackedTree
 from sparsemixer_jax.training.state import TrainState
 
 
@@ -121,7 +122,8 @@ def _zero_accumulator(graphdef, task, state, rest, batch, partitioner=None):
                                          jax.random.key(0))[1][0],
         state, rest, batch)
     return {"grads": constrain(partitioner, jax.tree.map(jnp.zeros_like, state.params)),
-            "metrics": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)}
+            "metrics": PackedTree.pack(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                                    shapes))}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("partitioner",))
@@ -134,8 +136,13 @@ def _compute_copies(graphdef, task, state, rest, batch, partitioner=None):
 def _accumulate(graphdef, task, state, rest, acc, batch, key, copies=None, partitioner=None):
     summand, layer_state = _gradient(graphdef, task, state.params, state.layer_state, rest,
                                      batch, key, copies, partitioner)
-    acc = jax.tree.map(jnp.add, acc, summand)
-    return {**acc, "grads": constrain(partitioner, acc["grads"])}, layer_state
+    # Each metric sum is added as a leaf of its own, then packed: XLA computes every sum in
+    # one kernel, each as the same expression as before packing (the same rounding: a
+    # product added in one fused expression may be contracted, a packed product not).
+    grads = jax.tree.map(jnp.add, acc["grads"], summand["grads"])
+    metrics = jax.tree.map(jnp.add, acc["metrics"].unpack(), summand["metrics"])
+    return {"grads": constrain(partitioner, grads),
+            "metrics": PackedTree.pack(metrics)}, layer_state
 
 
 def _keep_if_finite(finite, new, old):
@@ -151,7 +158,7 @@ def _apply_update(task, optim: OptimSettings, state: TrainState, acc, layer_stat
     finite. The step counts every update taken, skipped or not (the loop stops at a skip).
     ``balance``: the MoE layers whose bias and loads the update steps (:class:`Steps`);
     ``partitioner``: keeps the new state sharded (module comment above)."""
-    divisor, out = task.summarize(acc["metrics"])
+    divisor, out = task.summarize(acc["metrics"].unpack())
     grads = constrain(partitioner, jax.tree.map(lambda g: g / divisor, acc["grads"]))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(out["loss"])
@@ -163,7 +170,8 @@ def _apply_update(task, optim: OptimSettings, state: TrainState, acc, layer_stat
                      params=_keep_if_finite(finite, new_params, state.params),
                      layer_state=_keep_if_finite(finite, layer_state, state.layer_state),
                      opt_state=_keep_if_finite(finite, new_opt_state, state.opt_state))
-    return constrain(partitioner, new), {**out, "grad_norm": grad_norm, "finite": finite}
+    return constrain(partitioner, new), PackedTree.pack(
+        {**out, "grad_norm": grad_norm, "finite": finite})
 
 
 _update = functools.partial(jax.jit, static_argnums=(0, 1, 5), donate_argnums=(2,),
@@ -182,6 +190,7 @@ def _train_step(graphdef, task, optim, state, rest, batch, key, balance: Balance
     """
     summand, layer_state = _gradient(graphdef, task, state.params, state.layer_state, rest,
                                      batch, key, partitioner=partitioner)
+    summand = {**summand, "metrics": PackedTree.pack(summand["metrics"])}
     return _apply_update(task, optim, state, summand, layer_state, balance, partitioner)
 
 
