@@ -15,6 +15,7 @@ import tarfile
 
 import pytest
 
+from lab.studies import chat_sft
 from lab.studies.lm_balancing import LM_BALANCINGS, SEEDS, VERSUS, balancing_table
 from lab.studies.summary import markdown, summarize
 
@@ -39,6 +40,7 @@ STUDIES: dict[str, tuple[str, tuple[str, ...], tuple[int, ...], str | None]] = {
     **{f"lm_balancing_{balancing}": (f"runs/lm_balancing_{balancing}", arms, SEEDS, VERSUS)
        for balancing, (_, arms) in LM_BALANCINGS.items()},
     "lm_study": ("runs/lm_study", _LM_STUDY_ARMS, (0, 1, 2, 3, 4), VERSUS),
+    "chat_sft_compare": (chat_sft.FT_ROOT, chat_sft.ARMS, chat_sft.SEEDS, chat_sft.VERSUS),
 }
 
 
@@ -91,6 +93,16 @@ def test_the_balancing_table_rebuilds_from_the_runs(tmp_path, monkeypatch):
         rebuilt_json, _ = _rebuild(f"lm_balancing_{balancing}", tmp_path / balancing, monkeypatch)
         summaries[balancing] = json.loads(rebuilt_json)
     assert balancing_table(summaries) == (RESULTS / "lm_balancing_cpu.md").read_text()
+
+
+def test_the_chat_study_tables_rebuild_from_the_runs(tmp_path, monkeypatch):
+    """docs/lm.md's chat fine-tuning tables: ``chat_sft summarize`` of the archived runs (their
+    results and label accuracies) equals the committed ``chat_sft_cpu.json``, and ``chat_sft
+    table`` of it the committed ``chat_sft_cpu.md``."""
+    _rebuild("chat_sft_compare", tmp_path, monkeypatch)
+    summary = chat_sft.summarize_root(chat_sft.FT_ROOT)
+    assert json.dumps(summary, indent=2) + "\n" == (RESULTS / "chat_sft_cpu.json").read_text()
+    assert chat_sft.study_table(summary) == (RESULTS / "chat_sft_cpu.md").read_text()
 
 
 def test_a_changed_run_changes_the_summary(tmp_path, monkeypatch):

@@ -446,7 +446,7 @@ def commands() -> list[str]:
         compare_command().replace(" --parallel 2", "")
         + f" --summarize-only --out-json {RESULTS}_compare_cpu.json --out-md "
         f"{RESULTS}_compare_cpu.md --plot {RESULTS}_cpu.png --plot-router "
-        f"{RESULTS}_router_cpu.png --pack {RESULTS}_runs.tar.gz",
+        f"{RESULTS}_router_cpu.png --pack {RESULTS}_compare_runs.tar.gz",
         "python -m lab.studies.chat_sft summarize",
         "python -m lab.studies.chat_sft table",
     ]

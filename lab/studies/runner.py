@@ -48,7 +48,9 @@ from lab.studies.summary import markdown, summarize
 logger = logging.getLogger(__name__)
 
 ARM_FIELDS = ("router.name", "model.num_experts", "seed")  # set per run by the study itself
-SMALL_FILES = ("results.json", CURVES, "config.json", DIVERGED)  # what a finished run keeps
+# What a finished run keeps, and what --pack archives (a scored chat fine-tuning run also has
+# its label accuracies, lab.studies.chat_sft).
+SMALL_FILES = ("results.json", CURVES, "config.json", DIVERGED, "label_accuracy.json")
 
 
 @dataclasses.dataclass
