@@ -1,0 +1,152 @@
+"""The two-warpgroup grouped matmul (sparsemixer_jax.kernels.grouped_matmul_2wg).
+
+Its forward product and its input-gradient (``transpose_rhs``) product run in JAX's Mosaic GPU
+interpreter on CPU through ``GroupedMatmulConfig(warpgroups=2)`` and are checked against
+``jax.lax.ragged_dot`` and its VJP; the kernel is lowered for a compile-only H100 (skipped
+without the CUDA PJRT plugin) at the tiles it is meant for, and the config refuses what that
+lowering refuses.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsemixer_jax.kernels import GroupedMatmulConfig, grouped_matmul, mosaic_matmul
+from sparsemixer_jax.kernels import grouped_matmul_2wg as kernel
+from tests import kit
+from tests.test_grouped_ffn import needs_cpu_backend
+
+# 200 rows (not a multiple of the 128-row tiles: padded), a contraction of two 64-wide steps.
+ROWS, K, N, GROUPS = 200, 128, 128, 4
+
+
+def _config(block_m: int, block_n: int) -> GroupedMatmulConfig:
+    # num_sms=4: each interpreted program loops over several tiles (the interpreter runs every
+    # program; 132 would be slow). The weight gradient is XLA's: this file tests our kernel.
+    return GroupedMatmulConfig(interpret=True, warpgroups=2, block_m=block_m, block_n=block_n,
+                               block_k=64, max_concurrent_steps=2, num_sms=4, weight_grad="xla")
+
+
+@functools.cache
+def _kernel_value_and_vjp(block_m: int, block_n: int):
+    config = _config(block_m, block_n)
+
+    @jax.jit
+    def fn(lhs, rhs, sizes, cotangent):
+        out, vjp = jax.vjp(lambda a, b: grouped_matmul(a, b, sizes, config), lhs, rhs)
+        return out, vjp(cotangent)
+
+    return fn
+
+
+@jax.jit
+def _ragged_dot_value_and_vjp(lhs, rhs, sizes, cotangent):
+    out, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), lhs, rhs)
+    return out, vjp(cotangent)
+
+
+def test_warpgroups_split_the_longer_side_of_the_tile():
+    assert kernel.warpgroup_tile(256, 128) == (128, 128)
+    assert kernel.warpgroup_tile(128, 256) == (128, 128)
+    assert kernel.warpgroup_tile(128, 128) == (128, 64)
+    assert kernel.warpgroup_tile(64, 32) == (64, 16)  # 32 rows would be below wgmma's 64
+
+
+@needs_cpu_backend
+@pytest.mark.parametrize("tile", [(128, 64), (64, 128)], ids=["rows_split", "columns_split"])
+@pytest.mark.parametrize("sizes", [(70, 0, 120, 0), (64, 1, 127, 0)])
+def test_forward_and_input_gradient_match_ragged_dot(tile, sizes):
+    # (70, 0, 120, 0): a boundary inside the first row tile (in the second warpgroup's half
+    # when the rows are split), empty groups, 10 rows past the groups. (64, 1, 127, 0): a
+    # boundary on the warpgroups' split, a one-row group, 8 rows past the groups. The rows past
+    # the groups hold NaN in lhs and the cotangent: they must come out as zeros, nothing leaks.
+    k = jax.random.split(jax.random.key(5), 3)
+    lhs = jax.random.normal(k[0], (ROWS, K), jnp.bfloat16)
+    rhs = jax.random.normal(k[1], (GROUPS, K, N), jnp.bfloat16)
+    cotangent = jax.random.normal(k[2], (ROWS, N), jnp.bfloat16)
+    sizes = jnp.array(sizes, jnp.int32)
+    used = (np.arange(ROWS) < int(sizes.sum()))[:, None]
+    out, (dlhs, _) = _kernel_value_and_vjp(*tile)(
+        jnp.where(used, lhs, jnp.nan), rhs, sizes, jnp.where(used, cotangent, jnp.nan))
+    # The reference: float32 products of the same bfloat16 values.
+    f32 = [a.astype(jnp.float32) for a in (lhs, rhs, cotangent)]
+    want, (want_dlhs, _) = _ragged_dot_value_and_vjp(
+        jnp.where(used, f32[0], 0), f32[1], sizes, jnp.where(used, f32[2], 0))
+    assert out.dtype == dlhs.dtype == jnp.bfloat16
+    for got, expected in ((out, want), (dlhs, want_dlhs)):
+        got, expected = np.asarray(got, np.float32), np.asarray(expected)
+        assert np.all(got[~used[:, 0]] == 0)
+        # The kernel accumulates in float32 (the same products, another summation order: error
+        # ~ K * 2^-24 relative) and rounds once to bfloat16 (at most 2^-9 of the magnitude).
+        # 2^-8 of the largest magnitude bounds both.
+        assert np.max(np.abs(got - expected)) <= 2.0 ** -8 * np.abs(expected).max()
+
+
+def _lowering_error(product, transpose_rhs: bool) -> str | None:
+    """None if ``product(lhs, rhs, group_sizes, transpose_rhs=...)`` lowers for a compile-only
+    H100, else the first line of its error. Widths of 512, a contraction of 1024: every pipeline
+    stage is used."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.sharding.Mesh(kit.target_devices_or_skip("h100:1x1")[1], ("x",))
+    spec = functools.partial(jax.ShapeDtypeStruct, sharding=NamedSharding(mesh, PartitionSpec()))
+    rhs = (GROUPS, 512, 1024) if transpose_rhs else (GROUPS, 1024, 512)
+    try:
+        with jax.set_mesh(mesh):
+            text = jax.jit(functools.partial(product, transpose_rhs=transpose_rhs)).lower(
+                spec((1024, 1024), jnp.bfloat16), spec(rhs, jnp.bfloat16),
+                spec((GROUPS,), jnp.int32)).as_text()
+    except Exception as err:  # lowering raises ValueError, AssertionError, VerificationError
+        return f"{type(err).__name__}: {(str(err).strip() or '-').splitlines()[0]}"
+    assert text.count("custom_call @mosaic_gpu") == 1
+    return None
+
+
+def _tiles(block_m, block_n, block_k, stages):
+    return dict(block_m=block_m, block_n=block_n, block_k=block_k,
+                max_concurrent_steps=stages)
+
+
+@pytest.mark.parametrize("tiles", [
+    _tiles(128, 256, 64, 4),
+    _tiles(256, 128, 64, 4),
+    pytest.param(_tiles(128, 256, 64, 2), marks=pytest.mark.slow),
+    pytest.param(_tiles(128, 256, 64, 3), marks=pytest.mark.slow),
+    pytest.param(_tiles(256, 128, 64, 2), marks=pytest.mark.slow),
+    pytest.param(_tiles(256, 128, 64, 3), marks=pytest.mark.slow),
+])
+def test_lowers_for_an_h100_at_the_tiles_it_is_for(tiles):
+    config = GroupedMatmulConfig(warpgroups=2, weight_grad="xla", **tiles)
+    for transpose_rhs in (False, True):
+        assert _lowering_error(functools.partial(mosaic_matmul, config=config),
+                               transpose_rhs) is None
+
+
+@pytest.mark.parametrize("tiles,message", [
+    # 5 x ((128 + 256) x 64 x 2 + 16) + 2 x 128 x 64 x 2: Mosaic GPU counts the same bytes.
+    (_tiles(128, 256, 64, 5), "278,608 bytes of shared memory > 232,448"),
+    (_tiles(64, 16, 16, 2), "leaves each warpgroup 8 columns < 16"),
+])
+def test_config_refuses_what_an_h100_lowering_refuses(tiles, message):
+    with pytest.raises(ValueError, match=message) as err:
+        GroupedMatmulConfig(warpgroups=2, weight_grad="xla", **tiles)
+    assert "\n" not in str(err.value)
+    # The same tiles given to the kernel itself, past the config's check, fail to lower.
+    error = _lowering_error(functools.partial(kernel.grouped_matmul_2wg, **tiles), False)
+    assert error is not None
+
+
+def test_config_refuses_an_accumulator_larger_than_a_threads_registers():
+    # Not a lowering error (an H100 lowering accepts 256 x 256): the accumulator alone would
+    # need more registers than a thread has, so it would live in local memory.
+    with pytest.raises(ValueError, match=r"256x128 float32 accumulator needs 256 registers"):
+        GroupedMatmulConfig(warpgroups=2, block_m=256, block_n=256, max_concurrent_steps=2,
+                            weight_grad="xla")
+    GroupedMatmulConfig(warpgroups=2, block_m=256, block_n=128, weight_grad="xla")
+    with pytest.raises(ValueError, match="warpgroups must be 1 or 2, got 4"):
+        GroupedMatmulConfig(warpgroups=4)
