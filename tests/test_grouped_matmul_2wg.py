@@ -150,3 +150,22 @@ def test_config_refuses_an_accumulator_larger_than_a_threads_registers():
     GroupedMatmulConfig(warpgroups=2, block_m=256, block_n=128, weight_grad="xla")
     with pytest.raises(ValueError, match="warpgroups must be 1 or 2, got 4"):
         GroupedMatmulConfig(warpgroups=4)
+
+
+@needs_cpu_backend
+def test_one_step_pipelines_in_a_row():
+    # K = 64: each tile's pipeline is one step, fewer than its 2 stages, and each of the 4
+    # programs runs 3 of the 12 tiles in a row on the same buffers: the barriers must end every
+    # tile's pipeline where the next one starts (the interpreter checks their phases; keeping
+    # one product in flight, delay_release=1, fails here).
+    config = _config(64, 64)
+    k = jax.random.split(jax.random.key(6), 2)
+    lhs = jax.random.normal(k[0], (256, 64), jnp.bfloat16)
+    rhs = jax.random.normal(k[1], (3, 64, N), jnp.bfloat16)
+    sizes = jnp.array((85, 85, 86), jnp.int32)
+    got = np.asarray(jax.jit(lambda a, b, s: mosaic_matmul(a, b, s, config))(lhs, rhs, sizes),
+                     np.float32)
+    want = np.asarray(jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
+                                         sizes))
+    # One bfloat16 rounding after float32 accumulation (as above).
+    assert np.max(np.abs(got - want)) <= 2.0 ** -8 * np.abs(want).max()

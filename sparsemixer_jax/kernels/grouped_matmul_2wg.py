@@ -158,10 +158,9 @@ def grouped_matmul_2wg(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *
                 grid=(k // block_k,),
                 memory_registers=_MEMORY_REGISTERS,
                 in_specs=[
-                    plgpu.BlockSpec((block_m, block_k), lambda kk: (0, kk), delay_release=1),
-                    plgpu.BlockSpec((block_n, block_k) if transpose_rhs else (block_k, block_n),
-                                    (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
-                                    delay_release=1),
+                    plgpu.BlockSpec((block_m, block_k), lambda kk: (0, kk)),
+                    plgpu.BlockSpec((block_n, block_k), lambda kk: (0, kk)) if transpose_rhs
+                    else plgpu.BlockSpec((block_k, block_n), lambda kk: (kk, 0)),
                 ],
                 wg_axis="wg",
                 num_compute_wgs=2,
@@ -201,9 +200,13 @@ def grouped_matmul_2wg(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *
                     else:
                         rhs_part = rhs_smem.at[:, pl.ds(column0, wg_columns)]
                     plgpu.wgmma(acc, lhs_part, rhs_part)
-                    # One product stays in flight: its operands are released a step later
-                    # (delay_release=1), so the next step's TMA loads overlap it.
-                    plgpu.wgmma_wait(1)
+                    # The step's buffers are released when the body returns, so its product
+                    # must be done. The tensor cores stay busy all the same: while one
+                    # warpgroup waits, the other's product runs. (Keeping one product in flight,
+                    # delay_release=1, would leave the last step's buffers unreleased when the
+                    # pipeline ends, and the next tile's first loads would overwrite them while
+                    # they are read: the interpreter reports that as a barrier-phase error.)
+                    plgpu.wgmma_wait(0)
                     return acc
 
                 def store(run_pipeline):

@@ -1,0 +1,95 @@
+"""Micro-benchmark of the grouped matmul's Mosaic GPU products, one kernel config against another.
+
+``python -m experiments.bench_grouped --products``: for each ``K x N`` of ``--widths``, each
+product (``forward``: ``[rows, K] x [G, K, N]``; ``input_grad``: ``[rows, K] x [G, N, K]^T``,
+as the input gradient of a ``[G, N, K]`` weight reads it), each ``--warpgroups`` and each
+``--tiles``: the median time of the product alone
+(:func:`sparsemixer_jax.kernels.mosaic_grouped_matmul.mosaic_matmul`) on rows routed uniformly
+at random to ``--experts`` groups, and its rate, ``2 x rows x K x N`` FLOP over that time. The
+language model's expert products (8 experts, 65,536 tokens x top-2 = 131,072 rows, SwiGLU of
+width 2048: ``[2048, 4096]`` in, ``[2048, 2048]`` out) are ``--widths 2048x4096 2048x2048
+4096x2048``. Tiles a config refuses (shared memory, registers) are recorded with the refusal.
+``--target h100:1x1x1`` compiles each case for a compile-only H100 and times nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lab.benchmarks.grouped_ffn import targeting, time_calls
+from sparsemixer_jax.kernels import GroupedMatmulConfig, mosaic_matmul
+
+PRODUCTS = ("forward", "input_grad")
+
+
+def parse_sizes(text: str, names: Sequence[str], flag: str) -> dict[str, int]:
+    """``"128x256x64x4"`` -> ``dict(zip(names, (128, 256, 64, 4)))``; one line if malformed."""
+    parts = text.lower().split("x")
+    if len(parts) != len(names) or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{flag} {text!r}: expected {'x'.join(n.upper() for n in names)} "
+                         f"positive integers, e.g. {'x'.join(['128'] * len(names))}")
+    return dict(zip(names, map(int, parts), strict=True))
+
+
+def run(*, experts: int, rows: int, widths: Sequence[tuple[int, int]],
+        warpgroups: Sequence[int], tiles: Sequence[dict[str, int]], dtype: str = "bfloat16",
+        warmup: int = 2, repeats: int = 10, interpret: bool = False, num_sms: int | None = None,
+        compile_device: Any = None) -> list[dict[str, Any]]:
+    """One row per (widths, product, warpgroups, tiles): ``ms`` and ``tflops`` when timed, the
+    ``error`` line of a refused config, or with ``compile_device`` only ``compile_seconds``."""
+    dt = jnp.dtype(dtype)
+    keys = jax.random.split(jax.random.key(0), 3)
+    group = jax.random.randint(keys[0], (rows,), 0, experts)
+    sizes = jnp.bincount(group, length=experts).astype(jnp.int32)
+    placed = None if compile_device is None else jax.sharding.SingleDeviceSharding(compile_device)
+    out = []
+    for k, n in widths:
+        lhs = jax.random.normal(keys[1], (rows, k), dt)
+        for product in PRODUCTS:
+            transpose_rhs = product == "input_grad"
+            rhs = jax.random.normal(keys[2], (experts, n, k) if transpose_rhs else
+                                    (experts, k, n), dt) / k ** 0.5
+            args = (lhs, rhs, sizes)
+            if placed is not None:  # a compile-only device holds no data: shapes only
+                args = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed)
+                             for a in args)
+            for wg in warpgroups:
+                for tile in tiles:
+                    row: dict[str, Any] = dict(product=product, k=k, n=n, rows=rows,
+                                               experts=experts, warpgroups=wg, **tile)
+                    try:
+                        config = GroupedMatmulConfig(warpgroups=wg, weight_grad="xla",
+                                                     interpret=interpret, num_sms=num_sms,
+                                                     **tile)
+                        fn = jax.jit(lambda a, b, s, c=config, t=transpose_rhs:
+                                     mosaic_matmul(a, b, s, c, t))
+                        started = time.perf_counter()
+                        with targeting(compile_device):
+                            compiled = fn.lower(*args).compile()
+                        row["compile_seconds"] = time.perf_counter() - started
+                        if compile_device is None:
+                            seconds = statistics.median(time_calls(
+                                lambda c=compiled, a=args: c(*a), warmup, repeats))
+                            row["ms"] = 1e3 * seconds
+                            row["tflops"] = 2 * rows * k * n / seconds / 1e12
+                    except ValueError as err:  # a refused config; a GPU that is not sm90
+                        row["error"] = str(err).splitlines()[0]
+                    out.append(row)
+                    print(_shown(row), flush=True)
+    return out
+
+
+def _shown(row: dict[str, Any]) -> str:
+    what = (f"{row['product']:<10s} K={row['k']:<5d} N={row['n']:<5d} wg={row['warpgroups']} "
+            f"{row['block_m']}x{row['block_n']}x{row['block_k']}x{row['max_concurrent_steps']}")
+    if "error" in row:
+        return f"{what}  error: {row['error']}"
+    if "ms" not in row:
+        return f"{what}  compiled in {row['compile_seconds']:.1f} s"
+    return f"{what}  {row['ms']:8.3f} ms  {row['tflops']:6.1f} TFLOP/s"
