@@ -169,3 +169,26 @@ def test_one_step_pipelines_in_a_row():
                                          sizes))
     # One bfloat16 rounding after float32 accumulation (as above).
     assert np.max(np.abs(got - want)) <= 2.0 ** -8 * np.abs(want).max()
+
+
+@needs_cpu_backend
+def test_products_benchmark_runs_tiny_in_interpret_mode(tmp_path):
+    # The command a GPU session runs at the language model's shapes, here on a CPU: both
+    # kernels, both products, a refused config recorded as such, the JSON written.
+    from lab.benchmarks import grouped_ffn as benchmark
+
+    out = tmp_path / "products.json"
+    result = benchmark.main(["--products", "--interpret", "--tiny", "--experts", "3",
+                             "--widths", "64x128", "--warpgroups", "1", "2", "--tiles",
+                             "64x64x64x2", "64x64x64x1", "--num-sms", "4", "--json", str(out)])
+    rows = result["rows"]
+    assert [(r["product"], r["warpgroups"], r["max_concurrent_steps"]) for r in rows] == [
+        (p, wg, s) for p in ("forward", "input_grad") for wg in (1, 2) for s in (2, 1)]
+    for row in rows:
+        if row["max_concurrent_steps"] == 1:
+            assert row["error"].startswith("GroupedMatmulConfig: max_concurrent_steps=1")
+        else:
+            assert row["ms"] > 0 and row["tflops"] > 0, row
+    assert out.exists()
+    with pytest.raises(ValueError, match=r"--tiles '128x128': expected 4 positive integers"):
+        benchmark.main(["--products", "--experts", "8", "--tiles", "128x128"])

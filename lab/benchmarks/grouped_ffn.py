@@ -287,11 +287,12 @@ def _products(args: argparse.Namespace, sizes: dict[str, int], options: dict[str
     if len(args.experts) != 1:
         raise ValueError(f"--products takes one --experts count, got {args.experts}")
     tile_names = ("block_m", "block_n", "block_k", "max_concurrent_steps")
-    tiles = [grouped_products.parse_sizes(t, tile_names, "--tiles") for t in args.tiles or [
-        f"{options['block_m']}x{options['block_n']}x{options.get('block_k', 64)}x4"]]
-    widths = [tuple(grouped_products.parse_sizes(w, ("k", "n"), "--widths").values())
-              for w in args.widths or [f"{sizes['emb']}x{sizes['mlp']}",
-                                       f"{sizes['mlp']}x{sizes['emb']}"]]
+    default_tile = f"{options['block_m']}x{options['block_n']}x{options.get('block_k', 64)}x4"
+    tiles = [grouped_products.parse_sizes(t, tile_names, "--tiles", "128x256x64x4")
+             for t in args.tiles or [default_tile]]
+    default_widths = [f"{sizes['emb']}x{sizes['mlp']}", f"{sizes['mlp']}x{sizes['emb']}"]
+    widths = [tuple(grouped_products.parse_sizes(w, ("k", "n"), "--widths", "2048x4096").values())
+              for w in args.widths or default_widths]
     rows = grouped_products.run(
         experts=args.experts[0], rows=sizes["tokens"], widths=widths, warpgroups=args.warpgroups,
         tiles=tiles, dtype=args.dtype, warmup=warmup, repeats=repeats, interpret=args.interpret,

@@ -6,8 +6,9 @@ as the input gradient of a ``[G, N, K]`` weight reads it), each ``--warpgroups``
 ``--tiles``: the median time of the product alone
 (:func:`sparsemixer_jax.kernels.mosaic_grouped_matmul.mosaic_matmul`) on rows routed uniformly
 at random to ``--experts`` groups, and its rate, ``2 x rows x K x N`` FLOP over that time. The
-language model's expert products (8 experts, 65,536 tokens x top-2 = 131,072 rows, SwiGLU of
-width 2048: ``[2048, 4096]`` in, ``[2048, 2048]`` out) are ``--widths 2048x4096 2048x2048
+language model's expert products (``configs/lm_bench.py:moe``: 8 experts, a micro-batch of
+8 x 4,096 tokens routed top-2, 65,536 rows; SwiGLU of width 2048: ``[2048, 4096]`` in,
+``[2048, 2048]`` out) are ``--experts 8 --tokens 65536 --widths 2048x4096 2048x2048
 4096x2048``. Tiles a config refuses (shared memory, registers) are recorded with the refusal.
 ``--target h100:1x1x1`` compiles each case for a compile-only H100 and times nothing.
 """
@@ -28,12 +29,12 @@ from sparsemixer_jax.kernels import GroupedMatmulConfig, mosaic_matmul
 PRODUCTS = ("forward", "input_grad")
 
 
-def parse_sizes(text: str, names: Sequence[str], flag: str) -> dict[str, int]:
+def parse_sizes(text: str, names: Sequence[str], flag: str, example: str) -> dict[str, int]:
     """``"128x256x64x4"`` -> ``dict(zip(names, (128, 256, 64, 4)))``; one line if malformed."""
     parts = text.lower().split("x")
-    if len(parts) != len(names) or not all(p.isdigit() for p in parts):
-        raise ValueError(f"{flag} {text!r}: expected {'x'.join(n.upper() for n in names)} "
-                         f"positive integers, e.g. {'x'.join(['128'] * len(names))}")
+    if len(parts) != len(names) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"{flag} {text!r}: expected {len(names)} positive integers joined by "
+                         f"'x' ({', '.join(names)}), e.g. {example}")
     return dict(zip(names, map(int, parts), strict=True))
 
 

@@ -13,11 +13,12 @@ memory for 128 x 128 x 64 multiply-adds, 64 FLOP per byte of shared memory. A 12
 256 x 128) tile gives 85 FLOP per byte, but its float32 accumulator is 256 registers per thread
 in one warpgroup, more than a thread has. Here each program (one per SM, a persistent grid)
 runs three warpgroups: a memory warpgroup that issues the TMA loads of a multi-stage pipeline,
-and two consumer warpgroups that each own half of the output tile (``block_m x block_n / 2``
-when ``block_n >= block_m``, else ``block_m / 2 x block_n``) and read the same shared operand
-tiles. While the consumers write one tile's output, the memory warpgroup already loads the
-next tile's operands (the pipeline's buffers are allocated once, outside the tile loop, and the
-output has its own buffer).
+and two consumer warpgroups that each own half of the output tile (:func:`warpgroup_tile`: the
+longer side halved) and read the same shared operand tiles. Each consumer waits for its product
+of a step before that step's buffers are released; meanwhile the other consumer's product keeps
+the tensor cores busy. While the consumers write one tile's output, the memory warpgroup already
+loads the next tile's operands (the pipeline's buffers are allocated once, outside the tile
+loop, and the output has its own buffer).
 
 Group boundaries. Row tiles are ``block_m`` rows of ``lhs``; a tile that holds rows of several
 groups is computed once per group it holds (each time with that group's ``rhs``), and each of
@@ -27,11 +28,15 @@ none); the loop's static bound is that maximum and iterations past the actual co
 A TMA store has a static shape while a group's row count in a tile is only known at run time,
 so the rows are stored as a run of power-of-two-high slices (the binary digits of the count).
 
-Run it on a GPU through ``GroupedMatmulConfig(warpgroups=2)``; time it against the one-warpgroup
-kernel at the language model's expert shapes with ``python -m experiments.bench_grouped
---products --warpgroups 1 2 --tiles 128x128x64x4 128x256x64x3 256x128x64x3`` (see
-docs/benchmarks.md). Its results are tested in JAX's Mosaic GPU interpreter against
-``jax.lax.ragged_dot``, and its H100 lowering deviceless, both in tests/test_grouped_matmul_2wg.py.
+Selected by ``GroupedMatmulConfig(warpgroups=2)``. Tiles for an H100 or H200: 128 x 256 x 64
+or 256 x 128 x 64 with up to 4 pipeline stages (229,440 bytes of shared memory at 4). Tested in
+JAX's Mosaic GPU interpreter against ``jax.lax.ragged_dot`` and lowered deviceless for an H100
+(tests/test_grouped_matmul_2wg.py); not yet timed on a GPU. To time it against JAX's
+one-warpgroup kernel at the language model's expert products (docs/benchmarks.md)::
+
+    python -m experiments.bench_grouped --products --experts 8 --tokens 65536 \
+        --widths 2048x4096 2048x2048 4096x2048 --warpgroups 1 2 \
+        --tiles 128x128x64x4 128x256x64x4 256x128x64x4 128x256x64x3 256x128x64x3
 """
 
 from __future__ import annotations

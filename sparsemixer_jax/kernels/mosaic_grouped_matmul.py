@@ -100,8 +100,9 @@ def tile_errors(block_m: int, block_n: int, block_k: int, stages: int,
     if block_n > _MAX_BLOCK_N:
         errors.append(f"block_n={block_n} must be <= {_MAX_BLOCK_N} (wgmma N)")
     if stages < 2:
-        errors.append(f"max_concurrent_steps={stages} must be >= 2 (the kernels release each "
-                      f"buffer one step late)")
+        errors.append(f"max_concurrent_steps={stages} must be >= 2 (JAX's kernels release "
+                      f"each buffer one step late; one stage would not overlap loads and "
+                      f"products)")
     used = smem_bytes(block_m, block_n, block_k, stages)
     if warpgroups == 2:
         used = grouped_matmul_2wg.smem_bytes(block_m, block_n, block_k, stages)
