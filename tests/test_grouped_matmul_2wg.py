@@ -1,10 +1,10 @@
 """The two-warpgroup grouped matmul (sparsemixer_jax.kernels.grouped_matmul_2wg).
 
-Its forward product and its input-gradient (``transpose_rhs``) product run in JAX's Mosaic GPU
-interpreter on CPU through ``GroupedMatmulConfig(warpgroups=2)`` and are checked against
-``jax.lax.ragged_dot`` and its VJP; the kernel is lowered for a compile-only H100 (skipped
-without the CUDA PJRT plugin) at the tiles it is meant for, and the config refuses what that
-lowering refuses.
+Its three products (forward, input gradient with ``transpose_rhs``, weight gradient) run in
+JAX's Mosaic GPU interpreter on CPU through ``GroupedMatmulConfig(warpgroups=2)`` and are
+checked against ``jax.lax.ragged_dot`` and its VJP; the kernels are lowered for a compile-only
+H100 (skipped without the CUDA PJRT plugin) at the tiles they are meant for, and the config
+refuses what that lowering refuses.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ ROWS, K, N, GROUPS = 200, 128, 128, 4
 
 def _config(block_m: int, block_n: int) -> GroupedMatmulConfig:
     # num_sms=4: each interpreted program loops over several tiles (the interpreter runs every
-    # program; 132 would be slow). The weight gradient is XLA's: this file tests our kernel.
+    # program; 132 would be slow).
     return GroupedMatmulConfig(interpret=True, warpgroups=2, block_m=block_m, block_n=block_n,
-                               block_k=64, max_concurrent_steps=2, num_sms=4, weight_grad="xla")
+                               block_k=64, max_concurrent_steps=2, num_sms=4,
+                               weight_grad="kernel")
 
 
 @functools.cache
@@ -60,30 +61,34 @@ def test_warpgroups_split_the_longer_side_of_the_tile():
 @needs_cpu_backend
 @pytest.mark.parametrize("tile", [(128, 64), (64, 128)], ids=["rows_split", "columns_split"])
 @pytest.mark.parametrize("sizes", [(70, 0, 120, 0), (64, 1, 127, 0)])
-def test_forward_and_input_gradient_match_ragged_dot(tile, sizes):
+def test_three_products_match_ragged_dot_and_its_vjp(tile, sizes):
     # (70, 0, 120, 0): a boundary inside the first row tile (in the second warpgroup's half
     # when the rows are split), empty groups, 10 rows past the groups. (64, 1, 127, 0): a
-    # boundary on the warpgroups' split, a one-row group, 8 rows past the groups. The rows past
-    # the groups hold NaN in lhs and the cotangent: they must come out as zeros, nothing leaks.
+    # boundary on the warpgroups' split, a one-row group (both edges of the weight gradient's
+    # 64-row step masked at once), 8 rows past the groups. The rows past the groups hold NaN in
+    # lhs and the cotangent: they must come out as zeros, nothing leaks. The weight gradient's
+    # tiles: [128, 64] split by rows, [64, 128] by columns, as the forward's.
     k = jax.random.split(jax.random.key(5), 3)
     lhs = jax.random.normal(k[0], (ROWS, K), jnp.bfloat16)
     rhs = jax.random.normal(k[1], (GROUPS, K, N), jnp.bfloat16)
     cotangent = jax.random.normal(k[2], (ROWS, N), jnp.bfloat16)
     sizes = jnp.array(sizes, jnp.int32)
     used = (np.arange(ROWS) < int(sizes.sum()))[:, None]
-    out, (dlhs, _) = _kernel_value_and_vjp(*tile)(
+    out, (dlhs, drhs) = _kernel_value_and_vjp(*tile)(
         jnp.where(used, lhs, jnp.nan), rhs, sizes, jnp.where(used, cotangent, jnp.nan))
     # The reference: float32 products of the same bfloat16 values.
     f32 = [a.astype(jnp.float32) for a in (lhs, rhs, cotangent)]
-    want, (want_dlhs, _) = _ragged_dot_value_and_vjp(
+    want, (want_dlhs, want_drhs) = _ragged_dot_value_and_vjp(
         jnp.where(used, f32[0], 0), f32[1], sizes, jnp.where(used, f32[2], 0))
-    assert out.dtype == dlhs.dtype == jnp.bfloat16
-    for got, expected in ((out, want), (dlhs, want_dlhs)):
+    assert out.dtype == dlhs.dtype == drhs.dtype == jnp.bfloat16
+    assert np.all(np.asarray(drhs)[np.asarray(sizes) == 0] == 0)  # empty groups: zero gradient
+    for got, expected in ((out, want), (dlhs, want_dlhs), (drhs, want_drhs)):
         got, expected = np.asarray(got, np.float32), np.asarray(expected)
-        assert np.all(got[~used[:, 0]] == 0)
-        # The kernel accumulates in float32 (the same products, another summation order: error
+        if got.shape[0] == ROWS:
+            assert np.all(got[~used[:, 0]] == 0)
+        # The kernels accumulate in float32 (the same products, another summation order: error
         # ~ K * 2^-24 relative) and rounds once to bfloat16 (at most 2^-9 of the magnitude).
-        # 2^-8 of the largest magnitude bounds both.
+        # 2^-8 of the largest magnitude bounds both (the contraction: K or the group's rows).
         assert np.max(np.abs(got - expected)) <= 2.0 ** -8 * np.abs(expected).max()
 
 
@@ -121,10 +126,22 @@ def _tiles(block_m, block_n, block_k, stages):
     pytest.param(_tiles(256, 128, 64, 3), marks=pytest.mark.slow),
 ])
 def test_lowers_for_an_h100_at_the_tiles_it_is_for(tiles):
-    config = GroupedMatmulConfig(warpgroups=2, weight_grad="xla", **tiles)
-    for transpose_rhs in (False, True):
-        assert _lowering_error(functools.partial(mosaic_matmul, config=config),
-                               transpose_rhs) is None
+    # The value and both gradients of grouped_matmul: its three products, each our kernel,
+    # lowered for a compile-only H100 (lhs [1024, 1024], rhs [4, 1024, 512]).
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.sharding.Mesh(kit.target_devices_or_skip("h100:1x1")[1], ("x",))
+    spec = functools.partial(jax.ShapeDtypeStruct, sharding=NamedSharding(mesh, PartitionSpec()))
+    config = GroupedMatmulConfig(warpgroups=2, weight_grad="kernel", **tiles)
+
+    def loss(lhs, rhs, sizes):
+        return jnp.sum(grouped_matmul(lhs, rhs, sizes, config).astype(jnp.float32))
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(
+            spec((1024, 1024), jnp.bfloat16), spec((GROUPS, 1024, 512), jnp.bfloat16),
+            spec((GROUPS,), jnp.int32)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 3
 
 
 @pytest.mark.parametrize("tiles,message", [
@@ -183,7 +200,8 @@ def test_products_benchmark_runs_tiny_in_interpret_mode(tmp_path):
                              "64x64x64x2", "64x64x64x1", "--num-sms", "4", "--json", str(out)])
     rows = result["rows"]
     assert [(r["product"], r["warpgroups"], r["max_concurrent_steps"]) for r in rows] == [
-        (p, wg, s) for p in ("forward", "input_grad") for wg in (1, 2) for s in (2, 1)]
+        (p, wg, s) for p in ("forward", "input_grad", "weight_grad") for wg in (1, 2)
+        for s in (2, 1)]
     for row in rows:
         if row["max_concurrent_steps"] == 1:
             assert row["error"].startswith("GroupedMatmulConfig: max_concurrent_steps=1")

@@ -16,8 +16,9 @@ Implementations (``GroupedMatmulConfig.impl``):
   - input gradient ``dout @ rhs[g]^T``: the same kernel with ``transpose_rhs=True`` (it reads
     the weights transposed in shared memory, no copy);
   - weight gradient ``lhs_g^T @ dout_g``: ``transposed_ragged_dot_mgpu.transposed_ragged_dot``
-    through :func:`transposed_ragged_dot` (``weight_grad="kernel"``; ``"auto"`` picks it where
-    both widths are multiples of 64, its smallest tile, else the XLA formulation).
+    through :func:`transposed_ragged_dot`, or with ``warpgroups=2`` ours
+    (``weight_grad="kernel"``; ``"auto"`` picks it where both widths are multiples of 64, its
+    smallest tile, else the XLA formulation).
 
   The kernels take one 16-bit dtype for both operands and write their output in it
   (accumulating in float32): operands are cast to ``compute_dtype`` (bfloat16 or float16), the
@@ -118,7 +119,8 @@ def tile_errors(block_m: int, block_n: int, block_k: int, stages: int,
         if block_n < _WGMMA_ROWS or block_k < _WGMMA_ROWS:
             errors.append(f"the weight-gradient kernel needs block_n and block_k >= "
                           f"{_WGMMA_ROWS}, got {block_n} and {block_k} (or weight_grad='xla')")
-        used = max(used, smem_bytes(block_n, block_n, block_k, stages))
+        if warpgroups == 1:  # two warpgroups: the forward's tiles and shared memory
+            used = max(used, smem_bytes(block_n, block_n, block_k, stages))
     if used > H100_SMEM_BYTES:
         errors.append(f"tiles need {used:,} bytes of shared memory > {H100_SMEM_BYTES:,} (an "
                       f"H100's); lower max_concurrent_steps={stages} or the tiles")
@@ -137,10 +139,10 @@ class GroupedMatmulConfig:
         token tile, ``block_n`` both its output tiles.
       max_concurrent_steps, grid_block_n: pipelining depth (>= 2) and tile-order swizzle of the
         kernels.
-      warpgroups: consumer warpgroups per program of the forward and input-gradient products:
-        1, JAX's ``ragged_dot_mgpu``; 2, :mod:`~sparsemixer_jax.kernels.grouped_matmul_2wg`
-        (they split the ``block_m x block_n`` tile). The weight gradient runs on JAX's
-        transposed kernel either way.
+      warpgroups: consumer warpgroups per program of the Mosaic kernels: 1, JAX's
+        ``ragged_dot_mgpu`` and ``transposed_ragged_dot_mgpu``; 2, ours
+        (:mod:`~sparsemixer_jax.kernels.grouped_matmul_2wg`), which split a ``block_m x
+        block_n`` output tile, the weight gradient's too (of ``[K, N]``, ``block_k`` rows a step).
       weight_grad: ``"kernel"`` (transposed Mosaic kernel), ``"xla"``, or ``"auto"``
         (``"kernel"`` where both widths of the weights are multiples of 64, else ``"xla"``).
         Ignored by the other impls.
@@ -442,8 +444,12 @@ def mosaic_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     return zero_unkept(_rows_valid(rows, group_sizes), out[:rows], group_sizes)
 
 
-def _mosaic_weight_grad(lhs, dout, group_sizes, config: GroupedMatmulConfig) -> jax.Array:
-    """``[G, K, N]`` with ``[g] = lhs_g^T @ dout_g`` on the transposed Mosaic kernel."""
+def mosaic_weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array,
+                       config: GroupedMatmulConfig) -> jax.Array:
+    """The weight-gradient product of ``impl="mosaic"`` alone: ``lhs [M, K]``, ``dout [M, N]``
+    -> ``[G, K, N]`` with ``[g] = lhs_g^T @ dout_g`` on JAX's transposed Mosaic kernel
+    (output tiles ``[block_n, block_n]``) or, with ``warpgroups=2``, ``grouped_weight_grad_2wg``
+    (output tiles ``[block_m, block_n]``)."""
     k, n = lhs.shape[1], dout.shape[1]
     block_k = config.block_k
     # The kernel reads whole row blocks of each group and masks the edge blocks by multiplying
@@ -454,14 +460,20 @@ def _mosaic_weight_grad(lhs, dout, group_sizes, config: GroupedMatmulConfig) -> 
         lhs = zero_unkept(valid, lhs, group_sizes)
         dout = zero_unkept(valid, dout, group_sizes)
     lhs, dout = _pad_rows(lhs, block_k), _pad_rows(dout, block_k)
+    tiles = dict(block_n=_fit_block(config.block_n, n, "weight-gradient columns", _WGMMA_ROWS),
+                 block_k=block_k, max_concurrent_steps=config.max_concurrent_steps,
+                 grid_block_n=config.grid_block_n)
+    num_sms = sm_count(config, target_device(array=lhs))
     with _interpreting(config):
+        if config.warpgroups == 2:
+            from sparsemixer_jax.kernels import grouped_matmul_2wg
+
+            return grouped_matmul_2wg.grouped_weight_grad_2wg(
+                lhs, dout, group_sizes, num_programs=num_sms, **tiles,
+                block_m=_fit_block(config.block_m, k, "weight-gradient rows", _WGMMA_ROWS))
         return transposed_ragged_dot(
-            lhs, dout, group_sizes=group_sizes,
-            block_m=_fit_block(config.block_n, k, "weight-gradient rows", _WGMMA_ROWS),
-            block_n=_fit_block(config.block_n, n, "weight-gradient columns", _WGMMA_ROWS),
-            block_k=block_k, max_concurrent_steps=config.max_concurrent_steps,
-            grid_block_n=config.grid_block_n,
-            num_sms=sm_count(config, target_device(array=lhs)))
+            lhs, dout, group_sizes=group_sizes, num_sms=num_sms, **tiles,
+            block_m=_fit_block(config.block_n, k, "weight-gradient rows", _WGMMA_ROWS))
 
 
 def _varying_axes(x: jax.Array) -> frozenset:
@@ -523,7 +535,7 @@ def _build(config: GroupedMatmulConfig) -> Callable:
         dout = dout.astype(lhs.dtype)
         dlhs = product(dout, rhs, group_sizes, transpose_rhs=True)
         if config.resolved_weight_grad(*rhs.shape[1:]) == "kernel":
-            drhs = _mosaic_weight_grad(lhs, dout, group_sizes, config)
+            drhs = mosaic_weight_grad(lhs, dout, group_sizes, config)
         else:
             drhs = _xla_weight_grad(lhs, dout, group_sizes)
         # A Pallas kernel's result does not say which mesh axes it varies over; a custom VJP's
