@@ -210,3 +210,28 @@ def test_products_benchmark_runs_tiny_in_interpret_mode(tmp_path):
     assert out.exists()
     with pytest.raises(ValueError, match=r"--tiles '128x128': expected 4 positive integers"):
         benchmark.main(["--products", "--experts", "8", "--tiles", "128x128"])
+
+
+def test_grouped_ffn_takes_two_warpgroups():
+    # The expert FFN's grouped dispatch passes warpgroups through to its config (a tile only
+    # two warpgroups refuse is refused), and lowered for a compile-only H100 its two layers'
+    # three products each run on a Mosaic kernel.
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from sparsemixer_jax.moe.dispatch import grouped_ffn
+
+    mesh = jax.sharding.Mesh(kit.target_devices_or_skip("h100:1x1")[1], ("x",))
+    spec = functools.partial(jax.ShapeDtypeStruct, sharding=NamedSharding(mesh, PartitionSpec()))
+
+    def loss(x, group, wi, bi, wo, bo, tile=128):
+        y = grouped_ffn(x, group, jnp.arange(x.shape[0]), wi, bi, wo, bo, None, 0.0,
+                        warpgroups=2, block_m=tile, block_n=tile, max_concurrent_steps=2)
+        # Squared: the gradient of a plain sum would not need the second layer's output.
+        return 0.5 * jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    args = [spec((256, 128), jnp.bfloat16), spec((256,), jnp.int32)] + [
+        spec(s, jnp.bfloat16) for s in [(4, 128, 256), (4, 256), (4, 256, 128), (4, 128)]]
+    text = jax.jit(jax.grad(loss, argnums=(0, 2, 4))).lower(*args).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 6
+    with pytest.raises(ValueError, match="warpgroups=2: each warpgroup's 256x128"):
+        jax.eval_shape(functools.partial(loss, tile=256), *args)

@@ -235,7 +235,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="--products: KxN contraction x output widths; default: emb x mlp "
                         "and mlp x emb")
     parser.add_argument("--warpgroups", type=int, nargs="+", default=[1],
-                        help="--products: consumer warpgroups per program, 1 and/or 2")
+                        help="consumer warpgroups per program of the Mosaic kernels: 1 or 2 "
+                        "(with --products: 1 and/or 2)")
     parser.add_argument("--tiles", nargs="+", default=None,
                         help="--products: block_m x block_n x block_k x pipeline stages, e.g. "
                         "128x256x64x4; default: --block-m/-n/-k, 4 stages")
@@ -266,6 +267,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     repeats = args.repeats if args.repeats is not None else (1 if args.tiny else 10)
     if args.products:
         return _products(args, sizes, options, warmup, repeats, compile_device)
+    if len(args.warpgroups) != 1:
+        raise ValueError(f"--warpgroups takes one count without --products, got "
+                         f"{args.warpgroups}")
+    options["warpgroups"] = args.warpgroups[0]
     rows = run(args.experts, dtype=args.dtype, capacities=args.capacities, warmup=warmup,
                repeats=repeats, interpret=args.interpret, grouped_options=options,
                compile_device=compile_device, **sizes)

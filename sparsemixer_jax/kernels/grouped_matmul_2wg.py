@@ -192,6 +192,10 @@ def grouped_matmul_2wg(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *
     """``[M, N]`` with the rows of group ``g`` equal to ``lhs_g @ rhs[g]`` (``rhs[g]^T`` with
     ``transpose_rhs``); rows past the groups unwritten.
 
+    Long because the kernel is written inside it: its nested functions (the buffers' scope,
+    the tile loop, the pipeline's step and epilogue) close over the static shapes and tiles,
+    and each is a scope of the kernel (allocation, loop, warpgroup-specialized code).
+
     Args:
       lhs: ``[M, K]``, ``M`` a multiple of ``block_m``, ``K`` of ``block_k``.
       rhs: ``[G, K, N]``, or ``[G, N, K]`` with ``transpose_rhs``; ``N`` a multiple of
@@ -289,6 +293,8 @@ def grouped_weight_grad_2wg(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Ar
                             num_programs: int = 132) -> jax.Array:
     """``[G, K, N]`` with ``[g] = lhs_g^T @ dout_g`` over the rows of group ``g`` (the weight
     gradient of :func:`grouped_matmul_2wg`'s forward product); empty groups: zeros.
+
+    Long for the reason :func:`grouped_matmul_2wg` is: the kernel is written inside it.
 
     Args:
       lhs: ``[M, K]``, ``M`` a multiple of ``block_k``, ``K`` of ``block_m``; rows past the
