@@ -4,6 +4,8 @@
     python -m experiments.bench_grouped --interpret --tiny --experts 2  # the path, on a CPU
     python -m experiments.bench_grouped --target h100:1x1x1 --experts 4 --capacities
         # compiled for one H100 on a CPU: each dispatch's compile-time model, nothing timed
+    python -m experiments.bench_grouped --products --experts 8 --warpgroups 1 2 \
+        --tiles 128x128x64x4 128x256x64x4  # the grouped products alone, per kernel config
 
 Every row records ``compile_time_model``: XLA's FLOPs, bytes and memory for the compiled
 executable and its Mosaic kernels, the compiler's figures, not a timing.

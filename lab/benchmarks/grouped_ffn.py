@@ -17,7 +17,9 @@ never a timing. ``--target h100:1x1x1`` compiles for a compile-only H100 (no GPU
 :mod:`sparsemixer_jax.aot.targets`) and records only that model.
 
 ``--interpret --tiny`` runs a few hundred rows with the kernels in the Mosaic GPU interpreter,
-so the whole path is checked on a CPU. Entry point: ``python -m experiments.bench_grouped``.
+so the whole path is checked on a CPU. ``--products`` times the grouped matmul's products alone
+per kernel config instead (:mod:`lab.benchmarks.grouped_products`). Entry point:
+``python -m experiments.bench_grouped``.
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ def _dense_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate):
     return moe.dispatch.row_dropout(h, token_ids, drop_key, rate) @ wo[0] + bo[0]
 
 
-def _time(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
+def time_calls(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` (to its results' readiness), after
+    ``warmup`` untimed ones."""
     for _ in range(warmup):
         jax.block_until_ready(fn())
     times = []
@@ -166,12 +170,12 @@ def run(
                 if compile_device is not None:
                     inputs = _abstract_on(compile_device, inputs)
                 started = time.perf_counter()
-                with _targeting(compile_device):
+                with targeting(compile_device):
                     compiled = steps[id(ffn)].lower(*inputs).compile()
                 row["compile_time_model"] = compile_time_model(
                     compiled, time.perf_counter() - started)
                 if compile_device is None:
-                    times = _time(lambda c=compiled, i=inputs: c(*i), warmup, repeats)
+                    times = time_calls(lambda c=compiled, i=inputs: c(*i), warmup, repeats)
             except ValueError as err:  # e.g. the Mosaic kernels on a GPU that is not sm90
                 row["error"] = str(err)
             else:
@@ -186,7 +190,7 @@ def run(
     return rows
 
 
-def _targeting(device: Any):
+def targeting(device: Any):
     """Build for ``device`` (the kernels' sm90 check asks the default device), or as usual."""
     return contextlib.nullcontext() if device is None else jax.default_device(device)
 
@@ -224,6 +228,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--block-k", type=int, default=None)
     parser.add_argument("--target", default=None,
                         help="compile for this compile-only target (h100:1x1x1) without running")
+    parser.add_argument("--products", action="store_true",
+                        help="time the grouped matmul's forward and input-gradient products "
+                        "per kernel config (--widths, --warpgroups, --tiles), not the FFN")
+    parser.add_argument("--widths", nargs="+", default=None,
+                        help="--products: KxN contraction x output widths; default: emb x mlp "
+                        "and mlp x emb")
+    parser.add_argument("--warpgroups", type=int, nargs="+", default=[1],
+                        help="consumer warpgroups per program of the Mosaic kernels: 1 or 2 "
+                        "(with --products: 1 and/or 2)")
+    parser.add_argument("--tiles", nargs="+", default=None,
+                        help="--products: block_m x block_n x block_k x pipeline stages, e.g. "
+                        "128x256x64x4; default: --block-m/-n/-k, 4 stages")
+    parser.add_argument("--num-sms", type=int, default=None,
+                        help="--products: programs of the persistent grids (default: the SMs)")
     parser.add_argument("--json", default=None, help="write the result here")
     return parser.parse_args(argv)
 
@@ -247,6 +265,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         compile_device = targets.target_devices(args.target)[0]
     warmup = args.warmup if args.warmup is not None else (0 if args.tiny else 2)
     repeats = args.repeats if args.repeats is not None else (1 if args.tiny else 10)
+    if args.products:
+        return _products(args, sizes, options, warmup, repeats, compile_device)
+    if len(args.warpgroups) != 1:
+        raise ValueError(f"--warpgroups takes one count without --products, got "
+                         f"{args.warpgroups}")
+    options["warpgroups"] = args.warpgroups[0]
     rows = run(args.experts, dtype=args.dtype, capacities=args.capacities, warmup=warmup,
                repeats=repeats, interpret=args.interpret, grouped_options=options,
                compile_device=compile_device, **sizes)
@@ -255,8 +279,40 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                          "repeats": repeats, "interpret": args.interpret, "grouped": options,
                          "target": args.target},
               "rows": rows}
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    _write_json(args.json, result)
     return result
+
+
+def _products(args: argparse.Namespace, sizes: dict[str, int], options: dict[str, Any],
+              warmup: int, repeats: int, compile_device: Any) -> dict[str, Any]:
+    """``--products``: :func:`lab.benchmarks.grouped_products.run` on one expert count, with
+    ``--tokens`` rows."""
+    from lab.benchmarks import grouped_products
+
+    if len(args.experts) != 1:
+        raise ValueError(f"--products takes one --experts count, got {args.experts}")
+    tile_names = ("block_m", "block_n", "block_k", "max_concurrent_steps")
+    default_tile = f"{options['block_m']}x{options['block_n']}x{options.get('block_k', 64)}x4"
+    tiles = [grouped_products.parse_sizes(t, tile_names, "--tiles", "128x256x64x4")
+             for t in args.tiles or [default_tile]]
+    default_widths = [f"{sizes['emb']}x{sizes['mlp']}", f"{sizes['mlp']}x{sizes['emb']}"]
+    widths = [tuple(grouped_products.parse_sizes(w, ("k", "n"), "--widths", "2048x4096").values())
+              for w in args.widths or default_widths]
+    rows = grouped_products.run(
+        experts=args.experts[0], rows=sizes["tokens"], widths=widths, warpgroups=args.warpgroups,
+        tiles=tiles, dtype=args.dtype, warmup=warmup, repeats=repeats, interpret=args.interpret,
+        num_sms=args.num_sms, compile_device=compile_device)
+    result = {"environment": environment(),
+              "config": {**sizes, "experts": args.experts[0], "dtype": args.dtype,
+                         "warmup": warmup, "repeats": repeats, "interpret": args.interpret,
+                         "target": args.target, "products": True},
+              "rows": rows}
+    _write_json(args.json, result)
+    return result
+
+
+def _write_json(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)

@@ -5,6 +5,8 @@
   (``impl="mosaic"``), on ``tokamax.ragged_dot`` (``impl="tokamax"``) or on
   ``jax.lax.ragged_dot`` (``impl="xla"``); the ``"grouped"``
   dispatch of :mod:`sparsemixer_jax.moe.dispatch` is built on it.
+* :mod:`~sparsemixer_jax.kernels.grouped_matmul_2wg`: our grouped matmul with two consumer
+  warpgroups per program, behind ``GroupedMatmulConfig(warpgroups=2)``.
 * :mod:`~sparsemixer_jax.kernels.triton_ragged_dot`: whether ``jax.lax.ragged_dot`` lowers to
   grouped Pallas/Triton kernels on a GPU, and a switch for it.
 """
@@ -14,6 +16,8 @@ from sparsemixer_jax.kernels.mosaic_grouped_matmul import (
     check_grouped_supported,
     grouped_matmul,
     interpret_mode_active,
+    mosaic_matmul,
+    mosaic_weight_grad,
     sm_count,
     smem_bytes,
     target_device,
@@ -26,6 +30,8 @@ __all__ = [
     "check_grouped_supported",
     "grouped_matmul",
     "interpret_mode_active",
+    "mosaic_matmul",
+    "mosaic_weight_grad",
     "sm_count",
     "smem_bytes",
     "target_device",

@@ -10,12 +10,15 @@ Implementations (``GroupedMatmulConfig.impl``):
   (``interpret=True`` or ``force_gpu_interpret_mode()``), where all three products are tested
   against :func:`jax.lax.ragged_dot` and its VJP.
 
-  - forward ``lhs @ rhs[g]``: ``ragged_dot_mgpu.ragged_dot``;
+  - forward ``lhs @ rhs[g]``: ``ragged_dot_mgpu.ragged_dot`` (one consumer warpgroup per
+    program), or with ``warpgroups=2`` our two-warpgroup kernel
+    (:mod:`~sparsemixer_jax.kernels.grouped_matmul_2wg`, for 128 x 256 and 256 x 128 tiles);
   - input gradient ``dout @ rhs[g]^T``: the same kernel with ``transpose_rhs=True`` (it reads
     the weights transposed in shared memory, no copy);
   - weight gradient ``lhs_g^T @ dout_g``: ``transposed_ragged_dot_mgpu.transposed_ragged_dot``
-    through :func:`transposed_ragged_dot` (``weight_grad="kernel"``; ``"auto"`` picks it where
-    both widths are multiples of 64, its smallest tile, else the XLA formulation).
+    through :func:`transposed_ragged_dot`, or with ``warpgroups=2`` ours
+    (``weight_grad="kernel"``; ``"auto"`` picks it where both widths are multiples of 64, its
+    smallest tile, else the XLA formulation).
 
   The kernels take one 16-bit dtype for both operands and write their output in it
   (accumulating in float32): operands are cast to ``compute_dtype`` (bfloat16 or float16), the
@@ -35,7 +38,7 @@ the width, else a ValueError); the rows are padded to a multiple of ``block_m`` 
 already (:func:`sparsemixer_jax.moe.dispatch.grouped_ffn` pads once up front so no copy happens
 here). ``ragged_dot_mgpu`` hard-codes a persistent grid of 132 programs (the SMs of an H100 SXM5
 or H200); on a GPU with fewer SMs it still computes the right result, in more waves. The
-weight-gradient kernel's grid is :func:`sm_count`.
+weight-gradient kernel's grid and the two-warpgroup kernel's are :func:`sm_count`.
 """
 
 from __future__ import annotations
@@ -85,8 +88,12 @@ def smem_bytes(block_m: int, block_n: int, block_k: int, stages: int,
 
 
 def tile_errors(block_m: int, block_n: int, block_k: int, stages: int,
-                weight_grad_kernel: bool) -> list[str]:
-    """What an H100 lowering of the Mosaic kernels refuses in these tiles (empty: nothing)."""
+                weight_grad_kernel: bool, warpgroups: int = 1) -> list[str]:
+    """What an H100 lowering of the Mosaic kernels refuses in these tiles (empty: nothing).
+    ``warpgroups=2``: the forward and input-gradient products run on
+    :func:`~sparsemixer_jax.kernels.grouped_matmul_2wg.grouped_matmul_2wg`."""
+    from sparsemixer_jax.kernels import grouped_matmul_2wg
+
     errors = []
     if block_m % _WGMMA_ROWS:
         errors.append(f"block_m={block_m} must be a multiple of {_WGMMA_ROWS} (wgmma accumulator "
@@ -94,14 +101,26 @@ def tile_errors(block_m: int, block_n: int, block_k: int, stages: int,
     if block_n > _MAX_BLOCK_N:
         errors.append(f"block_n={block_n} must be <= {_MAX_BLOCK_N} (wgmma N)")
     if stages < 2:
-        errors.append(f"max_concurrent_steps={stages} must be >= 2 (the kernels release each "
-                      f"buffer one step late)")
+        errors.append(f"max_concurrent_steps={stages} must be >= 2 (JAX's kernels release "
+                      f"each buffer one step late; one stage would not overlap loads and "
+                      f"products)")
     used = smem_bytes(block_m, block_n, block_k, stages)
+    if warpgroups == 2:
+        used = grouped_matmul_2wg.smem_bytes(block_m, block_n, block_k, stages)
+        rows, columns = grouped_matmul_2wg.warpgroup_tile(block_m, block_n)
+        # 128 threads hold a warpgroup's float32 accumulator; a thread has at most 255 registers.
+        if columns < _MIN_BLOCK:
+            errors.append(f"warpgroups=2: block_n={block_n} leaves each warpgroup {columns} "
+                          f"columns < {_MIN_BLOCK} (no shared-memory tiling fits them)")
+        if rows * columns // 128 >= 255:
+            errors.append(f"warpgroups=2: each warpgroup's {rows}x{columns} float32 accumulator "
+                          f"needs {rows * columns // 128} registers per thread > 255")
     if weight_grad_kernel:
         if block_n < _WGMMA_ROWS or block_k < _WGMMA_ROWS:
             errors.append(f"the weight-gradient kernel needs block_n and block_k >= "
                           f"{_WGMMA_ROWS}, got {block_n} and {block_k} (or weight_grad='xla')")
-        used = max(used, smem_bytes(block_n, block_n, block_k, stages))
+        if warpgroups == 1:  # two warpgroups: the forward's tiles and shared memory
+            used = max(used, smem_bytes(block_n, block_n, block_k, stages))
     if used > H100_SMEM_BYTES:
         errors.append(f"tiles need {used:,} bytes of shared memory > {H100_SMEM_BYTES:,} (an "
                       f"H100's); lower max_concurrent_steps={stages} or the tiles")
@@ -120,14 +139,18 @@ class GroupedMatmulConfig:
         token tile, ``block_n`` both its output tiles.
       max_concurrent_steps, grid_block_n: pipelining depth (>= 2) and tile-order swizzle of the
         kernels.
+      warpgroups: consumer warpgroups per program of the Mosaic kernels: 1, JAX's
+        ``ragged_dot_mgpu`` and ``transposed_ragged_dot_mgpu``; 2, ours
+        (:mod:`~sparsemixer_jax.kernels.grouped_matmul_2wg`), which split a ``block_m x
+        block_n`` output tile, the weight gradient's too (of ``[K, N]``, ``block_k`` rows a step).
       weight_grad: ``"kernel"`` (transposed Mosaic kernel), ``"xla"``, or ``"auto"``
         (``"kernel"`` where both widths of the weights are multiples of 64, else ``"xla"``).
         Ignored by the other impls.
       interpret: run the Mosaic kernels in JAX's Mosaic GPU interpreter (CPU, tests).
       compute_dtype: operand dtype of the kernels; None: float16 stays float16, everything else
         is cast to bfloat16 (``"mosaic"``, ``"tokamax"``), or no cast at all (``"xla"``).
-      num_sms: programs of the weight-gradient kernel's persistent grid; None: the target
-        device's SM count (:func:`sm_count`).
+      num_sms: programs of the weight-gradient kernel's persistent grid (and of the
+        two-warpgroup kernel's); None: the target device's SM count (:func:`sm_count`).
       zero_past_groups: the caller guarantees that ``lhs`` and the output's cotangent are
         zero (finite suffices) on the rows past the groups, so the weight-gradient kernel
         needs no masked copies of them (:func:`sparsemixer_jax.moe.dispatch.grouped_ffn`'s
@@ -143,6 +166,7 @@ class GroupedMatmulConfig:
     block_k: int = 64
     max_concurrent_steps: int = 4
     grid_block_n: int = 1
+    warpgroups: int = 1
     weight_grad: str = "auto"
     interpret: bool = False
     compute_dtype: Any = None
@@ -159,6 +183,8 @@ class GroupedMatmulConfig:
             value = getattr(self, name)
             if value < _MIN_BLOCK or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= {_MIN_BLOCK}, got {value}")
+        if self.warpgroups not in (1, 2):
+            raise ValueError(f"warpgroups must be 1 or 2, got {self.warpgroups}")
         if self.grid_block_n < 1 or (self.num_sms is not None and self.num_sms < 1):
             raise ValueError(f"grid_block_n and num_sms must be >= 1, got {self.grid_block_n} "
                              f"and {self.num_sms}")
@@ -171,7 +197,8 @@ class GroupedMatmulConfig:
             raise ValueError(f"impl='mosaic' computes in bfloat16 or float16 (wgmma transposes "
                              f"only 16-bit operands), got compute_dtype={self.compute_dtype}")
         errors = tile_errors(self.block_m, self.block_n, self.block_k,
-                             self.max_concurrent_steps, self.weight_grad != "xla")
+                             self.max_concurrent_steps, self.weight_grad != "xla",
+                             self.warpgroups)
         if errors:
             raise ValueError(f"GroupedMatmulConfig: {errors[0]}")
 
@@ -384,28 +411,45 @@ def _interpreting(config: GroupedMatmulConfig):
     return interpret_params.force_gpu_interpret_mode()
 
 
-def _mosaic_matmul(lhs, rhs, group_sizes, config: GroupedMatmulConfig,
-                   transpose_rhs: bool = False) -> jax.Array:
-    """``ragged_dot_mgpu`` on ``lhs [M, K]`` and ``rhs [G, K, N]`` (``[G, N, K]`` with
-    ``transpose_rhs``); rows past the groups: zeros."""
+def mosaic_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                  config: GroupedMatmulConfig, transpose_rhs: bool = False) -> jax.Array:
+    """The forward (or, with ``transpose_rhs``, input-gradient) product of ``impl="mosaic"``
+    alone, without a VJP: ``lhs [M, K]``, ``rhs [G, K, N]`` (``[G, N, K]`` with
+    ``transpose_rhs``), both in the compute dtype, -> ``[M, N]``; rows past the groups: zeros.
+    ``ragged_dot_mgpu`` or, with ``config.warpgroups=2``, ``grouped_matmul_2wg``."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    from sparsemixer_jax.kernels import grouped_matmul_2wg
 
     rows, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    # Two warpgroups split an N tile of 16 into 8-wide halves, which an H100 lowering refuses
+    # for rhs [K, N] (no shared-memory tiling divides them): their tiles stop at 32.
+    narrowest = 2 * _MIN_BLOCK if config.warpgroups == 2 else _MIN_BLOCK
+    tiles = dict(block_m=config.block_m,
+                 block_n=_fit_block(config.block_n, n, "output width", narrowest),
+                 block_k=_fit_block(config.block_k, k, "contraction width"),
+                 max_concurrent_steps=config.max_concurrent_steps,
+                 grid_block_n=config.grid_block_n, transpose_rhs=transpose_rhs)
     with _interpreting(config):
-        out = ragged_dot_mgpu.ragged_dot(
-            _pad_rows(lhs, config.block_m), rhs, group_sizes=group_sizes,
-            block_m=config.block_m, block_n=_fit_block(config.block_n, n, "output width"),
-            block_k=_fit_block(config.block_k, k, "contraction width"),
-            max_concurrent_steps=config.max_concurrent_steps,
-            grid_block_n=config.grid_block_n, transpose_rhs=transpose_rhs)
+        if config.warpgroups == 2:
+            out = grouped_matmul_2wg.grouped_matmul_2wg(
+                _pad_rows(lhs, config.block_m), rhs, group_sizes, **tiles,
+                num_programs=sm_count(config, target_device(array=lhs)))
+        else:
+            out = ragged_dot_mgpu.ragged_dot(_pad_rows(lhs, config.block_m), rhs,
+                                             group_sizes=group_sizes, **tiles)
     # The kernel never writes rows outside the groups (uninitialised memory, NaN in the
     # interpreter), and a NaN there would poison the transposed kernel's masked products.
     return zero_unkept(_rows_valid(rows, group_sizes), out[:rows], group_sizes)
 
 
-def _mosaic_weight_grad(lhs, dout, group_sizes, config: GroupedMatmulConfig) -> jax.Array:
-    """``[G, K, N]`` with ``[g] = lhs_g^T @ dout_g`` on the transposed Mosaic kernel."""
+def mosaic_weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array,
+                       config: GroupedMatmulConfig) -> jax.Array:
+    """The weight-gradient product of ``impl="mosaic"`` alone: ``lhs [M, K]``, ``dout [M, N]``
+    -> ``[G, K, N]`` with ``[g] = lhs_g^T @ dout_g`` on JAX's transposed Mosaic kernel
+    (output tiles ``[block_n, block_n]``) or, with ``warpgroups=2``, ``grouped_weight_grad_2wg``
+    (output tiles ``[block_m, block_n]``)."""
     k, n = lhs.shape[1], dout.shape[1]
     block_k = config.block_k
     # The kernel reads whole row blocks of each group and masks the edge blocks by multiplying
@@ -416,14 +460,20 @@ def _mosaic_weight_grad(lhs, dout, group_sizes, config: GroupedMatmulConfig) -> 
         lhs = zero_unkept(valid, lhs, group_sizes)
         dout = zero_unkept(valid, dout, group_sizes)
     lhs, dout = _pad_rows(lhs, block_k), _pad_rows(dout, block_k)
+    tiles = dict(block_n=_fit_block(config.block_n, n, "weight-gradient columns", _WGMMA_ROWS),
+                 block_k=block_k, max_concurrent_steps=config.max_concurrent_steps,
+                 grid_block_n=config.grid_block_n)
+    num_sms = sm_count(config, target_device(array=lhs))
     with _interpreting(config):
+        if config.warpgroups == 2:
+            from sparsemixer_jax.kernels import grouped_matmul_2wg
+
+            return grouped_matmul_2wg.grouped_weight_grad_2wg(
+                lhs, dout, group_sizes, num_programs=num_sms, **tiles,
+                block_m=_fit_block(config.block_m, k, "weight-gradient rows", _WGMMA_ROWS))
         return transposed_ragged_dot(
-            lhs, dout, group_sizes=group_sizes,
-            block_m=_fit_block(config.block_n, k, "weight-gradient rows", _WGMMA_ROWS),
-            block_n=_fit_block(config.block_n, n, "weight-gradient columns", _WGMMA_ROWS),
-            block_k=block_k, max_concurrent_steps=config.max_concurrent_steps,
-            grid_block_n=config.grid_block_n,
-            num_sms=sm_count(config, target_device(array=lhs)))
+            lhs, dout, group_sizes=group_sizes, num_sms=num_sms, **tiles,
+            block_m=_fit_block(config.block_n, k, "weight-gradient rows", _WGMMA_ROWS))
 
 
 def _varying_axes(x: jax.Array) -> frozenset:
@@ -470,7 +520,7 @@ def _build(config: GroupedMatmulConfig) -> Callable:
 
     def product(lhs, rhs, group_sizes, transpose_rhs=False):
         if mosaic:
-            return _mosaic_matmul(lhs, rhs, group_sizes, config, transpose_rhs)
+            return mosaic_matmul(lhs, rhs, group_sizes, config, transpose_rhs)
         return _xla_matmul(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, group_sizes)
 
     @jax.custom_vjp
@@ -485,7 +535,7 @@ def _build(config: GroupedMatmulConfig) -> Callable:
         dout = dout.astype(lhs.dtype)
         dlhs = product(dout, rhs, group_sizes, transpose_rhs=True)
         if config.resolved_weight_grad(*rhs.shape[1:]) == "kernel":
-            drhs = _mosaic_weight_grad(lhs, dout, group_sizes, config)
+            drhs = mosaic_weight_grad(lhs, dout, group_sizes, config)
         else:
             drhs = _xla_weight_grad(lhs, dout, group_sizes)
         # A Pallas kernel's result does not say which mesh axes it varies over; a custom VJP's

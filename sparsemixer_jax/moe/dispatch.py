@@ -327,6 +327,7 @@ def grouped_ffn(
     block_k: int = 64,
     max_concurrent_steps: int = 4,
     grid_block_n: int = 1,
+    warpgroups: int = 1,
     weight_grad: str = "auto",
     interpret: bool = False,
     compute_dtype=None,
@@ -345,19 +346,20 @@ def grouped_ffn(
       wi, bi, wo, bo: ``[G, emb, mlp]``, ``[G, mlp]``, ``[G, mlp, emb]``, ``[G, emb]``.
       drop_key, rate: activation dropout key (None: no dropout) and rate.
       activation: ``"relu"`` or ``"gelu"`` (:data:`ACTIVATIONS`).
-      impl, block_m, block_n, block_k, max_concurrent_steps, grid_block_n, weight_grad,
-        interpret, compute_dtype, num_sms: :class:`GroupedMatmulConfig`. With ``impl="mosaic"`` (and
-        ``"tokamax"``) the matmul operands (``x``, ``wi``, the hidden activations, ``wo``) are
-        cast to bfloat16 unless they are float16 (or to ``compute_dtype``); biases, ReLU and
-        dropout run in that dtype too, as :func:`ragged_ffn` does in a bfloat16 model.
+      impl, block_m, block_n, block_k, max_concurrent_steps, grid_block_n, warpgroups,
+        weight_grad, interpret, compute_dtype, num_sms: :class:`GroupedMatmulConfig`. With
+        ``impl="mosaic"`` (and ``"tokamax"``) the matmul operands (``x``, ``wi``, the hidden
+        activations, ``wo``) are cast to bfloat16 unless they are float16 (or to
+        ``compute_dtype``); biases, ReLU and dropout run in that dtype too, as
+        :func:`ragged_ffn` does in a bfloat16 model.
 
     Returns: ``[R, emb]`` in the dtype of ``x``, zeros on rows without expert.
     """
     config = GroupedMatmulConfig(
         impl=impl, block_m=block_m, block_n=block_n, block_k=block_k,
         max_concurrent_steps=max_concurrent_steps, grid_block_n=grid_block_n,
-        weight_grad=weight_grad, interpret=interpret, compute_dtype=compute_dtype,
-        num_sms=num_sms)
+        warpgroups=warpgroups, weight_grad=weight_grad, interpret=interpret,
+        compute_dtype=compute_dtype, num_sms=num_sms)
     rows = x.shape[0]
     num_groups = wi.shape[0]
     dtype = config.operand_dtype(jnp.result_type(x.dtype, wi.dtype))
