@@ -188,6 +188,7 @@ def test_one_step_pipelines_in_a_row():
     assert np.max(np.abs(got - want)) <= 2.0 ** -8 * np.abs(want).max()
 
 
+@pytest.mark.slow  # the benchmark's path through the interpreter: 16 s on 2 cores
 @needs_cpu_backend
 def test_products_benchmark_runs_tiny_in_interpret_mode(tmp_path):
     # The command a GPU session runs at the language model's shapes, here on a CPU: both
