@@ -37,6 +37,7 @@ from lab.benchmarks.runner import (
     BenchmarkSettings,
     run,
 )
+from sparsemixer_jax.moe.dispatch import GROUPED_IMPLS
 
 DEFAULT = BenchmarkSettings()
 
@@ -66,6 +67,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="lm_throughput and lm_profile: how cuDNN's attention gets the batch's documents: "
              "bias (model.cudnn_document_mask), offsets (cuDNN's packed layout), causal (no "
              "segment ids: its causal flag alone)")
+    add("--lm-grouped-impl", default=None, choices=GROUPED_IMPLS,
+        help="lm_throughput and lm_profile: --lm-config's model.grouped_impl replaced")
     add("--kv-heads", type=int, default=None,
         help=f"lm_throughput: key/value heads (default: {LM_CPU_SIZES['kv_heads']} on CPU, "
              f"{LM_ACCEL_SIZES['kv_heads']} else)")

@@ -66,6 +66,9 @@ LM_ROUTERS=${LM_ROUTERS:-}  # e.g. "sparsemixer_v2 densemixer": part "lm" times 
 # e.g. "bias offsets causal": part "lm" runs once per way cuDNN's attention gets the documents
 # (python -m experiments.benchmark --lm-document-mask), each run named with it: what the mask costs
 LM_DOCUMENT_MASKS=${LM_DOCUMENT_MASKS:-}
+# e.g. "mosaic mosaic_2wg": parts "lm" and "lm_profile" run once per grouped-matmul kernel
+# (python -m experiments.benchmark --lm-grouped-impl), each run named with it
+LM_GROUPED_IMPLS=${LM_GROUPED_IMPLS:-}
 PARTS=("$@")
 [ ${#PARTS[@]} -eq 0 ] && PARTS=(env lm routing lm_profile layer grouped step variants flags profile decode tests)
 mkdir -p "$OUT"
@@ -186,31 +189,42 @@ for part in "${PARTS[@]}"; do
       # the config.)
       routers=("$LM_ROUTERS")
       masks=("$LM_DOCUMENT_MASKS")
-      # shellcheck disable=SC2206  # LM_ROUTERS and LM_DOCUMENT_MASKS are lists of words
+      impls=("$LM_GROUPED_IMPLS")
+      # shellcheck disable=SC2206  # LM_ROUTERS, LM_DOCUMENT_MASKS, LM_GROUPED_IMPLS: word lists
       [ -n "$LM_ROUTERS" ] && routers=($LM_ROUTERS)
       # shellcheck disable=SC2206
       [ -n "$LM_DOCUMENT_MASKS" ] && masks=($LM_DOCUMENT_MASKS)
+      # shellcheck disable=SC2206
+      [ -n "$LM_GROUPED_IMPLS" ] && impls=($LM_GROUPED_IMPLS)
       for router in "${routers[@]}"; do
         for mask in "${masks[@]}"; do
-          # shellcheck disable=SC2086  # empty: no router flag, top-2 and dense alone
-          XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
-            bench step "lm_throughput_cudnn${router:+_$router}${mask:+_$mask}" \
-            --sections lm_throughput --lm-config configs/lm_bench.py:moe \
-            ${router:+--lm-routers $router} ${mask:+--lm-document-mask $mask}
+          for impl in "${impls[@]}"; do
+            # shellcheck disable=SC2086  # empty: no router flag, top-2 and dense alone
+            XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
+              bench step "lm_throughput_cudnn${router:+_$router}${mask:+_$mask}${impl:+_$impl}" \
+              --sections lm_throughput --lm-config configs/lm_bench.py:moe \
+              ${router:+--lm-routers $router} ${mask:+--lm-document-mask $mask} \
+              ${impl:+--lm-grouped-impl $impl}
+          done
         done
       done
       ;;
     lm_profile)
       # Where the LM update's device time goes (cuDNN attention), into profile.json.
       masks=("$LM_DOCUMENT_MASKS")
-      # shellcheck disable=SC2206  # LM_DOCUMENT_MASKS is a list of words
+      impls=("$LM_GROUPED_IMPLS")
+      # shellcheck disable=SC2206  # LM_DOCUMENT_MASKS and LM_GROUPED_IMPLS are lists of words
       [ -n "$LM_DOCUMENT_MASKS" ] && masks=($LM_DOCUMENT_MASKS)
+      # shellcheck disable=SC2206
+      [ -n "$LM_GROUPED_IMPLS" ] && impls=($LM_GROUPED_IMPLS)
       for mask in "${masks[@]}"; do
-        rm -rf "$WORK/trace_lm"
-        # shellcheck disable=SC2086  # empty: no flag, the config's mask
-        bench profile "lm_cudnn${mask:+_$mask}" --sections lm_profile \
-          --lm-config configs/lm_bench.py:moe --profile-dir "$WORK/trace_lm" --repeats 1 \
-          ${mask:+--lm-document-mask $mask}
+        for impl in "${impls[@]}"; do
+          rm -rf "$WORK/trace_lm"
+          # shellcheck disable=SC2086  # empty: no flag, the config's mask and kernels
+          bench profile "lm_cudnn${mask:+_$mask}${impl:+_$impl}" --sections lm_profile \
+            --lm-config configs/lm_bench.py:moe --profile-dir "$WORK/trace_lm" --repeats 1 \
+            ${mask:+--lm-document-mask $mask} ${impl:+--lm-grouped-impl $impl}
+        done
       done
       ;;
     variants)

@@ -236,3 +236,22 @@ def test_grouped_ffn_takes_two_warpgroups():
     assert text.count("custom_call @mosaic_gpu") == 6
     with pytest.raises(ValueError, match="warpgroups=2: each warpgroup's 256x128"):
         jax.eval_shape(functools.partial(loss, tile=256), *args)
+
+
+def test_the_mosaic_2wg_impl_runs_the_two_warpgroup_kernels_on_128x256_tiles(monkeypatch):
+    # model.grouped_impl="mosaic_2wg" reaches grouped_ffn as the Mosaic impl with two
+    # warpgroups and 256-wide output tiles; "mosaic" as JAX's one-warpgroup kernels.
+    from sparsemixer_jax.moe import dispatch
+
+    seen = []
+    monkeypatch.setattr(dispatch, "grouped_ffn",
+                        lambda x, *args, **kwargs: seen.append(kwargs) or x)
+    x, group = jnp.ones((4, 8), jnp.bfloat16), jnp.zeros((4,), jnp.int32)
+    params = (jnp.ones((2, 8, 16), jnp.bfloat16), jnp.ones((2, 16), jnp.bfloat16),
+              jnp.ones((2, 16, 8), jnp.bfloat16), jnp.ones((2, 8), jnp.bfloat16))
+    for impl in ("mosaic_2wg", "mosaic"):
+        dispatch.expert_ffn(x, group, jnp.arange(4), params, dispatch="grouped",
+                            grouped_impl=impl)
+    assert {k: seen[0].get(k) for k in ("impl", "warpgroups", "block_n")} == {
+        "impl": "mosaic", "warpgroups": 2, "block_n": 256}
+    assert seen[1]["impl"] == "mosaic" and "warpgroups" not in seen[1]

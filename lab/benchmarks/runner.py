@@ -38,7 +38,9 @@ Sections (``sections`` picks some):
   its dense arm the config's dense twin (``configs/lm_bench.py:dense``), the ``dispatch`` and
   ``attention_impl`` settings overriding the config's where given; ``lm_document_mask``: how
   cuDNN gets the batch's documents (:data:`lab.benchmarks.lm_step.DOCUMENT_MASKS`: ``bias``,
-  the default, ``offsets``, or ``causal``, no segment ids). JSON: ``lm_throughput[arm]``.
+  the default, ``offsets``, or ``causal``, no segment ids); ``lm_grouped_impl``: the config's
+  ``model.grouped_impl`` replaced (``mosaic_2wg``: the two-warpgroup kernels). JSON:
+  ``lm_throughput[arm]``.
 * ``fusion`` (not run by default): the one-call update against the three calls of an
   accumulating update (zero, accumulate, update), dense and each N.
 * ``decode`` (not run by default): beam search (beam 4) in sentences per second on Multi30k-test
@@ -135,6 +137,7 @@ class BenchmarkSettings:
     attention_impl: str | None = None  # "einsum", or for the LM sections the config's
     lm_config: str | None = None  # "configs/lm_bench.py:moe": the LM sections' model and sizes
     lm_document_mask: str = "bias"  # the LM sections: lab.benchmarks.lm_step.DOCUMENT_MASKS
+    lm_grouped_impl: str | None = None  # the LM sections: lm_config's model.grouped_impl replaced
     rng_impl: str | None = None
     triton_ragged_dot: bool = False
     deterministic: bool = False
@@ -207,7 +210,7 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
         "warmup": s.warmup, "repeats": s.repeats, "layer_dropout": s.layer_dropout,
         "load_average_start": load_average(),
         "dispatch": s.dispatch or "auto", "attention_impl": s.attention_impl or "einsum",
-        "lm_config": s.lm_config, "routers": routers,
+        "lm_config": s.lm_config, "lm_grouped_impl": s.lm_grouped_impl, "routers": routers,
         "rng_impl": jax.config.values["jax_default_prng_impl"],
         "triton_ragged_dot": {"requested": s.triton_ragged_dot,
                               "available": triton_ragged_dot.triton_ragged_dot_available(),
@@ -218,6 +221,11 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
                      "attention_impl": s.attention_impl or "einsum"}
     # The LM sections: the config's model where one is named, the flags given overriding it.
     base = load_config_file(s.lm_config) if s.lm_config else None
+    if s.lm_grouped_impl:
+        if base is None:
+            raise SystemExit("error: --lm-grouped-impl replaces --lm-config's model.grouped_impl; "
+                             "name an LM config (e.g. --lm-config configs/lm_bench.py:moe)")
+        base.model.grouped_impl = s.lm_grouped_impl
     lm_options = {"dispatch": s.dispatch or (base.model.dispatch if base else "auto"),
                   "attention_impl": s.attention_impl
                   or (base.model.attention_impl if base else "einsum"), "base": base,

@@ -28,8 +28,8 @@ class MoEConfig:
       moe_every: MoE replaces the feed-forward layer of layers ``0, k, 2k, ...``.
       dispatch: ``"auto"``, ``"ragged"``, ``"padded"`` or ``"grouped"``
         (:mod:`sparsemixer_jax.moe.dispatch`).
-      grouped_impl: the kernels of ``"grouped"``: ``"mosaic"`` (Hopper GPUs), ``"tokamax"`` or
-        ``"xla"``.
+      grouped_impl: the kernels of ``"grouped"``: ``"mosaic"`` (Hopper GPUs), ``"mosaic_2wg"``
+        (the same with two consumer warpgroups, 128 x 256 tiles), ``"tokamax"`` or ``"xla"``.
       capacity_factor: 0 for dropless; ``> 0`` caps every expert at
         ``ceil(capacity_factor * rows / N)`` rows.
       activation: the nonlinearity, ``"relu"`` (fairseq's translation Transformer) or

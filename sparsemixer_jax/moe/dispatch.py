@@ -51,7 +51,10 @@ from sparsemixer_jax.kernels.mosaic_grouped_matmul import (
 )
 
 DISPATCHES = ("auto", "ragged", "padded", "grouped")
-GROUPED_IMPLS = ("mosaic", "xla", "tokamax")
+GROUPED_IMPLS = ("mosaic", "mosaic_2wg", "xla", "tokamax")
+# ``"mosaic_2wg"``: the Mosaic kernels with two consumer warpgroups per program
+# (:mod:`sparsemixer_jax.kernels.grouped_matmul_2wg`) on the 128 x 256 x 64 tiles they are for.
+_TWO_WARPGROUPS = {"impl": "mosaic", "warpgroups": 2, "block_n": 256}
 # The expert (and dense) FFN's nonlinearity: ReLU in the paper's fairseq translation Transformer,
 # GELU in BERT / ELECTRA / COCO-LM, whose setting the pretraining experiment follows; SiLU in the
 # gated (SwiGLU) experts of the decoder-only language models (Mixtral, Qwen, OLMoE, Phi-3.5-MoE).
@@ -458,7 +461,8 @@ def expert_ffn(
         it (in row order) output zeros. The layer drops tokens before (``capacity_keep``), so
         its groups always fit.
       grouped_impl: ``"grouped"`` only: ``"mosaic"`` (Hopper kernels; interpreted on any
-        backend inside ``force_gpu_interpret_mode()``), ``"tokamax"`` or ``"xla"``
+        backend inside ``force_gpu_interpret_mode()``), ``"mosaic_2wg"`` (the same with two
+        consumer warpgroups on 128 x 256 tiles), ``"tokamax"`` or ``"xla"``
         (:data:`GROUPED_IMPLS`). The first two compute in bfloat16 (float16 stays float16); a
         float32 ``x`` gets a one-line warning saying so.
       activation: a name in :data:`ACTIVATIONS`.
@@ -482,9 +486,10 @@ def expert_ffn(
                 "in bfloat16 (its kernels take 16-bit operands), not in the layer's float32 "
                 "(config.model.compute_dtype); set compute_dtype='bfloat16', or "
                 "grouped_impl='xla' for float32", stacklevel=2)
+        kernel = _TWO_WARPGROUPS if grouped_impl == "mosaic_2wg" else {"impl": grouped_impl}
         return grouped_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
-                           impl=grouped_impl, activation=activation,
-                           interpret=grouped_impl == "mosaic" and interpret_mode_active())
+                           activation=activation, **kernel,
+                           interpret=kernel["impl"] == "mosaic" and interpret_mode_active())
     raise ValueError(
         f"expert_ffn: dispatch must be 'ragged', 'padded' or 'grouped', got {dispatch!r}")
 
