@@ -17,6 +17,7 @@ from flax import nnx
 from sparsemixer_jax import runtime, training
 from sparsemixer_jax.layers import fairseq_attention
 from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
+from sparsemixer_jax.packed_tree import PackedTree
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.tasks import check_config, run_config, translation
 from sparsemixer_jax.training import steps as training_steps
@@ -137,11 +138,29 @@ def test_the_update_returns_its_float32_metrics_in_one_buffer(steps):
     assert set(host) == set(metrics) >= {"loss", "grad_norm", "finite", "tokens"}
     for key in host:  # the same values, wherever they are read
         jax.tree.map(np.testing.assert_array_equal, host[key], metrics[key])
-    packed = training_steps.PackedTree.pack({"a": jnp.arange(6.0).reshape(2, 3),
-                                             "b": {"c": jnp.float32(7.0), "d": jnp.int32(3)}})
+    packed = PackedTree.pack({"a": jnp.arange(6.0).reshape(2, 3),
+                              "b": {"c": jnp.float32(7.0), "d": jnp.int32(3)}})
     assert packed.vector.shape == (7,) and packed.others[0].dtype == jnp.int32
     np.testing.assert_array_equal(packed["a"], np.arange(6.0).reshape(2, 3))
     assert float(packed["b"]["c"]) == 7.0 and int(packed["b"]["d"]) == 3
+
+
+def test_a_packed_tree_stacked_by_scan_unpacks_with_the_leading_axis():
+    """A layer scan returns one packed tree per step; the stacked tree unpacks to each leaf with
+    the scan's ``[steps]`` axis in front, step ``i``'s values at ``[i]`` (exact: slices and
+    reshapes of the same values)."""
+    def body(carry, i):
+        tree = {"w": jnp.full((2, 3), i, jnp.float32), "s": i.astype(jnp.float32) * 10,
+                "flag": i % 2 == 0}
+        return carry, PackedTree.pack(tree)
+
+    _, stacked = jax.lax.scan(body, 0, jnp.arange(4))
+    assert stacked.vector.shape == (4, 7)
+    tree = stacked.unpack()
+    assert tree["w"].shape == (4, 2, 3) and tree["s"].shape == (4,)
+    np.testing.assert_array_equal(tree["w"], np.arange(4.0)[:, None, None] * np.ones((2, 3)))
+    np.testing.assert_array_equal(tree["s"], np.arange(4.0) * 10)
+    np.testing.assert_array_equal(tree["flag"], [True, False, True, False])
 
 
 @pytest.mark.parametrize("impl", ["xla", "auto"])

@@ -22,7 +22,6 @@ router's evaluation rule). :func:`sparsemixer_jax.hf.load_pretrained` returns it
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -46,6 +45,7 @@ from sparsemixer_jax.moe import MoEFeedForward
 from sparsemixer_jax.moe.dispatch import clamped_swiglu
 from sparsemixer_jax.moe.shared import MakeLinear, SharedExperts
 from sparsemixer_jax.packed_attention import segment_layout
+from sparsemixer_jax.packed_tree import PackedTree
 
 
 class LMOutput(NamedTuple):
@@ -270,7 +270,6 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
     (:class:`~sparsemixer_jax.attention.FusedMask`; None where there is a window).
     """
     graphdef, state = nnx.split(stack)
-    metrics_tree: dict[str, Any] = {}
 
     def body(h, xs):
         h = sharding.keep_rows_split(h, rows_sharding)
@@ -287,15 +286,8 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
             metrics.append(layer_metrics)
         out_kvs = None if unit_kvs is None else tuple(new_kvs)
         # Every float32 metric in one vector per step: the scan writes one stacked output
-        # instead of one small kernel per metric and layer. The tree is recorded when the body
-        # is traced, for the unpacking.
-        leaves, metrics_tree["tree"] = jax.tree.flatten(metrics)
-        metrics_tree["shapes"] = [leaf.shape if leaf.dtype == jnp.float32 else None
-                                  for leaf in leaves]
-        packed = [jnp.ravel(leaf) for leaf in leaves if leaf.dtype == jnp.float32]
-        packed = (jnp.concatenate(packed) if packed else None,
-                  [leaf for leaf in leaves if leaf.dtype != jnp.float32])
-        return h, (nnx.state(unit), out_kvs, packed)
+        # instead of one small kernel per metric and layer.
+        return h, (nnx.state(unit), out_kvs, PackedTree.pack(metrics))
 
     if remat != "none":
         # The backward pass recomputes the layer body (keeping what the policy names) instead of
@@ -305,7 +297,7 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
     x, (new_state, new_kvs, metrics) = jax.lax.scan(body, x, (state, kvs, sliding))
     nnx.update(stack, new_state)
-    return x, new_kvs, _unpack_metrics(metrics, metrics_tree["tree"], metrics_tree["shapes"])
+    return x, new_kvs, metrics.unpack()
 
 
 # What remat="elementwise" recomputes: elementwise arithmetic, casts and layout changes, which
@@ -325,22 +317,6 @@ def recompute_elementwise(primitive, *_, **__) -> bool:
     elementwise and layout ones (matmuls, attention and grouped kernels, reductions, gathers,
     sorts, random bits are kept)."""
     return primitive.name not in _ELEMENTWISE
-
-
-def _unpack_metrics(packed: tuple[jax.Array | None, list[jax.Array]], tree,
-                    shapes: list[tuple[int, ...] | None]) -> Any:
-    """The metrics tree of :func:`_scan_stack`'s body from the scan's outputs ``(float32
-    leaves packed [repeats, size], the other leaves)``: each leaf ``[repeats, *shape]``."""
-    vector, others = packed
-    others, leaves, start = iter(others), [], 0
-    for shape in shapes:
-        if shape is None:
-            leaves.append(next(others))
-            continue
-        size = math.prod(shape)
-        leaves.append(vector[:, start:start + size].reshape(vector.shape[0], *shape))
-        start += size
-    return jax.tree.unflatten(tree, leaves)
 
 
 def _positions_and_masks(config: LMConfig, real: jax.Array, positions: jax.Array | None,

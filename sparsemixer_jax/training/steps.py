@@ -42,6 +42,7 @@ from flax import nnx
 
 from sparsemixer_jax.moe.balancing import BalancePlan, balance_plan, end_of_update
 from sparsemixer_jax.moe.layer import report_choices, routing_param_paths
+from sparsemixer_jax.packed_tree import PackedTree
 from sparsemixer_jax.partitioning import Partitioner, constrain
 from sparsemixer_jax.training import compute_copies
 from sparsemixer_jax.training.optim import (
@@ -52,7 +53,6 @@ from sparsemixer_jax.training.optim import (
     make_optimizer,
     param_labels,
 )
-from sparsemixer_jax.training.packed import PackedTree
 from sparsemixer_jax.training.state import TrainState
 
 

@@ -12,6 +12,11 @@ that computes on the leaves computes on :meth:`PackedTree.unpack`'s and packs th
 value is then computed by the same expression as on the unpacked tree, rounded the same way
 (XLA may contract a product and a sum written in one expression, not one split by the
 concatenation).
+
+A packed tree can be stacked: ``jax.lax.scan`` returning one per step stacks its ``vector``
+(``[steps, size]``) and its other leaves, and :meth:`PackedTree.unpack` then gives each leaf
+with the leading ``[steps]`` axis, so a layer scan's metrics are one stacked output, not one
+per metric and layer.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ __all__ = ["PackedTree"]
 
 @jax.tree_util.register_pytree_node_class
 class PackedTree(Mapping):
-    """A pytree of arrays (a dict at its top) with its float32 leaves in one vector.
+    """A pytree of arrays with its float32 leaves in one vector.
 
-    ``vector``: float32 ``[total size of the float32 leaves]``; ``others``: the other leaves, in
-    order; ``layout``: static ``(treedef, per leaf its shape if float32 else None)``. As a pytree
-    its children are ``vector`` and ``others``; as a mapping it reads as the unpacked tree's top
-    level (``metrics["loss"]``), so code that indexed the tree indexes it unchanged.
+    ``vector``: float32 ``[*lead, total size of the float32 leaves]`` (``lead`` empty, or the
+    axes it was stacked on); ``others``: the other leaves, in order; ``layout``: static
+    ``(treedef, per leaf its shape if float32 else None)``. As a pytree its children are
+    ``vector`` and ``others``; as a mapping (for a tree with a dict at its top) it reads as the
+    unpacked tree's top level (``metrics["loss"]``), so code that indexed the tree indexes it
+    unchanged.
     """
 
     def __init__(self, vector: Any, others: tuple, layout: tuple):
@@ -52,8 +59,8 @@ class PackedTree(Mapping):
                    (treedef, shapes))
 
     def unpack(self) -> Any:
-        """The tree: each float32 leaf a slice of ``vector`` (numpy views after a
-        ``jax.device_get``), the others as held."""
+        """The tree: each float32 leaf a slice of ``vector``, ``[*lead, *shape]`` (numpy views
+        after a ``jax.device_get``), the others as held."""
         if self._unpacked is None:
             treedef, shapes = self.layout
             others, leaves, start = iter(self.others), [], 0
@@ -62,7 +69,8 @@ class PackedTree(Mapping):
                     leaves.append(next(others))
                     continue
                 size = math.prod(shape)
-                leaves.append(self.vector[start:start + size].reshape(shape))
+                leaves.append(self.vector[..., start:start + size].reshape(
+                    (*self.vector.shape[:-1], *shape)))
                 start += size
             self._unpacked = jax.tree.unflatten(treedef, leaves)
         return self._unpacked
