@@ -10,6 +10,10 @@ refused the pair when the study was run; it takes them now).
     python -c "from lab.studies.lm_balancing import commands; print(*commands(), sep='\\n')"
 
 and, once a root's runs are finished, :func:`summary_command` summarises it into docs/results.
+
+The scores study (:data:`LM_SCORES`) trains every estimator, SparseMixer included, for 5 seeds
+under bias balancing with softmax scores and with sigmoid scores, each root from
+:func:`scores_command` and summarised by :func:`scores_summary_command`.
 """
 
 from __future__ import annotations
@@ -94,14 +98,23 @@ def commands() -> list[str]:
     return [command(b) for b in LM_BALANCINGS]
 
 
-def summary_command(balancing: str) -> str:
-    """The command that summarises one balancing's finished root into ``docs/results``
-    (``lm_balancing_{balancing}_cpu.{json,md,png}``, the router figure, the runs' small files)."""
-    out = f"docs/results/lm_balancing_{balancing}"
-    return (command(balancing).replace(" --parallel 2 --compact", "")
+def _summarize(study_command: str, name: str) -> str:
+    out = f"docs/results/{name}"
+    return (study_command.replace(" --parallel 2 --compact", "")
             + f" --summarize-only --out-json {out}_cpu.json --out-md {out}_cpu.md"
             f" --plot {out}_cpu.png --plot-router {out}_router_cpu.png"
             f" --pack {out}_runs.tar.gz")
+
+
+def summary_command(balancing: str) -> str:
+    """The command that summarises one balancing's finished root into ``docs/results``
+    (``lm_balancing_{balancing}_cpu.{json,md,png}``, the router figure, the runs' small files)."""
+    return _summarize(command(balancing), f"lm_balancing_{balancing}")
+
+
+def scores_summary_command(routing: str) -> str:
+    """:func:`summary_command` for a root of the scores study (``lm_scores_{routing}_cpu.*``)."""
+    return _summarize(scores_command(routing), f"lm_scores_{routing}")
 
 
 BALANCING_TITLES = {"mb": "micro-batch loss", "gb": "global-batch loss",
@@ -139,11 +152,12 @@ def _paired_cell(stat: Paired | None) -> str:
     return f"{text} ({stat.below}/{stat.n})"
 
 
-def _mean_se_cell(values: dict[int, float], digits: int) -> str:
+def _mean_se_cell(values: dict[int, float], digits: int, seeds: int = len(SEEDS)) -> str:
+    """``mean ± SE`` of the values, their count added where it is not ``seeds``."""
     if not values:
         return "–"
     mean, se = mean_se(np.array(list(values.values())))
-    n = f" (n={len(values)})" if len(values) != len(SEEDS) else ""
+    n = f" (n={len(values)})" if len(values) != seeds else ""
     return f"{mean:.{digits}f}" + (f" ± {se:.{digits}f}" if len(values) > 1 else "") + n
 
 
@@ -190,25 +204,88 @@ def balancing_table(summaries: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+SCORES_TITLES = {"bias0.01": "softmax scores", "sigbias0.01": "sigmoid scores"}
+ESTIMATORS = ("SparseMixer-v2*", "SparseMixer-v2", "top-2", "DenseMixer", "Default MoE")
+"""The estimator of each arm, in the order of :data:`ALL_ARMS` and :data:`SIGMOID_ARMS`."""
+
+
+def scores_table(summaries: dict[str, dict]) -> str:
+    """The scores study's answer as markdown, from each root's summary (routing name of
+    :data:`LM_SCORES` -> the summary JSON of its root): one row per estimator, one column per
+    routing. Four tables: the final validation loss minus top-2's under the same routing,
+    paired by seed; the sigmoid root's loss minus the softmax root's for the same estimator,
+    paired by seed; the load imbalance over training; the training tokens per second."""
+    shown = [r for r in LM_SCORES if r in summaries]
+
+    def arm(routing: str, estimator: str) -> str:
+        return LM_SCORES[routing][1][ESTIMATORS.index(estimator)]
+
+    def loss(routing: str, estimator: str) -> dict[int, float]:
+        return _by_seed(summaries[routing], arm(routing, estimator), "final_valid_loss")
+
+    def table(columns: list[str], cell) -> list[str]:
+        out = ["| estimator | " + " | ".join(SCORES_TITLES[r] for r in columns) + " |",
+               "| --- |" + " --- |" * len(columns)]
+        for estimator in ESTIMATORS:
+            out.append(f"| {estimator} | " + " | ".join(cell(r, estimator) for r in columns)
+                       + " |")
+        return out
+
+    lines = ["Final validation loss minus top-2's under the same routing (bias balancing at "
+             f"rate {FAST_BIAS_UPDATE_RATE}, no balancing loss), same seed: mean ± standard "
+             "error (seeds where the estimator is lower / seeds); bold beyond 2 standard "
+             "errors.", ""]
+    lines += table(shown, lambda r, e: "" if e == "top-2"
+                   else _paired_cell(paired_by_seed(loss(r, e), loss(r, "top-2"))))
+    if len(shown) == 2:
+        softmax, sigmoid = shown
+        lines += ["", "Final validation loss under sigmoid scores minus the same estimator's "
+                  "under softmax scores, same seed.", ""]
+        lines += table([sigmoid], lambda r, e: _paired_cell(
+            paired_by_seed(loss(sigmoid, e), loss(softmax, e))))
+    lines += ["", "Load imbalance over training (max load / mean load): mean ± standard error "
+              "over seeds.", ""]
+    lines += table(shown, lambda r, e: _mean_se_cell(
+        _by_seed(summaries[r], arm(r, e), "load_imbalance"), 2, len(SCORE_SEEDS)))
+    lines += ["", "Training tokens per second, each run's median over its steps (compilation and "
+              "evaluations left out): mean ± standard error over seeds.", ""]
+    lines += table(shown, lambda r, e: _mean_se_cell(
+        _by_seed(summaries[r], arm(r, e), "tokens_per_second_median_step"), 0,
+        len(SCORE_SEEDS)))
+    return "\n".join(lines) + "\n"
+
+
+def _summaries(results: pathlib.Path, names: list[str]) -> dict[str, dict]:
+    return {name: json.loads((results / f"{name}_cpu.json").read_text()) for name in names
+            if (results / f"{name}_cpu.json").exists()}
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m lab.studies.lm_balancing``: :func:`balancing_table` of the summaries in
     ``docs/results`` (``lm_balancing_{balancing}_cpu.json``; balancings not summarised yet are
-    left out), printed and written to ``docs/results/lm_balancing_cpu.md``."""
+    left out), printed and written to ``docs/results/lm_balancing_cpu.md``; and, where the
+    scores study's roots are summarised (``lm_scores_{routing}_cpu.json``), its
+    :func:`scores_table` to ``docs/results/lm_scores_cpu.md``."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--results", default="docs/results", help="folder of the summaries")
     parser.add_argument("--out-md", default="docs/results/lm_balancing_cpu.md")
+    parser.add_argument("--out-scores-md", default="docs/results/lm_scores_cpu.md")
     args = parser.parse_args(argv)
-    summaries = {}
-    for balancing in LM_BALANCINGS:
-        path = pathlib.Path(args.results) / f"lm_balancing_{balancing}_cpu.json"
-        if path.exists():
-            summaries[balancing] = json.loads(path.read_text())
-    if not summaries:
+    results = pathlib.Path(args.results)
+    balancings = _summaries(results, [f"lm_balancing_{b}" for b in LM_BALANCINGS])
+    if not balancings:
         raise SystemExit(f"error: no lm_balancing_*_cpu.json in {args.results}; summarise a "
                          "root first (summary_command)")
-    table = balancing_table(summaries)
+    table = balancing_table({name.removeprefix("lm_balancing_"): summary
+                             for name, summary in balancings.items()})
     print(table, end="")
     pathlib.Path(args.out_md).write_text(table)
+    scores = _summaries(results, [f"lm_scores_{r}" for r in LM_SCORES])
+    if scores:
+        table = scores_table({name.removeprefix("lm_scores_"): summary
+                              for name, summary in scores.items()})
+        print("\n" + table, end="")
+        pathlib.Path(args.out_scores_md).write_text(table)
 
 
 if __name__ == "__main__":
