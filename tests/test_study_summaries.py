@@ -5,8 +5,9 @@ of every finished run, ``experiments.compare --pack``) is rebuilt with the summa
 it (:func:`lab.studies.summary.summarize` and :func:`~lab.studies.summary.markdown`, as
 ``experiments.compare --summarize-only`` calls them) from the unpacked runs, with the arms,
 seeds and target arm of the study's command, and must equal the committed files byte for byte.
-The cross-balancing table ``lm_balancing_cpu.md`` is rebuilt from the rebuilt summaries. Every
-figure the docs quote from these files therefore follows from the runs by the project's code.
+The cross-balancing table ``lm_balancing_cpu.md`` and the scores study's ``lm_scores_cpu.md`` are
+rebuilt from the rebuilt summaries. Every figure the docs quote from these files therefore
+follows from the runs by the project's code.
 """
 
 import json
@@ -16,7 +17,15 @@ import tarfile
 import pytest
 
 from lab.studies import chat_sft
-from lab.studies.lm_balancing import LM_BALANCINGS, SEEDS, VERSUS, balancing_table
+from lab.studies.lm_balancing import (
+    LM_BALANCINGS,
+    LM_SCORES,
+    SCORE_SEEDS,
+    SEEDS,
+    VERSUS,
+    balancing_table,
+    scores_table,
+)
 from lab.studies.summary import markdown, summarize
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -39,6 +48,10 @@ STUDIES: dict[str, tuple[str, tuple[str, ...], tuple[int, ...], str | None]] = {
        for component in ("router", "experts", "ffn")},
     **{f"lm_balancing_{balancing}": (f"runs/lm_balancing_{balancing}", arms, SEEDS, VERSUS)
        for balancing, (_, arms) in LM_BALANCINGS.items()},
+    # The scores study's roots whose runs are finished and summarised.
+    **{f"lm_scores_{routing}": (f"runs/lm_scores_{routing}", LM_SCORES[routing][1], SCORE_SEEDS,
+                                LM_SCORES[routing][2])
+       for routing in ("bias0.01",)},
     "lm_study": ("runs/lm_study", _LM_STUDY_ARMS, (0, 1, 2, 3, 4), VERSUS),
     "chat_sft_compare": (chat_sft.FT_ROOT, chat_sft.ARMS, chat_sft.SEEDS, chat_sft.VERSUS),
 }
@@ -93,6 +106,15 @@ def test_the_balancing_table_rebuilds_from_the_runs(tmp_path, monkeypatch):
         rebuilt_json, _ = _rebuild(f"lm_balancing_{balancing}", tmp_path / balancing, monkeypatch)
         summaries[balancing] = json.loads(rebuilt_json)
     assert balancing_table(summaries) == (RESULTS / "lm_balancing_cpu.md").read_text()
+
+
+def test_the_scores_table_rebuilds_from_the_runs(tmp_path, monkeypatch):
+    summaries = {}
+    for routing in LM_SCORES:
+        if f"lm_scores_{routing}" in STUDIES:
+            rebuilt_json, _ = _rebuild(f"lm_scores_{routing}", tmp_path / routing, monkeypatch)
+            summaries[routing] = json.loads(rebuilt_json)
+    assert scores_table(summaries) == (RESULTS / "lm_scores_cpu.md").read_text()
 
 
 def test_the_chat_study_tables_rebuild_from_the_runs(tmp_path, monkeypatch):
