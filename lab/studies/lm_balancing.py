@@ -255,9 +255,10 @@ def scores_table(summaries: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _summaries(results: pathlib.Path, names: list[str]) -> dict[str, dict]:
-    return {name: json.loads((results / f"{name}_cpu.json").read_text()) for name in names
-            if (results / f"{name}_cpu.json").exists()}
+def _summaries(results: pathlib.Path, prefix: str, roots) -> dict[str, dict]:
+    """Root name -> its summary ``{prefix}{root}_cpu.json`` in ``results``, where it exists."""
+    paths = {root: results / f"{prefix}{root}_cpu.json" for root in roots}
+    return {root: json.loads(path.read_text()) for root, path in paths.items() if path.exists()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -272,18 +273,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-scores-md", default="docs/results/lm_scores_cpu.md")
     args = parser.parse_args(argv)
     results = pathlib.Path(args.results)
-    balancings = _summaries(results, [f"lm_balancing_{b}" for b in LM_BALANCINGS])
+    balancings = _summaries(results, "lm_balancing_", LM_BALANCINGS)
     if not balancings:
         raise SystemExit(f"error: no lm_balancing_*_cpu.json in {args.results}; summarise a "
                          "root first (summary_command)")
-    table = balancing_table({name.removeprefix("lm_balancing_"): summary
-                             for name, summary in balancings.items()})
+    table = balancing_table(balancings)
     print(table, end="")
     pathlib.Path(args.out_md).write_text(table)
-    scores = _summaries(results, [f"lm_scores_{r}" for r in LM_SCORES])
+    scores = _summaries(results, "lm_scores_", LM_SCORES)
     if scores:
-        table = scores_table({name.removeprefix("lm_scores_"): summary
-                              for name, summary in scores.items()})
+        table = scores_table(scores)
         print("\n" + table, end="")
         pathlib.Path(args.out_scores_md).write_text(table)
 
