@@ -163,6 +163,9 @@ def moe_model_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.dispatch = "auto"  # see sparsemixer_jax.moe.DISPATCHES
     c.grouped_impl = "mosaic"  # dispatch "grouped": Hopper kernels ("mosaic"), "tokamax", "xla"
     c.capacity_factor = 0.0  # 0 = dropless; > 0 = Switch-style capacity with dropping
+    # Expert mesh only: 0 = exchange buffers with room for every row (dropless); f > 0 = f times
+    # a balanced routing's rows per device, rows past them dropped.
+    c.expert_buffer_factor = 0.0
     c.num_shared_experts = 0  # always-on experts beside the routed ones (DeepSeek, Qwen2-MoE)
     c.shared_expert_gate = False  # the shared experts' output times sigmoid(x w) (Qwen2-MoE)
     c.compute_dtype = "float32"  # | "bfloat16" (params stay float32)

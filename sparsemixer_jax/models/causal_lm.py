@@ -167,7 +167,8 @@ class MoEBlock(nnx.Module):
             config.hidden_size, config.moe_intermediate_size, config.num_experts,
             router=config.router, jitter_eps=config.jitter_eps, top_k=config.top_k,
             activation_dropout=0.0, dispatch=config.dispatch, grouped_impl=config.grouped_impl,
-            capacity_factor=config.capacity_factor, activation=expert_activation(config),
+            capacity_factor=config.capacity_factor,
+            expert_buffer_factor=config.expert_buffer_factor, activation=expert_activation(config),
             gated=True, gated_biases=config.expert_biases, router_bias=config.router_bias,
             router_options=config.router_option_dict(), dtype=_dtype(config), mesh=mesh,
             init="flax", rngs=rngs)

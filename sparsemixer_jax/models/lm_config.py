@@ -141,7 +141,8 @@ class LMConfig:
       router_aux_loss_coef: weight of the load-balancing loss in training (read by the task).
       compute_dtype: ``"float32"`` or ``"bfloat16"`` (params stay float32; norms, softmax and
         routing run in float32).
-      dispatch, grouped_impl, capacity_factor: the MoE layer's (:class:`MoEFeedForward`).
+      dispatch, grouped_impl, capacity_factor, expert_buffer_factor: the MoE layer's
+        (:class:`MoEFeedForward`).
       attention_impl: ``"einsum"`` (the model's own attention, what transformers computes),
         ``"xla"`` or ``"auto"`` (``jax.nn.dot_product_attention``'s XLA form), ``"cudnn"``
         (cuDNN's fused flash attention: NVIDIA GPUs, ``compute_dtype="bfloat16"``).
@@ -212,6 +213,7 @@ class LMConfig:
     dispatch: str = "auto"
     grouped_impl: str = "mosaic"
     capacity_factor: float = 0.0
+    expert_buffer_factor: float = 0.0
     attention_impl: str = "einsum"
     cudnn_document_mask: str = "bias"
     max_segments_per_row: int = 64
@@ -304,6 +306,8 @@ class LMConfig:
             fail(f"moe_input_jitter must lie in [0, 1), got {self.moe_input_jitter}")
         if self.capacity_factor < 0:
             fail(f"capacity_factor must be >= 0, got {self.capacity_factor}")
+        if not self.expert_buffer_factor >= 0:
+            fail(f"expert_buffer_factor must be >= 0, got {self.expert_buffer_factor}")
 
     def _check_rope(self) -> None:
         """The rotary positions: their kind's settings and the rotated width (latent

@@ -32,6 +32,10 @@ class MoEConfig:
         (the same with two consumer warpgroups, 128 x 256 tiles), ``"tokamax"`` or ``"xla"``.
       capacity_factor: 0 for dropless; ``> 0`` caps every expert at
         ``ceil(capacity_factor * rows / N)`` rows.
+      expert_buffer_factor: on a mesh with an expert axis of ``E > 1`` devices, 0 gives every
+        device's expert exchange room for all rows (dropless, ``E`` times a balanced routing's
+        rows); ``f > 0`` sizes it at ``f`` times a balanced routing's rows and drops the rows
+        past it (:mod:`sparsemixer_jax.moe.expert_parallel`). No effect on one device.
       activation: the nonlinearity, ``"relu"`` (fairseq's translation Transformer) or
         ``"gelu"`` (BERT / ELECTRA).
       activation_dropout: dropout rate after the nonlinearity.
@@ -50,6 +54,7 @@ class MoEConfig:
     dispatch: str = "auto"
     grouped_impl: str = "mosaic"
     capacity_factor: float = 0.0
+    expert_buffer_factor: float = 0.0
     activation: str = "relu"
     activation_dropout: float = 0.1
     init: str = "fairseq"
@@ -85,6 +90,9 @@ class MoEConfig:
         if self.capacity_factor < 0:
             raise ValueError(f"{where}capacity_factor must be >= 0 (0 = dropless), got "
                              f"{self.capacity_factor}")
+        if not self.expert_buffer_factor >= 0:
+            raise ValueError(f"{where}expert_buffer_factor must be >= 0 (0 = room for every "
+                             f"row), got {self.expert_buffer_factor}")
         for name, choices in (("dispatch", DISPATCHES), ("activation", ACTIVATIONS)):
             value = getattr(self, name)
             if value not in choices and not (name == "activation" and is_activation(value)):

@@ -30,7 +30,7 @@ from sparsemixer_jax.moe.dispatch import (
     expert_ffn,
     resolve_dispatch,
 )
-from sparsemixer_jax.moe.expert_parallel import expert_parallel_ffn
+from sparsemixer_jax.moe.expert_parallel import buffer_overflow, expert_parallel_ffn
 from sparsemixer_jax.moe.shared import SharedExperts
 from sparsemixer_jax.moe.unchosen import all_expert_outputs, update_expert_defaults
 
@@ -58,6 +58,7 @@ def _sections_of_keywords(num_experts: int, keywords: dict
     moe = MoEConfig(num_experts=num_experts, dispatch=keywords["dispatch"],
                     grouped_impl=keywords["grouped_impl"],
                     capacity_factor=keywords["capacity_factor"],
+                    expert_buffer_factor=keywords["expert_buffer_factor"],
                     activation=keywords["activation"],
                     activation_dropout=keywords["activation_dropout"], init=keywords["init"])
     options = {"default_decay": keywords["default_decay"],
@@ -116,6 +117,9 @@ class MoEFeedForward(nnx.Module):
         the call and each of its experts). Rows are served first choices first (all tokens'
         first expert, in token order, then all second experts, ...), as in GShard; a dropped row
         outputs zeros, the token's other experts still count.
+      expert_buffer_factor: with ``mesh``, 0 (dropless) or ``f > 0``: each device's exchange
+        buffer holds ``f`` times a balanced routing's rows, and rows past it are dropped
+        (:mod:`sparsemixer_jax.moe.expert_parallel`; counted in ``dropped_fraction``).
       activation: the experts' nonlinearity, ``"relu"`` (fairseq's translation Transformer, the
         default) or ``"gelu"`` (BERT / ELECTRA).
       default_decay: the EMA decay ``beta`` of the default vectors of the ``default_moe``
@@ -179,6 +183,7 @@ class MoEFeedForward(nnx.Module):
         dispatch: str = MoEConfig.dispatch,
         grouped_impl: str = MoEConfig.grouped_impl,
         capacity_factor: float = MoEConfig.capacity_factor,
+        expert_buffer_factor: float = MoEConfig.expert_buffer_factor,
         activation: str = MoEConfig.activation,
         router_init_scale: float = routers.RouterConfig.init_scale,
         init: str = MoEConfig.init,
@@ -195,6 +200,7 @@ class MoEFeedForward(nnx.Module):
         keywords = {"router": router, "jitter_eps": jitter_eps, "top_k": top_k,
                     "activation_dropout": activation_dropout, "dispatch": dispatch,
                     "grouped_impl": grouped_impl, "capacity_factor": capacity_factor,
+                    "expert_buffer_factor": expert_buffer_factor,
                     "activation": activation, "router_init_scale": router_init_scale,
                     "init": init, "default_decay": default_decay,
                     "router_options": router_options}
@@ -350,7 +356,7 @@ class MoEFeedForward(nnx.Module):
         params = tuple(p[...].astype(self.dtype) for p in self.expert_params())
         xc = x.astype(self.dtype)
         xr = jnp.repeat(xc, k, axis=1) if k > 1 else xc  # [B, T * k, emb], row t*k+s = token t
-        f = self._expert_outputs(xr, group, params, drop_key, capacity)
+        f = self._expert_outputs(xr, group, params, drop_key, capacity, dropless)
         if k == 1:  # drop the k axis: the same ops (and float rounding) as the top-1 layer
             f, gate = f[:, :, 0], gate[..., 0]
 
@@ -368,25 +374,37 @@ class MoEFeedForward(nnx.Module):
     def _served_rows(self, expert: jax.Array, token_mask: jax.Array | None, dropless: bool
                      ) -> tuple[jax.Array, int | None, jax.Array]:
         """``(active, capacity, dropped_fraction)`` of the rows ``expert [B, T, k]``: whether
-        an expert serves each row (padding and rows over capacity are not served), the
+        an expert serves each row (padding, rows over capacity and, on an expert mesh with
+        ``expert_buffer_factor > 0``, rows past their exchange slots are not served), the
         capacity per expert (None when dropless) and the share of real rows dropped."""
         batch, length, k = expert.shape
         n, moe = self.num_experts, self.moe
         active = jnp.ones((batch, length), bool) if token_mask is None else token_mask.astype(bool)
         active = jnp.broadcast_to(active[..., None], (batch, length, k))
-        if not (moe.capacity_factor > 0 and not dropless):
+        capped = moe.capacity_factor > 0 and not dropless
+        buffered = self.mesh is not None and moe.expert_buffer_factor > 0 and not dropless
+        if not (capped or buffered):
             return active, None, jnp.zeros((), jnp.float32)
-        capacity = expert_capacity(moe.capacity_factor, batch * length * k, n)
-        # Slot-major order: every token's first choice is served before any second choice.
-        kept = jnp.moveaxis(capacity_keep(jnp.moveaxis(expert, -1, 0),
-                                          jnp.moveaxis(active, -1, 0), n, capacity), 0, -1)
+        capacity, kept = None, active
+        if capped:
+            capacity = expert_capacity(moe.capacity_factor, batch * length * k, n)
+            # Slot-major order: every token's first choice is served before any second choice.
+            kept = jnp.moveaxis(capacity_keep(jnp.moveaxis(expert, -1, 0),
+                                              jnp.moveaxis(active, -1, 0), n, capacity), 0, -1)
+        if buffered:
+            group = jnp.where(kept, expert, n).astype(jnp.int32).reshape(batch, length * k)
+            kept = kept & ~buffer_overflow(group, mesh=self.mesh, num_experts=n,
+                                           buffer_factor=moe.expert_buffer_factor
+                                           ).reshape(batch, length, k)
         num_active = jnp.maximum(jnp.sum(active), 1).astype(jnp.float32)
         return kept, capacity, jnp.sum(active & ~kept).astype(jnp.float32) / num_active
 
     def _expert_outputs(self, xr: jax.Array, group: jax.Array, params: tuple,
-                        drop_key: jax.Array | None, capacity: int | None) -> jax.Array:
+                        drop_key: jax.Array | None, capacity: int | None,
+                        dropless: bool) -> jax.Array:
         """``f [B, T, k, emb]``: each row's expert output for rows ``xr [B, T * k, emb]`` sent
-        to experts ``group [B, T, k]`` (``N`` = not served), on one device or over the mesh."""
+        to experts ``group [B, T, k]`` (``N`` = not served), on one device or over the mesh
+        (with exchange buffers of ``expert_buffer_factor`` unless ``dropless``)."""
         batch, length, k = group.shape
         moe = self.moe
         row_ids = jnp.arange(batch * length * k, dtype=jnp.int32).reshape(batch, length, k)
@@ -404,7 +422,9 @@ class MoEFeedForward(nnx.Module):
                                     dispatch=dispatch, dropout_key=drop_key,
                                     dropout_rate=moe.activation_dropout,
                                     grouped_impl=moe.grouped_impl,
-                                    activation=moe.activation)
+                                    activation=moe.activation,
+                                    buffer_factor=0.0 if dropless
+                                    else moe.expert_buffer_factor)
         return f.reshape(batch, length, k, -1)
 
     def _balance_loss(self, routed, token_mask, training: bool) -> jax.Array:
@@ -486,7 +506,8 @@ class MoEFeedForward(nnx.Module):
 _KEYWORD_DEFAULTS = {name: p.default for name, p in
                      inspect.signature(MoEFeedForward.__init__).parameters.items()
                      if name in ("router", "jitter_eps", "top_k", "activation_dropout", "dispatch",
-                                 "grouped_impl", "capacity_factor", "activation",
+                                 "grouped_impl", "capacity_factor", "expert_buffer_factor",
+                                 "activation",
                                  "router_init_scale", "init", "default_decay", "router_options")}
 
 

@@ -92,7 +92,8 @@ class LMModelConfig:
       shared_expert_dim: ``qwen2_moe``'s shared expert width (0: ``mlp_dim``).
       tie_embeddings, rope_theta, norm_eps, initializer_range, max_position_embeddings: as the
         type's ``config.json`` keys.
-      dispatch, grouped_impl, capacity_factor, compute_dtype: the MoE layer's and the matmuls'.
+      dispatch, grouped_impl, capacity_factor, expert_buffer_factor, compute_dtype: the MoE
+        layer's and the matmuls'.
       attention_impl: ``einsum`` (transformers' computation), ``xla``/``auto``
         (``jax.nn.dot_product_attention``) or ``cudnn`` (flash attention, bf16 on NVIDIA GPUs).
       cudnn_document_mask, max_segments_per_row: how cuDNN's attention takes packed documents
@@ -130,6 +131,7 @@ class LMModelConfig:
     dispatch: str = "auto"
     grouped_impl: str = "mosaic"
     capacity_factor: float = 0.0
+    expert_buffer_factor: float = 0.0
     compute_dtype: str = "float32"
     remat: str = "none"
     dropout: float = 0.0
@@ -308,7 +310,9 @@ def from_scratch_config(model: LMModelConfig, router: RouterConfig, vocab_size: 
 def model_overrides(model: LMModelConfig) -> dict[str, Any]:
     """The :class:`LMConfig` fields the model section sets on a checkpoint too."""
     return {"dispatch": model.dispatch, "grouped_impl": model.grouped_impl,
-            "capacity_factor": model.capacity_factor, "compute_dtype": model.compute_dtype,
+            "capacity_factor": model.capacity_factor,
+            "expert_buffer_factor": model.expert_buffer_factor,
+            "compute_dtype": model.compute_dtype,
             "attention_impl": model.attention_impl, "remat": model.remat,
             "cudnn_document_mask": model.cudnn_document_mask,
             "max_segments_per_row": model.max_segments_per_row}
