@@ -66,6 +66,8 @@ ADDED_FIELD_DEFAULTS: dict[str, Any] = {
     # Language-modelling runs saved before cuDNN could take packed documents as offsets.
     "model.cudnn_document_mask": {"lm": "bias"},
     "model.max_segments_per_row": {"lm": 64},
+    # Runs saved before the expert exchange's buffers were sized had room for every row.
+    "model.expert_buffer_factor": 0.0,
 }
 
 
