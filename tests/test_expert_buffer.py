@@ -157,3 +157,21 @@ def test_the_layer_counts_the_rows_it_drops():
 def test_a_negative_factor_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^config\.model\.expert_buffer_factor must be >= 0"):
         MoEConfig(num_experts=N, expert_buffer_factor=-0.5).check("config.model.")
+
+
+def test_the_lm_config_field_reaches_every_moe_layer():
+    """``config.model.expert_buffer_factor`` of a language-model config reaches the model's MoE
+    layers (through the typed sections and :class:`LMConfig`)."""
+    from configs import lm_quickstart
+    from sparsemixer_jax.models.causal_lm import CausalLM
+    from sparsemixer_jax.routers import RouterConfig
+    from sparsemixer_jax.tasks.lm_sections import LMModelConfig, from_scratch_config
+
+    config = lm_quickstart.get_config()
+    config.model.expert_buffer_factor = 1.5
+    lm = from_scratch_config(LMModelConfig.from_config(config.model),
+                             RouterConfig.from_config(config.router), vocab_size=64)
+    assert lm.expert_buffer_factor == 1.5
+    model = nnx.eval_shape(lambda: CausalLM(lm, rngs=nnx.Rngs(0)))
+    layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoEFeedForward)]
+    assert layers and all(m.moe.expert_buffer_factor == 1.5 for m in layers)
