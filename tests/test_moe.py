@@ -418,7 +418,7 @@ def test_gelu_experts_match_a_per_row_reference_with_gradients():
 def test_gated_sum_matches_the_plain_expression_and_its_gradients(k, with_omega):
     # gated_sum saves its inputs for the backward (and under omega writes the backward by
     # hand); its value and gradients are those of the expression it replaces.
-    from sparsemixer_jax.moe.layer import gated_sum
+    from sparsemixer_jax.moe.combine import gated_sum
 
     keys = jax.random.split(jax.random.key(3), 4)
     shape = (2, 5, k, EMB) if k > 1 else (2, 5, EMB)
