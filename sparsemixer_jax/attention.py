@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparsemixer_jax.kernels.splash_attention import splash_block, splash_heads
 from sparsemixer_jax.models.rope import apply_rope
 from sparsemixer_jax.moe.shared import MakeLinear
 from sparsemixer_jax.packed_attention import SegmentLayout, packed_attention
@@ -35,8 +36,10 @@ MASK_VALUE = -1e9
 # own attention, the only one with dropout on the attention weights and sink logits: the paper's
 # setting). "xla" and "auto" (jax picks; XLA in jax 0.10) take the boolean mask as it is. "cudnn"
 # is cuDNN's fused flash attention (NVIDIA GPUs, bf16); how it takes the masks is
-# :attr:`AttentionOptions.masks_are_lengths`'s, or a :class:`FusedMask`'s.
-ATTENTION_IMPLS = {"einsum": None, "xla": "xla", "cudnn": "cudnn", "auto": None}
+# :attr:`AttentionOptions.masks_are_lengths`'s, or a :class:`FusedMask`'s. "splash" is jax's
+# Pallas TPU flash attention (:mod:`sparsemixer_jax.kernels.splash_attention`) for the causal full
+# passes a :class:`FusedMask` describes; every other pass takes the einsum attention.
+ATTENTION_IMPLS = {"einsum": None, "xla": "xla", "cudnn": "cudnn", "auto": None, "splash": None}
 
 #: Parameter names of the query, key, value and output projections: fairseq's (the translation
 #: and ELECTRA checkpoints) and the Hugging Face types' (the language models' name tables).
@@ -58,18 +61,24 @@ def mask_as_lengths(mask: jax.Array, batch: int, queries: int) -> tuple[jax.Arra
 
 
 class FusedMask(NamedTuple):
-    """What cuDNN's fused attention may take instead of a full causal pass's boolean mask
-    (:meth:`Attention.attend`; XLA's and the einsum attention read the mask as it is).
+    """What a fused attention (cuDNN's, splash) may take instead of a full causal pass's
+    boolean mask (:meth:`Attention.attend`; XLA's and the einsum attention read the mask as it
+    is).
 
     Attributes:
       exactly_causal: the mask hides the keys after each query and nothing else (one sequence
         per row, no padding, no sliding window): cuDNN takes its causal flag alone.
       segments: the packed documents as segment offsets
         (:func:`~sparsemixer_jax.packed_attention.segment_layout`), or None: the mask.
+      segment_ids, token_mask: splash's form of a causal mask without a window: the packed
+        documents' ids (int ``[B, T]``) and the padding (bool ``[B, T]``), each None where
+        there is none.
     """
 
     exactly_causal: bool = False
     segments: SegmentLayout | None = None
+    segment_ids: jax.Array | None = None
+    token_mask: jax.Array | None = None
 
 
 def check_attention_impl(implementation: str, attention_dropout: float) -> None:
@@ -167,6 +176,9 @@ class Attention(nnx.Module):
         after the projections.
       rngs: ``params`` for the projections and sinks; ``dropout`` where ``options.dropout`` is
         not None (its dropout layer is built last).
+      mesh: the ``("data", "fsdp", "expert")`` mesh the rows are split over, or None; splash
+        attention runs on each device's rows (:func:`~sparsemixer_jax.kernels.splash_attention.
+        splash_heads`).
 
     Use: ``q, k, v = attn.qkv(x)`` (or :meth:`project_q` and :meth:`project_kv` of another
     sequence, for cross-attention and cached keys), then ``attn.attend(q, k, v, mask)``;
@@ -175,7 +187,8 @@ class Attention(nnx.Module):
 
     def __init__(self, options: AttentionOptions, *, qkv_linear: MakeLinear,
                  out_linear: MakeLinear, norm: Callable[[int], nnx.Module] | None = None,
-                 sinks_init: nnx.initializers.Initializer | None = None, rngs: nnx.Rngs):
+                 sinks_init: nnx.initializers.Initializer | None = None, rngs: nnx.Rngs,
+                 mesh: jax.sharding.Mesh | None = None):
         o = options
         if o.num_heads % o.num_kv_heads:
             raise ValueError(f"num_heads={o.num_heads} is not divisible by "
@@ -207,6 +220,7 @@ class Attention(nnx.Module):
         self.sinks = nnx.Param(sinks_init(rngs.params(), (o.num_heads,), jnp.float32)) \
             if o.sinks else None
         self.dropout = nnx.Dropout(o.dropout, rngs=rngs) if o.dropout is not None else None
+        self.mesh = mesh
 
     @property
     def implementation(self) -> str:
@@ -266,12 +280,20 @@ class Attention(nnx.Module):
         bias ``[1, H, T, S]``) is added to the scaled logits before masking. ``causal``: the mask
         hides every key after its query (a full forward pass), which lets cuDNN skip those
         blocks; the mask is applied either way. ``deterministic``: no dropout on the weights.
-        ``fused``: how cuDNN may take a causal ``mask`` without reading it as a bias
-        (:class:`FusedMask`; the other implementations ignore it).
+        ``fused``: how cuDNN or splash may take a causal ``mask`` without reading it
+        (:class:`FusedMask`; the other implementations ignore it). Splash attention runs where
+        ``fused`` describes the mask, with no ``bias`` and no sinks, and the lengths are
+        multiples of 128; the einsum attention everywhere else (cached decoding, windows).
         """
         o = self.options
         b, t, h, d = q.shape
-        if o.implementation != "einsum":
+        if o.implementation == "splash":
+            if causal and fused is not None and bias is None and self.sinks is None \
+                    and splash_block(t, k.shape[1]) is not None:
+                heads = splash_heads(q, k, v, segment_ids=fused.segment_ids,
+                                     token_mask=fused.token_mask, mesh=self.mesh)
+                return self._projection(3)(heads.reshape(b, t, h * d))
+        elif o.implementation != "einsum":
             heads = self._fused(q, k, v, mask, causal, bias, fused)
             return self._projection(3)(heads.reshape(b, t, h * d))
         # The grouped layout keeps its logits as [B, KV, G, T, S] throughout (mask, bias and

@@ -171,7 +171,8 @@ def moe_model_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.num_shared_experts = 0  # always-on experts beside the routed ones (DeepSeek, Qwen2-MoE)
     c.shared_expert_gate = False  # the shared experts' output times sigmoid(x w) (Qwen2-MoE)
     c.compute_dtype = "float32"  # | "bfloat16" (params stay float32)
-    c.attention_impl = "einsum"  # | "xla" | "cudnn" | "auto" (jax.nn.dot_product_attention)
+    # | "xla" | "cudnn" | "auto" (jax.nn.dot_product_attention) | "splash" (TPU, language models)
+    c.attention_impl = "einsum"
     c.activation = "relu"  # FFN and experts: fairseq's Transformer; BERT / ELECTRA use "gelu"
     # Initialisation scheme (sparsemixer_jax.initializers): "fairseq" = the paper's code
     # (PyTorch nn.Linear defaults for router, experts, FFNs) | "flax" (the earlier scheme).

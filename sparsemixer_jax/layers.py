@@ -85,6 +85,9 @@ class ModelConfig:
             raise ValueError(f"{where}compute_dtype must be float32 or bfloat16, got "
                              f"{self.compute_dtype!r}")
         self.moe.check(where)
+        if self.attention_impl == "splash":  # its masks are causal passes over packed rows
+            raise ValueError(f"{where}attention_impl='splash' is the language models' causal "
+                             f"attention on TPU; this model takes einsum, xla, auto or cudnn")
         try:
             check_attention_impl(self.attention_impl, self.attention_dropout)
         except ValueError as err:

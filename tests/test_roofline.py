@@ -328,6 +328,33 @@ def test_a_pallas_kernel_that_is_no_matmul_counts_no_flops_and_a_tpu_estimate_is
     assert _ops(reserved) == {}
 
 
+SPLASH = """HloModule m
+
+ENTRY %main (q: bf16[4,384,128], k: bf16[2,384,128]) -> bf16[4,384,128] {
+  %q = bf16[4,384,128]{2,1,0} parameter(0)
+  %k = bf16[2,384,128]{2,1,0} parameter(1)
+  %info = s8[1,3,3]{2,1,0} constant({...})
+  %splash_mha_fwd_no_residuals.1 = bf16[4,384,128]{2,1,0} custom-call(%info, %q, %k, %k), \
+custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 128}"
+}}, metadata={op_name="jit(f)/splash_attention_blocks_6_of_9/splash_mha_fwd_no_residuals/\
+pallas_call"}, backend_config={"custom_call_config":{}}
+  ROOT %after = bf16[4,384,128]{2,1,0} add(%splash_mha_fwd_no_residuals.1, %q)
+}
+"""
+
+
+def test_a_splash_kernel_printed_over_several_lines_counts_its_computed_blocks():
+    """A TPU kernel prints its frontend attributes over three lines (the last starting with
+    ``}}``, which must not end the computation); splash attention's forward is two matmuls of
+    ``2 H T S D`` FLOPs over the 6 of 9 score blocks its scope names."""
+    ops = _ops(SPLASH)
+    assert set(ops) == {"splash_mha_fwd_no_residuals.1", "after"}
+    assert ops["splash_mha_fwd_no_residuals.1"].flops == 2 * 2 * 4 * 384 * 384 * 128 * 6 / 9
+    unscoped = SPLASH.replace("splash_attention_blocks_6_of_9/", "")
+    assert _ops(unscoped)["splash_mha_fwd_no_residuals.1"].flops == 2 * 2 * 4 * 384 * 384 * 128
+
+
 @pytest.fixture(scope="module")
 def tiny_lm_roofline(tmp_path_factory):
     """``python -m experiments.compile ... --roofline --json`` on the language model of the LM

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Iterator
 
 # Bytes per element of HLO's array types.
 ITEM_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -172,7 +173,7 @@ def parse_module(text: str) -> Module:
     computations: dict[str, Computation] = {}
     tables: dict[str, dict[int, str]] = {}
     entry, current, body, table, root = "", None, [], None, ""
-    for line in text.splitlines():
+    for line in _joined_lines(text):
         if current is None:
             header = None if line[:1].isspace() else _HEADER.match(line)
             if header:
@@ -194,6 +195,28 @@ def parse_module(text: str) -> Module:
             body.append(instruction)
             root = instruction.name if line.lstrip().startswith("ROOT ") else root
     return Module(computations, entry, _sources(tables))
+
+
+def _joined_lines(text: str) -> Iterator[str]:
+    """The lines of ``text``, an instruction's continuation lines joined to it: TPU kernels
+    print their ``frontend_attributes`` over several lines (``kernel_metadata={`` then the
+    metadata, then ``}}, metadata={...}, backend_config=...``), and a line starting with ``}``
+    would otherwise end the computation."""
+    pending, depth = "", 0
+    for line in text.splitlines():
+        if depth > 0:
+            pending += " " + line.strip()
+        elif _INSTRUCTION.match(line):
+            pending = line
+        else:
+            yield line
+            continue
+        depth = pending.count("{") - pending.count("}")
+        if depth <= 0:
+            yield pending
+            pending, depth = "", 0
+    if pending:
+        yield pending
 
 
 def _sources(tables: dict[str, dict[int, str]]) -> dict[int, str]:

@@ -20,12 +20,8 @@ intermediates the compiled program keeps in HBM. Here:
 
 * FLOPs: the matmuls only (``dot`` and ``convolution``, inside fusions too: ``2 x output
   elements x contracted size``), at the chip's matmul peak; elementwise arithmetic is left out
-  (it is memory-bound on these chips). cuBLAS GEMMs: from their shapes and the dimension
-  numbers of their backend config. cuDNN attention: the two batched matmuls of the forward
-  (five in the backward) from the query and key shapes, halved for a causal mask (the kernel
-  skips masked blocks). Pallas kernels: their cost estimate where the kernel gives one (TPU),
-  else from shapes when the three largest arrays are a (grouped) matmul's (``[M, K]``,
-  ``[G, K, N]``, ``[M, N]`` in any role: ``M K N = sqrt(product of the sizes / G)``).
+  (it is memory-bound on these chips). Custom calls (cuBLAS GEMMs, cuDNN and splash attention,
+  Pallas kernels): from their shapes and attributes (:mod:`~sparsemixer_jax.aot.kernel_flops`).
 * Bytes: what each kernel reads and writes in HBM: its operands and outputs, except that an
   operand read only through ``dynamic-slice``/``slice``/``gather`` counts the slices (a scanned
   layer reads one layer of a stacked weight) and an in-place ``dynamic-update-slice`` counts
@@ -39,12 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Iterable
 from typing import Any
 
 from sparsemixer_jax.aot import hlo
 from sparsemixer_jax.aot.analysis import COLLECTIVES
+from sparsemixer_jax.aot.kernel_flops import custom_call_cost, dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +122,6 @@ _FREE_TARGETS = frozenset({"AllocateBuffer", "AssumeGatherIndicesInBound",
                            "GatherScatterIndicesBitpacked", "Sharding", "SPMDFullToShardShape",
                            "SPMDShardToFullShape"})
 _SLICES = frozenset({"dynamic-slice", "slice", "gather"})
-# Pallas: Mosaic GPU, Mosaic TPU and Triton kernels.
-_KERNEL_TARGETS = re.compile(r"^(mosaic_gpu|tpu_custom_call|__gpu\$xla\.gpu\.triton)")
-_INDICES = re.compile(r'"(\d+)"|(\d+)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,10 +162,6 @@ def _size(text: str, types: dict[str, str]) -> int:
     return sum(a.bytes for a in hlo.arrays(types.get(text, "")))
 
 
-def _dims(text: str | None) -> list[int]:
-    return [int(a or b) for a, b in _INDICES.findall(text or "")]
-
-
 def dot_flops(instruction: hlo.Instruction, types: dict[str, str]) -> float:
     """``2 x output elements x contracted size`` of a ``dot`` or ``convolution``."""
     outputs = instruction.outputs
@@ -184,7 +173,7 @@ def dot_flops(instruction: hlo.Instruction, types: dict[str, str]) -> float:
         return 0.0
     if instruction.opcode == "dot":
         contracted = math.prod(lhs[0].dims[d] for d in
-                               _dims(instruction.attribute(r"lhs_contracting_dims=\{([\d,]*)\}")))
+                               dims(instruction.attribute(r"lhs_contracting_dims=\{([\d,]*)\}")))
         return 2.0 * outputs[0].size * contracted
     labels = instruction.attribute(r"dim_labels=(\w+->\w+)")  # e.g. "0bf1_1oi0->0b1f"
     if not labels or labels.count("_") != 1:
@@ -263,7 +252,7 @@ def computation_flops(module: hlo.Module, name: str) -> tuple[float, str]:
             total += dot_flops(instruction, types)
             kind = "gemm" if kind == "fusion" else kind
         elif instruction.opcode == "custom-call":
-            kind, flops, _ = _custom_call(instruction, types)
+            kind, flops, _ = custom_call_cost(instruction, types)
             total += flops
         elif instruction.opcode != "reduce":  # a reduction's to_apply is a scalar add
             for called in instruction.called("calls") + instruction.called("to_apply"):
@@ -321,7 +310,7 @@ def _group_size(instruction: hlo.Instruction, devices: int) -> int:
     if iota:
         return int(instruction.attribute(r"replica_groups=\[\d+,(\d+)\]"))
     groups = instruction.attribute(r"replica_groups=\{\{([\d,]*)\}")
-    return len(_dims(groups)) if groups else devices
+    return len(dims(groups)) if groups else devices
 
 
 def _collective_link_bytes(opcode: str, instruction: hlo.Instruction,
@@ -334,79 +323,6 @@ def _collective_link_bytes(opcode: str, instruction: hlo.Instruction,
         return 0.0
     factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": n - 1}.get(opcode, (n - 1) / n)
     return factor * size
-
-
-def _custom_call(instruction: hlo.Instruction, types: dict[str, str]
-                 ) -> tuple[str, float, float]:
-    """``(kind, flops, bytes)`` of a custom call."""
-    target = instruction.attribute(r'custom_call_target="([^"]*)"') or ""
-    operands = [a for o in instruction.operands for a in hlo.arrays(types.get(o, ""))]
-    outputs = instruction.outputs
-    if target.startswith(("__cublas", "__cudnn")):
-        outputs = [a for a in outputs if a.dtype not in ("s8", "u8")]  # the workspace
-    moved = float(sum(a.bytes for a in operands) + sum(a.bytes for a in outputs))
-    if target.startswith("__cublas") and outputs and operands:
-        contracting = _dims(instruction.attribute(r'"lhs_contracting_dimensions":\[([^\]]*)\]'))
-        contracted = math.prod(operands[0].dims[d] for d in contracting)
-        return "gemm", 2.0 * outputs[0].size * contracted, moved
-    if target.startswith("__cudnn$fmha") and len(operands) >= 2:
-        return "attention", _attention_flops(instruction, operands, target), moved
-    if _KERNEL_TARGETS.match(target):
-        estimate = instruction.attribute(r'"cost_estimate":\s*\{[^}]*"flops":\s*(\d+)')
-        if estimate is not None:
-            accessed = instruction.attribute(r'"bytes_accessed":\s*(\d+)')
-            return "kernel", float(estimate), float(accessed) if accessed else moved
-        return "kernel", matmul_flops_from_shapes(operands, outputs), moved
-    return "custom-call", 0.0, moved
-
-
-def _attention_flops(instruction: hlo.Instruction, operands: list[hlo.Array],
-                     target: str) -> float:
-    q, k = operands[0], operands[1]
-    batch = _dims(instruction.attribute(
-        r'"bmm1_dot_dimension_numbers":\{[^}]*"lhs_batch_dimensions":\[([^\]]*)\]'))
-    contract = _dims(instruction.attribute(
-        r'"bmm1_dot_dimension_numbers":\{[^}]*"lhs_contracting_dimensions":\[([^\]]*)\]'))
-    if not contract:  # no dimension numbers: [B, T, H, D], as jax's cuDNN attention lays out
-        batch, contract = [0, 2], [3]
-    rhs_batch = _dims(instruction.attribute(
-        r'"bmm1_dot_dimension_numbers":\{[^}]*"rhs_batch_dimensions":\[([^\]]*)\]')) or batch
-    rhs_contract = _dims(instruction.attribute(
-        r'"bmm1_dot_dimension_numbers":\{[^}]*"rhs_contracting_dimensions":\[([^\]]*)\]')) \
-        or contract
-    rows = math.prod(d for i, d in enumerate(q.dims) if i not in batch and i not in contract)
-    keys = math.prod(d for i, d in enumerate(k.dims)
-                     if i not in rhs_batch and i not in rhs_contract)
-    bmm = 2.0 * math.prod(q.dims[i] for i in batch) * rows * keys \
-        * math.prod(q.dims[i] for i in contract)
-    flops = bmm * (5 if "Backward" in target else 2)
-    causal = (instruction.attribute(r'"mask_type":"(\w+)"') or "").startswith("CAUSAL")
-    return flops / 2 if causal else flops
-
-
-def matmul_flops_from_shapes(operands: list[hlo.Array], outputs: list[hlo.Array]) -> float:
-    """FLOPs of a kernel whose two largest floating operands and largest floating output are a
-    matmul's (``[M, K] [K, N] -> [M, N]``, in any role and order) or a grouped matmul's (one of
-    the three ``[G, ., .]``): ``2 M K N``, with ``(M K N)^2`` the product of the three sizes
-    over ``G``. 0 when the shapes are not a matmul's."""
-    floats = [a for a in operands if a.dtype in hlo.FLOAT_TYPES and len(a.dims) in (2, 3)]
-    results = [a for a in outputs if a.dtype in hlo.FLOAT_TYPES and len(a.dims) in (2, 3)]
-    if len(floats) < 2 or not results:
-        return 0.0
-    a, b = sorted(floats, key=lambda x: x.size)[-2:]
-    c = max(results, key=lambda x: x.size)
-    grouped = [x for x in (a, b, c) if len(x.dims) == 3]
-    if len(grouped) == 1:
-        groups = grouped[0].dims[0]
-    elif len(grouped) == 3 and len({x.dims[0] for x in grouped}) == 1:
-        groups = grouped[0].dims[0]  # batched: B (M K N)^2 B^2 / B
-    elif not grouped:
-        groups = 1
-    else:
-        return 0.0
-    square = a.size * b.size * c.size // groups
-    root = math.isqrt(square)
-    return 2.0 * root if root * root == square else 0.0
 
 
 def program_ops(module: hlo.Module, devices: int = 1) -> list[Op]:
@@ -481,7 +397,7 @@ def _op(module: hlo.Module, instruction: hlo.Instruction, types: dict[str, str],
         flops, kind = computation_flops(module, called[0]) if called else (0.0, "fusion")
         moved = _fusion_bytes(module, instruction, types)
     elif opcode == "custom-call":
-        kind, flops, moved = _custom_call(instruction, types)
+        kind, flops, moved = custom_call_cost(instruction, types)
     else:
         flops = dot_flops(instruction, types) if opcode in ("dot", "convolution") else 0.0
         kind = "gemm" if flops else opcode

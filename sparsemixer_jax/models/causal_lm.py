@@ -117,13 +117,15 @@ def linear_maker(config: LMConfig, rngs: nnx.Rngs) -> MakeLinear:
     return make
 
 
-def make_attention(config: LMConfig, rngs: nnx.Rngs) -> Attention:
+def make_attention(config: LMConfig, rngs: nnx.Rngs,
+                   mesh: jax.sharding.Mesh | None = None) -> Attention:
     """Grouped-query self-attention as the Hugging Face types compute it (params ``q_proj``,
     ``k_proj``, ``v_proj``, ``o_proj``, as their checkpoints name them): projections drawn as
     :func:`linear` draws (biases per config), q/k norms (per head or over the whole
     projection), value clipping, rotary positions (given to :meth:`Attention.qkv`), with a
     learned sink logit per head in its softmax's denominator where the config has
-    ``attention_sinks``."""
+    ``attention_sinks``. ``mesh``: the mesh the rows are split over (splash attention runs on
+    each device's rows)."""
     options = AttentionOptions(
         config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
         names=HF_NAMES, qkv_bias=config.qkv_bias, out_bias=config.out_bias,
@@ -132,7 +134,8 @@ def make_attention(config: LMConfig, rngs: nnx.Rngs) -> Attention:
     make = linear_maker(config, rngs)
     return Attention(options, qkv_linear=make, out_linear=make,
                      norm=lambda dim: RMSNorm(dim, config.norm_eps, _dtype(config)),
-                     sinks_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+                     sinks_init=nnx.initializers.normal(config.initializer_range), rngs=rngs,
+                     mesh=mesh)
 
 
 class GatedMLP(nnx.Module):
@@ -208,7 +211,7 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: LMConfig, is_moe: bool, mesh, rngs: nnx.Rngs):
         self.input_layernorm = make_norm(config)
         self.self_attn = LatentAttention(config, rngs) if config.kv_lora_rank \
-            else make_attention(config, rngs)
+            else make_attention(config, rngs, mesh)
         self.post_attention_layernorm = make_norm(config)
         self.is_moe = is_moe
         if is_moe:
@@ -360,15 +363,20 @@ def _positions_and_masks(config: LMConfig, real: jax.Array, positions: jax.Array
 
 def _fused_mask(config: LMConfig, token_mask: jax.Array | None, segment_ids: jax.Array | None,
                 cache: KVCache | None) -> FusedMask | None:
-    """How cuDNN's attention may take the mask of :func:`_positions_and_masks` (arguments as
-    :meth:`CausalLM.forward`'s): its causal flag alone where the mask is exactly causal (no
-    segment ids, no padding as far as is known when tracing, no cache, no window), the
-    segments' offsets where ``config.cudnn_document_mask`` says so; None (the mask) otherwise
-    and for the other implementations, which read the mask as it is."""
-    if config.attention_impl != "cudnn" or cache is not None or config.sliding_window is not None:
+    """How cuDNN's or splash attention may take the mask of :func:`_positions_and_masks`
+    (arguments as :meth:`CausalLM.forward`'s), in a full pass without a window: cuDNN its
+    causal flag alone where the mask is exactly causal (no segment ids, no padding as far as is
+    known when tracing), the segments' offsets where ``config.cudnn_document_mask`` says so;
+    splash the segment ids and the padding. None (the mask) otherwise and for the other
+    implementations, which read the mask as it is."""
+    if config.attention_impl not in ("cudnn", "splash") or cache is not None \
+            or config.sliding_window is not None:
         return None
     all_real = token_mask is None or (not isinstance(token_mask, jax.core.Tracer)
                                       and bool(np.all(np.asarray(token_mask))))
+    if config.attention_impl == "splash":
+        return FusedMask(exactly_causal=segment_ids is None and all_real,
+                         segment_ids=segment_ids, token_mask=None if all_real else token_mask)
     if segment_ids is None:
         return FusedMask(exactly_causal=True) if all_real else None
     if config.cudnn_document_mask != "offsets":

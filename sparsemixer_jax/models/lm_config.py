@@ -145,7 +145,9 @@ class LMConfig:
         (:class:`MoEFeedForward`).
       attention_impl: ``"einsum"`` (the model's own attention, what transformers computes),
         ``"xla"`` or ``"auto"`` (``jax.nn.dot_product_attention``'s XLA form), ``"cudnn"``
-        (cuDNN's fused flash attention: NVIDIA GPUs, ``compute_dtype="bfloat16"``).
+        (cuDNN's fused flash attention: NVIDIA GPUs, ``compute_dtype="bfloat16"``),
+        ``"splash"`` (jax's Pallas flash attention on TPU, for full causal passes without a
+        window; :mod:`sparsemixer_jax.kernels.splash_attention`).
       cudnn_document_mask: how cuDNN's attention takes packed documents (``segment_ids``) in a
         full forward pass: ``"bias"``, the boolean mask, which it reads as an additive bias
         ``[B, 1, T, T]``; ``"offsets"``, each row's segments as offsets and lengths in cuDNN's

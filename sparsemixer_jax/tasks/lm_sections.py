@@ -95,7 +95,8 @@ class LMModelConfig:
       dispatch, grouped_impl, capacity_factor, expert_buffer_factor, compute_dtype: the MoE
         layer's and the matmuls'.
       attention_impl: ``einsum`` (transformers' computation), ``xla``/``auto``
-        (``jax.nn.dot_product_attention``) or ``cudnn`` (flash attention, bf16 on NVIDIA GPUs).
+        (``jax.nn.dot_product_attention``), ``cudnn`` (flash attention, bf16 on NVIDIA GPUs) or
+        ``splash`` (jax's Pallas flash attention on TPU).
       cudnn_document_mask, max_segments_per_row: how cuDNN's attention takes packed documents
         (:class:`~sparsemixer_jax.models.lm_config.LMConfig`'s fields of these names).
       remat: what the scanned layers' backward pass recomputes
