@@ -26,4 +26,5 @@ MODEL = {**gpt_oss_20b.MODEL, "num_layers": 36, "num_experts": 128}
 
 
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
-    return real_size_config(MODEL, gpt_oss_20b.router(), POD_LAYOUTS, variant)
+    # Attention sinks: the einsum attention's alone.
+    return real_size_config(MODEL, gpt_oss_20b.router(), POD_LAYOUTS, variant, attention="einsum")

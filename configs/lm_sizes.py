@@ -9,7 +9,9 @@ and the rematerialisation (:func:`real_size_config`). Used by ``configs/mixtral_
 The variant after ``:`` in ``--config configs/<model>.py:<variant>`` picks the layout (``tpu``,
 the default, or ``h100``). One sequence per device per micro-batch, full rematerialisation of
 each layer, the ``ragged`` dispatch on a TPU and the ``grouped`` dispatch (Mosaic GPU grouped
-matmuls) on H100s, which needs less memory per GPU than ``padded`` (docs/gpu.md has both).
+matmuls) on H100s, which needs less memory per GPU than ``padded`` (docs/gpu.md has both). The
+64-chip TPU layout attends with splash attention (jax's Pallas flash attention), where the
+model's attention has no sinks; the others with the einsum attention.
 Fine-tune the real checkpoint with ``--config.init_from=<Hugging Face dir>``: the shapes then
 come from its ``config.json`` and its tokenizer is used; the model section still sets the
 dispatch, compute dtype and rematerialisation.
@@ -32,7 +34,8 @@ SEQ_LEN = 4096
 class Layout:
     """How one target platform runs a model: ``fsdp`` x ``expert`` devices (``data`` takes the
     rest), ``batch_size`` sequences per update in micro-batches of ``micro_batch_size``, the
-    MoE ``dispatch`` and ``remat`` (what the scanned layers' backward pass recomputes)."""
+    MoE ``dispatch``, ``remat`` (what the scanned layers' backward pass recomputes) and the
+    ``attention`` implementation (``model.attention_impl``)."""
 
     fsdp: int
     expert: int
@@ -40,13 +43,15 @@ class Layout:
     micro_batch_size: int
     dispatch: str
     remat: str = "full"
+    attention: str = "einsum"
 
 
 #: The layouts of the models compiled for 64 devices (Mixtral-8x7B, Phi-3.5-MoE,
 #: Qwen3-30B-A3B, gpt-oss-120b, GLM-4.5-Air): experts split 8 ways and the model width 8 ways.
 POD_LAYOUTS = {
     # TPU v5p 4x4x4 (64 chips): 256 sequences per update.
-    "tpu": Layout(fsdp=8, expert=8, batch_size=256, micro_batch_size=64, dispatch="ragged"),
+    "tpu": Layout(fsdp=8, expert=8, batch_size=256, micro_batch_size=64, dispatch="ragged",
+                  attention="splash"),
     # 8 hosts of 8 H100s: the same mesh; 128 sequences per update.
     "h100": Layout(fsdp=8, expert=8, batch_size=128, micro_batch_size=64, dispatch="grouped"),
 }
@@ -63,9 +68,11 @@ HOST_LAYOUTS = {
 
 
 def real_size_config(model: dict[str, Any], router: ml_collections.ConfigDict,
-                     layouts: dict[str, Layout], variant: str | None) -> ml_collections.ConfigDict:
+                     layouts: dict[str, Layout], variant: str | None,
+                     attention: str | None = None) -> ml_collections.ConfigDict:
     """``lm_quickstart``'s config with ``model`` fields, ``router``, and the layout of
-    ``variant`` (a key of ``layouts``; None or "" = the first)."""
+    ``variant`` (a key of ``layouts``; None or "" = the first); ``attention`` in place of the
+    layout's (a model whose attention only the einsum computes)."""
     variant = variant or next(iter(layouts))
     if variant not in layouts:
         raise ValueError(f"config variant {variant!r}: choose one of {', '.join(layouts)}")
@@ -77,6 +84,7 @@ def real_size_config(model: dict[str, Any], router: ml_collections.ConfigDict,
     c.model.compute_dtype = "bfloat16"
     c.model.dispatch = layout.dispatch
     c.model.remat = layout.remat
+    c.model.attention_impl = attention or layout.attention
     c.router = router
     c.data.seq_len = SEQ_LEN
     c.data.batch_size = layout.batch_size
