@@ -327,3 +327,29 @@ def loss_and_grads(layer, x, mask, head, deterministic: bool = False, input_grad
         return loss, y, metrics, grads, dx
     (loss, (y, metrics)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(layer, x)
     return loss, y, metrics, grads, None
+
+
+# ------------------------------------------------------------------------- language models
+
+
+def lm_logits_and_grads(config, ids: jax.Array, segment_ids: jax.Array, token_mask: jax.Array):
+    """``CausalLM(config)`` (params seed 0, router seed 1, evaluation mode) on ``ids [B, T]``
+    with packed documents and padding: ``(logits [B, T, V] as numpy, the gradient of the mean
+    next-token loss over real tokens with respect to the parameters, nnx.split(model))``."""
+    from sparsemixer_jax.models.causal_lm import CausalLM
+
+    model = CausalLM(config, rngs=nnx.Rngs(params=0, router=1))
+    model.eval()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params):
+        fresh = jax.tree.map(lambda x: x, rest)  # the router's RNG counts, of this trace level
+        out = nnx.merge(graphdef, params, fresh).forward(ids, segment_ids=segment_ids,
+                                                        token_mask=token_mask)
+        logp = jax.nn.log_softmax(out.logits[:, :-1])
+        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+        real = token_mask[:, 1:]
+        return jnp.sum(nll * real) / jnp.sum(real), out.logits
+
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return np.asarray(logits), grads, nnx.split(model)

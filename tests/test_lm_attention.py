@@ -17,6 +17,7 @@ from flax import nnx
 from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.tasks.lm_sections import LMModelConfig
+from tests import kit
 
 VOCAB, T = 53, 12
 
@@ -38,21 +39,7 @@ def _inputs():
 
 @functools.cache
 def _logits_and_grads(attention_impl: str):
-    model = CausalLM(_config(attention_impl), rngs=nnx.Rngs(params=0, router=1))
-    model.eval()
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    ids, segments, real = _inputs()
-
-    def loss(params):
-        fresh = jax.tree.map(lambda x: x, rest)  # the router's RNG counts, of this trace level
-        out = nnx.merge(graphdef, params, fresh).forward(ids, segment_ids=segments,
-                                                        token_mask=real)
-        logp = jax.nn.log_softmax(out.logits[:, :-1])
-        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
-        return jnp.sum(nll * real[:, 1:]) / jnp.sum(real[:, 1:]), out.logits
-
-    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-    return np.asarray(logits), grads, nnx.split(model)
+    return kit.lm_logits_and_grads(_config(attention_impl), *_inputs())
 
 
 @pytest.mark.parametrize("attention_impl", ["xla", "auto"])

@@ -21,7 +21,6 @@ from sparsemixer_jax.aot import hlo, roofline
 from sparsemixer_jax.kernels import splash_attention
 from sparsemixer_jax.kernels.splash_attention import causal_blocks, splash_block, splash_heads
 from sparsemixer_jax.layers import ModelConfig
-from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.moe.config import MoEConfig
 from sparsemixer_jax.sharding import make_mesh
@@ -47,23 +46,12 @@ def _inputs():
 
 @functools.cache
 def _logits_and_grads(attention_impl: str):
-    model = CausalLM(_config(attention_impl), rngs=nnx.Rngs(params=0, router=1))
-    model.eval()
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    ids, segments, real = _inputs()
-
-    def loss(params):
-        fresh = jax.tree.map(lambda x: x, rest)  # the router's RNG counts, of this trace level
-        out = nnx.merge(graphdef, params, fresh).forward(ids, segment_ids=segments,
-                                                        token_mask=real)
-        logp = jax.nn.log_softmax(out.logits[:, :-1])
-        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
-        return jnp.sum(nll * real[:, 1:]) / jnp.sum(real[:, 1:]), out.logits
-
-    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-    plain = jax.jit(lambda p: nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest))
-                    .forward(ids).logits)(params)
-    return np.asarray(logits), grads, np.asarray(plain)
+    """(logits, gradients) of packed documents and padding (:func:`tests.kit.lm_logits_and_grads`)
+    and the logits of the same tokens without either."""
+    ids = _inputs()[0]
+    logits, grads, (graphdef, state) = kit.lm_logits_and_grads(_config(attention_impl), *_inputs())
+    plain = jax.jit(lambda state: nnx.merge(graphdef, state).forward(ids).logits)(state)
+    return logits, grads, np.asarray(plain)
 
 
 def test_splash_gives_the_einsum_logits_and_gradients():
