@@ -18,6 +18,7 @@ import math
 import re
 
 from sparsemixer_jax.aot import hlo
+from sparsemixer_jax.kernels.splash_attention import SCOPE
 
 # Pallas: Mosaic GPU, Mosaic TPU and Triton kernels.
 _KERNEL_TARGETS = re.compile(r"^(mosaic_gpu|tpu_custom_call|__gpu\$xla\.gpu\.triton)")
@@ -30,7 +31,7 @@ def dims(text: str | None) -> list[int]:
 
 
 def custom_call_cost(instruction: hlo.Instruction, types: dict[str, str]
-                 ) -> tuple[str, float, float]:
+                     ) -> tuple[str, float, float]:
     """``(kind, flops, bytes)`` of a custom call."""
     target = instruction.attribute(r'custom_call_target="([^"]*)"') or ""
     operands = [a for o in instruction.operands for a in hlo.arrays(types.get(o, ""))]
@@ -57,10 +58,9 @@ def custom_call_cost(instruction: hlo.Instruction, types: dict[str, str]
 
 
 # Splash attention's kernels (jax's Pallas TPU flash attention, named by jax after the phase) and
-# the scope our wrapper runs them in with the blocks they compute
-# (:data:`sparsemixer_jax.kernels.splash_attention.SCOPE`).
+# the scope our wrapper runs them in with the blocks they compute (its SCOPE, read back).
 _SPLASH_PHASE = re.compile(r"splash_m[hq]a_(fwd|dq|dkv)")
-_SPLASH_BLOCKS = re.compile(r"splash_attention_blocks_(\d+)_of_(\d+)")
+_SPLASH_BLOCKS = re.compile(SCOPE.format(computed=r"(\d+)", total=r"(\d+)"))
 # Matmuls per computed block and query head, each 2 b_q b_kv D FLOPs: the forward q k^T and p v;
 # dq recomputes q k^T, then dp = do v^T and dq = ds k; dkv recomputes q k^T and dp, then
 # dv = p^T do and dk = ds^T q.
