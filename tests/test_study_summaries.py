@@ -84,11 +84,17 @@ def test_every_study_summary_ships_with_its_runs():
     assert summaries - with_runs == SUMMARIES_WITHOUT_RUNS
 
 
+#: Studies whose finished runs are committed so that they resume on another machine, but whose
+#: remaining runs have not finished: no summary may be written from them yet.
+STUDIES_UNDER_WAY = {f"lm_scores_{routing}" for routing in LM_SCORES} - set(STUDIES)
+
+
 def test_every_committed_run_archive_has_a_study():
     archives = {p.name.removesuffix("_runs.tar.gz") for p in RESULTS.glob("*_runs.tar.gz")}
-    assert archives == set(STUDIES)
+    assert archives - STUDIES_UNDER_WAY == set(STUDIES)
     for name in archives:
-        assert (RESULTS / f"{name}_cpu.json").exists() and (RESULTS / f"{name}_cpu.md").exists()
+        summaries = [(RESULTS / f"{name}_cpu.{ext}").exists() for ext in ("json", "md")]
+        assert summaries == [name in STUDIES] * 2, name
 
 
 @pytest.mark.parametrize("name", sorted(STUDIES))
