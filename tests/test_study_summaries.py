@@ -51,7 +51,7 @@ STUDIES: dict[str, tuple[str, tuple[str, ...], tuple[int, ...], str | None]] = {
     # The scores study's roots whose runs are finished and summarised.
     **{f"lm_scores_{routing}": (f"runs/lm_scores_{routing}", LM_SCORES[routing][1], SCORE_SEEDS,
                                 LM_SCORES[routing][2])
-       for routing in ("bias0.01",)},
+       for routing in ("bias0.01", "sigbias0.01")},
     "lm_study": ("runs/lm_study", _LM_STUDY_ARMS, (0, 1, 2, 3, 4), VERSUS),
     "chat_sft_compare": (chat_sft.FT_ROOT, chat_sft.ARMS, chat_sft.SEEDS, chat_sft.VERSUS),
 }
