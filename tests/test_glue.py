@@ -285,13 +285,22 @@ def tiny(tmp_path_factory):
 def sst2_run(tiny):
     """``run_tasks``, the experiment's entry point: load the pretrained run, fine-tune SST-2."""
     workdir = os.path.join(tiny.root, "out")
+    compiled = finetuning.finetuning_step._cache_size()
     summary = finetuning.run_tasks(tiny.config, tiny.pretrained, ["sst2"], workdir)
+    compiled = finetuning.finetuning_step._cache_size() - compiled
     task = finetuning.load_task_data(tiny.config, "sst2", tiny.tokenizer)
-    return workdir, task, summary["tasks"]["SST-2"]
+    return workdir, task, summary["tasks"]["SST-2"], compiled
+
+
+def test_one_grid_point_compiles_its_step_once(sst2_run):
+    """Every SST-2 batch here has one shape, so its 32 updates run one executable: the fresh
+    head's and optimizer's arrays are placed as the checkpoint's encoder arrays and the step's
+    outputs are (a state of mixed placements compiled the step again after the first update)."""
+    assert sst2_run[3] == 1
 
 
 def test_finetune_learns_and_writes_results(sst2_run):
-    workdir, _, summary = sst2_run
+    workdir, _, summary, _ = sst2_run
     # 64 dev rows, chance 0.5 (standard error 0.0625): 0.9 is 6 standard errors above it.
     assert summary["dev"]["dev"]["accuracy"] >= 0.9
     assert summary["score"] == summary["dev"]["dev"]["accuracy"]
@@ -313,7 +322,7 @@ def test_finetune_learns_and_writes_results(sst2_run):
 def test_rerun_skips_finished_points_and_refuses_other_settings(tiny, sst2_run, monkeypatch):
     config, encoder, pretrain_config, settings = (
         tiny.config, tiny.encoder, tiny.pretrain_config, tiny.settings)
-    workdir, task, summary = sst2_run
+    workdir, task, summary, _ = sst2_run
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("a finished grid point was fine-tuned again")
@@ -337,7 +346,7 @@ def test_rerun_skips_finished_points_and_refuses_other_settings(tiny, sst2_run, 
 def test_regression_task_and_summary_over_tasks(tiny, sst2_run):
     from lab.studies.glue_table import comparison_table, row_from_results, summary_table
 
-    workdir, _, _ = sst2_run
+    workdir, _, _, _ = sst2_run
     stsb = finetuning.load_task_data(tiny.config, "STS-B", tiny.tokenizer)
     assert stsb.train.labels.dtype == np.float32
     config = tiny.config.copy_and_resolve_references()
@@ -499,7 +508,7 @@ def test_rerun_refuses_points_from_another_checkpoint(tiny, sst2_run, tmp_path):
     before anything is fine-tuned."""
     import shutil
 
-    workdir, task, _ = sst2_run
+    workdir, task, _, _ = sst2_run
     point = os.listdir(os.path.join(workdir, "SST-2", "points"))[0]
     with open(os.path.join(workdir, "SST-2", "points", point)) as f:
         record = json.load(f)
