@@ -340,10 +340,11 @@ def finetune_point(encoder_graphdef, encoder_state, task: GlueData, point: GridP
                            for tree in (params, layer_state))
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, layer_state=layer_state,
                        opt_state=_optimizer(settings, 0.0, 0.0).init(params))
-    # One placement for the whole state: the encoder's arrays come from the checkpoint committed
-    # to a device, the head's and the optimizer's new ones do not, and the step's outputs are
-    # all committed, so a mixed state would compile the step a second time after one update.
-    state = jax.device_put(state, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    # The whole state committed to the encoder's device: the encoder's arrays come from the
+    # checkpoint committed, the head's and the optimizer's new ones do not, and the step's
+    # outputs are all committed, so a mixed state would compile the step again after one update.
+    (device,) = jax.tree.leaves(encoder_state)[0].devices()
+    state = jax.device_put(state, device)
     steps_per_epoch = math.ceil(len(task.train) / point.batch_size)
     total = steps_per_epoch * point.epochs
     schedule = finetuning_schedule(point.learning_rate, total, point.warmup)
