@@ -185,21 +185,39 @@ def test_a_difference_separates_at_two_standard_errors_with_five_seeds():
     # Differences -0.1 +- 0.01: far beyond 2 SE on 5 seeds; on 4 seeds only preliminary.
     lower = [b - 0.1 + e for b, e in zip(base, (0.01, -0.01, 0.02, -0.02, 0.0), strict=True)]
     stat = chat_sft.paired_difference(*(
-        {str(i): v for i, v in enumerate(vs)} for vs in (lower, base)))
-    assert (stat.n, stat.agree) == (5, 5) and stat.separates
+        {str(i): v for i, v in enumerate(vs)} for vs in (lower, base)), lower_is_better=True)
+    assert (stat.n, stat.better) == (5, 5) and stat.separates
     assert abs(stat.mean + 0.1) < 1e-12
     four = chat_sft.paired_difference({str(i): lower[i] for i in range(4)},
-                                      {str(i): base[i] for i in range(4)})
+                                      {str(i): base[i] for i in range(4)}, lower_is_better=True)
     assert abs(four.mean) > 2 * four.se and not four.separates
     noisy = chat_sft.paired_difference({"0": 1.0, "1": 2.0, "2": 1.0, "3": 2.0, "4": 1.0},
-                                       {s: 1.5 for s in "01234"})
-    assert not noisy.separates and noisy.agree == 3
+                                       {s: 1.5 for s in "01234"}, lower_is_better=True)
+    assert not noisy.separates and noisy.better == 3
     table = chat_sft.study_table(_summary({chat_sft.VERSUS: base,
                                            "sparsemixer_v2_n8": lower}))
     assert "| **-0.1000 ± 0.0071 (5/5)** |" in table
     short = chat_sft.study_table(_summary({chat_sft.VERSUS: base[:4],
                                            "sparsemixer_v2_n8": lower[:4]}))
     assert "preliminary" in short and "**" not in short
+
+
+def test_the_counts_are_the_seeds_where_the_arm_is_better():
+    """docs/science.md's count: the seeds where the arm is better, a lower loss or a higher
+    accuracy, whatever the mean's sign; a mean of exactly zero still counts them."""
+    base = {str(i): 1.0 for i in range(5)}
+    arm = {s: 1.0 + d for s, d in zip(base, (0.5, -0.25, -0.25, 0.0, 0.0), strict=True)}
+    as_loss = chat_sft.paired_difference(arm, base, lower_is_better=True)
+    as_accuracy = chat_sft.paired_difference(arm, base, lower_is_better=False)
+    assert as_loss.mean == 0.0 and (as_loss.better, as_accuracy.better) == (2, 1)
+    summary = _summary({chat_sft.VERSUS: [1.0] * 5, "sparsemixer_v2_n8": [1.1, 1.1, 1.1, 1.1,
+                                                                          0.9]})
+    for seed, accuracy in zip("01234", (0.6, 0.6, 0.6, 0.6, 0.4), strict=True):
+        summary["arms"]["sparsemixer_v2_n8"][seed]["accuracy_all"] = accuracy
+    row = next(line for line in chat_sft.study_table(summary).splitlines()
+               if line.startswith("| SparseMixer-v2 |"))
+    # Loss +0.06 (lower on seed 4 only), accuracy +0.06 (higher on seeds 0-3).
+    assert "| +0.0600 ± 0.0400 (1/5) |" in row and "| +0.060 ± 0.040 (4/5) |" in row
 
 
 # ---------------------------------------------------------------------------- the commands

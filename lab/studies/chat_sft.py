@@ -335,11 +335,11 @@ def summarize_root(root: str = FT_ROOT, arms: Sequence[str] = ARMS,
 @dataclasses.dataclass(frozen=True)
 class PairedDifference:
     """``arm - baseline`` over the seeds both have: mean, standard error (SD / sqrt(n)), how
-    many seeds' differences have the mean's sign, and how many seeds."""
+    many seeds the arm is better on (a tie is not better), and how many seeds."""
 
     mean: float
     se: float
-    agree: int
+    better: int
     n: int
 
     @property
@@ -348,16 +348,17 @@ class PairedDifference:
         return self.n >= MIN_SEEDS and abs(self.mean) >= 2 * self.se > 0
 
 
-def paired_difference(arm: dict[str, float], baseline: dict[str, float]
-                      ) -> PairedDifference | None:
-    """None with fewer than two common seeds."""
+def paired_difference(arm: dict[str, float], baseline: dict[str, float], *,
+                      lower_is_better: bool) -> PairedDifference | None:
+    """None with fewer than two common seeds. ``lower_is_better``: the arm is better on a seed
+    where its difference is negative (a loss) rather than positive (an accuracy)."""
     seeds = sorted(set(arm) & set(baseline))
     if len(seeds) < 2:
         return None
     d = np.array([arm[s] - baseline[s] for s in seeds], np.float64)
-    mean = float(d.mean())
-    return PairedDifference(mean, float(np.std(d, ddof=1) / math.sqrt(len(d))),
-                            int(np.sum(np.sign(d) == np.sign(mean))), len(d))
+    better = d < 0 if lower_is_better else d > 0
+    return PairedDifference(float(d.mean()), float(np.std(d, ddof=1) / math.sqrt(len(d))),
+                            int(np.sum(better)), len(d))
 
 
 def _values(summary: dict, arm: str, key: str) -> dict[str, float]:
@@ -368,7 +369,7 @@ def _values(summary: dict, arm: str, key: str) -> dict[str, float]:
 def _difference_cell(stat: PairedDifference | None, digits: int) -> str:
     if stat is None:
         return "–"
-    text = f"{stat.mean:+.{digits}f} ± {stat.se:.{digits}f} ({stat.agree}/{stat.n})"
+    text = f"{stat.mean:+.{digits}f} ± {stat.se:.{digits}f} ({stat.better}/{stat.n})"
     return f"**{text}**" if stat.separates else text
 
 
@@ -396,11 +397,13 @@ def study_table(summary: dict) -> str:
     def diff(arm: str, key: str, digits: int) -> str:
         if arm == versus:
             return ""
-        return _difference_cell(paired_difference(_values(summary, arm, key),
-                                                  _values(summary, versus, key)), digits)
+        return _difference_cell(paired_difference(
+            _values(summary, arm, key), _values(summary, versus, key),
+            lower_is_better=key == "valid_loss"), digits)
 
     lines = [f"Each arm minus {ARM_TITLES[versus]} (`{versus}`) on the same seed: mean ± "
-             "standard error (seeds whose difference has the mean's sign / seeds); bold where "
+             "standard error (seeds where the arm is better / seeds: a lower loss, a higher "
+             "accuracy); bold where "
              f"the difference separates (at least 2 standard errors, with at least {MIN_SEEDS} "
              "seeds)."
              + (f" Fewer than {MIN_SEEDS} seeds in some arm: preliminary." if fewest < MIN_SEEDS
@@ -411,7 +414,8 @@ def study_table(summary: dict) -> str:
                              _mean_cell(_values(summary, a, "accuracy_all"), 3),
                              diff(a, "accuracy_all", 3)])
     lines += ["", f"Held-out accuracy per task: {ARM_TITLES[versus]}'s (mean ± standard error), "
-              "each other arm's minus it on the same seed.", ""]
+              "each other arm's minus it on the same seed (seeds where the arm's accuracy is "
+              "higher / seeds).", ""]
     lines += rows(tasks, lambda a: [diff(a, f"accuracy_{t}", 3) if a != versus else
                                     _mean_cell(_values(summary, a, f"accuracy_{t}"), 3)
                                     for t in tasks])
