@@ -36,9 +36,10 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sparsemixer_jax import hf, partitioning, sharding, training
+from sparsemixer_jax import hf, training
 from sparsemixer_jax.models.causal_lm import CausalLM, rope_cos_sin
 from sparsemixer_jax.models.lm_config import MODEL_TYPES, LMConfig
+from sparsemixer_jax.parallel import partitioning, sharding
 from sparsemixer_jax.tasks import run_config, translation
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule
 from sparsemixer_jax.training.state import restore_checkpoint

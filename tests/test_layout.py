@@ -157,8 +157,8 @@ def test_the_private_name_check_sees_private_names():
 
 # Where an experiment config is read into typed sections (the tasks, the command-line helpers, the
 # compile command) and where its schema lives; everywhere else code takes the sections.
-CONFIG_DOORS = ("sparsemixer_jax/tasks/", "sparsemixer_jax/cli.py",
-                "sparsemixer_jax/aot/command.py", "sparsemixer_jax/config.py",
+CONFIG_DOORS = ("sparsemixer_jax/tasks/", "sparsemixer_jax/training/cli.py",
+                "sparsemixer_jax/aot/command.py", "sparsemixer_jax/training/config.py",
                 "sparsemixer_jax/section.py")
 CONFIG_TYPE = re.compile(r"ml_collections|ConfigDict")
 # The install hint names ml_collections as a package an extra installs, not as the config's type.

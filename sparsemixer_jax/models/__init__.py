@@ -1,7 +1,7 @@
 """The models, one module per architecture (all Flax NNX):
 
 - :mod:`.encoder_decoder`: the Switch Transformer encoder-decoder for translation
-  (:class:`Transformer`; beam search is :mod:`sparsemixer_jax.decode`);
+  (:class:`Transformer`; beam search is :mod:`sparsemixer_jax.models.decode`);
 - :mod:`.encoder`: the bidirectional encoder for ELECTRA and GLUE (:class:`Encoder`);
 - :mod:`.electra`: ELECTRA's generator and discriminator around two encoders (:class:`Electra`);
 - :mod:`.causal_lm`: the decoder-only MoE language models (:class:`CausalLM`: Mixtral,

@@ -29,8 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparsemixer_jax import sharding
-from sparsemixer_jax.attention import (
+from sparsemixer_jax.layers.attention import (
     HF_NAMES,
     Attention,
     AttentionOptions,
@@ -38,14 +37,15 @@ from sparsemixer_jax.attention import (
     KVCache,
     write_slots,
 )
+from sparsemixer_jax.layers.packed_attention import segment_layout
+from sparsemixer_jax.layers.rope import rope_cos_sin
 from sparsemixer_jax.models.latent_attention import LatentAttention
 from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
-from sparsemixer_jax.models.rope import rope_cos_sin
 from sparsemixer_jax.moe import MoEFeedForward
 from sparsemixer_jax.moe.dispatch import clamped_swiglu
 from sparsemixer_jax.moe.shared import MakeLinear, SharedExperts
-from sparsemixer_jax.packed_attention import segment_layout
 from sparsemixer_jax.packed_tree import PackedTree
+from sparsemixer_jax.parallel import sharding
 
 
 class LMOutput(NamedTuple):
@@ -221,7 +221,7 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, mask, kv, token_mask, deterministic, dropless, fused=None):
         """``x [B, T, emb]``; ``kv``: this layer's cache ``(keys, values, index)`` or None;
-        ``fused``: how cuDNN may take ``mask`` (:class:`~sparsemixer_jax.attention.FusedMask`).
+        ``fused``: how cuDNN may take ``mask`` (:class:`~sparsemixer_jax.layers.attention.FusedMask`).
 
         Returns ``(x, (keys, values) or None, (balance_loss, z_loss))``."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
@@ -270,8 +270,8 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
     (bool ``[repeats, unit layers]``) says, the first everywhere when it is None. ``remat``:
     :data:`~sparsemixer_jax.models.lm_config.REMAT_POLICIES`, applied to the step.
     ``rows_sharding``: the sharding each step's activations keep
-    (:func:`sparsemixer_jax.sharding.keep_rows_split`). ``fused``: how cuDNN may take the mask
-    (:class:`~sparsemixer_jax.attention.FusedMask`; None where there is a window).
+    (:func:`sparsemixer_jax.parallel.sharding.keep_rows_split`). ``fused``: how cuDNN may take the mask
+    (:class:`~sparsemixer_jax.layers.attention.FusedMask`; None where there is a window).
     """
     graphdef, state = nnx.split(stack)
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from sparsemixer_jax import layers
+from sparsemixer_jax.layers import fairseq as layers
 from sparsemixer_jax.models.encoder import Encoder, EncoderConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import read_fields

@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax import layers, sharding
 from sparsemixer_jax.initializers import uses_admin
+from sparsemixer_jax.layers import fairseq as layers
+from sparsemixer_jax.parallel import sharding
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import check_positive
 from sparsemixer_jax.token_ids import PAD_ID
@@ -75,7 +76,7 @@ def relative_position_bucket(
 @dataclasses.dataclass(frozen=True)
 class EncoderConfig(layers.ModelConfig):
     """``config.model`` of the encoder (schema: ``configs/electra.py``): the fields of
-    :class:`~sparsemixer_jax.layers.ModelConfig`, the depth, T5's relative position buckets
+    :class:`~sparsemixer_jax.layers.fairseq.ModelConfig`, the depth, T5's relative position buckets
     (``relative_buckets`` even and >= 4, up to ``relative_max_distance``) and
     ``absolute_positions`` (learned positions, 0 = none; module docstring)."""
 
@@ -126,7 +127,7 @@ class Embeddings(nnx.Module):
     ELECTRA ties this whole block between the generator and the discriminator; the token table
     also serves as the generator's output projection. ``absolute_positions = P > 0`` adds a
     learned ``[P, emb]`` table (N(0, 0.02), as BERT) indexed by position; 0 adds none. With a
-    ``mesh`` the tables are read gathered whole (:func:`sparsemixer_jax.sharding.lookup_rows`).
+    ``mesh`` the tables are read gathered whole (:func:`sparsemixer_jax.parallel.sharding.lookup_rows`).
     """
 
     def __init__(self, vocab_size: int, emb_dim: int, *, dropout: float, dtype, rngs: nnx.Rngs,

@@ -16,7 +16,7 @@ import math
 from typing import Any, Literal
 
 from sparsemixer_jax import routers
-from sparsemixer_jax.attention import ATTENTION_IMPLS, check_attention_dtype
+from sparsemixer_jax.layers.attention import ATTENTION_IMPLS, check_attention_dtype
 from sparsemixer_jax.moe.dispatch import DISPATCHES, GROUPED_IMPLS
 
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
@@ -50,7 +50,7 @@ class RopeConfig:
       original_max_position_embeddings: longrope's switch point; YaRN's pretraining length.
       factor, beta_fast, beta_slow, truncate: YaRN's context extension factor, the rotation
         counts bounding its correction range, and whether that range is rounded outwards
-        (:func:`sparsemixer_jax.models.rope.yarn_inv_freq`).
+        (:func:`sparsemixer_jax.layers.rope.yarn_inv_freq`).
       attention_factor: YaRN's scale of cos and sin.
       mscale_all_dim: YaRN's ``mscale_all_dim``; latent attention (DeepSeek-V3) multiplies its
         softmax scale by ``(0.1 * mscale_all_dim * ln(factor) + 1)^2`` where it is non-zero
@@ -151,7 +151,7 @@ class LMConfig:
       cudnn_document_mask: how cuDNN's attention takes packed documents (``segment_ids``) in a
         full forward pass: ``"bias"``, the boolean mask, which it reads as an additive bias
         ``[B, 1, T, T]``; ``"offsets"``, each row's segments as offsets and lengths in cuDNN's
-        packed layout (:mod:`sparsemixer_jax.packed_attention`), no bias, with
+        packed layout (:mod:`sparsemixer_jax.layers.packed_attention`), no bias, with
         ``max_segments_per_row`` segments at most (a micro-batch with a row of more takes the
         mask). Without segment ids, padding or a sliding window cuDNN takes its causal flag
         alone either way.

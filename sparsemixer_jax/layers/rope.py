@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:  # annotations only: sparsemixer_jax.attention, which lm_config imports,
+if TYPE_CHECKING:  # annotations only: sparsemixer_jax.layers.attention, which lm_config imports,
     # imports apply_rope from here
     from sparsemixer_jax.models.lm_config import LMConfig, RopeConfig
 

@@ -3,7 +3,7 @@
 :class:`Attention` is multi-head attention with grouped query heads: the translation
 Transformer and the ELECTRA encoder build it with fairseq's projections, attention-weight
 dropout, cross-attention and (the encoder) a relative position bias
-(:func:`sparsemixer_jax.layers.make_attention`); the decoder-only language models build it with
+(:func:`sparsemixer_jax.layers.fairseq.make_attention`); the decoder-only language models build it with
 the Hugging Face types' projections, rotary positions, q/k norms, value clipping and sink logits
 (:func:`sparsemixer_jax.models.causal_lm.make_attention`). Its parameters keep each model's
 names (:attr:`AttentionOptions.names`), so both models' checkpoints and the Hugging Face name
@@ -24,9 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax.kernels.splash_attention import splash_block, splash_heads
-from sparsemixer_jax.models.rope import apply_rope
+from sparsemixer_jax.layers.packed_attention import SegmentLayout, packed_attention
+from sparsemixer_jax.layers.rope import apply_rope
 from sparsemixer_jax.moe.shared import MakeLinear
-from sparsemixer_jax.packed_attention import SegmentLayout, packed_attention
 
 # Large negative logit for masked attention entries; finite so that a fully masked row (padding)
 # gives a uniform distribution instead of NaN.
@@ -69,7 +69,7 @@ class FusedMask(NamedTuple):
       exactly_causal: the mask hides the keys after each query and nothing else (one sequence
         per row, no padding, no sliding window): cuDNN takes its causal flag alone.
       segments: the packed documents as segment offsets
-        (:func:`~sparsemixer_jax.packed_attention.segment_layout`), or None: the mask.
+        (:func:`~sparsemixer_jax.layers.packed_attention.segment_layout`), or None: the mask.
       segment_ids, token_mask: splash's form of a causal mask without a window: the packed
         documents' ids (int ``[B, T]``) and the padding (bool ``[B, T]``), each None where
         there is none.
@@ -240,7 +240,7 @@ class Attention(nnx.Module):
     def project_q(self, x: jax.Array, cos: jax.Array | None = None,
                   sin: jax.Array | None = None) -> jax.Array:
         """Queries ``[B, T, H, D]`` of ``x [B, T, emb]``, rotated by ``cos, sin``
-        (:func:`~sparsemixer_jax.models.rope.apply_rope`) when given."""
+        (:func:`~sparsemixer_jax.layers.rope.apply_rope`) when given."""
         q = self._projection(0)(x)
         if self.options.qk_norm == "full":
             q = self.q_norm(q)

@@ -1,4 +1,4 @@
-"""Layers shared by the models: fairseq's attention (:mod:`sparsemixer_jax.attention`'s
+"""Layers shared by the models: fairseq's attention (:mod:`sparsemixer_jax.layers.attention`'s
 module with fairseq's projections), the dense feed-forward, LayerNorm, the FFN choice,
 and the model section every model's config extends (:class:`ModelConfig`).
 
@@ -17,14 +17,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax.attention import (
+from sparsemixer_jax.initializers import attention_init, feed_forward_init
+from sparsemixer_jax.layers.attention import (
     FAIRSEQ_NAMES,
     Attention,
     AttentionOptions,
     check_attention_dtype,
     check_attention_impl,
 )
-from sparsemixer_jax.initializers import attention_init, feed_forward_init
 from sparsemixer_jax.moe import MoEConfig, MoEFeedForward, activation_fn
 from sparsemixer_jax.moe.shared import MakeLinear
 from sparsemixer_jax.routers import RouterConfig
@@ -53,7 +53,7 @@ class ModelConfig:
         ``emb_dim``).
       moe: the feed-forward sublayers (dense or MoE), read from the same section.
       dropout, attention_dropout: residual and attention-weight dropout rates, in ``[0, 1)``.
-      attention_impl: a key of :data:`~sparsemixer_jax.attention.ATTENTION_IMPLS`.
+      attention_impl: a key of :data:`~sparsemixer_jax.layers.attention.ATTENTION_IMPLS`.
       compute_dtype: ``"float32"`` or ``"bfloat16"`` (params stay float32).
     """
 
@@ -125,7 +125,7 @@ def fairseq_attention(
     ``query``, ``key``, ``value``, ``out``), dropout on the attention weights. ``init`` is the
     initialisation scheme (:mod:`sparsemixer_jax.initializers`; by default the model section's,
     :class:`~sparsemixer_jax.moe.MoEConfig`'s); ``implementation`` a key of
-    :data:`~sparsemixer_jax.attention.ATTENTION_IMPLS`, given masks that are lengths (right
+    :data:`~sparsemixer_jax.layers.attention.ATTENTION_IMPLS`, given masks that are lengths (right
     padding, causal in decoder self-attention)."""
     if emb_dim % num_heads:
         raise ValueError(f"emb_dim {emb_dim} is not divisible by num_heads {num_heads}")
