@@ -1,4 +1,5 @@
-"""The config builders of :mod:`sparsemixer_jax.training.config` write the typed sections' own defaults:
+"""The config builders of :mod:`sparsemixer_jax.training.config` write the typed sections' own
+defaults:
 a field left at its builder's value reads as the field's default, so a section built directly
 computes what a config built by the builder does. The model sections' schema configs (each
 task's config file) differ from their sections' defaults only where named, with the reason."""

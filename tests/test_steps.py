@@ -183,9 +183,9 @@ def test_transformer_with_fused_attention_equals_the_paper_attention(monkeypatch
     """Whole model in training mode (dropout elsewhere on), attention dropout 0: "xla" (boolean
     masks) and the "cudnn" path (masks as key lengths + causal flag, run by XLA here: cuDNN
     itself needs a GPU) equal the einsum attention; so does incremental decoding via "cudnn"."""
-    from sparsemixer_jax.layers import attention
+    from sparsemixer_jax.layers import attention_impls
 
-    monkeypatch.setitem(attention.ATTENTION_IMPLS, "cudnn", "xla")
+    monkeypatch.setitem(attention_impls.ATTENTION_IMPLS, "cudnn", "xla")
     b = batch()
     outs, steps = {}, {}
     for impl in ("einsum", "xla", "cudnn"):

@@ -146,7 +146,8 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
         ``model.safetensors.index.json``).
       seed: seeds the routers' sampling streams (training only).
       mesh: optional ``("data", "fsdp", "expert")`` mesh
-        (:func:`sparsemixer_jax.parallel.sharding.make_mesh`): each parameter is made sharded on it as
+        (:func:`sparsemixer_jax.parallel.sharding.make_mesh`): each parameter is made sharded on it
+        as
         the logical-axis ``rules`` say (:mod:`sparsemixer_jax.parallel.partitioning`; None: the
         defaults, the width over ``fsdp`` and experts over ``expert``) and each tensor of the
         checkpoint is written into its shards as it is read, so no device (and no host beyond

@@ -35,10 +35,10 @@ from sparsemixer_jax.layers.attention import KVCache, write_slots
 from sparsemixer_jax.layers.fairseq import (
     ModelConfig,
     collect_moe_metrics,
-    layer_norm,
     make_attention,
     make_ffn,
 )
+from sparsemixer_jax.layers.norms import layer_norm
 from sparsemixer_jax.parallel import sharding
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import check_positive

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax.layers.attention import MASK_VALUE
+from sparsemixer_jax.layers.linear import linear
+from sparsemixer_jax.layers.norms import RMSNorm
 from sparsemixer_jax.layers.rope import apply_rope, deinterleave, yarn_softmax_mscale
 from sparsemixer_jax.models.lm_config import LMConfig
 
@@ -41,9 +43,6 @@ class LatentAttention(nnx.Module):
     what the cache holds, :meth:`attend` expands and attends."""
 
     def __init__(self, config: LMConfig, rngs: nnx.Rngs):
-        # Imported here: causal_lm builds this class, and its linear/norm layers are causal_lm's.
-        from sparsemixer_jax.models.causal_lm import RMSNorm, linear
-
         h, e, d = config.num_heads, config.hidden_size, config.head_dim
         dtype = jnp.dtype(config.compute_dtype)
         self.num_heads, self.head_dim = h, d

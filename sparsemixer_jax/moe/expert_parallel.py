@@ -3,7 +3,8 @@ mesh.
 
 * Expert weights ``[N, ...]`` are split over ``"expert"``: each device of an expert group holds
   ``N / E`` consecutive experts (``E`` = size of the expert axis) while they run. At rest they
-  may be split over ``"fsdp"`` too (:mod:`sparsemixer_jax.parallel.partitioning`); XLA gathers them over
+  may be split over ``"fsdp"`` too (:mod:`sparsemixer_jax.parallel.partitioning`); XLA gathers them
+  over
   ``"fsdp"`` on the way in. The batch is split over ``"data"`` and ``"fsdp"`` (together: the
   data groups) and, inside this function, over ``"expert"``.
 * The router runs outside :func:`jax.shard_map`, under plain ``jit`` partitioning, on the full

@@ -2,7 +2,8 @@
 
 Batches are split over every device (:func:`batch_sharding`). Parameters and optimizer state are
 placed by logical axis names and the rules of ``config.mesh.rules``
-(:mod:`sparsemixer_jax.parallel.partitioning`): by default the model width over ``"fsdp"`` (FSDP, ZeRO-3
+(:mod:`sparsemixer_jax.parallel.partitioning`): by default the model width over ``"fsdp"`` (FSDP,
+ZeRO-3
 style: each device holds ``1 / fsdp`` of every matrix and of its Adam moments) and expert weights
 ``[N, ...]`` over ``"expert"`` too; ``"data"`` replicates them (data parallelism across groups of
 ``fsdp x expert`` devices). The exchange of tokens between expert devices is
@@ -219,7 +220,8 @@ class MeshConfig:
     ``data = -1`` takes every device the fsdp and expert axes leave. ``fsdp`` splits parameters,
     gradients and optimizer state (and the batch); ``expert`` splits the experts (and the batch);
     ``data`` replicates the parameters. ``rules``: ``(logical name, mesh axes)`` pairs
-    (:func:`sparsemixer_jax.parallel.partitioning.read_rules`; in a config, a mapping of logical name to a
+    (:func:`sparsemixer_jax.parallel.partitioning.read_rules`; in a config, a mapping of logical
+    name to a
     mesh axis, a list of them, or None).
     """
 

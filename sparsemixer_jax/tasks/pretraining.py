@@ -125,7 +125,8 @@ class PretrainingTask:
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> PretrainingTask:
         """Every section of a pretraining config, each checked, and the rules between them
-        (:func:`sparsemixer_jax.training.config.validate`): a ValueError naming the first bad field."""
+        (:func:`sparsemixer_jax.training.config.validate`): a ValueError naming the first bad
+        field."""
         check_sections(config)
         # The discriminator's own fields first: a bad model.* is reported as such, not through
         # the generator that inherits it.

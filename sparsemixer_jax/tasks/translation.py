@@ -131,7 +131,8 @@ class TranslationTask:
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> TranslationTask:
         """Every section of a translation config, each checked, and the rules between them
-        (:func:`sparsemixer_jax.training.config.validate`): a ValueError naming the first bad field."""
+        (:func:`sparsemixer_jax.training.config.validate`): a ValueError naming the first bad
+        field."""
         check_sections(config)
         model = TransformerConfig.from_config(config.model)
         router = RouterConfig.from_config(config.router)

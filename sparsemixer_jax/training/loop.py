@@ -207,7 +207,8 @@ def train(run: RunConfig, workdir: str) -> dict[str, Any]:
     that another run holds (one run per workdir), and
     :class:`~sparsemixer_jax.training.preemption.Stopped` after SIGTERM or SIGINT (the step in
     flight is finished and checkpointed; rerunning resumes there), and
-    :class:`~sparsemixer_jax.training.checkpoint.DiskFull` at a checkpoint save that ran out of space
+    :class:`~sparsemixer_jax.training.checkpoint.DiskFull` at a checkpoint save that ran out of
+    space
     (one line naming the workdir and the space a checkpoint needs).
     """
     runtime.configure(run.runtime)  # before any key is made (the entry points: earlier still)
