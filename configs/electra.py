@@ -25,7 +25,7 @@ Every other pretraining config starts from this one.
 
 import ml_collections
 
-from sparsemixer_jax.config import (
+from sparsemixer_jax.training.config import (
     mesh_config,
     moe_model_fields,
     optim_config,

@@ -26,7 +26,7 @@ micro-batch. Variants, dispatch, rematerialisation and fine-tuning: ``configs/lm
 import ml_collections
 
 from configs.lm_sizes import HOST_LAYOUTS, real_size_config
-from sparsemixer_jax.config import router_config
+from sparsemixer_jax.training.config import router_config
 
 MODEL = dict(
     hf_type="gpt_oss", vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64,

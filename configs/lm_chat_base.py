@@ -12,7 +12,7 @@ fine-tuning's conversations (up to 256 tokens) keep within the distances the bas
 """
 
 from configs import lm_quickstart
-from sparsemixer_jax.config import router_config
+from sparsemixer_jax.training.config import router_config
 
 
 def get_config():

@@ -13,7 +13,7 @@ checkpoint instead with ``--config.init_from=<Hugging Face dir>`` (its shapes an
 
 import ml_collections
 
-from sparsemixer_jax.config import (
+from sparsemixer_jax.training.config import (
     mesh_config,
     moe_model_fields,
     optim_config,

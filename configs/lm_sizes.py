@@ -25,7 +25,7 @@ from typing import Any
 import ml_collections
 
 from configs import lm_quickstart
-from sparsemixer_jax.config import mesh_config
+from sparsemixer_jax.training.config import mesh_config
 
 SEQ_LEN = 4096
 

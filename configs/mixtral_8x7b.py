@@ -21,7 +21,7 @@ Variants, dispatch, rematerialisation and fine-tuning: ``configs/lm_sizes.py``.
 import ml_collections
 
 from configs.lm_sizes import POD_LAYOUTS, real_size_config
-from sparsemixer_jax.config import router_config
+from sparsemixer_jax.training.config import router_config
 
 MODEL = dict(
     hf_type="mixtral", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,

@@ -27,7 +27,7 @@ micro-batch. Variants, dispatch, rematerialisation and fine-tuning: ``configs/lm
 import ml_collections
 
 from configs.lm_sizes import HOST_LAYOUTS, real_size_config
-from sparsemixer_jax.config import router_config
+from sparsemixer_jax.training.config import router_config
 
 MODEL = dict(
     hf_type="deepseek_v3", vocab_size=163840, hidden_size=2048, num_layers=27, num_heads=16,

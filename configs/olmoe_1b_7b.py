@@ -22,7 +22,7 @@ fine-tuning: ``configs/lm_sizes.py``.
 import ml_collections
 
 from configs.lm_sizes import Layout, real_size_config
-from sparsemixer_jax.config import router_config
+from sparsemixer_jax.training.config import router_config
 
 MODEL = dict(
     hf_type="olmoe", vocab_size=50304, hidden_size=2048, num_layers=16, num_heads=16,

@@ -21,7 +21,7 @@ Variants, dispatch, rematerialisation and fine-tuning: ``configs/lm_sizes.py``.
 import ml_collections
 
 from configs.lm_sizes import POD_LAYOUTS, real_size_config
-from sparsemixer_jax.config import router_config
+from sparsemixer_jax.training.config import router_config
 
 MODEL = dict(
     hf_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,

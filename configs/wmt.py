@@ -10,7 +10,7 @@ config starts from this one; docs/config.md documents each field.
 
 import ml_collections
 
-from sparsemixer_jax.config import (
+from sparsemixer_jax.training.config import (
     mesh_config,
     moe_model_fields,
     optim_config,

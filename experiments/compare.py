@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
     if args.run_one or not args.summarize_only:
-        from sparsemixer_jax.cli import enable_compilation_cache
+        from sparsemixer_jax.training.cli import enable_compilation_cache
 
         enable_compilation_cache()
     if args.run_one:

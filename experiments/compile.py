@@ -20,7 +20,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from sparsemixer_jax import cli
+from sparsemixer_jax.training import cli
 
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
 flags.DEFINE_multi_string("target", None, "tpu:v5e:4x4, h100:1x1x8, ... (repeatable).")

@@ -24,7 +24,7 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from sparsemixer_jax import cli
+from sparsemixer_jax.training import cli
 
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
 flags.DEFINE_string("pretrained", None, "Workdir of a pretraining run (experiments.pretrain).")

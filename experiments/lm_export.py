@@ -23,7 +23,7 @@ import sys
 
 from absl import app, flags
 
-from sparsemixer_jax import cli
+from sparsemixer_jax.training import cli
 
 flags.DEFINE_string("workdir", None, "The run's directory (experiments.lm).")
 flags.DEFINE_string("out", None, "The Hugging Face directory to write.")
@@ -43,8 +43,8 @@ def main(argv: list[str]) -> None:
     cli.quiet_libraries()
     import jax
 
-    from sparsemixer_jax.checkpoint import CheckpointError
     from sparsemixer_jax.tasks.lm_export import export_run
+    from sparsemixer_jax.training.checkpoint import CheckpointError
 
     f = flags.FLAGS
     try:

@@ -16,7 +16,7 @@ import logging
 from absl import app, flags
 from ml_collections import config_flags
 
-from sparsemixer_jax import cli
+from sparsemixer_jax.training import cli
 
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and results.")

@@ -12,7 +12,7 @@ import sys
 
 from absl import app, flags
 
-from sparsemixer_jax import cli
+from sparsemixer_jax.training import cli
 
 flags.DEFINE_string("workdir", None, "A workdir written by experiments.wmt.")
 flags.DEFINE_enum("checkpoint", "best", ["best", "last"], "Which checkpoint to use.")
@@ -26,8 +26,8 @@ flags.mark_flag_as_required("workdir")
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from sparsemixer_jax.checkpoint import CheckpointError
-    from sparsemixer_jax.translate import split_lines, translate_lines
+    from sparsemixer_jax.tasks.translate import split_lines, translate_lines
+    from sparsemixer_jax.training.checkpoint import CheckpointError
 
     cli.quiet_libraries()
     f = flags.FLAGS

@@ -44,7 +44,7 @@ def _compile(case: str) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from sparsemixer_jax.sharding import make_mesh
+    from sparsemixer_jax.parallel.sharding import make_mesh
 
     mesh = make_mesh(1, DEVICES, jax.devices()[:DEVICES])
     rows = P(("data", "fsdp", "expert"))

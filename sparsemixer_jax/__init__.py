@@ -29,8 +29,8 @@ from sparsemixer_jax.routers import (
 )
 
 if TYPE_CHECKING:
-    from sparsemixer_jax.attention import KVCache
-    from sparsemixer_jax.decode import (
+    from sparsemixer_jax.layers.attention import KVCache
+    from sparsemixer_jax.models.decode import (
         beam_search,
         beam_search_model,
         greedy_search,
@@ -38,23 +38,23 @@ if TYPE_CHECKING:
     )
     from sparsemixer_jax.models.encoder_decoder import Encoded, Transformer
     from sparsemixer_jax.moe import MoEFeedForward, expert_ffn, fold_omega
-    from sparsemixer_jax.sharding import make_mesh, shard_state
+    from sparsemixer_jax.parallel.sharding import make_mesh, shard_state
 
 # Names loaded on first use (module __getattr__ below), with the module that defines each: most
 # import Flax, and the others (expert_ffn, make_mesh) load more than routing needs.
 _LAZY = {
-    "beam_search": "sparsemixer_jax.decode",
-    "beam_search_model": "sparsemixer_jax.decode",
-    "greedy_search": "sparsemixer_jax.decode",
-    "greedy_search_model": "sparsemixer_jax.decode",
-    "KVCache": "sparsemixer_jax.attention",
+    "beam_search": "sparsemixer_jax.models.decode",
+    "beam_search_model": "sparsemixer_jax.models.decode",
+    "greedy_search": "sparsemixer_jax.models.decode",
+    "greedy_search_model": "sparsemixer_jax.models.decode",
+    "KVCache": "sparsemixer_jax.layers.attention",
     "Encoded": "sparsemixer_jax.models.encoder_decoder",
     "Transformer": "sparsemixer_jax.models.encoder_decoder",
     "MoEFeedForward": "sparsemixer_jax.moe",
     "expert_ffn": "sparsemixer_jax.moe",
     "fold_omega": "sparsemixer_jax.moe",
-    "make_mesh": "sparsemixer_jax.sharding",
-    "shard_state": "sparsemixer_jax.sharding",
+    "make_mesh": "sparsemixer_jax.parallel.sharding",
+    "shard_state": "sparsemixer_jax.parallel.sharding",
 }
 
 __all__ = [

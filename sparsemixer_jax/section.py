@@ -68,7 +68,8 @@ def read_fields(cls: type, section: Any, where: str, *, skip: tuple[str, ...] = 
                 ) -> dict[str, Any]:
     """The fields of dataclass ``cls`` that ``section`` holds, cast to their annotations
     (:func:`cast`); a field it lacks takes the dataclass default (configs saved before the field
-    existed; :data:`sparsemixer_jax.config.ADDED_FIELD_DEFAULTS` says which), and a field without
+    existed; :data:`sparsemixer_jax.training.config.ADDED_FIELD_DEFAULTS` says which), and a field
+    without
     a default is an error naming ``{where}{name}``. ``skip`` names fields the caller builds."""
     hints = typing.get_type_hints(cls)
     values = {}

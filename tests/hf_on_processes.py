@@ -4,7 +4,7 @@ exports it.
 
     python -m tests.hf_on_processes CHECKPOINT OUT
 
-Each process joins the others (:func:`sparsemixer_jax.cli.initialize_distributed`), loads
+Each process joins the others (:func:`sparsemixer_jax.training.cli.initialize_distributed`), loads
 ``CHECKPOINT`` onto a ``data=1 x fsdp=2 x expert=2`` mesh (the fsdp axis across the processes:
 no process holds a whole tensor), runs the model on the input ids of the checkpoint's
 ``reference.npz``, and calls ``hf.save_pretrained`` into ``OUT/<its process index>``. Then it
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from sparsemixer_jax import cli
+from sparsemixer_jax.training import cli
 
 MAX_SHARD_BYTES = 40_000  # several safetensors files and an index, as a large model has
 WIDTH_WHOLE = {"embed": None}  # rules that no longer split the model width over fsdp
@@ -31,8 +31,9 @@ def main(checkpoint: str, out: str) -> None:
     from flax import nnx
     from jax.experimental import multihost_utils
 
-    from sparsemixer_jax import hf, sharding
-    from sparsemixer_jax.partitioning import Partitioner
+    from sparsemixer_jax import hf
+    from sparsemixer_jax.parallel import sharding
+    from sparsemixer_jax.parallel.partitioning import Partitioner
 
     mesh = sharding.make_mesh(1, 2, fsdp=2)
     model, config = hf.load_pretrained(checkpoint, mesh=mesh)

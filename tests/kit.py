@@ -42,7 +42,7 @@ def _transformer_config():
 def _encoder_config():
     """The pretraining encoder alone: 2 layers, emb 16, mlp 32, 2 heads, T5 buckets 32 / 128,
     no absolute positions, 2 experts in layer 0."""
-    from sparsemixer_jax.config import moe_model_fields, router_config
+    from sparsemixer_jax.training.config import moe_model_fields, router_config
 
     c = ml_collections.ConfigDict()
     c.model = moe_model_fields(ml_collections.ConfigDict(dict(
@@ -288,7 +288,7 @@ def moe_layer(emb: int, mlp: int, experts: int, mesh=None, **kw):
     """``MoEFeedForward(emb, mlp, experts, mesh=mesh, **kw)`` with fixed rngs (unless ``kw``
     names them), its state sharded over ``mesh`` when one is given."""
     from sparsemixer_jax.moe import MoEFeedForward
-    from sparsemixer_jax.sharding import shard_state
+    from sparsemixer_jax.parallel.sharding import shard_state
 
     kw.setdefault("rngs", nnx.Rngs(params=0, dropout=1, router=2))
     layer = MoEFeedForward(emb, mlp, experts, mesh=mesh, **kw)

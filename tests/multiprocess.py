@@ -3,7 +3,7 @@
 Each process is started with the variables a user sets on every host of a cluster
 (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``; the coordinator on a
 free local port), its own simulated CPU devices (``XLA_FLAGS``) and ``JAX_PLATFORMS=cpu``; the
-commands' :func:`sparsemixer_jax.cli.initialize_distributed` then joins them with gloo
+commands' :func:`sparsemixer_jax.training.cli.initialize_distributed` then joins them with gloo
 collectives. :func:`run_processes` waits for all of them, stops the others as soon as one fails
 (a process whose peer died would otherwise wait minutes in a collective) and reports every
 process's log.

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax.config import moe_model_fields, router_config
 from sparsemixer_jax.models.encoder import Encoder, EncoderConfig
+from sparsemixer_jax.training.config import moe_model_fields, router_config
 from tests import kit
 
 

@@ -1,4 +1,4 @@
-"""The one attention module (:mod:`sparsemixer_jax.attention`): each model's parameter names,
+"""The one attention module (:mod:`sparsemixer_jax.layers.attention`): each model's parameter names,
 its two einsum layouts agree, and the cache's bookkeeping."""
 
 import jax
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax.attention import (
+from sparsemixer_jax.layers.attention import (
     FAIRSEQ_NAMES,
     HF_NAMES,
     Attention,

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from sparsemixer_jax.bleu import compound_split, moses_tokenize, sacre_bleu, tokenized_bleu
+from sparsemixer_jax.metrics.bleu import compound_split, moses_tokenize, sacre_bleu, tokenized_bleu
 
 
 def _bleu_by_hand(matches: list[int], totals: list[int], hyp_len: int, ref_len: int) -> float:

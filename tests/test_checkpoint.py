@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from sparsemixer_jax import training
-from sparsemixer_jax.checkpoint import (
+from sparsemixer_jax.tasks import run_config, translation
+from sparsemixer_jax.training.checkpoint import (
     MANIFEST,
     CheckpointError,
     RunCheckpoints,
@@ -30,7 +31,6 @@ from sparsemixer_jax.checkpoint import (
     step_dir,
     write_manifest,
 )
-from sparsemixer_jax.tasks import run_config, translation
 from sparsemixer_jax.training.state import TrainState, restore_checkpoint
 from tests import tiny_wmt_config
 
@@ -242,7 +242,7 @@ def test_manifest_detects_missing_and_changed_files(tmp_path):
 
 _KILL_DURING_SAVE = """
 import os, signal, sys
-from sparsemixer_jax import checkpoint
+from sparsemixer_jax.training import checkpoint
 from sparsemixer_jax.tasks import translation
 from tests import tiny_wmt_config
 

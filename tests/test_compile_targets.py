@@ -139,7 +139,7 @@ def test_the_command_says_in_one_line_that_a_config_does_not_shard():
 def test_a_mesh_axis_that_splits_a_torus_axis_is_laid_on_the_slice():
     """8 x 8 on a TPU v5p 4x4x4 slice (the layout of the 64-chip real-size configs): 8 is no
     product of whole torus axes, so one is split; every chip is used once."""
-    from sparsemixer_jax.sharding import make_mesh
+    from sparsemixer_jax.parallel.sharding import make_mesh
     from tests import kit
 
     _, devices = kit.target_devices_or_skip("tpu:v5p:4x4x4")

@@ -1,4 +1,5 @@
-"""The config builders of :mod:`sparsemixer_jax.config` write the typed sections' own defaults:
+"""The config builders of :mod:`sparsemixer_jax.training.config` write the typed sections' own
+defaults:
 a field left at its builder's value reads as the field's default, so a section built directly
 computes what a config built by the builder does. The model sections' schema configs (each
 task's config file) differ from their sections' defaults only where named, with the reason."""
@@ -11,19 +12,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax import config as config_schema
-from sparsemixer_jax.layers import ModelConfig
+from sparsemixer_jax.layers.fairseq import ModelConfig
 from sparsemixer_jax.models.electra import Electra, GeneratorConfig
 from sparsemixer_jax.models.encoder import EncoderConfig
 from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
 from sparsemixer_jax.moe import MoEConfig, MoEFeedForward
-from sparsemixer_jax.partitioning import read_rules
+from sparsemixer_jax.parallel.partitioning import read_rules
+from sparsemixer_jax.parallel.sharding import MeshConfig
 from sparsemixer_jax.routers import RouterConfig
-from sparsemixer_jax.runtime import RuntimeConfig
-from sparsemixer_jax.sharding import MeshConfig
 from sparsemixer_jax.tasks import TASKS, run_config
 from sparsemixer_jax.tasks.lm_sections import LMModelConfig
+from sparsemixer_jax.training import config as config_schema
 from sparsemixer_jax.training.optim import OptimSettings
+from sparsemixer_jax.training.runtime import RuntimeConfig
 from tests import kit
 
 # Fields a section fills from another section or from the model, not from its own builder.

@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from sparsemixer_jax import decode
+from sparsemixer_jax.models import decode
 from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
 from sparsemixer_jax.token_ids import PAD_ID
 from tests import kit

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from sparsemixer_jax import cli
 from sparsemixer_jax.data import sources
 from sparsemixer_jax.tasks import check_config
+from sparsemixer_jax.training import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WMT_VARIANTS = ("dense", "n2", "n4", "n6", "n8", "n16")

@@ -16,7 +16,7 @@ from flax import nnx
 
 from sparsemixer_jax.moe import MoEConfig, MoEFeedForward, expert_ffn
 from sparsemixer_jax.moe.expert_parallel import buffer_overflow, buffer_slots, expert_parallel_ffn
-from sparsemixer_jax.sharding import make_mesh
+from sparsemixer_jax.parallel.sharding import make_mesh
 
 # 2 data shards x 4 expert devices; 8 experts (2 a device). A data shard holds 4 rows of 12
 # positions: 48 rows, 4 chunks of 12, so a balanced routing sends 3 rows of each chunk to each

@@ -36,9 +36,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sparsemixer_jax import hf, partitioning, sharding, training
-from sparsemixer_jax.models.causal_lm import CausalLM, rope_cos_sin
+from sparsemixer_jax import hf, training
+from sparsemixer_jax.layers.rope import rope_cos_sin
+from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import MODEL_TYPES, LMConfig
+from sparsemixer_jax.parallel import partitioning, sharding
 from sparsemixer_jax.tasks import run_config, translation
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule
 from sparsemixer_jax.training.state import restore_checkpoint
@@ -113,7 +115,7 @@ def routing_margin(model, ids):
     of the deterministic forward of ``ids``: what float32 rounding would have to bridge to
     change a routing decision."""
     t = ids.shape[1]
-    cos, sin = rope_cos_sin(LM, jnp.broadcast_to(jnp.arange(t), ids.shape))
+    cos, sin = rope_cos_sin(LM.rope, LM.rotary_dim, jnp.broadcast_to(jnp.arange(t), ids.shape))
     mask = jnp.tril(jnp.ones((t, t), bool))[None]
     h, margins = model.embed_tokens(ids), []
     for s, r, i in model.layer_index():

@@ -12,7 +12,7 @@ from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
 from sparsemixer_jax.moe import MoEFeedForward, expert_ffn, fold_omega
 from sparsemixer_jax.moe.dispatch import clamped_swiglu
 from sparsemixer_jax.moe.unchosen import all_expert_outputs
-from sparsemixer_jax.sharding import make_mesh
+from sparsemixer_jax.parallel.sharding import make_mesh
 
 EMB, MLP, N, B, T = 64, 128, 4, 4, 8
 

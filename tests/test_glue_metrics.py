@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from sparsemixer_jax import glue_metrics
+from sparsemixer_jax.metrics import glue_metrics
 
 metrics = pytest.importorskip("sklearn.metrics")
 

@@ -529,7 +529,7 @@ def test_inside_shard_map_with_local_experts():
     # The XLA impl: the Mosaic GPU interpreter inside a multi-device shard_map on CPU can hang
     # (its simulated devices meet at a thread barrier that XLA:CPU's callbacks need not reach
     # together); the per-shard FFN is the same function either way.
-    from sparsemixer_jax import sharding
+    from sparsemixer_jax.parallel import sharding
 
     mesh = sharding.make_mesh(2, 2, devices=jax.devices()[:4])
     x, *params = _params(jax.random.key(5), 4, jnp.float32)

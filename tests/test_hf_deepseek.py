@@ -153,7 +153,7 @@ def test_latent_attention_flops_count_its_tensors():
     """Model FLOPs of latent attention's projections: 2 per weight per token, x 3 for the
     backward, counted from the reference checkpoint's attention tensors; the scores and weighted
     sum: 2 H (d + v) per key over (L + 1) / 2 keys."""
-    from sparsemixer_jax.model_flops import lm_flops_per_token
+    from sparsemixer_jax.aot.model_flops import lm_flops_per_token
 
     config = hf.from_hf(read_json(os.path.join(DATA, "deepseek_v3", "config.json")))
     with safe_open(os.path.join(DATA, "deepseek_v3", "model.safetensors"), "np") as f:

@@ -3,13 +3,17 @@ studies and experiments), nor ``experiments``, and the wheel holds the library a
 never import the data pipelines (what both need, such as the token ids, lives below both); no
 module of the library uses another module's private (underscore) name; the experiment config's
 type is named only where a config is read (the doors) and defined (the schema); no import cycle
-among the library's modules; library modules at most 600 lines, entry points at most 150."""
+among the library's or the lab's modules, counting every import (inside functions and under
+``TYPE_CHECKING`` too), and none between the library's packages; library modules at most 600
+lines, entry points at most 150."""
 
 import ast
 import pathlib
 import re
 import sys
 import tomllib
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIBRARY = "sparsemixer_jax"
@@ -35,12 +39,13 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _library_imports(path: pathlib.Path, tree: ast.AST) -> list[tuple[int, str, str | None]]:
+def _library_imports(path: pathlib.Path, tree: ast.AST, package: str = LIBRARY
+                     ) -> list[tuple[int, str, str | None]]:
     """``(line, module, name)`` for every import of a library module in ``tree`` (``name`` is
     what ``from module import name`` takes, ``None`` for ``import module``); relative imports
     are resolved against ``path``'s package."""
     module = _module_name(path)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    here = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -48,10 +53,10 @@ def _library_imports(path: pathlib.Path, tree: ast.AST) -> list[tuple[int, str, 
         elif isinstance(node, ast.ImportFrom):
             source = node.module or ""
             if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = here.split(".")[:len(here.split(".")) - node.level + 1]
                 source = ".".join(base + ([source] if source else []))
             found += [(node.lineno, source, alias.name) for alias in node.names]
-    return [entry for entry in found if entry[1].split(".")[0] == LIBRARY]
+    return [entry for entry in found if entry[1].split(".")[0] == package]
 
 
 def _is_private(name: str) -> bool:
@@ -157,8 +162,8 @@ def test_the_private_name_check_sees_private_names():
 
 # Where an experiment config is read into typed sections (the tasks, the command-line helpers, the
 # compile command) and where its schema lives; everywhere else code takes the sections.
-CONFIG_DOORS = ("sparsemixer_jax/tasks/", "sparsemixer_jax/cli.py",
-                "sparsemixer_jax/aot/command.py", "sparsemixer_jax/config.py",
+CONFIG_DOORS = ("sparsemixer_jax/tasks/", "sparsemixer_jax/training/cli.py",
+                "sparsemixer_jax/aot/command.py", "sparsemixer_jax/training/config.py",
                 "sparsemixer_jax/section.py")
 CONFIG_TYPE = re.compile(r"ml_collections|ConfigDict")
 # The install hint names ml_collections as a package an extra installs, not as the config's type.
@@ -239,7 +244,11 @@ def test_the_wheel_packages_only_the_library():
 def test_no_modules_left_at_the_old_paths():
     package = ROOT / "sparsemixer_jax"
     for name in ("models.py", "encoder.py", "electra.py", "causal_lm.py", "lm_config.py",
-                 "lm_generate.py", "benchmarks", "studies", "router_bench", "exact/experiment.py"):
+                 "lm_generate.py", "benchmarks", "studies", "router_bench", "exact/experiment.py",
+                 "attention.py", "packed_attention.py", "layers.py", "models/rope.py", "bleu.py",
+                 "glue_metrics.py", "decode.py", "translate.py", "sharding.py",
+                 "partitioning.py", "config.py", "runtime.py", "cli.py", "checkpoint.py",
+                 "model_flops.py"):
         assert not (package / name).exists(), name
 
 
@@ -268,29 +277,22 @@ def test_entry_points_are_at_most_150_lines():
     assert not long, long
 
 
-def _module_level_imports(path: pathlib.Path, tree: ast.Module, modules: set[str]) -> set[str]:
-    """The library modules ``path`` imports when it is loaded: imports at module level (inside
-    top-level ``if``/``try`` too, but not under ``TYPE_CHECKING``), ``from package import
-    module`` read as the submodule; imports inside functions run later and cannot cycle."""
-    statements = []
-
-    def visit(body):
-        for node in body:
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                statements.append(node)
-            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
-                visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-
-    visit(tree.body)
+def _every_import(path: pathlib.Path, tree: ast.Module, modules: set[str]) -> set[str]:
+    """The library modules ``path`` imports anywhere: at module level, inside functions, under
+    ``TYPE_CHECKING`` and as ``importlib.import_module("...")`` strings, ``from package import
+    module`` read as the submodule. An import inside a function still ties the two modules
+    together: hiding it there only moves the cycle from load time to call time."""
     found = set()
-    for _, source, name in _library_imports(path, ast.Module(body=statements, type_ignores=[])):
+    for _, source, name in _library_imports(path, tree, _module_name(path).split(".")[0]):
         if name and f"{source}.{name}" in modules:
             found.add(f"{source}.{name}")
         elif source in modules:
             found.add(source)
+    found.update(node.args[0].value for node in ast.walk(tree)
+                 if isinstance(node, ast.Call) and node.args
+                 and isinstance(node.args[0], ast.Constant)
+                 and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+                 and node.args[0].value in modules)
     return found
 
 
@@ -322,12 +324,65 @@ def _import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-def test_no_import_cycle_among_library_modules():
-    paths = {_module_name(path): path for path in sorted((ROOT / LIBRARY).rglob("*.py"))}
-    graph = {module: _module_level_imports(path, ast.parse(path.read_text()), set(paths))
-             for module, path in paths.items()}
-    assert sum(map(len, graph.values())) > 100  # the graph was read, not left empty
+def _import_graph(package: str) -> dict[str, set[str]]:
+    paths = {_module_name(path): path for path in sorted((ROOT / package).rglob("*.py"))}
+    return {module: _every_import(path, ast.parse(path.read_text()), set(paths))
+            for module, path in paths.items()}
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The imports between the library's subpackages and root modules (each module read as the
+    one below the root that holds it), leaving out imports of the root package itself (its
+    ``__init__``'s names)."""
+    def top(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        packages.setdefault(top(module), set()).update(
+            top(target) for target in targets
+            if top(target) not in (top(module), LIBRARY))
+    return packages
+
+
+@pytest.mark.parametrize("package", [LIBRARY, "lab"])
+def test_no_import_cycle_among_modules(package):
+    """No two modules import each other, directly or through others, counting every import
+    (:func:`_every_import`)."""
+    graph = _import_graph(package)
+    assert sum(map(len, graph.values())) > 30  # the graph was read, not left empty
     assert not _import_cycles(graph), _import_cycles(graph)
+
+
+def test_no_arrow_back_up_among_the_library_packages():
+    """The library's subpackages (and root modules) import each other in one direction: no
+    package imports one that imports it back, through any of their modules."""
+    cycles = _import_cycles(_package_graph(_import_graph(LIBRARY)))
+    assert not cycles, cycles
+
+
+def test_the_import_graph_sees_imports_hidden_in_functions(tmp_path):
+    """A cycle hidden in a function, under ``TYPE_CHECKING`` or in an ``import_module`` string
+    is a cycle; and a package importing another that imports it back is an arrow back up."""
+    modules = {"sparsemixer_jax.a", "sparsemixer_jax.b", "sparsemixer_jax.c",
+               "sparsemixer_jax.p.x", "sparsemixer_jax.q.y"}
+    sources = {
+        "a": "def f():\n    from sparsemixer_jax import b\n",
+        "b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import sparsemixer_jax.c\n",
+        "c": "import importlib\nimportlib.import_module('sparsemixer_jax.a')\n",
+        "p/x": "def g():\n    from sparsemixer_jax.q.y import h\n",
+        "q/y": "from sparsemixer_jax.p import x\n",
+    }
+    graph = {}
+    for name, text in sources.items():
+        path = ROOT / LIBRARY / f"{name}.py"  # only its name is read
+        graph[_module_name(path)] = _every_import(path, ast.parse(text), modules)
+    assert _import_cycles(graph) == [["sparsemixer_jax.a", "sparsemixer_jax.b",
+                                      "sparsemixer_jax.c"],
+                                     ["sparsemixer_jax.p.x", "sparsemixer_jax.q.y"]]
+    assert _import_cycles(_package_graph(graph)) == [
+        ["sparsemixer_jax.a", "sparsemixer_jax.b", "sparsemixer_jax.c"],
+        ["sparsemixer_jax.p", "sparsemixer_jax.q"]]
 
 
 def test_the_cycle_check_sees_cycles():

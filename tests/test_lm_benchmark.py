@@ -10,9 +10,9 @@ import math
 
 from configs import lm_quickstart
 from lab.benchmarks import flops, lm_step, report, runner
-from sparsemixer_jax.cli import load_config_file
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.tasks.language_model import LMTask
+from sparsemixer_jax.training.cli import load_config_file
 
 TINY_LM = {"emb": 16, "mlp": 16, "heads": 2, "kv_heads": 1, "layers": 1, "vocab": 64,
            "tokens": 32, "length": 16, "warmup": 1, "repeats": 1}

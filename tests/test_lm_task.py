@@ -346,7 +346,7 @@ def test_an_export_needs_the_fine_tuning_runs_workdir_alone(corpus, checkpoint, 
     export reads them once the checkpoint is gone, makes the tokenizer files it lacked."""
     from safetensors.numpy import load_file
 
-    from sparsemixer_jax.checkpoint import RunCheckpoints
+    from sparsemixer_jax.training.checkpoint import RunCheckpoints
 
     start = str(tmp_path / "start")
     shutil.copytree(checkpoint, start)
@@ -618,7 +618,7 @@ def test_a_run_on_a_data_fsdp_expert_mesh_equals_one_device(corpus, tmp_path, la
 def test_the_command_reports_a_bad_checkpoint_on_one_line(corpus, tmp_path, capsys):
     from absl import flags
 
-    from sparsemixer_jax import cli
+    from sparsemixer_jax.training import cli
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()

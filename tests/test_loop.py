@@ -30,8 +30,8 @@ if __name__ == "__main__":  # the killed child process: the repository root on t
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sparsemixer_jax import training
-from sparsemixer_jax.checkpoint import RunCheckpoints
 from sparsemixer_jax.tasks import run_config
+from sparsemixer_jax.training.checkpoint import RunCheckpoints
 from tests import kit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,7 +257,7 @@ def test_a_save_on_a_full_disk_stops_the_run_in_one_line_and_the_rerun_resumes(
     and the space a checkpoint takes; rerun with space, it resumes to the uninterrupted result."""
     import orbax.checkpoint as ocp
 
-    from sparsemixer_jax.checkpoint import DiskFull
+    from sparsemixer_jax.training.checkpoint import DiskFull
 
     save, wait = ocp.CheckpointManager.save, ocp.CheckpointManager.wait_until_finished
     failed = []

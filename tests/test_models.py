@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from configs.wmt import get_config
-from sparsemixer_jax.layers import FeedForward
+from sparsemixer_jax.layers.fairseq import FeedForward
 from sparsemixer_jax.models.encoder_decoder import (
     PAD_ID,
     Transformer,
@@ -330,7 +330,7 @@ def test_mesh_is_passed_to_moe_layers():
     """The mesh reaches every MoE layer; N=6 on an expert axis of 4 is the MoE layer's error."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 (simulated) devices, see conftest.py")
-    from sparsemixer_jax.sharding import make_mesh
+    from sparsemixer_jax.parallel.sharding import make_mesh
 
     mesh = make_mesh(data=2, expert=4)
     model = nnx.eval_shape(lambda: transformer(tiny_config(4), mesh=mesh, rngs=nnx.Rngs(0)))

@@ -32,8 +32,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax import hf, sharding
-from sparsemixer_jax.partitioning import Partitioner
+from sparsemixer_jax import hf
+from sparsemixer_jax.parallel import sharding
+from sparsemixer_jax.parallel.partitioning import Partitioner
 from sparsemixer_jax.tasks import run_config
 from tests import kit, tiny_lm_config
 from tests.hf_on_processes import MAX_SHARD_BYTES, WIDTH_WHOLE
@@ -138,7 +139,7 @@ def _stop_and_resume(module: str, config: str, workdir: str, overrides: dict,
 def _check_written_once(runs: list, workdir: str, steps: int) -> None:
     """Process 0 alone printed the results and wrote the metrics (each update logged once);
     both processes wrote their shards of the last checkpoint (orbax's per-process files)."""
-    from sparsemixer_jax.checkpoint import step_dir
+    from sparsemixer_jax.training.checkpoint import step_dir
 
     state = os.path.join(step_dir(workdir, "last", steps), "state")
     for process in (0, 1):

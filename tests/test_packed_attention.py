@@ -1,4 +1,4 @@
-"""Packed documents as cuDNN's segment offsets (:mod:`sparsemixer_jax.packed_attention`): the
+"""Packed documents as cuDNN's segment offsets (:mod:`sparsemixer_jax.layers.packed_attention`): the
 offsets and lengths of hand-made rows, the mask they imply against the language model's own,
 the private JAX entry point they need, and (compile-only, for an H100) that the compiled
 program passes cuDNN no ``[B, 1, T, T]`` bias where the mask is exactly causal or taken as
@@ -16,12 +16,12 @@ import numpy as np
 from flax import nnx
 
 from sparsemixer_jax.data.lm_text import pack_documents
-from sparsemixer_jax.models.causal_lm import CausalLM, _positions_and_masks
-from sparsemixer_jax.models.lm_config import LMConfig
-from sparsemixer_jax.packed_attention import (
+from sparsemixer_jax.layers.packed_attention import (
     compute_capability_of,
     segment_layout,
 )
+from sparsemixer_jax.models.causal_lm import CausalLM, _positions_and_masks
+from sparsemixer_jax.models.lm_config import LMConfig
 from tests import kit
 
 
@@ -179,8 +179,8 @@ def test_cudnn_takes_packed_documents_as_offsets_and_the_mask_only_as_fallback()
 def test_the_fused_call_takes_the_offsets_only_where_they_fit(monkeypatch):
     """Wiring, on any backend: cuDNN's calls replaced by stand-ins that say which ran (the
     packed layout's output 1, the mask path's 2)."""
-    from sparsemixer_jax import attention as attention_module
-    from sparsemixer_jax.attention import Attention, AttentionOptions, FusedMask
+    from sparsemixer_jax.layers import attention as attention_module
+    from sparsemixer_jax.layers.attention import Attention, AttentionOptions, FusedMask
 
     calls = []
 

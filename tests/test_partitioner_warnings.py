@@ -4,7 +4,8 @@ Where the partitioner cannot move an array between two shardings efficiently it 
 and logs "Involuntary full rematerialization". The translation model and ELECTRA on a mesh
 whose batch split (``data x fsdp x expert``) and width split (``fsdp``) use different axes did
 so for the gradients of their embedding lookups, until the lookups read the tables gathered
-whole (:func:`sparsemixer_jax.sharding.lookup_rows`). The partitioner is the same for CPUs and
+whole (:func:`sparsemixer_jax.parallel.sharding.lookup_rows`). The partitioner is the same for CPUs
+and
 GPUs, so the default run compiles small models' training steps on the 8 simulated CPU devices
 (mesh 1 x 2 x 4) in a subprocess whose XLA log is read; the translation model's compile for 8
 H100s (``h100:1x1x8``, minutes of CPU) is slow. The grouped dispatch under expert parallelism in a
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from configs import electra, wmt
-from sparsemixer_jax import sharding
+from sparsemixer_jax.parallel import sharding
 from sparsemixer_jax.aot import steps, translation
 from sparsemixer_jax.tasks import run_config
 from sparsemixer_jax.training.steps import Steps

@@ -21,9 +21,8 @@ import numpy as np
 import pytest
 from absl import flags
 
-from sparsemixer_jax import cli
 from sparsemixer_jax.tasks import run_config, translation
-from sparsemixer_jax.training import TrainingDiverged, build_steps, train
+from sparsemixer_jax.training import TrainingDiverged, build_steps, cli, train
 from sparsemixer_jax.training.preemption import Stopped, StopSignals
 from tests import tiny_wmt_config
 from tests.multiprocess import run_processes

@@ -143,7 +143,7 @@ def test_load_pretrained_skips_a_corrupt_newest_checkpoint_and_says_so(straight_
     import logging
     import shutil
 
-    from sparsemixer_jax.checkpoint import checkpoint_digest, read_checkpoint
+    from sparsemixer_jax.training.checkpoint import checkpoint_digest, read_checkpoint
 
     workdir = str(tmp_path / "copy")
     shutil.copytree(straight_run[0], workdir)
@@ -347,7 +347,7 @@ def test_bad_inputs_are_one_line_errors(corpus, straight_run, tmp_path):
     workdir: each a ValueError / FileNotFoundError naming the problem, nothing deleted."""
     import shutil
 
-    from sparsemixer_jax import translate
+    from sparsemixer_jax.tasks import translate
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "train.txt").write_text("\n\n  \n")
@@ -386,7 +386,7 @@ def test_configs_saved_before_activation_and_positions_read_as_relu_without_posi
     ``model.absolute_positions`` existed reads as the model those runs had: ReLU, no learned
     absolute positions; the ELECTRA configs state GELU and 512 positions."""
     from configs import electra, wmt
-    from sparsemixer_jax import config as config_schema
+    from sparsemixer_jax.training import config as config_schema
 
     for get in (electra.get_config, wmt.get_config):
         saved = get().to_dict()

@@ -456,7 +456,7 @@ def test_a_pallas_kernel_wrapped_in_a_fusion_counts_as_the_kernel_on_its_layer()
 
 def test_model_flops_of_a_program_come_from_its_batch_and_are_per_device():
     from configs import wmt
-    from sparsemixer_jax import model_flops
+    from sparsemixer_jax.aot import model_flops
     from sparsemixer_jax.tasks import run_config
 
     config = wmt.get_config("n4")
@@ -492,8 +492,8 @@ def test_the_fit_reads_the_measured_runs_with_their_chip_and_model():
     assert {a["attention_impl"] for a in arms} == {"einsum", "cudnn"}
     # Model FLOPs per update: 65,536 tokens at the causal count of the config's model.
     from lab.benchmarks.flops import lm_flops_per_token
-    from sparsemixer_jax.cli import load_config_file
     from sparsemixer_jax.tasks.language_model import LMTask
+    from sparsemixer_jax.training.cli import load_config_file
 
     lm = LMTask.from_config(load_config_file("configs/lm_bench.py:moe")).lm
     top2 = next(a for a in arms if a["run"] == "lm_throughput" and a["arm"] == "top2")

@@ -21,12 +21,12 @@ from flax import nnx
 from lab.exact_experiment import grouped_probs_fn
 from sparsemixer_jax import exact as oracle
 from sparsemixer_jax import routers, training
-from sparsemixer_jax.checkpoint import RunCheckpoints
-from sparsemixer_jax.config import moe_model_fields, router_config
 from sparsemixer_jax.moe import MoEConfig, MoEFeedForward, end_of_update
-from sparsemixer_jax.sharding import batch_sharding, make_mesh, shard_state
+from sparsemixer_jax.parallel.sharding import batch_sharding, make_mesh, shard_state
 from sparsemixer_jax.tasks import check_config, run_config, translation
 from sparsemixer_jax.training import steps as training_steps
+from sparsemixer_jax.training.checkpoint import RunCheckpoints
+from sparsemixer_jax.training.config import moe_model_fields, router_config
 from sparsemixer_jax.training.optim import OptimSettings
 from sparsemixer_jax.training.state import restore_checkpoint
 from tests import kit, tiny_wmt_config

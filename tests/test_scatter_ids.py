@@ -20,7 +20,7 @@ import pytest
 
 from sparsemixer_jax.moe.dispatch import padded_ffn
 from sparsemixer_jax.moe.expert_parallel import expert_parallel_ffn
-from sparsemixer_jax.sharding import make_mesh
+from sparsemixer_jax.parallel.sharding import make_mesh
 
 # A model width no other axis here has, so a [..., EMB] array is recognisable in the HLO text.
 EMB, MLP, N, B, T = 24, 16, 8, 8, 12

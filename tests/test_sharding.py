@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sparsemixer_jax.moe import MoEFeedForward
-from sparsemixer_jax.sharding import batch_sharding, make_mesh, shard_state
+from sparsemixer_jax.parallel.sharding import batch_sharding, make_mesh, shard_state
 from tests import kit
 
 EMB, MLP, N, B, T = 16, 32, 8, 8, 6
@@ -193,7 +193,7 @@ def test_the_mesh_is_jax_make_meshs_with_auto_axes():
     an explicit list included), with the axes of ``partitioning.MESH_AXES``, all ``Auto``."""
     from jax.sharding import AxisType
 
-    from sparsemixer_jax.partitioning import MESH_AXES
+    from sparsemixer_jax.parallel.partitioning import MESH_AXES
 
     devices = jax.devices()[::-1][:4]
     mesh = make_mesh(1, 2, devices, fsdp=2)

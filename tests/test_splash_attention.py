@@ -20,10 +20,10 @@ from jax.sharding import PartitionSpec as P
 from sparsemixer_jax.aot import hlo, roofline
 from sparsemixer_jax.kernels import splash_attention
 from sparsemixer_jax.kernels.splash_attention import causal_blocks, splash_block, splash_heads
-from sparsemixer_jax.layers import ModelConfig
+from sparsemixer_jax.layers.fairseq import ModelConfig
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.moe.config import MoEConfig
-from sparsemixer_jax.sharding import make_mesh
+from sparsemixer_jax.parallel.sharding import make_mesh
 from tests import kit
 
 # 384 tokens: 3 x 3 blocks of 128, of which the kernels compute the 6 on and below the diagonal.

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sparsemixer_jax import cli
+from sparsemixer_jax.training import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax import runtime, training
-from sparsemixer_jax.layers import fairseq_attention
+from sparsemixer_jax import training
+from sparsemixer_jax.layers.fairseq import fairseq_attention
 from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
 from sparsemixer_jax.packed_tree import PackedTree
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.tasks import check_config, run_config, translation
+from sparsemixer_jax.training import runtime
 from sparsemixer_jax.training import steps as training_steps
 from tests import kit, tiny_wmt_config
 
@@ -182,9 +183,9 @@ def test_transformer_with_fused_attention_equals_the_paper_attention(monkeypatch
     """Whole model in training mode (dropout elsewhere on), attention dropout 0: "xla" (boolean
     masks) and the "cudnn" path (masks as key lengths + causal flag, run by XLA here: cuDNN
     itself needs a GPU) equal the einsum attention; so does incremental decoding via "cudnn"."""
-    from sparsemixer_jax import attention
+    from sparsemixer_jax.layers import attention_impls
 
-    monkeypatch.setitem(attention.ATTENTION_IMPLS, "cudnn", "xla")
+    monkeypatch.setitem(attention_impls.ATTENTION_IMPLS, "cudnn", "xla")
     b = batch()
     outs, steps = {}, {}
     for impl in ("einsum", "xla", "cudnn"):
@@ -204,7 +205,7 @@ def test_transformer_with_fused_attention_equals_the_paper_attention(monkeypatch
 
 
 def test_mask_as_lengths():
-    from sparsemixer_jax.attention import mask_as_lengths
+    from sparsemixer_jax.layers.attention import mask_as_lengths
 
     pad = jnp.array([[1, 1, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]], bool)[:, None, None, :]
     lengths, causal = mask_as_lengths(pad, 3, 5)

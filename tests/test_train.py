@@ -20,12 +20,13 @@ import numpy as np
 import pytest
 
 from lab.studies.curves import plot_losses, read_run
-from sparsemixer_jax import cli, sharding, training, translate
-from sparsemixer_jax.checkpoint import RunCheckpoints
+from sparsemixer_jax import training
 from sparsemixer_jax.data.sources import DataConfig, read_split
 from sparsemixer_jax.data.translation import load_datasets
-from sparsemixer_jax.tasks import check_config, run_config, translation
-from sparsemixer_jax.training import resume
+from sparsemixer_jax.parallel import sharding
+from sparsemixer_jax.tasks import check_config, run_config, translate, translation
+from sparsemixer_jax.training import cli, resume
+from sparsemixer_jax.training.checkpoint import RunCheckpoints
 from sparsemixer_jax.training.hosts import BatchPlacer
 from sparsemixer_jax.training.logs import Progress
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule

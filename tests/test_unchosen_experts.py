@@ -16,7 +16,7 @@ from flax import nnx
 
 from sparsemixer_jax import routers, training
 from sparsemixer_jax.moe.unchosen import all_expert_outputs, update_expert_defaults
-from sparsemixer_jax.sharding import batch_sharding, make_mesh
+from sparsemixer_jax.parallel.sharding import batch_sharding, make_mesh
 from sparsemixer_jax.tasks import check_config, run_config, translation
 from sparsemixer_jax.training.state import restore_checkpoint
 from tests import kit, tiny_wmt_config

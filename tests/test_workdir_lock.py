@@ -12,8 +12,9 @@ import time
 import pytest
 from absl import flags
 
-from sparsemixer_jax import cli, training
+from sparsemixer_jax import training
 from sparsemixer_jax.tasks import run_config, translation
+from sparsemixer_jax.training import cli
 from sparsemixer_jax.training.workdir_lock import (
     LOCK_FILE,
     WorkdirError,

@@ -25,7 +25,7 @@ def bench_decode(sizes, experts, dtype, warmup, repeats, beam_size=4, max_extra_
     import jax
     import numpy as np
 
-    from sparsemixer_jax import decode
+    from sparsemixer_jax.models import decode
     from sparsemixer_jax.tasks import run_config
 
     shapes = shapes or DECODE_SHAPES

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 # The formulas of the project's models live in the library (the compile command's roofline
 # reports MFU with them); the benchmarks time against them.
-from sparsemixer_jax.model_flops import (  # noqa: F401
+from sparsemixer_jax.aot.model_flops import (  # noqa: F401
     lm_flops_per_token,
     model_flops_per_step,
     unchosen_flops_per_token,

@@ -25,12 +25,9 @@ per kernel config instead (:mod:`lab.benchmarks.grouped_products`). Entry point:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lab.benchmarks.timing import environment, targeting, time_calls
 from sparsemixer_jax import moe
 from sparsemixer_jax.aot import analysis
 from sparsemixer_jax.moe.dispatch import grouped_ffn
@@ -47,49 +45,10 @@ TINY = dict(tokens=256, emb=64, mlp=128)
 DROPOUT = 0.1
 
 
-def environment() -> dict[str, Any]:
-    """Machine and library versions recorded with every result."""
-    device = jax.devices()[0]
-    out: dict[str, Any] = {
-        "backend": jax.default_backend(), "device_kind": device.device_kind,
-        "jax": jax.__version__, "python": platform.python_version(),
-        "command": " ".join(sys.argv),
-    }
-    try:
-        import jaxlib
-
-        out["jaxlib"] = jaxlib.__version__
-    except ImportError:
-        pass
-    if out["backend"] in ("gpu", "cuda"):
-        out["compute_capability"] = str(getattr(device, "compute_capability", "?"))
-        try:  # private module: record why instead of failing the benchmark
-            from jax._src.lib import cuda_versions
-
-            out["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
-            out["cudnn"] = cuda_versions.cudnn_get_version()
-        except Exception as err:
-            out["cuda_versions_error"] = repr(err)
-    return out
-
-
 def _dense_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate):
     del group
     h = jax.nn.relu(x @ wi[0] + bi[0])
     return moe.dispatch.row_dropout(h, token_ids, drop_key, rate) @ wo[0] + bo[0]
-
-
-def time_calls(fn: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
-    """Seconds of each of ``repeats`` calls of ``fn`` (to its results' readiness), after
-    ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def compile_time_model(compiled: jax.stages.Compiled, seconds: float) -> dict[str, Any]:
@@ -188,11 +147,6 @@ def run(
             rows.append(row)
             print(f"N={n:<3d} {name:<16s} {_shown(row)}", flush=True)
     return rows
-
-
-def targeting(device: Any):
-    """Build for ``device`` (the kernels' sm90 check asks the default device), or as usual."""
-    return contextlib.nullcontext() if device is None else jax.default_device(device)
 
 
 def _shown(row: dict[str, Any]) -> str:

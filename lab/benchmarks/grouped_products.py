@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lab.benchmarks.grouped_ffn import targeting, time_calls
+from lab.benchmarks.timing import targeting, time_calls
 from sparsemixer_jax.kernels import GroupedMatmulConfig, mosaic_matmul, mosaic_weight_grad
 
 PRODUCTS = ("forward", "input_grad", "weight_grad")

@@ -134,7 +134,7 @@ def bench_moe_vs_dense(sizes, experts, dtype, warmup, repeats, impls=("ragged", 
     import jax.numpy as jnp
     from flax import nnx
 
-    from sparsemixer_jax.layers import FeedForward
+    from sparsemixer_jax.layers.fairseq import FeedForward
     from sparsemixer_jax.moe import MoEFeedForward, resolve_dispatch
 
     compute = jnp.dtype(dtype)

@@ -84,11 +84,11 @@ def compiled_programs(arm: dict[str, Any], cache: str) -> list[tuple[str, int]]:
 
 def _compile_into(arm: dict[str, Any], cache: str, key: str) -> None:
     from lab.benchmarks.lm_step import dense_twin, lm_model_config
-    from sparsemixer_jax import runtime
     from sparsemixer_jax.aot import command, lm, targets
-    from sparsemixer_jax.cli import load_config_file
     from sparsemixer_jax.tasks import run_config
     from sparsemixer_jax.tasks.language_model import LMTask
+    from sparsemixer_jax.training import runtime
+    from sparsemixer_jax.training.cli import load_config_file
 
     target = targets.parse_target(f"{arm['chip']}:1x1")
     base = load_config_file(arm["lm_config"]) if arm["lm_config"] else None

@@ -95,7 +95,7 @@ from lab.benchmarks.training_step import (
     bench_profile,
     bench_throughput,
 )
-from sparsemixer_jax.cli import load_config_file
+from sparsemixer_jax.training.cli import load_config_file
 
 # --backend -> jax_platforms. jax 0.11 reads "gpu" as "any GPU plugin" and then fails to start
 # ROCm on a CUDA machine ("Unable to initialize backend 'rocm'"); the plugin's name is "cuda".
@@ -183,9 +183,9 @@ def run(settings: BenchmarkSettings, command: str) -> dict[str, Any]:
     s = settings
     import jax
 
-    from sparsemixer_jax import runtime
     from sparsemixer_jax.kernels import triton_ragged_dot
     from sparsemixer_jax.routers import ROUTERS
+    from sparsemixer_jax.training import runtime
 
     # Both before JAX starts its backend (JAX read JAX_PLATFORMS when it was imported).
     if s.backend:

@@ -226,7 +226,8 @@ def restored_model(workdir: str) -> tuple[Any, Any, Any]:
     forward), with the tokenizer files the run kept in its workdir, and the run's config."""
     import ml_collections
 
-    from sparsemixer_jax import hf, sharding
+    from sparsemixer_jax import hf
+    from sparsemixer_jax.parallel import sharding
     from sparsemixer_jax.tasks import run_config
     from sparsemixer_jax.tasks.language_model import KEPT_DIR, LMTask
     from sparsemixer_jax.training.loop import build_steps
@@ -472,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
         for path in write_chat_data():
             print(f"wrote {path}")
     elif args.step == "score":
-        from sparsemixer_jax.cli import cpu_only_where_no_accelerator
+        from sparsemixer_jax.training.cli import cpu_only_where_no_accelerator
 
         cpu_only_where_no_accelerator()  # as experiments' commands start JAX
         score_root(args.root, delete_checkpoints=args.delete_checkpoints)

@@ -21,10 +21,10 @@ from typing import Any
 
 import ml_collections
 
-from sparsemixer_jax import config as config_schema
-from sparsemixer_jax import runtime
 from sparsemixer_jax.aot import analysis, roofline, targets
 from sparsemixer_jax.tasks import TASKS, check_config, load, run_config
+from sparsemixer_jax.training import config as config_schema
+from sparsemixer_jax.training import runtime
 from sparsemixer_jax.training.run_config import RunConfig
 
 # The tasks whose registration (sparsemixer_jax.tasks.TASKS) names a compile function of their
@@ -90,11 +90,11 @@ def config_for_target(config: ml_collections.ConfigDict,
 
 
 def program_model_flops(run: RunConfig, program: str, devices: int) -> float | None:
-    """Model FLOPs (:mod:`sparsemixer_jax.model_flops`) one device computes in one run of the
+    """Model FLOPs (:mod:`sparsemixer_jax.aot.model_flops`) one device computes in one run of the
     training program named ``program`` (its batch ``[rows, length]`` over all devices is in
     its name); None for programs that compute no model FLOPs of their own (``update``,
     decoding)."""
-    from sparsemixer_jax import model_flops
+    from sparsemixer_jax.aot import model_flops
 
     batch = _BATCH.search(program)
     if batch is None or not program.startswith(("train step", "accumulate")):

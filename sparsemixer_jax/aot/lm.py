@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax import sharding
 from sparsemixer_jax.aot import steps as aot_steps
 from sparsemixer_jax.aot.analysis import ProgramReport
+from sparsemixer_jax.layers.packed_attention import compute_capability_of
 from sparsemixer_jax.models.causal_lm import CausalLM
-from sparsemixer_jax.packed_attention import compute_capability_of
+from sparsemixer_jax.parallel import sharding
 from sparsemixer_jax.tasks.language_model import LMTask
 from sparsemixer_jax.training.run_config import RunConfig
 from sparsemixer_jax.training.steps import Steps

@@ -3,7 +3,8 @@ does not depend on the task.
 
 A task's aot module builds its model abstractly on the target's mesh, its
 :class:`~sparsemixer_jax.training.steps.Steps` (with the mesh's
-:class:`~sparsemixer_jax.partitioning.Partitioner`) and one abstract batch; :func:`train_state`
+:class:`~sparsemixer_jax.parallel.partitioning.Partitioner`) and one abstract batch;
+:func:`train_state`
 places the train state as the training loop does, and :func:`compile_training` compiles the
 programs the loop runs for it (the fused step, or ``accumulate`` and ``update``), each reported
 per device with the train state's parameters and optimizer state counted apart.
@@ -18,9 +19,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparsemixer_jax import sharding
 from sparsemixer_jax.aot.analysis import ProgramReport, analyse
-from sparsemixer_jax.partitioning import Partitioner
+from sparsemixer_jax.parallel import sharding
+from sparsemixer_jax.parallel.partitioning import Partitioner
 from sparsemixer_jax.training.state import TrainState
 from sparsemixer_jax.training.steps import Steps
 

@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax import decode, sharding
 from sparsemixer_jax.aot import steps as aot_steps
 from sparsemixer_jax.aot.analysis import ProgramReport
 from sparsemixer_jax.data.batching import bucket_batch_size, bucket_lengths
 from sparsemixer_jax.data.sources import DataConfig
 from sparsemixer_jax.data.tokenizer import EOS_ID
+from sparsemixer_jax.models import decode
+from sparsemixer_jax.parallel import sharding
 from sparsemixer_jax.tasks.translation import TranslationTask, accumulation_steps
 from sparsemixer_jax.training.run_config import RunConfig
 from sparsemixer_jax.training.steps import Steps

@@ -25,14 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparsemixer_jax import sharding
 from sparsemixer_jax.hf import fp8, mxfp4, safetensors_read
 from sparsemixer_jax.hf.config import from_hf, to_hf
 from sparsemixer_jax.hf.tokenizer import read_json_object
 from sparsemixer_jax.hf.weights import Path, Slot, convert, read_table, saved_tensors
 from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
-from sparsemixer_jax.partitioning import Partitioner
+from sparsemixer_jax.parallel import sharding
+from sparsemixer_jax.parallel.partitioning import Partitioner
 
 #: What a checkpoint holds: the params and the MoE layers' selection bias (a checkpoint's
 #: ``e_score_correction_bias``, the layer's bias state).
@@ -146,8 +146,9 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
         ``model.safetensors.index.json``).
       seed: seeds the routers' sampling streams (training only).
       mesh: optional ``("data", "fsdp", "expert")`` mesh
-        (:func:`sparsemixer_jax.sharding.make_mesh`): each parameter is made sharded on it as
-        the logical-axis ``rules`` say (:mod:`sparsemixer_jax.partitioning`; None: the
+        (:func:`sparsemixer_jax.parallel.sharding.make_mesh`): each parameter is made sharded on it
+        as
+        the logical-axis ``rules`` say (:mod:`sparsemixer_jax.parallel.partitioning`; None: the
         defaults, the width over ``fsdp`` and experts over ``expert``) and each tensor of the
         checkpoint is written into its shards as it is read, so no device (and no host beyond
         one tensor) ever holds the whole model.

@@ -15,7 +15,8 @@ import math
 from typing import Any
 
 from sparsemixer_jax.hf.families import LAYER_TYPES, Family, Key, family_of
-from sparsemixer_jax.models.lm_config import LMConfig, RopeConfig
+from sparsemixer_jax.layers.rope import RopeConfig
+from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.routers import RouterConfig
 
 # Keys that never change the forward pass: identity, token ids, bookkeeping, the training-only

@@ -78,7 +78,8 @@ def splash_heads(q: jax.Array, k: jax.Array, v: jax.Array, *,
     documents). ``token_mask`` (bool ``[B, T]``): padding, which no real query sees; a padded
     query sees the padding before it, so its output (never used) differs from the einsum
     attention's there. ``mesh``: the rows are split over every mesh axis (the models'
-    activations, :func:`sparsemixer_jax.sharding.rows_sharding`) and each device attends over
+    activations, :func:`sparsemixer_jax.parallel.sharding.rows_sharding`) and each device attends
+    over
     its own rows. ``T`` must be a multiple of 128 (:func:`splash_block`).
     """
     from jax.experimental.pallas.ops.tpu.splash_attention import (

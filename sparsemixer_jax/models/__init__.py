@@ -1,7 +1,7 @@
 """The models, one module per architecture (all Flax NNX):
 
 - :mod:`.encoder_decoder`: the Switch Transformer encoder-decoder for translation
-  (:class:`Transformer`; beam search is :mod:`sparsemixer_jax.decode`);
+  (:class:`Transformer`; beam search is :mod:`sparsemixer_jax.models.decode`);
 - :mod:`.encoder`: the bidirectional encoder for ELECTRA and GLUE (:class:`Encoder`);
 - :mod:`.electra`: ELECTRA's generator and discriminator around two encoders (:class:`Electra`);
 - :mod:`.causal_lm`: the decoder-only MoE language models (:class:`CausalLM`: Mixtral,
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from sparsemixer_jax.lazy_names import lazy_names
 
 if TYPE_CHECKING:
+    from sparsemixer_jax.layers.rope import RopeConfig
     from sparsemixer_jax.models.causal_lm import CausalLM
     from sparsemixer_jax.models.electra import Electra, GeneratorConfig
     from sparsemixer_jax.models.encoder import Encoder, EncoderConfig
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
         Transformer,
         TransformerConfig,
     )
-    from sparsemixer_jax.models.lm_config import LMConfig, RopeConfig
+    from sparsemixer_jax.models.lm_config import LMConfig
 
 # Each name, with the module that defines it.
 _LAZY = {
@@ -40,7 +41,7 @@ _LAZY = {
     "GeneratorConfig": "sparsemixer_jax.models.electra",
     "CausalLM": "sparsemixer_jax.models.causal_lm",
     "LMConfig": "sparsemixer_jax.models.lm_config",
-    "RopeConfig": "sparsemixer_jax.models.lm_config",
+    "RopeConfig": "sparsemixer_jax.layers.rope",
 }
 
 __all__ = [

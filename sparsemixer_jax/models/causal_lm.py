@@ -29,8 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparsemixer_jax import sharding
-from sparsemixer_jax.attention import (
+from sparsemixer_jax.layers.attention import (
     HF_NAMES,
     Attention,
     AttentionOptions,
@@ -38,14 +37,17 @@ from sparsemixer_jax.attention import (
     KVCache,
     write_slots,
 )
+from sparsemixer_jax.layers.linear import linear, linear_maker
+from sparsemixer_jax.layers.norms import LayerNorm, RMSNorm
+from sparsemixer_jax.layers.packed_attention import segment_layout
+from sparsemixer_jax.layers.rope import rope_cos_sin
 from sparsemixer_jax.models.latent_attention import LatentAttention
 from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
-from sparsemixer_jax.models.rope import rope_cos_sin
 from sparsemixer_jax.moe import MoEFeedForward
 from sparsemixer_jax.moe.dispatch import clamped_swiglu
-from sparsemixer_jax.moe.shared import MakeLinear, SharedExperts
-from sparsemixer_jax.packed_attention import segment_layout
+from sparsemixer_jax.moe.shared import SharedExperts
 from sparsemixer_jax.packed_tree import PackedTree
+from sparsemixer_jax.parallel import sharding
 
 
 class LMOutput(NamedTuple):
@@ -68,53 +70,9 @@ def _dtype(config: LMConfig) -> jnp.dtype:
     return jnp.dtype(config.compute_dtype)
 
 
-class RMSNorm(nnx.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, statistics in float32."""
-
-    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
-        self.eps, self.dtype = eps, dtype
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(self.dtype) * y.astype(self.dtype)
-
-
-class LayerNorm(nnx.Module):
-    """LayerNorm with weight and bias (Phi-3.5-MoE), statistics in float32."""
-
-    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
-        self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32))
-        self.eps, self.dtype = eps, dtype
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        mean = jnp.mean(x32, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps) * self.weight[...] + self.bias[...]
-        return y.astype(self.dtype)
-
-
 def make_norm(config: LMConfig, dim: int | None = None) -> RMSNorm | LayerNorm:
     cls = RMSNorm if config.norm == "rms" else LayerNorm
     return cls(dim or config.hidden_size, config.norm_eps, _dtype(config))
-
-
-def linear(din: int, dout: int, bias: bool, config: LMConfig, rngs: nnx.Rngs) -> nnx.Linear:
-    """A projection ``[din] -> [dout]`` in the compute dtype with float32 params."""
-    # Initialised as the Hugging Face types are: normal(initializer_range), zero bias.
-    return nnx.Linear(din, dout, use_bias=bias, dtype=_dtype(config), param_dtype=jnp.float32,
-                      kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
-
-
-def linear_maker(config: LMConfig, rngs: nnx.Rngs) -> MakeLinear:
-    """:func:`linear` of ``config`` as a :class:`~sparsemixer_jax.moe.shared.MakeLinear`."""
-    def make(in_features: int, out_features: int, *, use_bias: bool) -> nnx.Linear:
-        return linear(in_features, out_features, use_bias, config, rngs)
-
-    return make
 
 
 def make_attention(config: LMConfig, rngs: nnx.Rngs,
@@ -221,7 +179,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, cos, sin, mask, kv, token_mask, deterministic, dropless, fused=None):
         """``x [B, T, emb]``; ``kv``: this layer's cache ``(keys, values, index)`` or None;
-        ``fused``: how cuDNN may take ``mask`` (:class:`~sparsemixer_jax.attention.FusedMask`).
+        ``fused``: how cuDNN may take ``mask``
+        (:class:`~sparsemixer_jax.layers.attention.FusedMask`).
 
         Returns ``(x, (keys, values) or None, (balance_loss, z_loss))``."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
@@ -270,8 +229,9 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
     (bool ``[repeats, unit layers]``) says, the first everywhere when it is None. ``remat``:
     :data:`~sparsemixer_jax.models.lm_config.REMAT_POLICIES`, applied to the step.
     ``rows_sharding``: the sharding each step's activations keep
-    (:func:`sparsemixer_jax.sharding.keep_rows_split`). ``fused``: how cuDNN may take the mask
-    (:class:`~sparsemixer_jax.attention.FusedMask`; None where there is a window).
+    (:func:`sparsemixer_jax.parallel.sharding.keep_rows_split`). ``fused``: how cuDNN may take the
+    mask
+    (:class:`~sparsemixer_jax.layers.attention.FusedMask`; None where there is a window).
     """
     graphdef, state = nnx.split(stack)
 
@@ -473,7 +433,7 @@ class CausalLM(nnx.Module):
         num_positions = None
         if cache is not None and c.rope.kind == "longrope":
             num_positions = jnp.max(positions) + 1
-        cos, sin = rope_cos_sin(c, positions, num_positions)
+        cos, sin = rope_cos_sin(c.rope, c.rotary_dim, positions, num_positions)
         x, (new_keys, new_values), moe = self._run_stacks(x, cache, cos, sin, masks, real,
                                                           deterministic, fused)
         aux = _summed_moe_aux(moe)

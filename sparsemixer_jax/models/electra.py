@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from sparsemixer_jax import layers
+from sparsemixer_jax.layers.norms import layer_norm
 from sparsemixer_jax.models.encoder import Encoder, EncoderConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import read_fields
@@ -70,7 +70,7 @@ class GeneratorHead(nnx.Module):
 
     def __init__(self, emb_dim: int, vocab_size: int, *, dtype, rngs: nnx.Rngs):
         self.dense = nnx.Linear(emb_dim, emb_dim, dtype=dtype, rngs=rngs)
-        self.norm = layers.layer_norm(emb_dim, dtype, rngs)
+        self.norm = layer_norm(emb_dim, dtype, rngs)
         self.bias = nnx.Param(jnp.zeros((vocab_size,), jnp.float32))
 
     def __call__(self, hidden: jax.Array, embeddings) -> jax.Array:

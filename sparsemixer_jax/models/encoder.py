@@ -31,8 +31,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax import layers, sharding
 from sparsemixer_jax.initializers import uses_admin
+from sparsemixer_jax.layers import fairseq
+from sparsemixer_jax.layers.norms import layer_norm
+from sparsemixer_jax.parallel import sharding
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import check_positive
 from sparsemixer_jax.token_ids import PAD_ID
@@ -73,9 +75,9 @@ def relative_position_bucket(
 
 
 @dataclasses.dataclass(frozen=True)
-class EncoderConfig(layers.ModelConfig):
+class EncoderConfig(fairseq.ModelConfig):
     """``config.model`` of the encoder (schema: ``configs/electra.py``): the fields of
-    :class:`~sparsemixer_jax.layers.ModelConfig`, the depth, T5's relative position buckets
+    :class:`~sparsemixer_jax.layers.fairseq.ModelConfig`, the depth, T5's relative position buckets
     (``relative_buckets`` even and >= 4, up to ``relative_max_distance``) and
     ``absolute_positions`` (learned positions, 0 = none; module docstring)."""
 
@@ -126,7 +128,8 @@ class Embeddings(nnx.Module):
     ELECTRA ties this whole block between the generator and the discriminator; the token table
     also serves as the generator's output projection. ``absolute_positions = P > 0`` adds a
     learned ``[P, emb]`` table (N(0, 0.02), as BERT) indexed by position; 0 adds none. With a
-    ``mesh`` the tables are read gathered whole (:func:`sparsemixer_jax.sharding.lookup_rows`).
+    ``mesh`` the tables are read gathered whole
+    (:func:`sparsemixer_jax.parallel.sharding.lookup_rows`).
     """
 
     def __init__(self, vocab_size: int, emb_dim: int, *, dropout: float, dtype, rngs: nnx.Rngs,
@@ -146,7 +149,7 @@ class Embeddings(nnx.Module):
         self.segment = nnx.Embed(
             NUM_SEGMENTS, emb_dim, embedding_init=_embedding_init, dtype=dtype, rngs=rngs
         )
-        self.norm = layers.layer_norm(emb_dim, dtype, rngs)
+        self.norm = layer_norm(emb_dim, dtype, rngs)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, segments: jax.Array, *, deterministic: bool):
@@ -185,10 +188,10 @@ class EncoderLayer(nnx.Module):
     def __init__(self, model: EncoderConfig, router: RouterConfig, layer: int, *, dtype, mesh,
                  rngs: nnx.Rngs):
         emb = model.emb_dim
-        self.self_attn = layers.make_attention(model, dtype, rngs)
-        self.self_attn_norm = layers.layer_norm(emb, dtype, rngs)
-        self.ffn = layers.make_ffn(model, router, layer, dtype, mesh, rngs)
-        self.ffn_norm = layers.layer_norm(emb, dtype, rngs)
+        self.self_attn = fairseq.make_attention(model, dtype, rngs)
+        self.self_attn_norm = layer_norm(emb, dtype, rngs)
+        self.ffn = fairseq.make_ffn(model, router, layer, dtype, mesh, rngs)
+        self.ffn_norm = layer_norm(emb, dtype, rngs)
         self.dropout = nnx.Dropout(model.dropout, rngs=rngs)
         admin = uses_admin(model.init)
         self.attn_residual_scale = nnx.Param(jnp.ones((emb,), jnp.float32)) if admin else None
@@ -294,7 +297,7 @@ class Encoder(nnx.Module):
             x, layer_metrics = layer(x, bias, attn_mask, token_mask, deterministic=deterministic)
             if layer_metrics is not None:
                 metrics[f"layer_{i}"] = layer_metrics
-        return x, layers.collect_moe_metrics(metrics)
+        return x, fairseq.collect_moe_metrics(metrics)
 
     def set_admin_scales(self, tokens: jax.Array, segments: jax.Array | None = None
                          ) -> list[float]:

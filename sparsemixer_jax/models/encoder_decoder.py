@@ -11,7 +11,7 @@ target shifted right, as in flax ``examples/wmt``). Boolean attention masks are 
 may attend to a key. Parameters are float32; ``model.compute_dtype = "bfloat16"`` runs matmuls in
 bf16 while attention softmax, LayerNorm statistics and the logits stay float32.
 
-Generation uses an explicit key/value cache (:class:`sparsemixer_jax.attention.KVCache`, a
+Generation uses an explicit key/value cache (:class:`sparsemixer_jax.layers.attention.KVCache`, a
 pytree of arrays, its keys and values one array per decoder layer) so that one
 decoding step is a pure function of ``(tokens, cache)`` and runs under ``jax.lax.while_loop``::
 
@@ -30,16 +30,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax import sharding
-from sparsemixer_jax.attention import KVCache, write_slots
 from sparsemixer_jax.initializers import uses_admin
-from sparsemixer_jax.layers import (
+from sparsemixer_jax.layers.attention import KVCache, write_slots
+from sparsemixer_jax.layers.fairseq import (
     ModelConfig,
     collect_moe_metrics,
-    layer_norm,
     make_attention,
     make_ffn,
 )
+from sparsemixer_jax.layers.norms import layer_norm
+from sparsemixer_jax.parallel import sharding
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import check_positive
 from sparsemixer_jax.token_ids import PAD_ID
@@ -68,7 +68,7 @@ def sinusoidal_positions(positions: jax.Array, dim: int) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig(ModelConfig):
     """``config.model`` of the translation Transformer (schema: ``configs/wmt.py``): the fields
-    of :class:`~sparsemixer_jax.layers.ModelConfig` and the depth of each stack."""
+    of :class:`~sparsemixer_jax.layers.fairseq.ModelConfig` and the depth of each stack."""
 
     encoder_layers: int = 6
     decoder_layers: int = 6
@@ -196,8 +196,8 @@ class Transformer(nnx.Module):
       vocab_size: size of the shared vocabulary (id 0 is padding / decoder start).
       mesh: optional ``jax.sharding.Mesh`` handed to the MoE layers; with one, the activations
         stay split by rows between layers and the embedding lookup reads the table gathered
-        whole (:func:`sparsemixer_jax.sharding.keep_rows_split`,
-        :func:`~sparsemixer_jax.sharding.lookup_rows`).
+        whole (:func:`sparsemixer_jax.parallel.sharding.keep_rows_split`,
+        :func:`~sparsemixer_jax.parallel.sharding.lookup_rows`).
       rngs: ``nnx.Rngs``; ``params`` for initialisation, ``dropout`` (and whatever the MoE layer
         uses for routing) at training time.
     """

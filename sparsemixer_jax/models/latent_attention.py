@@ -12,7 +12,7 @@ qk_rope_head_dim`` rotated query/key dimensions and ``v = v_head_dim``:
   ``[n]`` and value ``[v]``; a head's key is ``[k_nope, k_r]``;
 * the last ``r`` query dimensions and ``k_r`` are rotated (pairs interleaved where
   ``rope_interleave``), the softmax scale is ``head_dim^-0.5`` times YaRN's
-  :func:`~sparsemixer_jax.models.rope.yarn_softmax_mscale`, and ``o_proj`` maps the
+  :func:`~sparsemixer_jax.layers.rope.yarn_softmax_mscale`, and ``o_proj`` maps the
   ``[H, v]`` heads back.
 
 The cache holds what transformers' holds: the normed latent and the rotated shared key per
@@ -27,9 +27,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax.attention import MASK_VALUE
+from sparsemixer_jax.layers.attention import MASK_VALUE
+from sparsemixer_jax.layers.linear import linear
+from sparsemixer_jax.layers.norms import RMSNorm
+from sparsemixer_jax.layers.rope import apply_rope, deinterleave, yarn_softmax_mscale
 from sparsemixer_jax.models.lm_config import LMConfig
-from sparsemixer_jax.models.rope import apply_rope, deinterleave, yarn_softmax_mscale
 
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps.
 LATENT_NORM_EPS = 1e-6
@@ -37,13 +39,10 @@ LATENT_NORM_EPS = 1e-6
 
 class LatentAttention(nnx.Module):
     """Multi-head latent attention with the interface of
-    :class:`~sparsemixer_jax.attention.Attention`: :meth:`qkv` gives the queries and
+    :class:`~sparsemixer_jax.layers.attention.Attention`: :meth:`qkv` gives the queries and
     what the cache holds, :meth:`attend` expands and attends."""
 
     def __init__(self, config: LMConfig, rngs: nnx.Rngs):
-        # Imported here: causal_lm builds this class, and its linear/norm layers are causal_lm's.
-        from sparsemixer_jax.models.causal_lm import RMSNorm, linear
-
         h, e, d = config.num_heads, config.hidden_size, config.head_dim
         dtype = jnp.dtype(config.compute_dtype)
         self.num_heads, self.head_dim = h, d

@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Literal
+from typing import Any
 
 from sparsemixer_jax import routers
-from sparsemixer_jax.attention import ATTENTION_IMPLS, check_attention_dtype
+from sparsemixer_jax.layers.attention_impls import ATTENTION_IMPLS, check_attention_dtype
+from sparsemixer_jax.layers.rope import RopeConfig
 from sparsemixer_jax.moe.dispatch import DISPATCHES, GROUPED_IMPLS
 
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
@@ -35,44 +36,6 @@ CUDNN_DOCUMENT_MASKS = ("bias", "offsets")
 #: of :data:`jax.checkpoint_policies` naming what the recomputation may keep.
 REMAT_POLICIES = ("none", "full", "elementwise", "dots_saveable",
                   "dots_with_no_batch_dims_saveable", "nothing_saveable", "everything_saveable")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """Rotary position embedding settings.
-
-    Attributes:
-      theta: the base wavelength (``rope_theta``).
-      kind: ``"default"``, ``"longrope"`` (Phi-3 / Phi-3.5-MoE) or ``"yarn"`` (gpt-oss).
-      short_factor, long_factor: longrope's per-frequency divisors (``head_dim / 2`` each).
-      short_mscale, long_mscale: longrope's scales of cos/sin below / above
-        ``original_max_position_embeddings``.
-      original_max_position_embeddings: longrope's switch point; YaRN's pretraining length.
-      factor, beta_fast, beta_slow, truncate: YaRN's context extension factor, the rotation
-        counts bounding its correction range, and whether that range is rounded outwards
-        (:func:`sparsemixer_jax.models.rope.yarn_inv_freq`).
-      attention_factor: YaRN's scale of cos and sin.
-      mscale_all_dim: YaRN's ``mscale_all_dim``; latent attention (DeepSeek-V3) multiplies its
-        softmax scale by ``(0.1 * mscale_all_dim * ln(factor) + 1)^2`` where it is non-zero
-        (other types read it into ``attention_factor`` only).
-      partial_rotary_factor: the fraction of each head's width that is rotated (the first
-        ``int(head_dim * factor)`` dimensions; the rest pass unrotated: GLM-4.5).
-    """
-
-    theta: float = 10000.0
-    kind: Literal["default", "longrope", "yarn"] = "default"
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
-    short_mscale: float = 1.0
-    long_mscale: float = 1.0
-    original_max_position_embeddings: int = 0
-    partial_rotary_factor: float = 1.0
-    factor: float = 1.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float = 1.0
-    mscale_all_dim: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +114,7 @@ class LMConfig:
       cudnn_document_mask: how cuDNN's attention takes packed documents (``segment_ids``) in a
         full forward pass: ``"bias"``, the boolean mask, which it reads as an additive bias
         ``[B, 1, T, T]``; ``"offsets"``, each row's segments as offsets and lengths in cuDNN's
-        packed layout (:mod:`sparsemixer_jax.packed_attention`), no bias, with
+        packed layout (:mod:`sparsemixer_jax.layers.packed_attention`), no bias, with
         ``max_segments_per_row`` segments at most (a micro-batch with a row of more takes the
         mask). Without segment ids, padding or a sliding window cuDNN takes its causal flag
         alone either way.
@@ -189,7 +152,7 @@ class LMConfig:
     out_bias: bool = False
     lm_head_bias: bool = False
     clip_qkv: float | None = None
-    rope: RopeConfig = RopeConfig()
+    rope: RopeConfig = RopeConfig()  # noqa: RUF009 (frozen: one shared default is safe)
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()
     attention_sinks: bool = False

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax.attention import KVCache
+from sparsemixer_jax.layers.attention import KVCache
 from sparsemixer_jax.models.causal_lm import CausalLM
 
 

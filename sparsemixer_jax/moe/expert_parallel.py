@@ -3,7 +3,8 @@ mesh.
 
 * Expert weights ``[N, ...]`` are split over ``"expert"``: each device of an expert group holds
   ``N / E`` consecutive experts (``E`` = size of the expert axis) while they run. At rest they
-  may be split over ``"fsdp"`` too (:mod:`sparsemixer_jax.partitioning`); XLA gathers them over
+  may be split over ``"fsdp"`` too (:mod:`sparsemixer_jax.parallel.partitioning`); XLA gathers them
+  over
   ``"fsdp"`` on the way in. The batch is split over ``"data"`` and ``"fsdp"`` (together: the
   data groups) and, inside this function, over ``"expert"``.
 * The router runs outside :func:`jax.shard_map`, under plain ``jit`` partitioning, on the full
@@ -44,8 +45,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from sparsemixer_jax.moe.dispatch import expert_ffn
-from sparsemixer_jax.partitioning import MESH_AXES
-from sparsemixer_jax.sharding import batch_groups, check_batch, check_mesh
+from sparsemixer_jax.parallel.partitioning import MESH_AXES
+from sparsemixer_jax.parallel.sharding import batch_groups, check_batch, check_mesh
 
 
 def expert_parallel_ffn(

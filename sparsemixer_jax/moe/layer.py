@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax import routers, sharding
+from sparsemixer_jax import routers
 from sparsemixer_jax.initializers import expert_init, router_init
 from sparsemixer_jax.kernels.mosaic_grouped_matmul import check_grouped_supported
 from sparsemixer_jax.moe.combine import gated_sum
@@ -34,6 +34,7 @@ from sparsemixer_jax.moe.dispatch import (
 from sparsemixer_jax.moe.expert_parallel import buffer_overflow, expert_parallel_ffn
 from sparsemixer_jax.moe.shared import SharedExperts
 from sparsemixer_jax.moe.unchosen import all_expert_outputs, update_expert_defaults
+from sparsemixer_jax.parallel import sharding
 
 
 def _stream(rngs: nnx.Rngs, name: str, fallback: str) -> nnx.RngStream:

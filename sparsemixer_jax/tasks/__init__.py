@@ -8,7 +8,8 @@
 
 Each is registered once, in :data:`TASKS`. A task's ``from_config`` builds the typed section of
 every part of its own config (each checks its own fields) and then
-:func:`sparsemixer_jax.config.validate`'s rules between sections; :func:`run_config` adds the
+:func:`sparsemixer_jax.training.config.validate`'s rules between sections; :func:`run_config` adds
+the
 loop's sections around it, once per run and before anything is read or written. This package,
 the command-line helpers and the compile command are where an experiment config is read; past
 them, code takes the typed sections.
@@ -20,7 +21,7 @@ import dataclasses
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from sparsemixer_jax import config as config_schema
+from sparsemixer_jax.training import config as config_schema
 
 if TYPE_CHECKING:  # the loop's sections need Optax: imported when a run is built
     from sparsemixer_jax.training.run_config import RunConfig
@@ -100,7 +101,8 @@ def run_config(config: Any, task: Any = None) -> RunConfig:
 
 def check_config(config: Any) -> Any:
     """Builds every typed section of ``config``'s task, each checking its own fields, and checks
-    the rules between them (:func:`sparsemixer_jax.config.validate`): ValueError naming the first
+    the rules between them (:func:`sparsemixer_jax.training.config.validate`): ValueError naming
+    the first
     field that makes no sense. Returns the :class:`~sparsemixer_jax.training.run_config.RunConfig`
     of a task the loop trains, the typed sections of another (GLUE fine-tuning's settings)."""
     if not check_sections(config).trainer:

@@ -54,8 +54,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sparsemixer_jax import glue_metrics
 from sparsemixer_jax.data import glue
+from sparsemixer_jax.metrics import glue_metrics
 from sparsemixer_jax.models.encoder import EncoderConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast, check_fraction, read_fields

@@ -26,13 +26,12 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from sparsemixer_jax import config as config_schema
-from sparsemixer_jax import sharding
 from sparsemixer_jax.data import bpe, chat, lm_text, text
 from sparsemixer_jax.data.tokenizer import vocabulary_sample
 from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.models.lm_loss import token_nll
+from sparsemixer_jax.parallel import sharding
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast
 from sparsemixer_jax.tasks import check_sections, run_config
@@ -48,6 +47,7 @@ from sparsemixer_jax.tasks.lm_sections import (
     router_overrides,
 )
 from sparsemixer_jax.training import Run, TaskData, train
+from sparsemixer_jax.training import config as config_schema
 from sparsemixer_jax.training.hosts import is_main_process, wait_for_all_processes
 from sparsemixer_jax.training.loop import evaluate
 

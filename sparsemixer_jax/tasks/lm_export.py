@@ -23,12 +23,12 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from sparsemixer_jax import config as config_schema
-from sparsemixer_jax import sharding
 from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.parallel import sharding
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.tasks import run_config
 from sparsemixer_jax.tasks.language_model import KEPT_DIR, KEPT_FILES, LMTask
+from sparsemixer_jax.training import config as config_schema
 from sparsemixer_jax.training.loop import build_steps
 
 #: ``routing=``: ``"trained"`` records the routing the run trained with (restored by
@@ -68,7 +68,7 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
     collective) and process 0 writes; the difference is then not measured.
     """
     from sparsemixer_jax import hf
-    from sparsemixer_jax.checkpoint import list_checkpoints
+    from sparsemixer_jax.training.checkpoint import list_checkpoints
     from sparsemixer_jax.training.state import restore_checkpoint
 
     if checkpoint not in ("best", "last"):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sparsemixer_jax.attention import ATTENTION_IMPLS, check_attention_dtype
 from sparsemixer_jax.hf.families import family_of, types_with
+from sparsemixer_jax.layers.attention_impls import ATTENTION_IMPLS, check_attention_dtype
 from sparsemixer_jax.models.lm_config import CUDNN_DOCUMENT_MASKS, LMConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.routers.registry import ROUTER_OPTIONS
@@ -103,7 +103,8 @@ class LMModelConfig:
         (:data:`~sparsemixer_jax.models.lm_config.REMAT_POLICIES`).
       dropout, attention_dropout, activation_dropout, activation, init,
         num_shared_experts, shared_expert_gate: the fields every model section has
-        (:func:`sparsemixer_jax.config.moe_model_fields`); the language model has no dropout,
+        (:func:`sparsemixer_jax.training.config.moe_model_fields`); the language model has no
+        dropout,
         SwiGLU (``silu``) experts, the types' own normal initialisation
         (``init="normal"``) and only Qwen2-MoE's own shared expert, so only the defaults are
         taken.

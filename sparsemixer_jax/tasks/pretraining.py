@@ -25,8 +25,6 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from sparsemixer_jax import config as config_schema
-from sparsemixer_jax.checkpoint import checkpoint_digest, checkpoints_root, list_checkpoints
 from sparsemixer_jax.data import text
 from sparsemixer_jax.data.tokenizer import Tokenizer
 from sparsemixer_jax.initializers import uses_admin
@@ -37,6 +35,12 @@ from sparsemixer_jax.section import cast
 from sparsemixer_jax.tasks import check_sections, run_config
 from sparsemixer_jax.token_ids import PAD_ID
 from sparsemixer_jax.training import Run, TaskData, train
+from sparsemixer_jax.training import config as config_schema
+from sparsemixer_jax.training.checkpoint import (
+    checkpoint_digest,
+    checkpoints_root,
+    list_checkpoints,
+)
 from sparsemixer_jax.training.hosts import is_main_process, wait_for_all_processes
 from sparsemixer_jax.training.loop import build_model, build_steps
 from sparsemixer_jax.training.state import restore_checkpoint
@@ -121,7 +125,8 @@ class PretrainingTask:
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> PretrainingTask:
         """Every section of a pretraining config, each checked, and the rules between them
-        (:func:`sparsemixer_jax.config.validate`): a ValueError naming the first bad field."""
+        (:func:`sparsemixer_jax.training.config.validate`): a ValueError naming the first bad
+        field."""
         check_sections(config)
         # The discriminator's own fields first: a bad model.* is reported as such, not through
         # the generator that inherits it.
@@ -267,7 +272,7 @@ def pretrain(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
 class Pretrained:
     """A pretrained discriminator and where it came from.
 
-    ``step`` and ``digest`` (:func:`sparsemixer_jax.checkpoint.checkpoint_digest`) name the
+    ``step`` and ``digest`` (:func:`sparsemixer_jax.training.checkpoint.checkpoint_digest`) name the
     checkpoint's content, so fine-tuning results can say what they started from."""
 
     encoder: Encoder
@@ -289,7 +294,7 @@ def load_pretrained(
     named in a warning and skipped). The encoder's RNG streams are those of a fresh model:
     reseed them (``nnx.reseed``) for fine-tuning. Raises ``FileNotFoundError`` (one line) if
     ``workdir`` is not a pretraining workdir or holds no such checkpoint, and
-    :class:`~sparsemixer_jax.checkpoint.CheckpointError` if none of them is readable.
+    :class:`~sparsemixer_jax.training.checkpoint.CheckpointError` if none of them is readable.
     """
     if checkpoint not in ("best", "last"):
         raise ValueError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")

@@ -20,20 +20,21 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from sparsemixer_jax import bleu, decode
-from sparsemixer_jax import config as config_schema
-from sparsemixer_jax.checkpoint import CheckpointError
 from sparsemixer_jax.data.batching import restore_order
 from sparsemixer_jax.data.sources import DataConfig, check_text_files, read_split
 from sparsemixer_jax.data.tokenizer import Tokenizer, get_tokenizer
 from sparsemixer_jax.data.translation import load_datasets
-from sparsemixer_jax.decode import DecodeConfig
+from sparsemixer_jax.metrics import bleu
+from sparsemixer_jax.models import decode
+from sparsemixer_jax.models.decode import DecodeConfig
 from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast, check_fraction
 from sparsemixer_jax.tasks import check_sections, run_config
 from sparsemixer_jax.token_ids import PAD_ID
 from sparsemixer_jax.training import Run, TaskData, train
+from sparsemixer_jax.training import config as config_schema
+from sparsemixer_jax.training.checkpoint import CheckpointError
 from sparsemixer_jax.training.hosts import (
     BatchPlacer,
     is_main_process,
@@ -130,7 +131,8 @@ class TranslationTask:
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> TranslationTask:
         """Every section of a translation config, each checked, and the rules between them
-        (:func:`sparsemixer_jax.config.validate`): a ValueError naming the first bad field."""
+        (:func:`sparsemixer_jax.training.config.validate`): a ValueError naming the first bad
+        field."""
         check_sections(config)
         model = TransformerConfig.from_config(config.model)
         router = RouterConfig.from_config(config.router)

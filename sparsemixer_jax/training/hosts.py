@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsemixer_jax import sharding
+from sparsemixer_jax.parallel import sharding
 
 
 def is_main_process() -> bool:

@@ -24,8 +24,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from sparsemixer_jax import runtime, sharding
-from sparsemixer_jax.checkpoint import RunCheckpoints
+from sparsemixer_jax.parallel import sharding
+from sparsemixer_jax.training import runtime
+from sparsemixer_jax.training.checkpoint import RunCheckpoints
 from sparsemixer_jax.training.hosts import BatchPlacer, is_main_process, write_atomically
 from sparsemixer_jax.training.logs import MetricLog, Progress, StepMetrics
 from sparsemixer_jax.training.preemption import StopSignals
@@ -206,7 +207,8 @@ def train(run: RunConfig, workdir: str) -> dict[str, Any]:
     that another run holds (one run per workdir), and
     :class:`~sparsemixer_jax.training.preemption.Stopped` after SIGTERM or SIGINT (the step in
     flight is finished and checkpointed; rerunning resumes there), and
-    :class:`~sparsemixer_jax.checkpoint.DiskFull` at a checkpoint save that ran out of space
+    :class:`~sparsemixer_jax.training.checkpoint.DiskFull` at a checkpoint save that ran out of
+    space
     (one line naming the workdir and the space a checkpoint needs).
     """
     runtime.configure(run.runtime)  # before any key is made (the entry points: earlier still)

@@ -15,9 +15,9 @@ from typing import Any
 
 import jax
 
-from sparsemixer_jax import config as config_schema
-from sparsemixer_jax.checkpoint import CheckpointError, RunCheckpoints, has_checkpoint
-from sparsemixer_jax.sharding import MeshConfig
+from sparsemixer_jax.parallel.sharding import MeshConfig
+from sparsemixer_jax.training import config as config_schema
+from sparsemixer_jax.training.checkpoint import CheckpointError, RunCheckpoints, has_checkpoint
 from sparsemixer_jax.training.hosts import is_main_process
 from sparsemixer_jax.training.logs import flatten
 from sparsemixer_jax.training.run_config import RunConfig
@@ -88,7 +88,7 @@ def check_resume_config(workdir: str, run: RunConfig) -> None:
 
 def config_differences(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
     """``{dotted field: (saved, current)}`` of every leaf that differs. A field the saved config
-    lacks is compared as :data:`sparsemixer_jax.config.ADDED_FIELD_DEFAULTS` reads it; mesh
+    lacks is compared as :data:`sparsemixer_jax.training.config.ADDED_FIELD_DEFAULTS` reads it; mesh
     sizes as resolved on this machine (``mesh.data = -1`` and the device count it stands for
     agree)."""
     missing = object()

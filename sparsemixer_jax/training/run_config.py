@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sparsemixer_jax import config as config_schema
-from sparsemixer_jax.runtime import RuntimeConfig
+from sparsemixer_jax.parallel.sharding import MeshConfig
 from sparsemixer_jax.section import check_positive, get_field, has_field, read_fields
-from sparsemixer_jax.sharding import MeshConfig
+from sparsemixer_jax.training import config as config_schema
 from sparsemixer_jax.training.optim import OptimSettings
 from sparsemixer_jax.training.routing_watch import CollapseRule
+from sparsemixer_jax.training.runtime import RuntimeConfig
 
 #: The loop's intervals, in steps (each > 0); a resumed run may change any of them.
 LOOP_INTERVALS = ("train_steps", "eval_every", "checkpoint_every", "log_every")

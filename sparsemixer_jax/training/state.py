@@ -30,8 +30,8 @@ import flax.struct
 import jax
 import numpy as np
 
-from sparsemixer_jax import checkpoint
-from sparsemixer_jax.checkpoint import CheckpointError
+from sparsemixer_jax.training import checkpoint
+from sparsemixer_jax.training.checkpoint import CheckpointError
 
 logger = logging.getLogger(__name__)
 

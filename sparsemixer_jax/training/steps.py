@@ -43,7 +43,7 @@ from flax import nnx
 from sparsemixer_jax.moe.balancing import BalancePlan, balance_plan, end_of_update
 from sparsemixer_jax.moe.layer import report_choices, routing_param_paths
 from sparsemixer_jax.packed_tree import PackedTree
-from sparsemixer_jax.partitioning import Partitioner, constrain
+from sparsemixer_jax.parallel.partitioning import Partitioner, constrain
 from sparsemixer_jax.training import compute_copies
 from sparsemixer_jax.training.optim import (
     FROZEN,
@@ -217,7 +217,7 @@ class Steps:
 
     ``params`` and ``layer_state`` are the model's initial ones (pure dicts); ``graphdef`` and
     ``rest`` (its RNG streams) are the parts of the model no update changes. ``partitioner``
-    (:class:`sparsemixer_jax.partitioning.Partitioner`, for a model placed on a mesh by it)
+    (:class:`sparsemixer_jax.parallel.partitioning.Partitioner`, for a model placed on a mesh by it)
     keeps parameters, gradients and optimizer state sharded; None on one device.
     """
 

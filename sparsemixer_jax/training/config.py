@@ -106,7 +106,7 @@ def router_config(name: str = "sparsemixer", **overrides: Any) -> ml_collections
 
 
 def runtime_config(**overrides: Any) -> ml_collections.ConfigDict:
-    """``config.runtime``: process-wide JAX settings (:mod:`sparsemixer_jax.runtime`)."""
+    """``config.runtime``: process-wide JAX settings (:mod:`sparsemixer_jax.training.runtime`)."""
     c = ml_collections.ConfigDict()
     c.deterministic = False  # XLA:GPU deterministic ops: bit-exact resume on GPU, slower
     c.rng_impl = "threefry2x32"  # jax_default_prng_impl: | "rbg" | "unsafe_rbg"
@@ -120,8 +120,8 @@ def mesh_config(data: int = -1, expert: int = 1, fsdp: int = 1,
                 **rules: str | list[str] | None) -> ml_collections.ConfigDict:
     """``config.mesh``: the ``(data, fsdp, expert)`` device mesh (``data = -1`` takes every
     device the other axes leave) and ``rules``, the mesh axes of each logical axis name
-    (:mod:`sparsemixer_jax.partitioning`; keyword arguments override its defaults)."""
-    from sparsemixer_jax.partitioning import DEFAULT_RULES  # plain Python tables, JAX only
+    (:mod:`sparsemixer_jax.parallel.partitioning`; keyword arguments override its defaults)."""
+    from sparsemixer_jax.parallel.partitioning import DEFAULT_RULES  # plain Python tables, JAX only
 
     c = ml_collections.ConfigDict({"data": data, "fsdp": fsdp, "expert": expert})
     # Lists, not tuples: the rules must read the same after a round trip through config.json.

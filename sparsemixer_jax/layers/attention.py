@@ -3,7 +3,8 @@
 :class:`Attention` is multi-head attention with grouped query heads: the translation
 Transformer and the ELECTRA encoder build it with fairseq's projections, attention-weight
 dropout, cross-attention and (the encoder) a relative position bias
-(:func:`sparsemixer_jax.layers.make_attention`); the decoder-only language models build it with
+(:func:`sparsemixer_jax.layers.fairseq.make_attention`); the decoder-only language models build it
+with
 the Hugging Face types' projections, rotary positions, q/k norms, value clipping and sink logits
 (:func:`sparsemixer_jax.models.causal_lm.make_attention`). Its parameters keep each model's
 names (:attr:`AttentionOptions.names`), so both models' checkpoints and the Hugging Face name
@@ -24,22 +25,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparsemixer_jax.kernels.splash_attention import splash_block, splash_heads
-from sparsemixer_jax.models.rope import apply_rope
+from sparsemixer_jax.layers.attention_impls import ATTENTION_IMPLS, check_attention_impl
+from sparsemixer_jax.layers.packed_attention import SegmentLayout, packed_attention
+from sparsemixer_jax.layers.rope import apply_rope
 from sparsemixer_jax.moe.shared import MakeLinear
-from sparsemixer_jax.packed_attention import SegmentLayout, packed_attention
 
 # Large negative logit for masked attention entries; finite so that a fully masked row (padding)
 # gives a uniform distribution instead of NaN.
 MASK_VALUE = -1e9
-
-# attention_impl -> jax.nn.dot_product_attention's ``implementation`` ("einsum" is this module's
-# own attention, the only one with dropout on the attention weights and sink logits: the paper's
-# setting). "xla" and "auto" (jax picks; XLA in jax 0.10) take the boolean mask as it is. "cudnn"
-# is cuDNN's fused flash attention (NVIDIA GPUs, bf16); how it takes the masks is
-# :attr:`AttentionOptions.masks_are_lengths`'s, or a :class:`FusedMask`'s. "splash" is jax's
-# Pallas TPU flash attention (:mod:`sparsemixer_jax.kernels.splash_attention`) for the causal full
-# passes a :class:`FusedMask` describes; every other pass takes the einsum attention.
-ATTENTION_IMPLS = {"einsum": None, "xla": "xla", "cudnn": "cudnn", "auto": None, "splash": None}
 
 #: Parameter names of the query, key, value and output projections: fairseq's (the translation
 #: and ELECTRA checkpoints) and the Hugging Face types' (the language models' name tables).
@@ -69,7 +62,7 @@ class FusedMask(NamedTuple):
       exactly_causal: the mask hides the keys after each query and nothing else (one sequence
         per row, no padding, no sliding window): cuDNN takes its causal flag alone.
       segments: the packed documents as segment offsets
-        (:func:`~sparsemixer_jax.packed_attention.segment_layout`), or None: the mask.
+        (:func:`~sparsemixer_jax.layers.packed_attention.segment_layout`), or None: the mask.
       segment_ids, token_mask: splash's form of a causal mask without a window: the packed
         documents' ids (int ``[B, T]``) and the padding (bool ``[B, T]``), each None where
         there is none.
@@ -79,27 +72,6 @@ class FusedMask(NamedTuple):
     segments: SegmentLayout | None = None
     segment_ids: jax.Array | None = None
     token_mask: jax.Array | None = None
-
-
-def check_attention_impl(implementation: str, attention_dropout: float) -> None:
-    """Raises ValueError if ``implementation`` is unknown or cannot apply ``attention_dropout``."""
-    if implementation not in ATTENTION_IMPLS:
-        raise ValueError(f"attention implementation {implementation!r}; expected one of "
-                         f"{sorted(ATTENTION_IMPLS)}")
-    if implementation != "einsum" and attention_dropout > 0:
-        raise ValueError(
-            f"attention implementation {implementation!r} has no dropout on the attention "
-            f"weights, but attention_dropout={attention_dropout}: set it to 0 or use 'einsum'"
-        )
-
-
-def check_attention_dtype(implementation: str, compute_dtype: str, where: str = "") -> None:
-    """Raises ValueError unless ``implementation`` runs in ``compute_dtype``: cuDNN's fused
-    (flash) attention takes 16-bit inputs, so ``"cudnn"`` needs ``"bfloat16"``. ``where``
-    prefixes both field names (``"config.model."``)."""
-    if implementation == "cudnn" and compute_dtype != "bfloat16":
-        raise ValueError(f"{where}attention_impl='cudnn' needs {where}compute_dtype='bfloat16' "
-                         f"(cuDNN's fused attention takes 16-bit inputs), got {compute_dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +212,7 @@ class Attention(nnx.Module):
     def project_q(self, x: jax.Array, cos: jax.Array | None = None,
                   sin: jax.Array | None = None) -> jax.Array:
         """Queries ``[B, T, H, D]`` of ``x [B, T, emb]``, rotated by ``cos, sin``
-        (:func:`~sparsemixer_jax.models.rope.apply_rope`) when given."""
+        (:func:`~sparsemixer_jax.layers.rope.apply_rope`) when given."""
         q = self._projection(0)(x)
         if self.options.qk_norm == "full":
             q = self.q_norm(q)

@@ -73,7 +73,8 @@ def set_deterministic_gpu_ops() -> None:
         raise RuntimeError(
             "config.runtime.deterministic needs XLA_FLAGS to hold "
             f"{DETERMINISTIC_XLA_FLAG} before JAX starts its GPU backend; call "
-            "sparsemixer_jax.runtime.configure(runtime) before any computation, or export it"
+            "sparsemixer_jax.training.runtime.configure(runtime) before any computation, or "
+            "export it"
         )
     os.environ["XLA_FLAGS"] = f"{flags} {DETERMINISTIC_XLA_FLAG}".strip()
 

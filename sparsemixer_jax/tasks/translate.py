@@ -18,12 +18,12 @@ def translate_lines(workdir: str, lines: list[str], *, checkpoint: str = "best",
     """Translations of ``lines`` (in order) with the run in ``workdir``."""
     import numpy as np
 
-    from sparsemixer_jax import config as config_schema
-    from sparsemixer_jax import decode
-    from sparsemixer_jax.checkpoint import checkpoints_root, list_checkpoints
     from sparsemixer_jax.data.tokenizer import Tokenizer
+    from sparsemixer_jax.models import decode
     from sparsemixer_jax.tasks import run_config, translation
     from sparsemixer_jax.training import build_steps
+    from sparsemixer_jax.training import config as config_schema
+    from sparsemixer_jax.training.checkpoint import checkpoints_root, list_checkpoints
     from sparsemixer_jax.training.state import restore_checkpoint
 
     if batch_size < 1:

@@ -1,6 +1,7 @@
-"""Layers shared by the models: fairseq's attention (:mod:`sparsemixer_jax.attention`'s
-module with fairseq's projections), the dense feed-forward, LayerNorm, the FFN choice,
-and the model section every model's config extends (:class:`ModelConfig`).
+"""The sublayers of the fairseq-style models: fairseq's attention
+(:mod:`sparsemixer_jax.layers.attention`'s module with fairseq's projections), the dense
+feed-forward, the FFN choice, and the model section every such model's config extends
+(:class:`ModelConfig`); their LayerNorm is :func:`sparsemixer_jax.layers.norms.layer_norm`.
 
 The translation Transformer (:mod:`sparsemixer_jax.models.encoder_decoder`) and the ELECTRA
 encoder (:mod:`sparsemixer_jax.models.encoder`) are built from these. Parameters are float32;
@@ -17,14 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparsemixer_jax.attention import (
-    FAIRSEQ_NAMES,
-    Attention,
-    AttentionOptions,
-    check_attention_dtype,
-    check_attention_impl,
-)
 from sparsemixer_jax.initializers import attention_init, feed_forward_init
+from sparsemixer_jax.layers.attention import FAIRSEQ_NAMES, Attention, AttentionOptions
+from sparsemixer_jax.layers.attention_impls import check_attention_dtype, check_attention_impl
 from sparsemixer_jax.moe import MoEConfig, MoEFeedForward, activation_fn
 from sparsemixer_jax.moe.shared import MakeLinear
 from sparsemixer_jax.routers import RouterConfig
@@ -53,7 +49,7 @@ class ModelConfig:
         ``emb_dim``).
       moe: the feed-forward sublayers (dense or MoE), read from the same section.
       dropout, attention_dropout: residual and attention-weight dropout rates, in ``[0, 1)``.
-      attention_impl: a key of :data:`~sparsemixer_jax.attention.ATTENTION_IMPLS`.
+      attention_impl: a key of :data:`~sparsemixer_jax.layers.attention_impls.ATTENTION_IMPLS`.
       compute_dtype: ``"float32"`` or ``"bfloat16"`` (params stay float32).
     """
 
@@ -125,8 +121,8 @@ def fairseq_attention(
     ``query``, ``key``, ``value``, ``out``), dropout on the attention weights. ``init`` is the
     initialisation scheme (:mod:`sparsemixer_jax.initializers`; by default the model section's,
     :class:`~sparsemixer_jax.moe.MoEConfig`'s); ``implementation`` a key of
-    :data:`~sparsemixer_jax.attention.ATTENTION_IMPLS`, given masks that are lengths (right
-    padding, causal in decoder self-attention)."""
+    :data:`~sparsemixer_jax.layers.attention_impls.ATTENTION_IMPLS`, given masks that are
+    lengths (right padding, causal in decoder self-attention)."""
     if emb_dim % num_heads:
         raise ValueError(f"emb_dim {emb_dim} is not divisible by num_heads {num_heads}")
     inits = attention_init(init, emb_dim)
@@ -202,11 +198,6 @@ def make_ffn(model: ModelConfig, router: RouterConfig, layer: int, dtype, mesh,
                                           mesh=mesh, rngs=rngs)
     return FeedForward(model.emb_dim, model.mlp_dim, activation_dropout=moe.activation_dropout,
                        dtype=dtype, rngs=rngs, activation=moe.activation, init=moe.init)
-
-
-def layer_norm(emb_dim: int, dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    # fairseq's LayerNorm epsilon; flax computes the statistics in float32 whatever ``dtype``.
-    return nnx.LayerNorm(emb_dim, epsilon=1e-5, dtype=dtype, rngs=rngs)
 
 
 def collect_moe_metrics(metrics: dict[str, dict]) -> dict[str, Any]:

@@ -1,19 +1,54 @@
-"""Rotary position embeddings of :class:`sparsemixer_jax.models.causal_lm.CausalLM`: the
-frequencies of each :class:`~sparsemixer_jax.models.lm_config.RopeConfig` kind (default,
-Phi-3.5-MoE's longrope, gpt-oss's YaRN) and the rotation, as transformers 5.23 computes them
-(``modeling_rope_utils.py``)."""
+"""Rotary position embeddings of :class:`sparsemixer_jax.models.causal_lm.CausalLM`: their
+settings (:class:`RopeConfig`, a field of the model's config), the frequencies of each kind
+(default, Phi-3.5-MoE's longrope, gpt-oss's YaRN) and the rotation, as transformers 5.23
+computes them (``modeling_rope_utils.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:  # annotations only: sparsemixer_jax.attention, which lm_config imports,
-    # imports apply_rope from here
-    from sparsemixer_jax.models.lm_config import LMConfig, RopeConfig
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding settings.
+
+    Attributes:
+      theta: the base wavelength (``rope_theta``).
+      kind: ``"default"``, ``"longrope"`` (Phi-3 / Phi-3.5-MoE) or ``"yarn"`` (gpt-oss).
+      short_factor, long_factor: longrope's per-frequency divisors (``head_dim / 2`` each).
+      short_mscale, long_mscale: longrope's scales of cos/sin below / above
+        ``original_max_position_embeddings``.
+      original_max_position_embeddings: longrope's switch point; YaRN's pretraining length.
+      factor, beta_fast, beta_slow, truncate: YaRN's context extension factor, the rotation
+        counts bounding its correction range, and whether that range is rounded outwards
+        (:func:`sparsemixer_jax.layers.rope.yarn_inv_freq`).
+      attention_factor: YaRN's scale of cos and sin.
+      mscale_all_dim: YaRN's ``mscale_all_dim``; latent attention (DeepSeek-V3) multiplies its
+        softmax scale by ``(0.1 * mscale_all_dim * ln(factor) + 1)^2`` where it is non-zero
+        (other types read it into ``attention_factor`` only).
+      partial_rotary_factor: the fraction of each head's width that is rotated (the first
+        ``int(head_dim * factor)`` dimensions; the rest pass unrotated: GLM-4.5).
+    """
+
+    theta: float = 10000.0
+    kind: Literal["default", "longrope", "yarn"] = "default"
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    short_mscale: float = 1.0
+    long_mscale: float = 1.0
+    original_max_position_embeddings: int = 0
+    partial_rotary_factor: float = 1.0
+    factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    mscale_all_dim: float = 0.0
 
 
 def yarn_inv_freq(rope: RopeConfig, dim: int) -> jax.Array:
@@ -39,11 +74,12 @@ def yarn_inv_freq(rope: RopeConfig, dim: int) -> jax.Array:
     return interpolation * (1 - keep) + extrapolation * keep
 
 
-def rope_cos_sin(config: LMConfig, positions: jax.Array, num_positions: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+def rope_cos_sin(rope: RopeConfig, rotary_dim: int, positions: jax.Array,
+                 num_positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """cos and sin ``[B, T, head_dim]`` (float32) of the rotary embedding at int ``positions``
     ``[B, T]``: frequencies ``1 / theta^(2i / d)``, each used twice (``rotate_half`` layout);
-    ``d`` is the rotated width (:attr:`LMConfig.rotary_dim`: ``head_dim`` times
+    ``d`` is the rotated width ``rotary_dim``
+    (:attr:`~sparsemixer_jax.models.lm_config.LMConfig.rotary_dim`: ``head_dim`` times
     ``partial_rotary_factor``, or latent attention's ``qk_rope_head_dim``).
 
     longrope (Phi-3.5-MoE) divides the frequencies by ``short_factor`` and scales cos/sin by
@@ -53,7 +89,7 @@ def rope_cos_sin(config: LMConfig, positions: jax.Array, num_positions: jax.Arra
     switches. YaRN (gpt-oss) takes :func:`yarn_inv_freq` and scales cos/sin by
     ``attention_factor``.
     """
-    rope, d = config.rope, config.rotary_dim
+    d = rotary_dim
     inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     scale = jnp.ones((), jnp.float32)
     if rope.kind == "longrope":

@@ -55,7 +55,8 @@ LOGICAL_AXES = (
     "latent",  # latent attention's low-rank width (DeepSeek-V3's q_lora_rank, kv_lora_rank)
 )
 
-# The device mesh's axis names, outermost first (sparsemixer_jax.sharding.make_mesh builds it).
+# The device mesh's axis names, outermost first (sparsemixer_jax.parallel.sharding.make_mesh builds
+# it).
 MESH_AXES = ("data", "fsdp", "expert")
 
 # Where each logical name goes by default: a mesh axis, a tuple of them, or None (not split).

@@ -2,7 +2,8 @@
 
 Batches are split over every device (:func:`batch_sharding`). Parameters and optimizer state are
 placed by logical axis names and the rules of ``config.mesh.rules``
-(:mod:`sparsemixer_jax.partitioning`): by default the model width over ``"fsdp"`` (FSDP, ZeRO-3
+(:mod:`sparsemixer_jax.parallel.partitioning`): by default the model width over ``"fsdp"`` (FSDP,
+ZeRO-3
 style: each device holds ``1 / fsdp`` of every matrix and of its Adam moments) and expert weights
 ``[N, ...]`` over ``"expert"`` too; ``"data"`` replicates them (data parallelism across groups of
 ``fsdp x expert`` devices). The exchange of tokens between expert devices is
@@ -21,7 +22,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparsemixer_jax.partitioning import MESH_AXES, Partitioner, read_rules
+from sparsemixer_jax.parallel.partitioning import MESH_AXES, Partitioner, read_rules
 from sparsemixer_jax.section import has_field, read_fields
 
 if TYPE_CHECKING:  # only for annotations: the mesh and its checks need JAX alone
@@ -30,7 +31,7 @@ if TYPE_CHECKING:  # only for annotations: the mesh and its checks need JAX alon
 def make_mesh(data: int, expert: int, devices: Sequence[jax.Device] | None = None, *,
               fsdp: int = 1) -> Mesh:
     """A ``(data, fsdp, expert)`` mesh with axis names ``("data", "fsdp", "expert")``
-    (:data:`~sparsemixer_jax.partitioning.MESH_AXES`), all of them ``AxisType.Auto``.
+    (:data:`~sparsemixer_jax.parallel.partitioning.MESH_AXES`), all of them ``AxisType.Auto``.
 
     ``data=-1`` uses every device not taken by the fsdp and expert axes; ``devices`` (default:
     all) must number exactly ``data x fsdp x expert``. The devices are laid out by
@@ -219,7 +220,8 @@ class MeshConfig:
     ``data = -1`` takes every device the fsdp and expert axes leave. ``fsdp`` splits parameters,
     gradients and optimizer state (and the batch); ``expert`` splits the experts (and the batch);
     ``data`` replicates the parameters. ``rules``: ``(logical name, mesh axes)`` pairs
-    (:func:`sparsemixer_jax.partitioning.read_rules`; in a config, a mapping of logical name to a
+    (:func:`sparsemixer_jax.parallel.partitioning.read_rules`; in a config, a mapping of logical
+    name to a
     mesh axis, a list of them, or None).
     """
 
@@ -258,7 +260,7 @@ class MeshConfig:
 def device_mesh(section: MeshConfig) -> Mesh | None:
     """The mesh the mesh section ``section`` describes (a run's ``run.mesh``), or None for a
     single device; ``config.model.num_experts`` must divide by its expert axis
-    (:func:`sparsemixer_jax.config.validate`).
+    (:func:`sparsemixer_jax.training.config.validate`).
 
     ``mesh.data = -1`` takes every device the fsdp and expert axes leave. A single process may
     ask for fewer devices than it has (the first ones are used); several processes must use

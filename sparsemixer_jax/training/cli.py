@@ -248,8 +248,8 @@ def train_or_exit(train_fn, config, workdir: str) -> dict:
     traceback adds nothing; ``--verbosity=1`` shows it). A run stopped by SIGTERM or SIGINT
     after checkpointing its step says so on one line and exits with 128 + the signal's number;
     Ctrl-C outside the training steps (reading data, the final evaluation) exits with 130."""
-    from sparsemixer_jax.checkpoint import CheckpointError
     from sparsemixer_jax.training import TrainingDiverged
+    from sparsemixer_jax.training.checkpoint import CheckpointError
     from sparsemixer_jax.training.preemption import Stopped
     from sparsemixer_jax.training.workdir_lock import WorkdirError
 
@@ -299,7 +299,7 @@ def run_training(train_fn, config, workdir: str, summary_keys: tuple[str, ...]) 
     settings (before JAX starts its backend: XLA reads its flags once), several hosts, the
     compilation cache, quiet library logs, ``train_fn(config, workdir)`` through
     :func:`train_or_exit`, and a one-line summary of the results on process 0."""
-    from sparsemixer_jax import runtime
+    from sparsemixer_jax.training import runtime
 
     if "runtime" in config:  # GLUE fine-tuning's config has none: JAX's defaults
         runtime.configure(runtime.RuntimeConfig.from_config(config.runtime))

@@ -1,0 +1,39 @@
+"""The projections of the language models (:class:`~sparsemixer_jax.models.causal_lm.CausalLM`
+and its latent attention): float32 parameters drawn as the Hugging Face types draw them, matmuls
+in the compute dtype."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax.numpy as jnp
+from flax import nnx
+
+from sparsemixer_jax.moe.shared import MakeLinear
+
+
+class LinearSettings(Protocol):
+    """What :func:`linear` reads of a model's config
+    (:class:`~sparsemixer_jax.models.lm_config.LMConfig` has both)."""
+
+    @property
+    def compute_dtype(self) -> str: ...
+
+    @property
+    def initializer_range(self) -> float: ...
+
+
+def linear(din: int, dout: int, bias: bool, config: LinearSettings, rngs: nnx.Rngs) -> nnx.Linear:
+    """A projection ``[din] -> [dout]`` in the compute dtype with float32 params."""
+    # Initialised as the Hugging Face types are: normal(initializer_range), zero bias.
+    return nnx.Linear(din, dout, use_bias=bias, dtype=jnp.dtype(config.compute_dtype),
+                      param_dtype=jnp.float32,
+                      kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+
+
+def linear_maker(config: LinearSettings, rngs: nnx.Rngs) -> MakeLinear:
+    """:func:`linear` of ``config`` as a :class:`~sparsemixer_jax.moe.shared.MakeLinear`."""
+    def make(in_features: int, out_features: int, *, use_bias: bool) -> nnx.Linear:
+        return linear(in_features, out_features, use_bias, config, rngs)
+
+    return make
