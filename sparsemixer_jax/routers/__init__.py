@@ -11,7 +11,14 @@ the dtype of the logits. Needs only JAX: no Flax, Optax or Orbax is imported her
 One module per concern; import the names from this package, not from the modules:
 
 * :mod:`~sparsemixer_jax.routers.common`: :class:`RouterOutput` and the argument checks.
-* :mod:`~sparsemixer_jax.routers.sparsemixer`: SparseMixer and GRIN's SparseMixer-v2.
+* :mod:`~sparsemixer_jax.routers.sparsemixer`: :func:`sparsemixer_route`, SparseMixer and
+  GRIN's SparseMixer-v2, which checks its arguments and picks one of the routes below.
+* :mod:`~sparsemixer_jax.routers.sparsemixer_softmax`: SparseMixer on softmax scores, top-1 or
+  top-k, every estimator.
+* :mod:`~sparsemixer_jax.routers.sparsemixer_selection_bias`: SparseMixer on softmax scores
+  under a selection bias (bias balancing), with its two-path backward.
+* :mod:`~sparsemixer_jax.routers.sampling`: what the SparseMixer routes share: the mask, the
+  masked softmax, the keys of a draw, and the gates whose backward carries an estimator.
 * :mod:`~sparsemixer_jax.routers.estimators`: SparseMixer's gradient estimators as data (their
   forward weights, coins and backward scales, and their two-path split) and the checks of their
   options.
@@ -66,6 +73,15 @@ from sparsemixer_jax.routers.registry import (
     router_fn,
     uses_omega,
 )
+from sparsemixer_jax.routers.sampling import (
+    MaskRule,
+    router_probs,
+    routing_keys,
+    routing_mask,
+    scaled_gate,
+    selection_probs,
+    two_path_gate,
+)
 from sparsemixer_jax.routers.selection import (
     BALANCE_SCOPES,
     SCORES,
@@ -74,17 +90,14 @@ from sparsemixer_jax.routers.selection import (
     limit_to_groups,
     selection_scores,
 )
-from sparsemixer_jax.routers.sigmoid_scores import renormalised_gates, sigmoid_sample_probs
-from sparsemixer_jax.routers.sparsemixer import (
-    MaskRule,
-    router_probs,
-    routing_keys,
-    routing_mask,
-    scaled_gate,
-    selection_probs,
-    sparsemixer_route,
-    two_path_gate,
+from sparsemixer_jax.routers.sigmoid_scores import (
+    renormalised_gates,
+    sigmoid_sample_probs,
+    sparsemixer_sigmoid_route,
 )
+from sparsemixer_jax.routers.sparsemixer import sparsemixer_route
+from sparsemixer_jax.routers.sparsemixer_selection_bias import sparsemixer_selection_bias_route
+from sparsemixer_jax.routers.sparsemixer_softmax import sparsemixer_softmax_route
 from sparsemixer_jax.routers.switch import switch_route
 from sparsemixer_jax.routers.unchosen import UnchosenExperts, unchosen_expert_term
 
@@ -131,6 +144,9 @@ __all__ = [
     "sequence_balancing_loss",
     "sigmoid_sample_probs",
     "sparsemixer_route",
+    "sparsemixer_selection_bias_route",
+    "sparsemixer_sigmoid_route",
+    "sparsemixer_softmax_route",
     "switch_route",
     "two_path_gate",
     "two_path_scales",

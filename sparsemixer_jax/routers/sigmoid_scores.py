@@ -15,18 +15,29 @@ balance loss reads, restricted to the mask, and the gates are ``c`` times it ren
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from sparsemixer_jax.routers.common import RouterOutput, routing_dtype, take_expert
-from sparsemixer_jax.routers.estimators import ESTIMATORS, TWO_PATH_RULES, two_path_scales
-from sparsemixer_jax.routers.selection import selection_scores
-from sparsemixer_jax.routers.sparsemixer import (
+from sparsemixer_jax.routers.estimators import (
+    ESTIMATORS,
+    TWO_PATH_RULES,
+    Estimator,
+    two_path_scales,
+)
+from sparsemixer_jax.routers.sampling import (
     MaskRule,
+    check_sampling_args,
+    check_selection_bias_shape,
+    coin_probability,
+    nan_tokens,
     routing_keys,
     routing_mask,
     two_path_gate,
 )
+from sparsemixer_jax.routers.selection import selection_scores
 
 
 def sigmoid_sample_probs(
@@ -55,16 +66,54 @@ def renormalised_gates(logits: jax.Array, experts: jax.Array, scale: float) -> j
     return scale * chosen / jnp.sum(chosen, axis=-1, keepdims=True)
 
 
-def sigmoid_route(logits, selection_bias, key, invalid, top_k: int, jitter_eps: float,
-                  training: bool, mask: MaskRule, estimator: str, reduced_prob: float,
-                  routed_scaling_factor: float) -> RouterOutput:
-    """SparseMixer under sigmoid scores (``sparsemixer_route(..., score="sigmoid")``, whose
-    docstring gives the arguments). Training draws ``D_t ~ q^(t)`` for ``t < k``; one coin
-    per token chooses the branch, and the set's gates go through :func:`two_path_gate`:
-    ``a c_t`` along ``grad G_t`` and ``b sum_u G_u c_u`` along
-    ``grad log P(D) = sum_t grad log q^(t)_{D_t}`` (``c_t`` gate ``t``'s cotangent, ``(a, b)``
-    the branch's pair from :data:`TWO_PATH_RULES`). The coin is flipped unless the drawn set is
-    ``TopK(s + b)``. Evaluation takes ``TopK(s + b)``."""
+def sparsemixer_sigmoid_route(
+    logits: jax.Array,
+    key: jax.Array | None,
+    *,
+    selection_bias: jax.Array | None = None,
+    top_k: int = 1,
+    jitter_eps: float = 0.1,
+    training: bool = True,
+    mask: MaskRule = "reference",
+    estimator: Estimator = "mix",
+    midpoint_prob: float | None = None,
+    routed_scaling_factor: float = 1.0,
+    invalid: jax.Array | None = None,
+) -> RouterOutput:
+    """SparseMixer under sigmoid scores (the module docstring gives the distribution).
+
+    Training draws ``D_t ~ q^(t)`` for ``t < k``; one coin per token chooses the branch, and
+    the set's gates go through :func:`~sparsemixer_jax.routers.two_path_gate`: ``a c_t`` along
+    ``grad G_t`` and ``b sum_u G_u c_u`` along ``grad log P(D) = sum_t grad log q^(t)_{D_t}``
+    (``c_t`` gate ``t``'s cotangent, ``(a, b)`` the branch's pair from
+    :data:`TWO_PATH_RULES`). The coin is flipped unless the drawn set is ``TopK(s + b)``.
+    Evaluation takes ``TopK(s + b)``.
+
+    Args:
+      logits: router logits ``z``, ``[..., N]``, any float dtype (routing runs in float32);
+        ``-inf`` excludes an expert.
+      key: PRNG key; required when ``training``.
+      selection_bias: float ``[N]`` added to the scores for the selection only, or None.
+      top_k, jitter_eps, training, mask, estimator, midpoint_prob, routed_scaling_factor: as in
+        :func:`~sparsemixer_jax.routers.sparsemixer_route` with ``score="sigmoid"``. There is
+        no ``backward_scale``: the two paths set their own scales.
+      invalid: bool ``[...]``, the tokens to give NaN ``probs`` and ``gate`` when the caller has
+        checked the logits already; None checks them here (ValueError outside ``jit``).
+
+    Returns:
+      :class:`~sparsemixer_jax.routers.RouterOutput`: int32 ``expert`` and float32 ``gate``
+      (``routed_scaling_factor * s_{D_t} / sum_u s_{D_u}``), ``[...]`` for ``top_k == 1`` and
+      ``[..., top_k]`` otherwise; float32 ``probs`` ``[..., N]`` (``s / sum s``) and
+      ``scores`` ``[..., N]`` (``s = sigmoid(z)``).
+    """
+    fn = "sparsemixer_sigmoid_route"
+    check_sampling_args(fn, logits, key, top_k, jitter_eps, training, estimator, midpoint_prob,
+                        None)
+    check_scaling_factor(fn, routed_scaling_factor)
+    if selection_bias is not None:
+        check_selection_bias_shape(fn, logits, selection_bias)
+    invalid = nan_tokens(fn, logits, top_k, invalid)
+    reduced_prob = coin_probability(estimator, midpoint_prob)
     rule, two_path = ESTIMATORS[estimator], TWO_PATH_RULES[estimator]
     logits = logits.astype(routing_dtype(logits))
     scores = jax.nn.sigmoid(logits)
@@ -78,16 +127,7 @@ def sigmoid_route(logits, selection_bias, key, invalid, top_k: int, jitter_eps: 
                           renormalised_gates(logits, top_set, routed_scaling_factor))
         return _output(top_set, gates, probs, scores, top_k)
     keys = routing_keys(key, top_k)
-    remaining, experts, log_prob = logits, [], 0.0
-    for step in range(top_k):
-        q = sigmoid_sample_probs(remaining, selection_bias, jitter_eps, mask)
-        draw_from = jnp.where(invalid[..., None], 0.0, jnp.log(jax.lax.stop_gradient(q)))
-        expert = jax.random.categorical(keys[step][0], draw_from, axis=-1).astype(jnp.int32)
-        experts.append(expert)
-        log_prob = log_prob + jnp.log(take_expert(q, expert))
-        chosen = jax.nn.one_hot(expert, logits.shape[-1], dtype=bool)
-        remaining = jnp.where(chosen, -jnp.inf, remaining)
-    experts = jnp.stack(experts, axis=-1)
+    experts, log_prob = _draw_set(logits, selection_bias, invalid, keys, jitter_eps, mask)
     on_top = jnp.all(jnp.any(experts[..., :, None] == top_set[..., None, :], axis=-1), axis=-1)
     if estimator == "euler":
         flipped = reduced = jnp.zeros(on_top.shape, bool)
@@ -111,7 +151,31 @@ def sigmoid_route(logits, selection_bias, key, invalid, top_k: int, jitter_eps: 
     return _output(experts, gates, probs, scores, top_k)
 
 
+def _draw_set(logits, selection_bias, invalid, keys, jitter_eps, mask):
+    """The drawn experts int32 ``[..., k]`` (``D_t ~ q^(t)``, one step per row of ``keys``
+    ``[k, 2]``) and ``log P(D)`` ``[...]``, differentiable in ``logits``."""
+    remaining, experts, log_prob = logits, [], 0.0
+    for step in range(keys.shape[0]):
+        q = sigmoid_sample_probs(remaining, selection_bias, jitter_eps, mask)
+        draw_from = jnp.where(invalid[..., None], 0.0, jnp.log(jax.lax.stop_gradient(q)))
+        expert = jax.random.categorical(keys[step][0], draw_from, axis=-1).astype(jnp.int32)
+        experts.append(expert)
+        log_prob = log_prob + jnp.log(take_expert(q, expert))
+        chosen = jax.nn.one_hot(expert, logits.shape[-1], dtype=bool)
+        remaining = jnp.where(chosen, -jnp.inf, remaining)
+    return jnp.stack(experts, axis=-1), log_prob
+
+
 def _output(experts, gates, probs, scores, top_k) -> RouterOutput:
     if top_k == 1:
         experts, gates = experts[..., 0], gates[..., 0]
     return RouterOutput(expert=experts, gate=gates, probs=probs, scores=scores)
+
+
+def check_scaling_factor(fn: str, routed_scaling_factor) -> None:
+    """ValueError in one line unless ``routed_scaling_factor`` is a finite number ``> 0``."""
+    if isinstance(routed_scaling_factor, bool) or not (
+            isinstance(routed_scaling_factor, (int, float))
+            and math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
+        raise ValueError(f"{fn}: routed_scaling_factor must be a finite number > 0, got "
+                         f"{routed_scaling_factor!r}")
