@@ -3,9 +3,9 @@
     python -m experiments.lm --config configs/lm_quickstart.py --workdir runs/lm_quickstart
     python -m experiments.lm --config configs/lm_quickstart.py \
         --config.init_from=path/to/hf_checkpoint --workdir runs/lm_finetune
-    python -m experiments.lm --config configs/lm_quickstart.py \
-        --config.init_from=path/to/hf_checkpoint --config.data.format=chat \
-        --config.data.train=FILE.jsonl --workdir runs/sft
+    python -m experiments.lm --config configs/lm_sft.py \
+        --config.init_from=path/to/hf_checkpoint --config.data.train=FILE.jsonl \
+        --config.train_steps=1000 --workdir runs/sft
     python -m experiments.lm_export --workdir runs/lm_quickstart --out runs/lm_quickstart_hf
 
 Rerunning the same command on the same workdir resumes from its last checkpoint. docs/lm.md

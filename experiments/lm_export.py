@@ -11,7 +11,8 @@ Writes ``config.json`` and safetensors that transformers' ``AutoModelForCausalLM
 ``config.json`` records the routing the run trained with, which ``hf.load_pretrained`` restores;
 transformers computes the type's own. Where the two differ at evaluation, one printed line says
 so with the logit difference measured on a few validation rows. ``--routing=type`` writes the
-type's own routing instead. An existing non-empty ``--out`` is refused without ``--force``.
+type's own routing instead. An existing non-empty ``--out`` is refused without ``--force``, a
+file or an unwritable place at once, in one line; missing directories are created.
 
 On several hosts, run the same command on every host, as for training: each restores its own
 shards of the checkpoint, every tensor is gathered from them in turn, and process 0 writes.
@@ -26,7 +27,8 @@ from absl import app, flags
 from sparsemixer_jax.training import cli
 
 flags.DEFINE_string("workdir", None, "The run's directory (experiments.lm).")
-flags.DEFINE_string("out", None, "The Hugging Face directory to write.")
+flags.DEFINE_string("out", None, "The Hugging Face directory to write (created with its "
+                    "missing parents; an existing one must be empty, or --force).")
 flags.DEFINE_enum("checkpoint", "last", ["last", "best"], "Which checkpoint to export.")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "The saved tensors' dtype.")
 flags.DEFINE_enum("routing", "trained", ["trained", "type"],

@@ -84,12 +84,11 @@ def sections(config: ml_collections.ConfigDict, model_type: type) -> tuple:
 
 
 def run_for_target(config: ml_collections.ConfigDict, target):
-    """The run of ``config`` as the compile command builds it for ``target``: its
-    ``model.dispatch`` resolved for the target's platform."""
+    """The run of ``config`` as the compile command builds it for ``target``: its task's
+    ``dispatch`` resolved for the target's platform."""
     from sparsemixer_jax.aot import command
-    from sparsemixer_jax.tasks import run_config
 
-    return run_config(command.config_for_target(config, target))
+    return command.run_for_target(config, target)
 
 
 def target_devices_or_skip(spec: str) -> tuple:

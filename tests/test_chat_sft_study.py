@@ -1,25 +1,31 @@
 """The chat fine-tuning study (lab/studies/chat_sft.py): GLUE rows as conversations, the
 label-likelihood scorer (on log-probabilities set here, and on a tiny model packed and alone),
-the table's paired statistics, and the commands' configs.
+the table's paired statistics, and the commands' configs; and ``configs/lm_sft.py``, the chat
+fine-tuning config with the study's learning rate, whose schedule follows ``train_steps``.
 """
 
 import gzip
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
+from absl import flags
 from flax import nnx
+from ml_collections import config_flags
 
 from lab.studies import chat_sft
 from lab.studies.runner import make_config
 from sparsemixer_jax.data import chat
 from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.tasks import check_config
+from sparsemixer_jax.training.optim import learning_rate_schedule
 from tests import kit
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG = "x" * chat_sft.MAX_PROMPT_CHARS
 
 
@@ -274,3 +280,64 @@ def test_the_commands_train_every_arm_on_five_seeds_and_rebuild_the_tables():
     assert summary.summarize_only and summary.root == chat_sft.FT_ROOT
     assert commands[-2:] == ["python -m lab.studies.chat_sft summarize",
                              "python -m lab.studies.chat_sft table"]
+
+
+# ----------------------------------------------------------- configs/lm_sft.py, from the study
+
+
+def _sft_run(checkpoint, monkeypatch, *overrides):
+    """The run experiments.lm builds from ``--config configs/lm_sft.py`` and ``overrides``, the
+    flags parsed as the command parses them (ml_collections reads the overrides from argv)."""
+    argv = ["lm", f"--config={REPO}/configs/lm_sft.py", f"--config.init_from={checkpoint}",
+            "--config.data.train=rows.jsonl", *overrides]
+    monkeypatch.setattr(sys, "argv", argv)
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "", flag_values=values, lock_config=True)
+    values(argv)
+    return check_config(values.config)
+
+
+def _decay_end(optim) -> int:
+    """The first update after the peak whose learning rate is 0, counted from 1 (the schedule
+    takes the count of updates done: update n is count n - 1)."""
+    schedule = learning_rate_schedule(optim)
+    return next(n for n in range(optim.warmup_steps + 1, 10_000)
+                if float(schedule(n - 1)) == 0.0)
+
+
+# ml_collections loads a --config file with importlib's deprecated load_module().
+LOADS_CONFIG_FILE = pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")
+
+
+@LOADS_CONFIG_FILE
+def test_the_sft_config_schedule_follows_train_steps_from_the_command_line(
+        checkpoint, monkeypatch):
+    default = _sft_run(checkpoint, monkeypatch)
+    short = _sft_run(checkpoint, monkeypatch, "--config.train_steps=48")
+    assert (default.train_steps, _decay_end(default.optim)) == (240, 240)
+    assert (short.train_steps, _decay_end(short.optim)) == (48, 48)
+    assert short.optim.warmup_steps == 4 < default.optim.warmup_steps
+    assert (short.eval_every, short.checkpoint_every) == (12, 12)  # each quarter of the run
+    # A schedule field given by itself keeps its value, and leaves train_steps alone.
+    kept = _sft_run(checkpoint, monkeypatch, "--config.optim.decay_steps=100",
+                    "--config.train_steps=48")
+    assert (kept.train_steps, _decay_end(kept.optim)) == (48, 100)
+    tiny = _sft_run(checkpoint, monkeypatch, "--config.train_steps=1")
+    assert (tiny.optim.warmup_steps, tiny.optim.decay_steps, tiny.eval_every) == (0, 1, 1)
+
+
+@LOADS_CONFIG_FILE
+def test_the_sft_config_is_the_studys_schedule_on_chat_rows_without_wikitext(
+        checkpoint, monkeypatch):
+    """At the study's length it is the study's schedule (docs/lm.md gives the study's learning
+    rate as the config's reason); it validates on the held-out chat rows alone."""
+    run = _sft_run(checkpoint, monkeypatch)
+    study = check_config(make_config(chat_sft.SFT_CONFIG, chat_sft.VERSUS, 0, None,
+                                     [f"init_from={checkpoint}"]))
+    schedule = ("peak_lr", "warmup_steps", "decay_steps", "schedule")
+    assert [getattr(run.optim, f) for f in schedule] == [getattr(study.optim, f)
+                                                          for f in schedule]
+    assert run.train_steps == study.train_steps
+    data = run.task.data
+    assert (data.format, data.wikitext, data.train_articles) == ("chat", "", 0)
+    assert data.valid_articles > 0 and run.task.init_from == checkpoint

@@ -1,10 +1,12 @@
-"""The README's commands write only under the git-ignored ``runs/`` of the checkout."""
+"""The README's commands write only under the git-ignored ``runs/`` of the checkout, and refuse
+an output they cannot write in one line."""
 
 import itertools
 import os
 import pathlib
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -56,3 +58,17 @@ def test_benchmark_and_plot_default_to_runs():
     assert benchmark.parse_args([]).out == "runs/bench.json"
     source = pathlib.Path(plot.__file__).read_text()
     assert '"--out", default="runs/curves.png"' in source
+
+
+def test_lm_export_to_an_existing_file_is_one_line_before_anything_is_read(tmp_path):
+    """``--out`` naming a file: exit code 2 and one line naming it, no traceback, the file kept
+    (the workdir does not exist: the output is checked first)."""
+    out = tmp_path / "model"
+    out.write_text("kept")
+    run = subprocess.run([sys.executable, "-m", "experiments.lm_export", "--workdir",
+                          str(tmp_path / "run"), "--out", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stdout == "", run.stderr
+    assert run.stderr == f"error: {out} exists and is not a directory: an export writes a " \
+        "directory (config.json, safetensors, tokenizer files); name a new or empty one\n"
+    assert out.read_text() == "kept"

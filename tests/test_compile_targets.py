@@ -112,12 +112,21 @@ def test_a_batch_too_small_for_the_mesh_says_so():
 
 
 def test_dispatch_auto_is_resolved_for_the_target():
-    config = wmt.get_config("n4")
-    assert command.config_for_target(
-        config, targets.parse_target("tpu:v5e:4x4")).model.dispatch == "ragged"
-    assert command.config_for_target(
-        config, targets.parse_target("h100:1x8")).model.dispatch == "padded"
-    assert config.model.dispatch == "auto"  # the caller's config is left as it was
+    """In the typed task the command compiles (its ``for_platform``); the config is only read."""
+    from configs import lm_quickstart
+
+    for config, dispatch_of in ((wmt.get_config("n4"), lambda task: task.model.moe.dispatch),
+                                (lm_quickstart.get_config(), lambda task: task.lm.dispatch)):
+        before = config.to_json()
+        for spec, dispatch in (("tpu:v5e:4x4", "ragged"), ("h100:1x8", "padded")):
+            run = command.run_for_target(config, targets.parse_target(spec))
+            assert dispatch_of(run.task) == dispatch, spec
+        assert config.to_json() == before
+        assert dispatch_of(run_config(config).task) == config.model.dispatch == "auto"
+    explicit = wmt.get_config("n4")
+    explicit.model.dispatch = "padded"
+    run = command.run_for_target(explicit, targets.parse_target("tpu:v5e:4x4"))
+    assert run.task.model.moe.dispatch == "padded"  # only "auto" is resolved
 
 
 def test_the_command_says_in_one_line_that_a_config_does_not_shard():

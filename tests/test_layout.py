@@ -204,15 +204,21 @@ def test_the_config_type_check_sees_mentions():
 
 
 def test_every_registered_tasks_code_exists():
-    """A task is registered once (``sparsemixer_jax.tasks.TASKS``): its sections' class, its
-    trainer and its compiler, each found where the registration says."""
+    """A task is registered once (``sparsemixer_jax.tasks.TASKS``): its sections' class and its
+    trainer, each found where the registration says. The compile command keeps its own map of
+    the tasks it compiles (the arrow runs from it to the tasks), each a registered one whose
+    typed task resolves its dispatch for a target's platform."""
     from sparsemixer_jax import tasks
+    from sparsemixer_jax.aot import command
 
     for name, task in tasks.TASKS.items():
         assert callable(tasks.load(task.sections_of).from_config), name
-        for code in (task.trainer, task.compiler):
-            assert not code or callable(tasks.load(code)), (name, code)
-    assert [name for name, task in tasks.TASKS.items() if task.compiler] == ["translation", "lm"]
+        assert not task.trainer or callable(tasks.load(task.trainer)), (name, task.trainer)
+    assert list(command.COMPILERS) == ["translation", "lm"]
+    for name in command.COMPILERS:
+        assert callable(tasks.load(tasks.TASKS[name].sections_of).for_platform), name
+    source = (ROOT / LIBRARY / "tasks" / "__init__.py").read_text()
+    assert "sparsemixer_jax.aot" not in source  # the tasks name no code built on them
 
 
 def test_the_library_never_imports_the_lab():

@@ -639,6 +639,28 @@ def test_export_refuses_a_workdir_that_is_not_a_language_modelling_run(tmp_path)
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_export_refuses_an_out_it_cannot_write_before_reading_the_run(tmp_path):
+    """A file, a non-empty directory and a file above a missing directory are each refused in
+    one line naming the path, before the run is read (this workdir is not even a run) and
+    with nothing written; missing directories are created as ``mkdir -p`` would."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "a").write_text("x")
+    refused = {str(tmp_path / "file"): "file exists and is not a directory: an export writes",
+               str(tmp_path / "full"): r"full is not empty \(1 entries\); --force",
+               str(tmp_path / "file" / "hf"): "cannot create .*file/hf: .*file is not a dir"}
+    for out, message in refused.items():
+        with pytest.raises(ValueError, match=message) as err:
+            lm_export.export_run(str(tmp_path / "no_run"), out)
+        assert "\n" not in str(err.value)
+    assert (tmp_path / "file").read_text() == "x"
+    assert sorted(os.listdir(tmp_path)) == ["file", "full"]
+    lm_export.check_out_dir(str(tmp_path / "full"), force=True)
+    lm_export.check_out_dir(str(tmp_path / "new" / "deeper" / "hf"))  # created when written
+    with pytest.raises(FileNotFoundError, match=r"no_run/config\.json not found"):
+        lm_export.export_run(str(tmp_path / "no_run"), str(tmp_path / "new" / "hf"))
+
+
 def test_an_export_refuses_a_routing_its_checkpoint_cannot_hold():
     """A learned selection bias is written as e_score_correction_bias (glm4_moe) or refused in
     one line (mixtral) unless the type's routing is written; so are Default MoE's vectors."""

@@ -463,10 +463,11 @@ def test_model_flops_of_a_program_come_from_its_batch_and_are_per_device():
     sizes = {"emb": 512, "mlp": 2048, "layers": 6, "vocab": config.data.vocab_size,
              "length": 32, "tokens": 8 * 32}
     run = run_config(config)
-    got = command.program_model_flops(run, "accumulate (one of 2 micro-batches), batch "
-                                      "[8, 32]", devices=4)
+    flops = command.COMPILERS["translation"]
+    got = flops.program_model_flops(run, "accumulate (one of 2 micro-batches), batch "
+                                    "[8, 32]", devices=4)
     assert got == model_flops.model_flops_per_step(sizes, 4, config.router.name) / 4
-    assert command.program_model_flops(run, "update", devices=4) is None
+    assert flops.program_model_flops(run, "update", devices=4) is None
 
 
 def test_the_fit_predicts_an_update_as_the_roofline_does_with_accumulate_repeated():

@@ -84,7 +84,7 @@ def compiled_programs(arm: dict[str, Any], cache: str) -> list[tuple[str, int]]:
 
 def _compile_into(arm: dict[str, Any], cache: str, key: str) -> None:
     from lab.benchmarks.lm_step import dense_twin, lm_model_config
-    from sparsemixer_jax.aot import command, lm, targets
+    from sparsemixer_jax.aot import lm, targets
     from sparsemixer_jax.tasks import run_config
     from sparsemixer_jax.tasks.language_model import LMTask
     from sparsemixer_jax.training import runtime
@@ -95,8 +95,7 @@ def _compile_into(arm: dict[str, Any], cache: str, key: str) -> None:
     config = lm_model_config(arm["sizes"], arm["router"] or "switch", arm["dtype"],
                              arm["dispatch"], arm["attention_impl"], base)
     runtime.configure(runtime.RuntimeConfig.from_config(config.runtime))
-    config = command.config_for_target(config, target)
-    task = LMTask.from_config(config)
+    task = LMTask.from_config(config).for_platform(target.dispatch_platform)
     task = dense_twin(task) if arm["router"] is None else task
     reports = lm.compile_lm(run_config(config, task), targets.target_devices(target))
     micro_batches = task.data.batch_size // task.data.micro

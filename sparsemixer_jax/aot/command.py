@@ -12,25 +12,53 @@ micro-batches, plus ``update``) its own.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ml_collections
 
-from sparsemixer_jax.aot import analysis, roofline, targets
-from sparsemixer_jax.tasks import TASKS, check_config, load, run_config
+from sparsemixer_jax.aot import analysis, lm, roofline, targets, translation
+from sparsemixer_jax.tasks import build_task, check_config, run_config
 from sparsemixer_jax.training import config as config_schema
 from sparsemixer_jax.training import runtime
 from sparsemixer_jax.training.run_config import RunConfig
 
-# The tasks whose registration (sparsemixer_jax.tasks.TASKS) names a compile function of their
-# aot module, ``(run, devices, decode_step=)`` -> reports (the task-independent part is
-# sparsemixer_jax.aot.steps).
-SUPPORTED_TASKS = tuple(name for name, task in TASKS.items() if task.compiler)
+_BATCH = re.compile(r"batch \[(\d+), (\d+)\]")
+_MICRO_BATCHES = re.compile(r"one of (\d+) micro-batches")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskCompiler:
+    """How the command compiles one task: ``compile`` ``(run, devices, *, decode_step) ->
+    reports`` (the task's :mod:`sparsemixer_jax.aot` module; the task-independent part is
+    :mod:`sparsemixer_jax.aot.steps`) and ``batch_flops`` ``(task, rows, length) ->`` the model
+    FLOPs of one training pass over ``[rows, length]`` tokens on all devices."""
+
+    compile: Callable[..., list[analysis.ProgramReport]]
+    batch_flops: Callable[[Any, int, int], float]
+
+    def program_model_flops(self, run: RunConfig, program: str, devices: int) -> float | None:
+        """Model FLOPs (:mod:`sparsemixer_jax.aot.model_flops`) one device computes in one run of
+        the training program named ``program`` (its batch ``[rows, length]`` over all devices
+        is in its name); None for programs that compute no model FLOPs of their own
+        (``update``, decoding)."""
+        batch = _BATCH.search(program)
+        if batch is None or not program.startswith(("train step", "accumulate")):
+            return None
+        rows, length = map(int, batch.groups())
+        return self.batch_flops(run.task, rows, length) / devices
+
+
+#: The tasks the command compiles, by ``config.task``.
+COMPILERS = {
+    "translation": TaskCompiler(translation.compile_translation, translation.batch_model_flops),
+    "lm": TaskCompiler(lm.compile_lm, lm.batch_model_flops),
+}
+SUPPORTED_TASKS = tuple(COMPILERS)
 
 
 def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
@@ -41,14 +69,15 @@ def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
     prediction), or ``{"target", "error"}`` with a one-line reason when the target is
     unavailable or the config does not shard over it."""
     task = config_schema.task_of(config)
-    if task not in SUPPORTED_TASKS:
+    if task not in COMPILERS:
         return {"target": spec, "error": f"config task {task!r}: only "
                                           f"{', '.join(SUPPORTED_TASKS)} configs can be compiled"}
+    compiler = COMPILERS[task]
     try:
         target = targets.parse_target(spec)
         devices = targets.target_devices(target)
-        run = run_config(config_for_target(config, target))
-        reports = load(TASKS[task].compiler)(run, devices, decode_step=decode_step)
+        run = run_for_target(config, target)
+        reports = compiler.compile(run, devices, decode_step=decode_step)
     except (ValueError, RuntimeError) as err:
         reason = str(err).splitlines()[0]
         if "cudnn" in reason.lower() and config.model.get("attention_impl") == "cudnn":
@@ -66,50 +95,18 @@ def compile_for_target(config: ml_collections.ConfigDict, spec: str, *,
         chip = roofline.CHIPS[target.chip]
         for program, report in zip(result["programs"], reports, strict=True):
             program.update(roofline.roofline(
-                report.hlo_text, chip, program_model_flops(run, report.name, len(devices)),
+                report.hlo_text, chip,
+                compiler.program_model_flops(run, report.name, len(devices)),
                 devices=len(devices)))
         result["step"] = step_prediction(result["programs"], chip)
     return result
 
 
-_BATCH = re.compile(r"batch \[(\d+), (\d+)\]")
-_MICRO_BATCHES = re.compile(r"one of (\d+) micro-batches")
-
-
-def config_for_target(config: ml_collections.ConfigDict,
-                      target: targets.Target) -> ml_collections.ConfigDict:
-    """A copy of ``config`` with ``model.dispatch = "auto"`` resolved for the target's platform
-    (not for this machine's, which ``"auto"`` would otherwise pick at trace time)."""
-    from sparsemixer_jax.moe.dispatch import resolve_dispatch
-
-    config = copy.deepcopy(config)
-    with config.unlocked():
-        config.model.dispatch = resolve_dispatch(str(config.model.dispatch),
-                                                 target.dispatch_platform)
-    return config
-
-
-def program_model_flops(run: RunConfig, program: str, devices: int) -> float | None:
-    """Model FLOPs (:mod:`sparsemixer_jax.aot.model_flops`) one device computes in one run of the
-    training program named ``program`` (its batch ``[rows, length]`` over all devices is in
-    its name); None for programs that compute no model FLOPs of their own (``update``,
-    decoding)."""
-    from sparsemixer_jax.aot import model_flops
-
-    batch = _BATCH.search(program)
-    if batch is None or not program.startswith(("train step", "accumulate")):
-        return None
-    rows, length = map(int, batch.groups())
-    from sparsemixer_jax.tasks.language_model import LMTask
-
-    task = run.task
-    if isinstance(task, LMTask):
-        return model_flops.lm_flops_per_token(task.lm, length)["total"] * rows * length / devices
-    model = task.model
-    sizes = {"emb": model.emb_dim, "mlp": model.mlp_dim, "layers": model.encoder_layers,
-             "vocab": task.data.vocab_size, "length": length, "tokens": rows * length}
-    return model_flops.model_flops_per_step(sizes, model.moe.num_experts,
-                                            task.router.name) / devices
+def run_for_target(config: ml_collections.ConfigDict, target: targets.Target) -> RunConfig:
+    """The run of ``config`` as compiled for ``target``: its task with ``dispatch="auto"``
+    resolved for the target's platform (the task's ``for_platform``), not for this machine's,
+    which ``"auto"`` would pick at trace time. ``config`` is only read."""
+    return run_config(config, build_task(config).for_platform(target.dispatch_platform))
 
 
 def step_prediction(programs: list[dict[str, Any]], chip: roofline.Chip) -> dict[str, Any]:
@@ -137,8 +134,8 @@ def run(config: ml_collections.ConfigDict, target_specs: Sequence[str], *,
     Returns the results (without the report objects)."""
     try:
         checked = check_config(config)
-        if isinstance(checked, RunConfig):  # its RNG and matmul precision shape the program
-            runtime.configure(checked.runtime)
+        if config_schema.task_of(config) in COMPILERS:  # trained by the loop: a RunConfig,
+            runtime.configure(checked.runtime)  # whose RNG and matmul precision shape programs
     except ValueError as err:
         results = [{"target": spec, "error": str(err).splitlines()[0]} for spec in target_specs]
         for result in results:

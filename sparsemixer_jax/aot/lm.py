@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparsemixer_jax.aot import model_flops
 from sparsemixer_jax.aot import steps as aot_steps
 from sparsemixer_jax.aot.analysis import ProgramReport
 from sparsemixer_jax.layers.packed_attention import compute_capability_of
@@ -60,13 +61,19 @@ def abstract_model(task: LMTask, mesh: jax.sharding.Mesh | None) -> CausalLM:
     return nnx.eval_shape(build)
 
 
+def batch_model_flops(task: LMTask, rows: int, length: int) -> float:
+    """Model FLOPs (:mod:`sparsemixer_jax.aot.model_flops`) of one training pass over a batch of
+    ``rows`` packed rows of ``length`` tokens, over all devices."""
+    return model_flops.lm_flops_per_token(task.lm, length)["total"] * rows * length
+
+
 def compile_lm(run: RunConfig, devices: Sequence[jax.Device], *, decode_step: bool = True,
                ) -> list[ProgramReport]:
-    """Compile the training programs of ``run`` (its config's ``model.dispatch`` resolved for
-    the target) for the target's ``devices``: the fused step (one micro-batch per update) or
-    ``accumulate`` and ``update``. ``decode_step`` is accepted for the command's sake;
-    generation is not compiled. Raises ValueError (one line) when the config does not shard
-    over the target."""
+    """Compile the training programs of ``run`` (its task's dispatch resolved for the target:
+    :func:`sparsemixer_jax.aot.command.run_for_target`) for the target's ``devices``: the fused
+    step (one micro-batch per update) or ``accumulate`` and ``update``. ``decode_step`` is
+    accepted for the command's sake; generation is not compiled. Raises ValueError (one line)
+    when the config does not shard over the target."""
     del decode_step
     task: LMTask = run.task
     mesh = target_mesh(run, devices)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparsemixer_jax.aot import model_flops
 from sparsemixer_jax.aot import steps as aot_steps
 from sparsemixer_jax.aot.analysis import ProgramReport
 from sparsemixer_jax.data.batching import bucket_batch_size, bucket_lengths
@@ -63,10 +64,20 @@ def abstract_model(run: RunConfig, mesh: jax.sharding.Mesh | None = None) -> nnx
     return nnx.eval_shape(lambda: task.build_model(run, task.data.vocab_size, mesh))
 
 
+def batch_model_flops(task: TranslationTask, rows: int, length: int) -> float:
+    """Model FLOPs (:mod:`sparsemixer_jax.aot.model_flops`) of one training pass over a batch of
+    ``rows`` rows of ``length`` tokens (source and target alike), over all devices."""
+    model = task.model
+    sizes = {"emb": model.emb_dim, "mlp": model.mlp_dim, "layers": model.encoder_layers,
+             "vocab": task.data.vocab_size, "length": length, "tokens": rows * length}
+    return model_flops.model_flops_per_step(sizes, model.moe.num_experts, task.router.name)
+
+
 def compile_translation(run: RunConfig, devices: Sequence[jax.Device], *,
                         decode_step: bool = True) -> list[ProgramReport]:
-    """Compile the training step (and the beam-search decode step) of ``run`` (its config's
-    ``model.dispatch`` resolved for the target) for the target's ``devices``.
+    """Compile the training step (and the beam-search decode step) of ``run`` (its task's
+    dispatch resolved for the target: :func:`sparsemixer_jax.aot.command.run_for_target`) for
+    the target's ``devices``.
 
     One micro-batch per update: the fused training step. Several (gradient accumulation): the
     two programs the loop runs, ``accumulate`` (one micro-batch's gradient added to the

@@ -30,25 +30,23 @@ if TYPE_CHECKING:  # the loop's sections need Optax: imported when a run is buil
 @dataclasses.dataclass(frozen=True)
 class RegisteredTask:
     """A task of the library: the sections of its config and the config file that shows them,
-    and where its code lives, each as ``"module:name"`` (imported when used, so naming a task
-    imports none of its code): ``sections_of`` (the class whose ``from_config`` builds its
-    typed sections), ``trainer`` (``(config, workdir) -> results``: the training loop's run;
-    empty for a task with its own loop) and ``compiler`` (``(run, devices, decode_step=) ->
-    reports`` of :mod:`sparsemixer_jax.aot`; empty for a task that is not compiled)."""
+    and where its code lives, each as ``"module:name"`` (imported when used: the task modules
+    import this package, so it cannot import them): ``sections_of`` (the class whose
+    ``from_config`` builds its typed sections) and ``trainer`` (``(config, workdir) ->
+    results``: the training loop's run; empty for a task with its own loop). Code built on the
+    tasks keeps its own map of what it does with each (the compile command's compilers)."""
 
     sections: tuple[str, ...]
     schema: str
     sections_of: str
     trainer: str = ""
-    compiler: str = ""
 
 
 TASKS = {
     "translation": RegisteredTask(
         ("data", "model", "router", "optim", "decode", "runtime", "mesh"), "configs/wmt.py",
         "sparsemixer_jax.tasks.translation:TranslationTask",
-        "sparsemixer_jax.tasks.translation:train_and_evaluate",
-        "sparsemixer_jax.aot.translation:compile_translation"),
+        "sparsemixer_jax.tasks.translation:train_and_evaluate"),
     "pretraining": RegisteredTask(
         ("data", "model", "generator", "router", "optim", "runtime", "mesh"),
         "configs/electra.py", "sparsemixer_jax.tasks.pretraining:PretrainingTask",
@@ -59,7 +57,7 @@ TASKS = {
     "lm": RegisteredTask(
         ("data", "model", "router", "optim", "runtime", "mesh", "sample"),
         "configs/lm_quickstart.py", "sparsemixer_jax.tasks.language_model:LMTask",
-        "sparsemixer_jax.tasks.language_model:train_lm", "sparsemixer_jax.aot.lm:compile_lm"),
+        "sparsemixer_jax.tasks.language_model:train_lm"),
 }
 
 

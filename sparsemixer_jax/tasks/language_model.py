@@ -195,6 +195,14 @@ class LMTask:
         return ({name: m["choices"] for name, m in out.aux["moe"].items()},
                 batch["segments"] != 0)
 
+    def for_platform(self, platform: str) -> LMTask:
+        """This task with ``dispatch="auto"`` resolved for ``platform`` (a JAX platform name),
+        not for the machine that traces it: the compile command's programs for a target."""
+        from sparsemixer_jax.moe.dispatch import resolve_dispatch
+
+        dispatch = resolve_dispatch(self.lm.dispatch, platform)
+        return dataclasses.replace(self, lm=self.lm.replace(dispatch=dispatch))
+
     # -- on the host
 
     def tokenizer(self, workdir: str, paragraphs=None,

@@ -61,8 +61,8 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
     Returns ``{"step", "model_type", "files", "routing_note"}``: the note is one line when the
     routing transformers computes differs from the trained one at evaluation (with the logit
     difference measured on a few validation rows), else None. One-line errors for a workdir
-    that is not a language-modelling run or holds no such checkpoint, a non-empty ``out_dir``
-    and a routing the checkpoint cannot hold.
+    that is not a language-modelling run or holds no such checkpoint, an ``out_dir`` that
+    cannot receive the export (:func:`check_out_dir`) and a routing the checkpoint cannot hold.
 
     With several processes every one calls this (each restores its shards; the gathers are
     collective) and process 0 writes; the difference is then not measured.
@@ -75,9 +75,7 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
         raise ValueError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
-        raise ValueError(f"{out_dir} is not empty ({len(os.listdir(out_dir))} entries); "
-                         "--force overwrites it")
+    check_out_dir(out_dir, force)
     config = _run_config(workdir)
     if not list_checkpoints(workdir, checkpoint):
         raise FileNotFoundError(f"{workdir} holds no {checkpoint} checkpoint yet")
@@ -117,6 +115,30 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
             note = _routing_note(trained, own, routing, measured)
     return {"step": step, "model_type": trained.model_type,
             "files": sorted(os.listdir(out_dir)), "routing_note": note}
+
+
+def check_out_dir(out_dir: str, force: bool = False) -> None:
+    """Raises a one-line ValueError, before anything is read or written, if ``out_dir`` cannot
+    receive an export: it is a file, a non-empty directory (unless ``force``), or a directory
+    this process cannot write; or, where it does not exist yet, the nearest existing directory
+    above it (the export creates the missing ones, as ``mkdir -p``) is a file or not writable."""
+    if os.path.isdir(out_dir):
+        if os.listdir(out_dir) and not force:
+            raise ValueError(f"{out_dir} is not empty ({len(os.listdir(out_dir))} entries); "
+                             "--force overwrites it")
+        if not os.access(out_dir, os.W_OK | os.X_OK):
+            raise ValueError(f"{out_dir} is not writable")
+        return
+    if os.path.lexists(out_dir):
+        raise ValueError(f"{out_dir} exists and is not a directory: an export writes a directory "
+                         "(config.json, safetensors, tokenizer files); name a new or empty one")
+    above = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.lexists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ValueError(f"cannot create {out_dir}: {above} is not a directory")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot create {out_dir}: {above} is not writable")
 
 
 def _run_config(workdir: str) -> ml_collections.ConfigDict:

@@ -28,6 +28,7 @@ from sparsemixer_jax.metrics import bleu
 from sparsemixer_jax.models import decode
 from sparsemixer_jax.models.decode import DecodeConfig
 from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
+from sparsemixer_jax.moe.dispatch import resolve_dispatch
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.section import cast, check_fraction
 from sparsemixer_jax.tasks import check_sections, run_config
@@ -190,6 +191,15 @@ class TranslationTask:
         del key  # the deterministic forward draws nothing
         logits, _ = model(batch["inputs"], batch["targets"], deterministic=True)
         return jnp.stack(token_losses(logits, batch["targets"], self.label_smoothing))
+
+    def for_platform(self, platform: str) -> TranslationTask:
+        """This task with ``dispatch="auto"`` resolved for ``platform`` (a JAX platform name),
+        not for the machine that traces it: the compile command's programs for a target."""
+        if self.model is None:
+            return self
+        moe = dataclasses.replace(self.model.moe,
+                                  dispatch=resolve_dispatch(self.model.moe.dispatch, platform))
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, moe=moe))
 
     # -- on the host
 
