@@ -31,6 +31,7 @@ from sparsemixer_jax.routers.sampling import (
     MaskRule,
     check_sampling_args,
     check_selection_bias_shape,
+    coin_branch,
     coin_probability,
     nan_tokens,
     routing_keys,
@@ -147,13 +148,7 @@ def _branch_scales(estimator, on_top, coin_key, reduced_prob, dtype):
     """``(forward_scale, gate_scale, selection_scale)`` per token ``[...]`` for the set's
     branch: one coin per token, flipped unless the drawn set ``on_top`` is ``TopK(s + b)``."""
     rule, two_path = ESTIMATORS[estimator], TWO_PATH_RULES[estimator]
-    if estimator == "euler":
-        flipped = reduced = jnp.zeros(on_top.shape, bool)
-    elif estimator == "midpoint":
-        flipped, reduced = jnp.zeros(on_top.shape, bool), jnp.ones(on_top.shape, bool)
-    else:
-        flipped = ~on_top
-        reduced = jax.random.bernoulli(coin_key, reduced_prob, on_top.shape) & flipped
+    flipped, reduced = coin_branch(estimator, ~on_top, coin_key, reduced_prob)
     gate_scale, selection_scale = two_path_scales(two_path, reduced, flipped, reduced_prob)
     forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(dtype)
     return forward_scale, gate_scale, selection_scale
