@@ -199,6 +199,20 @@ def router_output(experts: list, gates: list, first_probs: jax.Array) -> RouterO
     )
 
 
+def coin_branch(estimator: str, off_top: jax.Array, coin_key: jax.Array,
+                reduced_prob: float) -> tuple[jax.Array, jax.Array]:
+    """``(coin_flipped, reduced)``, bool of ``off_top``'s shape ``[...]``: whether a coin was
+    flipped for the choice and whether it takes the reduced-weight branch. ``"euler"`` never
+    reduces and ``"midpoint"`` always does, neither flipping a coin; the others flip one of
+    probability ``reduced_prob`` (from ``coin_key``) where ``off_top``, the choice is not the
+    argmax (or the drawn set not the top set)."""
+    if estimator == "euler":
+        return jnp.zeros(off_top.shape, dtype=bool), jnp.zeros(off_top.shape, dtype=bool)
+    if estimator == "midpoint":
+        return jnp.zeros(off_top.shape, dtype=bool), jnp.ones(off_top.shape, dtype=bool)
+    return off_top, jax.random.bernoulli(coin_key, reduced_prob, off_top.shape) & off_top
+
+
 def check_sampling_args(fn: str, logits, key, top_k, jitter_eps, training, estimator: str,
                         midpoint_prob: float | None, backward_scale: float | None) -> None:
     """ValueError in one line, prefixed ``fn``, for an argument every SparseMixer route takes

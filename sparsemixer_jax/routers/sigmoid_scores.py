@@ -31,6 +31,7 @@ from sparsemixer_jax.routers.sampling import (
     MaskRule,
     check_sampling_args,
     check_selection_bias_shape,
+    coin_branch,
     coin_probability,
     nan_tokens,
     routing_keys,
@@ -114,7 +115,6 @@ def sparsemixer_sigmoid_route(
         check_selection_bias_shape(fn, logits, selection_bias)
     invalid = nan_tokens(fn, logits, top_k, invalid)
     reduced_prob = coin_probability(estimator, midpoint_prob)
-    rule, two_path = ESTIMATORS[estimator], TWO_PATH_RULES[estimator]
     logits = logits.astype(routing_dtype(logits))
     scores = jax.nn.sigmoid(logits)
     probs = jnp.where(invalid[..., None], jnp.nan,
@@ -129,15 +129,8 @@ def sparsemixer_sigmoid_route(
     keys = routing_keys(key, top_k)
     experts, log_prob = _draw_set(logits, selection_bias, invalid, keys, jitter_eps, mask)
     on_top = jnp.all(jnp.any(experts[..., :, None] == top_set[..., None, :], axis=-1), axis=-1)
-    if estimator == "euler":
-        flipped = reduced = jnp.zeros(on_top.shape, bool)
-    elif estimator == "midpoint":
-        flipped, reduced = jnp.zeros(on_top.shape, bool), jnp.ones(on_top.shape, bool)
-    else:
-        flipped = ~on_top
-        reduced = jax.random.bernoulli(keys[0][1], reduced_prob, on_top.shape) & flipped
-    gate_scale, selection_scale = two_path_scales(two_path, reduced, flipped, reduced_prob)
-    forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(scores.dtype)
+    forward_scale, gate_scale, selection_scale = _branch_scales(
+        estimator, on_top, keys[0][1], reduced_prob, scores.dtype)
     gates = renormalised_gates(logits, experts, routed_scaling_factor)
     gates = jnp.where(invalid[..., None], jnp.nan, gates)
 
@@ -149,6 +142,16 @@ def sparsemixer_sigmoid_route(
     gates = two_path_gate(gates, per_gate(log_prob), per_gate(forward_scale),
                           per_gate(gate_scale), per_gate(selection_scale))
     return _output(experts, gates, probs, scores, top_k)
+
+
+def _branch_scales(estimator, on_top, coin_key, reduced_prob, dtype):
+    """``(forward_scale, gate_scale, selection_scale)`` per token ``[...]`` for the set's
+    branch: one coin per token, flipped unless the drawn set ``on_top`` is ``TopK(s + b)``."""
+    rule, two_path = ESTIMATORS[estimator], TWO_PATH_RULES[estimator]
+    flipped, reduced = coin_branch(estimator, ~on_top, coin_key, reduced_prob)
+    gate_scale, selection_scale = two_path_scales(two_path, reduced, flipped, reduced_prob)
+    forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(dtype)
+    return forward_scale, gate_scale, selection_scale
 
 
 def _draw_set(logits, selection_bias, invalid, keys, jitter_eps, mask):

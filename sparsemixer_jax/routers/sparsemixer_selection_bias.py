@@ -22,6 +22,7 @@ from sparsemixer_jax.routers.sampling import (
     MaskRule,
     check_sampling_args,
     check_selection_bias_shape,
+    coin_branch,
     coin_probability,
     nan_tokens,
     router_output,
@@ -112,14 +113,7 @@ def _two_path_step(pi, q, log_q, top, keys, estimator, reduced_prob):
     # Drawn as the plain router draws (log of the probabilities): b = 0 samples alike.
     expert = jax.random.categorical(sample_key, jnp.log(jax.lax.stop_gradient(q)),
                                     axis=-1).astype(jnp.int32)
-    if estimator == "euler":
-        coin_flipped = reduced = jnp.zeros(expert.shape, dtype=bool)
-    elif estimator == "midpoint":
-        coin_flipped, reduced = (jnp.zeros(expert.shape, dtype=bool),
-                                 jnp.ones(expert.shape, dtype=bool))
-    else:
-        coin_flipped = expert != coin_top
-        reduced = jax.random.bernoulli(coin_key, reduced_prob, expert.shape) & coin_flipped
+    coin_flipped, reduced = coin_branch(estimator, expert != coin_top, coin_key, reduced_prob)
     gate_scale, selection_scale = two_path_scales(two_path, reduced, coin_flipped, reduced_prob)
     forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(pi.dtype)
     gate = two_path_gate(take_expert(pi, expert), take_expert(log_q, expert), forward_scale,

@@ -17,6 +17,7 @@ from sparsemixer_jax.routers.sampling import (
     MaskRule,
     check_sampling_args,
     chosen_prob,
+    coin_branch,
     coin_probability,
     fill_masked,
     nan_tokens,
@@ -100,12 +101,6 @@ def _sample_step(probs, top, keys, estimator, rule: EstimatorRule, reduced_prob,
     # Gumbel-max over the masked logits; log(probs) differs from them by a constant per token.
     masked_logits = jnp.log(jax.lax.stop_gradient(probs))
     expert = jax.random.categorical(sample_key, masked_logits, axis=-1).astype(jnp.int32)
-    if estimator == "euler":
-        reduced = jnp.zeros(expert.shape, dtype=bool)
-    elif estimator == "midpoint":
-        reduced = jnp.ones(expert.shape, dtype=bool)
-    else:
-        coin = jax.random.bernoulli(coin_key, reduced_prob, expert.shape)
-        reduced = coin if rule.on_argmax else coin & (expert != top)
+    _, reduced = coin_branch(estimator, expert != top, coin_key, reduced_prob)
     forward_scale = jnp.where(reduced, rule.reduced_weight, 1.0).astype(probs.dtype)
     return expert, scaled_gate(chosen_prob(probs, expert), forward_scale, scale)
