@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 from sparsemixer_jax import routers
 from sparsemixer_jax.attention import ATTENTION_IMPLS, check_attention_dtype
-from sparsemixer_jax.moe.dispatch import DISPATCHES, GROUPED_IMPLS
+from sparsemixer_jax.moe.config import NORMAL_INIT, MoEConfig
+from sparsemixer_jax.moe.dispatch import DISPATCHES, GROUPED_IMPLS, clamped_swiglu
 
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
 MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe", "glm4_moe", "gpt_oss",
@@ -392,6 +393,24 @@ class LMConfig:
                 self.router in routers.registry.routers_taking("normalize_top_k"):
             options.setdefault("normalize_top_k", True)
         return options
+
+    def moe_sections(self) -> tuple[MoEConfig, routers.RouterConfig]:
+        """The MoE layers' sections (:class:`~sparsemixer_jax.moe.MoEFeedForward`): gated
+        SwiGLU experts (gpt-oss's clamped form where ``swiglu_limit`` is set) without dropout,
+        initialised as the types are (``normal(initializer_range)``), and the router."""
+        activation = "silu" if self.swiglu_limit is None else \
+            clamped_swiglu(self.swiglu_limit, self.swiglu_alpha)
+        moe = MoEConfig(
+            num_experts=self.num_experts, dispatch=self.dispatch, grouped_impl=self.grouped_impl,
+            capacity_factor=self.capacity_factor, expert_buffer_factor=self.expert_buffer_factor,
+            activation=activation, activation_dropout=0.0, init=NORMAL_INIT, gated=True,
+            expert_biases=self.expert_biases, router_bias=self.router_bias,
+            selection_bias=self.selection_bias, input_jitter=self.moe_input_jitter,
+            init_std=self.initializer_range)
+        router = routers.check_router(self.router, top_k=self.top_k, jitter_eps=self.jitter_eps,
+                                      num_experts=self.num_experts, where="",
+                                      **self.router_option_dict())
+        return moe, router
 
     @property
     def hf(self) -> dict[str, Any]:
