@@ -351,7 +351,8 @@ def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
         overrides = model_overrides(model)
         if init_router == "config":
             check_router_for_lm(router, cfg.get("model_type", ""))
-            overrides.update(router_overrides(router, cfg.get("model_type", "")))
+            overrides.update(router_overrides(router, cfg.get("model_type", ""),
+                                              over_type=False))
         lm = hf.from_hf(cfg, **overrides)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
