@@ -540,10 +540,18 @@ def test_router_flags_given_with_init_router_config_route_the_run_and_its_export
     exported = hf.to_hf(LMTask.from_config(saved).lm)[hf.ROUTING_KEY]
     assert {k: exported["options"].get(k) for k in ("score", "group_score")} == \
         {"score": "softmax", "group_score": "max"}
-    # From scratch the type's own routing stays the base of a section at its defaults.
-    assert LMTask.from_config(tiny(corpus, **{"model.hf_type": "glm4_moe", "router.name": "switch",
-                                              "router.jitter_eps": 0.0})
-                              ).lm.router_option_dict()["score"] == "sigmoid"
+    # From scratch the type's own routing stays the base of a section at its defaults, and a
+    # default given on the command line that it overrules is refused in one line.
+    scratch = tiny(corpus, **{"model.hf_type": "glm4_moe", "router.name": "switch",
+                              "router.jitter_eps": 0.0, "router.score": "softmax"})
+    glm = LMTask.from_config(scratch)
+    assert glm.lm.router_option_dict()["score"] == "sigmoid"
+    lm_sections.refuse_overruled_router_fields(glm.lm, glm.router, ("router.name",))
+    workdir = str(tmp_path / "w")
+    with pytest.raises(ValueError, match=r"^--config\.router\.score='softmax' \(the model "
+                                         r"routes by 'sigmoid'\): a glm4_moe model from scratch"):
+        train_lm(scratch, workdir, given=("router.score", "router.name"))
+    assert not os.path.exists(workdir)
 
 
 def test_bad_quantized_checkpoints_are_one_line_errors_before_anything_is_written(

@@ -43,6 +43,7 @@ from sparsemixer_jax.tasks.lm_sections import (
     check_router_for_lm,
     from_scratch_config,
     model_overrides,
+    refuse_overruled_router_fields,
     refuse_unused_router_fields,
     router_of_run,
     router_overrides,
@@ -447,6 +448,7 @@ def train_lm(config: ml_collections.ConfigDict, workdir: str,
                                 cast(str, config.init_router, "config.init_router"), given)
     run = run_config(config, LMTask.from_config(config))
     task = run.task
+    refuse_overruled_router_fields(task.lm, task.router, given)
     if task.init_from:  # its errors name the file
         from sparsemixer_jax import hf
 

@@ -70,6 +70,26 @@ def refuse_unused_router_fields(init_from: str, init_router: str, given: Any) ->
             f"out (the router fields honoured either way: {', '.join(ROUTER_TRAINING_FIELDS)})")
 
 
+def refuse_overruled_router_fields(lm: LMConfig, router: RouterConfig, given: Any) -> None:
+    """A one-line ValueError naming each routing field of the router section given on the
+    command line (in ``given``, as ``"router.score"``) that does not route the model ``lm``:
+    a model from scratch routes by its type's own options where the section holds their
+    defaults (``glm4_moe``'s ``score='sigmoid'`` over ``--config.router.score=softmax``)."""
+    if not any(lm.moe_layers):
+        return
+    routed = lm.moe_sections()[1]
+    names = ("name", "top_k", "jitter_eps", *ROUTER_OPTIONS, *SELECTION_OPTIONS)
+    lost = [f"--config.router.{name}={getattr(router, name)!r} (the model routes by "
+            f"{getattr(routed, name)!r})" for name in names
+            if f"router.{name}" in given and getattr(router, name) != getattr(routed, name)]
+    if lost:
+        raise ValueError(
+            f"{', '.join(lost)}: a {lm.model_type} model from scratch routes by its type's own "
+            "options where the router section holds their defaults; fine-tune a checkpoint "
+            "with --config.init_router=config to route by the section alone, or leave "
+            f"{'them' if len(lost) > 1 else 'it'} out")
+
+
 @dataclasses.dataclass(frozen=True)
 class LMModelConfig:
     """``config.model`` of a language-modelling run (schema: ``configs/lm_quickstart.py``).
