@@ -283,14 +283,41 @@ def run_with_other_math(module: str, *args: str, timeout: float = 600) -> None:
 # --------------------------------------------------------------------------- the MoE layer
 
 
+# The settings moe_layer takes by keyword that are RouterConfig fields, by their keyword name.
+_ROUTER_KEYWORDS = {"router": "name", "jitter_eps": "jitter_eps", "top_k": "top_k",
+                    "router_init_scale": "init_scale", "default_decay": "default_decay"}
+
+
+def moe_sections(experts: int, router_options: dict | None = None, **settings) -> tuple:
+    """``(MoEConfig, RouterConfig)`` of loose settings: the router's (``router`` its name,
+    ``jitter_eps``, ``top_k``, ``router_init_scale``, ``default_decay``, ``router_options``)
+    and the layer's (any other :class:`MoEConfig` field), each at its section's default unless
+    given; checked as the layer checks them (a ValueError naming the first bad one)."""
+    from sparsemixer_jax.moe import MoEConfig
+    from sparsemixer_jax.routers import RouterConfig, check_router
+
+    options = {_ROUTER_KEYWORDS[k]: settings.pop(k) for k in list(settings)
+               if k in _ROUTER_KEYWORDS}
+    options.update(router_options or {})
+    moe = MoEConfig(num_experts=experts, **settings)
+    if experts >= 1:
+        moe.check()
+    options.setdefault("jitter_eps", RouterConfig.jitter_eps)
+    name = options.pop("name", RouterConfig.name)
+    return moe, check_router(name, num_experts=max(experts, 1), where="", **options)
+
+
 def moe_layer(emb: int, mlp: int, experts: int, mesh=None, **kw):
-    """``MoEFeedForward(emb, mlp, experts, mesh=mesh, **kw)`` with fixed rngs (unless ``kw``
-    names them), its state sharded over ``mesh`` when one is given."""
+    """``MoEFeedForward((emb, mlp), *moe_sections(experts, **settings), mesh=mesh)`` of the
+    settings in ``kw``, with fixed rngs (unless ``kw`` names them; ``dtype`` too is passed
+    on), its state sharded over ``mesh`` when one is given."""
     from sparsemixer_jax.moe import MoEFeedForward
     from sparsemixer_jax.parallel.sharding import shard_state
 
-    kw.setdefault("rngs", nnx.Rngs(params=0, dropout=1, router=2))
-    layer = MoEFeedForward(emb, mlp, experts, mesh=mesh, **kw)
+    rngs = kw.pop("rngs", None) or nnx.Rngs(params=0, dropout=1, router=2)
+    extra = {"dtype": kw.pop("dtype")} if "dtype" in kw else {}
+    layer = MoEFeedForward((emb, mlp), *moe_sections(experts, **kw), mesh=mesh, rngs=rngs,
+                           **extra)
     if mesh is not None:
         shard_state(layer, mesh)
     return layer

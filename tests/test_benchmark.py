@@ -19,6 +19,7 @@ from lab.studies.arms import DIVERGED, arm_names, arm_settings, run_dir
 from lab.studies.figures import plot_convergence
 from lab.studies.runner import StudyOptions, make_config
 from lab.studies.summary import markdown, summarize, updates_to_reach
+from tests import kit
 
 TINY = {"emb": 16, "mlp": 32, "heads": 2, "layers": 1, "vocab": 64, "tokens": 64, "length": 8,
         "warmup": 1, "repeats": 1}
@@ -277,7 +278,6 @@ def test_layer_cost_section_runs(tmp_path):
     from flax import nnx
 
     from lab.benchmarks.layers import layer_step
-    from sparsemixer_jax.moe import MoEFeedForward
 
     out = tmp_path / "bench.json"
     runner.run(runner.BenchmarkSettings(
@@ -294,7 +294,7 @@ def test_layer_cost_section_runs(tmp_path):
     assert rows["densemixer"]["time"]["median"] > 0
     assert "| 2 | default_moe |" in report.markdown_tables(saved)
 
-    layer = MoEFeedForward(e, m, 2, router="default_moe", rngs=nnx.Rngs(0))
+    layer = kit.moe_layer(e, m, 2, router="default_moe", rngs=nnx.Rngs(0))
     _, state = layer_step(layer, jnp.ones((2, 4, e)))()
     defaults = jax.tree.leaves(state)
     assert len(defaults) == 1 and float(jnp.abs(defaults[0]).sum()) > 0

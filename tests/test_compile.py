@@ -98,7 +98,11 @@ MOE_LAYERS = 6
 
 def _layer_gradient(layer_args: dict, tokens: int, dtype) -> tuple:
     """Forward and every gradient of one MoE layer at the benchmark's size, built abstractly."""
-    layer = nnx.eval_shape(lambda: MoEFeedForward(**layer_args, dtype=dtype, rngs=nnx.Rngs(0)))
+    sections = kit.moe_sections(layer_args["num_experts"], top_k=layer_args["top_k"],
+                                dispatch=layer_args["dispatch"])
+    layer = nnx.eval_shape(lambda: MoEFeedForward(
+        (layer_args["emb_dim"], layer_args["mlp_dim"]), *sections, dtype=dtype,
+        rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
     def loss(params, x, rest):

@@ -103,7 +103,7 @@ def test_absolute_positions_and_gelu_switches():
     c.model.absolute_positions, c.model.activation = 12, "gelu"
     enc = Encoder(*kit.sections(c, EncoderConfig), vocab_size=50,
                   rngs=nnx.Rngs(params=0, dropout=1, router=2))
-    assert enc.layers[0].ffn.activation == enc.layers[1].ffn.activation == "gelu"
+    assert enc.layers[0].ffn.moe.activation == enc.layers[1].ffn.activation == "gelu"
     assert enc.embeddings.position.embedding.shape == (12, 16)
     tokens = jnp.asarray(np.random.default_rng(0).integers(6, 50, (2, 7)), jnp.int32)
 
@@ -121,7 +121,7 @@ def test_absolute_positions_and_gelu_switches():
     plain = Encoder(*kit.sections(kit.tiny_config("encoder"), EncoderConfig), vocab_size=50,
                     rngs=nnx.Rngs(params=0, dropout=1, router=2))
     assert plain.embeddings.position is None  # a config without the fields: none, ReLU
-    assert plain.layers[0].ffn.activation == "relu"
+    assert plain.layers[0].ffn.moe.activation == "relu"
 
 
 def test_attention_impl_reaches_the_fused_attention(monkeypatch):

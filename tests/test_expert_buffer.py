@@ -17,6 +17,7 @@ from flax import nnx
 from sparsemixer_jax.moe import MoEConfig, MoEFeedForward, expert_ffn
 from sparsemixer_jax.moe.expert_parallel import buffer_overflow, buffer_slots, expert_parallel_ffn
 from sparsemixer_jax.parallel.sharding import make_mesh
+from tests import kit
 
 # 2 data shards x 4 expert devices; 8 experts (2 a device). A data shard holds 4 rows of 12
 # positions: 48 rows, 4 chunks of 12, so a balanced routing sends 3 rows of each chunk to each
@@ -121,9 +122,9 @@ def test_the_exchange_moves_the_factor_of_a_balanced_share():
 
 
 def _layer(mesh, factor):
-    return MoEFeedForward(EMB, MLP, N, router="switch", top_k=2, activation_dropout=0.0,
-                          jitter_eps=0.0, mesh=mesh, expert_buffer_factor=factor,
-                          rngs=nnx.Rngs(params=0, router=1))
+    return MoEFeedForward((EMB, MLP), *kit.moe_sections(
+        N, router="switch", top_k=2, activation_dropout=0.0, jitter_eps=0.0,
+        expert_buffer_factor=factor), mesh=mesh, rngs=nnx.Rngs(params=0, router=1))
 
 
 def test_the_layer_counts_the_rows_it_drops():

@@ -142,6 +142,30 @@ def test_the_update_is_the_hand_computed_adamw_step_per_role(corpus):
             np.testing.assert_allclose(update, expected, rtol=1e-6, atol=1e-12, err_msg=path)
 
 
+@pytest.mark.parametrize("train_only, experts_train", [("experts", True),
+                                                       ("non_experts", False)])
+def test_gpt_oss_expert_biases_are_the_experts(train_only, experts_train):
+    """gpt-oss's experts have biases (``gate_up_proj_bias``, ``down_proj_bias``: the layer's
+    ``b_gate``, ``b_up``, ``b_down``): ``train_only="experts"`` trains them with the experts'
+    weights and ``"non_experts"`` freezes them, as it freezes the weights; the router's weight
+    and bias and attention's sinks follow the other side."""
+    from sparsemixer_jax import hf
+    from sparsemixer_jax.models.causal_lm import CausalLM
+
+    config = hf.from_hf(hf.read_config(os.path.join(HF_DATA, "gpt_oss")))
+    model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
+    optim = OptimSettings(train_only=train_only, roles=ParamRoles(*routing_param_paths(model)))
+    labels = _paths(param_labels(optim, nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    moe = [p for p in labels if "/mlp/moe/" in p]
+    trained = {p.rsplit("/", 1)[1] for p in moe if labels[p] != "frozen"}
+    frozen = {p.rsplit("/", 1)[1] for p in moe if labels[p] == "frozen"}
+    experts = {"w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"}
+    assert (trained if experts_train else frozen) == experts
+    assert (frozen if experts_train else trained) == {"kernel", "bias"}  # the router's
+    assert {labels[p] for p in labels if p.endswith("/sinks")} == \
+        {"frozen" if experts_train else "rest"}
+
+
 def test_frozen_gradients_do_not_clip_the_trained_ones():
     """Clipping by global norm measures the trained parameters' gradients only."""
     params = {"router": {"kernel": jnp.ones((2, 2))}, "wi": jnp.ones((2, 3))}

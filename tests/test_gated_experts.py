@@ -13,6 +13,7 @@ from sparsemixer_jax.moe import MoEFeedForward, expert_ffn, fold_omega
 from sparsemixer_jax.moe.dispatch import clamped_swiglu
 from sparsemixer_jax.moe.unchosen import all_expert_outputs
 from sparsemixer_jax.parallel.sharding import make_mesh
+from tests import kit
 
 EMB, MLP, N, B, T = 64, 128, 4, 4, 8
 
@@ -71,9 +72,12 @@ def test_gated_dense_pass_of_densemixer(rows):
 
 
 def gated_layer(router="switch", mesh=None, **kw):
-    return MoEFeedForward(EMB, MLP, N, router=router, top_k=2, activation="silu", gated=True,
-                          router_bias=False, activation_dropout=0.0, jitter_eps=0.0,
-                          mesh=mesh, rngs=nnx.Rngs(params=0, router=1), **kw)
+    if kw.pop("gated_biases", False):
+        kw["expert_biases"] = True
+    return MoEFeedForward((EMB, MLP), *kit.moe_sections(
+        N, router=router, top_k=2, activation="silu", gated=True, router_bias=False,
+        activation_dropout=0.0, jitter_eps=0.0, **kw), mesh=mesh,
+        rngs=nnx.Rngs(params=0, router=1))
 
 
 def test_gated_layer_params_and_output():

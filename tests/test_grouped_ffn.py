@@ -29,7 +29,7 @@ from sparsemixer_jax.kernels import (
     grouped_matmul,
 )
 from sparsemixer_jax.kernels import mosaic_grouped_matmul as mgm
-from sparsemixer_jax.moe.dispatch import grouped_ffn
+from sparsemixer_jax.moe.dispatch import ExpertRows, grouped_ffn
 from tests import kit
 
 
@@ -102,7 +102,8 @@ def _value_and_grads(ffn):
     """jit(x, group, params...) -> (y, grads w.r.t. x, wi, bi, wo, bo) with dropout on."""
 
     def loss(x, wi, bi, wo, bo, group):
-        y = ffn(x, group, jnp.arange(ROWS) * 3 + 1, wi, bi, wo, bo, jax.random.key(3), RATE)
+        y = ffn(ExpertRows(x, group, jnp.arange(ROWS) * 3 + 1, wi, bi, wo, bo,
+                           jax.random.key(3), RATE))
         return jnp.sum(y.astype(jnp.float32) * _weights(jnp.float32)), y
 
     grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
@@ -117,7 +118,7 @@ def _value_and_grads(ffn):
 
 reference = _value_and_grads(moe.dispatch.ragged_ffn)
 padded_reference = _value_and_grads(
-    lambda *a: moe.dispatch.padded_ffn(*a, capacity=None))
+    lambda rows: moe.dispatch.padded_ffn(rows, capacity=None))
 xla_grouped = _value_and_grads(functools.partial(grouped_ffn, impl="xla"))
 mosaic_grouped = _value_and_grads(functools.partial(grouped_ffn, impl="mosaic", interpret=True,
                                                     **TILES))
@@ -154,10 +155,10 @@ def test_dropout_masks_are_moe_masks():
     # dropout on it matches the reference but not the no-dropout output.
     x, *params = _params(jax.random.key(0), 4, jnp.float32)
     group = _groups("mixed", 4)
-    y = jax.jit(functools.partial(grouped_ffn, impl="xla"), static_argnums=8)(
-        x, group, jnp.arange(ROWS) * 3 + 1, *params, jax.random.key(3), RATE)
+    y = jax.jit(functools.partial(grouped_ffn, impl="xla"))(
+        ExpertRows(x, group, jnp.arange(ROWS) * 3 + 1, *params, jax.random.key(3), RATE))
     y_ref = reference(x, group, *params)[0]
-    y_off = moe.dispatch.ragged_ffn(x, group, jnp.arange(ROWS), *params, None, 0.0)
+    y_off = moe.dispatch.ragged_ffn(ExpertRows(x, group, jnp.arange(ROWS), *params))
     chex.assert_trees_all_close(y, y_ref, atol=1e-5)
     assert float(jnp.abs(y - y_off).max()) > 1e-2
 
@@ -173,7 +174,7 @@ def test_padded_block_rows_is_an_argument():
     got = ffn(x, group, jnp.arange(ROWS), tuple(params), dispatch="padded", block_rows=8)
     chex.assert_trees_all_close(got, want, atol=1e-5)  # 8-row blocks, the default: 32
     with pytest.raises(ValueError, match="block_rows must be >= 1"):
-        moe.dispatch.padded_ffn(x, group, jnp.arange(ROWS), *params, None, 0.0, None,
+        moe.dispatch.padded_ffn(ExpertRows(x, group, jnp.arange(ROWS), *params), None,
                                 block_rows=0)
 
 
@@ -321,7 +322,7 @@ def test_check_grouped_supported_messages():
     if jax.default_backend() == "cpu":
         x, *params = _params(jax.random.key(0), 2, jnp.bfloat16)
         with pytest.raises(ValueError, match="sm90"):
-            grouped_ffn(x, _groups("mixed", 2), jnp.arange(ROWS), *params, None, 0.0)
+            grouped_ffn(ExpertRows(x, _groups("mixed", 2), jnp.arange(ROWS), *params))
 
 
 @needs_cpu_default
@@ -517,7 +518,7 @@ def test_tokamax_impl_or_its_missing_package_error():
         import tokamax  # noqa: F401
     except ImportError:
         with pytest.raises(ImportError, match=r"impl='tokamax' needs the tokamax package"):
-            ffn(x, group, jnp.arange(ROWS), *params, None, 0.0)
+            ffn(ExpertRows(x, group, jnp.arange(ROWS), *params))
         return
     _assert_close(_value_and_grads(ffn)(x, group, *params), reference(x, group, *params),
                   REL_TOL["bfloat16"])

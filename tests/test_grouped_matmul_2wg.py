@@ -219,13 +219,13 @@ def test_grouped_ffn_takes_two_warpgroups():
     # three products each run on a Mosaic kernel.
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from sparsemixer_jax.moe.dispatch import grouped_ffn
+    from sparsemixer_jax.moe.dispatch import ExpertRows, grouped_ffn
 
     mesh = jax.sharding.Mesh(kit.target_devices_or_skip("h100:1x1")[1], ("x",))
     spec = functools.partial(jax.ShapeDtypeStruct, sharding=NamedSharding(mesh, PartitionSpec()))
 
     def loss(x, group, wi, bi, wo, bo, tile=128):
-        y = grouped_ffn(x, group, jnp.arange(x.shape[0]), wi, bi, wo, bo, None, 0.0,
+        y = grouped_ffn(ExpertRows(x, group, jnp.arange(x.shape[0]), wi, bi, wo, bo),
                         warpgroups=2, block_m=tile, block_n=tile, max_concurrent_steps=2)
         # Squared: the gradient of a plain sum would not need the second layer's output.
         return 0.5 * jnp.sum(jnp.square(y.astype(jnp.float32)))
@@ -245,7 +245,7 @@ def test_the_mosaic_2wg_impl_runs_the_two_warpgroup_kernels_on_128x256_tiles(mon
 
     seen = []
     monkeypatch.setattr(dispatch, "grouped_ffn",
-                        lambda x, *args, **kwargs: seen.append(kwargs) or x)
+                        lambda rows, **kwargs: seen.append(kwargs) or rows.x)
     x, group = jnp.ones((4, 8), jnp.bfloat16), jnp.zeros((4,), jnp.int32)
     params = (jnp.ones((2, 8, 16), jnp.bfloat16), jnp.ones((2, 16), jnp.bfloat16),
               jnp.ones((2, 16, 8), jnp.bfloat16), jnp.ones((2, 8), jnp.bfloat16))

@@ -66,9 +66,12 @@ def test_glm4_moe_reads_the_hubs_spelling_as_transformers_5s():
     assert config.moe_layers == (False, True, True) and config.selection_bias
     with pytest.raises(ValueError, match=r"norm_topk_prob=False is not implemented \(only True"):
         hf.from_hf({**new, "norm_topk_prob": False})
-    # A model routing otherwise than the checkpoint type is not exported as one.
-    with pytest.raises(ValueError, match="glm4_moe checkpoints route by score='sigmoid'"):
-        hf.to_hf(config.replace(router_options=()))
+    # A model routing otherwise than its type (softmax scores) is written with its routing
+    # recorded (transformers computes the type's own), which loading restores.
+    softmax = config.replace(router_options=(("group_score", "max"), ("score", "softmax")))
+    written = hf.to_hf(softmax)
+    assert written[hf.ROUTING_KEY]["options"] == {"group_score": "max", "score": "softmax"}
+    assert hf.from_hf(written).replace(hf_config="") == softmax.replace(hf_config="")
 
 
 @pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v3"])

@@ -15,7 +15,6 @@ from flax import nnx
 
 from configs import wmt_n4
 from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
-from sparsemixer_jax.moe import MoEFeedForward
 from tests import kit
 
 TRUNCATED_STD = 0.87962566103423978  # std of the standard normal truncated to [-2, 2]
@@ -129,8 +128,8 @@ def test_router_init_scale_multiplies_the_schemes_router_variance(scheme):
     d, n = 256, 128
 
     def router(scale):
-        layer = MoEFeedForward(d, 8, n, router="switch", router_init_scale=scale, init=scheme,
-                               rngs=nnx.Rngs(0))
+        layer = kit.moe_layer(d, 8, n, router="switch", router_init_scale=scale, init=scheme,
+                              rngs=nnx.Rngs(0))
         return np.asarray(layer.router.kernel[...]), np.asarray(layer.router.bias[...])
 
     kernel, bias = router(0.1)
@@ -146,9 +145,9 @@ def test_router_init_scale_multiplies_the_schemes_router_variance(scheme):
 def test_unknown_scheme_is_one_clear_line():
     with pytest.raises(ValueError,
                        match=r"init='xavier'; choose one of \('fairseq', 'flax', 'admin'\)"):
-        MoEFeedForward(8, 8, 2, init="xavier", rngs=nnx.Rngs(0))
+        kit.moe_layer(8, 8, 2, init="xavier")
     with pytest.raises(ValueError, match=r"'gate=fairseq' is not COMPONENT=SCHEME"):
-        MoEFeedForward(8, 8, 2, init="flax,gate=fairseq", rngs=nnx.Rngs(0))
+        kit.moe_layer(8, 8, 2, init="flax,gate=fairseq")
     config = wmt_n4.get_config()
     config.model.init = "xavier"
     from sparsemixer_jax.tasks import check_config
@@ -183,7 +182,7 @@ def test_a_component_set_apart_takes_its_own_scheme(component):
 
 
 def test_the_fairseq_scheme_draws_every_expert_bias():
-    layer = MoEFeedForward(16, 32, 3, init="fairseq", rngs=nnx.Rngs(0))
+    layer = kit.moe_layer(16, 32, 3, init="fairseq", rngs=nnx.Rngs(0))
     for name, fan_in in (("bi", 16), ("bo", 32)):
         bias = np.asarray(getattr(layer, name)[...])
         assert np.all(bias != 0) and np.abs(bias).max() <= fan_in**-0.5

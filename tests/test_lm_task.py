@@ -18,6 +18,7 @@ import signal
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -516,6 +517,41 @@ def _family(checkpoint, tmp_path, model_type, name, change):
     shutil.copy(os.path.join(checkpoint, "tokenizer.json"), path)
     change(path)
     return path
+
+
+def test_router_flags_given_with_init_router_config_route_the_run_and_its_export(
+        corpus, checkpoint, tmp_path):
+    """glm4_moe routes by sigmoid scores summed over groups' top two; with
+    ``init_router="config"`` the section's ``score=softmax`` and ``group_score=max`` (the
+    first the schema's default) reach the model, stay in the run's ``config.json`` and, read
+    back from it as an export reads it, are the routing the export records."""
+    from sparsemixer_jax.training.config import as_json
+
+    path = _family(checkpoint, tmp_path, "glm4_moe", "glm", lambda path: None)
+    assert hf.from_hf(hf.read_config(path)).router_option_dict()["score"] == "sigmoid"
+    config = _finetune_config(corpus, path, init_router="config", **{
+        "router.name": "switch", "router.jitter_eps": 0.0, "router.score": "softmax",
+        "router.group_score": "max"})
+    trained = LMTask.from_config(config).lm
+    assert {k: trained.router_option_dict()[k] for k in ("score", "group_score")} == \
+        {"score": "softmax", "group_score": "max"}
+    saved = ml_collections.ConfigDict(json.loads(as_json(config)))  # the run's config.json
+    assert (saved.router.score, saved.router.group_score) == ("softmax", "max")
+    exported = hf.to_hf(LMTask.from_config(saved).lm)[hf.ROUTING_KEY]
+    assert {k: exported["options"].get(k) for k in ("score", "group_score")} == \
+        {"score": "softmax", "group_score": "max"}
+    # From scratch the type's own routing stays the base of a section at its defaults, and a
+    # default given on the command line that it overrules is refused in one line.
+    scratch = tiny(corpus, **{"model.hf_type": "glm4_moe", "router.name": "switch",
+                              "router.jitter_eps": 0.0, "router.score": "softmax"})
+    glm = LMTask.from_config(scratch)
+    assert glm.lm.router_option_dict()["score"] == "sigmoid"
+    lm_sections.refuse_overruled_router_fields(glm.lm, glm.router, ("router.name",))
+    workdir = str(tmp_path / "w")
+    with pytest.raises(ValueError, match=r"^--config\.router\.score='softmax' \(the model "
+                                         r"routes by 'sigmoid'\): a glm4_moe model from scratch"):
+        train_lm(scratch, workdir, given=("router.score", "router.name"))
+    assert not os.path.exists(workdir)
 
 
 def test_bad_quantized_checkpoints_are_one_line_errors_before_anything_is_written(

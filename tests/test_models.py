@@ -92,7 +92,7 @@ def test_builds_from_config(num_experts, router):
             if num_experts and i % 2 == 0:
                 assert isinstance(layer.ffn, MoEFeedForward)
                 assert layer.ffn.wi.shape == (num_experts, 16, 32)
-                assert layer.ffn.router_name == router
+                assert layer.ffn.router_config.name == router
                 assert (layer.ffn.omega is not None) == uses_omega(router)
             else:
                 assert isinstance(layer.ffn, FeedForward)

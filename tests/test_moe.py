@@ -3,6 +3,8 @@ padding, capacity mode, dtypes, randomness and argument errors."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -247,7 +249,7 @@ def test_auto_dispatch_and_errors():
     with pytest.raises(ValueError, match="unknown router 'top2'"):
         make_layer(router="top2")
     with pytest.raises(ValueError, match="num_experts must be >= 1, got 0"):
-        MoEFeedForward(EMB, MLP, 0, rngs=nnx.Rngs(0))
+        kit.moe_layer(EMB, MLP, 0)
     with pytest.raises(ValueError, match="capacity_factor"):
         make_layer(capacity_factor=-1.0)
     with pytest.raises(ValueError, match=r"x must be \[B, T, 16\]"):
@@ -256,20 +258,37 @@ def test_auto_dispatch_and_errors():
         make_layer(rngs=nnx.Rngs(params=0))
 
 
-def test_the_two_constructors_build_the_same_layer():
-    """Keyword settings and the config sections they are the fields of give the same layer
-    (same parameters, drawn from the same keys); the sections constructor takes no settings."""
-    moe = MoEConfig(num_experts=N, activation_dropout=0.2, init="fairseq").check()
-    router = routers.RouterConfig(name="switch", top_k=2, jitter_eps=0.0).check("", N)
-    by_sections = MoEFeedForward.from_config(EMB, MLP, moe, router, rngs=nnx.Rngs(0))
-    by_keywords = MoEFeedForward(EMB, MLP, N, router="switch", top_k=2, jitter_eps=0.0,
-                                 activation_dropout=0.2, init="fairseq", rngs=nnx.Rngs(0))
-    assert by_sections.moe == by_keywords.moe
-    assert by_sections.router_config == by_keywords.router_config
-    chex.assert_trees_all_equal(nnx.state(by_sections, nnx.Param),
-                                nnx.state(by_keywords, nnx.Param))
-    with pytest.raises(TypeError, match=r"takes no keyword settings .* got \['top_k'\]"):
-        MoEFeedForward(EMB, MLP, N, top_k=2, sections=(moe, router), rngs=nnx.Rngs(0))
+def test_the_constructor_takes_the_sections_and_checks_them():
+    """``MoEFeedForward(dims, moe, router)``: the sections kept as given, checked with what
+    joins them (the router's ``top_k`` against the experts), one line for each bad argument."""
+    moe = MoEConfig(num_experts=N, activation_dropout=0.2, init="fairseq")
+    router = routers.RouterConfig(name="switch", top_k=2, jitter_eps=0.0)
+    layer = MoEFeedForward((EMB, MLP), moe, router, rngs=nnx.Rngs(0))
+    assert (layer.moe, layer.router_config) == (moe, router)
+    assert layer.wi.shape == (N, EMB, MLP)
+    with pytest.raises(TypeError, match="takes a MoEConfig and a RouterConfig, got dict"):
+        MoEFeedForward((EMB, MLP), {"num_experts": N}, router, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"dims must be \(emb_dim, mlp_dim\)"):
+        MoEFeedForward((EMB,), moe, router, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="top_k"):
+        MoEFeedForward((EMB, MLP), moe, dataclasses.replace(router, top_k=N + 1),
+                       rngs=nnx.Rngs(0))
+
+
+def test_the_normal_scheme_draws_normal_weights_and_zero_biases():
+    """``init="normal"`` (the language model's types): the router's kernel and the gated
+    experts' weights have the spread ``init_std`` gives, every bias is zero, and the selection
+    bias is the layer's own state from construction."""
+    moe = MoEConfig(num_experts=N, activation="silu", activation_dropout=0.0, init="normal",
+                    gated=True, expert_biases=True, selection_bias=True, init_std=0.5)
+    layer = MoEFeedForward((64, 128), moe, routers.RouterConfig(name="switch", jitter_eps=0.0),
+                           rngs=nnx.Rngs(0))
+    for param in (layer.router.kernel, layer.w_gate, layer.w_up, layer.w_down):
+        # 8 * 64 * 128 draws or more: the sample std is within 2% of 0.5 (the router's
+        # 64 * 8 draws: 10%).
+        assert abs(float(jnp.std(param[...])) - 0.5) < (0.05 if param.shape[-1] == N else 0.01)
+    for param in (layer.router.bias, layer.b_gate, layer.b_up, layer.b_down, layer.expert_bias):
+        assert not np.any(np.asarray(param[...]))
 
 
 # ---------------------------------------------------------------- top-k (k rows per token)

@@ -409,11 +409,11 @@ def test_student_family_sets_the_students_experts_and_leaves_the_teacher():
     arm = Arm("switch_mixed", family="tanh", student_family="mlp")
     assert cfg.teacher(arm).activation == "tanh" and cfg.student_hidden(arm) == 12
     student = Student(arm, cfg.dim, cfg.student_hidden(arm), rngs=nnx.Rngs(0))
-    assert student.layers[0].activation == "relu"
+    assert student.layers[0].moe.activation == "relu"
     arm = Arm("switch_mixed", family="mlp", student_family="tanh")
     assert cfg.teacher(arm).activation == "relu" and cfg.student_hidden(arm) == 8
     student = Student(arm, cfg.dim, cfg.student_hidden(arm), rngs=nnx.Rngs(0))
-    assert student.layers[0].activation == "tanh"
+    assert student.layers[0].moe.activation == "tanh"
     with pytest.raises(ValueError, match="student_family must be one of"):
         Arm("bad", student_family="gelu")
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparsemixer_jax import moe, routers
+from sparsemixer_jax import routers
 from sparsemixer_jax.moe.diagnostics import eligible_fraction, router_diagnostics
+from tests import kit
 
 # Reference mask at jitter_eps = 0.1 keeps expert i when max(z) - z_i <= 0.2 * max(|z_i|, max z).
 LOGITS = jnp.array([
@@ -118,8 +119,8 @@ def test_reference_mask_is_scale_invariant_but_not_shift_invariant():
 
 @pytest.fixture(scope="module")
 def layer_metrics():
-    layer = moe.MoEFeedForward(8, 16, 4, router="sparsemixer", activation_dropout=0.0,
-                               rngs=nnx.Rngs(0))
+    layer = kit.moe_layer(8, 16, 4, router="sparsemixer", activation_dropout=0.0,
+                          rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 5, 8))
     token_mask = jnp.arange(5)[None, :] < jnp.array([[5], [3]])
     _, metrics = layer(x, token_mask)

@@ -280,8 +280,8 @@ def make_layer(option: str, dispatch: str = "ragged", mesh=None) -> MoEFeedForwa
     moe = MoEConfig(num_experts=N, dispatch=dispatch, grouped_impl="xla",
                     activation_dropout=0.0, num_shared_experts=shared,
                     shared_expert_gate=shared == 1).check()
-    layer = MoEFeedForward.from_config(EMB, MLP, moe, routers.RouterConfig(**router).check(
-        "", N), mesh=mesh, rngs=nnx.Rngs(params=0, router=2))
+    layer = MoEFeedForward((EMB, MLP), moe, routers.RouterConfig(**router), mesh=mesh,
+                           rngs=nnx.Rngs(params=0, router=2))
     if mesh is not None:
         shard_state(layer, mesh)
     if layer.expert_bias is not None:  # a trained-looking bias, so that it changes choices

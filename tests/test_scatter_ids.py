@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsemixer_jax.moe.dispatch import padded_ffn
+from sparsemixer_jax.moe.dispatch import ExpertRows, padded_ffn
 from sparsemixer_jax.moe.expert_parallel import expert_parallel_ffn
 from sparsemixer_jax.parallel.sharding import make_mesh
 
@@ -62,6 +62,6 @@ def test_expert_parallel_gradient_has_no_scatter_ids(dispatch):
 def test_padded_gradient_has_no_scatter_ids(capacity):
     x, group, ids, params = _inputs()
     text = _grad_text(lambda x, p: padded_ffn(
-        x.reshape(B * T, EMB), group.reshape(-1), ids.reshape(-1), *p, None, 0.0, capacity),
+        ExpertRows(x.reshape(B * T, EMB), group.reshape(-1), ids.reshape(-1), *p), capacity),
         x, params)
     assert _unsigned_width_arrays(text) == []

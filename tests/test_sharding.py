@@ -119,7 +119,7 @@ class TinyModel(nnx.Module):
     """MoE layer plus a linear head: enough to train on random data."""
 
     def __init__(self, mesh, rngs: nnx.Rngs):
-        self.moe = MoEFeedForward(EMB, MLP, N, mesh=mesh, rngs=rngs)
+        self.moe = MoEFeedForward((EMB, MLP), *kit.moe_sections(N), mesh=mesh, rngs=rngs)
         self.head = nnx.Linear(EMB, 3, rngs=rngs)
 
     def __call__(self, x, mask):
@@ -171,7 +171,8 @@ def test_mesh_errors():
     with pytest.raises(ValueError, match=r"8 devices do not divide into fsdp x expert = 6"):
         make_mesh(-1, 2, fsdp=3)
     with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by .* axis \(4\)"):
-        MoEFeedForward(EMB, MLP, 6, mesh=make_mesh(2, 4), rngs=nnx.Rngs(0))
+        MoEFeedForward((EMB, MLP), *kit.moe_sections(6), mesh=make_mesh(2, 4),
+                       rngs=nnx.Rngs(0))
     layer = make_layer(make_mesh(4, 2))
     with pytest.raises(ValueError, match=r"batch size 6 is not divisible by .* data axis \(4\)"):
         layer(jnp.zeros((6, T, EMB)))

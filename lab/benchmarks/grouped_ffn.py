@@ -38,17 +38,18 @@ import jax.numpy as jnp
 from lab.benchmarks.timing import environment, targeting, time_calls
 from sparsemixer_jax import moe
 from sparsemixer_jax.aot import analysis
-from sparsemixer_jax.moe.dispatch import grouped_ffn
+from sparsemixer_jax.moe.dispatch import ExpertRows, grouped_ffn
 
 FULL = dict(tokens=32768, emb=512, mlp=2048)
 TINY = dict(tokens=256, emb=64, mlp=128)
 DROPOUT = 0.1
 
 
-def _dense_ffn(x, group, token_ids, wi, bi, wo, bo, drop_key, rate):
-    del group
-    h = jax.nn.relu(x @ wi[0] + bi[0])
-    return moe.dispatch.row_dropout(h, token_ids, drop_key, rate) @ wo[0] + bo[0]
+def _dense_ffn(rows: ExpertRows) -> jax.Array:
+    """One dense FFN (the first expert's weights) on every row: the baseline."""
+    h = jax.nn.relu(rows.x @ rows.wi[0] + rows.bi[0])
+    return moe.dispatch.row_dropout(h, rows.token_ids, rows.drop_key, rows.rate) @ rows.wo[0] \
+        + rows.bo[0]
 
 
 def compile_time_model(compiled: jax.stages.Compiled, seconds: float) -> dict[str, Any]:
@@ -73,7 +74,8 @@ def _grad_step(ffn: Callable, token_ids: jax.Array, key: jax.Array) -> Callable:
     def loss(x, wi, bi, wo, bo, group):
         # Squared, so the backward pass needs the output: the gradient of a plain sum does not,
         # and XLA would drop the forward's second matmul (a grouped one: 5 kernels, not 6).
-        y = ffn(x, group, token_ids, wi, bi, wo, bo, key, DROPOUT).astype(jnp.float32)
+        y = ffn(ExpertRows(x, group, token_ids, wi, bi, wo, bo, key, DROPOUT)
+                ).astype(jnp.float32)
         return 0.5 * jnp.sum(jnp.square(y))
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
@@ -97,8 +99,8 @@ def run(
     x = jax.random.normal(keys[0], (tokens, emb), dt)
     token_ids = jnp.arange(tokens, dtype=jnp.int32)
 
-    def grouped(*args):
-        return grouped_ffn(*args, interpret=interpret, **grouped_options)
+    def grouped(rows):
+        return grouped_ffn(rows, interpret=interpret, **grouped_options)
 
     for n in experts:
         wi = (jax.random.normal(keys[1], (n, emb, mlp)) / emb ** 0.5).astype(dt)
@@ -108,7 +110,8 @@ def run(
         group = jax.random.randint(keys[3], (tokens,), 0, n, jnp.int32)
         cases: dict[str, tuple[Callable, jax.Array, tuple]] = {
             "dense": (_dense_ffn, group, (x, wi[:1], bi[:1], wo[:1], bo[:1])),
-            "padded": (lambda *a: moe.dispatch.padded_ffn(*a, capacity=None), group, params),
+            "padded": (lambda rows: moe.dispatch.padded_ffn(rows, capacity=None), group,
+                       params),
             "grouped": (grouped, group, params),
         }
         for c in capacities:
@@ -116,7 +119,8 @@ def run(
             kept = moe.capacity_keep(group, jnp.ones((tokens,), bool), n, cap)
             capped = jnp.where(kept, group, n)
             cases[f"padded_cap{c}"] = (
-                lambda *a, cap=cap: moe.dispatch.padded_ffn(*a, capacity=cap), capped, params)
+                lambda rows, cap=cap: moe.dispatch.padded_ffn(rows, capacity=cap), capped,
+                params)
             cases[f"grouped_cap{c}"] = (grouped, capped, params)
         dense_ms = None
         steps: dict[int, Callable] = {}

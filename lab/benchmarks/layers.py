@@ -96,7 +96,8 @@ def bench_layer_cost(sizes, experts, routers, dtype, warmup, repeats, dispatch: 
     from flax import nnx
 
     from lab.benchmarks.flops import moe_layer_flops_per_token
-    from sparsemixer_jax.moe import MoEFeedForward
+    from sparsemixer_jax.moe import MoEConfig, MoEFeedForward
+    from sparsemixer_jax.routers import RouterConfig
 
     routers = with_switch_first(routers)
     compute = jnp.dtype(dtype)
@@ -107,9 +108,10 @@ def bench_layer_cost(sizes, experts, routers, dtype, warmup, repeats, dispatch: 
     for n in experts:
         fns = {}
         for router in routers:
-            layer = MoEFeedForward(sizes["emb"], sizes["mlp"], n, router=router,
-                                   activation_dropout=dropout, dispatch=dispatch, dtype=compute,
-                                   rngs=nnx.Rngs(0))
+            layer = MoEFeedForward(
+                (sizes["emb"], sizes["mlp"]),
+                MoEConfig(num_experts=n, activation_dropout=dropout, dispatch=dispatch),
+                RouterConfig(name=router), dtype=compute, rngs=nnx.Rngs(0))
             fns[router] = layer_step(layer, x)
         flops = {r: tokens * moe_layer_flops_per_token(sizes["emb"], sizes["mlp"], n, r)
                  for r in routers}
@@ -135,7 +137,8 @@ def bench_moe_vs_dense(sizes, experts, dtype, warmup, repeats, impls=("ragged", 
     from flax import nnx
 
     from sparsemixer_jax.layers.fairseq import FeedForward
-    from sparsemixer_jax.moe import MoEFeedForward, resolve_dispatch
+    from sparsemixer_jax.moe import MoEConfig, MoEFeedForward, resolve_dispatch
+    from sparsemixer_jax.routers import RouterConfig
 
     compute = jnp.dtype(dtype)
     rows = max(1, sizes["tokens"] // sizes["length"])
@@ -146,9 +149,10 @@ def bench_moe_vs_dense(sizes, experts, dtype, warmup, repeats, impls=("ragged", 
     for n in experts:
         fns = {"dense": layer_step(dense, x)}
         for impl in impls:
-            moe = MoEFeedForward(sizes["emb"], sizes["mlp"], n, router="sparsemixer",
-                                 activation_dropout=dropout, dispatch=impl, dtype=compute,
-                                 rngs=nnx.Rngs(0))
+            moe = MoEFeedForward(
+                (sizes["emb"], sizes["mlp"]),
+                MoEConfig(num_experts=n, activation_dropout=dropout, dispatch=impl),
+                RouterConfig(name="sparsemixer"), dtype=compute, rngs=nnx.Rngs(0))
             fns[impl] = layer_step(moe, x)
         load_before = load_average()
         times = time_interleaved(fns, warmup, repeats)

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lab.router_bench.arms import Arm
-from sparsemixer_jax.moe import MoEFeedForward
+from sparsemixer_jax.moe import MoEConfig, MoEFeedForward
+from sparsemixer_jax.routers import RouterConfig, check_router
 
 ORACLE_ROUTER_SCALE = 20.0
 
@@ -34,17 +35,19 @@ class Student(nnx.Module):
         for _ in range(arm.depth):
             if arm.dense is not None:
                 width = hidden * arm.num_experts if arm.dense == "params" else hidden
-                layer = MoEFeedForward(dim, width, 1, router="switch", jitter_eps=0.0,
-                                       activation_dropout=0.0, dispatch=dispatch, init="flax",
-                                       rngs=rngs)
+                layer = MoEFeedForward(
+                    (dim, width), MoEConfig(num_experts=1, activation_dropout=0.0,
+                                            dispatch=dispatch, init="flax"),
+                    RouterConfig(name="switch", jitter_eps=0.0), rngs=rngs)
             else:
                 activation = "tanh" if arm.student_experts == "tanh" else "relu"
-                layer = MoEFeedForward(dim, hidden, arm.num_experts, router=arm.router,
-                                       jitter_eps=arm.jitter_eps, top_k=arm.top_k,
-                                       activation_dropout=0.0, dispatch=dispatch,
-                                       activation=activation,
-                                       router_options=arm.router_options(), init="flax",
-                                       rngs=rngs)
+                layer = MoEFeedForward(
+                    (dim, hidden), MoEConfig(num_experts=arm.num_experts, activation_dropout=0.0,
+                                             dispatch=dispatch, activation=activation,
+                                             init="flax"),
+                    check_router(arm.router, jitter_eps=arm.jitter_eps, top_k=arm.top_k,
+                                 num_experts=arm.num_experts, **arm.router_options()),
+                    rngs=rngs)
             layers.append(layer)
         self.layers = nnx.List(layers)
 

@@ -383,15 +383,13 @@ def _window_keys(c: LMConfig, family: Family) -> dict[str, Any]:
 
 def _router_keys(c: LMConfig, family: Family) -> dict[str, Any]:
     """The family's routing keys and shared-expert count; a ValueError if transformers would
-    not compute this model's routing or shared experts."""
+    not compute this model's shared experts. A routing the type's keys cannot say (another
+    router, or other options than the type's own, e.g. softmax scores on ``glm4_moe``) is
+    recorded under :data:`ROUTING_KEY` (transformers computes the type's own)."""
     t = family.model_type
     if c.shared_expert_size and not family.has_shared_expert:
         raise ValueError(f"{t} checkpoints have no shared expert")
     options = {**RouterConfig().__dict__, **c.router_option_dict()}
-    for name, value in family.router_flags.items():
-        if options[name] != value:
-            raise ValueError(f"{t} checkpoints route by {name}={value!r}; this model routes by "
-                             f"{name}={options[name]!r}, which transformers would not compute")
     out = {key.name: key.write(options[key.fields[0]]) for key in family.router_keys}
     if family.shared_expert_count_key:
         count, rest = divmod(c.shared_expert_size, c.moe_intermediate_size)

@@ -194,8 +194,8 @@ def make_ffn(model: ModelConfig, router: RouterConfig, layer: int, dtype, mesh,
     """The feed-forward sublayer of ``layer``: MoE where ``model.moe`` puts one, else dense."""
     moe = model.moe
     if moe.is_moe(layer):
-        return MoEFeedForward.from_config(model.emb_dim, model.mlp_dim, moe, router, dtype=dtype,
-                                          mesh=mesh, rngs=rngs)
+        return MoEFeedForward((model.emb_dim, model.mlp_dim), moe, router, dtype=dtype,
+                              mesh=mesh, rngs=rngs)
     return FeedForward(model.emb_dim, model.mlp_dim, activation_dropout=moe.activation_dropout,
                        dtype=dtype, rngs=rngs, activation=moe.activation, init=moe.init)
 

@@ -44,7 +44,6 @@ from sparsemixer_jax.layers.rope import rope_cos_sin
 from sparsemixer_jax.models.latent_attention import LatentAttention
 from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
 from sparsemixer_jax.moe import MoEFeedForward
-from sparsemixer_jax.moe.dispatch import clamped_swiglu
 from sparsemixer_jax.moe.shared import SharedExperts
 from sparsemixer_jax.packed_tree import PackedTree
 from sparsemixer_jax.parallel import sharding
@@ -109,54 +108,30 @@ class GatedMLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def expert_activation(config: LMConfig) -> str:
-    """The experts' activation name: SwiGLU (``"silu"``, gated), or gpt-oss's clamped form."""
-    if config.swiglu_limit is None:
-        return "silu"
-    return clamped_swiglu(config.swiglu_limit, config.swiglu_alpha)
-
-
 class MoEBlock(nnx.Module):
-    """The routed sublayer: :class:`MoEFeedForward` with gated experts and a bias-free router,
-    the optional input jitter in training, and the type's shared experts
+    """The routed sublayer: :class:`MoEFeedForward` of the config's sections
+    (:meth:`~sparsemixer_jax.models.lm_config.LMConfig.moe_sections`: gated experts, the type's
+    router bias, expert biases and selection bias, input jitter, initialised as the Hugging
+    Face types are), and the type's shared experts
     (:class:`~sparsemixer_jax.moe.shared.SharedExperts`: one SwiGLU MLP of width
     ``shared_expert_size``, times Qwen2-MoE's gate ``sigmoid(x w_g)`` where the config has
-    one) added to the routed output. Every projection is drawn as :func:`linear` draws."""
+    one, drawn as :func:`linear` draws) added to the routed output on every token, padding
+    too, as transformers adds them. No type has both shared experts and input jitter; the
+    shared experts take the sublayer's input as it is."""
 
     def __init__(self, config: LMConfig, mesh: jax.sharding.Mesh | None, rngs: nnx.Rngs):
-        self.moe = MoEFeedForward(
-            config.hidden_size, config.moe_intermediate_size, config.num_experts,
-            router=config.router, jitter_eps=config.jitter_eps, top_k=config.top_k,
-            activation_dropout=0.0, dispatch=config.dispatch, grouped_impl=config.grouped_impl,
-            capacity_factor=config.capacity_factor,
-            expert_buffer_factor=config.expert_buffer_factor, activation=expert_activation(config),
-            gated=True, gated_biases=config.expert_biases, router_bias=config.router_bias,
-            router_options=config.router_option_dict(), dtype=_dtype(config), mesh=mesh,
-            init="flax", rngs=rngs)
-        # Initialised as the Hugging Face types are (normal(initializer_range) for the router
-        # and every expert's weights; biases zero), not by the layer's own scheme.
-        normal = nnx.initializers.normal(config.initializer_range)
-        for param in (self.moe.router.kernel, *self.moe.expert_params()[:3]):
-            param[...] = normal(rngs.params(), param.shape, jnp.float32)
-        self.input_jitter = config.moe_input_jitter
-        self.jitter_rng = rngs["router"].fork() if config.moe_input_jitter > 0 else None
+        moe, router = config.moe_sections()
+        self.moe = MoEFeedForward((config.hidden_size, config.moe_intermediate_size), moe,
+                                  router, dtype=_dtype(config), mesh=mesh, rngs=rngs)
         make = linear_maker(config, rngs)
         self.shared_experts = SharedExperts(
             config.hidden_size, config.shared_expert_size, gated=True, activation="silu",
             linear=make, gate_linear=make if config.shared_expert_gate else None,
         ) if config.shared_expert_size else None
-        if config.selection_bias and self.moe.expert_bias is None:
-            # The checkpoint's selection bias, kept where bias balancing keeps its own (the
-            # layer's bias state, moved only by a bias_update_rate > 0).
-            self.moe.expert_bias = nnx.data(nnx.BatchStat(
-                jnp.zeros((config.num_experts,), jnp.float32)))
 
     def __call__(self, x: jax.Array, token_mask: jax.Array | None, deterministic: bool,
                  dropless: bool) -> tuple[jax.Array, dict]:
         """``x [B, T, emb]`` -> ``([B, T, emb], metrics)``."""
-        if not deterministic and self.jitter_rng is not None:
-            e = self.input_jitter
-            x = x * jax.random.uniform(self.jitter_rng(), x.shape, x.dtype, 1.0 - e, 1.0 + e)
         y, metrics = self.moe(x, token_mask, deterministic=deterministic, dropless=dropless)
         if self.shared_experts is not None:  # on every token, padding too, as transformers'
             y = y + self.shared_experts(x).astype(y.dtype)

@@ -18,7 +18,8 @@ from typing import Any
 from sparsemixer_jax import routers
 from sparsemixer_jax.layers.attention_impls import ATTENTION_IMPLS, check_attention_dtype
 from sparsemixer_jax.layers.rope import RopeConfig
-from sparsemixer_jax.moe.dispatch import DISPATCHES, GROUPED_IMPLS
+from sparsemixer_jax.moe.config import NORMAL_INIT, MoEConfig
+from sparsemixer_jax.moe.dispatch import clamped_swiglu
 
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
 MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe", "glm4_moe", "gpt_oss",
@@ -194,12 +195,10 @@ class LMConfig:
         self._check_rope()
         if self.hf_config:
             json.loads(self.hf_config)  # must be JSON text
-        try:
-            routers.check_router(self.router, top_k=self.top_k, jitter_eps=self.jitter_eps,
-                                 num_experts=self.num_experts, where="",
-                                 **self.router_option_dict())
+        try:  # the MoE layers' settings, as the layer checks them
+            self.moe_sections()
         except ValueError as err:
-            self._fail(f"router {self.router!r}: {err}")
+            self._fail(str(err))
 
     def _check_sizes(self) -> None:
         """The model type, the widths and counts, and how heads and layers divide up."""
@@ -233,8 +232,6 @@ class LMConfig:
         for name, value, choices in (("norm", self.norm, NORMS),
                                      ("qk_norm", self.qk_norm, QK_NORMS),
                                      ("compute_dtype", self.compute_dtype, COMPUTE_DTYPES),
-                                     ("dispatch", self.dispatch, DISPATCHES),
-                                     ("grouped_impl", self.grouped_impl, GROUPED_IMPLS),
                                      ("attention_impl", self.attention_impl,
                                       tuple(ATTENTION_IMPLS)),
                                      ("cudnn_document_mask", self.cudnn_document_mask,
@@ -248,7 +245,8 @@ class LMConfig:
             self._fail(str(err))
 
     def _check_layer_options(self) -> None:
-        """The norms', attention's and the MoE sublayer's numeric options."""
+        """The norms', attention's numeric options and gpt-oss's clamp (the MoE layer's other
+        settings are checked by its section, :meth:`moe_sections`)."""
         fail = self._fail
         if not (self.norm_eps > 0 and math.isfinite(self.norm_eps)):
             fail(f"norm_eps must be > 0, got {self.norm_eps}")
@@ -267,12 +265,6 @@ class LMConfig:
                  f"has no sink logit), got {self.attention_impl!r}")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             fail(f"swiglu_limit must be > 0 or None, got {self.swiglu_limit}")
-        if not 0.0 <= self.moe_input_jitter < 1.0:
-            fail(f"moe_input_jitter must lie in [0, 1), got {self.moe_input_jitter}")
-        if self.capacity_factor < 0:
-            fail(f"capacity_factor must be >= 0, got {self.capacity_factor}")
-        if not self.expert_buffer_factor >= 0:
-            fail(f"expert_buffer_factor must be >= 0, got {self.expert_buffer_factor}")
 
     def _check_rope(self) -> None:
         """The rotary positions: their kind's settings and the rotated width (latent
@@ -355,6 +347,24 @@ class LMConfig:
                 self.router in routers.registry.routers_taking("normalize_top_k"):
             options.setdefault("normalize_top_k", True)
         return options
+
+    def moe_sections(self) -> tuple[MoEConfig, routers.RouterConfig]:
+        """The MoE layers' sections (:class:`~sparsemixer_jax.moe.MoEFeedForward`): gated
+        SwiGLU experts (gpt-oss's clamped form where ``swiglu_limit`` is set) without dropout,
+        initialised as the types are (``normal(initializer_range)``), and the router."""
+        activation = "silu" if self.swiglu_limit is None else \
+            clamped_swiglu(self.swiglu_limit, self.swiglu_alpha)
+        moe = MoEConfig(
+            num_experts=self.num_experts, dispatch=self.dispatch, grouped_impl=self.grouped_impl,
+            capacity_factor=self.capacity_factor, expert_buffer_factor=self.expert_buffer_factor,
+            activation=activation, activation_dropout=0.0, init=NORMAL_INIT, gated=True,
+            expert_biases=self.expert_biases, router_bias=self.router_bias,
+            selection_bias=self.selection_bias, input_jitter=self.moe_input_jitter,
+            init_std=self.initializer_range).check()
+        router = routers.check_router(self.router, top_k=self.top_k, jitter_eps=self.jitter_eps,
+                                      num_experts=self.num_experts, where="",
+                                      **self.router_option_dict())
+        return moe, router
 
     @property
     def hf(self) -> dict[str, Any]:

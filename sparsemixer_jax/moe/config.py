@@ -12,6 +12,13 @@ from typing import Any
 from sparsemixer_jax.moe.dispatch import ACTIVATIONS, DISPATCHES, GROUPED_IMPLS, is_activation
 from sparsemixer_jax.section import read_fields
 
+#: The language model's initialisation (:attr:`MoEConfig.init`): the Hugging Face types' own,
+#: every weight ``normal(init_std)``, biases zero.
+NORMAL_INIT = "normal"
+# The fields a model family sets (the language model's Hugging Face types): no task's config
+# schema holds them, and a config section is read without them.
+_FAMILY = {"family": True}
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
@@ -47,6 +54,23 @@ class MoEConfig:
         0 = none.
       shared_expert_gate: the shared experts' output is multiplied by ``sigmoid(x w)``, a
         learned scalar gate per token (Qwen2-MoE).
+
+    Set by a model family (the language model's types; no config schema holds them):
+
+    Attributes:
+      gated: gated experts without biases, ``(act(x w_gate) * (x w_up)) w_down`` (SwiGLU with
+        ``activation="silu"``: Mixtral, Qwen-MoE, OLMoE, Phi-3.5-MoE), instead of
+        ``act(x wi + bi) wo + bo``. Every dispatch, capacity and expert parallelism take them.
+      expert_biases: gated experts with biases ``b_gate``, ``b_up`` ``[N, mlp]`` and ``b_down``
+        ``[N, emb]`` (gpt-oss), zeros at init.
+      router_bias: whether the router ``Linear`` has a bias (most Hugging Face MoE language
+        models' routers have none; gpt-oss's has one).
+      selection_bias: the layer holds a per-expert selection bias as its bias state (GLM-4.5's
+        ``e_score_correction_bias``), also without bias balancing.
+      input_jitter: in training, the layer's input is multiplied by ``U(1 - e, 1 + e)`` per
+        element (Mixtral's ``router_jitter_noise``, Phi-3.5-MoE's ``input_jitter_noise``); 0:
+        none.
+      init_std: the standard deviation of ``init="normal"`` (the types' ``initializer_range``).
     """
 
     num_experts: int = 0
@@ -60,11 +84,18 @@ class MoEConfig:
     init: str = "fairseq"
     num_shared_experts: int = 0
     shared_expert_gate: bool = False
+    gated: bool = dataclasses.field(default=False, metadata=_FAMILY)
+    expert_biases: bool = dataclasses.field(default=False, metadata=_FAMILY)
+    router_bias: bool = dataclasses.field(default=True, metadata=_FAMILY)
+    selection_bias: bool = dataclasses.field(default=False, metadata=_FAMILY)
+    input_jitter: float = dataclasses.field(default=0.0, metadata=_FAMILY)
+    init_std: float = dataclasses.field(default=0.02, metadata=_FAMILY)
 
     @classmethod
     def from_config(cls, section: Any, where: str = "config.model.") -> MoEConfig:
-        """The fields of ``section`` (``config.model``), checked (:meth:`check`)."""
-        return cls(**read_fields(cls, section, where)).check(where)
+        """The fields of ``section`` (``config.model``), checked (:meth:`check`); the fields a
+        model family sets (:func:`family_fields`) keep their defaults."""
+        return cls(**read_fields(cls, section, where, skip=family_fields())).check(where)
 
     def check(self, where: str = "") -> MoEConfig:
         """``self`` if every field is usable, else a one-line ValueError naming the first one
@@ -82,6 +113,13 @@ class MoEConfig:
         if self.shared_expert_gate and not shared:
             raise ValueError(f"{where}shared_expert_gate=True has no effect with "
                              f"num_shared_experts=0")
+        if self.expert_biases and not self.gated:
+            raise ValueError(f"{where}expert_biases=True is for gated experts (the others always "
+                             "have biases); set gated=True")
+        if not 0.0 <= self.input_jitter < 1.0:
+            raise ValueError(f"{where}input_jitter must lie in [0, 1), got {self.input_jitter}")
+        if not self.init_std > 0:
+            raise ValueError(f"{where}init_std must be > 0, got {self.init_std}")
         if not self.moe_every > 0:
             raise ValueError(f"{where}moe_every must be > 0, got {self.moe_every}")
         if not 0.0 <= self.activation_dropout < 1.0:
@@ -101,11 +139,17 @@ class MoEConfig:
         if self.grouped_impl not in GROUPED_IMPLS:
             raise ValueError(f"{where}grouped_impl={self.grouped_impl!r}; choose one of "
                              f"{GROUPED_IMPLS}")
-        from sparsemixer_jax.initializers import check_init_scheme
+        if self.init != NORMAL_INIT:
+            from sparsemixer_jax.initializers import check_init_scheme
 
-        check_init_scheme(self.init, f"{where}init" if where else "init")
+            check_init_scheme(self.init, f"{where}init" if where else "init")
         return self
 
     def is_moe(self, layer: int) -> bool:
         """Whether the feed-forward sublayer of ``layer`` (from 0) is an MoE layer."""
         return self.num_experts > 0 and layer % self.moe_every == 0
+
+
+def family_fields() -> tuple[str, ...]:
+    """The :class:`MoEConfig` fields a model family sets, which no config schema holds."""
+    return tuple(f.name for f in dataclasses.fields(MoEConfig) if f.metadata.get("family"))

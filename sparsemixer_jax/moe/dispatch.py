@@ -36,6 +36,7 @@ layer (:mod:`sparsemixer_jax.moe.expert_parallel`) gives the same result as one 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import warnings
@@ -194,31 +195,48 @@ def row_dropout(
     return jnp.where(keep, h / (1.0 - rate), 0.0).astype(h.dtype)
 
 
-def ragged_ffn(
-    x: jax.Array,
-    group: jax.Array,
-    token_ids: jax.Array,
-    wi: jax.Array,
-    bi: jax.Array,
-    wo: jax.Array,
-    bo: jax.Array,
-    drop_key: jax.Array | None,
-    rate: float,
-    activation: str = "relu",
-) -> jax.Array:
-    """Each row through its expert: rows sorted by expert, grouped matmuls with ``ragged_dot``.
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("x", "group", "token_ids", "wi", "bi", "wo", "bo", "drop_key"),
+                   meta_fields=("rate",))
+@dataclasses.dataclass(frozen=True)
+class ExpertRows:
+    """What every dispatch function takes: the rows, the experts they go to, and the dropout
+    between the experts' two matmuls (a pytree; ``rate`` is static).
 
-    Shapes as :func:`grouped_ffn`: ``x`` ``[R, emb]``, ``group`` and ``token_ids`` int ``[R]``
-    (``group >= G``: no expert, the row outputs zeros), ``wi, bi, wo, bo`` ``[G, emb, mlp]``,
-    ``[G, mlp]``, ``[G, mlp, emb]``, ``[G, emb]``. Returns ``[R, emb]``.
+    Attributes:
+      x: ``[R, emb]`` rows.
+      group: int ``[R]``, expert of each row in ``[0, G)``; ``G`` or more: no expert (dropped by
+        capacity, padding), the row outputs zeros.
+      token_ids: int ``[R]``, global row ids that seed the dropout masks (:func:`row_dropout`).
+      wi, bi, wo, bo: ``[G, emb, mlp]``, ``[G, mlp]``, ``[G, mlp, emb]``, ``[G, emb]``; the
+        biases None where the experts have none (:func:`ungate`).
+      drop_key, rate: activation dropout key (None: no dropout) and rate.
     """
+
+    x: jax.Array
+    group: jax.Array
+    token_ids: jax.Array
+    wi: jax.Array
+    bi: jax.Array | None
+    wo: jax.Array
+    bo: jax.Array | None
+    drop_key: jax.Array | None = None
+    rate: float = 0.0
+
+
+def ragged_ffn(rows: ExpertRows, activation: str = "relu") -> jax.Array:
+    """Each row through its expert: rows sorted by expert, grouped matmuls with ``ragged_dot``.
+    Returns ``[R, emb]``.
+    """
+    x, group, token_ids, wi, bi, wo, bo = (rows.x, rows.group, rows.token_ids, rows.wi, rows.bi,
+                                           rows.wo, rows.bo)
     num_groups = wi.shape[0]
     order = jnp.argsort(group, stable=True)  # sentinel rows (group == G) sort last
     sorted_group = group[order]
     group_sizes = jnp.bincount(group, length=num_groups + 1)[:num_groups].astype(jnp.int32)
     safe = jnp.minimum(sorted_group, num_groups - 1)
     h = _add_bias(jax.lax.ragged_dot(x[order], wi, group_sizes), bi, safe)
-    h = row_dropout(activation_fn(activation)(h), token_ids[order], drop_key, rate)
+    h = row_dropout(activation_fn(activation)(h), token_ids[order], rows.drop_key, rows.rate)
     y = _add_bias(jax.lax.ragged_dot(h, wo, group_sizes), bo, safe)
     y = jnp.where((sorted_group < num_groups)[:, None], y, 0)
     # Undo the sort with a scatter (its transpose is a gather, cheaper than a second argsort).
@@ -247,28 +265,18 @@ def _power_of_two_at_most(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def padded_ffn(
-    x: jax.Array,
-    group: jax.Array,
-    token_ids: jax.Array,
-    wi: jax.Array,
-    bi: jax.Array,
-    wo: jax.Array,
-    bo: jax.Array,
-    drop_key: jax.Array | None,
-    rate: float,
-    capacity: int | None,
-    activation: str = "relu",
-    *,
-    block_rows: int | None = None,
-) -> jax.Array:
+def padded_ffn(rows: ExpertRows, capacity: int | None, activation: str = "relu", *,
+               block_rows: int | None = None) -> jax.Array:
     """Each row through its expert in the block-padded layout: one batched matmul over blocks.
 
-    Shapes as :func:`ragged_ffn`. With ``capacity``: one block of ``capacity`` rows per group,
+    Returns ``[R, emb]``. With ``capacity``: one block of ``capacity`` rows per group,
     the Switch ``[G, capacity, emb]`` layout, no weight gather; rows past the capacity output
     zeros. Dropless (``capacity=None``): blocks of ``block_rows`` rows, by default
     :func:`padded_block_rows`.
     """
+    x, group, token_ids, wi, bi, wo, bo = (rows.x, rows.group, rows.token_ids, rows.wi, rows.bi,
+                                           rows.wo, rows.bo)
+    drop_key, rate = rows.drop_key, rows.rate
     rows, emb = x.shape
     num_groups = wi.shape[0]
     valid = group < num_groups
@@ -313,15 +321,7 @@ def padded_ffn(
 
 
 def grouped_ffn(
-    x: jax.Array,
-    group: jax.Array,
-    token_ids: jax.Array,
-    wi: jax.Array,
-    bi: jax.Array,
-    wo: jax.Array,
-    bo: jax.Array,
-    drop_key: jax.Array | None,
-    rate: float,
+    rows: ExpertRows,
     *,
     impl: str = "mosaic",
     activation: str = "relu",
@@ -342,12 +342,7 @@ def grouped_ffn(
     body, sorting rows by expert, two grouped matmuls and the way back, is about 40 lines.
 
     Args:
-      x: ``[R, emb]`` rows.
-      group: int ``[R]``, expert of each row in ``[0, G)``; ``G`` or more: no expert (dropped by
-        capacity, padding), the row outputs zeros.
-      token_ids: int ``[R]``, global row ids that seed the dropout masks (:func:`row_dropout`).
-      wi, bi, wo, bo: ``[G, emb, mlp]``, ``[G, mlp]``, ``[G, mlp, emb]``, ``[G, emb]``.
-      drop_key, rate: activation dropout key (None: no dropout) and rate.
+      rows: the rows, their experts and the dropout (:class:`ExpertRows`).
       activation: ``"relu"`` or ``"gelu"`` (:data:`ACTIVATIONS`).
       impl, block_m, block_n, block_k, max_concurrent_steps, grid_block_n, warpgroups,
         weight_grad, interpret, compute_dtype, num_sms: :class:`GroupedMatmulConfig`. With
@@ -363,6 +358,9 @@ def grouped_ffn(
         max_concurrent_steps=max_concurrent_steps, grid_block_n=grid_block_n,
         warpgroups=warpgroups, weight_grad=weight_grad, interpret=interpret,
         compute_dtype=compute_dtype, num_sms=num_sms)
+    x, group, token_ids, wi, bi, wo, bo = (rows.x, rows.group, rows.token_ids, rows.wi, rows.bi,
+                                           rows.wo, rows.bo)
+    drop_key, rate = rows.drop_key, rows.rate
     rows = x.shape[0]
     num_groups = wi.shape[0]
     dtype = config.operand_dtype(jnp.result_type(x.dtype, wi.dtype))
@@ -472,13 +470,12 @@ def expert_ffn(
     Returns: ``[R, emb]`` in the dtype of ``x``, zeros on rows without expert.
     """
     wi, bi, wo, bo, activation = ungate(params, activation)
-    group = group.astype(jnp.int32)
+    rows = ExpertRows(x, group.astype(jnp.int32), token_ids, wi, bi, wo, bo, dropout_key,
+                      dropout_rate)
     if dispatch == "ragged":
-        return ragged_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
-                          activation)
+        return ragged_ffn(rows, activation)
     if dispatch == "padded":
-        return padded_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
-                          capacity, activation, block_rows=block_rows)
+        return padded_ffn(rows, capacity, activation, block_rows=block_rows)
     if dispatch == "grouped":
         if grouped_impl != "xla" and jnp.dtype(x.dtype) == jnp.float32:
             warnings.warn(
@@ -487,8 +484,7 @@ def expert_ffn(
                 "(config.model.compute_dtype); set compute_dtype='bfloat16', or "
                 "grouped_impl='xla' for float32", stacklevel=2)
         kernel = _TWO_WARPGROUPS if grouped_impl == "mosaic_2wg" else {"impl": grouped_impl}
-        return grouped_ffn(x, group, token_ids, wi, bi, wo, bo, dropout_key, dropout_rate,
-                           activation=activation, **kernel,
+        return grouped_ffn(rows, activation=activation, **kernel,
                            interpret=kernel["impl"] == "mosaic" and interpret_mode_active())
     raise ValueError(
         f"expert_ffn: dispatch must be 'ragged', 'padded' or 'grouped', got {dispatch!r}")

@@ -13,8 +13,6 @@ result.
 
 from __future__ import annotations
 
-import inspect
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -23,7 +21,7 @@ from sparsemixer_jax import routers
 from sparsemixer_jax.initializers import expert_init, router_init
 from sparsemixer_jax.kernels.mosaic_grouped_matmul import check_grouped_supported
 from sparsemixer_jax.moe.combine import gated_sum
-from sparsemixer_jax.moe.config import MoEConfig
+from sparsemixer_jax.moe.config import NORMAL_INIT, MoEConfig
 from sparsemixer_jax.moe.diagnostics import router_diagnostics
 from sparsemixer_jax.moe.dispatch import (
     capacity_keep,
@@ -51,118 +49,64 @@ def _stream(rngs: nnx.Rngs, name: str, fallback: str) -> nnx.RngStream:
             ) from None
 
 
-def _sections_of_keywords(num_experts: int, keywords: dict
-                          ) -> tuple[MoEConfig, routers.RouterConfig]:
-    """The checked sections of a layer built from keyword settings (``keywords``: every key of
-    ``_KEYWORD_DEFAULTS``): the layer's settings are checked first, then the router's."""
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    moe = MoEConfig(num_experts=num_experts, dispatch=keywords["dispatch"],
-                    grouped_impl=keywords["grouped_impl"],
-                    capacity_factor=keywords["capacity_factor"],
-                    expert_buffer_factor=keywords["expert_buffer_factor"],
-                    activation=keywords["activation"],
-                    activation_dropout=keywords["activation_dropout"], init=keywords["init"])
-    options = {"default_decay": keywords["default_decay"],
-               "init_scale": keywords["router_init_scale"], **(keywords["router_options"] or {})}
-    moe.check()
-    router_config = routers.check_router(keywords["router"], top_k=keywords["top_k"],
-                                         jitter_eps=keywords["jitter_eps"],
-                                         num_experts=num_experts, where="", **options)
-    return moe, router_config
-
-
-def _checked_sections(sections: tuple[MoEConfig, routers.RouterConfig], num_experts: int,
-                      keywords: dict) -> tuple[MoEConfig, routers.RouterConfig]:
-    """``sections`` (``(moe, router)``, checked when they were built) once what joins them is
-    checked: no keyword setting beside them, the router's ``top_k`` and groups against the
-    experts."""
-    moe, router_config = sections
-    if not isinstance(moe, MoEConfig) or not isinstance(router_config, routers.RouterConfig):
-        raise TypeError("MoEFeedForward's sections are a (MoEConfig, RouterConfig) pair, got "
-                        f"{sections!r}")
-    given = sorted(k for k, v in keywords.items() if v != _KEYWORD_DEFAULTS[k])
-    if given:
-        raise TypeError(f"MoEFeedForward with config sections takes no keyword settings "
-                        f"(they are the sections' fields), got {given}")
-    if num_experts != moe.num_experts:
-        raise ValueError(f"num_experts={num_experts} differs from the section's "
-                         f"num_experts={moe.num_experts}")
+def _checked_sections(dims: tuple[int, int], moe: MoEConfig, router: routers.RouterConfig
+                      ) -> tuple[int, int]:
+    """``dims`` as ``(emb_dim, mlp_dim)`` once the sections and what joins them are checked:
+    the layer's settings first, then the router's ``top_k`` and groups against the experts."""
+    if not isinstance(moe, MoEConfig) or not isinstance(router, routers.RouterConfig):
+        raise TypeError("MoEFeedForward takes a MoEConfig and a RouterConfig, got "
+                        f"{type(moe).__name__} and {type(router).__name__}")
+    if len(dims) != 2 or any(isinstance(d, bool) or not isinstance(d, int) or d < 1
+                             for d in dims):
+        raise ValueError(f"dims must be (emb_dim, mlp_dim), two ints >= 1, got {dims!r}")
     if moe.num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {moe.num_experts}")
-    router_config.check("", moe.num_experts)
-    return moe, router_config
+    moe.check()
+    router.check("", moe.num_experts)
+    return dims[0], dims[1]
 
 
 class MoEFeedForward(nnx.Module):
     """MoE feed-forward block: ``y = omega * sum_t gate_t * f_{D_t}(x)`` over ``top_k`` experts.
 
-    Two constructors: ``MoEFeedForward(emb_dim, mlp_dim, num_experts, **settings)`` takes the
-    keyword settings below; :meth:`from_config` takes the config sections (a
-    :class:`~sparsemixer_jax.moe.MoEConfig` and a :class:`~sparsemixer_jax.routers.RouterConfig`,
-    whose fields the settings are), as the models build it.
+    ``MoEFeedForward((emb_dim, mlp_dim), moe, router, rngs=...)``: the layer of the config
+    sections ``moe`` (:class:`~sparsemixer_jax.moe.MoEConfig`: experts, dispatch, capacity,
+    activation, initialisation, shared experts, gated experts and their biases, ...) and
+    ``router`` (:class:`~sparsemixer_jax.routers.RouterConfig`: the router, its ``top_k``,
+    jitter and options), each checked here with what joins them. The layer draws its own
+    params and state; nothing is set on it from outside.
 
     Args:
-      emb_dim, mlp_dim: model and expert hidden widths.
-      num_experts: ``N >= 1``.
-      router: a name in :data:`sparsemixer_jax.routers.ROUTERS`.
-      jitter_eps: the router's jitter / mask threshold.
-      top_k: experts per token, ``1 <= top_k <= N`` (distinct; see ``routers.sparsemixer_route``).
-      activation_dropout: dropout rate after the expert nonlinearity.
-      dispatch: ``"auto"``, ``"ragged"``, ``"padded"`` or ``"grouped"``
-        (:mod:`sparsemixer_jax.moe.dispatch`).
-      grouped_impl: the kernels of ``"grouped"``: ``"mosaic"`` (Hopper GPUs, or interpreted
-        inside ``force_gpu_interpret_mode()``; checked against the target device, ``mesh``'s
-        or the default one, when the layer is built), ``"tokamax"`` or ``"xla"``.
-      capacity_factor: 0 for dropless; ``> 0`` caps every expert at
-        ``ceil(capacity_factor * rows / N)`` rows (rows = ``B * T * top_k``: every position of
-        the call and each of its experts). Rows are served first choices first (all tokens'
-        first expert, in token order, then all second experts, ...), as in GShard; a dropped row
-        outputs zeros, the token's other experts still count.
-      expert_buffer_factor: with ``mesh``, 0 (dropless) or ``f > 0``: each device's exchange
-        buffer holds ``f`` times a balanced routing's rows, and rows past it are dropped
-        (:mod:`sparsemixer_jax.moe.expert_parallel`; counted in ``dropped_fraction``).
-      activation: the experts' nonlinearity, ``"relu"`` (fairseq's translation Transformer, the
-        default) or ``"gelu"`` (BERT / ELECTRA).
-      default_decay: the EMA decay ``beta`` of the default vectors of the ``default_moe``
-        routers, in ``(0, 1)`` (0.9; see docs/routing.md for what is known of the paper's).
-      router_options: further fields of :class:`sparsemixer_jax.routers.RouterConfig`
-        (``normalize_top_k``, ``successor_jitter``, ``default_at_eval``, ``default_mean``,
-        ``default_update``; a ``default_decay`` here overrides the argument), checked by
-        :func:`sparsemixer_jax.routers.check_router`.
-      router_init_scale: multiplies the variance of the router's initial weight and bias as
-        ``init`` draws them: 1.0 is the scheme itself, 0.1 the Switch Transformer's smaller
-        router.
-      init: the initialisation scheme of the router and experts
-        (:mod:`sparsemixer_jax.initializers`): ``"fairseq"`` (the default, as the experiment
-        configs initialise: the paper's code, PyTorch ``nn.Linear``'s ``U(+-1/sqrt(fan_in))``
-        for every weight and bias) or ``"flax"`` (truncated-normal router, LeCun-normal experts,
-        zero biases), or a spec setting the ``router`` or ``experts`` apart, e.g.
-        ``"flax,router=fairseq"``.
+      dims: ``(emb_dim, mlp_dim)``, the model and expert hidden widths.
+      moe: the layer's section; ``moe.num_experts >= 1``. Under ``moe.init="normal"`` (the
+        language model's types) the router's kernel and the experts' weights are
+        ``normal(moe.init_std)`` and every bias zero, drawn after the ``"flax"`` scheme's draws
+        so that models built before draw the same params.
+      router: the router's section.
       dtype: compute dtype of the experts (params stay float32; the router runs in float32).
       mesh: optional mesh with axes ``("data", "fsdp", "expert")`` for expert parallelism
         (:mod:`sparsemixer_jax.moe.expert_parallel`); ``num_experts`` must divide by its
-        expert axis.
-      gated: gated experts without biases, ``(act(x w_gate) * (x w_up)) w_down`` (SwiGLU with
-        ``activation="silu"``: Mixtral, Qwen-MoE, OLMoE, Phi-3.5-MoE), instead of
-        ``act(x wi + bi) wo + bo``. Every dispatch, capacity and expert parallelism take them.
-      gated_biases: gated experts with biases ``b_gate``, ``b_up`` ``[N, mlp]`` and ``b_down``
-        ``[N, emb]`` (gpt-oss), zeros at init.
-      router_bias: whether the router ``Linear`` has a bias (most Hugging Face MoE language
-        models' routers have none; gpt-oss's has one).
+        expert axis. ``moe.grouped_impl="mosaic"`` is checked against its device (or the
+        default one).
       rngs: params init plus the ``router`` and ``dropout`` streams (``router`` falls back to
         ``default`` then ``dropout``).
-      sections: :meth:`from_config`'s ``(moe, router)``, in place of the keyword settings.
+
+    Capacity (``moe.capacity_factor > 0``) caps every expert at
+    ``ceil(capacity_factor * rows / N)`` rows (rows = ``B * T * top_k``). Rows are served first
+    choices first (all tokens' first expert, in token order, then all second experts, ...), as
+    in GShard; a dropped row outputs zeros, the token's other experts still count.
 
     Params: ``router`` (``Linear(emb -> N)``), ``wi [N, emb, mlp]``, ``bi [N, mlp]``,
     ``wo [N, mlp, emb]``, ``bo [N, emb]`` (gated: ``w_gate [N, emb, mlp]``,
-    ``w_up [N, emb, mlp]``, ``w_down [N, mlp, emb]`` instead), and ``omega [emb]`` (SparseMixer
+    ``w_up [N, emb, mlp]``, ``w_down [N, mlp, emb]`` instead, and with ``expert_biases``
+    ``b_gate``, ``b_up [N, mlp]``, ``b_down [N, emb]``), and ``omega [emb]`` (SparseMixer
     routers only).
     State (``nnx.BatchStat``, updated by every training call, not by the optimizer):
     ``expert_defaults [N, emb]`` (``default_moe`` routers only, zeros at init);
     ``expert_load [N]`` (bias balancing and the global-batch balance loss: the routed rows per
-    expert since the last update) and ``expert_bias [N]`` (bias balancing: the selection bias,
-    moved after each update by :func:`sparsemixer_jax.moe.balancing.end_of_update`).
+    expert since the last update) and ``expert_bias [N]`` (bias balancing, or the
+    ``selection_bias`` of a checkpoint: the selection bias, moved after each update by
+    :func:`sparsemixer_jax.moe.balancing.end_of_update` where ``bias_update_rate > 0``).
     Shared experts (``moe.num_shared_experts``): ``shared_experts``
     (:class:`sparsemixer_jax.moe.shared.SharedExperts`), added to the routed output.
 
@@ -172,44 +116,9 @@ class MoEFeedForward(nnx.Module):
     default vectors.
     """
 
-    def __init__(
-        self,
-        emb_dim: int,
-        mlp_dim: int,
-        num_experts: int,
-        *,
-        router: str = routers.RouterConfig.name,
-        jitter_eps: float = routers.RouterConfig.jitter_eps,
-        top_k: int = routers.RouterConfig.top_k,
-        activation_dropout: float = MoEConfig.activation_dropout,
-        dispatch: str = MoEConfig.dispatch,
-        grouped_impl: str = MoEConfig.grouped_impl,
-        capacity_factor: float = MoEConfig.capacity_factor,
-        expert_buffer_factor: float = MoEConfig.expert_buffer_factor,
-        activation: str = MoEConfig.activation,
-        router_init_scale: float = routers.RouterConfig.init_scale,
-        init: str = MoEConfig.init,
-        default_decay: float = routers.RouterConfig.default_decay,
-        router_options: dict | None = None,
-        dtype=jnp.float32,
-        mesh: jax.sharding.Mesh | None = None,
-        gated: bool = False,
-        gated_biases: bool = False,
-        router_bias: bool = True,
-        rngs: nnx.Rngs,
-        sections: tuple[MoEConfig, routers.RouterConfig] | None = None,
-    ):
-        keywords = {"router": router, "jitter_eps": jitter_eps, "top_k": top_k,
-                    "activation_dropout": activation_dropout, "dispatch": dispatch,
-                    "grouped_impl": grouped_impl, "capacity_factor": capacity_factor,
-                    "expert_buffer_factor": expert_buffer_factor,
-                    "activation": activation, "router_init_scale": router_init_scale,
-                    "init": init, "default_decay": default_decay,
-                    "router_options": router_options}
-        if sections is None:
-            moe, router_config = _sections_of_keywords(num_experts, keywords)
-        else:
-            moe, router_config = _checked_sections(sections, num_experts, keywords)
+    def __init__(self, dims: tuple[int, int], moe: MoEConfig, router: routers.RouterConfig, *,
+                 dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs):
+        emb_dim, mlp_dim = _checked_sections(dims, moe, router)
         if moe.dispatch == "grouped" and moe.grouped_impl == "mosaic":
             check_grouped_supported(mesh=mesh)  # one line naming the target if it is no Hopper
         if mesh is not None:
@@ -217,32 +126,47 @@ class MoEFeedForward(nnx.Module):
 
         # Hashable sections: static metadata of the layer's graph, so that every layer built
         # alike shares nnx.jit's compilation cache.
-        self.moe, self.router_config = moe, router_config
-        self.unchosen = router_config.unchosen
+        self.moe, self.router_config = moe, router
+        self.unchosen = router.unchosen
         self.emb_dim, self.mlp_dim, self.num_experts = emb_dim, mlp_dim, moe.num_experts
         self.dtype = dtype
         self.mesh = mesh
-        self.gated = gated
-        self.gated_biases = gated and gated_biases
+        # "normal" first draws as "flax" does, then redraws (see the class docstring).
+        scheme = "flax" if moe.init == NORMAL_INIT else moe.init
         # Keys are drawn in this order: router, experts, the RNG streams, shared experts.
-        self.router = router_init(moe.init, emb_dim, router_config.init_scale).linear(
+        self.router = router_init(scheme, emb_dim, router.init_scale).linear(
             emb_dim, moe.num_experts, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs,
-            use_bias=router_bias)
-        self._init_experts(rngs)
+            use_bias=moe.router_bias)
+        self._init_experts(rngs, scheme)
         self._init_state()
         # Static: :func:`report_choices` turns it on in a copy of the model for diagnostics.
         self.report_choices = False
         self.router_rng = _stream(rngs, "router", "dropout").fork()
         self.dropout_rng = _stream(rngs, "dropout", "router").fork() \
             if moe.activation_dropout > 0 else None
+        self.jitter_rng = _stream(rngs, "router", "dropout").fork() \
+            if moe.input_jitter > 0 else None
+        if moe.init == NORMAL_INIT:
+            normal = nnx.initializers.normal(moe.init_std)
+            for param in (self.router.kernel, *self.expert_params()[:3]):
+                param[...] = normal(rngs.params(), param.shape, jnp.float32)
         # Drawn last, so that a layer without them draws every other param as before.
         self.shared_experts = SharedExperts.from_scheme(
-            emb_dim, moe.num_shared_experts * mlp_dim, gated=gated, activation=moe.activation,
-            use_gate=moe.shared_expert_gate, init=moe.init, dtype=dtype,
-            rngs=rngs) if moe.num_shared_experts else None
+            emb_dim, moe.num_shared_experts * mlp_dim, gated=moe.gated,
+            activation=moe.activation, use_gate=moe.shared_expert_gate, init=moe.init,
+            std=moe.init_std, dtype=dtype, rngs=rngs) if moe.num_shared_experts else None
 
-    def _init_experts(self, rngs: nnx.Rngs) -> None:
-        """The expert weights ``[N, ...]``, split over the mesh's ``"expert"`` axis if any."""
+    @property
+    def gated(self) -> bool:
+        return self.moe.gated
+
+    @property
+    def gated_biases(self) -> bool:
+        return self.moe.gated and self.moe.expert_biases
+
+    def _init_experts(self, rngs: nnx.Rngs, scheme: str) -> None:
+        """The expert weights ``[N, ...]`` drawn by ``scheme``, split over the mesh's
+        ``"expert"`` axis if any."""
         n, emb_dim, mlp_dim, mesh = self.num_experts, self.emb_dim, self.mlp_dim, self.mesh
 
         def sharded(value, spec):
@@ -250,7 +174,7 @@ class MoEFeedForward(nnx.Module):
                 return nnx.Param(value)
             return nnx.Param(value, out_sharding=spec, mesh=mesh)
 
-        fc1, fc2 = expert_init(self.moe.init, emb_dim), expert_init(self.moe.init, mlp_dim)
+        fc1, fc2 = expert_init(scheme, emb_dim), expert_init(scheme, mlp_dim)
         if self.gated:
             # Drawn in the order w_gate, w_up, w_down.
             self.w_gate, self.w_up = (
@@ -281,29 +205,12 @@ class MoEFeedForward(nnx.Module):
         keeps_defaults = self.unchosen is not None and self.unchosen.values == "defaults"
         self.expert_defaults = nnx.BatchStat(
             jnp.zeros((n, self.emb_dim), jnp.float32)) if keeps_defaults else None
+        # The selection bias: bias balancing's, or a checkpoint's own (moved only by a
+        # bias_update_rate > 0).
         self.expert_bias = nnx.BatchStat(jnp.zeros((n,), jnp.float32)) \
-            if router_config.bias_update_rate > 0 else None
+            if router_config.bias_update_rate > 0 or self.moe.selection_bias else None
         self.expert_load = nnx.BatchStat(jnp.zeros((n,), jnp.float32)) \
             if router_config.counts_load else None
-
-    # The settings by their keyword names (read-only; the sections hold them).
-    router_name = property(lambda self: self.router_config.name)
-    jitter_eps = property(lambda self: self.router_config.jitter_eps)
-    top_k = property(lambda self: self.router_config.top_k)
-    activation = property(lambda self: self.moe.activation)
-    activation_dropout = property(lambda self: self.moe.activation_dropout)
-    dispatch = property(lambda self: self.moe.dispatch)
-    grouped_impl = property(lambda self: self.moe.grouped_impl)
-    capacity_factor = property(lambda self: self.moe.capacity_factor)
-
-    @classmethod
-    def from_config(cls, emb_dim: int, mlp_dim: int, moe: MoEConfig,
-                    router: routers.RouterConfig, *, dtype=jnp.float32,
-                    mesh: jax.sharding.Mesh | None = None, rngs: nnx.Rngs) -> MoEFeedForward:
-        """The layer of the config sections ``moe`` and ``router`` (built by their
-        ``from_config``, which checked them) at widths ``emb_dim``, ``mlp_dim``."""
-        return cls(emb_dim, mlp_dim, moe.num_experts, sections=(moe, router), dtype=dtype,
-                   mesh=mesh, rngs=rngs)
 
     def __call__(
         self,
@@ -314,7 +221,8 @@ class MoEFeedForward(nnx.Module):
         dropless: bool = False,
     ) -> tuple[jax.Array, dict]:
         """x: ``[B, T, emb]``; token_mask: bool ``[B, T]`` (False = padding) or None;
-        ``dropless`` ignores ``capacity_factor`` for this call (decoding uses it).
+        ``dropless`` ignores ``capacity_factor`` for this call (decoding uses it). In
+        training the input is first jittered by ``moe.input_jitter`` where it is set.
 
         Returns ``y [B, T, emb]`` (dtype of ``x``) and a dict of float32 metrics:
         ``balance_loss``, ``z_loss``, ``num_unmasked``, ``entropy``, ``dropped_fraction`` (of
@@ -330,10 +238,13 @@ class MoEFeedForward(nnx.Module):
         if self.mesh is not None:
             sharding.check_batch(self.mesh, batch)
 
+        training = not deterministic
+        if training and self.jitter_rng is not None:
+            e = self.moe.input_jitter
+            x = x * jax.random.uniform(self.jitter_rng(), x.shape, x.dtype, 1.0 - e, 1.0 + e)
         # Router in float32, on the full logits, before any sharding: decisions and random
         # draws are the same on every mesh.
         logits = self.router(x.astype(jnp.float32))
-        training = not deterministic
         key = self.router_rng() if training else None
         bias = None if self.expert_bias is None else self.expert_bias[...]
         routed = routers.router_fn(self.router_config)(logits, key, training, bias)
@@ -449,11 +360,15 @@ class MoEFeedForward(nnx.Module):
         """The experts' params in the order :func:`sparsemixer_jax.moe.expert_ffn` takes them:
         ``(wi, bi, wo, bo)``, or ``(w_gate, w_up, w_down)`` when ``gated`` (and then
         ``b_gate, b_up, b_down`` with ``gated_biases``)."""
+        return tuple(getattr(self, name) for name in self.expert_param_names())
+
+    def expert_param_names(self) -> tuple[str, ...]:
+        """The attribute names of :meth:`expert_params`, in its order."""
         if self.gated_biases:
-            return (self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down)
+            return ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
         if self.gated:
-            return (self.w_gate, self.w_up, self.w_down)
-        return (self.wi, self.bi, self.wo, self.bo)
+            return ("w_gate", "w_up", "w_down")
+        return ("wi", "bi", "wo", "bo")
 
     def _unchosen_contribution(self, xc, routed, params, token_mask, f, gate, group,
                                training: bool) -> jax.Array:
@@ -503,30 +418,20 @@ class MoEFeedForward(nnx.Module):
         return term
 
 
-# The keyword settings of MoEFeedForward and their defaults (the sections' own, as its signature
-# reads them): a layer built from config sections (MoEFeedForward.from_config) takes none of them.
-_KEYWORD_DEFAULTS = {name: p.default for name, p in
-                     inspect.signature(MoEFeedForward.__init__).parameters.items()
-                     if name in ("router", "jitter_eps", "top_k", "activation_dropout", "dispatch",
-                                 "grouped_impl", "capacity_factor", "expert_buffer_factor",
-                                 "activation",
-                                 "router_init_scale", "init", "default_decay", "router_options")}
-
-
 def routing_param_paths(model: nnx.Module) -> tuple[tuple[tuple[str, ...], ...],
                                                      tuple[tuple[str, ...], ...]]:
     """``(routers, experts)``: the paths (keys as strings) of every :class:`MoEFeedForward`'s
-    router in ``model`` and of its routed experts' params (with ``omega``, which scales their
-    output); the labels :class:`sparsemixer_jax.training.optim.ParamRoles` gives the optimizer.
-    Shared experts are left out (always on: a dense feed-forward in effect)."""
+    router in ``model`` and of its routed experts' params (:meth:`MoEFeedForward.expert_params`:
+    weights and biases, gpt-oss's ``b_gate``, ``b_up``, ``b_down`` too, and ``omega``, which
+    scales their output); the labels :class:`sparsemixer_jax.training.optim.ParamRoles` gives
+    the optimizer. Shared experts are left out (always on: a dense feed-forward in effect)."""
     routers, experts = [], []
     for path, module in nnx.iter_modules(model):
         if not isinstance(module, MoEFeedForward):
             continue
         path = tuple(str(key) for key in path)
         routers.append((*path, "router"))
-        names = ("w_gate", "w_up", "w_down") if module.gated else ("wi", "bi", "wo", "bo")
-        experts.extend((*path, name) for name in (*names, "omega")
+        experts.extend((*path, name) for name in (*module.expert_param_names(), "omega")
                        if getattr(module, name) is not None)
     return tuple(routers), tuple(experts)
 

@@ -61,11 +61,17 @@ class SharedExperts(nnx.Module):
 
     @classmethod
     def from_scheme(cls, emb_dim: int, width: int, *, gated: bool, activation: str,
-                    use_gate: bool, init: str, dtype, rngs: nnx.Rngs) -> SharedExperts:
+                    use_gate: bool, init: str, dtype, rngs: nnx.Rngs,
+                    std: float = 0.02) -> SharedExperts:
         """The MoE layer's: projections in ``dtype`` drawn by the dense feed-forward's
-        initialisation scheme ``init`` (:func:`sparsemixer_jax.initializers.feed_forward_init`),
-        the gate (when ``use_gate``) in float32, LeCun-normal."""
+        initialisation scheme ``init`` (:func:`sparsemixer_jax.initializers.feed_forward_init`;
+        ``"normal"``: ``normal(std)`` weights, zero biases), the gate (when ``use_gate``) in
+        float32, LeCun-normal."""
         def linear(in_features: int, out_features: int, *, use_bias: bool) -> nnx.Linear:
+            if init == "normal":
+                return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype,
+                                  param_dtype=jnp.float32,
+                                  kernel_init=nnx.initializers.normal(std), rngs=rngs)
             return feed_forward_init(init, in_features).linear(
                 in_features, out_features, dtype=dtype, rngs=rngs, use_bias=use_bias)
 

@@ -42,6 +42,7 @@ from sparsemixer_jax.tasks.lm_sections import (
     check_router_for_lm,
     from_scratch_config,
     model_overrides,
+    refuse_overruled_router_fields,
     refuse_unused_router_fields,
     router_of_run,
     router_overrides,
@@ -359,7 +360,8 @@ def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
         overrides = model_overrides(model)
         if init_router == "config":
             check_router_for_lm(router, cfg.get("model_type", ""))
-            overrides.update(router_overrides(router, cfg.get("model_type", "")))
+            overrides.update(router_overrides(router, cfg.get("model_type", ""),
+                                              over_type=False))
         lm = hf.from_hf(cfg, **overrides)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
@@ -454,6 +456,7 @@ def train_lm(config: ml_collections.ConfigDict, workdir: str,
                                 cast(str, config.init_router, "config.init_router"), given)
     run = run_config(config, LMTask.from_config(config))
     task = run.task
+    refuse_overruled_router_fields(task.lm, task.router, given)
     if task.init_from:  # its errors name the file
         from sparsemixer_jax import hf
 

@@ -70,6 +70,26 @@ def refuse_unused_router_fields(init_from: str, init_router: str, given: Any) ->
             f"out (the router fields honoured either way: {', '.join(ROUTER_TRAINING_FIELDS)})")
 
 
+def refuse_overruled_router_fields(lm: LMConfig, router: RouterConfig, given: Any) -> None:
+    """A one-line ValueError naming each routing field of the router section given on the
+    command line (in ``given``, as ``"router.score"``) that does not route the model ``lm``:
+    a model from scratch routes by its type's own options where the section holds their
+    defaults (``glm4_moe``'s ``score='sigmoid'`` over ``--config.router.score=softmax``)."""
+    if not any(lm.moe_layers):
+        return
+    routed = lm.moe_sections()[1]
+    names = ("name", "top_k", "jitter_eps", *ROUTER_OPTIONS, *SELECTION_OPTIONS)
+    lost = [f"--config.router.{name}={getattr(router, name)!r} (the model routes by "
+            f"{getattr(routed, name)!r})" for name in names
+            if f"router.{name}" in given and getattr(router, name) != getattr(routed, name)]
+    if lost:
+        raise ValueError(
+            f"{', '.join(lost)}: a {lm.model_type} model from scratch routes by its type's own "
+            "options where the router section holds their defaults; fine-tune a checkpoint "
+            "with --config.init_router=config to route by the section alone, or leave "
+            f"{'them' if len(lost) > 1 else 'it'} out")
+
+
 @dataclasses.dataclass(frozen=True)
 class LMModelConfig:
     """``config.model`` of a language-modelling run (schema: ``configs/lm_quickstart.py``).
@@ -251,16 +271,23 @@ def hf_config_of(model: LMModelConfig, router: RouterConfig, vocab_size: int
     return cfg
 
 
-def router_overrides(router: RouterConfig, hf_type: str) -> dict[str, Any]:
+def router_overrides(router: RouterConfig, hf_type: str, *, over_type: bool = True
+                     ) -> dict[str, Any]:
     """The :class:`LMConfig` fields that route by the config's router section. ``norm_topk_prob``
     is the type's own for the types without the key (``mixtral`` always renormalises;
     :func:`check_router_for_lm` refuses a normalising router without it; ``phimoe``'s router
-    never renormalises)."""
-    defaults = RouterConfig()
-    # The type's own routing (GLM-4.5's sigmoid scores, ...) with the section's options over it.
-    options = dict(family_of(hf_type).router_flags)
+    never renormalises).
+
+    ``over_type`` (a model from scratch): the type's own routing (GLM-4.5's sigmoid scores,
+    ...) with the section's options that differ from their defaults over it. Otherwise
+    (``init_router="config"``) the section is the whole routing: each option the type's own
+    routing sets takes the section's value, default or not, so that what the section (and the
+    run's ``config.json``) says is what routes the model, and its export records."""
+    defaults, flags = RouterConfig(), family_of(hf_type).router_flags
+    options = dict(flags) if over_type else {}
     options.update((name, getattr(router, name)) for name in (*ROUTER_OPTIONS, *SELECTION_OPTIONS)
-                   if getattr(router, name) != getattr(defaults, name))
+                   if getattr(router, name) != getattr(defaults, name)
+                   or (not over_type and name in flags))
     options = tuple(sorted(options.items()))
     fields = {"router": router.name, "jitter_eps": router.jitter_eps, "top_k": router.top_k,
               "router_options": options}
