@@ -10,6 +10,8 @@
     tokenizer = hf.load_tokenizer(path)         # tokenizer.json, special tokens, chat template
 
 :func:`check_checkpoint` finds what loading would refuse from the safetensors headers alone.
+:func:`routes_from_vllm` and :func:`routes_from_sglang` turn the expert ids an inference engine
+routed a rollout to into int32 ``[tokens, MoE layers, top_k]`` (numpy only).
 
 Types: ``mixtral``, ``qwen3_moe``, ``olmoe``, ``qwen2_moe``, ``phimoe``, ``glm4_moe``,
 ``gpt_oss`` (MXFP4 experts dequantized on load), ``deepseek_v3`` (``kimi_k2`` read as it;
@@ -26,7 +28,9 @@ from sparsemixer_jax.hf.checkpoint import (
     save_pretrained,
 )
 from sparsemixer_jax.hf.config import ROUTING_KEY, from_hf, to_hf, without_routing_record
+from sparsemixer_jax.hf.routes import routes_from_sglang, routes_from_vllm
 from sparsemixer_jax.hf.tokenizer import HFTokenizer, load_tokenizer
 
 __all__ = ["ROUTING_KEY", "HFTokenizer", "check_checkpoint", "from_hf", "load_pretrained",
-           "load_tokenizer", "read_config", "save_pretrained", "to_hf", "without_routing_record"]
+           "load_tokenizer", "read_config", "routes_from_sglang", "routes_from_vllm",
+           "save_pretrained", "to_hf", "without_routing_record"]
