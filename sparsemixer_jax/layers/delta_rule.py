@@ -37,7 +37,7 @@ def segment_resets(segment_ids: jax.Array) -> jax.Array:
     """bool ``[B, T]``: True where a token's segment id differs from the previous token's (a
     new packed document starts there; never at position 0, whose state is the caller's)."""
     change = segment_ids[:, 1:] != segment_ids[:, :-1]
-    return jnp.concatenate([jnp.zeros_like(change[:, :1]), change], axis=1)
+    return jnp.concatenate([jnp.zeros((segment_ids.shape[0], 1), bool), change], axis=1)
 
 
 def _documents(reset: jax.Array | None, batch: int, length: int) -> jax.Array:
