@@ -279,3 +279,13 @@ def test_bad_layouts_are_refused_naming_the_key():
         _config(layout="grouped")
     with pytest.raises(ValueError, match=r"^gated_deltanet.chunk_size=0 must be at least 1"):
         _config(chunk_size=0)
+
+
+def test_cpu_benchmark_runs_at_tiny_sizes(capsys):
+    """lab/benchmarks/gated_deltanet.py's CPU timing, at sizes that take a second."""
+    from lab.benchmarks.gated_deltanet import bench_cpu
+
+    results = bench_cpu([6], heads=1, dim=4, chunk=4, rounds=1)
+    assert set(results) == {(6, "fwd"), (6, "fwd+bwd")}
+    assert all(set(r) == {"chunked", "scan"} and min(r.values()) > 0 for r in results.values())
+    assert "T=    6 fwd" in capsys.readouterr().out
