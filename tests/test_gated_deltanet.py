@@ -271,6 +271,25 @@ def test_equals_transformers(layout):
     np.testing.assert_allclose(y, ref["y"], atol=3e-5, rtol=0)
 
 
+def test_bfloat16_under_jit():
+    """The compute dtype bfloat16 under ``nnx.jit``: output and convolution cache in bfloat16,
+    the state in float32, and the outputs those of float32 to 1.4% (relative Frobenius norm,
+    measured): bfloat16 rounds at 0.4% relative in each of the projections, the convolution,
+    the gated norm and the output projection, and the norm divides by a head's RMS, which
+    magnifies the error of a small head; 3% leaves a margin of two."""
+    full = _layer()
+    half = _layer(compute_dtype="bfloat16")
+    x = _x(length=40)
+    want, want_cache = full(x)
+    y, cache = nnx.jit(lambda layer, x: layer(x))(half, x)
+    assert y.dtype == cache.conv.dtype == jnp.bfloat16 and cache.state.dtype == jnp.float32
+    error = jnp.linalg.norm(y.astype(jnp.float32) - want) / jnp.linalg.norm(want)
+    assert error < 0.03, error
+    state_error = jnp.linalg.norm(cache.state - want_cache.state) / jnp.linalg.norm(
+        want_cache.state)
+    assert state_error < 0.03, state_error
+
+
 def test_bad_layouts_are_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"^gated_deltanet.num_value_heads=6 is not a multiple "
                                          r"of num_key_heads=4"):
