@@ -244,6 +244,40 @@ def test_sampled_generation(loaded):
         generate(model, prompt, 2, temperature=1.0)
 
 
+def test_nucleus_keeps_the_fewest_tokens_that_reach_top_p():
+    """Probabilities 0.5, 0.3, 0.15, 0.05 (shuffled): top_p 0.8 keeps the first two (0.5 + 0.3
+    reaches it), 0.81 the first three, 0.4 the first alone; top_k applies first."""
+    from sparsemixer_jax.models.lm_generate import sampling_logits
+
+    probs = np.array([[0.15, 0.5, 0.05, 0.3]])
+    logits = jnp.log(jnp.asarray(probs, jnp.float32))
+    for top_p, kept in ((0.8, [1, 3]), (0.81, [0, 1, 3]), (0.4, [1]), (1.0, [0, 1, 2, 3])):
+        out = np.asarray(sampling_logits(logits, 1.0, None, top_p))
+        assert sorted(np.flatnonzero(np.isfinite(out[0]))) == kept, top_p
+    out = np.asarray(sampling_logits(logits, 1.0, 2, 0.99))
+    assert sorted(np.flatnonzero(np.isfinite(out[0]))) == [1, 3]
+
+
+def test_decoding_is_one_program_whatever_its_length(loaded, monkeypatch):
+    """The prompt is fed once and every new token inside the compiled loop: one call of the
+    prefill for 2 or 8 new tokens; a tiny nucleus samples the argmax."""
+    from sparsemixer_jax.models import lm_generate
+
+    model, _ = loaded["olmoe"]
+    prompt = jnp.asarray(reference("olmoe")["input_ids"][:, :5])
+    calls = []
+    extend = lm_generate._extend
+    monkeypatch.setattr(lm_generate, "_extend", lambda *a: calls.append(1) or extend(*a))
+    greedy = generate(model, prompt, 8)
+    assert len(calls) == 1
+    nucleus = generate(model, prompt, 8, temperature=1.0, top_p=1e-6, key=jax.random.key(3))
+    np.testing.assert_array_equal(np.asarray(nucleus), np.asarray(greedy))
+    generate(model, prompt, 2)
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="top_p must be in"):
+        generate(model, prompt, 2, temperature=1.0, top_p=0.0, key=jax.random.key(0))
+
+
 def test_routers_that_keep_or_change_the_forward():
     """At evaluation DenseMixer and Default MoE route as the checkpoint (top-k softmax);
     SparseMixer routes by its masked argmax, which changes a Mixtral checkpoint's logits; on a

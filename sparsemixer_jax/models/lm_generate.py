@@ -1,12 +1,18 @@
 """Text generation with :class:`sparsemixer_jax.models.causal_lm.CausalLM`'s key/value cache:
-greedy or sampled (temperature, top-k), one compiled prefill and one compiled step.
+greedy or sampled (temperature, top-k, top-p), a compiled prefill and the decoding loop compiled
+as one program (a ``lax.fori_loop`` over the new tokens, the cache in its carry), so a call
+costs one dispatch per program, not one per token.
 
 Longrope models (Phi-3.5-MoE) change their rotary scale once the sequence passes
 ``original_max_position_embeddings``; as transformers' ``generate`` does for them, the cache is
 then recomputed once from the whole sequence, so every step's logits equal a full forward pass.
+The step at which that happens is known before decoding starts, so the loop is compiled in two
+parts around it.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,23 +31,102 @@ def _extend(model: CausalLM, ids: jax.Array, mask: jax.Array, cache: KVCache
     return out.logits[:, -1], out.cache
 
 
-def _pick(logits: jax.Array, key: jax.Array | None, temperature: float, top_k: int | None
-          ) -> jax.Array:
-    """The next token ``[B]``: argmax when ``temperature == 0``, else a draw from
-    ``softmax(logits / temperature)`` restricted to the ``top_k`` largest."""
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
+def sampling_logits(logits: jax.Array, temperature: float, top_k: int | None,
+                    top_p: float | None) -> jax.Array:
+    """``logits [B, V]`` divided by ``temperature`` (> 0), then every token outside the
+    ``top_k`` largest and outside the nucleus (the fewest most likely tokens whose probabilities
+    reach ``top_p``; the most likely token always stays) set to ``-inf``; in that order, the
+    order of transformers' ``generate``."""
+    logits = logits.astype(jnp.float32) / temperature
     if top_k is not None:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p is not None and top_p < 1.0:  # a nucleus of 1 is every token (no cumulative
+        # sum's rounding may drop the tail's)
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        # A token stays while the mass of the tokens before it is below top_p: the first token
+        # (mass 0 before it) always stays, and so does the one that crosses top_p.
+        before = jnp.cumsum(probs, axis=-1) - probs
+        kept = jnp.sum(before < top_p, axis=-1, keepdims=True)
+        cutoff = jnp.take_along_axis(ordered, kept - 1, axis=-1)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return logits
+
+
+def _pick(logits: jax.Array, key: jax.Array | None, temperature: float, top_k: int | None,
+          top_p: float | None) -> jax.Array:
+    """The next token ``[B]``: argmax when ``temperature == 0``, else a draw from
+    :func:`sampling_logits`."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = sampling_logits(logits, temperature, top_k, top_p)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(nnx.jit, static_argnames=("first", "stop", "offset", "temperature", "top_k",
+                                             "top_p", "eos_id"))
+def _decode(model: CausalLM, tokens: jax.Array, logits: jax.Array, cache: KVCache,
+            done: jax.Array, key: jax.Array | None, *, first: int, stop: int, offset: int,
+            temperature: float, top_k: int | None, top_p: float | None, eos_id: int | None
+            ) -> tuple[jax.Array, KVCache, jax.Array, jax.Array | None]:
+    """Steps ``first .. stop - 1`` of decoding in one program: step ``s`` picks a token from
+    ``logits`` (the previous position's) and writes it to ``tokens[:, offset + s]``; every step
+    after the first feeds the previous token through ``cache`` first. The last token is never
+    fed (nothing reads its logits). Returns ``(tokens, cache, done, key)``."""
+    graphdef, state = nnx.split(model)
+
+    def write(step, logits, tokens, done, key):
+        sub = None
+        if key is not None:  # the key is split before every pick, as the first pick's is
+            key, sub = jax.random.split(key)
+        token = _pick(logits, sub, temperature, top_k, top_p)
+        if eos_id is not None:
+            token = jnp.where(done, eos_id, token)
+            done = done | (token == eos_id)
+        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, offset + step))
+        return tokens, done, key, token
+
+    def body(step, carry):
+        # The model's state rides in the carry (unchanged): a model merged inside the loop from
+        # state closed over from outside it could not be updated at the loop's trace level.
+        state, tokens, cache, done, key, previous = carry
+        logits, cache = _feed(graphdef, state, previous[:, None], cache)
+        tokens, done, key, token = write(step, logits, tokens, done, key)
+        return state, tokens, cache, done, key, token
+
+    tokens, done, key, token = write(first, logits, tokens, done, key)
+    _, tokens, cache, done, key, _ = jax.lax.fori_loop(
+        first + 1, stop, body, (state, tokens, cache, done, key, token))
+    return tokens, cache, done, key
+
+
+def _feed(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array, cache: KVCache
+          ) -> tuple[jax.Array, KVCache]:
+    """One token a row ``ids [B, 1]`` through ``cache`` (inside the traced loop, where the
+    model is its split graph and state)."""
+    mask = jnp.ones(ids.shape, bool)
+    out = nnx.merge(graphdef, state).forward(ids, token_mask=mask, cache=cache,
+                                             deterministic=True)
+    return out.logits[:, -1], out.cache
+
+
+def _check_sampling(temperature: float, top_k: int | None, top_p: float | None,
+                    key: jax.Array | None) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature > 0 and key is None:
+        raise ValueError("sampling (temperature > 0) needs a PRNG key")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
 def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
              prompt_mask: jax.Array | None = None, temperature: float = 0.0,
-             top_k: int | None = None, key: jax.Array | None = None,
-             eos_id: int | None = None) -> jax.Array:
+             top_k: int | None = None, top_p: float | None = None,
+             key: jax.Array | None = None, eos_id: int | None = None) -> jax.Array:
     """Continues ``prompt`` int ``[B, P]`` by ``max_new_tokens`` tokens: int32 ``[B, P + N]``.
 
     Args:
@@ -49,41 +134,39 @@ def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
         padded on the left; positions count real tokens only, as transformers counts them).
       temperature: 0 for greedy decoding, else sampling at this temperature (needs ``key``).
       top_k: sample among the ``top_k`` most likely tokens only.
+      top_p: sample within the nucleus: the fewest most likely tokens whose probabilities sum
+        to at least ``top_p`` (after ``top_k``).
       eos_id: once a row emits it, the row continues with ``eos_id``.
 
     Routing is deterministic (the router's evaluation rule) whatever the model's mode.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature > 0 and key is None:
-        raise ValueError("sampling (temperature > 0) needs a PRNG key")
+    _check_sampling(temperature, top_k, top_p, key)
     batch, length = prompt.shape
     total = length + max_new_tokens
     prompt = prompt.astype(jnp.int32)
     mask = jnp.ones((batch, length), bool) if prompt_mask is None else prompt_mask.astype(bool)
-    rope = model.config.rope
-    switch = rope.original_max_position_embeddings if rope.kind == "longrope" else None
     tokens = jnp.concatenate([prompt, jnp.zeros((batch, max_new_tokens), jnp.int32)], axis=1)
-    masks = jnp.concatenate([mask, jnp.ones((batch, max_new_tokens), bool)], axis=1)
+    if max_new_tokens == 0:
+        return tokens
     logits, cache = _extend(model, prompt, mask, model.init_cache(batch, total))
     done = jnp.zeros((batch,), bool)
-    for step in range(max_new_tokens):
-        if key is not None:
-            key, sub = jax.random.split(key)
-        else:
-            sub = None
-        token = _pick(logits, sub, temperature, top_k)
-        if eos_id is not None:
-            token = jnp.where(done, eos_id, token)
-            done = done | (token == eos_id)
-        cur = length + step
-        tokens = tokens.at[:, cur].set(token)
-        if step == max_new_tokens - 1:
-            break
-        if switch is not None and cur + 1 > switch >= int(cache.index):
-            # Longrope's scale switches: recompute the cache from the whole sequence.
-            logits, cache = _extend(model, tokens[:, :cur + 1], masks[:, :cur + 1],
-                                    model.init_cache(batch, total))
-        else:
-            logits, cache = _extend(model, token[:, None], masks[:, cur:cur + 1], cache)
+    options = dict(offset=length, temperature=temperature, top_k=top_k, top_p=top_p,
+                   eos_id=eos_id)
+    rope = model.config.rope
+    # The step that writes the token at the longrope switch position; the cache is recomputed
+    # from the whole sequence before the next step, when a next step exists.
+    switch_step = rope.original_max_position_embeddings - length \
+        if rope.kind == "longrope" else -1
+    if 0 <= switch_step < max_new_tokens - 1:
+        tokens, _, done, key = _decode(model, tokens, logits, cache, done, key, first=0,
+                                       stop=switch_step + 1, **options)
+        seen = length + switch_step + 1
+        masks = jnp.concatenate([mask, jnp.ones((batch, max_new_tokens), bool)], axis=1)
+        logits, cache = _extend(model, tokens[:, :seen], masks[:, :seen],
+                                model.init_cache(batch, total))
+        tokens, *_ = _decode(model, tokens, logits, cache, done, key, first=switch_step + 1,
+                             stop=max_new_tokens, **options)
+    else:
+        tokens, *_ = _decode(model, tokens, logits, cache, done, key, first=0,
+                             stop=max_new_tokens, **options)
     return tokens
