@@ -23,6 +23,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.parallel import sharding
 from sparsemixer_jax.routers import RouterConfig
@@ -68,34 +69,18 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
     collective) and process 0 writes; the difference is then not measured.
     """
     from sparsemixer_jax import hf
-    from sparsemixer_jax.training.checkpoint import list_checkpoints
-    from sparsemixer_jax.training.state import restore_checkpoint
 
     if checkpoint not in ("best", "last"):
         raise ValueError(f"checkpoint must be 'best' or 'last', got {checkpoint!r}")
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     check_out_dir(out_dir, force)
-    config = _run_config(workdir)
-    if not list_checkpoints(workdir, checkpoint):
-        raise FileNotFoundError(f"{workdir} holds no {checkpoint} checkpoint yet")
-    source = config.init_from
-    if source and os.path.isdir(os.path.join(workdir, KEPT_DIR)):
-        source = config.init_from = os.path.join(workdir, KEPT_DIR)
-    task = LMTask.from_config(config)
-    # Built as from scratch (init_from's weights are not read): the model's structure is the
-    # config's; its weights come from the run's checkpoint.
-    run = run_config(config, dataclasses.replace(task, init_from=""))
+    config, task = open_run(workdir, checkpoint)
+    source = task.init_from
     trained = task.lm
     own = hf.from_hf(hf.without_routing_record(hf.to_hf(trained)))  # transformers' routing
     written = _written_config(trained, own, routing)
-    steps = build_steps(run, trained.vocab_size, sharding.device_mesh(run.mesh))
-    restored = restore_checkpoint(workdir, steps.abstract_state(), checkpoint)
-    if restored is None:
-        raise FileNotFoundError(f"{workdir} holds no {checkpoint} checkpoint")
-    model = steps.model(restored.state)
-    step = restored.step
-    del steps, restored  # the optimizer state: not needed to write or measure
+    model, step = restore_model(workdir, config, task, checkpoint)
     differs = _routing_in_effect(own) != _routing_in_effect(trained)
     rows = _validation_rows(workdir) if differs and jax.process_count() == 1 else None
     trained_logits = None if rows is None else np.asarray(_logits(model, *rows))
@@ -115,6 +100,38 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
             note = _routing_note(trained, own, routing, measured)
     return {"step": step, "model_type": trained.model_type,
             "files": sorted(os.listdir(out_dir)), "routing_note": note}
+
+
+def open_run(workdir: str, checkpoint: str = "last"
+             ) -> tuple[ml_collections.ConfigDict, LMTask]:
+    """The config and task of the language-modelling run in ``workdir``, before any weights
+    are read; a fine-tuned run's ``init_from`` points at the files it kept (:data:`KEPT_DIR`),
+    so the checkpoint it started from may be gone. One-line errors for a workdir that is not
+    such a run or holds no ``checkpoint`` (``"last"`` or ``"best"``) yet."""
+    from sparsemixer_jax.training.checkpoint import list_checkpoints
+
+    config = _run_config(workdir)
+    if not list_checkpoints(workdir, checkpoint):
+        raise FileNotFoundError(f"{workdir} holds no {checkpoint} checkpoint yet")
+    if config.init_from and os.path.isdir(os.path.join(workdir, KEPT_DIR)):
+        config.init_from = os.path.join(workdir, KEPT_DIR)
+    return config, LMTask.from_config(config)
+
+
+def restore_model(workdir: str, config: ml_collections.ConfigDict, task: LMTask,
+                  checkpoint: str = "last") -> tuple[CausalLM, int]:
+    """The model of the run's ``checkpoint`` (``config`` and ``task`` from :func:`open_run`)
+    and its step; the optimizer state is restored and dropped."""
+    from sparsemixer_jax.training.state import restore_checkpoint
+
+    # Built as from scratch (init_from's weights are not read): the model's structure is the
+    # config's; its weights come from the run's checkpoint.
+    run = run_config(config, dataclasses.replace(task, init_from=""))
+    steps = build_steps(run, task.lm.vocab_size, sharding.device_mesh(run.mesh))
+    restored = restore_checkpoint(workdir, steps.abstract_state(), checkpoint)
+    if restored is None:
+        raise FileNotFoundError(f"{workdir} holds no {checkpoint} checkpoint")
+    return steps.model(restored.state), restored.step
 
 
 def check_out_dir(out_dir: str, force: bool = False) -> None:
