@@ -105,8 +105,9 @@ def bench_cpu_peer(arms: list[Arm], sizes: dict[str, int], rounds: int, steps: i
     ``steps`` steps in ABBA order (module docstring). JSON: ``sizes``, ``rounds``, ``steps``,
     ``load_average`` before and after, ``reference`` (the first peer arm, else the first), and
     per arm ``ready``, ``step_s`` and ``cpu_s`` (stats of the rounds' mean step),
-    ``tokens_per_s``, ``loss`` (the last step's), ``to_reference`` (``ratio``: its tokens/s
-    over the reference's, from the medians; ``paired``: stats of the same per round)."""
+    ``tokens_per_s``, the last reply's other keys (``loss``: the last step's), ``to_reference``
+    (``ratio``: its tokens/s over the reference's, from the medians; ``paired``: stats of the
+    same per round)."""
     load_before = load_average()
     workers: list[Worker] = []
     try:
@@ -135,7 +136,9 @@ def bench_cpu_peer(arms: list[Arm], sizes: dict[str, int], rounds: int, steps: i
         result["arms"][w.arm.name] = {
             "ready": w.ready, "env": dict(w.arm.env), "cpus": _cpus_of(w.arm), "step_s": s,
             "cpu_s": stats(cpu[w.arm.name]),
-            "tokens_per_s": sizes["tokens"] / s["median"], "loss": last[w.arm.name]["loss"],
+            "tokens_per_s": sizes["tokens"] / s["median"],
+            # What else the last reply said (the training step's loss, generated tokens).
+            **{k: v for k, v in last[w.arm.name].items() if k not in ("times", "cpu_times")},
             "to_reference": {"ratio": stats(ref)["median"] / s["median"],
                              "paired": stats([a / b for a, b in zip(ref, t, strict=True)])}}
     result["load_average"] = [load_before, load_average()]
@@ -147,10 +150,10 @@ def _cpus_of(arm: Arm) -> str:
     return arm.argv[2] if arm.argv[:1] == ("taskset",) else ""
 
 
-def table(result: dict[str, Any]) -> str:
-    """The markdown table of :func:`bench_cpu_peer`'s result."""
+def table(result: dict[str, Any], step: str = "step") -> str:
+    """The markdown table of :func:`bench_cpu_peer`'s result (``step``: what a step is)."""
     ref = result["reference"]
-    lines = [f"| arm | step ms (median, min-max) | tokens/s | CPU s/step | tokens/s / {ref} "
+    lines = [f"| arm | {step} ms (median, min-max) | tokens/s | CPU s/{step} | tokens/s / {ref} "
              "(medians) | paired per round (median, min-max) |", "|---|---|---|---|---|---|"]
     for name, a in result["arms"].items():
         s, p = a["step_s"], a["to_reference"]["paired"]
