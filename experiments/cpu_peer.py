@@ -14,14 +14,11 @@ per MoE dispatch; ``--xla-flags NAME=FLAGS`` one more arm of ours with those XLA
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lab.benchmarks.cpu_peer import CPU_PEER_SIZES, bench_cpu_peer, ours_arm, peer_arm, table
-from lab.benchmarks.harness import machine
+from lab.benchmarks.cpu_peer import CPU_PEER_SIZES, bench_cpu_peer, ours_arm, peer_arm, report
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -60,17 +57,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         name, _, flags = spec.partition("=")
         arms.append(ours_arm(f"ours_{name}", sizes, "auto", flags, args.cpus))
     result = bench_cpu_peer(arms, sizes, args.rounds, args.steps, args.warmup)
-    # The command as run, the peer's Python named by its role, not by its path on this machine.
-    shown = ["PEER_PYTHON" if a == args.peer_python else a for a in argv]
-    result = {"command": " ".join(["python -m experiments.cpu_peer", *shown]),
-              "machine": machine(), **result}
-    print(table(result))
-    print(f"load average {result['load_average']}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
-    return result
+    return report(result, "experiments.cpu_peer", argv, args.peer_python, args.out)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,12 @@ generated the same tokens.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from lab.benchmarks.cpu_peer import bench_cpu_peer, table
+from lab.benchmarks.cpu_peer import bench_cpu_peer, report
 from lab.benchmarks.generate_peer import (
     GENERATE_PEER_SIZES,
     agreement,
@@ -29,7 +27,6 @@ from lab.benchmarks.generate_peer import (
     peer_arm,
     write_model,
 )
-from lab.benchmarks.harness import machine
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -64,18 +61,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result = bench_cpu_peer(arms, {**sizes, "tokens": sizes["batch"] * sizes["new_tokens"]},
                                 args.rounds, args.steps, args.warmup)
     result["agreement"] = agreement(result)
-    # The command as run, the peer's Python named by its role, not by its path on this machine.
-    shown = ["PEER_PYTHON" if a == args.peer_python else a for a in argv]
-    result = {"command": " ".join(["python -m experiments.generate_peer", *shown]),
-              "machine": machine(), **result}
-    print(table(result, "call"))
-    print(f"agreement with {result['reference']}: {result['agreement']}")
-    print(f"load average {result['load_average']}")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
-    return result
+    return report(result, "experiments.generate_peer", argv, args.peer_python, args.out,
+                  "call", [f"agreement with {result['reference']}: {result['agreement']}"])
 
 
 if __name__ == "__main__":

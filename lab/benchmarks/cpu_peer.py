@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from lab.benchmarks.harness import load_average, stats
@@ -162,6 +163,27 @@ def table(result: dict[str, Any], step: str = "step") -> str:
                      f"{a['to_reference']['ratio']:.3f} | {p['median']:.3f} "
                      f"({p['min']:.3f}-{p['max']:.3f}) |")
     return "\n".join(lines)
+
+
+def report(result: dict[str, Any], module: str, argv: Sequence[str], peer_python: str,
+           out: str, step: str = "step", notes: Sequence[str] = ()) -> dict[str, Any]:
+    """``result`` with the command (``python -m module argv``, the peer's Python named by its
+    role, not by its path on this machine) and the machine first; prints its :func:`table`,
+    the ``notes`` and the load, and writes it as JSON to ``out``."""
+    from lab.benchmarks.harness import machine
+
+    shown = ["PEER_PYTHON" if peer_python and a == peer_python else a for a in argv]
+    result = {"command": " ".join([f"python -m {module}", *shown]), "machine": machine(),
+              **result}
+    print(table(result, step))
+    for note in notes:
+        print(note)
+    print(f"load average {result['load_average']}")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+    return result
 
 
 def serve_ours(sizes: dict[str, int], dispatch: str) -> None:
