@@ -108,6 +108,8 @@ def _no_template(model_dir, tmp_path):
     (["--model", "{MISSING}"], "error: {MISSING}: no such directory"),
     (["--workdir", "{EMPTY}"],
      "error: {EMPTY}/config.json not found: is {EMPTY} a run of experiments.lm?"),
+    (["--workdir", "{M}"],
+     "error: {M} is a Hugging Face model directory, not a run of experiments.lm"),
     (["--model", "{M}", "--prompt", "a", "--chat", "b"],
      "error: give --prompt or --chat, not both"),
     (["--model", "{NO_TEMPLATE}", "--chat", "b"],

@@ -163,7 +163,11 @@ def _run_config(workdir: str) -> ml_collections.ConfigDict:
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{config_path} not found: is {workdir} a run of experiments.lm?")
     with open(config_path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
+        raw = json.load(f)
+    if "model_type" in raw and "task" not in raw:  # a model's config.json, not a run's
+        raise ValueError(f"{workdir} is a Hugging Face model directory, not a run of "
+                         "experiments.lm")
+    config = ml_collections.ConfigDict(raw)
     if config_schema.task_of(config) != "lm":
         raise ValueError(f"{workdir} holds a {config_schema.task_of(config)} run, not a "
                          "language-modelling run (experiments.lm)")
