@@ -290,6 +290,9 @@ def test_cudnn_attention_counts_two_batched_matmuls_halved_by_the_causal_mask():
     packed = ATTENTION.replace('"mask_type":"CAUSAL"', '"mask_type":"PADDING_CAUSAL"')
     assert _ops(packed)["fmha"].flops == 2 * scores / 2
     assert _ops(ATTENTION.replace('"CAUSAL"', '"NO_MASK"'))["fmha"].flops == 2 * scores
+    # As XLA prints a compiled program's backend config: a space after each colon.
+    spaced = ATTENTION.replace('"mask_type":"CAUSAL"', '"mask_type": "CAUSAL"')
+    assert _ops(spaced)["fmha"].flops == 2 * scores / 2
 
 
 GROUPED = """HloModule m

@@ -104,7 +104,8 @@ def _attention_flops(instruction: hlo.Instruction, operands: list[hlo.Array],
         * math.prod(q.dims[i] for i in contract)
     flops = bmm * (5 if "Backward" in target else 2)
     # CAUSAL, and PADDING_CAUSAL (packed documents: causal within each, so at most half).
-    causal = "CAUSAL" in (instruction.attribute(r'"mask_type":"(\w+)"') or "")
+    # (XLA writes the backend config with a space after each colon.)
+    causal = "CAUSAL" in (instruction.attribute(r'"mask_type":\s*"(\w+)"') or "")
     return flops / 2 if causal else flops
 
 
