@@ -106,8 +106,8 @@ def segment_layout(segment_ids: jax.Array, real: jax.Array, max_segments: int,
     lengths, offsets = lengths.astype(jnp.int32), offsets.astype(jnp.int32)
     # cuDNN's flat form (what JAX's entry point computes at every call): the rows' segments
     # one after another from the start of the array, each offset shifted by its row's start.
-    # Flat slot p holds segment p - before[row] of the row whose segments cover p; the rows
-    # are few, so a sum over them (no reduction kernel) finds it.
+    # Flat slot p holds segment i = p - (the slots of the rows before) of the row whose slots
+    # cover p; the rows are few, so a sum over them (no reduction kernel) finds it.
     t = segment_ids.shape[1]
     ends = jnp.cumsum(jnp.minimum(count, max_segments))  # the slots of the rows up to each
     p = jnp.arange(b * (max_segments + 1))
