@@ -49,6 +49,10 @@ def get_config(variant: str = "moe") -> ml_collections.ConfigDict:
     m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads = 2048, 16, 16, 4
     m.max_position_embeddings = 4096
     m.compute_dtype, m.attention_impl = "bfloat16", "cudnn"
+    # Packed documents reach cuDNN as segment offsets with its causal flag, not as a
+    # [B, 1, T, T] bias (docs/benchmarks.md, section 7). The Wikipedia sample's rows hold 54
+    # segments at most; the data is refused before a run where a row holds more than 64.
+    m.cudnn_document_mask, m.max_segments_per_row = "offsets", 64
     # The backward pass recomputes elementwise and layout operations (norms, rope, casts,
     # SwiGLU's products) inside its own kernels instead of reading saved copies: predicted 4%
     # (MoE) and 9% (dense) faster on one H100 for a two-layer proxy (docs/benchmarks.md, section

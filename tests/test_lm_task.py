@@ -70,6 +70,17 @@ def task_steps(corpus, straight_run):
 # ------------------------------------------------------------------------------------ packing
 
 
+def test_rows_over_cudnns_segment_limit_are_refused_before_a_run(corpus, tmp_path):
+    """cuDNN's packed layout (model.cudnn_document_mask="offsets") holds max_segments_per_row
+    segments a row: the packed data is checked against it, in one line naming the row."""
+    config = tiny(corpus, **{"model.attention_impl": "cudnn", "model.compute_dtype": "bfloat16",
+                             "model.cudnn_document_mask": "offsets",
+                             "model.max_segments_per_row": 1})
+    with pytest.raises(ValueError, match=r"^config\.data: the train split: row \d+ holds \d+ "
+                                         r"segments .*max_segments_per_row=1 "):
+        LMTask.from_config(config).load_data(str(tmp_path / "w"), 1)
+
+
 def test_packing_predicts_every_document_token_once_within_its_document():
     docs = [np.arange(10, 10 + n, dtype=np.int32) for n in (1, 7, 3, 12)]
     encoded = [np.concatenate([[1], d]) for d in docs]

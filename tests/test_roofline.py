@@ -286,6 +286,13 @@ def test_cudnn_attention_counts_two_batched_matmuls_halved_by_the_causal_mask():
     assert (op.kind, op.flops) == ("attention", 2 * scores / 2)
     backward = ATTENTION.replace("fmhaSoftmax", "fmhaSoftmaxBackward")
     assert _ops(backward)["fmha"].flops == 5 * scores / 2
+    # Packed documents (cuDNN's segment offsets) are causal within each: half at most.
+    packed = ATTENTION.replace('"mask_type":"CAUSAL"', '"mask_type":"PADDING_CAUSAL"')
+    assert _ops(packed)["fmha"].flops == 2 * scores / 2
+    assert _ops(ATTENTION.replace('"CAUSAL"', '"NO_MASK"'))["fmha"].flops == 2 * scores
+    # As XLA prints a compiled program's backend config: a space after each colon.
+    spaced = ATTENTION.replace('"mask_type":"CAUSAL"', '"mask_type": "CAUSAL"')
+    assert _ops(spaced)["fmha"].flops == 2 * scores / 2
 
 
 GROUPED = """HloModule m

@@ -4,7 +4,8 @@ attributes in the optimised HLO (:mod:`sparsemixer_jax.aot.roofline` adds them u
 
 * cuBLAS GEMMs: from their shapes and the dimension numbers of their backend config.
 * cuDNN attention: the two batched matmuls of the forward (five in the backward) from the query
-  and key shapes, halved for a causal mask (the kernel skips masked blocks).
+  and key shapes, halved for a causal mask (the kernel skips masked blocks; packed documents,
+  causal within each, at most that).
 * Splash attention (jax's Pallas TPU flash attention): its matmuls per phase from the query and
   key shapes, times the fraction of score blocks it computes, which our wrapper writes into
   the kernels' scope (:mod:`sparsemixer_jax.kernels.splash_attention`).
@@ -102,7 +103,9 @@ def _attention_flops(instruction: hlo.Instruction, operands: list[hlo.Array],
     bmm = 2.0 * math.prod(q.dims[i] for i in batch) * rows * keys \
         * math.prod(q.dims[i] for i in contract)
     flops = bmm * (5 if "Backward" in target else 2)
-    causal = (instruction.attribute(r'"mask_type":"(\w+)"') or "").startswith("CAUSAL")
+    # CAUSAL, and PADDING_CAUSAL (packed documents: causal within each, so at most half).
+    # (XLA writes the backend config with a space after each colon.)
+    causal = "CAUSAL" in (instruction.attribute(r'"mask_type":\s*"(\w+)"') or "")
     return flops / 2 if causal else flops
 
 

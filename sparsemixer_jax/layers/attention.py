@@ -314,12 +314,11 @@ class Attention(nnx.Module):
                 return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                                     implementation="cudnn")
             if fused.segments is not None:
-                # A micro-batch with a row of more segments than the layout holds (or a
-                # segment id in two runs) takes the mask instead: never a wrong attention.
-                return jax.lax.cond(
-                    fused.segments.fits,
-                    lambda: packed_attention(q, k, v, fused.segments, scale),
-                    lambda: self._fused(q, k, v, mask, causal, bias))
+                # No fallback to the mask for rows the layout cannot hold: a branch taking it
+                # would keep the [B, 1, T, T] bias in the program. The language model makes
+                # its logits NaN there instead, and the data refuses such rows before a run.
+                sharded = self.mesh is not None and self.mesh.size > 1
+                return packed_attention(q, k, v, fused.segments, scale, sharded=sharded)
         kwargs = {}
         if implementation == "cudnn" and self.options.masks_are_lengths:
             lengths, is_causal = mask_as_lengths(mask, b, t)

@@ -39,7 +39,7 @@ from sparsemixer_jax.layers.attention import (
 )
 from sparsemixer_jax.layers.linear import linear, linear_maker
 from sparsemixer_jax.layers.norms import LayerNorm, RMSNorm
-from sparsemixer_jax.layers.packed_attention import segment_layout
+from sparsemixer_jax.layers.packed_attention import check_rows_fit, segment_layout
 from sparsemixer_jax.layers.rope import rope_cos_sin
 from sparsemixer_jax.models.latent_attention import LatentAttention
 from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
@@ -317,7 +317,11 @@ def _fused_mask(config: LMConfig, token_mask: jax.Array | None, segment_ids: jax
     if config.cudnn_document_mask != "offsets":
         return None
     real = jnp.ones(segment_ids.shape, bool) if token_mask is None else token_mask
-    return FusedMask(segments=segment_layout(segment_ids, real, config.max_segments_per_row))
+    if not isinstance(segment_ids, jax.core.Tracer) and not isinstance(real, jax.core.Tracer):
+        check_rows_fit(segment_ids, real, config.max_segments_per_row, "segment_ids")
+    widths = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim)
+    return FusedMask(segments=segment_layout(segment_ids, real, config.max_segments_per_row,
+                                             widths))
 
 
 def _summed_moe_aux(moe: dict[str, dict]) -> dict[str, Any]:
@@ -409,6 +413,10 @@ class CausalLM(nnx.Module):
         if cache is not None and c.rope.kind == "longrope":
             num_positions = jnp.max(positions) + 1
         cos, sin = rope_cos_sin(c.rope, c.rotary_dim, positions, num_positions)
+        if fused is not None and fused.segments is not None:
+            # Rows that cuDNN's packed layout cannot hold would get another attention than the
+            # mask's: NaN logits instead (cos feeds every layer and takes no gradient).
+            cos = jnp.where(fused.segments.fits, cos, jnp.nan)
         x, (new_keys, new_values), moe = self._run_stacks(x, cache, cos, sin, masks, real,
                                                           deterministic, fused)
         aux = _summed_moe_aux(moe)

@@ -116,9 +116,10 @@ class LMConfig:
         full forward pass: ``"bias"``, the boolean mask, which it reads as an additive bias
         ``[B, 1, T, T]``; ``"offsets"``, each row's segments as offsets and lengths in cuDNN's
         packed layout (:mod:`sparsemixer_jax.layers.packed_attention`), no bias, with
-        ``max_segments_per_row`` segments at most (a micro-batch with a row of more takes the
-        mask). Without segment ids, padding or a sliding window cuDNN takes its causal flag
-        alone either way.
+        ``max_segments_per_row`` segments at most (``configs/lm_bench.py``'s choice; the
+        language-model task refuses data with a row of more before a run, a forward pass on
+        such concrete ids raises, and under ``jit`` its logits are NaN). Without segment ids,
+        padding or a sliding window cuDNN takes its causal flag alone either way.
       max_segments_per_row: ``M``, the segments (documents, padding) a row may hold for
         ``cudnn_document_mask="offsets"``. cuDNN's softmax statistics, kept for the backward
         pass, take ``B M H T`` floats. 64: the Wikipedia sample's 36,183 articles, encoded by

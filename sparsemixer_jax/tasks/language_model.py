@@ -28,6 +28,7 @@ from flax import nnx
 
 from sparsemixer_jax.data import bpe, chat, lm_text, text
 from sparsemixer_jax.data.tokenizer import vocabulary_sample
+from sparsemixer_jax.layers.packed_attention import check_rows_fit
 from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.models.lm_loss import token_nll
@@ -274,6 +275,10 @@ class LMTask:
             held_out[name] = lm_text.pack_split(d, cache, f"lm-wikitext-{name}", [file],
                                                 tokenizer, lambda f=file: text.read_documents(f),
                                                 write, fmt="text")
+        if self.lm.attention_impl == "cudnn" and self.lm.cudnn_document_mask == "offsets":
+            for name, packed in (("train", train_split), ("valid", valid_split), *held_out.items()):
+                check_rows_fit(packed.segments, packed.segments != 0,
+                               self.lm.max_segments_per_row, f"config.data: the {name} split")
         processes = {"process_index": jax.process_index(), "process_count": jax.process_count()}
         batches = lm_text.LMBatches(train_split, d.micro, seed=d.seed, **processes)
         # Evaluation batches split over the mesh too: padded with empty rows to a multiple.
