@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from sparsemixer_jax import hf, training
 from sparsemixer_jax.layers.rope import rope_cos_sin
 from sparsemixer_jax.models.causal_lm import CausalLM
-from sparsemixer_jax.models.lm_config import MODEL_TYPES, LMConfig
+from sparsemixer_jax.models.lm_config import MODEL_TYPES, LMConfig, LMExecution
 from sparsemixer_jax.parallel import partitioning, sharding
 from sparsemixer_jax.tasks import run_config, translation
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule
@@ -55,7 +55,7 @@ STEPS = 5
 LM = LMConfig(model_type="mixtral", vocab_size=64, hidden_size=16, num_layers=3, num_heads=4,
               num_kv_heads=2, head_dim=8, intermediate_size=32, moe_intermediate_size=16,
               num_experts=4, top_k=2, moe_layers=(True, True, True), router="switch",
-              jitter_eps=0.0, dispatch="padded")
+              jitter_eps=0.0, execution=LMExecution(dispatch="padded"))
 LM_BATCH, LM_LEN = 8, 12
 ROUTER_SCALE = 40.0  # routers' logits of order 1: a clear margin between the k-th and next
 # Adam in its linear regime: an update of about 0.5 times the gradient's moving average.

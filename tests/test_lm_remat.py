@@ -1,4 +1,4 @@
-"""Rematerialisation of the LM's scanned layers (``LMConfig.remat``) trades memory for compute
+"""Rematerialisation of the LM's scanned layers (``LMExecution.remat``) trades memory for compute
 and nothing else: the loss and every gradient equal the model's without it (float32 rounding),
 in training mode (SparseMixer-v2 samples its routes: the recomputed layers must draw the same
 ones) and for a type that scans dense+MoE pairs. The lowered program must actually hold the
@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax.models.causal_lm import CausalLM
-from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.models.lm_config import LMConfig, LMExecution
 
 
 def _config(model_type: str, remat: str) -> LMConfig:
@@ -24,7 +24,8 @@ def _config(model_type: str, remat: str) -> LMConfig:
         model_type=model_type, vocab_size=61, hidden_size=16, num_layers=4, num_heads=4,
         num_kv_heads=2, head_dim=4, intermediate_size=24, moe_intermediate_size=12,
         num_experts=4, top_k=2, router="sparsemixer_v2", jitter_eps=0.1,
-        moe_layers=tuple(i % moe_every == moe_every - 1 for i in range(4)), remat=remat)
+        moe_layers=tuple(i % moe_every == moe_every - 1 for i in range(4)),
+        execution=LMExecution(remat=remat))
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from sparsemixer_jax.layers.packed_attention import (
     segment_layout,
 )
 from sparsemixer_jax.models.causal_lm import CausalLM, _positions_and_masks
-from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.models.lm_config import LMConfig, LMExecution
 from tests import kit
 
 
@@ -127,8 +127,9 @@ def _cudnn_custom_calls(document_mask: str, with_segments: bool) -> list[tuple[s
     config = LMConfig(model_type="mixtral", vocab_size=64, hidden_size=128, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=128,
                       moe_intermediate_size=64, num_experts=2, top_k=1, moe_layers=(False,),
-                      compute_dtype="bfloat16", attention_impl="cudnn",
-                      cudnn_document_mask=document_mask, max_segments_per_row=4)
+                      execution=LMExecution(compute_dtype="bfloat16", attention_impl="cudnn",
+                                            cudnn_document_mask=document_mask,
+                                            max_segments_per_row=4))
     graphdef, params = nnx.split(CausalLM(config, rngs=nnx.Rngs(params=0, router=1)))
 
     def loss(params, ids, segments):

@@ -12,12 +12,20 @@ from flax import nnx
 from sparsemixer_jax.moe.shared import MakeLinear
 
 
+class ComputeSettings(Protocol):
+    """The execution section's dtype
+    (:class:`~sparsemixer_jax.models.lm_config.LMExecution`)."""
+
+    @property
+    def compute_dtype(self) -> str: ...
+
+
 class LinearSettings(Protocol):
     """What :func:`linear` reads of a model's config
     (:class:`~sparsemixer_jax.models.lm_config.LMConfig` has both)."""
 
     @property
-    def compute_dtype(self) -> str: ...
+    def execution(self) -> ComputeSettings: ...
 
     @property
     def initializer_range(self) -> float: ...
@@ -26,7 +34,7 @@ class LinearSettings(Protocol):
 def linear(din: int, dout: int, bias: bool, config: LinearSettings, rngs: nnx.Rngs) -> nnx.Linear:
     """A projection ``[din] -> [dout]`` in the compute dtype with float32 params."""
     # Initialised as the Hugging Face types are: normal(initializer_range), zero bias.
-    return nnx.Linear(din, dout, use_bias=bias, dtype=jnp.dtype(config.compute_dtype),
+    return nnx.Linear(din, dout, use_bias=bias, dtype=jnp.dtype(config.execution.compute_dtype),
                       param_dtype=jnp.float32,
                       kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
 

@@ -66,7 +66,7 @@ class LMOutput(NamedTuple):
 
 
 def _dtype(config: LMConfig) -> jnp.dtype:
-    return jnp.dtype(config.compute_dtype)
+    return jnp.dtype(config.execution.compute_dtype)
 
 
 def make_norm(config: LMConfig, dim: int | None = None) -> RMSNorm | LayerNorm:
@@ -86,7 +86,8 @@ def make_attention(config: LMConfig, rngs: nnx.Rngs,
     options = AttentionOptions(
         config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
         names=HF_NAMES, qkv_bias=config.qkv_bias, out_bias=config.out_bias,
-        implementation=config.attention_impl, qk_norm=config.qk_norm, clip_qkv=config.clip_qkv,
+        implementation=config.execution.attention_impl, qk_norm=config.qk_norm,
+        clip_qkv=config.clip_qkv,
         sinks=config.attention_sinks)
     make = linear_maker(config, rngs)
     return Attention(options, qkv_linear=make, out_linear=make,
@@ -301,23 +302,24 @@ def _fused_mask(config: LMConfig, token_mask: jax.Array | None, segment_ids: jax
     """How cuDNN's or splash attention may take the mask of :func:`_positions_and_masks`
     (arguments as :meth:`CausalLM.forward`'s), in a full pass without a window: cuDNN its
     causal flag alone where the mask is exactly causal (no segment ids, no padding as far as is
-    known when tracing), the segments' offsets where ``config.cudnn_document_mask`` says so;
-    splash the segment ids and the padding. None (the mask) otherwise and for the other
-    implementations, which read the mask as it is."""
-    if config.attention_impl not in ("cudnn", "splash") or cache is not None \
+    known when tracing), the segments' offsets where the execution section's
+    ``cudnn_document_mask`` says so; splash the segment ids and the padding. None (the mask)
+    otherwise and for the other implementations, which read the mask as it is."""
+    run = config.execution
+    if run.attention_impl not in ("cudnn", "splash") or cache is not None \
             or config.sliding_window is not None:
         return None
     all_real = token_mask is None or (not isinstance(token_mask, jax.core.Tracer)
                                       and bool(np.all(np.asarray(token_mask))))
-    if config.attention_impl == "splash":
+    if run.attention_impl == "splash":
         return FusedMask(exactly_causal=segment_ids is None and all_real,
                          segment_ids=segment_ids, token_mask=None if all_real else token_mask)
     if segment_ids is None:
         return FusedMask(exactly_causal=True) if all_real else None
-    if config.cudnn_document_mask != "offsets":
+    if run.cudnn_document_mask != "offsets":
         return None
     real = jnp.ones(segment_ids.shape, bool) if token_mask is None else token_mask
-    return FusedMask(segments=segment_layout(segment_ids, real, config.max_segments_per_row))
+    return FusedMask(segments=segment_layout(segment_ids, real, run.max_segments_per_row))
 
 
 def _summed_moe_aux(moe: dict[str, dict]) -> dict[str, Any]:
@@ -444,7 +446,7 @@ class CausalLM(nnx.Module):
                     jnp.arange(len(pattern))
                 sliding = jnp.asarray(c.sliding_layers)[layer]
             x, out_kvs, metrics = _scan_stack(stack, x, kvs, index, cos, sin, masks, sliding,
-                                              real, deterministic, dropless, c.remat,
+                                              real, deterministic, dropless, c.execution.remat,
                                               self.rows_sharding, fused)
             for i, is_moe in enumerate(pattern):
                 if out_kvs is not None:

@@ -44,7 +44,7 @@ class LatentAttention(nnx.Module):
 
     def __init__(self, config: LMConfig, rngs: nnx.Rngs):
         h, e, d = config.num_heads, config.hidden_size, config.head_dim
-        dtype = jnp.dtype(config.compute_dtype)
+        dtype = jnp.dtype(config.execution.compute_dtype)
         self.num_heads, self.head_dim = h, d
         self.rope_dim, self.value_dim = config.qk_rope_head_dim, config.v_head_dim
         self.nope_dim = d - config.qk_rope_head_dim

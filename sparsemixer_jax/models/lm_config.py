@@ -20,6 +20,7 @@ from sparsemixer_jax.layers.attention_impls import ATTENTION_IMPLS, check_attent
 from sparsemixer_jax.layers.rope import RopeConfig
 from sparsemixer_jax.moe.config import NORMAL_INIT, MoEConfig
 from sparsemixer_jax.moe.dispatch import clamped_swiglu
+from sparsemixer_jax.section import read_fields
 
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
 MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe", "glm4_moe", "gpt_oss",
@@ -37,6 +38,73 @@ CUDNN_DOCUMENT_MASKS = ("bias", "offsets")
 #: of :data:`jax.checkpoint_policies` naming what the recomputation may keep.
 REMAT_POLICIES = ("none", "full", "elementwise", "dots_saveable",
                   "dots_with_no_batch_dims_saveable", "nothing_saveable", "everything_saveable")
+
+
+@dataclasses.dataclass(frozen=True)
+class LMExecution:
+    """How a language model computes, not what: the same settings for a model from scratch and
+    for a checkpoint (``config.model``'s fields of these names; :func:`from_config` reads them),
+    never written to ``config.json``.
+
+    Attributes:
+      compute_dtype: ``"float32"`` or ``"bfloat16"`` (params stay float32; norms, softmax and
+        routing run in float32).
+      dispatch, grouped_impl, capacity_factor, expert_buffer_factor: the MoE layer's
+        (:class:`~sparsemixer_jax.moe.MoEFeedForward`).
+      attention_impl: ``"einsum"`` (the model's own attention, what transformers computes),
+        ``"xla"`` or ``"auto"`` (``jax.nn.dot_product_attention``'s XLA form), ``"cudnn"``
+        (cuDNN's fused flash attention: NVIDIA GPUs, ``compute_dtype="bfloat16"``),
+        ``"splash"`` (jax's Pallas flash attention on TPU, for full causal passes without a
+        window; :mod:`sparsemixer_jax.kernels.splash_attention`).
+      cudnn_document_mask: how cuDNN's attention takes packed documents (``segment_ids``) in a
+        full forward pass: ``"bias"``, the boolean mask, which it reads as an additive bias
+        ``[B, 1, T, T]``; ``"offsets"``, each row's segments as offsets and lengths in cuDNN's
+        packed layout (:mod:`sparsemixer_jax.layers.packed_attention`), no bias, with
+        ``max_segments_per_row`` segments at most (a micro-batch with a row of more takes the
+        mask). Without segment ids, padding or a sliding window cuDNN takes its causal flag
+        alone either way.
+      max_segments_per_row: ``M``, the segments (documents, padding) a row may hold for
+        ``cudnn_document_mask="offsets"``. cuDNN's softmax statistics, kept for the backward
+        pass, take ``B M H T`` floats. 64: the Wikipedia sample's 36,183 articles, encoded by
+        ``configs/lm_bench.py``'s 32,768-token SentencePiece vocabulary and packed into 3,107
+        rows of 4,096 (:func:`~sparsemixer_jax.data.lm_text.pack_documents`), hold 12.6
+        segments a row on average, 32 at the 99th percentile and 54 at most.
+      remat: a name in :data:`REMAT_POLICIES`: what the backward pass of the scanned layers
+        recomputes instead of keeping (memory for compute; the numbers are unchanged).
+    """
+
+    compute_dtype: str = "float32"
+    dispatch: str = "auto"
+    grouped_impl: str = "mosaic"
+    capacity_factor: float = 0.0
+    expert_buffer_factor: float = 0.0
+    attention_impl: str = "einsum"
+    cudnn_document_mask: str = "bias"
+    max_segments_per_row: int = 64
+    remat: str = "none"
+
+    @classmethod
+    def from_config(cls, section: Any, where: str = "config.model.") -> LMExecution:
+        """The fields of these names in ``section`` (a model section; the others it holds are
+        not read), checked: a one-line ValueError naming ``{where}{field}``."""
+        return cls(**read_fields(cls, section, where)).check(where)
+
+    def check(self, where: str = "") -> LMExecution:
+        """Itself, or a one-line ValueError naming the first field the model cannot compute
+        (``where`` prefixes the name). The MoE layer's fields are checked with its section
+        (:meth:`LMConfig.moe_sections`)."""
+        for name, choices in (("compute_dtype", COMPUTE_DTYPES),
+                              ("attention_impl", tuple(ATTENTION_IMPLS)),
+                              ("cudnn_document_mask", CUDNN_DOCUMENT_MASKS),
+                              ("remat", REMAT_POLICIES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{where}{name}={getattr(self, name)!r}; choose one of "
+                                 f"{', '.join(choices)}")
+        check_attention_dtype(self.attention_impl, self.compute_dtype, where)
+        m = self.max_segments_per_row
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"{where}max_segments_per_row must be an int >= 1, got {m!r}")
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,30 +171,9 @@ class LMConfig:
         ``U(1 - e, 1 + e)`` per element (Mixtral's ``router_jitter_noise``, Phi-3.5-MoE's
         ``input_jitter_noise``); 0: none.
       router_aux_loss_coef: weight of the load-balancing loss in training (read by the task).
-      compute_dtype: ``"float32"`` or ``"bfloat16"`` (params stay float32; norms, softmax and
-        routing run in float32).
-      dispatch, grouped_impl, capacity_factor, expert_buffer_factor: the MoE layer's
-        (:class:`MoEFeedForward`).
-      attention_impl: ``"einsum"`` (the model's own attention, what transformers computes),
-        ``"xla"`` or ``"auto"`` (``jax.nn.dot_product_attention``'s XLA form), ``"cudnn"``
-        (cuDNN's fused flash attention: NVIDIA GPUs, ``compute_dtype="bfloat16"``),
-        ``"splash"`` (jax's Pallas flash attention on TPU, for full causal passes without a
-        window; :mod:`sparsemixer_jax.kernels.splash_attention`).
-      cudnn_document_mask: how cuDNN's attention takes packed documents (``segment_ids``) in a
-        full forward pass: ``"bias"``, the boolean mask, which it reads as an additive bias
-        ``[B, 1, T, T]``; ``"offsets"``, each row's segments as offsets and lengths in cuDNN's
-        packed layout (:mod:`sparsemixer_jax.layers.packed_attention`), no bias, with
-        ``max_segments_per_row`` segments at most (a micro-batch with a row of more takes the
-        mask). Without segment ids, padding or a sliding window cuDNN takes its causal flag
-        alone either way.
-      max_segments_per_row: ``M``, the segments (documents, padding) a row may hold for
-        ``cudnn_document_mask="offsets"``. cuDNN's softmax statistics, kept for the backward
-        pass, take ``B M H T`` floats. 64: the Wikipedia sample's 36,183 articles, encoded by
-        ``configs/lm_bench.py``'s 32,768-token SentencePiece vocabulary and packed into 3,107
-        rows of 4,096 (:func:`~sparsemixer_jax.data.lm_text.pack_documents`), hold 12.6
-        segments a row on average, 32 at the 99th percentile and 54 at most.
-      remat: a name in :data:`REMAT_POLICIES`: what the backward pass of the scanned layers
-        recomputes instead of keeping (memory for compute; the numbers are unchanged).
+      execution: :class:`LMExecution`, how the model computes (dtypes, the MoE layers'
+        dispatch, attention's implementation, rematerialisation): never the numbers' meaning,
+        and never written to ``config.json``.
       hf_config: the ``config.json`` this config was read from (JSON text), so that saving keeps
         the keys that do not change the computation (token ids, ...); empty if none.
     """
@@ -175,15 +222,7 @@ class LMConfig:
     router_options: tuple[tuple[str, Any], ...] = ()
     moe_input_jitter: float = 0.0
     router_aux_loss_coef: float = 0.0
-    compute_dtype: str = "float32"
-    dispatch: str = "auto"
-    grouped_impl: str = "mosaic"
-    capacity_factor: float = 0.0
-    expert_buffer_factor: float = 0.0
-    attention_impl: str = "einsum"
-    cudnn_document_mask: str = "bias"
-    max_segments_per_row: int = 64
-    remat: str = "none"
+    execution: LMExecution = LMExecution()
     hf_config: str = ""
 
     def __post_init__(self) -> None:
@@ -228,19 +267,13 @@ class LMConfig:
             fail(f"shared_expert_size must be >= 0, got {self.shared_expert_size}")
 
     def _check_choices(self) -> None:
-        """The fields that name one of a few implementations, and attention's dtype."""
+        """The fields that name one of a few implementations, and the execution section."""
         for name, value, choices in (("norm", self.norm, NORMS),
-                                     ("qk_norm", self.qk_norm, QK_NORMS),
-                                     ("compute_dtype", self.compute_dtype, COMPUTE_DTYPES),
-                                     ("attention_impl", self.attention_impl,
-                                      tuple(ATTENTION_IMPLS)),
-                                     ("cudnn_document_mask", self.cudnn_document_mask,
-                                      CUDNN_DOCUMENT_MASKS),
-                                     ("remat", self.remat, REMAT_POLICIES)):
+                                     ("qk_norm", self.qk_norm, QK_NORMS)):
             if value not in choices:
                 self._fail(f"{name}={value!r}; choose one of {choices}")
         try:
-            check_attention_dtype(self.attention_impl, self.compute_dtype)
+            self.execution.check()
         except ValueError as err:
             self._fail(str(err))
 
@@ -257,12 +290,9 @@ class LMConfig:
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             fail(f"sliding_layers has {len(self.sliding_layers)} entries for num_layers="
                  f"{self.num_layers}")
-        m = self.max_segments_per_row
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            fail(f"max_segments_per_row must be an int >= 1, got {m!r}")
-        if self.attention_sinks and self.attention_impl != "einsum":
+        if self.attention_sinks and self.execution.attention_impl != "einsum":
             fail(f"attention_sinks need attention_impl='einsum' (jax.nn.dot_product_attention "
-                 f"has no sink logit), got {self.attention_impl!r}")
+                 f"has no sink logit), got {self.execution.attention_impl!r}")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             fail(f"swiglu_limit must be > 0 or None, got {self.swiglu_limit}")
 
@@ -309,10 +339,12 @@ class LMConfig:
         if self.num_kv_heads != self.num_heads:
             fail(f"latent attention expands keys and values for every head: num_kv_heads="
                  f"{self.num_kv_heads} must equal num_heads={self.num_heads}")
-        for name, off in (("qk_norm", "none"), ("attention_sinks", False), ("clip_qkv", None),
-                          ("attention_impl", "einsum")):
-            if getattr(self, name) != off:
-                fail(f"latent attention takes {name}={off!r} only, got {getattr(self, name)!r}")
+        for name, value, off in (("qk_norm", self.qk_norm, "none"),
+                                 ("attention_sinks", self.attention_sinks, False),
+                                 ("clip_qkv", self.clip_qkv, None),
+                                 ("attention_impl", self.execution.attention_impl, "einsum")):
+            if value != off:
+                fail(f"latent attention takes {name}={off!r} only, got {value!r}")
         if self.rope.partial_rotary_factor != 1.0 or self.rope.kind == "longrope":
             fail("latent attention rotates qk_rope_head_dim dimensions by default or yarn rope "
                  "(no partial_rotary_factor, no longrope)")
@@ -354,9 +386,10 @@ class LMConfig:
         initialised as the types are (``normal(initializer_range)``), and the router."""
         activation = "silu" if self.swiglu_limit is None else \
             clamped_swiglu(self.swiglu_limit, self.swiglu_alpha)
+        run = self.execution
         moe = MoEConfig(
-            num_experts=self.num_experts, dispatch=self.dispatch, grouped_impl=self.grouped_impl,
-            capacity_factor=self.capacity_factor, expert_buffer_factor=self.expert_buffer_factor,
+            num_experts=self.num_experts, dispatch=run.dispatch, grouped_impl=run.grouped_impl,
+            capacity_factor=run.capacity_factor, expert_buffer_factor=run.expert_buffer_factor,
             activation=activation, activation_dropout=0.0, init=NORMAL_INIT, gated=True,
             expert_biases=self.expert_biases, router_bias=self.router_bias,
             selection_bias=self.selection_bias, input_jitter=self.moe_input_jitter,
@@ -372,8 +405,17 @@ class LMConfig:
         return json.loads(self.hf_config) if self.hf_config else {}
 
     def replace(self, **changes: Any) -> LMConfig:
-        """A copy with ``changes`` (checked again)."""
+        """A copy with ``changes`` (checked again); a field of :class:`LMExecution` may be
+        named on its own (``compute_dtype="bfloat16"``: the execution section's)."""
+        run = {name: changes.pop(name) for name in EXECUTION_FIELDS if name in changes}
+        if run:
+            changes["execution"] = dataclasses.replace(changes.get("execution", self.execution),
+                                                       **run)
         return dataclasses.replace(self, **changes)
+
+
+#: The fields of :class:`LMExecution`, which :meth:`LMConfig.replace` takes by name.
+EXECUTION_FIELDS = tuple(f.name for f in dataclasses.fields(LMExecution))
 
 
 def layer_pattern_stacks(moe_layers: tuple[bool, ...]) -> tuple[tuple[tuple[bool, ...], int], ...]:

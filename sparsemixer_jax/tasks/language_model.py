@@ -28,8 +28,9 @@ from flax import nnx
 
 from sparsemixer_jax.data import bpe, chat, lm_text, text
 from sparsemixer_jax.data.tokenizer import vocabulary_sample
+from sparsemixer_jax.hf.scratch import check_router_for_lm, from_scratch_config, router_overrides
 from sparsemixer_jax.models.causal_lm import CausalLM
-from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.models.lm_config import LMConfig, LMExecution
 from sparsemixer_jax.models.lm_loss import token_nll
 from sparsemixer_jax.parallel import sharding
 from sparsemixer_jax.routers import RouterConfig
@@ -39,13 +40,9 @@ from sparsemixer_jax.tasks.lm_sections import (
     INIT_ROUTERS,
     LMModelConfig,
     SampleConfig,
-    check_router_for_lm,
-    from_scratch_config,
-    model_overrides,
     refuse_overruled_router_fields,
     refuse_unused_router_fields,
     router_of_run,
-    router_overrides,
 )
 from sparsemixer_jax.training import Run, TaskData, train
 from sparsemixer_jax.training import config as config_schema
@@ -120,6 +117,7 @@ class LMTask:
         first bad field (or what is wrong with ``init_from``)."""
         check_sections(config)
         model = LMModelConfig.from_config(config.model)
+        execution = LMExecution.from_config(config.model)
         init_from = cast(str, config.init_from, "config.init_from")
         init_router = cast(str, config.init_router, "config.init_router")
         if init_router not in INIT_ROUTERS:
@@ -132,14 +130,14 @@ class LMTask:
                              "checkpoint (config.init_from) tokenizes with the checkpoint's "
                              "own tokenizer; leave it at 'spm'")
         if init_from:
-            lm = _checkpoint_config(init_from, router, model, init_router, data.format)
+            lm = _checkpoint_config(init_from, router, execution, init_router, data.format)
         elif data.format != "text":
             raise ValueError(f"config.data.format={data.format!r} needs a checkpoint's "
                              "tokenizer (and, for chat, its chat template): set "
                              "config.init_from to a Hugging Face directory")
         else:
             config_schema.validate(config, router)
-            lm = from_scratch_config(model, router, data.vocab_size)
+            lm = from_scratch_config(model, router, data.vocab_size, execution)
             if data.tokenizer == "bpe":  # config.json names its special tokens' ids
                 lm = lm.replace(hf_config=json.dumps({**lm.hf, **bpe.TOKEN_IDS}))
         return cls(lm, router, data, sample, init_from)
@@ -201,8 +199,10 @@ class LMTask:
         not for the machine that traces it: the compile command's programs for a target."""
         from sparsemixer_jax.moe.dispatch import resolve_dispatch
 
-        dispatch = resolve_dispatch(self.lm.dispatch, platform)
-        return dataclasses.replace(self, lm=self.lm.replace(dispatch=dispatch))
+        run = self.lm.execution
+        dispatch = resolve_dispatch(run.dispatch, platform)
+        return dataclasses.replace(self, lm=self.lm.replace(
+            execution=dataclasses.replace(run, dispatch=dispatch)))
 
     # -- on the host
 
@@ -345,10 +345,10 @@ def _changes(lm: LMConfig, path: str) -> dict[str, Any]:
             if getattr(lm, f.name) != getattr(own, f.name)}
 
 
-def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
+def _checkpoint_config(path: str, router: RouterConfig, execution: LMExecution,
                        init_router: str, data_format: str = "text") -> LMConfig:
     """The :class:`LMConfig` a fine-tuning run trains: the checkpoint's, with the model
-    section's dispatch and compute settings and (``init_router="config"``) the router section.
+    section's execution settings and (``init_router="config"``) the router section.
     One-line ValueErrors for a directory that is not a checkpoint, an unsupported type, a
     refused key, a missing shard or tokenizer, or no chat template (``chat`` data) or eos
     token (``prompt_completion``)."""
@@ -357,7 +357,7 @@ def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
     where = f"config.init_from={path!r}"
     try:
         cfg = hf.read_config(path)
-        overrides = model_overrides(model)
+        overrides: dict[str, Any] = {"execution": execution}
         if init_router == "config":
             check_router_for_lm(router, cfg.get("model_type", ""))
             overrides.update(router_overrides(router, cfg.get("model_type", ""),

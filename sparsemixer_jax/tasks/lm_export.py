@@ -224,7 +224,7 @@ def _measured(out_dir: str, trained: LMConfig, own: LMConfig, rows, trained_logi
     if rows is None:
         return f"not measured: {workdir}/packed holds no validation rows", None
     kept = ("compute_dtype", "dispatch", "grouped_impl", "capacity_factor", "attention_impl")
-    model, _ = hf.load_pretrained(out_dir, **{f: getattr(trained, f) for f in kept},
+    model, _ = hf.load_pretrained(out_dir, **{f: getattr(trained.execution, f) for f in kept},
                                   **_routing_fields(own))
     real = rows[1] != 0
     gap = np.abs(np.asarray(_logits(model, *rows)) - trained_logits)[real]
