@@ -69,3 +69,20 @@ def test_remat_leaves_loss_and_gradients_unchanged(model_type, remat):
 def test_an_unknown_remat_policy_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"remat='dots'; choose one of"):
         _config("mixtral", "dots")
+
+
+def test_the_execution_section_is_read_from_the_model_section_and_replaced_by_name():
+    """``remat`` and the other execution fields are :class:`LMExecution`'s: read from a model
+    section (its other fields left alone), checked naming the config field, and named on their
+    own by ``LMConfig.replace`` (``load_pretrained``'s overrides)."""
+    section = {"hidden_size": 8, "mlp_dim": 16, "remat": "full", "dispatch": "padded"}
+    assert LMExecution.from_config(section) == LMExecution(remat="full", dispatch="padded")
+    with pytest.raises(ValueError, match=r"^config\.model\.remat='dots'; choose one of"):
+        LMExecution.from_config({"remat": "dots"})
+    config = _config("mixtral", "none")
+    changed = config.replace(remat="full", dispatch="padded")
+    assert changed.execution == LMExecution(remat="full", dispatch="padded")
+    assert changed.replace(execution=LMExecution()) == config
+    assert changed.moe_sections()[0].dispatch == "padded"  # the MoE layers' section follows
+    with pytest.raises(ValueError, match=r"^LMConfig: remat='dots'; choose one of"):
+        config.replace(remat="dots")

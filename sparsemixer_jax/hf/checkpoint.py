@@ -154,8 +154,10 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
         one tensor) ever holds the whole model.
       rules: ``config.mesh.rules``-style mapping of logical axis names to mesh axes.
       **overrides: :class:`LMConfig` fields to change, e.g. ``router="sparsemixer_v2star"``,
-        ``jitter_eps``, ``router_options``, ``compute_dtype="bfloat16"``, ``dispatch``,
-        ``capacity_factor``. The default routing is the checkpoint's own: the one an export
+        ``jitter_eps``, ``router_options``; a field of its execution section
+        (:class:`~sparsemixer_jax.models.lm_config.LMExecution`) by its own name,
+        ``compute_dtype="bfloat16"``, ``dispatch``, ``capacity_factor``, or the whole section
+        as ``execution=``. The default routing is the checkpoint's own: the one an export
         of this library recorded in ``config.json``, else the type's (docs/lm.md).
 
     Quantized checkpoints (gpt-oss's MXFP4 experts, DeepSeek-V3's block-FP8 weights) are
