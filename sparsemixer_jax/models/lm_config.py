@@ -42,9 +42,9 @@ REMAT_POLICIES = ("none", "full", "elementwise", "dots_saveable",
 
 @dataclasses.dataclass(frozen=True)
 class LMExecution:
-    """How a language model computes, not what: the same settings for a model from scratch and
-    for a checkpoint (``config.model``'s fields of these names; :func:`from_config` reads them),
-    never written to ``config.json``.
+    """How a language model computes (precision, kernels, memory), as opposed to which model it
+    is: the same settings for a model from scratch and for a checkpoint (``config.model``'s
+    fields of these names; :meth:`from_config` reads them), never written to ``config.json``.
 
     Attributes:
       compute_dtype: ``"float32"`` or ``"bfloat16"`` (params stay float32; norms, softmax and
@@ -172,8 +172,8 @@ class LMConfig:
         ``input_jitter_noise``); 0: none.
       router_aux_loss_coef: weight of the load-balancing loss in training (read by the task).
       execution: :class:`LMExecution`, how the model computes (dtypes, the MoE layers'
-        dispatch, attention's implementation, rematerialisation): never the numbers' meaning,
-        and never written to ``config.json``.
+        dispatch, attention's implementation, rematerialisation); never written to
+        ``config.json``.
       hf_config: the ``config.json`` this config was read from (JSON text), so that saving keeps
         the keys that do not change the computation (token ids, ...); empty if none.
     """
