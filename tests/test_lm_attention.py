@@ -27,7 +27,7 @@ def _config(attention_impl: str, **changes) -> LMConfig:
                   moe_intermediate_size=12, num_experts=4, top_k=2, moe_layers=(True, True),
                   sliding_window=5)
     # LMConfig.replace takes the execution section's fields by name.
-    return LMConfig(**fields).replace(attention_impl=attention_impl, **changes)
+    return LMConfig.build(**fields).replace(attention_impl=attention_impl, **changes)
 
 
 def _inputs():

@@ -20,7 +20,7 @@ from sparsemixer_jax.models.lm_config import LMConfig, LMExecution
 
 def _config(model_type: str, remat: str) -> LMConfig:
     moe_every = 2 if model_type == "qwen2_moe" else 1
-    return LMConfig(
+    return LMConfig.build(
         model_type=model_type, vocab_size=61, hidden_size=16, num_layers=4, num_heads=4,
         num_kv_heads=2, head_dim=4, intermediate_size=24, moe_intermediate_size=12,
         num_experts=4, top_k=2, router="sparsemixer_v2", jitter_eps=0.1,

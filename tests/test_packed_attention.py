@@ -84,7 +84,7 @@ def test_the_offsets_give_the_language_models_mask_on_real_queries():
     tokens, segments = pack_documents(documents, t)
     assert len(tokens) >= 4 and (segments == 0).any()  # several rows, the last padded
     real = segments != 0
-    config = LMConfig(model_type="mixtral", vocab_size=9, hidden_size=8, num_layers=1,
+    config = LMConfig.build(model_type="mixtral", vocab_size=9, hidden_size=8, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=8,
                       moe_intermediate_size=4, num_experts=2, top_k=1, moe_layers=(False,))
     _, (mask, _) = _positions_and_masks(config, jnp.asarray(real), None, jnp.asarray(segments),
@@ -124,7 +124,7 @@ def _cudnn_custom_calls(document_mask: str, with_segments: bool) -> list[tuple[s
     (``with_segments``) or one sequence a row; ``computation``: the HLO computation holding
     it, ``"fallback"`` for the false branch of a conditional (the mask path)."""
     _, devices = kit.target_devices_or_skip("h100:1x1")
-    config = LMConfig(model_type="mixtral", vocab_size=64, hidden_size=128, num_layers=1,
+    config = LMConfig.build(model_type="mixtral", vocab_size=64, hidden_size=128, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=128,
                       moe_intermediate_size=64, num_experts=2, top_k=1, moe_layers=(False,),
                       execution=LMExecution(compute_dtype="bfloat16", attention_impl="cudnn",

@@ -31,7 +31,7 @@ VOCAB, T = 61, 384
 
 
 def _config(attention_impl: str) -> LMConfig:
-    return LMConfig(model_type="mixtral", vocab_size=VOCAB, hidden_size=16, num_layers=1,
+    return LMConfig.build(model_type="mixtral", vocab_size=VOCAB, hidden_size=16, num_layers=1,
                     num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=24,
                     moe_intermediate_size=12, num_experts=4, top_k=2, moe_layers=(True,),
                     execution=LMExecution(attention_impl=attention_impl))

@@ -145,6 +145,6 @@ def from_scratch_config(model: ScratchShape, router: RouterConfig, vocab_size: i
         # router's checks pass; no layer builds a router).
         lm = from_hf(hf_config_of(model, router, vocab_size, num_experts=router.top_k),
                      **router_overrides(router, model.hf_type), execution=execution)
-        return lm.replace(moe_layers=(False,) * lm.num_layers, intermediate_size=model.mlp_dim)
+        return lm.replace(moe_layers=(False,) * lm.arch.num_layers, intermediate_size=model.mlp_dim)
     return from_hf(hf_config_of(model, router, vocab_size),
                    **router_overrides(router, model.hf_type), execution=execution)

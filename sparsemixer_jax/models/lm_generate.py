@@ -61,7 +61,7 @@ def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
     total = length + max_new_tokens
     prompt = prompt.astype(jnp.int32)
     mask = jnp.ones((batch, length), bool) if prompt_mask is None else prompt_mask.astype(bool)
-    rope = model.config.rope
+    rope = model.config.arch.rope
     switch = rope.original_max_position_embeddings if rope.kind == "longrope" else None
     tokens = jnp.concatenate([prompt, jnp.zeros((batch, max_new_tokens), jnp.int32)], axis=1)
     masks = jnp.concatenate([mask, jnp.ones((batch, max_new_tokens), bool)], axis=1)

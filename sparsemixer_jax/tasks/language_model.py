@@ -260,7 +260,7 @@ class LMTask:
         if is_main_process():
             wait_for_all_processes("vocabulary ready")
         if self.init_from:
-            check_tokenizer_fits(tokenizer, self.lm.vocab_size, self.init_from)
+            check_tokenizer_fits(tokenizer, self.lm.arch.vocab_size, self.init_from)
         cache = os.path.join(workdir, "packed")
         files = text.text_files(d.train)
         write = is_main_process()
@@ -283,8 +283,8 @@ class LMTask:
                  **{f"wikitext_{k}": v.stats for k, v in held_out.items()}}
         extra = {"tokenizer": tokenizer, "held_out": held_out, "valid_split": valid_split,
                  "eval_rows": eval_rows, "batch_multiple": batch_multiple,
-                 "unigram": lm_text.unigram_log_probs(train_split, self.lm.vocab_size)}
-        return TaskData(train=batches, valid=valid, vocab_size=self.lm.vocab_size, stats=stats,
+                 "unigram": lm_text.unigram_log_probs(train_split, self.lm.arch.vocab_size)}
+        return TaskData(train=batches, valid=valid, vocab_size=self.lm.arch.vocab_size, stats=stats,
                         micro_batches=d.batch_size // d.micro, extra=extra)
 
     def build_model(self, run, vocab_size: int, mesh) -> CausalLM:

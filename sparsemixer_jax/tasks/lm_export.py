@@ -89,7 +89,7 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
     trained = task.lm
     own = hf.from_hf(hf.without_routing_record(hf.to_hf(trained)))  # transformers' routing
     written = _written_config(trained, own, routing)
-    steps = build_steps(run, trained.vocab_size, sharding.device_mesh(run.mesh))
+    steps = build_steps(run, trained.arch.vocab_size, sharding.device_mesh(run.mesh))
     restored = restore_checkpoint(workdir, steps.abstract_state(), checkpoint)
     if restored is None:
         raise FileNotFoundError(f"{workdir} holds no {checkpoint} checkpoint")
@@ -113,7 +113,7 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
         measured, gap = _measured(out_dir, trained, own, rows, trained_logits, workdir)
         if gap != 0.0:  # else the two differ in training only (a jitter, say)
             note = _routing_note(trained, own, routing, measured)
-    return {"step": step, "model_type": trained.model_type,
+    return {"step": step, "model_type": trained.arch.model_type,
             "files": sorted(os.listdir(out_dir)), "routing_note": note}
 
 
@@ -182,14 +182,14 @@ def _written_config(trained: LMConfig, own: LMConfig, routing: str) -> LMConfig:
         with_bias = types_with(lambda f: SELECTION_BIAS in f.moe_names)
         raise ValueError(
             f"the run learned a selection bias (router.bias_update_rate={rate}) and "
-            f"{trained.model_type} checkpoints have no place for one (types with "
+            f"{trained.arch.model_type} checkpoints have no place for one (types with "
             f"e_score_correction_bias: {', '.join(with_bias)}); --routing=type writes "
-            f"{trained.model_type}'s own routing without it")
+            f"{trained.arch.model_type}'s own routing without it")
     if trained.router == "default_moe_forward" and options.get("default_at_eval", True):
         raise ValueError(
             "router default_moe_forward adds its experts' default vectors to the output at "
             "evaluation, and a checkpoint has no place for them; --routing=type writes "
-            f"{trained.model_type}'s own routing without them")
+            f"{trained.arch.model_type}'s own routing without them")
     return trained
 
 
@@ -246,7 +246,7 @@ def _describe(lm: LMConfig) -> str:
 def _routing_note(trained: LMConfig, own: LMConfig, routing: str, measured: str) -> str:
     from sparsemixer_jax.hf.config import ROUTING_KEY
 
-    kind = trained.model_type
+    kind = trained.arch.model_type
     if routing == "type":
         return (f"--routing=type: the export routes as {kind} does, {_describe(own)}, not as "
                 f"trained, {_describe(trained)}: {measured}")

@@ -69,7 +69,7 @@ def refuse_overruled_router_fields(lm: LMConfig, router: RouterConfig, given: An
     command line (in ``given``, as ``"router.score"``) that does not route the model ``lm``:
     a model from scratch routes by its type's own options where the section holds their
     defaults (``glm4_moe``'s ``score='sigmoid'`` over ``--config.router.score=softmax``)."""
-    if not any(lm.moe_layers):
+    if not any(lm.arch.moe_layers):
         return
     routed = lm.moe_sections()[1]
     names = ("name", "top_k", "jitter_eps", *ROUTER_OPTIONS, *SELECTION_OPTIONS)
@@ -78,8 +78,8 @@ def refuse_overruled_router_fields(lm: LMConfig, router: RouterConfig, given: An
             if f"router.{name}" in given and getattr(router, name) != getattr(routed, name)]
     if lost:
         raise ValueError(
-            f"{', '.join(lost)}: a {lm.model_type} model from scratch routes by its type's own "
-            "options where the router section holds their defaults; fine-tune a checkpoint "
+            f"{', '.join(lost)}: a {lm.arch.model_type} model from scratch routes by its type's "
+            "own options where the router section holds their defaults; fine-tune a checkpoint "
             "with --config.init_router=config to route by the section alone, or leave "
             f"{'them' if len(lost) > 1 else 'it'} out")
 
