@@ -118,7 +118,7 @@ def test_a_bpe_run_from_scratch_exports_its_tokenizer(tmp_path):
     # A fine-tuning run on chat rows accepts the export's tokenizer and template.
     finetune = _bpe_config(corpus, init_from=out, **{"data.tokenizer": "spm",
                                                      "data.format": "chat"})
-    assert LMTask.from_config(finetune).lm.vocab_size == 300
+    assert LMTask.from_config(finetune).lm.arch.vocab_size == 300
 
 
 @pytest.mark.parametrize("override, message", [

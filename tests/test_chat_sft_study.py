@@ -139,7 +139,7 @@ def test_packed_scores_equal_each_example_scored_alone_on_a_tiny_model():
     model = CausalLM(lm, rngs=nnx.Rngs(params=0, router=2))
     model.eval()
     rng = np.random.default_rng(0)
-    examples = [_example(rng.integers(3, lm.vocab_size, n), k)
+    examples = [_example(rng.integers(3, lm.arch.vocab_size, n), k)
                 for n, k in ((5, 2), (7, 3), (4, 1), (6, 2))]
     score = chat_sft.model_log_probs(model)
     packed = chat_sft.answer_log_likelihoods(score, examples, 16, 2)

@@ -116,7 +116,8 @@ def test_dispatch_auto_is_resolved_for_the_target():
     from configs import lm_quickstart
 
     for config, dispatch_of in ((wmt.get_config("n4"), lambda task: task.model.moe.dispatch),
-                                (lm_quickstart.get_config(), lambda task: task.lm.dispatch)):
+                                (lm_quickstart.get_config(),
+                                 lambda task: task.lm.execution.dispatch)):
         before = config.to_json()
         for spec, dispatch in (("tpu:v5e:4x4", "ragged"), ("h100:1x8", "padded")):
             run = command.run_for_target(config, targets.parse_target(spec))

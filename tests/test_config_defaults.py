@@ -16,6 +16,7 @@ from sparsemixer_jax.layers.fairseq import ModelConfig
 from sparsemixer_jax.models.electra import Electra, GeneratorConfig
 from sparsemixer_jax.models.encoder import EncoderConfig
 from sparsemixer_jax.models.encoder_decoder import Transformer, TransformerConfig
+from sparsemixer_jax.models.lm_config import LMExecution
 from sparsemixer_jax.moe import MoEConfig, MoEFeedForward
 from sparsemixer_jax.moe.config import family_fields
 from sparsemixer_jax.parallel.partitioning import read_rules
@@ -92,6 +93,8 @@ def _model_defaults(cls: type) -> dict:
         # The fields a model family sets are in no config schema.
         defaults.update({name: value for name, value in _defaults(MoEConfig).items()
                          if name not in family_fields()})
+    if cls is LMModelConfig:  # the same config.model's execution fields (LMExecution's)
+        defaults.update(_defaults(LMExecution))
     return defaults
 
 

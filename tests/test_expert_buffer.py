@@ -164,15 +164,18 @@ def test_the_lm_config_field_reaches_every_moe_layer():
     """``config.model.expert_buffer_factor`` of a language-model config reaches the model's MoE
     layers (through the typed sections and :class:`LMConfig`)."""
     from configs import lm_quickstart
+    from sparsemixer_jax.hf.scratch import from_scratch_config
     from sparsemixer_jax.models.causal_lm import CausalLM
+    from sparsemixer_jax.models.lm_config import LMExecution
     from sparsemixer_jax.routers import RouterConfig
-    from sparsemixer_jax.tasks.lm_sections import LMModelConfig, from_scratch_config
+    from sparsemixer_jax.tasks.lm_sections import LMModelConfig
 
     config = lm_quickstart.get_config()
     config.model.expert_buffer_factor = 1.5
     lm = from_scratch_config(LMModelConfig.from_config(config.model),
-                             RouterConfig.from_config(config.router), vocab_size=64)
-    assert lm.expert_buffer_factor == 1.5
+                             RouterConfig.from_config(config.router), vocab_size=64,
+                             execution=LMExecution.from_config(config.model))
+    assert lm.execution.expert_buffer_factor == 1.5
     model = nnx.eval_shape(lambda: CausalLM(lm, rngs=nnx.Rngs(0)))
     layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoEFeedForward)]
     assert layers and all(m.moe.expert_buffer_factor == 1.5 for m in layers)

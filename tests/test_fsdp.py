@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from sparsemixer_jax import hf, training
 from sparsemixer_jax.layers.rope import rope_cos_sin
 from sparsemixer_jax.models.causal_lm import CausalLM
-from sparsemixer_jax.models.lm_config import MODEL_TYPES, LMConfig
+from sparsemixer_jax.models.lm_config import MODEL_TYPES, LMConfig, LMExecution
 from sparsemixer_jax.parallel import partitioning, sharding
 from sparsemixer_jax.tasks import run_config, translation
 from sparsemixer_jax.training.optim import OptimSettings, learning_rate_schedule
@@ -52,10 +52,10 @@ STEPS = 5
 
 # ------------------------------------------------------------------------- the decoder-only LM
 
-LM = LMConfig(model_type="mixtral", vocab_size=64, hidden_size=16, num_layers=3, num_heads=4,
+LM = LMConfig.build(model_type="mixtral", vocab_size=64, hidden_size=16, num_layers=3, num_heads=4,
               num_kv_heads=2, head_dim=8, intermediate_size=32, moe_intermediate_size=16,
               num_experts=4, top_k=2, moe_layers=(True, True, True), router="switch",
-              jitter_eps=0.0, dispatch="padded")
+              jitter_eps=0.0, execution=LMExecution(dispatch="padded"))
 LM_BATCH, LM_LEN = 8, 12
 ROUTER_SCALE = 40.0  # routers' logits of order 1: a clear margin between the k-th and next
 # Adam in its linear regime: an update of about 0.5 times the gradient's moving average.
@@ -63,7 +63,7 @@ LM_OPTIM = dataclasses.replace(OptimSettings.from_config(kit.tiny_config("transl
                                peak_lr=5.0, eps=kit.LINEAR_ADAM_EPS)
 # The longest chain of float32 additions into a gradient element: the update's tokens (a weight
 # gradient's sum over them) or, if longer, the layers times the widest contraction (the vocab).
-LM_ADDITIONS = max(LM_BATCH * LM_LEN, LM.num_layers * LM.vocab_size)
+LM_ADDITIONS = max(LM_BATCH * LM_LEN, LM.arch.num_layers * LM.arch.vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,8 @@ def routing_margin(model, ids):
     of the deterministic forward of ``ids``: what float32 rounding would have to bridge to
     change a routing decision."""
     t = ids.shape[1]
-    cos, sin = rope_cos_sin(LM.rope, LM.rotary_dim, jnp.broadcast_to(jnp.arange(t), ids.shape))
+    cos, sin = rope_cos_sin(LM.arch.rope, LM.arch.rotary_dim,
+                            jnp.broadcast_to(jnp.arange(t), ids.shape))
     mask = jnp.tril(jnp.ones((t, t), bool))[None]
     h, margins = model.embed_tokens(ids), []
     for s, r, i in model.layer_index():
@@ -143,7 +144,7 @@ def train_lm(mesh_shape, initial):
     if partitioner is not None:
         sharding.shard_state(model, partitioner)
     steps = Steps(model, NextTokenTask(), LM_OPTIM, partitioner)
-    ids = jax.random.randint(jax.random.key(3), (LM_BATCH, LM_LEN + 1), 0, LM.vocab_size)
+    ids = jax.random.randint(jax.random.key(3), (LM_BATCH, LM_LEN + 1), 0, LM.arch.vocab_size)
     batch = {"ids": ids if mesh is None else jax.device_put(ids, sharding.batch_sharding(mesh))}
     margins = [float(routing_margin(model, ids))] if mesh is None else []
     state = steps.init_state()
@@ -441,7 +442,7 @@ def test_lm_model_is_placed_by_the_configs_rules():
                                       "mesh.rules.mlp": "fsdp"})
     task = LMTask.from_config(config)
     run = run_config(config, task)
-    model = task.build_model(run, task.lm.vocab_size, sharding.device_mesh(run.mesh))
+    model = task.build_model(run, task.lm.arch.vocab_size, sharding.device_mesh(run.mesh))
     params = nnx.state(model, nnx.Param)
     assert params["embed_tokens"]["embedding"][...].sharding.spec in (P(), P(None, None))
     w_gate = params["stacks"][0]["layers"][0]["mlp"]["moe"]["w_gate"][...]

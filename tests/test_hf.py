@@ -161,7 +161,7 @@ def test_config_spellings_read_the_same():
             old["num_experts"] = old.pop("num_local_experts")
         strip = {"hf_config": ""}
         assert hf.from_hf(old).replace(**strip) == hf.from_hf(new).replace(**strip)
-    assert hf.from_hf(new).rope.kind == "longrope"
+    assert hf.from_hf(new).arch.rope.kind == "longrope"
 
 
 def test_one_line_errors(tmp_path):
@@ -313,7 +313,7 @@ def test_layers_are_scanned_in_few_stacks(loaded):
     """Qwen2-MoE's dense/MoE alternation over 5 layers is one stack of a (dense, MoE) unit twice
     plus a dense layer: the unit compiles once however deep the model."""
     model, config = loaded["qwen2_moe"]
-    assert config.moe_layers == (False, True, False, True, False)
+    assert config.arch.moe_layers == (False, True, False, True, False)
     assert model.stack_patterns == (((False, True), 2), ((False,), 1))
     assert layer_pattern_stacks((True,) * 48) == (((True,), 48),)
     assert layer_pattern_stacks((False,) + (True,) * 7) == (((False,), 1), ((True,), 7))

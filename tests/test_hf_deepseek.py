@@ -36,7 +36,8 @@ def test_fp8_checkpoint_equals_transformers_and_exports_in_float32(quantized, tm
     equal transformers' of the dequantized weights; the export is float32 without
     quantization_config and reloads to the same logits."""
     model, config = quantized
-    assert config.q_lora_rank == 0 and config.rope_interleave  # null rank; interleave default
+    # a null rank; the interleave default
+    assert config.arch.q_lora_rank == 0 and config.arch.rope_interleave
     ref = reference("deepseek_v3_fp8")
     assert relative_error(logits_of(model, ref["input_ids"]), ref["logits"]) <= 1e-4
     hf.save_pretrained(model, config, str(tmp_path))
@@ -131,12 +132,12 @@ def test_hub_and_kimi_spellings_and_refusals():
                aux_loss_alpha=0.001, seq_aux=True, model_type="kimi_k2")
     config = hf.from_hf(hub)
     assert config.replace(hf_config="") == hf.from_hf(new).replace(hf_config="")
-    assert config.rope.mscale_all_dim == 0.7 and config.model_type == "deepseek_v3"
+    assert config.arch.rope.mscale_all_dim == 0.7 and config.arch.model_type == "deepseek_v3"
     assert hf.to_hf(config)["model_type"] == "deepseek_v3"
     # Kimi-K2's rope_scaling has beta_fast == beta_slow (1.0): read, the ramp at its least width.
     kimi = hf.from_hf({**hub, "rope_scaling": {**hub["rope_scaling"], "beta_fast": 1.0,
                                                "beta_slow": 1.0}})
-    assert kimi.rope.beta_fast == kimi.rope.beta_slow == 1.0
+    assert kimi.arch.rope.beta_fast == kimi.arch.rope.beta_slow == 1.0
     for key, value in (("topk_method", "greedy"), ("scoring_func", "softmax"),
                        ("moe_layer_freq", 2)):
         with pytest.raises(ValueError, match=rf"{key}={value!r} is not implemented"):
@@ -161,8 +162,8 @@ def test_latent_attention_flops_count_its_tensors():
                       if ".self_attn." in k and k.endswith(("proj.weight", "_mqa.weight")))
     got = lm_flops_per_token(config, 12)
     assert got["attention_proj"] == 3 * 2 * weights
-    h, d, v = config.num_heads, config.head_dim, config.v_head_dim
-    assert got["attention_scores"] == 3 * config.num_layers * 2 * 13 / 2 * h * (d + v)
+    h, d, v = config.arch.num_heads, config.arch.head_dim, config.arch.v_head_dim
+    assert got["attention_scores"] == 3 * config.arch.num_layers * 2 * 13 / 2 * h * (d + v)
 
 
 def test_rope_halves_equal_interleaved_pairs_with_permuted_weights(tmp_path):
@@ -189,6 +190,6 @@ def test_rope_halves_equal_interleaved_pairs_with_permuted_weights(tmp_path):
     with open(tmp_path / "config.json", "w") as f:
         json.dump(cfg, f)
     model, config = hf.load_pretrained(str(tmp_path))
-    assert not config.rope_interleave
+    assert not config.arch.rope_interleave
     ref = reference("deepseek_v3")
     assert relative_error(logits_of(model, ref["input_ids"]), ref["logits"]) <= 1e-4

@@ -39,7 +39,7 @@ def test_each_own_key_is_written_back_as_read(model_type):
     for key in family.keys:
         cfg = {**source, key.name: _away_from(source.get(key.name, family.default(key.name)))}
         config = hf.from_hf(cfg)
-        assert getattr(config, key.fields[0]) == key.cast(cfg[key.name])
+        assert config.value(key.fields[0]) == key.cast(cfg[key.name])
         again = hf.from_hf(hf.to_hf(config))
         assert again.replace(hf_config="") == config.replace(hf_config=""), key.name
 
@@ -62,8 +62,8 @@ def test_glm4_moe_reads_the_hubs_spelling_as_transformers_5s():
                num_nextn_predict_layers=1)
     config = hf.from_hf(hub)
     assert config.replace(hf_config="") == hf.from_hf(new).replace(hf_config="")
-    assert config.rope.partial_rotary_factor == 0.5
-    assert config.moe_layers == (False, True, True) and config.selection_bias
+    assert config.arch.rope.partial_rotary_factor == 0.5
+    assert config.arch.moe_layers == (False, True, True) and config.selection_bias
     with pytest.raises(ValueError, match=r"norm_topk_prob=False is not implemented \(only True"):
         hf.from_hf({**new, "norm_topk_prob": False})
     # A model routing otherwise than its type (softmax scores) is written with its routing

@@ -120,13 +120,13 @@ def test_the_hubs_spelling_reads_as_transformers_5s():
                experts_per_token=new["num_experts_per_tok"], initial_context_length=4096)
     config = hf.from_hf(hub)
     assert config.replace(hf_config="") == hf.from_hf(new).replace(hf_config="")
-    assert config.rope.kind == "yarn" and not config.rope.truncate
-    assert config.sliding_layers == (True, False, False, True) and config.attention_sinks
+    assert config.arch.rope.kind == "yarn" and not config.arch.rope.truncate
+    assert config.arch.sliding_layers == (True, False, False, True) and config.arch.attention_sinks
     # YaRN's frequencies span the rotated width where only part of each head rotates.
     partial = {**new["rope_parameters"], "partial_rotary_factor": 0.5}
-    assert hf.from_hf({**new, "rope_parameters": partial}).rope.partial_rotary_factor == 0.5
+    assert hf.from_hf({**new, "rope_parameters": partial}).arch.rope.partial_rotary_factor == 0.5
     default = hf.from_hf({k: v for k, v in new.items() if k != "layer_types"})
-    assert default.sliding_layers == (True, False, True, False)
+    assert default.arch.sliding_layers == (True, False, True, False)
     with pytest.raises(ValueError, match=r"^config.json \(gpt_oss\): layer_types\[2\]="
                                          r"'chunked_attention' is not implemented"):
         hf.from_hf({**new, "layer_types": ["sliding_attention", "full_attention",

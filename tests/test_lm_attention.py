@@ -1,4 +1,4 @@
-"""The language model's fused attention (``LMConfig.attention_impl``):
+"""The language model's fused attention (``LMConfig.execution.attention_impl``):
 ``jax.nn.dot_product_attention`` gives the einsum attention's logits and gradients with every
 mask the model builds (grouped query heads, a sliding window, packed documents, padding) and
 under cached decoding. cuDNN's form runs only on NVIDIA GPUs (its arguments differ from XLA's by
@@ -15,8 +15,7 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax.models.causal_lm import CausalLM
-from sparsemixer_jax.models.lm_config import LMConfig
-from sparsemixer_jax.tasks.lm_sections import LMModelConfig
+from sparsemixer_jax.models.lm_config import LMConfig, LMExecution
 from tests import kit
 
 VOCAB, T = 53, 12
@@ -26,8 +25,9 @@ def _config(attention_impl: str, **changes) -> LMConfig:
     fields = dict(model_type="mixtral", vocab_size=VOCAB, hidden_size=16, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=6, intermediate_size=24,
                   moe_intermediate_size=12, num_experts=4, top_k=2, moe_layers=(True, True),
-                  sliding_window=5, attention_impl=attention_impl)
-    return LMConfig(**(fields | changes))
+                  sliding_window=5)
+    # LMConfig.replace takes the execution section's fields by name.
+    return LMConfig.build(**fields).replace(attention_impl=attention_impl, **changes)
 
 
 def _inputs():
@@ -85,13 +85,13 @@ def test_attention_impl_is_checked_in_one_line():
     with pytest.raises(ValueError, match=r"attention_impl='cudnn' needs compute_dtype="
                                          r"'bfloat16'.*'float32'"):
         _config("cudnn")
-    assert _config("cudnn", compute_dtype="bfloat16").attention_impl == "cudnn"
+    assert _config("cudnn", compute_dtype="bfloat16").execution.attention_impl == "cudnn"
     section = {"hidden_size": 16, "num_layers": 2, "num_heads": 2, "mlp_dim": 16}
     with pytest.raises(ValueError, match=r"config\.model\.attention_impl='cudnn' needs "
                                          r"config\.model\.compute_dtype='bfloat16'"):
-        LMModelConfig.from_config(section | {"attention_impl": "cudnn"})
+        LMExecution.from_config(section | {"attention_impl": "cudnn"})
     with pytest.raises(ValueError, match=r"config\.model\.attention_impl='flash'"):
-        LMModelConfig.from_config(section | {"attention_impl": "flash"})
+        LMExecution.from_config(section | {"attention_impl": "flash"})
 
 
 @pytest.mark.skipif(jax.default_backend() not in ("gpu", "cuda"), reason="needs a GPU")

@@ -68,9 +68,11 @@ def test_lm_bench_config_gives_the_target_sizes_and_its_dense_twin():
     twin = lm_step.dense_twin(LMTask.from_config(load_config_file("configs/lm_bench.py:moe")))
     dense = LMTask.from_config(load_config_file("configs/lm_bench.py:dense"))
     moe_only = {"moe_intermediate_size", "num_experts", "dispatch", "hf_config"}
-    a, b = dataclasses.asdict(twin.lm), dataclasses.asdict(dense.lm)
+    # The sections' fields (dispatch, the widths) side by side with the others.
+    a, b = ({**d.pop("arch"), **d.pop("execution"), **d}
+            for d in (dataclasses.asdict(twin.lm), dataclasses.asdict(dense.lm)))
     assert {k for k in a if a[k] != b[k]} <= moe_only
-    assert not any(twin.lm.moe_layers) and twin.lm.intermediate_size == 4096
+    assert not any(twin.lm.arch.moe_layers) and twin.lm.arch.intermediate_size == 4096
 
 
 def test_lm_throughput_from_a_config_runs_its_micro_batches():
@@ -91,7 +93,7 @@ def test_lm_throughput_from_a_config_runs_its_micro_batches():
 def _tiny_lm(router: str = "switch") -> LMConfig:
     # head_dim 6 apart from hidden / heads = 2, grouped-query attention (4 query heads on 2
     # key/value heads), one dense layer and one routed layer.
-    return LMConfig(model_type="qwen3_moe", vocab_size=50, hidden_size=8, num_layers=2,
+    return LMConfig.build(model_type="qwen3_moe", vocab_size=50, hidden_size=8, num_layers=2,
                     num_heads=4, num_kv_heads=2, head_dim=6, intermediate_size=20,
                     moe_intermediate_size=12, num_experts=4, top_k=2,
                     moe_layers=(False, True), router=router,

@@ -22,7 +22,7 @@ from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
 
 
 def _config(num_layers: int, moe_every: int) -> LMConfig:
-    return LMConfig(
+    return LMConfig.build(
         model_type="qwen2_moe" if moe_every > 1 else "mixtral", vocab_size=61, hidden_size=16,
         num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=4, intermediate_size=24,
         moe_intermediate_size=12, num_experts=4, top_k=2,
@@ -59,7 +59,7 @@ def test_each_moe_layer_reports_its_metrics_under_its_own_index():
     layer's metrics come out under its index in the model, and the losses are their sums."""
     moe_layers = (False, True) * 4 + (True,)
     assert layer_pattern_stacks(moe_layers) == (((False, True), 4), ((True,), 1))
-    config = LMConfig(
+    config = LMConfig.build(
         model_type="qwen2_moe", vocab_size=61, hidden_size=16, num_layers=9, num_heads=4,
         num_kv_heads=2, head_dim=4, intermediate_size=24, moe_intermediate_size=12,
         num_experts=4, top_k=2, moe_layers=moe_layers)

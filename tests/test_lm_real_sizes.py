@@ -15,6 +15,7 @@ from flax import nnx
 
 from configs import glm45_air, gpt_oss_20b, gpt_oss_120b, moonlight_16b_a3b
 from sparsemixer_jax.aot import lm
+from sparsemixer_jax.models.lm_config import ARCH_FIELDS
 from sparsemixer_jax.tasks.language_model import LMTask
 from sparsemixer_jax.tasks.lm_sections import LMModelConfig
 
@@ -39,7 +40,7 @@ def _counts(name: str) -> tuple[int, int]:
         total += size
         if "moe" in path and path[-1] in EXPERT_PARAMS:  # [layers, experts, ...]
             unchosen += size * (config.num_experts - config.top_k) // config.num_experts
-    return total, total - unchosen - config.vocab_size * config.hidden_size
+    return total, total - unchosen - config.arch.vocab_size * config.arch.hidden_size
 
 
 # Each checkpoint's config.json (the configs' docstrings cite them): the sizes as the built
@@ -69,14 +70,15 @@ PUBLISHED_SHAPES = {
 
 def _shape(config) -> dict:
     """``config``'s sizes under the names of :data:`PUBLISHED_SHAPES`."""
-    layers = config.sliding_layers
-    return {**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)},
-            "moe_layers": sum(config.moe_layers),
+    layers = config.arch.sliding_layers
+    fields = (*ARCH_FIELDS, *(f.name for f in dataclasses.fields(config)))
+    return {**{name: config.value(name) for name in fields},
+            "moe_layers": sum(config.arch.moe_layers),
             "sliding_every": 2 if layers and layers == tuple(i % 2 == 0 for i in range(
-                config.num_layers)) else 0,
-            "rope_kind": config.rope.kind, "rope_factor": config.rope.factor,
-            "rope_theta": config.rope.theta,
-            "partial_rotary_factor": config.rope.partial_rotary_factor,
+                config.arch.num_layers)) else 0,
+            "rope_kind": config.arch.rope.kind, "rope_factor": config.arch.rope.factor,
+            "rope_theta": config.arch.rope.theta,
+            "partial_rotary_factor": config.arch.rope.partial_rotary_factor,
             "routed_scaling_factor": config.router_option_dict().get("routed_scaling_factor")}
 
 

@@ -1,4 +1,4 @@
-"""Rematerialisation of the LM's scanned layers (``LMConfig.remat``) trades memory for compute
+"""Rematerialisation of the LM's scanned layers (``LMExecution.remat``) trades memory for compute
 and nothing else: the loss and every gradient equal the model's without it (float32 rounding),
 in training mode (SparseMixer-v2 samples its routes: the recomputed layers must draw the same
 ones) and for a type that scans dense+MoE pairs. The lowered program must actually hold the
@@ -15,16 +15,17 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax.models.causal_lm import CausalLM
-from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.models.lm_config import LMConfig, LMExecution
 
 
 def _config(model_type: str, remat: str) -> LMConfig:
     moe_every = 2 if model_type == "qwen2_moe" else 1
-    return LMConfig(
+    return LMConfig.build(
         model_type=model_type, vocab_size=61, hidden_size=16, num_layers=4, num_heads=4,
         num_kv_heads=2, head_dim=4, intermediate_size=24, moe_intermediate_size=12,
         num_experts=4, top_k=2, router="sparsemixer_v2", jitter_eps=0.1,
-        moe_layers=tuple(i % moe_every == moe_every - 1 for i in range(4)), remat=remat)
+        moe_layers=tuple(i % moe_every == moe_every - 1 for i in range(4)),
+        execution=LMExecution(remat=remat))
 
 
 @functools.cache
@@ -68,3 +69,20 @@ def test_remat_leaves_loss_and_gradients_unchanged(model_type, remat):
 def test_an_unknown_remat_policy_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"remat='dots'; choose one of"):
         _config("mixtral", "dots")
+
+
+def test_the_execution_section_is_read_from_the_model_section_and_replaced_by_name():
+    """``remat`` and the other execution fields are :class:`LMExecution`'s: read from a model
+    section (its other fields left alone), checked naming the config field, and named on their
+    own by ``LMConfig.replace`` (``load_pretrained``'s overrides)."""
+    section = {"hidden_size": 8, "mlp_dim": 16, "remat": "full", "dispatch": "padded"}
+    assert LMExecution.from_config(section) == LMExecution(remat="full", dispatch="padded")
+    with pytest.raises(ValueError, match=r"^config\.model\.remat='dots'; choose one of"):
+        LMExecution.from_config({"remat": "dots"})
+    config = _config("mixtral", "none")
+    changed = config.replace(remat="full", dispatch="padded")
+    assert changed.execution == LMExecution(remat="full", dispatch="padded")
+    assert changed.replace(execution=LMExecution()) == config
+    assert changed.moe_sections()[0].dispatch == "padded"  # the MoE layers' section follows
+    with pytest.raises(ValueError, match=r"^LMConfig: remat='dots'; choose one of"):
+        config.replace(remat="dots")

@@ -302,9 +302,9 @@ def test_fine_tuning_starts_from_the_checkpoint_with_its_tokenizer(corpus, check
     starts from (nothing compiled)."""
     config = _finetune_config(corpus, checkpoint)
     task = LMTask.from_config(config)
-    assert task.lm.model_type == "mixtral" and task.lm.router == "switch"  # the checkpoint's
+    assert task.lm.arch.model_type == "mixtral" and task.lm.router == "switch"  # the checkpoint's
     original, _ = hf.load_pretrained(checkpoint)
-    start = task.build_model(run_config(config, task), task.lm.vocab_size, None)
+    start = task.build_model(run_config(config, task), task.lm.arch.vocab_size, None)
     assert start.deterministic is False  # training mode
     jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(start, nnx.Param)),
                  nnx.to_pure_dict(nnx.state(original, nnx.Param)))
@@ -373,7 +373,7 @@ def test_an_export_needs_the_fine_tuning_runs_workdir_alone(corpus, checkpoint, 
     task.load_data(workdir, 1)
     assert sorted(os.listdir(os.path.join(workdir, language_model.KEPT_DIR))) == [
         "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
-    steps = training.build_steps(run_config(config, task), task.lm.vocab_size)
+    steps = training.build_steps(run_config(config, task), task.lm.arch.vocab_size)
     checkpoints = RunCheckpoints(workdir)
     checkpoints.save_last(0, steps.init_state(), {"step": 0})
     checkpoints.close()
@@ -408,7 +408,7 @@ def test_fine_tuning_a_converted_checkpoint_then_exporting_it(corpus, checkpoint
     written = lm_export.export_run(workdir, out)
     assert "tokenizer.json" in written["files"]
     exported, _ = hf.load_pretrained(out)
-    steps = training.build_steps(run_config(config, task), task.lm.vocab_size)
+    steps = training.build_steps(run_config(config, task), task.lm.arch.vocab_size)
     trained = steps.model(restore_checkpoint(workdir, steps.abstract_state(), "last").state)
     trained.eval()
     ids = jnp.asarray([[0, 5, 6, 7, 8, 9]])
@@ -629,7 +629,7 @@ def test_the_routing_options_reach_every_moe_layer_of_the_model(corpus):
     model = nnx.eval_shape(lambda: language_model.CausalLM(lm, rngs=nnx.Rngs(0)))
     biases = [v for path, v in nnx.iter_graph(model)
               if path and path[-1] == "expert_bias" and isinstance(v, nnx.Variable)]
-    assert [b.shape for b in biases] == [(lm.num_layers, lm.num_experts)]
+    assert [b.shape for b in biases] == [(lm.arch.num_layers, lm.num_experts)]
 
 
 def test_a_micro_batch_that_does_not_split_over_the_mesh_is_one_line(corpus, tmp_path):

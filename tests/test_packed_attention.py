@@ -25,7 +25,7 @@ from sparsemixer_jax.layers.packed_attention import (
     segment_layout,
 )
 from sparsemixer_jax.models.causal_lm import CausalLM, _positions_and_masks
-from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.models.lm_config import LMConfig, LMExecution
 from tests import kit
 
 
@@ -88,7 +88,7 @@ def test_the_offsets_give_the_language_models_mask_on_real_queries():
     tokens, segments = pack_documents(documents, t)
     assert len(tokens) >= 4 and (segments == 0).any()  # several rows, the last padded
     real = segments != 0
-    config = LMConfig(model_type="mixtral", vocab_size=9, hidden_size=8, num_layers=1,
+    config = LMConfig.build(model_type="mixtral", vocab_size=9, hidden_size=8, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=8,
                       moe_intermediate_size=4, num_experts=2, top_k=1, moe_layers=(False,))
     _, (mask, _) = _positions_and_masks(config, jnp.asarray(real), None, jnp.asarray(segments),
@@ -184,11 +184,12 @@ def _cudnn_custom_calls(document_mask: str, with_segments: bool) -> list[tuple[s
     (``with_segments``) or one sequence a row; ``computation``: the HLO computation holding
     it, ``"fallback"`` for the false branch of a conditional (the mask path)."""
     _, devices = kit.target_devices_or_skip("h100:1x1")
-    config = LMConfig(model_type="mixtral", vocab_size=64, hidden_size=128, num_layers=1,
+    config = LMConfig.build(model_type="mixtral", vocab_size=64, hidden_size=128, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=128,
                       moe_intermediate_size=64, num_experts=2, top_k=1, moe_layers=(False,),
-                      compute_dtype="bfloat16", attention_impl="cudnn",
-                      cudnn_document_mask=document_mask, max_segments_per_row=4)
+                      execution=LMExecution(compute_dtype="bfloat16", attention_impl="cudnn",
+                                            cudnn_document_mask=document_mask,
+                                            max_segments_per_row=4))
     graphdef, params = nnx.split(CausalLM(config, rngs=nnx.Rngs(params=0, router=1)))
 
     def loss(params, ids, segments):
@@ -293,7 +294,7 @@ def _bench_program(document_mask: str | None) -> str:
         config.model.cudnn_document_mask = document_mask
     config.data.update(vocab_size=256, seq_len=BENCH_T)
     lm = LMTask.from_config(config).lm
-    assert lm.num_layers == 16 and lm.attention_impl == "cudnn"
+    assert lm.arch.num_layers == 16 and lm.execution.attention_impl == "cudnn"
     on_h100 = jax.sharding.SingleDeviceSharding(devices[0])
     rows = jax.ShapeDtypeStruct((BENCH_B, BENCH_T), jnp.int32, sharding=on_h100)
     with jax.default_device(devices[0]), compute_capability_of(devices[0]):

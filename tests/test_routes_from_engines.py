@@ -26,7 +26,7 @@ def _config(model_type: str, **keys):
 def interleaved():
     """qwen2_moe with decoder_sparse_step=2 over 5 layers: MoE at layers 1 and 3 only."""
     config = _config("qwen2_moe")
-    assert config.moe_layers == (False, True, False, True, False)
+    assert config.arch.moe_layers == (False, True, False, True, False)
     return config
 
 
@@ -34,14 +34,14 @@ def interleaved():
 def first_dense():
     """deepseek_v3 with first_k_dense_replace=1 over 3 layers: MoE at layers 1 and 2."""
     config = _config("deepseek_v3")
-    assert config.moe_layers == (False, True, True)
+    assert config.arch.moe_layers == (False, True, True)
     return config
 
 
 def _moe_ids(seed: int, tokens: int, config) -> np.ndarray:
     """Random distinct top-k ids per token and MoE layer: ``[tokens, MoE layers, top_k]``."""
     rng = np.random.default_rng(seed)
-    layers = sum(config.moe_layers)
+    layers = sum(config.arch.moe_layers)
     return np.stack([[rng.permutation(config.num_experts)[:config.top_k] for _ in range(layers)]
                      for _ in range(tokens)]).reshape(tokens, layers, config.top_k)
 
@@ -50,8 +50,8 @@ def _per_decoder_layer(moe: np.ndarray, config, dense_fill: int = 0,
                        dtype=np.int32) -> np.ndarray:
     """``moe`` written as an engine's buffer of one row per decoder layer: filled with
     ``dense_fill`` (vLLM's and SGLang's zeros, SGL-JAX's -1), the MoE layers' rows written."""
-    full = np.full((moe.shape[0], config.num_layers, config.top_k), dense_fill, dtype=dtype)
-    for slot, layer in enumerate(i for i, m in enumerate(config.moe_layers) if m):
+    full = np.full((moe.shape[0], config.arch.num_layers, config.top_k), dense_fill, dtype=dtype)
+    for slot, layer in enumerate(i for i, m in enumerate(config.arch.moe_layers) if m):
         full[:, layer] = moe[:, slot]
     return full
 
@@ -111,11 +111,11 @@ def test_sglang_base64_round_trip(model, request):
     full = _per_decoder_layer(moe, config)
     text = _sglang_text(full)
     np.testing.assert_array_equal(
-        hf.routes_from_sglang(text, config.num_layers, config.top_k, config=config), moe)
-    got = hf.routes_from_sglang(text, config.num_layers, config.top_k)
+        hf.routes_from_sglang(text, config.arch.num_layers, config.top_k, config=config), moe)
+    got = hf.routes_from_sglang(text, config.arch.num_layers, config.top_k)
     assert got.dtype == np.int32 and got.flags.c_contiguous
     np.testing.assert_array_equal(got, full)
-    np.testing.assert_array_equal(hf.routes_from_sglang(text.encode(), config.num_layers,
+    np.testing.assert_array_equal(hf.routes_from_sglang(text.encode(), config.arch.num_layers,
                                                         config.top_k), full)
 
 

@@ -21,7 +21,7 @@ from sparsemixer_jax.aot import hlo, roofline
 from sparsemixer_jax.kernels import splash_attention
 from sparsemixer_jax.kernels.splash_attention import causal_blocks, splash_block, splash_heads
 from sparsemixer_jax.layers.fairseq import ModelConfig
-from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.models.lm_config import LMConfig, LMExecution
 from sparsemixer_jax.moe.config import MoEConfig
 from sparsemixer_jax.parallel.sharding import make_mesh
 from tests import kit
@@ -31,10 +31,10 @@ VOCAB, T = 61, 384
 
 
 def _config(attention_impl: str) -> LMConfig:
-    return LMConfig(model_type="mixtral", vocab_size=VOCAB, hidden_size=16, num_layers=1,
+    return LMConfig.build(model_type="mixtral", vocab_size=VOCAB, hidden_size=16, num_layers=1,
                     num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=24,
                     moe_intermediate_size=12, num_experts=4, top_k=2, moe_layers=(True,),
-                    attention_impl=attention_impl)
+                    execution=LMExecution(attention_impl=attention_impl))
 
 
 def _inputs():

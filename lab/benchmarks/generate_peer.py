@@ -115,7 +115,7 @@ def serve_ours(model_dir: str, new_tokens: int) -> None:
     print(json.dumps({"ready": {
         "jax": jax.__version__, "backend": jax.default_backend(),
         "num_params": sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))),
-        "dispatch": config.dispatch}}), flush=True)
+        "dispatch": config.execution.dispatch}}), flush=True)
     out = None
     for line in sys.stdin:
         times, cpu_times = [], []

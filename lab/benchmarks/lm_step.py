@@ -113,8 +113,8 @@ def dense_twin(task: Any) -> Any:
     """``task`` (an ``LMTask``) with every feed-forward sublayer a dense SwiGLU MLP of width
     ``top_k x`` the experts' width: the MoE model's active matmul parameters per token."""
     lm = task.lm
-    dense = dataclasses.replace(lm, moe_layers=(False,) * lm.num_layers,
-                                intermediate_size=lm.top_k * lm.moe_intermediate_size)
+    dense = lm.replace(moe_layers=(False,) * lm.arch.num_layers,
+                       intermediate_size=lm.top_k * lm.arch.moe_intermediate_size)
     return dataclasses.replace(task, lm=dense)
 
 
@@ -143,8 +143,8 @@ def synthetic_lm_batch(sizes: dict[str, int], seed: int = 0, segments: bool = Tr
 def active_params(lm: Any, num_params: int) -> int:
     """Parameters a token runs through: all of them less the experts it does not choose
     (``(N - k) x 3 emb mlp`` per MoE layer: gate, up and down projections)."""
-    unchosen = (lm.num_experts - lm.top_k) * 3 * lm.hidden_size * lm.moe_intermediate_size
-    return num_params - sum(lm.moe_layers) * unchosen
+    unchosen = (lm.num_experts - lm.top_k) * 3 * lm.arch.hidden_size * lm.arch.moe_intermediate_size
+    return num_params - sum(lm.arch.moe_layers) * unchosen
 
 
 class LMTrainStep:
@@ -161,13 +161,13 @@ class LMTrainStep:
         from sparsemixer_jax.training.steps import count_params
 
         self.lm = task.lm
-        self.steps = build_steps(run_config(config, task), task.lm.vocab_size)
+        self.steps = build_steps(run_config(config, task), task.lm.arch.vocab_size)
         self.state = self.steps.init_state()
         self.micro_batches = [batch] * micro_batches
         self.key = jax.random.key(0)
         self.num_params = count_params(self.state.params)
         self.active_params = active_params(self.lm, self.num_params) \
-            if any(self.lm.moe_layers) else self.num_params
+            if any(self.lm.arch.moe_layers) else self.num_params
 
     def __call__(self) -> Any:
         import jax
@@ -236,7 +236,7 @@ def bench_lm_throughput(sizes: dict[str, int], dtype: str, warmup: int, repeats:
     for name, arm in arms.items():
         s = stats(times[name])
         out[name] = {
-            "router": arm.lm.router if any(arm.lm.moe_layers) else None,
+            "router": arm.lm.router if any(arm.lm.arch.moe_layers) else None,
             "num_params": arm.num_params, "active_params": arm.active_params,
             "step_s": s, "tokens_per_s": tokens / s["median"],
             "tokens_per_s_range": [tokens / s["max"], tokens / s["min"]],

@@ -238,7 +238,7 @@ def restored_model(workdir: str) -> tuple[Any, Any, Any]:
     config.init_from = os.path.join(workdir, KEPT_DIR)
     task = LMTask.from_config(config)
     run = run_config(config, dataclasses.replace(task, init_from=""))
-    steps = build_steps(run, task.lm.vocab_size, sharding.device_mesh(run.mesh))
+    steps = build_steps(run, task.lm.arch.vocab_size, sharding.device_mesh(run.mesh))
     restored = restore_checkpoint(workdir, steps.abstract_state(), "last")
     if restored is None:
         raise FileNotFoundError(f"{workdir} holds no checkpoint to score")

@@ -100,27 +100,27 @@ def lm_flops_per_token(lm, seq_len: int) -> dict[str, float]:
     softmax, the loss and dispatch. Returns float FLOPs per token for each part (already
     ``x 3``) and their ``total``.
     """
-    e, h, kv, d = lm.hidden_size, lm.num_heads, lm.num_kv_heads, lm.head_dim
-    v = lm.v_head_dim if lm.kv_lora_rank else d
+    e, h, kv, d = lm.arch.hidden_size, lm.arch.num_heads, lm.arch.num_kv_heads, lm.arch.head_dim
+    v = lm.arch.v_head_dim if lm.arch.kv_lora_rank else d
     attention = 2 * e * h * d + 4 * e * kv * d + 2 * h * d * e
-    if lm.kv_lora_rank:
-        c, q, r = lm.kv_lora_rank, lm.q_lora_rank, lm.qk_rope_head_dim
+    if lm.arch.kv_lora_rank:
+        c, q, r = lm.arch.kv_lora_rank, lm.arch.q_lora_rank, lm.arch.qk_rope_head_dim
         queries = 2 * e * q + 2 * q * h * d if q else 2 * e * h * d
         attention = queries + 2 * e * (c + r) + 2 * c * h * (d - r + v) + 2 * h * v * e
-    routed = sum(lm.moe_layers)
-    dense = lm.num_layers - routed
-    expert = 6 * e * lm.moe_intermediate_size
+    routed = sum(lm.arch.moe_layers)
+    dense = lm.arch.num_layers - routed
+    expert = 6 * e * lm.arch.moe_intermediate_size
     shared = (6 * e * lm.shared_expert_size + 2 * e) if lm.shared_expert_size else 0
     forward = {
-        "attention_proj": lm.num_layers * attention,
-        "attention_scores": lm.num_layers * 2 * (seq_len + 1) / 2 * h * (d + v),
-        "ffn": routed * (lm.top_k * expert + shared) + dense * 6 * e * lm.intermediate_size,
+        "attention_proj": lm.arch.num_layers * attention,
+        "attention_scores": lm.arch.num_layers * 2 * (seq_len + 1) / 2 * h * (d + v),
+        "ffn": routed * (lm.top_k * expert + shared) + dense * 6 * e * lm.arch.intermediate_size,
         "router": routed * 2 * e * lm.num_experts,
-        "lm_head": 2 * e * lm.vocab_size,
+        "lm_head": 2 * e * lm.arch.vocab_size,
     }
     out = {k: 3.0 * v for k, v in forward.items()}
     out["unchosen"] = routed * unchosen_flops_per_token(
-        lm.router, e, lm.moe_intermediate_size, lm.num_experts, gated=True)["total"] \
+        lm.router, e, lm.arch.moe_intermediate_size, lm.num_experts, gated=True)["total"] \
         if routed else 0.0
     out["total"] = sum(out.values())
     return out

@@ -154,8 +154,10 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
         one tensor) ever holds the whole model.
       rules: ``config.mesh.rules``-style mapping of logical axis names to mesh axes.
       **overrides: :class:`LMConfig` fields to change, e.g. ``router="sparsemixer_v2star"``,
-        ``jitter_eps``, ``router_options``, ``compute_dtype="bfloat16"``, ``dispatch``,
-        ``capacity_factor``. The default routing is the checkpoint's own: the one an export
+        ``jitter_eps``, ``router_options``; a field of its execution section
+        (:class:`~sparsemixer_jax.models.lm_config.LMExecution`) by its own name,
+        ``compute_dtype="bfloat16"``, ``dispatch``, ``capacity_factor``, or the whole section
+        as ``execution=``. The default routing is the checkpoint's own: the one an export
         of this library recorded in ``config.json``, else the type's (docs/lm.md).
 
     Quantized checkpoints (gpt-oss's MXFP4 experts, DeepSeek-V3's block-FP8 weights) are
@@ -191,7 +193,7 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     if beyond:
         logger.info("%s: skipped the tensors of layers %s past num_hidden_layers=%d "
                     "(multi-token prediction layers, which this model does not compute)",
-                    path, sorted(beyond), config.num_layers)
+                    path, sorted(beyond), config.arch.num_layers)
     _omega_ones(arrays, placements)
     nnx.replace_by_pure_dict(abstract, arrays)
     if partitioner is not None:  # RNG streams and layer state: replicated on the mesh
@@ -244,15 +246,15 @@ def _placed(path: str, config: LMConfig, pure: dict, tensors: Iterator[tuple[str
         if name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config; some old checkpoints store it
         number = LAYER_NUMBER.match(name)
-        if number and int(number.group(1)) >= config.num_layers:
+        if number and int(number.group(1)) >= config.arch.num_layers:
             beyond.add(int(number.group(1)))
             continue
-        if name == "lm_head.weight" and config.tie_word_embeddings:
+        if name == "lm_head.weight" and config.arch.tie_word_embeddings:
             continue  # tied: the embedding is the head
         slots = table.get(name)
         if not slots or any(_get(pure, s.path) is None for s in slots):
             raise ValueError(f"{file}: tensor {name!r} has no place in a "
-                             f"{config.model_type} model of this config.json")
+                             f"{config.arch.model_type} model of this config.json")
         if np.dtype(value.dtype).name not in FLOAT_DTYPES:
             raise ValueError(f"{file}: tensor {name!r} is {np.dtype(value.dtype).name}; model "
                              f"weights are floating point ({', '.join(sorted(FLOAT_DTYPES))})")

@@ -301,7 +301,7 @@ def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
     fields.update(_type_extras(cfg, family, fields))
     if ROUTING_KEY in cfg:
         fields.update(_recorded_routing(cfg[ROUTING_KEY], model_type))
-    config = LMConfig(
+    config = LMConfig.build(
         model_type=model_type, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
         num_layers=num_layers, num_heads=heads, num_kv_heads=int(kv_heads),
         head_dim=int(head_dim), num_experts=num_experts, top_k=top_k,
@@ -322,7 +322,7 @@ def _written(config: LMConfig, family: Family, key: Key) -> Any:
     field = key.fields[0]
     if field == "jitter_eps" and config.router != family.router:
         return config.hf.get(key.name, family.default(key.name))
-    return key.write(getattr(config, field))
+    return key.write(config.value(field))
 
 
 def _rope_parameters(rope: RopeConfig, family: Family) -> dict[str, Any]:
@@ -348,36 +348,36 @@ def _layer_keys(c: LMConfig, family: Family) -> dict[str, Any]:
     :func:`_layers` reads); a ValueError if the family cannot write this model's layout."""
     t = family.model_type
     if family.dense_layers == "sparse_step":
-        return dict(intermediate_size=c.intermediate_size,
-                    moe_intermediate_size=c.moe_intermediate_size, decoder_sparse_step=1,
-                    mlp_only_layers=[i for i, m in enumerate(c.moe_layers) if not m])
+        return dict(intermediate_size=c.arch.intermediate_size,
+                    moe_intermediate_size=c.arch.moe_intermediate_size, decoder_sparse_step=1,
+                    mlp_only_layers=[i for i, m in enumerate(c.arch.moe_layers) if not m])
     if family.dense_layers == "first_k":
-        first = c.moe_layers.index(True) if any(c.moe_layers) else c.num_layers
-        if not all(c.moe_layers[first:]):
+        first = c.arch.moe_layers.index(True) if any(c.arch.moe_layers) else c.arch.num_layers
+        if not all(c.arch.moe_layers[first:]):
             raise ValueError(f"{t} checkpoints have dense layers first only; this model has "
-                             f"{c.moe_layers}")
-        return dict(intermediate_size=c.intermediate_size,
-                    moe_intermediate_size=c.moe_intermediate_size, first_k_dense_replace=first)
-    if not all(c.moe_layers):
+                             f"{c.arch.moe_layers}")
+        return dict(intermediate_size=c.arch.intermediate_size,
+                    moe_intermediate_size=c.arch.moe_intermediate_size, first_k_dense_replace=first)
+    if not all(c.arch.moe_layers):
         raise ValueError(f"{t} checkpoints have no dense layers; this model has "
-                         f"{c.moe_layers.count(False)}")
-    return {"intermediate_size": c.moe_intermediate_size}
+                         f"{c.arch.moe_layers.count(False)}")
+    return {"intermediate_size": c.arch.moe_intermediate_size}
 
 
 def _window_keys(c: LMConfig, family: Family) -> dict[str, Any]:
     """The sliding window in the family's keys (what :func:`_window` reads)."""
     if family.window == "every_layer":
-        return {"sliding_window": c.sliding_window}
+        return {"sliding_window": c.arch.sliding_window}
     if family.window == "per_layer":
-        sliding = c.sliding_layers or (True,) * c.num_layers
+        sliding = c.arch.sliding_layers or (True,) * c.arch.num_layers
         named = {on: kind for kind, on in LAYER_TYPES.items()}
-        return {"sliding_window": c.sliding_window,
+        return {"sliding_window": c.arch.sliding_window,
                 "layer_types": [named[on] for on in sliding]}
     if family.window == "none":
         return {}
-    out: dict[str, Any] = {"use_sliding_window": c.sliding_window is not None}
-    if c.sliding_window is not None:
-        out["sliding_window"] = c.sliding_window
+    out: dict[str, Any] = {"use_sliding_window": c.arch.sliding_window is not None}
+    if c.arch.sliding_window is not None:
+        out["sliding_window"] = c.arch.sliding_window
     return out
 
 
@@ -392,10 +392,10 @@ def _router_keys(c: LMConfig, family: Family) -> dict[str, Any]:
     options = {**RouterConfig().__dict__, **c.router_option_dict()}
     out = {key.name: key.write(options[key.fields[0]]) for key in family.router_keys}
     if family.shared_expert_count_key:
-        count, rest = divmod(c.shared_expert_size, c.moe_intermediate_size)
+        count, rest = divmod(c.shared_expert_size, c.arch.moe_intermediate_size)
         if rest:
             raise ValueError(f"{t} checkpoints hold shared experts of moe_intermediate_size="
-                             f"{c.moe_intermediate_size} each; shared_expert_size="
+                             f"{c.arch.moe_intermediate_size} each; shared_expert_size="
                              f"{c.shared_expert_size} is not a multiple")
         out[family.shared_expert_count_key] = count
     return out
@@ -405,24 +405,24 @@ def to_hf(config: LMConfig) -> dict[str, Any]:
     """The ``config.json`` dict of ``config`` as transformers 5.x writes it (``rope_parameters``),
     keeping the keys of the file it was read from that do not change the computation, with the
     model's routing recorded under :data:`ROUTING_KEY` (:func:`from_hf` restores it)."""
-    c, family = config, family_of(config.model_type, "LMConfig: model_type ")
+    c, family = config, family_of(config.arch.model_type, "LMConfig: model_type ")
     out = {k: v for k, v in c.hf.items() if k in METADATA_KEYS}
     out.update(architectures=[family.architecture], model_type=family.model_type,
-               vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-               num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-               num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_act="silu",
-               rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_word_embeddings,
+               vocab_size=c.arch.vocab_size, hidden_size=c.arch.hidden_size,
+               num_hidden_layers=c.arch.num_layers, num_attention_heads=c.arch.num_heads,
+               num_key_value_heads=c.arch.num_kv_heads, head_dim=c.arch.head_dim, hidden_act="silu",
+               rms_norm_eps=c.arch.norm_eps, tie_word_embeddings=c.arch.tie_word_embeddings,
                attention_dropout=0.0, num_experts_per_tok=c.top_k,
-               max_position_embeddings=c.max_position_embeddings,
-               initializer_range=c.initializer_range,
+               max_position_embeddings=c.arch.max_position_embeddings,
+               initializer_range=c.arch.initializer_range,
                router_aux_loss_coef=c.router_aux_loss_coef)
     # The expert count under the spelling the source file used (both load in transformers 5).
     spelled = [k for k in EXPERT_KEYS if k in c.hf]
     out[spelled[0] if spelled else family.experts_key] = c.num_experts
-    out["rope_parameters"] = _rope_parameters(c.rope, family)
+    out["rope_parameters"] = _rope_parameters(c.arch.rope, family)
     if family.latent_attention:
         del out["head_dim"]
-        out["qk_nope_head_dim"] = c.head_dim - c.qk_rope_head_dim
+        out["qk_nope_head_dim"] = c.arch.head_dim - c.arch.qk_rope_head_dim
     out.update(_layer_keys(c, family))
     out.update(_window_keys(c, family))
     out.update({key.name: _written(c, family, key) for key in family.keys})

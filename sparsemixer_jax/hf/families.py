@@ -25,7 +25,8 @@ def _same(value: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class Key:
     """A ``config.json`` key of one type: read as ``cast(value)`` into every field of
-    ``fields`` (:class:`~sparsemixer_jax.models.lm_config.LMConfig` names), written back from
+    ``fields`` (:class:`~sparsemixer_jax.models.lm_config.LMConfig` fields by their own names,
+    whichever section owns them: ``LMConfig.build`` and ``LMConfig.value``), written back from
     the first; its default is the family's ``defaults[name]`` (None if absent)."""
 
     name: str

@@ -48,7 +48,7 @@ _INT32_MAX = np.iinfo(np.int32).max
 def _moe_layer_flags(config: LMConfig) -> tuple[bool, ...]:
     """One bool per decoder layer, True where the feed-forward sublayer is routed (the one
     place this module reads the config's layer pattern)."""
-    return tuple(bool(flag) for flag in config.moe_layers)
+    return tuple(bool(flag) for flag in config.arch.moe_layers)
 
 
 def _int_rows(value: ArrayLike, name: str) -> np.ndarray:

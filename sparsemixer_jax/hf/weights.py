@@ -85,18 +85,18 @@ def _layer_tensors(config: LMConfig, number: int, stack: int, repeat: int, pos: 
     base: Path = ("stacks", stack, "layers", pos)
     layer = f"model.layers.{number}"
     for norm in ("input_layernorm", "post_attention_layernorm"):
-        for leaf in ("weight",) if config.norm == "rms" else ("weight", "bias"):
+        for leaf in ("weight",) if config.arch.norm == "rms" else ("weight", "bias"):
             yield f"{layer}.{norm}.{leaf}", Slot((*base, norm, leaf), (repeat,), "same")
-    if config.kv_lora_rank:
+    if config.arch.kv_lora_rank:
         yield from _latent_attention(config, layer, (*base, "self_attn"), repeat)
     else:
         yield from _attention(config, layer, (*base, "self_attn"), repeat)
-    if not config.moe_layers[number]:
+    if not config.arch.moe_layers[number]:
         for proj in ("gate_proj", "up_proj", "down_proj"):
             yield f"{layer}.mlp.{proj}.weight", Slot((*base, "mlp", proj, "kernel"),
                                                      (repeat,), "T")
         return
-    family = family_of(config.model_type)
+    family = family_of(config.arch.model_type)
     names = family.moe_names
     moe = (*base, "mlp", "moe")
     yield f"{layer}.{names['router']}", Slot((*moe, "router", "kernel"), (repeat,), "T")
@@ -126,11 +126,11 @@ def _attention(config: LMConfig, layer: str, attn: Path, repeat: int
     """Grouped-query attention's tensors: projections (biases per config), sinks, q/k norms."""
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         yield f"{layer}.self_attn.{proj}.weight", Slot((*attn, proj, "kernel"), (repeat,), "T")
-        if (config.out_bias if proj == "o_proj" else config.qkv_bias):
+        if (config.arch.out_bias if proj == "o_proj" else config.arch.qkv_bias):
             yield f"{layer}.self_attn.{proj}.bias", Slot((*attn, proj, "bias"), (repeat,), "same")
-    if config.attention_sinks:
+    if config.arch.attention_sinks:
         yield f"{layer}.self_attn.sinks", Slot((*attn, "sinks"), (repeat,), "same")
-    if config.qk_norm != "none":
+    if config.arch.qk_norm != "none":
         for norm in ("q_norm", "k_norm"):
             yield (f"{layer}.self_attn.{norm}.weight",
                    Slot((*attn, norm, "weight"), (repeat,), "same"))
@@ -140,12 +140,12 @@ def _latent_attention(config: LMConfig, layer: str, attn: Path, repeat: int
                       ) -> Iterator[tuple[str, Slot]]:
     """Latent attention's tensors (:data:`LATENT_ATTENTION_NAMES`, the biases where
     ``attention_bias``; the query's low-rank pair or its one projection)."""
-    skipped = ("q_proj",) if config.q_lora_rank else ("q_a_proj", "q_b_proj", "q_a_layernorm")
+    skipped = ("q_proj",) if config.arch.q_lora_rank else ("q_a_proj", "q_b_proj", "q_a_layernorm")
     for proj, biased in LATENT_ATTENTION_NAMES.items():
         if proj in skipped:
             continue
         yield f"{layer}.self_attn.{proj}.weight", Slot((*attn, proj, "kernel"), (repeat,), "T")
-        if biased and (config.out_bias if proj == "o_proj" else config.qkv_bias):
+        if biased and (config.arch.out_bias if proj == "o_proj" else config.arch.qkv_bias):
             yield f"{layer}.self_attn.{proj}.bias", Slot((*attn, proj, "bias"), (repeat,), "same")
     for norm in LATENT_ATTENTION_NORMS:
         if norm not in skipped:
@@ -172,11 +172,11 @@ def saved_tensors(config: LMConfig, layers: Layers) -> Iterator[tuple[str, Slot]
     for number, (stack, repeat, pos) in enumerate(layers):
         yield from _layer_tensors(config, number, stack, repeat, pos)
     yield "model.norm.weight", Slot(("norm", "weight"), (), "same")
-    if config.norm == "layer":
+    if config.arch.norm == "layer":
         yield "model.norm.bias", Slot(("norm", "bias"), (), "same")
-    if not config.tie_word_embeddings:
+    if not config.arch.tie_word_embeddings:
         yield "lm_head.weight", Slot(("lm_head", "kernel"), (), "T")
-        if config.lm_head_bias:
+        if config.arch.lm_head_bias:
             yield "lm_head.bias", Slot(("lm_head", "bias"), (), "same")
 
 
@@ -188,11 +188,11 @@ def read_table(config: LMConfig, layers: Layers) -> dict[str, list[Slot]]:
     table: dict[str, list[Slot]] = {}
     for name, slot in saved_tensors(config, layers):
         table.setdefault(name, []).append(slot)
-    family = family_of(config.model_type)
+    family = family_of(config.arch.model_type)
     if family.interleaved_experts:  # one layout only: the saved names
         return table
     for number, (stack, repeat, pos) in enumerate(layers):
-        if not config.moe_layers[number]:
+        if not config.arch.moe_layers[number]:
             continue
         layer, moe = f"model.layers.{number}", ("stacks", stack, "layers", pos, "mlp", "moe")
         table[f"{layer}.{family.fused_router}"] = [Slot((*moe, "router", "kernel"), (repeat,),

@@ -355,7 +355,7 @@ class KVCache(NamedTuple):
         scanned stack (the language models), in the compute dtype; rotary positions are
         applied to the keys already. Latent attention caches its normed latent as the keys and
         its rotated shared key as the values
-        (:attr:`~sparsemixer_jax.models.lm_config.LMConfig.cache_shapes`).
+        (:attr:`~sparsemixer_jax.models.lm_config.LMArchitecture.cache_shapes`).
       index: int32 scalar, the number of slots written (shared by the whole batch).
       valid: bool ``[B, S]``, slots that hold a real token (False: not yet written, or left
         padding of a prompt).

@@ -12,23 +12,40 @@ from flax import nnx
 from sparsemixer_jax.moe.shared import MakeLinear
 
 
-class LinearSettings(Protocol):
-    """What :func:`linear` reads of a model's config
-    (:class:`~sparsemixer_jax.models.lm_config.LMConfig` has both)."""
+class ComputeSettings(Protocol):
+    """The execution section's dtype
+    (:class:`~sparsemixer_jax.models.lm_config.LMExecution`)."""
 
     @property
     def compute_dtype(self) -> str: ...
+
+
+class InitSettings(Protocol):
+    """The architecture section's initialisation
+    (:class:`~sparsemixer_jax.models.lm_config.LMArchitecture`)."""
 
     @property
     def initializer_range(self) -> float: ...
 
 
+class LinearSettings(Protocol):
+    """What :func:`linear` reads of a model's config
+    (:class:`~sparsemixer_jax.models.lm_config.LMConfig` has both sections)."""
+
+    @property
+    def execution(self) -> ComputeSettings: ...
+
+    @property
+    def arch(self) -> InitSettings: ...
+
+
 def linear(din: int, dout: int, bias: bool, config: LinearSettings, rngs: nnx.Rngs) -> nnx.Linear:
     """A projection ``[din] -> [dout]`` in the compute dtype with float32 params."""
     # Initialised as the Hugging Face types are: normal(initializer_range), zero bias.
-    return nnx.Linear(din, dout, use_bias=bias, dtype=jnp.dtype(config.compute_dtype),
+    return nnx.Linear(din, dout, use_bias=bias, dtype=jnp.dtype(config.execution.compute_dtype),
                       param_dtype=jnp.float32,
-                      kernel_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
+                      kernel_init=nnx.initializers.normal(config.arch.initializer_range),
+                      rngs=rngs)
 
 
 def linear_maker(config: LinearSettings, rngs: nnx.Rngs) -> MakeLinear:

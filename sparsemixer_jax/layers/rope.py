@@ -79,7 +79,7 @@ def rope_cos_sin(rope: RopeConfig, rotary_dim: int, positions: jax.Array,
     """cos and sin ``[B, T, head_dim]`` (float32) of the rotary embedding at int ``positions``
     ``[B, T]``: frequencies ``1 / theta^(2i / d)``, each used twice (``rotate_half`` layout);
     ``d`` is the rotated width ``rotary_dim``
-    (:attr:`~sparsemixer_jax.models.lm_config.LMConfig.rotary_dim`: ``head_dim`` times
+    (:attr:`~sparsemixer_jax.models.lm_config.LMArchitecture.rotary_dim`: ``head_dim`` times
     ``partial_rotary_factor``, or latent attention's ``qk_rope_head_dim``).
 
     longrope (Phi-3.5-MoE) divides the frequencies by ``short_factor`` and scales cos/sin by

@@ -66,12 +66,12 @@ class LMOutput(NamedTuple):
 
 
 def _dtype(config: LMConfig) -> jnp.dtype:
-    return jnp.dtype(config.compute_dtype)
+    return jnp.dtype(config.execution.compute_dtype)
 
 
 def make_norm(config: LMConfig, dim: int | None = None) -> RMSNorm | LayerNorm:
-    cls = RMSNorm if config.norm == "rms" else LayerNorm
-    return cls(dim or config.hidden_size, config.norm_eps, _dtype(config))
+    cls = RMSNorm if config.arch.norm == "rms" else LayerNorm
+    return cls(dim or config.arch.hidden_size, config.arch.norm_eps, _dtype(config))
 
 
 def make_attention(config: LMConfig, rngs: nnx.Rngs,
@@ -83,15 +83,16 @@ def make_attention(config: LMConfig, rngs: nnx.Rngs,
     learned sink logit per head in its softmax's denominator where the config has
     ``attention_sinks``. ``mesh``: the mesh the rows are split over (splash attention runs on
     each device's rows)."""
+    arch = config.arch
     options = AttentionOptions(
-        config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-        names=HF_NAMES, qkv_bias=config.qkv_bias, out_bias=config.out_bias,
-        implementation=config.attention_impl, qk_norm=config.qk_norm, clip_qkv=config.clip_qkv,
-        sinks=config.attention_sinks)
+        arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, names=HF_NAMES,
+        qkv_bias=arch.qkv_bias, out_bias=arch.out_bias,
+        implementation=config.execution.attention_impl, qk_norm=arch.qk_norm,
+        clip_qkv=arch.clip_qkv, sinks=arch.attention_sinks)
     make = linear_maker(config, rngs)
     return Attention(options, qkv_linear=make, out_linear=make,
-                     norm=lambda dim: RMSNorm(dim, config.norm_eps, _dtype(config)),
-                     sinks_init=nnx.initializers.normal(config.initializer_range), rngs=rngs,
+                     norm=lambda dim: RMSNorm(dim, config.arch.norm_eps, _dtype(config)),
+                     sinks_init=nnx.initializers.normal(config.arch.initializer_range), rngs=rngs,
                      mesh=mesh)
 
 
@@ -99,7 +100,7 @@ class GatedMLP(nnx.Module):
     """The dense SwiGLU MLP ``down(silu(gate(x)) * up(x))`` without biases."""
 
     def __init__(self, config: LMConfig, width: int, rngs: nnx.Rngs):
-        e = config.hidden_size
+        e = config.arch.hidden_size
         self.gate_proj = linear(e, width, False, config, rngs)
         self.up_proj = linear(e, width, False, config, rngs)
         self.down_proj = linear(width, e, False, config, rngs)
@@ -121,11 +122,11 @@ class MoEBlock(nnx.Module):
 
     def __init__(self, config: LMConfig, mesh: jax.sharding.Mesh | None, rngs: nnx.Rngs):
         moe, router = config.moe_sections()
-        self.moe = MoEFeedForward((config.hidden_size, config.moe_intermediate_size), moe,
+        self.moe = MoEFeedForward((config.arch.hidden_size, config.arch.moe_intermediate_size), moe,
                                   router, dtype=_dtype(config), mesh=mesh, rngs=rngs)
         make = linear_maker(config, rngs)
         self.shared_experts = SharedExperts(
-            config.hidden_size, config.shared_expert_size, gated=True, activation="silu",
+            config.arch.hidden_size, config.shared_expert_size, gated=True, activation="silu",
             linear=make, gate_linear=make if config.shared_expert_gate else None,
         ) if config.shared_expert_size else None
 
@@ -143,14 +144,14 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, config: LMConfig, is_moe: bool, mesh, rngs: nnx.Rngs):
         self.input_layernorm = make_norm(config)
-        self.self_attn = LatentAttention(config, rngs) if config.kv_lora_rank \
+        self.self_attn = LatentAttention(config, rngs) if config.arch.kv_lora_rank \
             else make_attention(config, rngs, mesh)
         self.post_attention_layernorm = make_norm(config)
         self.is_moe = is_moe
         if is_moe:
             self.mlp = MoEBlock(config, mesh, rngs)
         else:
-            self.mlp = GatedMLP(config, config.intermediate_size, rngs)
+            self.mlp = GatedMLP(config, config.arch.intermediate_size, rngs)
 
     def __call__(self, x, cos, sin, mask, kv, token_mask, deterministic, dropless, fused=None):
         """``x [B, T, emb]``; ``kv``: this layer's cache ``(keys, values, index)`` or None;
@@ -288,12 +289,12 @@ def _positions_and_masks(config: LMConfig, real: jax.Array, positions: jax.Array
             raise ValueError("segment_ids (packed sequences) are for full forward passes, "
                              "not for cached decoding")
         mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
-    if config.sliding_window is None:
+    if config.arch.sliding_window is None:
         return positions, (mask, None)
     # A key at most sliding_window - 1 positions back (transformers' sliding overlay); left
     # padding holds no real key, so slot distance equals position distance.
-    window = mask & ((q_slot[None, :, None] - k_slot[None, None, :]) < config.sliding_window)
-    return positions, (mask, window) if config.sliding_layers else (window, None)
+    window = mask & ((q_slot[None, :, None] - k_slot[None, None, :]) < config.arch.sliding_window)
+    return positions, (mask, window) if config.arch.sliding_layers else (window, None)
 
 
 def _fused_mask(config: LMConfig, token_mask: jax.Array | None, segment_ids: jax.Array | None,
@@ -301,26 +302,28 @@ def _fused_mask(config: LMConfig, token_mask: jax.Array | None, segment_ids: jax
     """How cuDNN's or splash attention may take the mask of :func:`_positions_and_masks`
     (arguments as :meth:`CausalLM.forward`'s), in a full pass without a window: cuDNN its
     causal flag alone where the mask is exactly causal (no segment ids, no padding as far as is
-    known when tracing), the segments' offsets where ``config.cudnn_document_mask`` says so;
-    splash the segment ids and the padding. None (the mask) otherwise and for the other
-    implementations, which read the mask as it is."""
-    if config.attention_impl not in ("cudnn", "splash") or cache is not None \
-            or config.sliding_window is not None:
+    known when tracing), the segments' offsets where the execution section's
+    ``cudnn_document_mask`` says so; splash the segment ids and the padding. None (the mask)
+    otherwise and for the other implementations, which read the mask as it is."""
+    run = config.execution
+    if run.attention_impl not in ("cudnn", "splash") or cache is not None \
+            or config.arch.sliding_window is not None:
         return None
     all_real = token_mask is None or (not isinstance(token_mask, jax.core.Tracer)
                                       and bool(np.all(np.asarray(token_mask))))
-    if config.attention_impl == "splash":
+    if run.attention_impl == "splash":
         return FusedMask(exactly_causal=segment_ids is None and all_real,
                          segment_ids=segment_ids, token_mask=None if all_real else token_mask)
     if segment_ids is None:
         return FusedMask(exactly_causal=True) if all_real else None
-    if config.cudnn_document_mask != "offsets":
+    if run.cudnn_document_mask != "offsets":
         return None
     real = jnp.ones(segment_ids.shape, bool) if token_mask is None else token_mask
     if not isinstance(segment_ids, jax.core.Tracer) and not isinstance(real, jax.core.Tracer):
-        check_rows_fit(segment_ids, real, config.max_segments_per_row, "segment_ids")
-    widths = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim)
-    return FusedMask(segments=segment_layout(segment_ids, real, config.max_segments_per_row,
+        check_rows_fit(segment_ids, real, run.max_segments_per_row, "segment_ids")
+    widths = (config.arch.num_heads * config.arch.head_dim,
+              config.arch.num_kv_heads * config.arch.head_dim)
+    return FusedMask(segments=segment_layout(segment_ids, real, run.max_segments_per_row,
                                              widths))
 
 
@@ -353,21 +356,21 @@ class CausalLM(nnx.Module):
         # Activations split by rows over every mesh axis, as the batch arrives.
         self.rows_sharding = sharding.rows_sharding(mesh)
         self.embed_tokens = nnx.Embed(
-            config.vocab_size, config.hidden_size, dtype=_dtype(config),
+            config.arch.vocab_size, config.arch.hidden_size, dtype=_dtype(config),
             param_dtype=jnp.float32,
-            embedding_init=nnx.initializers.normal(config.initializer_range), rngs=rngs)
-        self.stack_patterns = layer_pattern_stacks(config.moe_layers)
+            embedding_init=nnx.initializers.normal(config.arch.initializer_range), rngs=rngs)
+        self.stack_patterns = layer_pattern_stacks(config.arch.moe_layers)
         self.stacks = nnx.List([_make_stack(config, pattern, repeats, mesh, rngs)
                                 for pattern, repeats in self.stack_patterns])
         self.norm = make_norm(config)
-        self.lm_head = None if config.tie_word_embeddings else linear(
-            config.hidden_size, config.vocab_size, config.lm_head_bias, config, rngs)
+        self.lm_head = None if config.arch.tie_word_embeddings else linear(
+            config.arch.hidden_size, config.arch.vocab_size, config.arch.lm_head_bias, config, rngs)
 
     @staticmethod
     def layer_index_of(config: LMConfig) -> list[tuple[int, int, int]]:
         """For every model layer in order, ``(stack, repeat, position in the unit)``."""
         return [(s, r, i) for s, (pattern, repeats) in
-                enumerate(layer_pattern_stacks(config.moe_layers))
+                enumerate(layer_pattern_stacks(config.arch.moe_layers))
                 for r in range(repeats) for i in range(len(pattern))]
 
     def layer_index(self) -> list[tuple[int, int, int]]:
@@ -377,7 +380,7 @@ class CausalLM(nnx.Module):
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty :class:`KVCache` of ``max_len`` slots."""
         c, dtype = self.config, _dtype(self.config)
-        key_shape, value_shape = c.cache_shapes
+        key_shape, value_shape = c.arch.cache_shapes
 
         def slots(shape: tuple[int, int]) -> tuple[jax.Array, ...]:
             return tuple(jnp.zeros((repeats, batch_size, max_len, *shape), dtype)
@@ -410,9 +413,9 @@ class CausalLM(nnx.Module):
         positions, masks = _positions_and_masks(c, real, positions, segment_ids, cache)
         fused = _fused_mask(c, real if token_mask is not None else None, segment_ids, cache)
         num_positions = None
-        if cache is not None and c.rope.kind == "longrope":
+        if cache is not None and c.arch.rope.kind == "longrope":
             num_positions = jnp.max(positions) + 1
-        cos, sin = rope_cos_sin(c.rope, c.rotary_dim, positions, num_positions)
+        cos, sin = rope_cos_sin(c.arch.rope, c.arch.rotary_dim, positions, num_positions)
         if fused is not None and fused.segments is not None:
             # Rows that cuDNN's packed layout cannot hold would get another attention than the
             # mask's: NaN logits instead (cos feeds every layer and takes no gradient).
@@ -450,9 +453,9 @@ class CausalLM(nnx.Module):
             if masks[1] is not None:  # which layers of the stack take the window
                 layer = first + jnp.arange(repeats)[:, None] * len(pattern) + \
                     jnp.arange(len(pattern))
-                sliding = jnp.asarray(c.sliding_layers)[layer]
+                sliding = jnp.asarray(c.arch.sliding_layers)[layer]
             x, out_kvs, metrics = _scan_stack(stack, x, kvs, index, cos, sin, masks, sliding,
-                                              real, deterministic, dropless, c.remat,
+                                              real, deterministic, dropless, c.execution.remat,
                                               self.rows_sharding, fused)
             for i, is_moe in enumerate(pattern):
                 if out_kvs is not None:

@@ -16,7 +16,7 @@ qk_rope_head_dim`` rotated query/key dimensions and ``v = v_head_dim``:
   ``[H, v]`` heads back.
 
 The cache holds what transformers' holds: the normed latent and the rotated shared key per
-token (:attr:`LMConfig.cache_shapes`); keys and values are expanded from them at each call.
+token (:attr:`LMArchitecture.cache_shapes`); keys and values are expanded from them at each call.
 The two norms take transformers' fixed epsilon 1e-6 (``DeepseekV3RMSNorm``'s default), not
 ``rms_norm_eps``.
 """
@@ -43,25 +43,25 @@ class LatentAttention(nnx.Module):
     what the cache holds, :meth:`attend` expands and attends."""
 
     def __init__(self, config: LMConfig, rngs: nnx.Rngs):
-        h, e, d = config.num_heads, config.hidden_size, config.head_dim
-        dtype = jnp.dtype(config.compute_dtype)
+        h, e, d = config.arch.num_heads, config.arch.hidden_size, config.arch.head_dim
+        dtype = jnp.dtype(config.execution.compute_dtype)
         self.num_heads, self.head_dim = h, d
-        self.rope_dim, self.value_dim = config.qk_rope_head_dim, config.v_head_dim
-        self.nope_dim = d - config.qk_rope_head_dim
-        self.kv_lora_rank, self.interleave = config.kv_lora_rank, config.rope_interleave
-        self.scale = d**-0.5 * yarn_softmax_mscale(config.rope)
-        if config.q_lora_rank:
-            self.q_a_proj = linear(e, config.q_lora_rank, config.qkv_bias, config, rngs)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, dtype)
-            self.q_b_proj = linear(config.q_lora_rank, h * d, False, config, rngs)
+        self.rope_dim, self.value_dim = config.arch.qk_rope_head_dim, config.arch.v_head_dim
+        self.nope_dim = d - config.arch.qk_rope_head_dim
+        self.kv_lora_rank, self.interleave = config.arch.kv_lora_rank, config.arch.rope_interleave
+        self.scale = d**-0.5 * yarn_softmax_mscale(config.arch.rope)
+        if config.arch.q_lora_rank:
+            self.q_a_proj = linear(e, config.arch.q_lora_rank, config.arch.qkv_bias, config, rngs)
+            self.q_a_layernorm = RMSNorm(config.arch.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_b_proj = linear(config.arch.q_lora_rank, h * d, False, config, rngs)
         else:
             self.q_proj = linear(e, h * d, False, config, rngs)
-        self.kv_a_proj_with_mqa = linear(e, config.kv_lora_rank + self.rope_dim,
-                                         config.qkv_bias, config, rngs)
-        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS, dtype)
-        self.kv_b_proj = linear(config.kv_lora_rank, h * (self.nope_dim + self.value_dim), False,
-                                config, rngs)
-        self.o_proj = linear(h * self.value_dim, e, config.out_bias, config, rngs)
+        self.kv_a_proj_with_mqa = linear(e, config.arch.kv_lora_rank + self.rope_dim,
+                                         config.arch.qkv_bias, config, rngs)
+        self.kv_a_layernorm = RMSNorm(config.arch.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = linear(config.arch.kv_lora_rank, h * (self.nope_dim + self.value_dim),
+                                False, config, rngs)
+        self.o_proj = linear(h * self.value_dim, e, config.arch.out_bias, config, rngs)
 
     def _rotate(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         return apply_rope(deinterleave(x) if self.interleave else x, cos, sin)

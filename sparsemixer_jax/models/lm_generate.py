@@ -152,7 +152,7 @@ def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
     done = jnp.zeros((batch,), bool)
     options = dict(offset=length, temperature=temperature, top_k=top_k, top_p=top_p,
                    eos_id=eos_id)
-    rope = model.config.rope
+    rope = model.config.arch.rope
     # The step that writes the token at the longrope switch position; the cache is recomputed
     # from the whole sequence before the next step, when a next step exists.
     switch_step = rope.original_max_position_embeddings - length \

@@ -28,9 +28,10 @@ from flax import nnx
 
 from sparsemixer_jax.data import bpe, chat, lm_text, text
 from sparsemixer_jax.data.tokenizer import vocabulary_sample
+from sparsemixer_jax.hf.scratch import check_router_for_lm, from_scratch_config, router_overrides
 from sparsemixer_jax.layers.packed_attention import check_rows_fit
 from sparsemixer_jax.models.causal_lm import CausalLM
-from sparsemixer_jax.models.lm_config import LMConfig
+from sparsemixer_jax.models.lm_config import LMConfig, LMExecution
 from sparsemixer_jax.models.lm_loss import token_nll
 from sparsemixer_jax.parallel import sharding
 from sparsemixer_jax.routers import RouterConfig
@@ -40,13 +41,9 @@ from sparsemixer_jax.tasks.lm_sections import (
     INIT_ROUTERS,
     LMModelConfig,
     SampleConfig,
-    check_router_for_lm,
-    from_scratch_config,
-    model_overrides,
     refuse_overruled_router_fields,
     refuse_unused_router_fields,
     router_of_run,
-    router_overrides,
 )
 from sparsemixer_jax.training import Run, TaskData, train
 from sparsemixer_jax.training import config as config_schema
@@ -121,6 +118,7 @@ class LMTask:
         first bad field (or what is wrong with ``init_from``)."""
         check_sections(config)
         model = LMModelConfig.from_config(config.model)
+        execution = LMExecution.from_config(config.model)
         init_from = cast(str, config.init_from, "config.init_from")
         init_router = cast(str, config.init_router, "config.init_router")
         if init_router not in INIT_ROUTERS:
@@ -133,14 +131,14 @@ class LMTask:
                              "checkpoint (config.init_from) tokenizes with the checkpoint's "
                              "own tokenizer; leave it at 'spm'")
         if init_from:
-            lm = _checkpoint_config(init_from, router, model, init_router, data.format)
+            lm = _checkpoint_config(init_from, router, execution, init_router, data.format)
         elif data.format != "text":
             raise ValueError(f"config.data.format={data.format!r} needs a checkpoint's "
                              "tokenizer (and, for chat, its chat template): set "
                              "config.init_from to a Hugging Face directory")
         else:
             config_schema.validate(config, router)
-            lm = from_scratch_config(model, router, data.vocab_size)
+            lm = from_scratch_config(model, router, data.vocab_size, execution)
             if data.tokenizer == "bpe":  # config.json names its special tokens' ids
                 lm = lm.replace(hf_config=json.dumps({**lm.hf, **bpe.TOKEN_IDS}))
         return cls(lm, router, data, sample, init_from)
@@ -202,8 +200,10 @@ class LMTask:
         not for the machine that traces it: the compile command's programs for a target."""
         from sparsemixer_jax.moe.dispatch import resolve_dispatch
 
-        dispatch = resolve_dispatch(self.lm.dispatch, platform)
-        return dataclasses.replace(self, lm=self.lm.replace(dispatch=dispatch))
+        run = self.lm.execution
+        dispatch = resolve_dispatch(run.dispatch, platform)
+        return dataclasses.replace(self, lm=self.lm.replace(
+            execution=dataclasses.replace(run, dispatch=dispatch)))
 
     # -- on the host
 
@@ -261,7 +261,7 @@ class LMTask:
         if is_main_process():
             wait_for_all_processes("vocabulary ready")
         if self.init_from:
-            check_tokenizer_fits(tokenizer, self.lm.vocab_size, self.init_from)
+            check_tokenizer_fits(tokenizer, self.lm.arch.vocab_size, self.init_from)
         cache = os.path.join(workdir, "packed")
         files = text.text_files(d.train)
         write = is_main_process()
@@ -275,10 +275,12 @@ class LMTask:
             held_out[name] = lm_text.pack_split(d, cache, f"lm-wikitext-{name}", [file],
                                                 tokenizer, lambda f=file: text.read_documents(f),
                                                 write, fmt="text")
-        if self.lm.attention_impl == "cudnn" and self.lm.cudnn_document_mask == "offsets":
+        execution = self.lm.execution
+        if execution.attention_impl == "cudnn" and execution.cudnn_document_mask == "offsets":
             for name, packed in (("train", train_split), ("valid", valid_split), *held_out.items()):
                 check_rows_fit(packed.segments, packed.segments != 0,
-                               self.lm.max_segments_per_row, f"config.data: the {name} split")
+                               execution.max_segments_per_row,
+                               f"config.data: the {name} split")
         processes = {"process_index": jax.process_index(), "process_count": jax.process_count()}
         batches = lm_text.LMBatches(train_split, d.micro, seed=d.seed, **processes)
         # Evaluation batches split over the mesh too: padded with empty rows to a multiple.
@@ -288,8 +290,8 @@ class LMTask:
                  **{f"wikitext_{k}": v.stats for k, v in held_out.items()}}
         extra = {"tokenizer": tokenizer, "held_out": held_out, "valid_split": valid_split,
                  "eval_rows": eval_rows, "batch_multiple": batch_multiple,
-                 "unigram": lm_text.unigram_log_probs(train_split, self.lm.vocab_size)}
-        return TaskData(train=batches, valid=valid, vocab_size=self.lm.vocab_size, stats=stats,
+                 "unigram": lm_text.unigram_log_probs(train_split, self.lm.arch.vocab_size)}
+        return TaskData(train=batches, valid=valid, vocab_size=self.lm.arch.vocab_size, stats=stats,
                         micro_batches=d.batch_size // d.micro, extra=extra)
 
     def build_model(self, run, vocab_size: int, mesh) -> CausalLM:
@@ -350,10 +352,10 @@ def _changes(lm: LMConfig, path: str) -> dict[str, Any]:
             if getattr(lm, f.name) != getattr(own, f.name)}
 
 
-def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
+def _checkpoint_config(path: str, router: RouterConfig, execution: LMExecution,
                        init_router: str, data_format: str = "text") -> LMConfig:
     """The :class:`LMConfig` a fine-tuning run trains: the checkpoint's, with the model
-    section's dispatch and compute settings and (``init_router="config"``) the router section.
+    section's execution settings and (``init_router="config"``) the router section.
     One-line ValueErrors for a directory that is not a checkpoint, an unsupported type, a
     refused key, a missing shard or tokenizer, or no chat template (``chat`` data) or eos
     token (``prompt_completion``)."""
@@ -362,7 +364,7 @@ def _checkpoint_config(path: str, router: RouterConfig, model: LMModelConfig,
     where = f"config.init_from={path!r}"
     try:
         cfg = hf.read_config(path)
-        overrides = model_overrides(model)
+        overrides: dict[str, Any] = {"execution": execution}
         if init_router == "config":
             check_router_for_lm(router, cfg.get("model_type", ""))
             overrides.update(router_overrides(router, cfg.get("model_type", ""),

@@ -65,9 +65,9 @@ def load_source(model_dir: str | None = None, workdir: str | None = None,
             raise FileNotFoundError(f"{workdir} has no spm.model: the run's tokenizer is gone")
         lm_tokenizer = task.tokenizer(workdir)
         model, _ = restore_model(workdir, config, task, checkpoint)
-    if lm_tokenizer.vocab_size > model.config.vocab_size:
+    if lm_tokenizer.vocab_size > model.config.arch.vocab_size:
         raise ValueError(f"{where}: the tokenizer has {lm_tokenizer.vocab_size} tokens but the "
-                         f"model's vocabulary {model.config.vocab_size}")
+                         f"model's vocabulary {model.config.arch.vocab_size}")
     model.eval()
     return Source(model, lm_tokenizer, where)
 

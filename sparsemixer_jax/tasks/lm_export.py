@@ -98,7 +98,7 @@ def export_run(workdir: str, out_dir: str, checkpoint: str = "last", dtype: str 
         measured, gap = _measured(out_dir, trained, own, rows, trained_logits, workdir)
         if gap != 0.0:  # else the two differ in training only (a jitter, say)
             note = _routing_note(trained, own, routing, measured)
-    return {"step": step, "model_type": trained.model_type,
+    return {"step": step, "model_type": trained.arch.model_type,
             "files": sorted(os.listdir(out_dir)), "routing_note": note}
 
 
@@ -127,7 +127,7 @@ def restore_model(workdir: str, config: ml_collections.ConfigDict, task: LMTask,
     # Built as from scratch (init_from's weights are not read): the model's structure is the
     # config's; its weights come from the run's checkpoint.
     run = run_config(config, dataclasses.replace(task, init_from=""))
-    steps = build_steps(run, task.lm.vocab_size, sharding.device_mesh(run.mesh))
+    steps = build_steps(run, task.lm.arch.vocab_size, sharding.device_mesh(run.mesh))
     restored = restore_checkpoint(workdir, steps.abstract_state(), checkpoint)
     if restored is None:
         raise FileNotFoundError(f"{workdir} holds no {checkpoint} checkpoint")
@@ -203,14 +203,14 @@ def _written_config(trained: LMConfig, own: LMConfig, routing: str) -> LMConfig:
         with_bias = types_with(lambda f: SELECTION_BIAS in f.moe_names)
         raise ValueError(
             f"the run learned a selection bias (router.bias_update_rate={rate}) and "
-            f"{trained.model_type} checkpoints have no place for one (types with "
+            f"{trained.arch.model_type} checkpoints have no place for one (types with "
             f"e_score_correction_bias: {', '.join(with_bias)}); --routing=type writes "
-            f"{trained.model_type}'s own routing without it")
+            f"{trained.arch.model_type}'s own routing without it")
     if trained.router == "default_moe_forward" and options.get("default_at_eval", True):
         raise ValueError(
             "router default_moe_forward adds its experts' default vectors to the output at "
             "evaluation, and a checkpoint has no place for them; --routing=type writes "
-            f"{trained.model_type}'s own routing without them")
+            f"{trained.arch.model_type}'s own routing without them")
     return trained
 
 
@@ -245,7 +245,7 @@ def _measured(out_dir: str, trained: LMConfig, own: LMConfig, rows, trained_logi
     if rows is None:
         return f"not measured: {workdir}/packed holds no validation rows", None
     kept = ("compute_dtype", "dispatch", "grouped_impl", "capacity_factor", "attention_impl")
-    model, _ = hf.load_pretrained(out_dir, **{f: getattr(trained, f) for f in kept},
+    model, _ = hf.load_pretrained(out_dir, **{f: getattr(trained.execution, f) for f in kept},
                                   **_routing_fields(own))
     real = rows[1] != 0
     gap = np.abs(np.asarray(_logits(model, *rows)) - trained_logits)[real]
@@ -267,7 +267,7 @@ def _describe(lm: LMConfig) -> str:
 def _routing_note(trained: LMConfig, own: LMConfig, routing: str, measured: str) -> str:
     from sparsemixer_jax.hf.config import ROUTING_KEY
 
-    kind = trained.model_type
+    kind = trained.arch.model_type
     if routing == "type":
         return (f"--routing=type: the export routes as {kind} does, {_describe(own)}, not as "
                 f"trained, {_describe(trained)}: {measured}")

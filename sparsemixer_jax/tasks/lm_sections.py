@@ -1,10 +1,9 @@
-"""The typed sections of a language-modelling config: ``config.model`` (a from-scratch
-:class:`~sparsemixer_jax.models.lm_config.LMConfig` of a Hugging Face model type), the router
-section applied to it or to a checkpoint, and ``config.sample`` (the text generated at the end).
-
-A from-scratch model is described as the ``config.json`` of its type would describe it
-(:func:`hf_config_of`) and built by :func:`sparsemixer_jax.hf.from_hf`, so it is initialised,
-computed and exported exactly as a checkpoint of that type.
+"""The typed sections of a language-modelling config: ``config.model`` (the shape of a
+from-scratch model of a Hugging Face model type; how every model computes is the section's
+:class:`~sparsemixer_jax.models.lm_config.LMExecution`), the rules by which the router section
+routes a model from scratch or a checkpoint, and ``config.sample`` (the text generated at the
+end). :mod:`sparsemixer_jax.hf.scratch` builds the model's
+:class:`~sparsemixer_jax.models.lm_config.LMConfig` from them.
 """
 
 from __future__ import annotations
@@ -13,16 +12,11 @@ import dataclasses
 from typing import Any
 
 from sparsemixer_jax.hf.families import family_of, types_with
-from sparsemixer_jax.layers.attention_impls import ATTENTION_IMPLS, check_attention_dtype
-from sparsemixer_jax.models.lm_config import CUDNN_DOCUMENT_MASKS, LMConfig
+from sparsemixer_jax.hf.scratch import SELECTION_OPTIONS
+from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.routers import RouterConfig
 from sparsemixer_jax.routers.registry import ROUTER_OPTIONS
 from sparsemixer_jax.section import check_positive, read_fields
-
-# The routing options of the router section that every type's MoE layers take as they are
-# (docs/routing.md): scores, bias balancing, the balance loss's scope, groups.
-SELECTION_OPTIONS = ("score", "routed_scaling_factor", "bias_update_rate", "balance_scope",
-                     "num_groups", "top_groups", "group_score")
 
 # The checkpoint's routing is kept on fine-tuning unless config.init_router says "config".
 INIT_ROUTERS = ("checkpoint", "config")
@@ -75,7 +69,7 @@ def refuse_overruled_router_fields(lm: LMConfig, router: RouterConfig, given: An
     command line (in ``given``, as ``"router.score"``) that does not route the model ``lm``:
     a model from scratch routes by its type's own options where the section holds their
     defaults (``glm4_moe``'s ``score='sigmoid'`` over ``--config.router.score=softmax``)."""
-    if not any(lm.moe_layers):
+    if not any(lm.arch.moe_layers):
         return
     routed = lm.moe_sections()[1]
     names = ("name", "top_k", "jitter_eps", *ROUTER_OPTIONS, *SELECTION_OPTIONS)
@@ -84,15 +78,17 @@ def refuse_overruled_router_fields(lm: LMConfig, router: RouterConfig, given: An
             if f"router.{name}" in given and getattr(router, name) != getattr(routed, name)]
     if lost:
         raise ValueError(
-            f"{', '.join(lost)}: a {lm.model_type} model from scratch routes by its type's own "
-            "options where the router section holds their defaults; fine-tune a checkpoint "
+            f"{', '.join(lost)}: a {lm.arch.model_type} model from scratch routes by its type's "
+            "own options where the router section holds their defaults; fine-tune a checkpoint "
             "with --config.init_router=config to route by the section alone, or leave "
             f"{'them' if len(lost) > 1 else 'it'} out")
 
 
 @dataclasses.dataclass(frozen=True)
 class LMModelConfig:
-    """``config.model`` of a language-modelling run (schema: ``configs/lm_quickstart.py``).
+    """``config.model`` of a language-modelling run from scratch (schema:
+    ``configs/lm_quickstart.py``): the model's shape. How it computes is the same section's
+    :class:`~sparsemixer_jax.models.lm_config.LMExecution` fields, read by that class.
 
     Attributes:
       hf_type: the architecture family, a Hugging Face ``model_type`` of
@@ -112,27 +108,17 @@ class LMModelConfig:
       shared_expert_dim: ``qwen2_moe``'s shared expert width (0: ``mlp_dim``).
       tie_embeddings, rope_theta, norm_eps, initializer_range, max_position_embeddings: as the
         type's ``config.json`` keys.
-      dispatch, grouped_impl, capacity_factor, expert_buffer_factor, compute_dtype: the MoE
-        layer's and the matmuls'.
-      attention_impl: ``einsum`` (transformers' computation), ``xla``/``auto``
-        (``jax.nn.dot_product_attention``), ``cudnn`` (flash attention, bf16 on NVIDIA GPUs) or
-        ``splash`` (jax's Pallas flash attention on TPU).
-      cudnn_document_mask, max_segments_per_row: how cuDNN's attention takes packed documents
-        (:class:`~sparsemixer_jax.models.lm_config.LMConfig`'s fields of these names).
-      remat: what the scanned layers' backward pass recomputes
-        (:data:`~sparsemixer_jax.models.lm_config.REMAT_POLICIES`).
       dropout, attention_dropout, activation_dropout, activation, init,
         num_shared_experts, shared_expert_gate: the fields every model section has
         (:func:`sparsemixer_jax.training.config.moe_model_fields`); the language model has no
-        dropout,
-        SwiGLU (``silu``) experts, the types' own normal initialisation
+        dropout, SwiGLU (``silu``) experts, the types' own normal initialisation
         (``init="normal"``) and only Qwen2-MoE's own shared expert, so only the defaults are
         taken.
       hf_keys: further ``config.json`` keys of ``hf_type``, laid over the ones the section
-        writes (:func:`hf_config_of`): a from-scratch model of a published checkpoint's whole
-        shape (``first_k_dense_replace`` with a dense ``intermediate_size``, latent attention's
-        widths, ``layer_types``, ``rope_parameters``, ...). The sizes the section has fields for
-        are set there, not here.
+        writes (:func:`~sparsemixer_jax.hf.scratch.hf_config_of`): a from-scratch model of a
+        published checkpoint's whole shape (``first_k_dense_replace`` with a dense
+        ``intermediate_size``, latent attention's widths, ``layer_types``,
+        ``rope_parameters``, ...). The sizes the section has fields for are set there, not here.
     """
 
     hidden_size: int
@@ -150,19 +136,10 @@ class LMModelConfig:
     norm_eps: float = 1e-5
     initializer_range: float = 0.02
     max_position_embeddings: int = 4096
-    dispatch: str = "auto"
-    grouped_impl: str = "mosaic"
-    capacity_factor: float = 0.0
-    expert_buffer_factor: float = 0.0
-    compute_dtype: str = "float32"
-    remat: str = "none"
     dropout: float = 0.0
     attention_dropout: float = 0.0
     activation_dropout: float = 0.0
     activation: str = "silu"
-    attention_impl: str = "einsum"
-    cudnn_document_mask: str = "bias"
-    max_segments_per_row: int = 64
     init: str = "normal"
     num_shared_experts: int = 0
     shared_expert_gate: bool = False
@@ -202,14 +179,6 @@ class LMModelConfig:
             if getattr(m, name) != only:
                 raise ValueError(f"{where}{name}={getattr(m, name)!r}: the language model "
                                  f"takes only {only!r}")
-        if m.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"{where}attention_impl={m.attention_impl!r}; choose one of "
-                             f"{', '.join(ATTENTION_IMPLS)}")
-        check_attention_dtype(m.attention_impl, m.compute_dtype, where)
-        if m.cudnn_document_mask not in CUDNN_DOCUMENT_MASKS:
-            raise ValueError(f"{where}cudnn_document_mask={m.cudnn_document_mask!r}; choose one "
-                             f"of {', '.join(CUDNN_DOCUMENT_MASKS)}")
-        check_positive(where, max_segments_per_row=m.max_segments_per_row)
         if m.moe_every != 1 and family.dense_layers != "sparse_step":
             alternating = types_with(lambda f: f.dense_layers == "sparse_step")
             layout = "routes every layer" if not family.dense_layers else \
@@ -225,126 +194,6 @@ class LMModelConfig:
             raise ValueError(f"{where}shared_expert_dim: {m.hf_type} has no shared expert "
                              f"(types with one: {', '.join(with_one)})")
         return m
-
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-
-def _section_values(model: LMModelConfig, router: RouterConfig) -> dict[str, Any]:
-    """The :class:`LMConfig` fields that a type reads from its own keys and that the model and
-    router sections give a from-scratch model (the type's other keys keep their defaults)."""
-    return {"norm_topk_prob": router.normalize_top_k, "jitter_eps": router.jitter_eps,
-            "shared_expert_size": model.shared_expert_dim or model.mlp_dim}
-
-
-def hf_config_of(model: LMModelConfig, router: RouterConfig, vocab_size: int
-                 ) -> dict[str, Any]:
-    """The ``config.json`` of a from-scratch model of type ``model.hf_type``, with the
-    router's ``top_k`` (and ``normalize_top_k`` where the type has ``norm_topk_prob``)."""
-    m, family = model, family_of(model.hf_type, "config.model.hf_type=")
-    cfg: dict[str, Any] = {
-        "model_type": family.model_type, "vocab_size": vocab_size,
-        "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_heads, "num_key_value_heads": m.kv_heads(),
-        "intermediate_size": m.mlp_dim, "num_experts_per_tok": router.top_k,
-        "rms_norm_eps": m.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-        "tie_word_embeddings": m.tie_embeddings, "initializer_range": m.initializer_range,
-        "max_position_embeddings": m.max_position_embeddings, "hidden_act": "silu",
-        "router_aux_loss_coef": router.balance_weight, family.experts_key: m.num_experts,
-        **family.scratch,
-    }
-    if not family.head_dim_fixed:
-        cfg["head_dim"] = m.head_dim or m.hidden_size // m.num_heads
-    sections = _section_values(m, router)
-    cfg.update({key.name: sections[key.fields[0]] for key in family.keys
-                if key.fields[0] in sections})
-    if family.dense_layers:
-        cfg["moe_intermediate_size"] = m.mlp_dim
-    if family.dense_layers == "sparse_step":
-        routed = [i for i in range(m.num_layers) if (i + 1) % m.moe_every == 0]
-        cfg.update(decoder_sparse_step=1,
-                   mlp_only_layers=[i for i in range(m.num_layers) if i not in routed])
-    elif family.dense_layers == "first_k":
-        cfg["first_k_dense_replace"] = 0  # every layer routed, as the model section's others
-    cfg.update(m.hf_keys)
-    return cfg
-
-
-def router_overrides(router: RouterConfig, hf_type: str, *, over_type: bool = True
-                     ) -> dict[str, Any]:
-    """The :class:`LMConfig` fields that route by the config's router section. ``norm_topk_prob``
-    is the type's own for the types without the key (``mixtral`` always renormalises;
-    :func:`check_router_for_lm` refuses a normalising router without it; ``phimoe``'s router
-    never renormalises).
-
-    ``over_type`` (a model from scratch): the type's own routing (GLM-4.5's sigmoid scores,
-    ...) with the section's options that differ from their defaults over it. Otherwise
-    (``init_router="config"``) the section is the whole routing: each option the type's own
-    routing sets takes the section's value, default or not, so that what the section (and the
-    run's ``config.json``) says is what routes the model, and its export records."""
-    defaults, flags = RouterConfig(), family_of(hf_type).router_flags
-    options = dict(flags) if over_type else {}
-    options.update((name, getattr(router, name)) for name in (*ROUTER_OPTIONS, *SELECTION_OPTIONS)
-                   if getattr(router, name) != getattr(defaults, name)
-                   or (not over_type and name in flags))
-    options = tuple(sorted(options.items()))
-    fields = {"router": router.name, "jitter_eps": router.jitter_eps, "top_k": router.top_k,
-              "router_options": options}
-    if family_of(hf_type).reads("norm_topk_prob"):
-        fields["norm_topk_prob"] = router.normalize_top_k
-    return fields
-
-
-def check_router_for_lm(router: RouterConfig, hf_type: str, where: str = "config.router."
-                        ) -> None:
-    """The router options the language model cannot honour, each as a one-line ValueError."""
-    if router.init_scale != 1.0:
-        raise ValueError(f"{where}init_scale={router.init_scale}: the language model's router "
-                         "is initialised as its type's (normal with initializer_range); "
-                         "leave it at 1.0")
-    if family_of(hf_type).flags.get("norm_topk_prob") and \
-            router.name in _routers_normalizing() and not router.renormalises:
-        choices = " or ".join(types_with(lambda f: f.reads("norm_topk_prob")))
-        raise ValueError(f"{where}normalize_top_k=False: {hf_type} renormalises its top-k "
-                         f"gates; set it True, or choose model.hf_type {choices} "
-                         "(norm_topk_prob)")
-
-
-def _routers_normalizing() -> list[str]:
-    from sparsemixer_jax.routers import registry
-
-    return registry.routers_taking("normalize_top_k")
-
-
-def from_scratch_config(model: LMModelConfig, router: RouterConfig, vocab_size: int
-                        ) -> LMConfig:
-    """The :class:`LMConfig` of a model trained from scratch."""
-    from sparsemixer_jax.hf.config import from_hf
-
-    check_router_for_lm(router, model.hf_type)
-    if model.num_experts == 0:
-        # A dense model: the type's layers with every feed-forward sublayer a SwiGLU MLP of
-        # width mlp_dim. The expert count the type's config needs routes nothing (top_k: the
-        # router's checks pass; no layer builds a router).
-        lm = from_hf(hf_config_of(dataclasses.replace(model, num_experts=router.top_k), router,
-                                  vocab_size),
-                     **router_overrides(router, model.hf_type), **model_overrides(model))
-        return lm.replace(moe_layers=(False,) * lm.num_layers, intermediate_size=model.mlp_dim)
-    return from_hf(hf_config_of(model, router, vocab_size),
-                   **router_overrides(router, model.hf_type),
-                   **model_overrides(model))
-
-
-def model_overrides(model: LMModelConfig) -> dict[str, Any]:
-    """The :class:`LMConfig` fields the model section sets on a checkpoint too."""
-    return {"dispatch": model.dispatch, "grouped_impl": model.grouped_impl,
-            "capacity_factor": model.capacity_factor,
-            "expert_buffer_factor": model.expert_buffer_factor,
-            "compute_dtype": model.compute_dtype,
-            "attention_impl": model.attention_impl, "remat": model.remat,
-            "cudnn_document_mask": model.cudnn_document_mask,
-            "max_segments_per_row": model.max_segments_per_row}
 
 
 @dataclasses.dataclass(frozen=True)
