@@ -262,9 +262,8 @@ translation.train_and_evaluate(config, sys.argv[1])
 
 def test_sigkill_during_a_checkpoint_save_then_rerun_resumes(finished, tmp_path, template):
     workdir = str(tmp_path / "killed")
-    # The child reads the finished run's programs from the session's compilation cache
-    # (tests/conftest.py; its environment names it) instead of compiling them again.
-    killed = subprocess.run([sys.executable, "-c", _KILL_DURING_SAVE, workdir], cwd=REPO,
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla"))
+    killed = subprocess.run([sys.executable, "-c", _KILL_DURING_SAVE, workdir], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     results = translation.train_and_evaluate(tiny(), workdir)
