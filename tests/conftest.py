@@ -6,10 +6,7 @@ on 2 cores). Subprocesses that tests start inherit both flags through the enviro
 
 Float32 matmuls at ``highest`` precision: the tests compare float32 numbers at CPU tolerances,
 and NVIDIA GPUs would otherwise run them as TF32 (about 1e-3 relative error). CPUs compute float32
-matmuls in full precision either way, so CPU results do not change.
-
-One JAX compilation cache per session, starting empty (``pytest_configure`` below): the workers
-and the commands the tests start share the programs they compile."""
+matmuls in full precision either way, so CPU results do not change."""
 
 import os
 import shutil
