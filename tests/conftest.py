@@ -9,8 +9,6 @@ and NVIDIA GPUs would otherwise run them as TF32 (about 1e-3 relative error). CP
 matmuls in full precision either way, so CPU results do not change."""
 
 import os
-import shutil
-import tempfile
 
 import pytest
 
@@ -21,35 +19,6 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-# JAX's persistent compilation cache, one per test session, starting empty: the modules, the two
-# xdist workers and the commands the tests start compile many of the same programs (the tiny
-# configs' steps), and a program compiled once is read back by the others. XLA's flags are part
-# of the cache key, so a child under the other math library never reads this process's programs.
-# Every program is kept: the tiny models' programs compile in a tenth of a second to a few
-# seconds each, and reading one back takes milliseconds.
-CACHE_MIN_COMPILE_SECS = "0"
-# Set by the session's first process (the xdist controller, or pytest itself without xdist)
-# before any test module imports jax; the workers and every child process inherit it.
-_CACHE_OWNER = "SPARSEMIXER_TEST_XLA_CACHE_OWNER"
-
-
-def pytest_configure(config):
-    if "PYTEST_XDIST_WORKER" in os.environ or os.environ.get(_CACHE_OWNER):
-        return
-    cache = tempfile.mkdtemp(prefix="sparsemixer-test-xla-cache-")
-    os.environ[_CACHE_OWNER] = str(os.getpid())
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = CACHE_MIN_COMPILE_SECS
-    # A size limit makes JAX lock the directory while it reads or writes an entry: the two
-    # workers then never read an entry the other is still writing.
-    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 * 2**30)
-
-
-def pytest_unconfigure(config):
-    if os.environ.get(_CACHE_OWNER) == str(os.getpid()):
-        shutil.rmtree(os.environ.pop("JAX_COMPILATION_CACHE_DIR"), ignore_errors=True)
-        del os.environ[_CACHE_OWNER]
 
 
 # The modules that take longest (docs/testing.md), longest first: collected, and so handed to the
