@@ -32,7 +32,7 @@ from sparsemixer_jax.layers.delta_rule import (
     recurrent_gated_delta_rule,
     segment_resets,
 )
-from sparsemixer_jax.layers.linear import linear
+from sparsemixer_jax.layers.linear import projection
 from sparsemixer_jax.layers.norms import RMSNorm
 
 LAYOUTS = ("fused", "separate")
@@ -149,15 +149,18 @@ class GatedDeltaNet(nnx.Module):
     def __init__(self, config: GatedDeltaNetConfig, rngs: nnx.Rngs):
         self.config = config
         c = config
+
+        def proj(din: int, dout: int) -> nnx.Linear:
+            return projection(din, dout, False, c.compute_dtype, c.initializer_range, rngs)
+
         if c.layout == "fused":
-            self.in_proj_qkvz = linear(c.hidden_size, 2 * c.key_dim + 2 * c.value_dim, False, c,
-                                       rngs)
-            self.in_proj_ba = linear(c.hidden_size, 2 * c.num_value_heads, False, c, rngs)
+            self.in_proj_qkvz = proj(c.hidden_size, 2 * c.key_dim + 2 * c.value_dim)
+            self.in_proj_ba = proj(c.hidden_size, 2 * c.num_value_heads)
         else:
-            self.in_proj_qkv = linear(c.hidden_size, c.conv_dim, False, c, rngs)
-            self.in_proj_z = linear(c.hidden_size, c.value_dim, False, c, rngs)
-            self.in_proj_b = linear(c.hidden_size, c.num_value_heads, False, c, rngs)
-            self.in_proj_a = linear(c.hidden_size, c.num_value_heads, False, c, rngs)
+            self.in_proj_qkv = proj(c.hidden_size, c.conv_dim)
+            self.in_proj_z = proj(c.hidden_size, c.value_dim)
+            self.in_proj_b = proj(c.hidden_size, c.num_value_heads)
+            self.in_proj_a = proj(c.hidden_size, c.num_value_heads)
         self.conv1d = nnx.Param(c.initializer_range * jax.random.normal(
             rngs.params(), (c.conv_dim, c.conv_kernel_size), jnp.float32))
         # As the Hugging Face types start them: dt_bias at one, A drawn uniformly from (0, 16]
@@ -166,7 +169,7 @@ class GatedDeltaNet(nnx.Module):
         self.A_log = nnx.Param(jnp.log(jax.random.uniform(
             rngs.params(), (c.num_value_heads,), jnp.float32, minval=0.01, maxval=16.0)))
         self.norm = RMSNorm(c.value_head_dim, c.norm_eps, jnp.dtype(c.compute_dtype))
-        self.out_proj = linear(c.value_dim, c.hidden_size, False, c, rngs)
+        self.out_proj = proj(c.value_dim, c.hidden_size)
 
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """The input projections of ``x`` ``[B, T, D]`` as ``(qkv [B, T, conv_dim]`` (all

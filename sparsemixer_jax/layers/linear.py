@@ -39,13 +39,19 @@ class LinearSettings(Protocol):
     def arch(self) -> InitSettings: ...
 
 
-def linear(din: int, dout: int, bias: bool, config: LinearSettings, rngs: nnx.Rngs) -> nnx.Linear:
-    """A projection ``[din] -> [dout]`` in the compute dtype with float32 params."""
+def projection(din: int, dout: int, bias: bool, compute_dtype: str, initializer_range: float,
+               rngs: nnx.Rngs) -> nnx.Linear:
+    """A projection ``[din] -> [dout]`` computing in ``compute_dtype`` with float32 params."""
     # Initialised as the Hugging Face types are: normal(initializer_range), zero bias.
-    return nnx.Linear(din, dout, use_bias=bias, dtype=jnp.dtype(config.execution.compute_dtype),
+    return nnx.Linear(din, dout, use_bias=bias, dtype=jnp.dtype(compute_dtype),
                       param_dtype=jnp.float32,
-                      kernel_init=nnx.initializers.normal(config.arch.initializer_range),
-                      rngs=rngs)
+                      kernel_init=nnx.initializers.normal(initializer_range), rngs=rngs)
+
+
+def linear(din: int, dout: int, bias: bool, config: LinearSettings, rngs: nnx.Rngs) -> nnx.Linear:
+    """A :func:`projection` ``[din] -> [dout]`` with a language model's dtype and init."""
+    return projection(din, dout, bias, config.execution.compute_dtype,
+                      config.arch.initializer_range, rngs)
 
 
 def linear_maker(config: LinearSettings, rngs: nnx.Rngs) -> MakeLinear:
