@@ -21,21 +21,6 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
-# The modules that take longest (docs/testing.md), longest first: collected, and so handed to the
-# two workers (``--dist loadfile``), before the rest, so that no worker starts one of them when
-# the other has nothing left to run.
-LONGEST_MODULES = ("test_fsdp.py", "test_pretrain.py", "test_glue.py", "test_checkpoint.py",
-                   "test_steps.py", "test_train.py", "test_partitioner_warnings.py",
-                   "test_lm_remat.py", "test_compile.py", "test_preemption.py", "test_sharding.py",
-                   "test_grouped_dispatch.py", "test_initializers.py", "test_lm_benchmark.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
-    # A stable sort: each module's tests, and the other modules, keep their order.
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_MODULES)))
-
-
 @pytest.fixture(scope="session")
 def last_checkpoint():
     """``read(workdir, steps) -> (params, meta)``: the parameters (numpy) and meta of the last
