@@ -141,11 +141,12 @@ def test_rows_the_layout_cannot_hold_are_refused_in_one_line():
 
 def test_a_forward_pass_on_concrete_rows_over_the_limit_raises():
     """Outside jit the model sees the segment ids and refuses such rows before attending."""
-    config = LMConfig(model_type="mixtral", vocab_size=16, hidden_size=16, num_layers=1,
-                      num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=16,
-                      moe_intermediate_size=8, num_experts=2, top_k=1, moe_layers=(False,),
-                      compute_dtype="bfloat16", attention_impl="cudnn",
-                      cudnn_document_mask="offsets", max_segments_per_row=2)
+    config = LMConfig.build(model_type="mixtral", vocab_size=16, hidden_size=16, num_layers=1,
+                            num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=16,
+                            moe_intermediate_size=8, num_experts=2, top_k=1,
+                            moe_layers=(False,), compute_dtype="bfloat16",
+                            attention_impl="cudnn", cudnn_document_mask="offsets",
+                            max_segments_per_row=2)
     model = CausalLM(config, rngs=nnx.Rngs(params=0, router=1))
     segments = jnp.asarray([[1, 1, 2, 2, 3, 3, 0, 0]])
     with pytest.raises(ValueError, match=r"^segment_ids: row 0 holds 4 segments"):
