@@ -219,10 +219,18 @@ class MoEFeedForward(nnx.Module):
         *,
         deterministic: bool = False,
         dropless: bool = False,
+        routes: jax.Array | None = None,
+        record_routes: bool = False,
     ) -> tuple[jax.Array, dict]:
         """x: ``[B, T, emb]``; token_mask: bool ``[B, T]`` (False = padding) or None;
         ``dropless`` ignores ``capacity_factor`` for this call (decoding uses it). In
         training the input is first jittered by ``moe.input_jitter`` where it is set.
+
+        ``routes``: int ``[B, T, top_k]``, routing replay: each token goes to these experts
+        (a row of ``-1``: the router's own choice), gated by the live router over them
+        (:func:`sparsemixer_jax.routers.replayed_route`; SparseMixer routers refuse it).
+        ``record_routes`` adds the selection made to the metrics: ``routes`` int32
+        ``[B, T, top_k]``, ``-1`` on padding.
 
         Returns ``y [B, T, emb]`` (dtype of ``x``) and a dict of float32 metrics:
         ``balance_loss``, ``z_loss``, ``num_unmasked``, ``entropy``, ``dropped_fraction`` (of
@@ -248,6 +256,8 @@ class MoEFeedForward(nnx.Module):
         key = self.router_rng() if training else None
         bias = None if self.expert_bias is None else self.expert_bias[...]
         routed = routers.router_fn(self.router_config)(logits, key, training, bias)
+        if routes is not None:
+            routed = self._replayed(routed, routes, x.shape[:2])
         metrics = routers.routing_metrics(logits, routed, token_mask)
         metrics["balance_loss"] = self._balance_loss(routed, token_mask, training)
         metrics.update(router_diagnostics(
@@ -260,6 +270,8 @@ class MoEFeedForward(nnx.Module):
         gate = routed.gate if k > 1 else routed.gate[..., None]
         if self.report_choices and deterministic:  # each token's chosen set, as a set: sorted
             metrics["choices"] = jnp.sort(expert, axis=-1)
+        chosen = expert if token_mask is None else \
+            jnp.where(token_mask[..., None].astype(bool), expert, -1)
         active, capacity, metrics["dropped_fraction"] = self._served_rows(expert, token_mask,
                                                                           dropless)
         group = jnp.where(active, expert, n).astype(jnp.int32)
@@ -282,7 +294,22 @@ class MoEFeedForward(nnx.Module):
             if token_mask is not None:
                 shared = shared * token_mask[..., None].astype(shared.dtype)
             y = y + shared
-        return y.astype(x.dtype), {name: v.astype(jnp.float32) for name, v in metrics.items()}
+        metrics = {name: v.astype(jnp.float32) for name, v in metrics.items()}
+        if record_routes:
+            metrics["routes"] = chosen.astype(jnp.int32)
+        return y.astype(x.dtype), metrics
+
+    def _replayed(self, routed: routers.RouterOutput, routes: jax.Array,
+                  tokens: tuple[int, int]) -> routers.RouterOutput:
+        """``routed`` through the given experts ``routes [B, T, top_k]`` (checked here: its
+        shape, dtype and, where concrete, its ids)."""
+        config = self.router_config
+        routers.check_replay_router(config)
+        if routes.shape != (*tokens, config.top_k):
+            raise ValueError(f"routes must be [B, T, top_k] = {[*tokens, config.top_k]} for this "
+                             f"MoE layer, got shape {list(routes.shape)}")
+        routers.check_given_experts(routes, self.num_experts)
+        return routers.replayed_route(config, routed, routes)
 
     def _served_rows(self, expert: jax.Array, token_mask: jax.Array | None, dropless: bool
                      ) -> tuple[jax.Array, int | None, jax.Array]:
