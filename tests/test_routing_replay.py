@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax import hf, routers
+from sparsemixer_jax.models.lm_generate import generate
 from sparsemixer_jax.moe import MoEFeedForward
 from tests import kit
 
@@ -199,15 +200,16 @@ def test_each_moe_layer_of_the_scan_replays_its_own_routes_with_jit_and_cache(mo
     forward = nnx.jit(lambda m, ids, r: m.forward(ids, routes=r))
     full = forward(model, ids, jnp.asarray(given))
     np.testing.assert_array_equal(np.asarray(full.routes), given)
-    own = forward(model, ids, None)
+    own = forward(model, ids, jnp.full(given.shape, -1, jnp.int32))  # every token its own
+    assert not np.array_equal(np.asarray(own.routes), given)
     assert np.abs(np.asarray(full.logits - own.logits)).max() > 1e-3  # the routes matter
 
     step = nnx.jit(lambda m, ids, cache, r: m.forward(ids, cache=cache, routes=r))
-    cache = model.init_cache(2, 6)
-    out = step(model, ids[:, :3], cache, jnp.asarray(given[:, :3]))
-    logits = [out.logits]
-    for t in range(3, 6):
-        out = step(model, ids[:, t:t + 1], out.cache, jnp.asarray(given[:, t:t + 1]))
+    out = None
+    logits = []
+    for t in range(6):  # one token at a time: one compiled step
+        out = step(model, ids[:, t:t + 1], model.init_cache(2, 6) if out is None else out.cache,
+                   jnp.asarray(given[:, t:t + 1]))
         np.testing.assert_array_equal(np.asarray(out.routes), given[:, t:t + 1])
         logits.append(out.logits)
     # Cached attention sums the same keys over a longer, masked axis: float32 rounding.
@@ -241,3 +243,50 @@ def test_bad_routes_are_refused_in_one_line(models):
     with pytest.raises(ValueError, match=r"router 'sparsemixer_v2' is not available: .*derived "
                                          r"later"):
         phimoe.forward(ids, routes=np.zeros(shape, np.int32))
+
+
+def test_rollouts_record_the_routes_a_full_forward_replays(models):
+    """qwen3_moe, row 1 left-padded: a sampled rollout's routes are the selection of a full
+    forward over its tokens, which replays them unchanged; with an eos the routes end at each
+    row's first new eos; greedy decoding's replayed logits are the forward's own and pick its
+    tokens."""
+    model, config = models["qwen3_moe"]
+    prompt = ids_of(4, (2, 4))
+    prompt_mask = jnp.asarray([[True] * 4, [False] + [True] * 3])
+    mask = jnp.concatenate([prompt_mask, jnp.ones((2, 6), bool)], axis=1)
+    forward = nnx.jit(lambda m, ids, r: m.forward(ids, token_mask=mask, routes=r))
+    sample = dict(prompt_mask=prompt_mask, temperature=1.0, key=jax.random.key(0),
+                  return_routes=True)
+
+    tokens, routes = generate(model, prompt, 6, **sample)
+    routes = np.asarray(routes)
+    assert routes.shape == (2, 10, sum(config.arch.moe_layers), config.top_k)
+    assert routes.dtype == np.int32
+    unset = np.all(routes == -1, axis=(2, 3))
+    assert np.all(unset | np.all(routes >= 0, axis=(2, 3)))  # -1 fills whole rows only
+    np.testing.assert_array_equal(unset, [[False] * 9 + [True], [True] + [False] * 8 + [True]])
+    own = forward(model, tokens, None)
+    replayed = forward(model, tokens, jnp.asarray(routes))
+    computed = ~unset
+    np.testing.assert_array_equal(np.asarray(own.routes)[computed], routes[computed])
+    np.testing.assert_array_equal(np.asarray(replayed.routes), np.asarray(own.routes))
+    assert len({tuple(r) for r in routes[computed][:, 0]}) > 1  # the routes vary by token
+
+    eos = int(tokens[0, 6])  # row 0's third new token: the routes end at its first new one
+    ended_tokens, ended = generate(model, prompt, 6, eos_id=eos, **sample)
+    ended = np.asarray(ended)
+    new = np.asarray(ended_tokens)[:, 4:] == eos
+    first = np.where(new.any(1), new.argmax(1) + 4, 10)
+    for row in range(2):
+        np.testing.assert_array_equal(ended[row, :first[row]], routes[row, :first[row]])
+        assert np.all(ended[row, first[row]:] == -1)
+
+    greedy, greedy_routes = generate(model, prompt, 6, prompt_mask=prompt_mask,
+                                     return_routes=True)
+    own = forward(model, greedy, None)
+    replayed = forward(model, greedy, greedy_routes)
+    # The same selection, so the same gates from the same scores (float32 summation order).
+    np.testing.assert_allclose(np.asarray(replayed.logits[:, 3:]),
+                               np.asarray(own.logits[:, 3:]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.argmax(np.asarray(replayed.logits[:, 3:-1]), -1),
+                                  np.asarray(greedy[:, 4:]))
