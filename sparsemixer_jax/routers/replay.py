@@ -57,7 +57,9 @@ def check_given_experts(routes, num_experts: int, where: str = "routes") -> None
         raise ValueError(f"{where} must hold integer expert ids, got dtype {dtype}")
     if isinstance(routes, jax.core.Tracer) or (
             isinstance(routes, jax.Array) and not routes.is_fully_addressable):
-        return  # values are not known while tracing (an out-of-range id gives NaN gates)
+        # Values are not known while tracing: an id >= num_experts gives NaN gates, a row
+        # with an id below -1 the router's own choice.
+        return
     ids = np.asarray(routes)
     bad = (ids < -1) | (ids >= num_experts)
     if bad.any():
