@@ -104,9 +104,18 @@ def test_replayed_layer_equals_the_hand_computation_over_the_given_experts(
 
 
 REPLAYING = sorted(n for n in routers.ROUTERS if routers.replays(n))
+# default_moe_st is default_moe under its earlier name: the same function and rule.
+SAME_ROUTER = {"default_moe_st": "default_moe"}
 
 
-@pytest.mark.parametrize("router", sorted(routers.ROUTERS))
+def test_default_moe_st_is_default_moe():
+    for name, same in SAME_ROUTER.items():
+        assert routers.ROUTERS[name] == routers.ROUTERS[same]
+        assert routers.UNCHOSEN_EXPERT_RULES[name] == routers.UNCHOSEN_EXPERT_RULES[same]
+        assert routers.replays(name) == routers.replays(same)
+
+
+@pytest.mark.parametrize("router", sorted(set(routers.ROUTERS) - set(SAME_ROUTER)))
 def test_every_router_replays_its_own_selection_unchanged_or_refuses(router):
     """In training: output and gradients of every param equal the layer without routes
     (densemixer_blog takes no normalize_top_k, the rest route renormalised)."""
