@@ -301,6 +301,10 @@ def test_rollouts_record_the_routes_a_full_forward_replays(models):
     np.testing.assert_array_equal(np.argmax(np.asarray(replayed.logits[:, 3:-1]), -1),
                                   np.asarray(greedy[:, 4:]))
 
+    unchanged, none_fed = generate(model, prompt, 0, prompt_mask=prompt_mask, return_routes=True)
+    np.testing.assert_array_equal(np.asarray(unchanged), np.asarray(prompt))
+    assert none_fed.shape == (2, 4, *routes.shape[2:]) and np.all(np.asarray(none_fed) == -1)
+
 
 def test_the_docs_example_replays_a_vllm_rollout(monkeypatch):
     """docs/lm.md's routing replay example, run from the repository's root as it says (the

@@ -170,14 +170,14 @@ def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
     prompt = prompt.astype(jnp.int32)
     mask = jnp.ones((batch, length), bool) if prompt_mask is None else prompt_mask.astype(bool)
     tokens = jnp.concatenate([prompt, jnp.zeros((batch, max_new_tokens), jnp.int32)], axis=1)
-    config = model.config
-    routes = jnp.full((batch, total, num_moe_layers(config), config.top_k), -1, jnp.int32) \
-        if return_routes else None
     if max_new_tokens == 0:
-        return (tokens, routes) if return_routes else tokens
-    logits, cache, prefill_routes = _extend(model, prompt, mask, model.init_cache(batch, total))
-    if return_routes:
-        routes = routes.at[:, :length].set(prefill_routes)
+        config = model.config  # nothing is fed: no routes
+        return (tokens, jnp.full((batch, length, num_moe_layers(config), config.top_k), -1,
+                                 jnp.int32)) if return_routes else tokens
+    logits, cache, routes = _extend(model, prompt, mask, model.init_cache(batch, total))
+    # The new positions' rows are -1 until their token is fed.
+    routes = jnp.pad(routes, ((0, 0), (0, max_new_tokens), (0, 0), (0, 0)),
+                     constant_values=-1) if return_routes else None
     done = jnp.zeros((batch,), bool)
     options = dict(offset=length, temperature=temperature, top_k=top_k, top_p=top_p,
                    eos_id=eos_id)
