@@ -218,10 +218,10 @@ def test_cached_decoding_gives_the_full_forward_logits(loaded, model_type):
     padded = jnp.concatenate([jnp.zeros((2, 1), ids.dtype), ids], axis=1)
     mask = jnp.ones(padded.shape, bool).at[0, 0].set(False).at[1, 12].set(False)
     padded = padded.at[1].set(jnp.concatenate([ids[1], jnp.zeros((1,), ids.dtype)]))
-    logits, cache = extend(model, padded[:, :5], mask[:, :5], model.init_cache(2, 13))
+    logits, cache, _ = extend(model, padded[:, :5], mask[:, :5], model.init_cache(2, 13))
     steps = [logits]
     for t in range(5, 13):
-        logits, cache = extend(model, padded[:, t:t + 1], mask[:, t:t + 1], cache)
+        logits, cache, _ = extend(model, padded[:, t:t + 1], mask[:, t:t + 1], cache)
         steps.append(logits)
     cached = np.stack([np.asarray(x) for x in steps], axis=1)  # positions 4..12
     atol = 1e-5 * np.abs(full).max()

@@ -43,6 +43,7 @@ from sparsemixer_jax.layers.packed_attention import check_rows_fit, segment_layo
 from sparsemixer_jax.layers.rope import rope_cos_sin
 from sparsemixer_jax.models.latent_attention import LatentAttention
 from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
+from sparsemixer_jax.models.lm_routes import check_routes, gathered_routes, stack_routes
 from sparsemixer_jax.moe import MoEFeedForward
 from sparsemixer_jax.moe.shared import SharedExperts
 from sparsemixer_jax.packed_tree import PackedTree
@@ -58,11 +59,15 @@ class LMOutput(NamedTuple):
       aux: float32 scalars summed over the MoE layers, ``balance_loss`` and ``z_loss``, and
         ``moe``: each MoE layer's metrics (:meth:`MoEFeedForward.__call__`: loads, router
         diagnostics) under ``"layer_{i}"``, ``i`` the layer's index in the model.
+      routes: int32 ``[B, T, L, K]``: the experts each token was routed to in each of the
+        ``L`` MoE layers (layer order), ``-1`` on padding
+        (:mod:`~sparsemixer_jax.models.lm_routes`).
     """
 
     logits: jax.Array
     cache: KVCache | None
     aux: dict[str, jax.Array]
+    routes: jax.Array
 
 
 def _dtype(config: LMConfig) -> jnp.dtype:
@@ -131,9 +136,11 @@ class MoEBlock(nnx.Module):
         ) if config.shared_expert_size else None
 
     def __call__(self, x: jax.Array, token_mask: jax.Array | None, deterministic: bool,
-                 dropless: bool) -> tuple[jax.Array, dict]:
-        """``x [B, T, emb]`` -> ``([B, T, emb], metrics)``."""
-        y, metrics = self.moe(x, token_mask, deterministic=deterministic, dropless=dropless)
+                 dropless: bool, routes: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """``x [B, T, emb]`` -> ``([B, T, emb], metrics)``, the selection made under
+        ``metrics["routes"]``; ``routes [B, T, K]`` replays given experts."""
+        y, metrics = self.moe(x, token_mask, deterministic=deterministic, dropless=dropless,
+                              routes=routes, record_routes=True)
         if self.shared_experts is not None:  # on every token, padding too, as transformers'
             y = y + self.shared_experts(x).astype(y.dtype)
         return y, metrics
@@ -153,10 +160,12 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = GatedMLP(config, config.arch.intermediate_size, rngs)
 
-    def __call__(self, x, cos, sin, mask, kv, token_mask, deterministic, dropless, fused=None):
+    def __call__(self, x, cos, sin, mask, kv, token_mask, deterministic, dropless, fused=None,
+                 routes=None):
         """``x [B, T, emb]``; ``kv``: this layer's cache ``(keys, values, index)`` or None;
         ``fused``: how cuDNN may take ``mask``
-        (:class:`~sparsemixer_jax.layers.attention.FusedMask`).
+        (:class:`~sparsemixer_jax.layers.attention.FusedMask`); ``routes [B, T, K]``: the
+        experts an MoE layer replays.
 
         Returns ``(x, (keys, values) or None, (balance_loss, z_loss))``."""
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
@@ -171,7 +180,7 @@ class DecoderLayer(nnx.Module):
                                       **attend).astype(x.dtype)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
-            y, metrics = self.mlp(h, token_mask, deterministic, dropless)
+            y, metrics = self.mlp(h, token_mask, deterministic, dropless, routes)
         else:
             y, metrics = self.mlp(h), {}
         return x + y.astype(x.dtype), new_kv, metrics
@@ -197,7 +206,8 @@ def _make_stack(config: LMConfig, pattern: tuple[bool, ...], repeats: int, mesh,
 
 
 def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token_mask,
-                deterministic, dropless, remat: str = "none", rows_sharding=None, fused=None):
+                deterministic, dropless, remat: str = "none", rows_sharding=None, fused=None,
+                routes=None):
     """Runs a stack (a :class:`LayerUnit` whose state has a leading ``repeats`` axis) with
     ``jax.lax.scan``: each step merges one repeat's state, runs its layers, and returns the
     state again (router RNG counts and Default MoE's vectors change in training). ``masks``:
@@ -208,20 +218,26 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
     (:func:`sparsemixer_jax.parallel.sharding.keep_rows_split`). ``fused``: how cuDNN may take the
     mask
     (:class:`~sparsemixer_jax.layers.attention.FusedMask`; None where there is a window).
+    ``routes``: int32 ``[repeats, MoE layers of the unit, B, T, K]``, the experts they replay
+    (:func:`~sparsemixer_jax.models.lm_routes.stack_routes`), or None.
     """
     graphdef, state = nnx.split(stack)
 
     def body(h, xs):
         h = sharding.keep_rows_split(h, rows_sharding)
-        unit_state, unit_kvs, unit_sliding = xs
+        unit_state, unit_kvs, unit_sliding, unit_routes = xs
         unit = nnx.merge(graphdef, unit_state)
         new_kvs, metrics = [], []
+        moe_slot = 0  # the unit's MoE layers take unit_routes in order
         for i, layer in enumerate(unit.layers):
             kv = None if unit_kvs is None else (*unit_kvs[i], index)
             mask = masks[0] if unit_sliding is None else \
                 jnp.where(unit_sliding[i], masks[1], masks[0])
+            layer_routes = None
+            if unit_routes is not None and layer.is_moe:
+                layer_routes, moe_slot = unit_routes[moe_slot], moe_slot + 1
             h, new_kv, layer_metrics = layer(h, cos, sin, mask, kv, token_mask, deterministic,
-                                             dropless, fused)
+                                             dropless, fused, layer_routes)
             new_kvs.append(new_kv)
             metrics.append(layer_metrics)
         out_kvs = None if unit_kvs is None else tuple(new_kvs)
@@ -235,7 +251,7 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
         policy = {"full": None, "elementwise": recompute_elementwise}.get(
             remat, getattr(jax.checkpoint_policies, remat, None))
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    x, (new_state, new_kvs, metrics) = jax.lax.scan(body, x, (state, kvs, sliding))
+    x, (new_state, new_kvs, metrics) = jax.lax.scan(body, x, (state, kvs, sliding, routes))
     nnx.update(stack, new_state)
     return x, new_kvs, metrics.unpack()
 
@@ -390,7 +406,8 @@ class CausalLM(nnx.Module):
 
     def forward(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                 segment_ids: jax.Array | None = None, token_mask: jax.Array | None = None,
-                cache: KVCache | None = None, deterministic: bool | None = None) -> LMOutput:
+                cache: KVCache | None = None, deterministic: bool | None = None,
+                routes: jax.Array | None = None) -> LMOutput:
         """Logits of ``input_ids`` int ``[B, T]``.
 
         Args:
@@ -404,10 +421,15 @@ class CausalLM(nnx.Module):
             ``cache.index ..`` and attend to every valid earlier slot.
           deterministic: overrides ``self.deterministic`` (set by ``model.eval()`` /
             ``model.train()``).
+          routes: int ``[B, T, L, K]``, routing replay: every MoE layer routes each token
+            through these experts (a token's row of ``-1``: the layer's own choice), gated by
+            its live router over them (:func:`sparsemixer_jax.routers.replayed_route`).
         """
         c = self.config
         deterministic = self.deterministic if deterministic is None else deterministic
         b, t = input_ids.shape
+        if routes is not None:
+            routes = check_routes(c, routes, b, t)
         real = jnp.ones((b, t), bool) if token_mask is None else token_mask.astype(bool)
         x = sharding.keep_rows_split(self.embed_tokens(input_ids), self.rows_sharding)
         positions, masks = _positions_and_masks(c, real, positions, segment_ids, cache)
@@ -421,7 +443,8 @@ class CausalLM(nnx.Module):
             # mask's: NaN logits instead (cos feeds every layer and takes no gradient).
             cos = jnp.where(fused.segments.fits, cos, jnp.nan)
         x, (new_keys, new_values), moe = self._run_stacks(x, cache, cos, sin, masks, real,
-                                                          deterministic, fused)
+                                                          deterministic, fused, routes)
+        chosen = gathered_routes(moe, b, t, c.top_k)
         aux = _summed_moe_aux(moe)
         x = self.norm(x)
         logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
@@ -429,15 +452,16 @@ class CausalLM(nnx.Module):
         new_cache = None
         if cache is not None:
             new_cache = cache.advanced(tuple(new_keys), tuple(new_values), real)
-        return LMOutput(logits.astype(jnp.float32), new_cache, aux)
+        return LMOutput(logits.astype(jnp.float32), new_cache, aux, chosen)
 
     def _run_stacks(self, x: jax.Array, cache: KVCache | None, cos: jax.Array, sin: jax.Array,
                     masks: tuple[jax.Array, jax.Array | None], real: jax.Array,
-                    deterministic: bool, fused: FusedMask | None = None
+                    deterministic: bool, fused: FusedMask | None = None,
+                    routes: jax.Array | None = None
                     ) -> tuple[jax.Array, tuple[list, list], dict[str, dict]]:
         """Runs every stack on ``x [B, T, emb]`` (:func:`_scan_stack`; ``masks`` as
         :func:`_positions_and_masks` gives them, ``real`` the token mask, ``fused`` as
-        :func:`_fused_mask` gives it). Returns ``(x, (keys,
+        :func:`_fused_mask` gives it; ``routes [B, T, L, K]`` replayed). Returns ``(x, (keys,
         values) per layer (empty without a cache), each MoE layer's metrics under
         "layer_{i}")``."""
         c = self.config
@@ -447,7 +471,8 @@ class CausalLM(nnx.Module):
         moe: dict[str, dict] = {}
         index = cache.index if cache is not None else None
         first = 0  # the model's index of the stack's first layer
-        for stack, (pattern, repeats) in zip(self.stacks, self.stack_patterns, strict=True):
+        for stack, (pattern, repeats), routes_in in zip(
+                self.stacks, self.stack_patterns, stack_routes(c, routes), strict=True):
             kvs = None if kv_in is None else tuple(next(kv_in) for _ in pattern)
             sliding = None
             if masks[1] is not None:  # which layers of the stack take the window
@@ -456,7 +481,7 @@ class CausalLM(nnx.Module):
                 sliding = jnp.asarray(c.arch.sliding_layers)[layer]
             x, out_kvs, metrics = _scan_stack(stack, x, kvs, index, cos, sin, masks, sliding,
                                               real, deterministic, dropless, c.execution.remat,
-                                              self.rows_sharding, fused)
+                                              self.rows_sharding, fused, routes_in)
             for i, is_moe in enumerate(pattern):
                 if out_kvs is not None:
                     new_keys.append(out_kvs[i][0])

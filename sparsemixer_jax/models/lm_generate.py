@@ -3,6 +3,11 @@ greedy or sampled (temperature, top-k, top-p), a compiled prefill and the decodi
 as one program (a ``lax.fori_loop`` over the new tokens, the cache in its carry), so a call
 costs one dispatch per program, not one per token.
 
+With ``return_routes``, the rollout records its routes as it is sampled: each MoE layer's
+experts for every token fed through the model (the prompt in the prefill, each new token in the
+step after its pick), ``[B, P + N, L, K]``, for routing replay in the update
+(:meth:`~sparsemixer_jax.models.causal_lm.CausalLM.forward`'s ``routes``).
+
 Longrope models (Phi-3.5-MoE) change their rotary scale once the sequence passes
 ``original_max_position_embeddings``; as transformers' ``generate`` does for them, the cache is
 then recomputed once from the whole sequence, so every step's logits equal a full forward pass.
@@ -20,15 +25,16 @@ from flax import nnx
 
 from sparsemixer_jax.layers.attention import KVCache
 from sparsemixer_jax.models.causal_lm import CausalLM
+from sparsemixer_jax.models.lm_routes import num_moe_layers
 
 
 @nnx.jit
 def _extend(model: CausalLM, ids: jax.Array, mask: jax.Array, cache: KVCache
-            ) -> tuple[jax.Array, KVCache]:
+            ) -> tuple[jax.Array, KVCache, jax.Array]:
     """Feeds ``ids [B, T]`` (``mask``: real tokens) through the cache: the last position's
-    logits ``[B, V]`` and the new cache."""
+    logits ``[B, V]``, the new cache and the routes ``[B, T, L, K]`` (-1 on padding)."""
     out = model.forward(ids, token_mask=mask, cache=cache, deterministic=True)
-    return out.logits[:, -1], out.cache
+    return out.logits[:, -1], out.cache, out.routes
 
 
 def sampling_logits(logits: jax.Array, temperature: float, top_k: int | None,
@@ -67,13 +73,16 @@ def _pick(logits: jax.Array, key: jax.Array | None, temperature: float, top_k: i
 @functools.partial(nnx.jit, static_argnames=("first", "stop", "offset", "temperature", "top_k",
                                              "top_p", "eos_id"))
 def _decode(model: CausalLM, tokens: jax.Array, logits: jax.Array, cache: KVCache,
-            done: jax.Array, key: jax.Array | None, *, first: int, stop: int, offset: int,
-            temperature: float, top_k: int | None, top_p: float | None, eos_id: int | None
-            ) -> tuple[jax.Array, KVCache, jax.Array, jax.Array | None]:
+            done: jax.Array, key: jax.Array | None, routes: jax.Array | None, *, first: int,
+            stop: int, offset: int, temperature: float, top_k: int | None,
+            top_p: float | None, eos_id: int | None
+            ) -> tuple[jax.Array, KVCache, jax.Array, jax.Array | None, jax.Array | None]:
     """Steps ``first .. stop - 1`` of decoding in one program: step ``s`` picks a token from
     ``logits`` (the previous position's) and writes it to ``tokens[:, offset + s]``; every step
-    after the first feeds the previous token through ``cache`` first. The last token is never
-    fed (nothing reads its logits). Returns ``(tokens, cache, done, key)``."""
+    after the first feeds the previous token through ``cache`` first, and writes its routes to
+    ``routes[:, offset + s - 1]`` where ``routes`` ``[B, P + N, L, K]`` is given. The last
+    token is never fed (nothing reads its logits). Returns ``(tokens, cache, done, key,
+    routes)``, the routes from each row's first new ``eos_id`` on set to -1."""
     graphdef, state = nnx.split(model)
 
     def write(step, logits, tokens, done, key):
@@ -90,25 +99,33 @@ def _decode(model: CausalLM, tokens: jax.Array, logits: jax.Array, cache: KVCach
     def body(step, carry):
         # The model's state rides in the carry (unchanged): a model merged inside the loop from
         # state closed over from outside it could not be updated at the loop's trace level.
-        state, tokens, cache, done, key, previous = carry
-        logits, cache = _feed(graphdef, state, previous[:, None], cache)
+        state, tokens, cache, done, key, previous, routes = carry
+        logits, cache, fed = _feed(graphdef, state, previous[:, None], cache)
+        if routes is not None:
+            routes = jax.lax.dynamic_update_slice(routes, fed, (0, offset + step - 1, 0, 0))
         tokens, done, key, token = write(step, logits, tokens, done, key)
-        return state, tokens, cache, done, key, token
+        return state, tokens, cache, done, key, token, routes
 
     tokens, done, key, token = write(first, logits, tokens, done, key)
-    _, tokens, cache, done, key, _ = jax.lax.fori_loop(
-        first + 1, stop, body, (state, tokens, cache, done, key, token))
-    return tokens, cache, done, key
+    _, tokens, cache, done, key, _, routes = jax.lax.fori_loop(
+        first + 1, stop, body, (state, tokens, cache, done, key, token, routes))
+    if routes is not None and eos_id is not None:
+        # No routes from a row's first new eos on: the rollout ends there.
+        ended = jnp.cumsum(tokens[:, offset:] == eos_id, axis=1) > 0
+        ended = jnp.pad(ended, ((0, 0), (offset, 0)))
+        routes = jnp.where(ended[:, :, None, None], -1, routes)
+    return tokens, cache, done, key, routes
 
 
 def _feed(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array, cache: KVCache
-          ) -> tuple[jax.Array, KVCache]:
+          ) -> tuple[jax.Array, KVCache, jax.Array]:
     """One token a row ``ids [B, 1]`` through ``cache`` (inside the traced loop, where the
-    model is its split graph and state)."""
+    model is its split graph and state): its logits ``[B, V]``, the cache and its routes
+    ``[B, 1, L, K]``."""
     mask = jnp.ones(ids.shape, bool)
     out = nnx.merge(graphdef, state).forward(ids, token_mask=mask, cache=cache,
                                              deterministic=True)
-    return out.logits[:, -1], out.cache
+    return out.logits[:, -1], out.cache, out.routes
 
 
 def _check_sampling(temperature: float, top_k: int | None, top_p: float | None,
@@ -126,7 +143,8 @@ def _check_sampling(temperature: float, top_k: int | None, top_p: float | None,
 def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
              prompt_mask: jax.Array | None = None, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None,
-             key: jax.Array | None = None, eos_id: int | None = None) -> jax.Array:
+             key: jax.Array | None = None, eos_id: int | None = None,
+             return_routes: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Continues ``prompt`` int ``[B, P]`` by ``max_new_tokens`` tokens: int32 ``[B, P + N]``.
 
     Args:
@@ -137,7 +155,13 @@ def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
       top_p: sample within the nucleus: the fewest most likely tokens whose probabilities sum
         to at least ``top_p`` (after ``top_k``).
       eos_id: once a row emits it, the row continues with ``eos_id``.
+      return_routes: also return the routes of the rollout, int32 ``[B, P + N, L, K]`` (``L``
+        MoE layers, ``K`` experts per token): the experts each position's token was routed to
+        when it was fed through the model, ``-1`` in whole rows where no token was computed
+        (left padding, the last position, never fed) and from a row's first new ``eos_id``
+        on. Replayed by ``model.forward(tokens, routes=routes)``.
 
+    Returns the tokens, or ``(tokens, routes)`` with ``return_routes``.
     Routing is deterministic (the router's evaluation rule) whatever the model's mode.
     """
     _check_sampling(temperature, top_k, top_p, key)
@@ -147,8 +171,13 @@ def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
     mask = jnp.ones((batch, length), bool) if prompt_mask is None else prompt_mask.astype(bool)
     tokens = jnp.concatenate([prompt, jnp.zeros((batch, max_new_tokens), jnp.int32)], axis=1)
     if max_new_tokens == 0:
-        return tokens
-    logits, cache = _extend(model, prompt, mask, model.init_cache(batch, total))
+        config = model.config  # nothing is fed: no routes
+        return (tokens, jnp.full((batch, length, num_moe_layers(config), config.top_k), -1,
+                                 jnp.int32)) if return_routes else tokens
+    logits, cache, routes = _extend(model, prompt, mask, model.init_cache(batch, total))
+    # The new positions' rows are -1 until their token is fed.
+    routes = jnp.pad(routes, ((0, 0), (0, max_new_tokens), (0, 0), (0, 0)),
+                     constant_values=-1) if return_routes else None
     done = jnp.zeros((batch,), bool)
     options = dict(offset=length, temperature=temperature, top_k=top_k, top_p=top_p,
                    eos_id=eos_id)
@@ -158,15 +187,17 @@ def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
     switch_step = rope.original_max_position_embeddings - length \
         if rope.kind == "longrope" else -1
     if 0 <= switch_step < max_new_tokens - 1:
-        tokens, _, done, key = _decode(model, tokens, logits, cache, done, key, first=0,
-                                       stop=switch_step + 1, **options)
+        tokens, _, done, key, routes = _decode(model, tokens, logits, cache, done, key, routes,
+                                               first=0, stop=switch_step + 1, **options)
         seen = length + switch_step + 1
         masks = jnp.concatenate([mask, jnp.ones((batch, max_new_tokens), bool)], axis=1)
-        logits, cache = _extend(model, tokens[:, :seen], masks[:, :seen],
-                                model.init_cache(batch, total))
-        tokens, *_ = _decode(model, tokens, logits, cache, done, key, first=switch_step + 1,
-                             stop=max_new_tokens, **options)
+        logits, cache, seen_routes = _extend(model, tokens[:, :seen], masks[:, :seen],
+                                             model.init_cache(batch, total))
+        if return_routes:  # the cache now holds what this pass computed: its routes are theirs
+            routes = routes.at[:, :seen].set(seen_routes)
+        tokens, _, _, _, routes = _decode(model, tokens, logits, cache, done, key, routes,
+                                          first=switch_step + 1, stop=max_new_tokens, **options)
     else:
-        tokens, *_ = _decode(model, tokens, logits, cache, done, key, first=0,
-                             stop=max_new_tokens, **options)
-    return tokens
+        tokens, _, _, _, routes = _decode(model, tokens, logits, cache, done, key, routes,
+                                          first=0, stop=max_new_tokens, **options)
+    return (tokens, routes) if return_routes else tokens

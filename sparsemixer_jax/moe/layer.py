@@ -219,10 +219,15 @@ class MoEFeedForward(nnx.Module):
         *,
         deterministic: bool = False,
         dropless: bool = False,
+        routes: jax.Array | None = None,
+        record_routes: bool = False,
     ) -> tuple[jax.Array, dict]:
         """x: ``[B, T, emb]``; token_mask: bool ``[B, T]`` (False = padding) or None;
         ``dropless`` ignores ``capacity_factor`` for this call (decoding uses it). In
         training the input is first jittered by ``moe.input_jitter`` where it is set.
+        ``routes`` int ``[B, T, top_k]`` replays given experts (a row of ``-1``: the router's
+        own choice) with the live router's gates (:meth:`_replayed`); ``record_routes`` adds
+        the selection made to the metrics, int32 ``routes`` ``[B, T, top_k]``, -1 on padding.
 
         Returns ``y [B, T, emb]`` (dtype of ``x``) and a dict of float32 metrics:
         ``balance_loss``, ``z_loss``, ``num_unmasked``, ``entropy``, ``dropped_fraction`` (of
@@ -248,6 +253,7 @@ class MoEFeedForward(nnx.Module):
         key = self.router_rng() if training else None
         bias = None if self.expert_bias is None else self.expert_bias[...]
         routed = routers.router_fn(self.router_config)(logits, key, training, bias)
+        routed = self._replayed(routed, routes, x.shape[:2])
         metrics = routers.routing_metrics(logits, routed, token_mask)
         metrics["balance_loss"] = self._balance_loss(routed, token_mask, training)
         metrics.update(router_diagnostics(
@@ -282,7 +288,25 @@ class MoEFeedForward(nnx.Module):
             if token_mask is not None:
                 shared = shared * token_mask[..., None].astype(shared.dtype)
             y = y + shared
-        return y.astype(x.dtype), {name: v.astype(jnp.float32) for name, v in metrics.items()}
+        metrics = {name: v.astype(jnp.float32) for name, v in metrics.items()}
+        if record_routes:  # int32 ids, not a float metric
+            metrics["routes"] = _recorded_routes(expert, token_mask)
+        return y.astype(x.dtype), metrics
+
+    def _replayed(self, routed: routers.RouterOutput, routes: jax.Array | None,
+                  tokens: tuple[int, int]) -> routers.RouterOutput:
+        """``routed`` through the given experts ``routes [B, T, top_k]`` (checked here: its
+        shape, dtype and, where concrete, its ids) by
+        :func:`sparsemixer_jax.routers.replayed_route`; ``routed`` itself when None."""
+        if routes is None:
+            return routed
+        config = self.router_config
+        routers.check_replay_router(config)
+        if routes.shape != (*tokens, config.top_k):
+            raise ValueError(f"routes must be [B, T, top_k] = {[*tokens, config.top_k]} for this "
+                             f"MoE layer, got shape {list(routes.shape)}")
+        routers.check_given_experts(routes, self.num_experts)
+        return routers.replayed_route(config, routed, routes)
 
     def _served_rows(self, expert: jax.Array, token_mask: jax.Array | None, dropless: bool
                      ) -> tuple[jax.Array, int | None, jax.Array]:
@@ -416,6 +440,13 @@ class MoEFeedForward(nnx.Module):
         if token_mask is not None:
             term = term * token_mask[..., None].astype(term.dtype)
         return term
+
+
+def _recorded_routes(expert: jax.Array, token_mask: jax.Array | None) -> jax.Array:
+    """int32 ``[B, T, k]``: the chosen experts ``expert [B, T, k]``, -1 on padding."""
+    if token_mask is not None:
+        expert = jnp.where(token_mask[..., None].astype(bool), expert, -1)
+    return expert.astype(jnp.int32)
 
 
 def routing_param_paths(model: nnx.Module) -> tuple[tuple[tuple[str, ...], ...],

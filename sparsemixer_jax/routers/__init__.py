@@ -35,6 +35,8 @@ One module per concern; import the names from this package, not from the modules
   bias step of auxiliary-loss-free balancing.
 * :mod:`~sparsemixer_jax.routers.registry`: routers by name and their config section
   :class:`RouterConfig` (``config.router``), which checks itself.
+* :mod:`~sparsemixer_jax.routers.replay`: routing replay: given experts, the live router's
+  gates over them.
 """
 
 from sparsemixer_jax.routers.common import (
@@ -72,6 +74,12 @@ from sparsemixer_jax.routers.registry import (
     get_router,
     router_fn,
     uses_omega,
+)
+from sparsemixer_jax.routers.replay import (
+    check_given_experts,
+    check_replay_router,
+    replayed_route,
+    replays,
 )
 from sparsemixer_jax.routers.sampling import (
     MaskRule,
@@ -122,7 +130,9 @@ __all__ = [
     "UnchosenExperts",
     "bias_step",
     "check_finite_logits",
+    "check_given_experts",
     "check_jitter_eps",
+    "check_replay_router",
     "check_route_args",
     "check_router",
     "check_top_k",
@@ -132,6 +142,8 @@ __all__ = [
     "limit_to_groups",
     "load_balancing_loss",
     "renormalised_gates",
+    "replayed_route",
+    "replays",
     "router_fn",
     "router_probs",
     "router_z_loss",
