@@ -10,6 +10,7 @@ every expected time below is the hand count divided by a power of ten.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -391,6 +392,11 @@ def test_the_compile_command_reports_a_roofline_per_program(tiny_lm_roofline):
     printed, result = tiny_lm_roofline
     (step,) = result["programs"]
     assert step["name"].startswith("train step")
+    # The JSON's keys that readers of --json rely on.
+    assert {"predicted_seconds", "mfu_bound", "predicted_seconds_pure", "mfu_bound_pure",
+            "top_ops"} <= set(step)
+    assert {"predicted_seconds", "mfu_bound", "predicted_seconds_pure",
+            "mfu_bound_pure"} <= set(result["step"])
     assert 0 < step["predicted_seconds_pure"] <= step["predicted_seconds"]
     assert 0 < len(step["top_ops"]) <= 15
     assert {"flops", "bytes", "bound", "source", "shapes"} <= set(step["top_ops"][0])
@@ -400,13 +406,22 @@ def test_the_compile_command_reports_a_roofline_per_program(tiny_lm_roofline):
     assert step["flops"] >= step["model_flops"] > 0
     assert 0 < step["mfu_bound"] <= step["mfu_bound_pure"] < 1
     assert result["step"]["predicted_seconds"] == step["predicted_seconds"]
-    assert any(op["source"].startswith("sparsemixer_jax/") for op in step["top_ops"])
+    # Each costly operation names the Python line that traced it (here the layers' GEMMs,
+    # flax's Linear, lead: at this size each costs about its kernel's fixed cost).
+    assert all(re.fullmatch(r"\S+\.py:\d+ \(.+\)", op["source"]) for op in step["top_ops"])
     # cuDNN's attention compiled without the GPU (forward and backward), and the roofline
     # counts its matmuls; every kernel is in one kind.
     assert step["kinds"]["attention"]["kernels"] == 2 and step["kinds"]["attention"]["flops"] > 0
     assert sum(k["kernels"] for k in step["kinds"].values()) == step["kernels"]
     assert sum(k["seconds"] for k in step["kinds"].values()) == pytest.approx(
         step["predicted_seconds"], rel=1e-9)
+    # So does every kernel in one class of the calibration, the attention by its variant.
+    assert sum(k["seconds"] for k in step["classes"].values()) == pytest.approx(
+        step["predicted_seconds"], rel=1e-9)
+    assert sum(k["kernels"] for k in step["classes"].values()) == step["kernels"]
+    # The tiny config's documents reach cuDNN as a bias (its default document mask).
+    assert {c for c in step["classes"] if c.startswith("attention")} == {
+        "attention forward CAUSAL bias", "attention backward CAUSAL bias"}
     # The printout says the same.
     assert f"roofline on H100 SXM: {1e3 * step['predicted_seconds']:.2f} ms" in printed
     assert "training step: predicted" in printed

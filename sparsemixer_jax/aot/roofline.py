@@ -135,15 +135,17 @@ class Calibration:
 
 PURE = Calibration(kernel_seconds=0.0, gemm_peak_fraction=1.0, gemm_half_flops=0.0,
                    memory_fraction=1.0, link_fraction=1.0)
-# FITTED (written by lab.benchmarks.roofline_fit; docs/results/roofline_fit_kinds.json,
-# docs/benchmarks.md section 7): every committed one-GPU language-model run (one H100 at the
-# benchmark's own sizes, one H200 at configs/lm_bench.py's), each distinct compiled program
-# once, with the profiles' per-kind device times. Used for every chip until one has its own
-# measurements. Both cuDNN runs used the explicit mask (CAUSAL with a bias): the packed
-# documents' PADDING_CAUSAL calls take its fractions, unmeasured. The link fraction is not
-# fitted (the one-GPU runs have no collectives).
-GPU_FIT = Calibration(kernel_seconds=11.5e-6, gemm_peak_fraction=1.0, gemm_half_flops=0.0,
-                      memory_fraction=0.866)
+# The fit of lab.benchmarks.roofline_fit to 3 significant digits
+# (docs/results/roofline_fit_kinds.json, docs/benchmarks.md section 7): every committed one-GPU
+# language-model run (one H100 at the benchmark's own sizes, one H200 at configs/lm_bench.py's),
+# each distinct compiled program once, with the two profiles' device time per kind of kernel.
+# Used for every chip until one has its own measurements. Both cuDNN runs used an explicit
+# mask (CAUSAL with a bias): other mask types (the packed documents' PADDING_CAUSAL) take its
+# fractions, unmeasured. The link fraction is not fitted (the one-GPU runs have no
+# collectives).
+GPU_FIT = Calibration(kernel_seconds=2.53e-6, gemm_peak_fraction=0.871, gemm_half_flops=2.58e9,
+                      memory_fraction=0.757, pallas_fraction=0.516,
+                      attention=(("backward CAUSAL bias", 0.200), ("forward CAUSAL bias", 0.274)))
 
 # Instructions that launch nothing.
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
