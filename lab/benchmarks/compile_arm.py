@@ -6,20 +6,22 @@
 COMMIT``); :mod:`lab.benchmarks.roofline_programs` runs this file there, so that the program
 compiled is the one that was timed, not what the current code makes of the same arm. This file
 therefore imports nothing of the current tree: it is run by path and uses the tree's own
-modules, through the three interfaces those commits have (the benchmark's
-``lm_model_config`` with and without an LM config, the task compiled directly or through
-``compile_lm``). The ``arm`` (``measured_arms`` in :mod:`lab.benchmarks.roofline_programs`)
-names the router (null: the dense twin), sizes, dtype, dispatch, attention, LM config and chip.
-It writes ``DIR/<i>.hlo.txt`` (the optimised HLO of each program of the update) and
-``DIR/programs.json``: each program's name and how often an update runs it, and the target it
-was compiled for (a commit without an ``h200`` target compiles for ``h100``: the same processor
-and compiler, another memory size and bandwidth).
+modules, through the interfaces those commits have: a tree whose
+``lab.benchmarks.roofline_fit`` compiles an arm itself (``_compile_into``, from ``c06cbc4``
+until the per-kind fit), one whose ``aot.lm`` compiles a run (``compile_lm(run, devices)``: the
+per-kind fit's and later), and older ones that build the model from the config
+(``config_for_target``: ``566fd23`` compiles a task built by hand, ``2fc088b`` only a config,
+whose reports do not keep the HLO). The ``arm`` (``measured_arms`` in
+:mod:`lab.benchmarks.roofline_programs`) names the router (null: the dense twin), sizes, dtype,
+dispatch, attention, LM config and chip. It writes ``DIR/<i>.hlo.txt`` (the optimised HLO of
+each program of the update, in order) and ``DIR/programs.json``: how often an update runs each
+(``runs``) and the target it was compiled for (a commit without an ``h200`` target compiles for
+``h100``: the same processor and compiler, another memory size and bandwidth).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import inspect
 import json
@@ -34,13 +36,6 @@ def _load_config(spec: str) -> Any:
         except (ImportError, AttributeError):
             continue
     raise RuntimeError(f"no load_config_file in this tree for {spec!r}")
-
-
-def _dense_twin(task: Any) -> Any:
-    lm = task.lm
-    dense = dataclasses.replace(lm, moe_layers=(False,) * lm.num_layers,
-                                intermediate_size=lm.top_k * lm.moe_intermediate_size)
-    return dataclasses.replace(task, lm=dense)
 
 
 def compile_arm(arm: dict[str, Any], out: str) -> None:
@@ -65,6 +60,10 @@ def compile_arm(arm: dict[str, Any], out: str) -> None:
             os.replace(os.path.join(out, f"arm.{i}.hlo.txt"), os.path.join(out, f"{i}.hlo.txt"))
         _write_index(out, target, runs)
         return
+    if not hasattr(lm, "config_for_target"):
+        reports, task = _compile_run(arm, target)
+        _write_programs(out, target, reports, task, [])
+        return
     wanted = {"sizes": arm["sizes"], "router": arm["router"] or "switch", "dtype": arm["dtype"],
               "dispatch": arm["dispatch"], "attention_impl": arm["attention_impl"],
               "base": _load_config(arm["lm_config"]) if arm["lm_config"] else None}
@@ -77,12 +76,34 @@ def compile_arm(arm: dict[str, Any], out: str) -> None:
     importlib.import_module("sparsemixer_jax.runtime").configure(config)
     config = lm.config_for_target(config, target)
     task = lm.LMTask.from_config(config)
-    task = _dense_twin(task) if arm["router"] is None else task
+    task = lm_step.dense_twin(task) if arm["router"] is None else task
     if hasattr(lm, "compile_lm_task"):
         reports = lm.compile_lm_task(task, config, devices)
     else:  # compile_lm builds the task from the config: hand it the one built here
         lm.LMTask = type("Task", (), {"from_config": staticmethod(lambda c: task)})
         reports = lm.compile_lm(config, target, devices)
+    _write_programs(out, target, reports, task, texts)
+
+
+def _compile_run(arm: dict[str, Any], target: Any) -> tuple[list[Any], Any]:
+    """``(reports, task)`` of a tree whose ``aot.lm.compile_lm`` compiles a run."""
+    from lab.benchmarks import lm_step
+    from sparsemixer_jax.aot import lm, targets
+    from sparsemixer_jax.tasks import run_config
+    from sparsemixer_jax.tasks.language_model import LMTask
+    from sparsemixer_jax.training import runtime
+
+    config = lm_step.lm_model_config(
+        arm["sizes"], arm["router"] or "switch", arm["dtype"], arm["dispatch"],
+        arm["attention_impl"], _load_config(arm["lm_config"]) if arm["lm_config"] else None)
+    runtime.configure(runtime.RuntimeConfig.from_config(config.runtime))
+    task = LMTask.from_config(config).for_platform(target.dispatch_platform)
+    task = lm_step.dense_twin(task) if arm["router"] is None else task
+    return lm.compile_lm(run_config(config, task), targets.target_devices(target)), task
+
+
+def _write_programs(out: str, target: Any, reports: list[Any], task: Any,
+                    texts: list[str]) -> None:
     micro_batches = task.data.batch_size // task.data.micro
     for i, report in enumerate(reports):
         with open(os.path.join(out, f"{i}.hlo.txt"), "w") as f:
