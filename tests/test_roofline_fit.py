@@ -140,8 +140,10 @@ def test_the_fit_reproduces_the_committed_json(committed):
         for key, value in out[name].items():
             assert again[name][key] == pytest.approx(value, rel=1e-6)
     assert [r["arm"] for r in again["out_of_sample"]] == [r["arm"] for r in out["out_of_sample"]]
-    for new, old in zip(again["out_of_sample"] + again["rows"],
-                        out["out_of_sample"] + out["rows"], strict=True):
+    for new, old in zip(again["out_of_sample"] + again["rows"]
+                        + again["single_efficiency_out_of_sample"],
+                        out["out_of_sample"] + out["rows"]
+                        + out["single_efficiency_out_of_sample"], strict=True):
         assert new["measured_s"] == old["measured_s"]
         assert new.get("predicted_s", new.get("calibrated_s")) == pytest.approx(
             old.get("predicted_s", old.get("calibrated_s")), rel=1e-6)
