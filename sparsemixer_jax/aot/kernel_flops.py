@@ -83,6 +83,17 @@ def _splash_flops(instruction: hlo.Instruction, operands: list[hlo.Array]) -> fl
     return 2.0 * _SPLASH_MATMULS[phase.group(1)] * q.size * k.dims[-2] * computed
 
 
+def attention_variant(instruction: hlo.Instruction) -> str:
+    """What kind of cuDNN attention call ``instruction`` is, as the roofline's calibration
+    tells them apart: ``"<forward|backward> <mask type>"`` (XLA's ``mask_type``: ``NO_MASK``,
+    ``CAUSAL``, ``PADDING_CAUSAL``, ...) and `` bias`` where the call reads a bias operand
+    (an explicit mask: ``__cudnn$fmhaScaleBiasSoftmax...``)."""
+    target = instruction.attribute(r'custom_call_target="([^"]*)"') or ""
+    mask = instruction.attribute(r'"mask_type":\s*"(\w+)"') or "NO_MASK"
+    direction = "backward" if "Backward" in target else "forward"
+    return f"{direction} {mask}" + (" bias" if "Bias" in target else "")
+
+
 def _attention_flops(instruction: hlo.Instruction, operands: list[hlo.Array],
                      target: str) -> float:
     q, k = operands[0], operands[1]

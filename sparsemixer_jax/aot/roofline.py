@@ -4,8 +4,11 @@ Every top-level operation of the optimised program (a fusion, a GEMM or attentio
 a Pallas / Mosaic kernel, a collective, any other kernel) costs
 
     pure:        max(FLOPs / peak, bytes / HBM bandwidth)           (collectives: bytes / link)
-    calibrated:  max(FLOPs / (peak x gemm_fraction(FLOPs)), bytes / (HBM bandwidth x
-                 memory_fraction)) + kernel_seconds
+    calibrated:  max(FLOPs / (peak x fraction), bytes / (HBM bandwidth x memory_fraction))
+                 + kernel_seconds
+
+with the fraction of peak by the kernel's class (cuBLAS and XLA GEMMs by their size, Pallas
+kernels, cuDNN attention by direction and mask type: :class:`Calibration`)
 
 times how often it runs (the trip counts of the ``while`` loops around it), and a program's
 predicted time is the sum: operations run one after another, as a GPU stream or a TPU core
@@ -40,7 +43,7 @@ from typing import Any
 
 from sparsemixer_jax.aot import hlo
 from sparsemixer_jax.aot.analysis import COLLECTIVES
-from sparsemixer_jax.aot.kernel_flops import custom_call_cost, dims
+from sparsemixer_jax.aot.kernel_flops import attention_variant, custom_call_cost, dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,35 +86,66 @@ CHIPS = {
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """What the hardware reaches of the roofline, fitted on measured step times.
+    """What the hardware reaches of the roofline, per kind of kernel, fitted on measured step
+    times (:mod:`lab.benchmarks.roofline_fit`).
 
-    ``kernel_seconds``: fixed cost of every kernel (launch, prologue, tail). A matmul of ``F``
-    FLOPs runs at ``gemm_fraction(F) = gemm_peak_fraction x F / (F + gemm_half_flops)`` of the
-    chip's peak (small matmuls do not fill the chip); every kernel moves bytes at
-    ``memory_fraction`` of the HBM bandwidth, collectives at ``link_fraction`` of the link's.
+    Every kernel costs ``kernel_seconds`` (launch, prologue, tail, the gap to the next) on top
+    of ``max(compute, memory)``. Compute, by the kernel's class (:attr:`Op.cost_class`):
+
+    * ``gemm`` (cuBLAS calls and fusions with a matmul): a matmul of ``F`` FLOPs runs at
+      ``gemm_peak_fraction x F / (F + gemm_half_flops)`` of the chip's peak (small matmuls
+      do not fill the chip);
+    * ``pallas`` (Pallas / Mosaic kernels: on GPU the grouped expert matmuls): at
+      ``pallas_fraction`` of peak;
+    * ``attention <direction> <mask>[ bias]`` (cuDNN's fused attention,
+      :func:`~sparsemixer_jax.aot.kernel_flops.attention_variant`): at the fraction
+      ``attention`` gives for that variant; a variant it lacks takes the first one of the
+      same direction (its mask type unmeasured), and without one, the GEMM's.
+
+    Memory: every kernel moves its bytes at ``memory_fraction`` of the HBM bandwidth,
+    collectives at ``link_fraction`` of the link's.
     """
 
     kernel_seconds: float
     gemm_peak_fraction: float
     gemm_half_flops: float
     memory_fraction: float
+    pallas_fraction: float = 1.0
+    attention: tuple[tuple[str, float], ...] = ()
     link_fraction: float = 0.8
 
     def gemm_fraction(self, flops: float) -> float:
         return self.gemm_peak_fraction * flops / (flops + self.gemm_half_flops)
 
+    def compute_fraction(self, cost_class: str, flops: float) -> float:
+        """The fraction of peak a kernel of ``cost_class`` computing ``flops`` reaches."""
+        if cost_class == "pallas":
+            return self.pallas_fraction
+        if cost_class.startswith("attention"):
+            variant = cost_class.removeprefix("attention ")
+            fractions = dict(self.attention)
+            if variant in fractions:
+                return fractions[variant]
+            direction = variant.split(" ")[0]
+            same = [f for v, f in self.attention if v.split(" ")[0] == direction]
+            if same:
+                return same[0]
+        return self.gemm_fraction(flops)
+
 
 PURE = Calibration(kernel_seconds=0.0, gemm_peak_fraction=1.0, gemm_half_flops=0.0,
                    memory_fraction=1.0, link_fraction=1.0)
-# Fitted on 20 measured GPU step times (docs/results/roofline_fit_gpu.json; docs/benchmarks.md,
-# section 7): one H100 at the benchmark's own sizes (einsum attention, padded and grouped
-# dispatch) and one H200 at configs/lm_bench.py's (einsum and cuDNN attention); RMS error 3.1%,
-# leave-one-out 3.4%. Used for every chip until one has its own measurements. The GEMM
-# fraction sits at its bound of 1 and the half-peak size at 0: the data cannot separate them
-# from the per-kernel cost, which absorbs what the roofline misses per kernel. The link
-# fraction is not fitted (the one-GPU runs have no collectives).
-GPU_FIT = Calibration(kernel_seconds=11.5e-6, gemm_peak_fraction=1.0, gemm_half_flops=0.0,
-                      memory_fraction=0.866)
+# The fit of lab.benchmarks.roofline_fit to 3 significant digits
+# (docs/results/roofline_fit_kinds.json, docs/benchmarks.md section 7): every committed one-GPU
+# language-model run (one H100 at the benchmark's own sizes, one H200 at configs/lm_bench.py's),
+# each distinct compiled program once, with the two profiles' device time per kind of kernel.
+# Used for every chip until one has its own measurements. Both cuDNN runs used an explicit
+# mask (CAUSAL with a bias): other mask types (the packed documents' PADDING_CAUSAL) take its
+# fractions, unmeasured. The link fraction is not fitted (the one-GPU runs have no
+# collectives).
+GPU_FIT = Calibration(kernel_seconds=2.53e-6, gemm_peak_fraction=0.871, gemm_half_flops=2.58e9,
+                      memory_fraction=0.757, pallas_fraction=0.516,
+                      attention=(("backward CAUSAL bias", 0.200), ("forward CAUSAL bias", 0.274)))
 
 # Instructions that launch nothing.
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
@@ -139,6 +173,20 @@ class Op:
     count: float
     shapes: str
     source: str
+    variant: str = ""  # cuDNN attention: kernel_flops.attention_variant
+
+    @property
+    def cost_class(self) -> str:
+        """Which of :class:`Calibration`'s rates this kernel runs at: ``collective``,
+        ``attention <variant>``, ``pallas``, ``gemm`` (any other kernel with matmul FLOPs) or
+        ``memory``."""
+        if self.kind == "attention":
+            return f"attention {self.variant}".strip()
+        if self.kind == "kernel":
+            return "pallas"
+        if self.kind == "collective":
+            return "collective"
+        return "gemm" if self.flops else "memory"
 
     def seconds(self, chip: Chip, calibration: Calibration) -> float:
         """One run's time on ``chip`` under ``calibration``."""
@@ -147,7 +195,8 @@ class Op:
                     + calibration.kernel_seconds)
         compute = 0.0
         if self.flops:
-            compute = self.flops / (chip.peak_flops * calibration.gemm_fraction(self.flops))
+            compute = self.flops / (chip.peak_flops * calibration.compute_fraction(
+                self.cost_class, self.flops))
         memory = self.bytes / (chip.hbm_bandwidth * calibration.memory_fraction)
         return max(compute, memory) + calibration.kernel_seconds
 
@@ -388,7 +437,7 @@ def trip_count(module: hlo.Module, instruction: hlo.Instruction) -> float:
 def _op(module: hlo.Module, instruction: hlo.Instruction, types: dict[str, str], count: float,
         devices: int) -> Op:
     opcode = instruction.opcode.removesuffix("-start")
-    flops, link = 0.0, 0.0
+    flops, link, variant = 0.0, 0.0, ""
     if opcode in COLLECTIVES:
         kind, moved = "collective", 0.0
         link = _collective_link_bytes(opcode, instruction, types, devices)
@@ -396,8 +445,13 @@ def _op(module: hlo.Module, instruction: hlo.Instruction, types: dict[str, str],
         called = instruction.called("calls")
         flops, kind = computation_flops(module, called[0]) if called else (0.0, "fusion")
         moved = _fusion_bytes(module, instruction, types)
+        if kind == "attention":  # a cuDNN call XLA wrapped in a fusion
+            calls = [i for i in module.computations[called[0]].instructions
+                     if i.opcode == "custom-call" and "__cudnn$fmha" in i.attributes]
+            variant = attention_variant(calls[0]) if calls else ""
     elif opcode == "custom-call":
         kind, flops, moved = custom_call_cost(instruction, types)
+        variant = attention_variant(instruction) if kind == "attention" else ""
     else:
         flops = dot_flops(instruction, types) if opcode in ("dot", "convolution") else 0.0
         kind = "gemm" if flops else opcode
@@ -412,7 +466,7 @@ def _op(module: hlo.Module, instruction: hlo.Instruction, types: dict[str, str],
         else:
             moved = float(sum(operands) + written)
     return Op(instruction.name, kind, flops, moved, link, count,
-              _shapes(instruction, types), module.source(instruction))
+              _shapes(instruction, types), module.source(instruction), variant)
 
 
 def _shapes(instruction: hlo.Instruction, types: dict[str, str]) -> str:
@@ -439,7 +493,9 @@ def roofline(hlo_text: str, chip: Chip, model_flops: float | None, *, devices: i
     ``top`` costliest operations under ``calibration``, each with its ``flops``, ``bytes``
     (per run), ``count``, ``seconds`` (all runs), ``bound``, ``kind``, ``shapes`` and
     ``source``; ``kinds``: per kind of operation (``gemm``, ``attention``, ``kernel``,
-    ``fusion``, ...), its ``seconds``, ``flops`` and ``kernels`` summed over the program.
+    ``fusion``, ...), its ``seconds``, ``flops`` and ``kernels`` summed over the program;
+    ``classes``: the same per :attr:`Op.cost_class`, the calibration's terms (they add up to
+    ``predicted_seconds``).
     """
     ops = program_ops(hlo.parse_module(hlo_text), devices)
     seconds = _totals(ops, chip, calibration)
@@ -450,11 +506,13 @@ def roofline(hlo_text: str, chip: Chip, model_flops: float | None, *, devices: i
 
     ranked = sorted(ops, key=lambda op: -op.count * op.seconds(chip, calibration))
     kinds: dict[str, dict[str, float]] = {}
+    classes: dict[str, dict[str, float]] = {}
     for op in ops:
-        kind = kinds.setdefault(op.kind, {"seconds": 0.0, "flops": 0.0, "kernels": 0.0})
-        kind["seconds"] += op.count * op.seconds(chip, calibration)
-        kind["flops"] += op.count * op.flops
-        kind["kernels"] += op.count
+        for key, table in ((op.kind, kinds), (op.cost_class, classes)):
+            entry = table.setdefault(key, {"seconds": 0.0, "flops": 0.0, "kernels": 0.0})
+            entry["seconds"] += op.count * op.seconds(chip, calibration)
+            entry["flops"] += op.count * op.flops
+            entry["kernels"] += op.count
     return {
         "chip": chip.name,
         "predicted_seconds": seconds, "mfu_bound": mfu(seconds),
@@ -466,9 +524,11 @@ def roofline(hlo_text: str, chip: Chip, model_flops: float | None, *, devices: i
         "kernels": sum(op.count for op in ops),
         "top_ops": [{"name": op.name, "kind": op.kind, "flops": op.flops, "bytes": op.bytes,
                      "count": op.count, "seconds": op.count * op.seconds(chip, calibration),
-                     "bound": op.bound(chip), "shapes": op.shapes, "source": op.source}
+                     "bound": op.bound(chip), "class": op.cost_class, "shapes": op.shapes,
+                     "source": op.source}
                     for op in ranked[:top]],
         "kinds": dict(sorted(kinds.items(), key=lambda item: -item[1]["seconds"])),
+        "classes": dict(sorted(classes.items(), key=lambda item: -item[1]["seconds"])),
     }
 
 
@@ -483,7 +543,7 @@ def format_roofline(result: dict[str, Any]) -> str:
              f"{pct(result['mfu_bound_pure'])}); {result['flops'] / 1e12:.3f} TFLOP of matmuls, "
              f"{result['bytes'] / 2**30:.2f} GiB moved, {result['kernels']:.0f} kernels",
              "  by kind: " + ", ".join(f"{kind} {1e3 * k['seconds']:.2f} ms ({k['kernels']:.0f})"
-                                       for kind, k in result["kinds"].items()),
+                                       for kind, k in result["classes"].items()),
              "    ms      share  bound    runs  TFLOP/run  MiB/run  kind        shapes  [source]"]
     for op in result["top_ops"]:
         share = op["seconds"] / result["predicted_seconds"] if result["predicted_seconds"] else 0
