@@ -208,13 +208,16 @@ def test_one_line_errors(tmp_path):
         hf.load_pretrained(str(tmp_path))
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "deepseek_v3", "glm4_moe",
+                                        "qwen3_next", "qwen3_5_moe_text"])
 def test_cached_decoding_gives_the_full_forward_logits(loaded, model_type):
     """Prefill 5 slots (row 0 left-padded by one), then one token at a time: every step's logits
     equal a full forward pass of the same real tokens (Mixtral: sliding window 5 < 12 tokens on
     every layer; gpt-oss: window 4 on layers 0 and 3 of 4, attention sinks; DeepSeek-V3: latent
     attention, whose cache holds the normed latent and the rotated shared key; GLM-4.5: half of
-    each head rotated, q/k norms before the rotation). Through
+    each head rotated, q/k norms before the rotation; Qwen3-Next and Qwen3.5: Gated DeltaNet
+    layers, whose cache entries are the convolution's last inputs and the state, padding left
+    out of both). Through
     ``generate``'s own compiled step, at the shapes the generation test compiled it for."""
     model, _ = loaded[model_type]
     ids = jnp.asarray(reference(model_type)["input_ids"])
