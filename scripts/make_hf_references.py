@@ -20,7 +20,10 @@ that dropped them would still pass), and saves into
 greedy ``generate`` from the first 5 tokens for 8 new tokens (``generated [2, 13]``).
 Two more directories hold the quantized forms the Hub ships, gpt-oss in MXFP4
 (``gpt_oss_mxfp4``) and DeepSeek-V3 in block FP8 (``deepseek_v3_fp8``; see ``MXFP4`` and
-``FP8`` below).
+``FP8`` below). The Gated DeltaNet hybrids ``qwen3_next`` and ``qwen3_5_moe`` (Qwen3.5-MoE's
+image-text-to-text model, its text model that of ``qwen3_5_moe_text``) are rewritten in the
+Hub's spelling with multi-token-prediction tensors added (``hub_spelling``); transformers reads
+each rewritten directory back to the same weights.
 
 The round trip back into transformers (run by hand; the saved directories come from the
 project's environment):
@@ -29,8 +32,10 @@ project's environment):
     /tmp/torchenv/bin/python scripts/make_hf_references.py --check /tmp/hf_saved
 
 ``--check`` loads each ``/tmp/hf_saved/<type>`` with ``AutoModelForCausalLM.from_pretrained``
-and compares its logits with the reference (1e-4 of the largest magnitude); each directory of
-``ROUTED`` (an export recording another routing than the type's) with its type's reference.
+(failing where transformers reports a tensor missing, unexpected or of another shape) and
+compares its logits with the reference (1e-4 of the largest magnitude); each directory of
+``ROUTED`` (an export recording another routing than the type's, or Qwen3.5's
+image-text-to-text model exported as its text model) with its source's reference.
 """
 
 from __future__ import annotations
