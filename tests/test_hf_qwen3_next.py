@@ -184,3 +184,24 @@ def test_fine_tuning_reaches_every_parameter():
     params = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree.map(lambda p, g: p - 0.05 * g, params, nnx.state(grads)))
     assert float(evaluate(model, True)) < before
+
+
+def test_packed_documents_do_not_see_each_other():
+    """Two rows whose second documents are the same 7 tokens after different first documents
+    (``segment_ids``, positions restarting): the second documents' logits are equal, so neither
+    the attention layers nor the Gated DeltaNet layers (state and convolution restarted) carry
+    anything across a document boundary; the first documents' differ."""
+    model, _ = hf.load_pretrained(os.path.join(DATA, "qwen3_5_moe_text"))
+    ids = jnp.asarray(reference("qwen3_5_moe_text")["input_ids"])
+    packed = ids.at[1, 5:].set(ids[0, 5:])
+    segments = jnp.broadcast_to(jnp.asarray([0] * 5 + [1] * 7), packed.shape)
+    positions = jnp.broadcast_to(jnp.asarray(list(range(5)) + list(range(7))), packed.shape)
+    logits = np.asarray(nnx.jit(lambda m: m(packed, segment_ids=segments,
+                                            positions=positions))(model))
+    # Equal up to float32 rounding: the chunked delta rule's decay ratios within a chunk come
+    # from cumulative log decays that include the first document's, which round differently
+    # per row (1e-5 of the largest; anything carried across the boundary moves them by the
+    # first documents' difference, over 1e-2).
+    np.testing.assert_allclose(logits[0, 5:], logits[1, 5:], rtol=0,
+                               atol=1e-5 * np.abs(logits).max())
+    assert np.abs(logits[0, :5] - logits[1, :5]).max() > 1e-2 * np.abs(logits).max()
