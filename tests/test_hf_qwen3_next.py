@@ -23,9 +23,11 @@ from flax import nnx
 from safetensors import safe_open
 
 from sparsemixer_jax import hf
+from sparsemixer_jax.hf.scratch import check_router_for_lm, router_overrides
 from sparsemixer_jax.models.lm_loss import token_nll
 from sparsemixer_jax.parallel.partitioning import path_name
-from sparsemixer_jax.routers.registry import ROUTERS
+from sparsemixer_jax.routers import RouterConfig
+from sparsemixer_jax.routers.registry import ROUTERS, routers_taking
 from tests.test_hf import DATA, logits_of, read_json, reference, relative_error, reload
 
 VL_DIR = os.path.join(DATA, "qwen3_5_moe")
@@ -141,14 +143,27 @@ def test_bad_input_is_one_line_before_any_tensor_is_read(tmp_path, source, chang
     assert "\n" not in str(error.value)
 
 
-def test_every_router_takes_the_checkpoint():
-    """Chosen at load, every router of the registry composes with the hybrids' softmax top-k
-    and gated shared expert (none is refused: their scores are softmax)."""
-    for model_type in ("qwen3_next", "qwen3_5_moe_text"):
-        cfg = read_json(os.path.join(DATA, model_type, "config.json"))
-        for name in ROUTERS:
-            config = hf.from_hf(cfg, router=name, jitter_eps=0.1 if "sparsemixer" in name else 0.0)
-            assert config.router == name and config.shared_expert_size == 20
+@pytest.mark.parametrize("source", ["qwen3_next", "qwen3_5_moe"])
+def test_every_router_fine_tunes_the_checkpoint_or_is_refused_in_one_line(source):
+    """Fine-tuning with the router section (``init_router="config"``, as the language-model
+    task reads a checkpoint): every router of the registry composes with the hybrids' softmax
+    top-k and gated shared expert; Qwen3.5, whose router always renormalises its top-k gates,
+    refuses a router that takes ``normalize_top_k`` with it off, in one line, and takes it on."""
+    cfg = hf.read_config(os.path.join(DATA, source))
+    renormalised = source == "qwen3_5_moe"
+    for name in ROUTERS:
+        jitter = 0.1 if "sparsemixer" in name else 0.0
+        router = RouterConfig(name=name, top_k=3, jitter_eps=jitter)
+        if renormalised and name in routers_taking("normalize_top_k"):
+            with pytest.raises(ValueError, match=f"normalize_top_k=False: {source} "
+                                                 "renormalises its top-k gates") as error:
+                check_router_for_lm(router, source)
+            assert "\n" not in str(error.value)
+            router = RouterConfig(name=name, top_k=3, jitter_eps=jitter, normalize_top_k=True)
+        check_router_for_lm(router, source)
+        config = hf.from_hf(cfg, **router_overrides(router, source, over_type=False))
+        assert config.router == name and config.shared_expert_size == 20
+        assert config.arch.linear_layers and config.top_k == 3
 
 
 def test_fine_tuning_reaches_every_parameter():

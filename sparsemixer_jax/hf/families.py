@@ -383,8 +383,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (MIXTRAL, QWEN3_MOE, OLM
 
 def family_of(model_type: Any, where: str = "config.json: model_type ") -> Family:
     """The record of ``model_type``, or a one-line ValueError naming the supported types
-    (``where`` prefixes the value); an alias (:data:`ALIASES`) gives the type it stands for."""
-    model_type = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else model_type
+    (``where`` prefixes the value); an alias (:data:`ALIASES`) gives the type it stands for, a
+    type of :data:`TEXT_MODELS` its text model's."""
+    if isinstance(model_type, str):
+        model_type = ALIASES.get(model_type, TEXT_MODELS.get(model_type, model_type))
     if model_type not in FAMILIES:
         aliases = ", ".join(f"{alias} as {target}"
                             for alias, target in {**ALIASES, **TEXT_MODELS}.items())
