@@ -404,7 +404,8 @@ def _layer_keys(c: LMConfig, family: Family) -> dict[str, Any]:
 
 
 def _window_keys(c: LMConfig, family: Family) -> dict[str, Any]:
-    """The sliding window in the family's keys (what :func:`_window` reads)."""
+    """The sliding window in the family's keys (what :func:`_window` reads); a hybrid's
+    ``layer_types`` (what :func:`_linear_layers` reads)."""
     if family.window == "every_layer":
         return {"sliding_window": c.arch.sliding_window}
     if family.window == "per_layer":

@@ -1,5 +1,6 @@
 """A decoder-only MoE language model (Flax NNX): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-Phi-3.5-MoE, GLM-4.5, gpt-oss and DeepSeek-V3 in one implementation, configured by
+Phi-3.5-MoE, GLM-4.5, gpt-oss, DeepSeek-V3 and the Gated DeltaNet hybrids Qwen3-Next and
+Qwen3.5-MoE in one implementation, configured by
 :class:`sparsemixer_jax.models.lm_config.LMConfig`.
 
 Each block is pre-norm: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``, where ``attn`` is
