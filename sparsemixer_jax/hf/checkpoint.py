@@ -163,7 +163,9 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
 
     Quantized checkpoints (gpt-oss's MXFP4 experts, DeepSeek-V3's block-FP8 weights) are
     dequantized as each tensor is read; tensors of layers past ``num_hidden_layers``
-    (multi-token prediction) are skipped with one logged line.
+    (multi-token prediction) are skipped with one logged line, and so are those under a prefix
+    the type does not compute (the hybrids' ``mtp.*``, Qwen3.5's vision tower), one line per
+    prefix naming how many. A Qwen3.5 image-text-to-text directory loads as its text model.
 
     Returns the model in eval mode (``model.train()`` for training) and its config. One-line
     ValueErrors: not a model directory, unsupported ``model_type``, a refused or missing config
