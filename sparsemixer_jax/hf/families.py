@@ -131,7 +131,8 @@ class Family:
         ``qk_nope_head_dim + qk_rope_head_dim`` (no ``head_dim`` key), one key/value head per
         query head, the attention tensors of :data:`LATENT_ATTENTION_NAMES`.
       linear_attention: a Gated DeltaNet hybrid: ``layer_types`` (:data:`LINEAR_LAYER_TYPES`)
-        says which layers are Gated DeltaNet (``linear_attn.*`` tensors); ``""``: none.
+        or ``full_attention_interval`` says which layers are Gated DeltaNet (``linear_attn.*``
+        tensors; their projections' layout is the ``linear_layout`` flag).
       skipped: tensor-name prefixes its checkpoints may hold that this model does not compute
         (multi-token prediction, a vision tower), each with what it is: skipped on load with
         one logged line per prefix naming how many tensors.
