@@ -215,3 +215,23 @@ def test_packed_documents_do_not_see_each_other():
     np.testing.assert_allclose(logits[0, 5:], logits[1, 5:], rtol=0,
                                atol=1e-5 * np.abs(logits).max())
     assert np.abs(logits[0, :5] - logits[1, :5]).max() > 1e-2 * np.abs(logits).max()
+
+
+def test_hybrid_flops_count_its_tensors():
+    """Model FLOPs of the hybrids' token mixing: 2 per weight per token of every attention and
+    Gated DeltaNet projection and convolution (counted from the reference checkpoint's tensors,
+    the gate half of q_proj included), x 3 for the backward; the scores over (L + 1) / 2 keys
+    on the attention layers, 6 dk dv per value head on the Gated DeltaNet layers."""
+    from sparsemixer_jax.aot.model_flops import lm_flops_per_token
+
+    config = hf.from_hf(read_json(os.path.join(DATA, "qwen3_next", "config.json")))
+    with safe_open(os.path.join(DATA, "qwen3_next", "model.safetensors"), "np") as f:
+        weights = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()  # noqa: SIM118
+                      if (".self_attn." in k or ".linear_attn." in k)
+                      and k.endswith(("proj.weight", "ba.weight", "qkvz.weight", "conv1d.weight")))
+    got = lm_flops_per_token(config, 12)
+    assert got["attention_proj"] == 3 * 2 * weights
+    a = config.arch
+    assert got["attention_scores"] == 3 * (2 * 2 * 13 / 2 * a.num_heads * 2 * a.head_dim
+                                           + 2 * 6 * 4 * a.linear_key_head_dim
+                                           * a.linear_value_head_dim)
