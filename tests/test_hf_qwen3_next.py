@@ -14,6 +14,7 @@ text model's tensors under ``model.language_model.``, ``mtp.*`` tensors, the Hub
 import json
 import logging
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -235,3 +236,33 @@ def test_hybrid_flops_count_its_tensors():
     assert got["attention_scores"] == 3 * (2 * 2 * 13 / 2 * a.num_heads * 2 * a.head_dim
                                            + 2 * 6 * 4 * a.linear_key_head_dim
                                            * a.linear_value_head_dim)
+
+
+@pytest.mark.slow  # fast counterparts: the router and fine-tuning gradient tests above
+def test_the_language_model_task_fine_tunes_and_exports_qwen3_5(tmp_path):
+    """The Hub's Qwen3.5-MoE directory (with a word-level tokenizer) fine-tuned 2 steps by the
+    language-model task under SparseMixer-v2* (``init_router="config"``), then exported: a
+    finite validation loss, and the export a ``qwen3_5_moe_text`` checkpoint recording the
+    trained routing that loads back to the trained model."""
+    from sparsemixer_jax.tasks import lm_export
+    from sparsemixer_jax.tasks.language_model import train_lm
+    from tests import tiny_lm_config
+    from tests.test_lm_task import _word_tokenizer, tiny
+
+    corpus = tiny_lm_config.write_corpus(str(tmp_path / "corpus"))
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(VL_DIR, path)
+    _word_tokenizer(corpus, 97).save(os.path.join(path, "tokenizer.json"))
+    workdir = str(tmp_path / "w")
+    train_lm(tiny(corpus, init_from=path, train_steps=2, eval_every=2, checkpoint_every=2,
+                  init_router="config", **{"data.wikitext": "", "sample.tokens": 0,
+                                           "router.top_k": 3}), workdir)
+    assert np.isfinite(read_json(os.path.join(workdir, "results.json"))["valid_loss"])
+    out = str(tmp_path / "out")
+    lm_export.export_run(workdir, out)
+    saved = read_json(os.path.join(out, "config.json"))
+    assert saved["model_type"] == "qwen3_5_moe_text"
+    assert saved[hf.ROUTING_KEY]["router"] == "sparsemixer_v2star"
+    _, config = hf.load_pretrained(out)
+    assert config.router == "sparsemixer_v2star" and config.arch.linear_layers == (True,) * 3 + (
+        False,)
