@@ -165,21 +165,6 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = GatedMLP(config, config.arch.intermediate_size, rngs)
 
-    def __call__(self, x, cos, sin, mask, kv, token_mask, deterministic, dropless, fused=None):
-        """``x [B, T, emb]``; ``kv``: this layer's cache ``(keys, values, index)`` or None;
-        ``fused``: how cuDNN may take ``mask``
-        (:class:`~sparsemixer_jax.layers.attention.FusedMask`).
-
-        Returns ``(x, (keys, values) or None, (balance_loss, z_loss))``."""
-        y, new_kv = self._mix(self.input_layernorm(x), cos, sin, mask, kv, token_mask, fused)
-        x = x + y.astype(x.dtype)
-        h = self.post_attention_layernorm(x)
-        if self.is_moe:
-            y, metrics = self.mlp(h, token_mask, deterministic, dropless)
-        else:
-            y, metrics = self.mlp(h), {}
-        return x + y.astype(x.dtype), new_kv, metrics
-
     def _mix(self, h, cos, sin, mask, kv, token_mask, fused):
         """The token-mixing sublayer on the normed ``h [B, T, emb]`` (arguments as
         :meth:`__call__`'s): ``(y [B, T, emb], the layer's new cache entries or None)``."""
@@ -207,6 +192,21 @@ class DecoderLayer(nnx.Module):
         if gate is not None:
             attend["gate"] = gate
         return self.self_attn.attend(q, k, v, mask[:, None], causal=kv is None, **attend), new_kv
+
+    def __call__(self, x, cos, sin, mask, kv, token_mask, deterministic, dropless, fused=None):
+        """``x [B, T, emb]``; ``kv``: this layer's cache ``(keys, values, index)`` or None;
+        ``fused``: how cuDNN may take ``mask``
+        (:class:`~sparsemixer_jax.layers.attention.FusedMask`).
+
+        Returns ``(x, (keys, values) or None, (balance_loss, z_loss))``."""
+        y, new_kv = self._mix(self.input_layernorm(x), cos, sin, mask, kv, token_mask, fused)
+        x = x + y.astype(x.dtype)
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            y, metrics = self.mlp(h, token_mask, deterministic, dropless)
+        else:
+            y, metrics = self.mlp(h), {}
+        return x + y.astype(x.dtype), new_kv, metrics
 
 
 class LayerUnit(nnx.Module):
