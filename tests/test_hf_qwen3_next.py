@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from sparsemixer_jax import hf
 from sparsemixer_jax.hf.scratch import check_router_for_lm, router_overrides
+from sparsemixer_jax.models.lm_generate import generate
 from sparsemixer_jax.models.lm_loss import token_nll
 from sparsemixer_jax.parallel.partitioning import path_name
 from sparsemixer_jax.routers import RouterConfig
@@ -61,6 +62,8 @@ def test_image_text_to_text_directory_loads_as_its_text_model(tmp_path, caplog):
     assert config.arch.linear_layout == "separate" and config.norm_topk_prob
     ref = reference("qwen3_5_moe")
     assert relative_error(logits_of(model, ref["input_ids"]), ref["logits"]) <= 1e-4
+    generated = generate(model, jnp.asarray(ref["input_ids"][:, :5]), 8)
+    np.testing.assert_array_equal(np.asarray(generated), ref["generated"])
     hf.save_pretrained(model, config, str(tmp_path))
     saved = read_json(tmp_path / "config.json")
     assert saved["model_type"] == "qwen3_5_moe_text" and "text_config" not in saved
