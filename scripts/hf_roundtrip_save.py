@@ -3,7 +3,8 @@ and saves it with :func:`sparsemixer_jax.hf.save_pretrained` into ``OUT/<type>``
 ``scripts/make_hf_references.py --check OUT`` to load with transformers (the round trip back
 into transformers; run by hand, CI has no torch). ``OUT/mixtral_sparsemixer`` is the Mixtral
 routed by SparseMixer-v2*: its config.json records that routing (``sparsemixer_jax_routing``),
-which transformers keeps and ignores, computing Mixtral's own.
+which transformers keeps and ignores, computing Mixtral's own. ``OUT/qwen3_5_moe_exported`` is
+Qwen3.5-MoE's image-text-to-text directory exported as its text model (``qwen3_5_moe_text``).
 
     python scripts/hf_roundtrip_save.py /tmp/hf_saved
 """
@@ -28,3 +29,6 @@ if __name__ == "__main__":
                                        router="sparsemixer_v2star", jitter_eps=0.1)
     hf.save_pretrained(model, config, os.path.join(out, "mixtral_sparsemixer"))
     print(f"mixtral_sparsemixer: saved to {os.path.join(out, 'mixtral_sparsemixer')}")
+    model, config = hf.load_pretrained(os.path.join(DATA, "qwen3_5_moe"))
+    hf.save_pretrained(model, config, os.path.join(out, "qwen3_5_moe_exported"))
+    print(f"qwen3_5_moe_exported: saved to {os.path.join(out, 'qwen3_5_moe_exported')}")

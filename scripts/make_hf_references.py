@@ -20,7 +20,10 @@ that dropped them would still pass), and saves into
 greedy ``generate`` from the first 5 tokens for 8 new tokens (``generated [2, 13]``).
 Two more directories hold the quantized forms the Hub ships, gpt-oss in MXFP4
 (``gpt_oss_mxfp4``) and DeepSeek-V3 in block FP8 (``deepseek_v3_fp8``; see ``MXFP4`` and
-``FP8`` below).
+``FP8`` below). The Gated DeltaNet hybrids ``qwen3_next`` and ``qwen3_5_moe`` (Qwen3.5-MoE's
+image-text-to-text model, its text model that of ``qwen3_5_moe_text``) are rewritten in the
+Hub's spelling with multi-token-prediction tensors added (``hub_spelling``); transformers reads
+each rewritten directory back to the same weights.
 
 The round trip back into transformers (run by hand; the saved directories come from the
 project's environment):
@@ -29,8 +32,10 @@ project's environment):
     /tmp/torchenv/bin/python scripts/make_hf_references.py --check /tmp/hf_saved
 
 ``--check`` loads each ``/tmp/hf_saved/<type>`` with ``AutoModelForCausalLM.from_pretrained``
-and compares its logits with the reference (1e-4 of the largest magnitude); each directory of
-``ROUTED`` (an export recording another routing than the type's) with its type's reference.
+(failing where transformers reports a tensor missing, unexpected or of another shape) and
+compares its logits with the reference (1e-4 of the largest magnitude); each directory of
+``ROUTED`` (an export recording another routing than the type's, or Qwen3.5's
+image-text-to-text model exported as its text model) with its source's reference.
 """
 
 from __future__ import annotations
@@ -120,7 +125,44 @@ CONFIGS = {
                                          "factor": 4.0, "mscale": 0.9, "mscale_all_dim": 0.7,
                                          "beta_fast": 4.0, "beta_slow": 1.0,
                                          "original_max_position_embeddings": 16}),
+    # The Gated DeltaNet hybrids (hidden 32): gated attention with per-head zero-centred q/k
+    # norms on 4 query heads of 8 over 2 key/value heads, half of each head rotated; Gated
+    # DeltaNet layers of 2 key heads of 8 and 4 value heads of 6 (two per key head), a 3-tap
+    # convolution; top-3 of 6 experts with a gated shared expert. Qwen3-Next: every second
+    # layer attention (full_attention_interval 2), a dense third layer (mlp_only_layers),
+    # top-3 not renormalised; config.json in the Hub's spelling (below, HUB_SPELLING).
+    "qwen3_next": dict(hidden_size=32, num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=24, moe_intermediate_size=12, num_experts=6,
+                       num_experts_per_tok=3, shared_expert_intermediate_size=20,
+                       norm_topk_prob=False, mlp_only_layers=[2], full_attention_interval=2,
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                       linear_value_head_dim=6, linear_conv_kernel_dim=3,
+                       rope_parameters={"rope_type": "default", "rope_theta": 20000.0,
+                                        "partial_rotary_factor": 0.5}),
+    # Qwen3.5-MoE's text model: Qwen3-Next's with separate DeltaNet projections, every layer
+    # routed (renormalised top-3), attention on the last of 4 layers only, and Qwen3.5's
+    # multimodal rotary settings (mrope_section, interleaved), plain rotary for text.
+    "qwen3_5_moe_text": dict(hidden_size=32, num_hidden_layers=4, num_key_value_heads=2,
+                             head_dim=8, moe_intermediate_size=12, num_experts=6,
+                             num_experts_per_tok=3, shared_expert_intermediate_size=20,
+                             layer_types=["linear_attention"] * 3 + ["full_attention"],
+                             linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=8, linear_value_head_dim=6,
+                             linear_conv_kernel_dim=3,
+                             rope_parameters={"rope_type": "default", "rope_theta": 20000.0,
+                                              "partial_rotary_factor": 0.5,
+                                              "mrope_section": [1, 1, 0],
+                                              "mrope_interleaved": True}),
 }
+# Qwen3.5-MoE as the Hub ships it: the image-text-to-text model (a vision tower, the text model
+# under text_config and its tensors under model.language_model.*), config.json in the Hub's
+# spelling (text_config's attn_output_gate and multi-token-prediction keys), and the tensors of
+# one multi-token-prediction layer (mtp.*). Its text model is qwen3_5_moe_text's settings; the
+# reference is transformers' logits of the whole model on text.
+VL = "qwen3_5_moe"
+VL_VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, patch_size=2,
+                 temporal_patch_size=1, spatial_merge_size=1, out_hidden_size=32,
+                 num_position_embeddings=16)
 # DeepSeek-V3 as the Hub ships it: block-FP8 weights (e4m3 with a float32 weight_scale_inv per
 # block; blocks of 8 x 8 here, so kv_a_proj_with_mqa's 14 rows end in a partial block), the
 # Hub's config.json spelling (rope_scaling with ``type``, rope_theta, topk_method, scoring_func,
@@ -152,17 +194,27 @@ MXFP4_CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, 
 # types after them, so that adding a type leaves the others' files as they are.
 SEEDS = {t: i for i, t in enumerate(("mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe",
                                      "glm4_moe", "gpt_oss", MXFP4, "deepseek_v3",
-                                     FP8))}
+                                     FP8, "qwen3_next", "qwen3_5_moe_text", VL))}
 PROMPT, NEW = 5, 8
 
 
 def build(model_type: str) -> torch.nn.Module:
     torch.manual_seed(SEEDS[model_type])
-    settings = {MXFP4: MXFP4_CONFIG, FP8: FP8_CONFIG}.get(model_type) or CONFIGS[model_type]
-    base = {MXFP4: "gpt_oss", FP8: "deepseek_v3"}.get(model_type, model_type)
-    config = AutoConfig.for_model(base, **{**COMMON, **settings})
-    config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config).float().eval()
+    if model_type == VL:
+        from transformers import AutoModelForImageTextToText
+
+        text = {**COMMON, **CONFIGS["qwen3_5_moe_text"]}
+        config = AutoConfig.for_model(VL, text_config=text, vision_config=VL_VISION,
+                                      tie_word_embeddings=False)
+        config._attn_implementation = "eager"
+        config.text_config._attn_implementation = "eager"
+        model = AutoModelForImageTextToText.from_config(config).float().eval()
+    else:
+        settings = {MXFP4: MXFP4_CONFIG, FP8: FP8_CONFIG}.get(model_type) or CONFIGS[model_type]
+        base = {MXFP4: "gpt_oss", FP8: "deepseek_v3"}.get(model_type, model_type)
+        config = AutoConfig.for_model(base, **{**COMMON, **settings})
+        config._attn_implementation = "eager"
+        model = AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):
@@ -300,14 +352,54 @@ def save_fp8(model: torch.nn.Module, directory: str) -> str:
     return scratch
 
 
+def hub_spelling(directory: str, model_type: str) -> None:
+    """Rewrites a saved hybrid as the Hub's checkpoints spell it and adds the tensors of one
+    multi-token-prediction layer (``mtp.*``, which transformers skips): Qwen3-Next's
+    config.json with top-level ``rope_theta`` / ``partial_rotary_factor``, ``rope_scaling``
+    null, ``full_attention_interval`` instead of ``layer_types`` and ``use_sliding_window``
+    false; Qwen3.5's ``text_config`` with ``attn_output_gate`` and the MTP settings."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(directory, "model.safetensors")
+    tensors = load_file(file)
+    hidden = 32
+    tensors.update({"mtp.fc.weight": torch.randn(hidden, 2 * hidden),
+                    "mtp.norm.weight": torch.ones(hidden),
+                    "mtp.layers.0.input_layernorm.weight": torch.ones(hidden)})
+    save_file(tensors, file, metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg = json.load(f)
+    if model_type == "qwen3_next":
+        rope = cfg.pop("rope_parameters")
+        cfg.pop("layer_types")
+        cfg.update(rope_theta=rope["rope_theta"], rope_scaling=None,
+                   partial_rotary_factor=rope["partial_rotary_factor"],
+                   full_attention_interval=CONFIGS["qwen3_next"]["full_attention_interval"],
+                   use_sliding_window=False)
+    else:
+        cfg["text_config"].update(attn_output_gate=True, mtp_num_hidden_layers=1,
+                                  mtp_use_dedicated_embeddings=False, full_attention_interval=4)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+
+
 def load(directory: str) -> torch.nn.Module:
-    """transformers' model of a saved directory in float32 (an MXFP4 one dequantized)."""
+    """transformers' model of a saved directory in float32 (an MXFP4 one dequantized); raises
+    if transformers reports a tensor missing, unexpected or of another shape."""
     kwargs = {}
     with open(os.path.join(directory, "config.json")) as f:
-        if "quantization_config" in json.load(f):
-            kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager",
-                                                 dtype=torch.float32, **kwargs)
+        cfg = json.load(f)
+    if "quantization_config" in cfg:
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+    auto = AutoModelForCausalLM
+    if cfg.get("model_type") == VL:
+        from transformers import AutoModelForImageTextToText as auto
+    model, info = auto.from_pretrained(directory, attn_implementation="eager",
+                                       dtype=torch.float32, output_loading_info=True, **kwargs)
+    faults = {k: v for k, v in info.items() if v and k != "error_msgs"
+              and not (k == "unexpected_keys" and all(n.startswith("mtp.") for n in v))}
+    if faults:
+        raise RuntimeError(f"{directory}: transformers reports {faults}")
     return model.float().eval()
 
 
@@ -325,6 +417,12 @@ def make(model_type: str) -> None:
         model = load(save_fp8(model, directory))
     else:
         model.save_pretrained(directory)
+    if model_type in HUB_SPELLING:
+        hub_spelling(directory, model_type)
+        again = load(directory)  # the Hub's spelling reads as what was saved
+        for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(),
+                                strict=True):
+            assert torch.equal(a, b), f"{directory}: {name} reads otherwise"
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=generator)
     with torch.no_grad():
@@ -338,12 +436,14 @@ def make(model_type: str) -> None:
 
 # Saved directories whose config.json records another routing than the type's (transformers
 # computes the type's own): the reference each is compared with.
-ROUTED = {"mixtral_sparsemixer": "mixtral"}
+ROUTED = {"mixtral_sparsemixer": "mixtral", "qwen3_5_moe_exported": VL}
+# Directories rewritten in the Hub's spelling after transformers saved them (hub_spelling).
+HUB_SPELLING = ("qwen3_next", VL)
 
 
 def check(root: str) -> int:
     failures = 0
-    for model_type in (*CONFIGS, MXFP4, FP8, *ROUTED):
+    for model_type in (*CONFIGS, MXFP4, FP8, *ROUTED):  # (each loaded: no tensor missing)
         directory = os.path.join(root, model_type)
         if not os.path.isdir(directory):
             print(f"{model_type}: no {directory}")
@@ -368,7 +468,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", metavar="DIR", help="compare transformers' logits of the "
                         "directories DIR/<type> with the references")
-    parser.add_argument("--types", nargs="*", default=[*CONFIGS, MXFP4, FP8])
+    parser.add_argument("--types", nargs="*", default=[*CONFIGS, MXFP4, FP8, VL])
     args = parser.parse_args()
     if args.check:
         sys.exit(1 if check(args.check) else 0)

@@ -17,12 +17,14 @@ def test_every_model_type_has_one_record():
     assert tuple(FAMILIES) == MODEL_TYPES
 
 
-def _away_from(value):
-    """A value of the same kind as ``value`` that the type's key may take, but different."""
+def _away_from(value, name=""):
+    """A value of the same kind as ``value`` that the type's key ``name`` may take, but
+    different (a Gated DeltaNet head count doubled: value heads stay a multiple of key
+    heads)."""
     if isinstance(value, bool):
         return not value
     if isinstance(value, int):
-        return value + 4
+        return 2 * value if name.startswith("linear_num_") else value + 4
     if isinstance(value, float):
         return round(value + 0.05, 4)
     return 0.7  # clip_qkv: None (off) -> a clamp
@@ -37,7 +39,8 @@ def test_each_own_key_is_written_back_as_read(model_type):
     with open(os.path.join(DATA, model_type, "config.json")) as f:
         source = json.load(f)
     for key in family.keys:
-        cfg = {**source, key.name: _away_from(source.get(key.name, family.default(key.name)))}
+        cfg = {**source, key.name: _away_from(source.get(key.name, family.default(key.name)),
+                                              key.name)}
         config = hf.from_hf(cfg)
         assert config.value(key.fields[0]) == key.cast(cfg[key.name])
         again = hf.from_hf(hf.to_hf(config))

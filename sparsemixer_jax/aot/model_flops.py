@@ -81,12 +81,18 @@ def lm_flops_per_token(lm, seq_len: int) -> dict[str, float]:
     * ``attention_proj``: q ``2 e H d``, k and v ``2 x 2 e K d`` (grouped-query attention: ``K``
       heads), out ``2 H d e``. Latent attention (``kv_lora_rank`` ``c``, ``q_lora_rank``
       ``q``, rotated width ``r``, value width ``v``): queries ``2 e q + 2 q H d`` (or ``2 e H d``),
-      ``2 e (c + r)`` to the latent, ``2 c H (d - r + v)`` from it, out ``2 H v e``.
+      ``2 e (c + r)`` to the latent, ``2 c H (d - r + v)`` from it, out ``2 H v e``. Gated
+      attention's gate (``attention_output_gate``) another ``2 e H d``. A Gated DeltaNet layer
+      (the hybrids' ``linear_layers``): its input projections to queries and keys (``2 x 2 e
+      Kk dk``), values and output gates (``2 x 2 e Kv dv``) and ``b``, ``a`` (``2 x 2 e Kv``),
+      out ``2 Kv dv e``, and its depthwise convolution ``2 (2 Kk dk + Kv dv)`` per tap.
     * ``attention_scores``: scores and weighted sum, ``2 H d + 2 H v`` per key a query sees
       (``v = d`` but for latent attention): causal
       attention's lower triangle, ``(L + 1) / 2`` keys on average over ``L = seq_len``
       positions, whatever the kernel computes (an einsum computes the full square, a flash
-      kernel skips the masked blocks: neither changes the model's FLOPs).
+      kernel skips the masked blocks: neither changes the model's FLOPs). A Gated DeltaNet
+      layer's delta rule instead: ``6 dk dv`` per value head (reading the state with the key,
+      writing the update, reading it with the query), whichever form computes it.
     * ``ffn``: SwiGLU (gate, up, down: ``6 e m``); a routed layer runs ``top_k`` experts of width
       ``moe_intermediate_size`` (and a shared expert and its gate where there is one), a dense
       layer one MLP of width ``intermediate_size``.
@@ -107,13 +113,26 @@ def lm_flops_per_token(lm, seq_len: int) -> dict[str, float]:
         c, q, r = lm.arch.kv_lora_rank, lm.arch.q_lora_rank, lm.arch.qk_rope_head_dim
         queries = 2 * e * q + 2 * q * h * d if q else 2 * e * h * d
         attention = queries + 2 * e * (c + r) + 2 * c * h * (d - r + v) + 2 * h * v * e
+    if lm.arch.attention_output_gate:
+        attention += 2 * e * h * d
+    scores = 2 * (seq_len + 1) / 2 * h * (d + v)
+    linear = sum(lm.arch.linear_layers)
+    mixer = state = 0
+    if linear:
+        a = lm.arch
+        keys = a.linear_num_key_heads * a.linear_key_head_dim
+        values = a.linear_num_value_heads * a.linear_value_head_dim
+        mixer = 2 * e * (2 * keys + 2 * values + 2 * a.linear_num_value_heads) + \
+            2 * values * e + 2 * (2 * keys + values) * a.linear_conv_kernel_dim
+        state = 6 * a.linear_num_value_heads * a.linear_key_head_dim * a.linear_value_head_dim
+    full = lm.arch.num_layers - linear
     routed = sum(lm.arch.moe_layers)
     dense = lm.arch.num_layers - routed
     expert = 6 * e * lm.arch.moe_intermediate_size
     shared = (6 * e * lm.shared_expert_size + 2 * e) if lm.shared_expert_size else 0
     forward = {
-        "attention_proj": lm.arch.num_layers * attention,
-        "attention_scores": lm.arch.num_layers * 2 * (seq_len + 1) / 2 * h * (d + v),
+        "attention_proj": full * attention + linear * mixer,
+        "attention_scores": full * scores + linear * state,
         "ffn": routed * (lm.top_k * expert + shared) + dense * 6 * e * lm.arch.intermediate_size,
         "router": routed * 2 * e * lm.num_experts,
         "lm_head": 2 * e * lm.arch.vocab_size,

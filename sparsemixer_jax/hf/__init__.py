@@ -15,10 +15,11 @@ routed a rollout to into int32 ``[tokens, MoE layers, top_k]`` (numpy only).
 
 Types: ``mixtral``, ``qwen3_moe``, ``olmoe``, ``qwen2_moe``, ``phimoe``, ``glm4_moe``,
 ``gpt_oss`` (MXFP4 experts dequantized on load), ``deepseek_v3`` (``kimi_k2`` read as it;
-block-FP8 weights dequantized on load; docs/lm.md; one record each in
-:mod:`sparsemixer_jax.hf.families`). Needs the ``safetensors`` package (``tokenizers`` for
-:func:`load_tokenizer`, ``jinja2`` to render chat templates): ``pip install
-'sparsemixer-jax[hf]'``; torch is never imported.
+block-FP8 weights dequantized on load), the Gated DeltaNet hybrids ``qwen3_next`` and
+``qwen3_5_moe_text`` (``qwen3_5_moe``'s image-text-to-text directories read as their text
+model); docs/lm.md, and one record each in :mod:`sparsemixer_jax.hf.families`. Needs the
+``safetensors`` package (``tokenizers`` for :func:`load_tokenizer`, ``jinja2`` to render chat
+templates): ``pip install 'sparsemixer-jax[hf]'``; torch is never imported.
 """
 
 from sparsemixer_jax.hf.checkpoint import (

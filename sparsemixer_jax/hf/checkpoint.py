@@ -27,6 +27,7 @@ from flax import nnx
 
 from sparsemixer_jax.hf import fp8, mxfp4, safetensors_read
 from sparsemixer_jax.hf.config import from_hf, to_hf
+from sparsemixer_jax.hf.families import family_of
 from sparsemixer_jax.hf.tokenizer import read_json_object
 from sparsemixer_jax.hf.weights import Path, Slot, convert, read_table, saved_tensors
 from sparsemixer_jax.models.causal_lm import CausalLM
@@ -162,7 +163,9 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
 
     Quantized checkpoints (gpt-oss's MXFP4 experts, DeepSeek-V3's block-FP8 weights) are
     dequantized as each tensor is read; tensors of layers past ``num_hidden_layers``
-    (multi-token prediction) are skipped with one logged line.
+    (multi-token prediction) are skipped with one logged line, and so are those under a prefix
+    the type does not compute (the hybrids' ``mtp.*``, Qwen3.5's vision tower), one line per
+    prefix naming how many. A Qwen3.5 image-text-to-text directory loads as its text model.
 
     Returns the model in eval mode (``model.train()`` for training) and its config. One-line
     ValueErrors: not a model directory, unsupported ``model_type``, a refused or missing config
@@ -181,8 +184,9 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
     replicated = None if partitioner is None else partitioner.replicated()
     quantization = source.get("quantization_config") or {}  # from_hf checked the method
     beyond: set[int] = set()  # layers past num_hidden_layers (multi-token prediction)
+    skipped: dict[str, int] = {}  # tensors per skipped prefix (Family.skipped)
     tensors = checkpoint_tensors(files, quantization)
-    for value, slot in _placed(path, config, pure, tensors, beyond):
+    for value, slot in _placed(path, config, pure, tensors, beyond, skipped):
         target = _get(arrays, slot.path)
         got = np.asarray(convert(value, slot.transform), target.dtype)
         start = np.asarray(slot.index, np.int32)
@@ -194,6 +198,10 @@ def load_pretrained(path: str, *, seed: int = 0, mesh: jax.sharding.Mesh | None 
         logger.info("%s: skipped the tensors of layers %s past num_hidden_layers=%d "
                     "(multi-token prediction layers, which this model does not compute)",
                     path, sorted(beyond), config.arch.num_layers)
+    what = family_of(config.arch.model_type).skipped
+    for prefix, count in skipped.items():
+        logger.info("%s: skipped the %d tensors under %r (%s, which this model does not "
+                    "compute)", path, count, prefix, what[prefix])
     _omega_ones(arrays, placements)
     nnx.replace_by_pure_dict(abstract, arrays)
     if partitioner is not None:  # RNG streams and layer state: replicated on the mesh
@@ -231,20 +239,32 @@ class TensorInfo(NamedTuple):
 
 
 def _placed(path: str, config: LMConfig, pure: dict, tensors: Iterator[tuple[str, Any, str]],
-            beyond: set[int]) -> Iterator[tuple[Any, Slot]]:
+            beyond: set[int], skipped: dict[str, int] | None = None
+            ) -> Iterator[tuple[Any, Slot]]:
     """``(value, slot)`` for each slot of each checkpoint tensor ``(name, value, file)`` (value
     an array or a :class:`TensorInfo`), after checking that the tensor has a place in a model of
     ``config`` (whose params ``pure`` has, abstract or not), a float dtype and the shape the slot
     needs; once ``tensors`` is exhausted, that every tensor the model needs came. Tensors of
     layers past ``num_hidden_layers`` (multi-token prediction) are skipped, their layer numbers
-    added to ``beyond``, as transformers builds no such layer. One-line ValueErrors naming the
-    file and the tensor."""
+    added to ``beyond``, as transformers builds no such layer; so are those under a prefix of
+    the type's ``skipped`` (counted per prefix in ``skipped``), and the type's ``renamed``
+    prefixes are read as what they stand for. One-line ValueErrors naming the file and the
+    tensor."""
     layers = CausalLM.layer_index_of(config)
     table = read_table(config, layers)
+    family = family_of(config.arch.model_type)
     filled: dict[Path, np.ndarray] = {}  # per param: which leading-index slices were written
     for name, value, file in tensors:
         if name.endswith("rotary_emb.inv_freq"):
             continue  # recomputed from the config; some old checkpoints store it
+        prefix = next((p for p in family.skipped if name.startswith(p)), None)
+        if prefix is not None:
+            if skipped is not None:
+                skipped[prefix] = skipped.get(prefix, 0) + 1
+            continue
+        for old, new in family.renamed.items():
+            if name.startswith(old):
+                name = new + name.removeprefix(old)
         number = LAYER_NUMBER.match(name)
         if number and int(number.group(1)) >= config.arch.num_layers:
             beyond.add(int(number.group(1)))
@@ -377,6 +397,9 @@ def _hf_shape(param_shape: tuple[int, ...], slot) -> tuple[int, ...]:
     if slot.transform in ("even", "odd"):  # one of two interleaved halves of the last axis
         shape = param_shape[len(slot.index):]
         return (*shape[:-1], 2 * shape[-1])
+    if slot.transform == "conv":  # [C, K] -> Conv1d's [C, 1, K]
+        channels, taps = param_shape[len(slot.index):]
+        return (channels, 1, taps)
     shape = tuple(param_shape[len(slot.index):])
     return shape[::-1] if slot.transform == "T" else shape
 
@@ -465,7 +488,8 @@ def _saved_value(pure: dict, slots: list) -> np.ndarray:
             if omega is not None:
                 value = value * omega[slot.index[0]]
         value = _to_host(value)
-        values.append(value.T if slot.transform == "T" else value)
+        values.append(value.T if slot.transform == "T" else
+                      value[:, None, :] if slot.transform == "conv" else value)
     if len(values) == 2:  # "even" and "odd": interleaved along the last axis
         values = [np.stack(values, axis=-1).reshape(*values[0].shape[:-1], -1)]
     return np.ascontiguousarray(values[0])

@@ -14,7 +14,14 @@ import json
 import math
 from typing import Any
 
-from sparsemixer_jax.hf.families import LAYER_TYPES, Family, Key, family_of
+from sparsemixer_jax.hf.families import (
+    LAYER_TYPES,
+    LINEAR_LAYER_TYPES,
+    Family,
+    Key,
+    family_of,
+    text_model_config,
+)
 from sparsemixer_jax.layers.rope import RopeConfig
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.routers import RouterConfig
@@ -152,6 +159,10 @@ def _layers(cfg: dict[str, Any], family: Family, num_layers: int, num_experts: i
                 "moe_intermediate_size": int(cfg.get("moe_intermediate_size",
                                                      family.default("moe_intermediate_size"))),
                 "intermediate_size": int(cfg["intermediate_size"])}
+    if family.dense_layers == "moe_only":
+        width = int(cfg.get("moe_intermediate_size", family.default("moe_intermediate_size")))
+        return {"moe_layers": (True,) * num_layers, "moe_intermediate_size": width,
+                "intermediate_size": 0}
     if not family.dense_layers:
         width = int(cfg["intermediate_size"])
         return {"moe_layers": (True,) * num_layers, "moe_intermediate_size": width,
@@ -179,6 +190,29 @@ def _layer_types(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[s
                                    f"num_hidden_layers={num_layers}")
     return {"sliding_window": cfg.get("sliding_window", family.default("sliding_window")),
             "sliding_layers": tuple(LAYER_TYPES[kind] for kind in types)}
+
+
+def _linear_layers(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
+    """``linear_layers`` of a Gated DeltaNet hybrid: ``layer_types``, or without it every
+    ``full_attention_interval``-th layer attention (transformers' default, 4)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            _refuse(family.model_type, f"full_attention_interval={interval!r} must be an "
+                                       "integer >= 1")
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(num_layers)]
+    if not isinstance(types, list):
+        _refuse(family.model_type, f"layer_types={types!r} must be a list")
+    for i, kind in enumerate(types):
+        if kind not in LINEAR_LAYER_TYPES:
+            _refuse(family.model_type, f"layer_types[{i}]={kind!r} is not implemented "
+                                       f"(implemented: {', '.join(LINEAR_LAYER_TYPES)})")
+    if len(types) != num_layers:
+        _refuse(family.model_type, f"layer_types has {len(types)} entries for "
+                                   f"num_hidden_layers={num_layers}")
+    return {"linear_layers": tuple(LINEAR_LAYER_TYPES[kind] for kind in types)}
 
 
 def _window(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
@@ -223,7 +257,7 @@ def _check_sizes(cfg: dict[str, Any], family: Family) -> None:
     """The sizes every checkpoint states (transformers would default them to its own model's,
     which never fit the tensors): each present and an integer, else a one-line refusal."""
     needed = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"]
-    if family.dense_layers != "sparse_step":  # the expert width, or the dense MLP's
+    if family.dense_layers in ("", "first_k"):  # the expert width, or the dense MLP's
         needed.append("intermediate_size")
     for key in needed:
         if cfg.get(key) is None:
@@ -267,12 +301,13 @@ def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
     a missing size, and any key that would change the computation in a way not implemented
     here.
     """
+    cfg = text_model_config(cfg)
     family = family_of(cfg.get("model_type"))
     model_type = family.model_type
     _check_keys(cfg, family)
     _check_sizes(cfg, family)
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or hidden // heads
+    head_dim = cfg.get("head_dim") or family.default("head_dim") or hidden // heads
     if family.latent_attention:  # its head_dim key (transformers writes one) is the rotary width
         head_dim = int(cfg.get("qk_nope_head_dim", family.default("qk_nope_head_dim"))) + \
             int(cfg.get("qk_rope_head_dim", family.default("qk_rope_head_dim")))
@@ -295,6 +330,8 @@ def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
     fields: dict[str, Any] = {"router": "switch", "jitter_eps": 0.0,
                               **_layers(cfg, family, num_layers, num_experts),
                               **_window(cfg, family, num_layers), **family.flags}
+    if family.linear_attention:
+        fields.update(_linear_layers(cfg, family, num_layers))
     for key in family.keys:
         value = key.cast(cfg.get(key.name, family.default(key.name)))
         fields.update(dict.fromkeys(key.fields, value))
@@ -361,11 +398,14 @@ def _layer_keys(c: LMConfig, family: Family) -> dict[str, Any]:
     if not all(c.arch.moe_layers):
         raise ValueError(f"{t} checkpoints have no dense layers; this model has "
                          f"{c.arch.moe_layers.count(False)}")
+    if family.dense_layers == "moe_only":
+        return {"moe_intermediate_size": c.arch.moe_intermediate_size}
     return {"intermediate_size": c.arch.moe_intermediate_size}
 
 
 def _window_keys(c: LMConfig, family: Family) -> dict[str, Any]:
-    """The sliding window in the family's keys (what :func:`_window` reads)."""
+    """The sliding window in the family's keys (what :func:`_window` reads); a hybrid's
+    ``layer_types`` (what :func:`_linear_layers` reads)."""
     if family.window == "every_layer":
         return {"sliding_window": c.arch.sliding_window}
     if family.window == "per_layer":
@@ -374,6 +414,10 @@ def _window_keys(c: LMConfig, family: Family) -> dict[str, Any]:
         return {"sliding_window": c.arch.sliding_window,
                 "layer_types": [named[on] for on in sliding]}
     if family.window == "none":
+        if family.linear_attention:
+            named = {on: kind for kind, on in LINEAR_LAYER_TYPES.items()}
+            return {"layer_types": [named[on] for on in c.arch.linear_layers
+                                   or (False,) * c.arch.num_layers]}
         return {}
     out: dict[str, Any] = {"use_sliding_window": c.arch.sliding_window is not None}
     if c.arch.sliding_window is not None:

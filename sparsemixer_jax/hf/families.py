@@ -36,7 +36,7 @@ class Key:
 
 
 # Keys implied by a family's other traits (see Family.dense_layers and Family.window).
-DENSE_LAYER_KEYS = {"": frozenset(),
+DENSE_LAYER_KEYS = {"": frozenset(), "moe_only": frozenset({"moe_intermediate_size"}),
                     "sparse_step": frozenset({"decoder_sparse_step", "mlp_only_layers",
                                               "moe_intermediate_size"}),
                     "first_k": frozenset({"first_k_dense_replace", "moe_intermediate_size"})}
@@ -49,6 +49,11 @@ WINDOW_KEYS = {"every_layer": frozenset({"sliding_window"}),
                "none": frozenset()}
 #: ``layer_types`` entries (``"per_layer"`` windows): whether the layer's window applies.
 LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
+#: ``layer_types`` entries of the Gated DeltaNet hybrids (``Family.linear_attention``): whether
+#: the layer is Gated DeltaNet. Without ``layer_types`` every ``full_attention_interval``-th
+#: layer (4 by default) is attention, the others Gated DeltaNet.
+LINEAR_LAYER_TYPES = {"linear_attention": True, "full_attention": False}
+LINEAR_KEYS = frozenset({"layer_types", "full_attention_interval"})
 # The routed MoE sublayer's params, relative to a layer's ``mlp/moe``: what ``moe_names`` maps.
 MOE_PARAMS = ("router", "w_gate", "w_up", "w_down")
 #: Optional in ``moe_names``: the checkpoint's per-expert selection bias (the layer's bias state).
@@ -125,6 +130,14 @@ class Family:
       latent_attention: multi-head latent attention (DeepSeek-V3): ``head_dim`` is
         ``qk_nope_head_dim + qk_rope_head_dim`` (no ``head_dim`` key), one key/value head per
         query head, the attention tensors of :data:`LATENT_ATTENTION_NAMES`.
+      linear_attention: a Gated DeltaNet hybrid: ``layer_types`` (:data:`LINEAR_LAYER_TYPES`)
+        or ``full_attention_interval`` says which layers are Gated DeltaNet (``linear_attn.*``
+        tensors; their projections' layout is the ``linear_layout`` flag).
+      skipped: tensor-name prefixes its checkpoints may hold that this model does not compute
+        (multi-token prediction, a vision tower), each with what it is: skipped on load with
+        one logged line per prefix naming how many tensors.
+      renamed: tensor-name prefixes read as another (the image-text-to-text checkpoint's
+        ``model.language_model.`` as ``model.``).
     """
 
     model_type: str
@@ -149,6 +162,9 @@ class Family:
     interleaved_experts: bool = False
     quantizations: frozenset[str] = frozenset()
     latent_attention: bool = False
+    linear_attention: bool = False
+    skipped: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.window not in WINDOW_KEYS:
@@ -163,7 +179,8 @@ class Family:
         return frozenset({k.name for k in (*self.keys, *self.router_keys)}
                          | WINDOW_KEYS[self.window] | DENSE_LAYER_KEYS[self.dense_layers]
                          | set(self.required) | self.other_keys
-                         | ({self.shared_expert_count_key} - {""}))
+                         | ({self.shared_expert_count_key} - {""})
+                         | (LINEAR_KEYS if self.linear_attention else frozenset()))
 
     def default(self, key: str) -> Any:
         return self.defaults.get(key)
@@ -310,25 +327,90 @@ DEEPSEEK_V3 = Family(
     shared_expert_names="mlp.shared_experts", quantizations=frozenset({"fp8"}),
     latent_attention=True, moe_names=GLM4_MOE.moe_names)
 
+# The Gated DeltaNet hybrids' own keys: the linear layers' sizes (transformers' defaults are
+# Qwen3-Next-80B's), read into the LMArchitecture fields of the same names.
+_LINEAR_SIZES = {"linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                 "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                 "linear_conv_kernel_dim": 4}
+_HYBRID_DEFAULTS = {"rope_theta": 1e4, "rms_norm_eps": 1e-6, "head_dim": 256,
+                    "partial_rotary_factor": 0.25, "moe_intermediate_size": 512,
+                    "shared_expert_intermediate_size": 512, "attention_bias": False,
+                    **_LINEAR_SIZES}
+_HYBRID_KEYS = (_ATTENTION_BIAS,
+                Key("shared_expert_intermediate_size", ("shared_expert_size",), int),
+                *(Key(name, (name,), int) for name in _LINEAR_SIZES))
+_HYBRID_FLAGS = {"norm": "zero_centred_rms", "qk_norm": "head", "attention_output_gate": True}
+_MTP = {"mtp.": "multi-token prediction"}
+
+QWEN3_NEXT = Family(
+    model_type="qwen3_next", architecture="Qwen3NextForCausalLM", experts_key="num_experts",
+    defaults={**_HYBRID_DEFAULTS, "num_experts": 512, "num_experts_per_tok": 10,
+              "norm_topk_prob": True},
+    keys=(*_HYBRID_KEYS, _NORM_TOPK_PROB),
+    flags={**_HYBRID_FLAGS, "linear_layout": "fused"},
+    # The Hub's config.json: top-level partial_rotary_factor, sliding window off.
+    other_keys=frozenset({"partial_rotary_factor"}), required={"use_sliding_window": False},
+    dense_layers="sparse_step", linear_attention=True, skipped=_MTP, moe_names=_MLP_MOE)
+
+QWEN3_5_MOE_TEXT = Family(
+    model_type="qwen3_5_moe_text", architecture="Qwen3_5MoeForCausalLM",
+    experts_key="num_experts",
+    defaults={**_HYBRID_DEFAULTS, "num_experts": 256, "num_experts_per_tok": 8},
+    keys=_HYBRID_KEYS,
+    # Its router always renormalises the k gates (no norm_topk_prob key).
+    flags={**_HYBRID_FLAGS, "linear_layout": "separate", "norm_topk_prob": True},
+    # The Hub's text_config: its gated attention spelled out, the multi-token-prediction
+    # layer's settings (transformers builds none), top-level partial_rotary_factor.
+    other_keys=frozenset({"partial_rotary_factor", "mtp_num_hidden_layers",
+                          "mtp_use_dedicated_embeddings"}),
+    required={"attn_output_gate": True}, dense_layers="moe_only", linear_attention=True,
+    skipped={**_MTP, "model.visual.": "vision tower"},
+    renamed={"model.language_model.": "model."},
+    moe_names=_MLP_MOE)
+
 #: Types read as another where their keys are the other's: Kimi-K2's config.json says
 #: ``kimi_k2`` (with remote code) for DeepSeek-V3's architecture.
 ALIASES = {"kimi_k2": "deepseek_v3"}
+#: Types whose config.json holds the text model of another under ``text_config`` (Qwen3.5's
+#: image-text-to-text checkpoints): read as that text model (:func:`text_model_config`).
+TEXT_MODELS = {"qwen3_5_moe": "qwen3_5_moe_text"}
 
 #: The families, in :data:`sparsemixer_jax.models.lm_config.MODEL_TYPES`' order.
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (MIXTRAL, QWEN3_MOE, OLMOE, QWEN2_MOE,
                                                            PHIMOE, GLM4_MOE, GPT_OSS,
-                                                           DEEPSEEK_V3)}
+                                                           DEEPSEEK_V3, QWEN3_NEXT,
+                                                           QWEN3_5_MOE_TEXT)}
 
 
 def family_of(model_type: Any, where: str = "config.json: model_type ") -> Family:
     """The record of ``model_type``, or a one-line ValueError naming the supported types
-    (``where`` prefixes the value); an alias (:data:`ALIASES`) gives the type it stands for."""
-    model_type = ALIASES.get(model_type, model_type) if isinstance(model_type, str) else model_type
+    (``where`` prefixes the value); an alias (:data:`ALIASES`) gives the type it stands for, a
+    type of :data:`TEXT_MODELS` its text model's."""
+    if isinstance(model_type, str):
+        model_type = ALIASES.get(model_type, TEXT_MODELS.get(model_type, model_type))
     if model_type not in FAMILIES:
-        aliases = ", ".join(f"{alias} as {target}" for alias, target in ALIASES.items())
+        aliases = ", ".join(f"{alias} as {target}"
+                            for alias, target in {**ALIASES, **TEXT_MODELS}.items())
         raise ValueError(f"{where}{model_type!r} is not supported; supported: "
                          f"{', '.join(FAMILIES)} (read: {aliases})")
     return FAMILIES[model_type]
+
+
+def text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` itself, or for a type of :data:`TEXT_MODELS` its ``text_config`` (with the
+    top-level ``tie_word_embeddings`` and token ids where the text model has none): a one-line
+    ValueError if that holds no text model of the expected type."""
+    wrapper = cfg.get("model_type")
+    if not isinstance(wrapper, str) or wrapper not in TEXT_MODELS:
+        return cfg
+    text, target = cfg.get("text_config"), TEXT_MODELS[wrapper]
+    if not isinstance(text, dict) or text.get("model_type", target) != target:
+        got = text.get("model_type") if isinstance(text, dict) else text
+        raise ValueError(f"config.json ({wrapper}): text_config must hold the text model "
+                         f"(model_type {target!r}), got {got!r}")
+    inherited = {k: cfg[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id",
+                                     "pad_token_id", "transformers_version") if k in cfg}
+    return {**inherited, **text, "model_type": target}
 
 
 def types_with(trait: Callable[[Family], bool]) -> list[str]:

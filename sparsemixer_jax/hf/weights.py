@@ -56,7 +56,8 @@ class Slot(NamedTuple):
     path: Path
     index: tuple[int, ...]
     # "same", "T" (2-D transpose), "gate"/"up" (halves of fused gate_up), "down",
-    # "even"/"odd" (the interleaved columns of gpt-oss's gate_up_proj, on the last axis)
+    # "even"/"odd" (the interleaved columns of gpt-oss's gate_up_proj, on the last axis),
+    # "conv" (a depthwise Conv1d weight [C, 1, K] as the param [C, K])
     transform: str
 
 
@@ -68,6 +69,8 @@ def convert(value: np.ndarray, transform: str) -> np.ndarray:
         return value.T
     if transform in ("even", "odd"):
         return value[..., 0::2] if transform == "even" else value[..., 1::2]
+    if transform == "conv":
+        return value[:, 0, :]
     if transform in ("gate", "up"):  # [N, 2I, emb] -> [N, emb, I]
         half = value.shape[1] // 2
         part = value[:, :half] if transform == "gate" else value[:, half:]
@@ -85,9 +88,11 @@ def _layer_tensors(config: LMConfig, number: int, stack: int, repeat: int, pos: 
     base: Path = ("stacks", stack, "layers", pos)
     layer = f"model.layers.{number}"
     for norm in ("input_layernorm", "post_attention_layernorm"):
-        for leaf in ("weight",) if config.arch.norm == "rms" else ("weight", "bias"):
+        for leaf in ("weight",) if config.arch.norm != "layer" else ("weight", "bias"):
             yield f"{layer}.{norm}.{leaf}", Slot((*base, norm, leaf), (repeat,), "same")
-    if config.arch.kv_lora_rank:
+    if config.arch.linear_layers and config.arch.linear_layers[number]:
+        yield from _linear_attention(config, layer, (*base, "linear_attn"), repeat)
+    elif config.arch.kv_lora_rank:
         yield from _latent_attention(config, layer, (*base, "self_attn"), repeat)
     else:
         yield from _attention(config, layer, (*base, "self_attn"), repeat)
@@ -134,6 +139,24 @@ def _attention(config: LMConfig, layer: str, attn: Path, repeat: int
         for norm in ("q_norm", "k_norm"):
             yield (f"{layer}.self_attn.{norm}.weight",
                    Slot((*attn, norm, "weight"), (repeat,), "same"))
+
+
+#: Gated DeltaNet's input projections by layout
+#: (:class:`~sparsemixer_jax.layers.gated_deltanet.GatedDeltaNet`).
+LINEAR_PROJECTIONS = {"fused": ("in_proj_qkvz", "in_proj_ba"),
+                      "separate": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+
+
+def _linear_attention(config: LMConfig, layer: str, mixer: Path, repeat: int
+                      ) -> Iterator[tuple[str, Slot]]:
+    """A Gated DeltaNet layer's tensors (``linear_attn.*``): its projections, the depthwise
+    convolution ``conv1d.weight [C, 1, K]``, ``dt_bias``, ``A_log`` and the gated norm."""
+    for proj in (*LINEAR_PROJECTIONS[config.arch.linear_layout], "out_proj"):
+        yield f"{layer}.linear_attn.{proj}.weight", Slot((*mixer, proj, "kernel"), (repeat,), "T")
+    yield f"{layer}.linear_attn.conv1d.weight", Slot((*mixer, "conv1d"), (repeat,), "conv")
+    for name in ("dt_bias", "A_log"):
+        yield f"{layer}.linear_attn.{name}", Slot((*mixer, name), (repeat,), "same")
+    yield f"{layer}.linear_attn.norm.weight", Slot((*mixer, "norm", "weight"), (repeat,), "same")
 
 
 def _latent_attention(config: LMConfig, layer: str, attn: Path, repeat: int

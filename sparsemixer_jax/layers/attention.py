@@ -100,6 +100,9 @@ class AttentionOptions:
         ``"full"`` (over the whole query and key projections, before the head split, OLMoE).
       clip_qkv: clamp queries, keys and values to ``[-clip_qkv, clip_qkv]`` (OLMoE), or None.
       sinks: a learned logit per head in the softmax's denominator (gpt-oss's ``sinks``).
+      output_gate: the query projection is twice as wide, per head its query then a gate, and
+        each head's output is multiplied by the gate's sigmoid before the output projection
+        (Qwen3-Next's gated attention: :meth:`Attention.project_q_and_gate`).
       einsum_layout: how the einsum attention lays out its operands: ``"grouped"`` (logits
         ``[B, KV, H / KV, T, S]``, the language models') or ``"heads"`` (``[B, H, T, S]``,
         fairseq's; needs ``num_kv_heads == num_heads``). The two give the same attention up to
@@ -120,6 +123,7 @@ class AttentionOptions:
     qk_norm: str = "none"
     clip_qkv: float | None = None
     sinks: bool = False
+    output_gate: bool = False
     einsum_layout: str = "grouped"
 
 
@@ -179,7 +183,10 @@ class Attention(nnx.Module):
         self.options = o
         q_name, k_name, v_name, out_name = o.names
         # Set by name: each model keeps its checkpoints' parameter paths.
-        setattr(self, q_name, qkv_linear(o.emb_dim, o.num_heads * o.head_dim, use_bias=o.qkv_bias))
+        if o.output_gate and o.qk_norm == "full":
+            raise ValueError("output_gate takes a per-head q/k norm or none, not qk_norm='full'")
+        setattr(self, q_name, qkv_linear(o.emb_dim, o.num_heads * o.head_dim * (1 + o.output_gate),
+                                         use_bias=o.qkv_bias))
         for name in (k_name, v_name):
             setattr(self, name,
                     qkv_linear(o.emb_dim, o.num_kv_heads * o.head_dim, use_bias=o.qkv_bias))
@@ -213,13 +220,22 @@ class Attention(nnx.Module):
                   sin: jax.Array | None = None) -> jax.Array:
         """Queries ``[B, T, H, D]`` of ``x [B, T, emb]``, rotated by ``cos, sin``
         (:func:`~sparsemixer_jax.layers.rope.apply_rope`) when given."""
-        q = self._projection(0)(x)
+        return self.project_q_and_gate(x, cos, sin)[0]
+
+    def project_q_and_gate(self, x: jax.Array, cos: jax.Array | None = None,
+                           sin: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+        """:meth:`project_q`'s queries and, with ``output_gate``, the gate ``[B, T, H * D]``
+        that :meth:`attend` takes (None without)."""
+        q, gate = self._projection(0)(x), None
+        if self.options.output_gate:  # per head: its query, then its gate
+            q, gate = jnp.split(q.reshape(*q.shape[:-1], self.options.num_heads, -1), 2, axis=-1)
+            q, gate = q.reshape(*q.shape[:-2], -1), gate.reshape(*gate.shape[:-2], -1)
         if self.options.qk_norm == "full":
             q = self.q_norm(q)
         q = self._heads(self._clip(q), self.options.num_heads)
         if self.options.qk_norm == "head":
             q = self.q_norm(q)
-        return q if cos is None else apply_rope(q, cos, sin)
+        return (q if cos is None else apply_rope(q, cos, sin)), gate
 
     def project_kv(self, x: jax.Array, cos: jax.Array | None = None,
                    sin: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -243,7 +259,8 @@ class Attention(nnx.Module):
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
                causal: bool = False, bias: jax.Array | None = None,
-               deterministic: bool = True, fused: FusedMask | None = None) -> jax.Array:
+               deterministic: bool = True, fused: FusedMask | None = None,
+               gate: jax.Array | None = None) -> jax.Array:
         """``q [B, T, H, D]`` over ``k, v [B, S, KV, D]``: the output projection of the heads,
         ``[B, T, emb]``.
 
@@ -256,6 +273,7 @@ class Attention(nnx.Module):
         (:class:`FusedMask`; the other implementations ignore it). Splash attention runs where
         ``fused`` describes the mask, with no ``bias`` and no sinks, and the lengths are
         multiples of 128; the einsum attention everywhere else (cached decoding, windows).
+        ``gate``: :meth:`project_q_and_gate`'s, multiplying the heads by its sigmoid.
         """
         o = self.options
         b, t, h, d = q.shape
@@ -264,10 +282,10 @@ class Attention(nnx.Module):
                     and splash_block(t, k.shape[1]) is not None:
                 heads = splash_heads(q, k, v, segment_ids=fused.segment_ids,
                                      token_mask=fused.token_mask, mesh=self.mesh)
-                return self._projection(3)(heads.reshape(b, t, h * d))
+                return self._output(heads.reshape(b, t, h * d), gate)
         elif o.implementation != "einsum":
             heads = self._fused(q, k, v, mask, causal, bias, fused)
-            return self._projection(3)(heads.reshape(b, t, h * d))
+            return self._output(heads.reshape(b, t, h * d), gate)
         # The grouped layout keeps its logits as [B, KV, G, T, S] throughout (mask, bias and
         # sinks are brought to it, not the logits to [B, H, T, S]): a reshape between the two
         # einsums changes how XLA orders the backward pass's sums, and so the last bits of a
@@ -298,7 +316,13 @@ class Attention(nnx.Module):
             heads = jnp.einsum("bkgts,bskd->btkgd", weights, v)
         else:
             heads = jnp.einsum("bhts,bshd->bthd", weights, v)
-        return self._projection(3)(heads.reshape(b, t, h * d))
+        return self._output(heads.reshape(b, t, h * d), gate)
+
+    def _output(self, heads: jax.Array, gate: jax.Array | None) -> jax.Array:
+        """The output projection of ``heads [B, T, H * D]``, gated by ``sigmoid(gate)``."""
+        if gate is not None:
+            heads = heads * jax.nn.sigmoid(gate).astype(heads.dtype)
+        return self._projection(3)(heads)
 
     def _fused(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal: bool,
                bias: jax.Array | None, fused: FusedMask | None = None) -> jax.Array:

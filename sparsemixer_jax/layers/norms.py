@@ -10,15 +10,20 @@ from flax import nnx
 
 
 class RMSNorm(nnx.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, statistics in float32."""
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis, statistics in float32.
 
-    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
-        self.eps, self.dtype = eps, dtype
+    ``zero_centred``: scaled by ``1 + weight`` instead, in float32 before the cast (the weight
+    starts at zero; Qwen3-Next's and Qwen3.5's norms)."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype, zero_centred: bool = False):
+        self.weight = nnx.Param((jnp.zeros if zero_centred else jnp.ones)((dim,), jnp.float32))
+        self.eps, self.dtype, self.zero_centred = eps, dtype, zero_centred
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.zero_centred:
+            return (y * (1.0 + self.weight[...])).astype(self.dtype)
         return self.weight[...].astype(self.dtype) * y.astype(self.dtype)
 
 

@@ -1,5 +1,6 @@
 """A decoder-only MoE language model (Flax NNX): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-Phi-3.5-MoE, GLM-4.5, gpt-oss and DeepSeek-V3 in one implementation, configured by
+Phi-3.5-MoE, GLM-4.5, gpt-oss, DeepSeek-V3 and the Gated DeltaNet hybrids Qwen3-Next and
+Qwen3.5-MoE in one implementation, configured by
 :class:`sparsemixer_jax.models.lm_config.LMConfig`.
 
 Each block is pre-norm: ``x + attn(norm(x))``, then ``x + ffn(norm(x))``, where ``attn`` is
@@ -37,12 +38,13 @@ from sparsemixer_jax.layers.attention import (
     KVCache,
     write_slots,
 )
+from sparsemixer_jax.layers.gated_deltanet import DeltaNetCache, GatedDeltaNet
 from sparsemixer_jax.layers.linear import linear, linear_maker
 from sparsemixer_jax.layers.norms import LayerNorm, RMSNorm
 from sparsemixer_jax.layers.packed_attention import check_rows_fit, segment_layout
 from sparsemixer_jax.layers.rope import rope_cos_sin
 from sparsemixer_jax.models.latent_attention import LatentAttention
-from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
+from sparsemixer_jax.models.lm_config import LayerKind, LMConfig, layer_pattern_stacks
 from sparsemixer_jax.models.lm_routes import check_routes, gathered_routes, stack_routes
 from sparsemixer_jax.moe import MoEFeedForward
 from sparsemixer_jax.moe.shared import SharedExperts
@@ -75,8 +77,11 @@ def _dtype(config: LMConfig) -> jnp.dtype:
 
 
 def make_norm(config: LMConfig, dim: int | None = None) -> RMSNorm | LayerNorm:
-    cls = RMSNorm if config.arch.norm == "rms" else LayerNorm
-    return cls(dim or config.arch.hidden_size, config.arch.norm_eps, _dtype(config))
+    dim = dim or config.arch.hidden_size
+    if config.arch.norm == "layer":
+        return LayerNorm(dim, config.arch.norm_eps, _dtype(config))
+    return RMSNorm(dim, config.arch.norm_eps, _dtype(config),
+                   zero_centred=config.arch.norm == "zero_centred_rms")
 
 
 def make_attention(config: LMConfig, rngs: nnx.Rngs,
@@ -93,10 +98,11 @@ def make_attention(config: LMConfig, rngs: nnx.Rngs,
         arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, names=HF_NAMES,
         qkv_bias=arch.qkv_bias, out_bias=arch.out_bias,
         implementation=config.execution.attention_impl, qk_norm=arch.qk_norm,
-        clip_qkv=arch.clip_qkv, sinks=arch.attention_sinks)
+        clip_qkv=arch.clip_qkv, sinks=arch.attention_sinks, output_gate=arch.attention_output_gate)
     make = linear_maker(config, rngs)
+    zero_centred = arch.norm == "zero_centred_rms"  # the q/k norms are the model's kind
     return Attention(options, qkv_linear=make, out_linear=make,
-                     norm=lambda dim: RMSNorm(dim, config.arch.norm_eps, _dtype(config)),
+                     norm=lambda dim: RMSNorm(dim, arch.norm_eps, _dtype(config), zero_centred),
                      sinks_init=nnx.initializers.normal(config.arch.initializer_range), rngs=rngs,
                      mesh=mesh)
 
@@ -147,18 +153,52 @@ class MoEBlock(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """One pre-norm block: attention, then the routed or dense feed-forward sublayer."""
+    """One pre-norm block: attention (or, in a hybrid's linear layers, Gated DeltaNet), then
+    the routed or dense feed-forward sublayer."""
 
-    def __init__(self, config: LMConfig, is_moe: bool, mesh, rngs: nnx.Rngs):
+    def __init__(self, config: LMConfig, kind: LayerKind, mesh, rngs: nnx.Rngs):
         self.input_layernorm = make_norm(config)
-        self.self_attn = LatentAttention(config, rngs) if config.arch.kv_lora_rank \
-            else make_attention(config, rngs, mesh)
+        self.linear = kind.linear
+        if kind.linear:
+            self.linear_attn = GatedDeltaNet(
+                config.arch.deltanet(config.execution.compute_dtype), rngs)
+        else:
+            self.self_attn = LatentAttention(config, rngs) if config.arch.kv_lora_rank \
+                else make_attention(config, rngs, mesh)
         self.post_attention_layernorm = make_norm(config)
-        self.is_moe = is_moe
+        self.is_moe = is_moe = kind.moe
         if is_moe:
             self.mlp = MoEBlock(config, mesh, rngs)
         else:
             self.mlp = GatedMLP(config, config.arch.intermediate_size, rngs)
+
+    def _mix(self, h, cos, sin, mask, kv, token_mask, fused):
+        """The token-mixing sublayer on the normed ``h [B, T, emb]`` (arguments as
+        :meth:`__call__`'s): ``(y [B, T, emb], the layer's new cache entries or None)``."""
+        if self.linear:  # its cache entries: the convolution's last inputs and the state
+            segment_ids = None
+            if kv is None:  # a token that may not see the one before starts a new document
+                follows = jnp.diagonal(mask, offset=-1, axis1=1, axis2=2)
+                segment_ids = jnp.cumsum(jnp.pad(~follows, ((0, 0), (1, 0))), axis=1)
+            y, out = self.linear_attn(h, segment_ids=segment_ids, token_mask=token_mask,
+                                      cache=None if kv is None else DeltaNetCache(*kv[:2]))
+            return y, None if kv is None else tuple(out)
+        gate = None
+        if isinstance(self.self_attn, Attention) and self.self_attn.options.output_gate:
+            q, gate = self.self_attn.project_q_and_gate(h, cos, sin)
+            k, v = self.self_attn.project_kv(h, cos, sin)
+        else:
+            q, k, v = self.self_attn.qkv(h, cos, sin)
+        new_kv = None
+        if kv is not None:
+            keys, values, index = kv
+            keys, values = write_slots(keys, k, index), write_slots(values, v, index)
+            k, v, new_kv = keys, values, (keys, values)
+        # Without a cache the mask is causal over the T new tokens (forward's mask).
+        attend = {} if fused is None else {"fused": fused}  # latent attention takes none
+        if gate is not None:
+            attend["gate"] = gate
+        return self.self_attn.attend(q, k, v, mask[:, None], causal=kv is None, **attend), new_kv
 
     def __call__(self, x, cos, sin, mask, kv, token_mask, deterministic, dropless, fused=None,
                  routes=None):
@@ -168,16 +208,8 @@ class DecoderLayer(nnx.Module):
         experts an MoE layer replays.
 
         Returns ``(x, (keys, values) or None, (balance_loss, z_loss))``."""
-        q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
-        new_kv = None
-        if kv is not None:
-            keys, values, index = kv
-            keys, values = write_slots(keys, k, index), write_slots(values, v, index)
-            k, v, new_kv = keys, values, (keys, values)
-        # Without a cache the mask is causal over the T new tokens (forward's mask).
-        attend = {} if fused is None else {"fused": fused}  # latent attention takes none
-        x = x + self.self_attn.attend(q, k, v, mask[:, None], causal=kv is None,
-                                      **attend).astype(x.dtype)
+        y, new_kv = self._mix(self.input_layernorm(x), cos, sin, mask, kv, token_mask, fused)
+        x = x + y.astype(x.dtype)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
             y, metrics = self.mlp(h, token_mask, deterministic, dropless, routes)
@@ -189,11 +221,11 @@ class DecoderLayer(nnx.Module):
 class LayerUnit(nnx.Module):
     """The repeating unit of a stack: one or more :class:`DecoderLayer` in order."""
 
-    def __init__(self, config: LMConfig, pattern: tuple[bool, ...], mesh, rngs: nnx.Rngs):
-        self.layers = nnx.List([DecoderLayer(config, is_moe, mesh, rngs) for is_moe in pattern])
+    def __init__(self, config: LMConfig, pattern: tuple[LayerKind, ...], mesh, rngs: nnx.Rngs):
+        self.layers = nnx.List([DecoderLayer(config, kind, mesh, rngs) for kind in pattern])
 
 
-def _make_stack(config: LMConfig, pattern: tuple[bool, ...], repeats: int, mesh,
+def _make_stack(config: LMConfig, pattern: tuple[LayerKind, ...], repeats: int, mesh,
                 rngs: nnx.Rngs) -> LayerUnit:
     """``repeats`` copies of the unit ``pattern``, their params stacked on a leading axis (each
     drawn from its own split of ``rngs``)."""
@@ -375,7 +407,7 @@ class CausalLM(nnx.Module):
             config.arch.vocab_size, config.arch.hidden_size, dtype=_dtype(config),
             param_dtype=jnp.float32,
             embedding_init=nnx.initializers.normal(config.arch.initializer_range), rngs=rngs)
-        self.stack_patterns = layer_pattern_stacks(config.arch.moe_layers)
+        self.stack_patterns = layer_pattern_stacks(config.arch.layer_kinds)
         self.stacks = nnx.List([_make_stack(config, pattern, repeats, mesh, rngs)
                                 for pattern, repeats in self.stack_patterns])
         self.norm = make_norm(config)
@@ -386,7 +418,7 @@ class CausalLM(nnx.Module):
     def layer_index_of(config: LMConfig) -> list[tuple[int, int, int]]:
         """For every model layer in order, ``(stack, repeat, position in the unit)``."""
         return [(s, r, i) for s, (pattern, repeats) in
-                enumerate(layer_pattern_stacks(config.arch.moe_layers))
+                enumerate(layer_pattern_stacks(config.arch.layer_kinds))
                 for r in range(repeats) for i in range(len(pattern))]
 
     def layer_index(self) -> list[tuple[int, int, int]]:
@@ -394,15 +426,21 @@ class CausalLM(nnx.Module):
         return self.layer_index_of(self.config)
 
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
-        """An empty :class:`KVCache` of ``max_len`` slots."""
+        """An empty :class:`KVCache` of ``max_len`` slots. A Gated DeltaNet layer's keys and
+        values are its :class:`~sparsemixer_jax.layers.gated_deltanet.DeltaNetCache`: the
+        convolution's last inputs and the float32 state (no slot per token)."""
         c, dtype = self.config, _dtype(self.config)
         key_shape, value_shape = c.arch.cache_shapes
+        linear = DeltaNetCache.empty(c.arch.deltanet(c.execution.compute_dtype), batch_size) \
+            if any(c.arch.linear_layers) else None
 
-        def slots(shape: tuple[int, int]) -> tuple[jax.Array, ...]:
-            return tuple(jnp.zeros((repeats, batch_size, max_len, *shape), dtype)
-                         for pattern, repeats in self.stack_patterns for _ in pattern)
+        def slots(shape: tuple[int, int], which: int) -> tuple[jax.Array, ...]:
+            return tuple(
+                jnp.broadcast_to(linear[which], (repeats, *linear[which].shape)) if kind.linear
+                else jnp.zeros((repeats, batch_size, max_len, *shape), dtype)
+                for pattern, repeats in self.stack_patterns for kind in pattern)
 
-        return KVCache.empty(slots(key_shape), slots(value_shape), batch_size, max_len)
+        return KVCache.empty(slots(key_shape, 0), slots(value_shape, 1), batch_size, max_len)
 
     def forward(self, input_ids: jax.Array, *, positions: jax.Array | None = None,
                 segment_ids: jax.Array | None = None, token_mask: jax.Array | None = None,
@@ -482,11 +520,11 @@ class CausalLM(nnx.Module):
             x, out_kvs, metrics = _scan_stack(stack, x, kvs, index, cos, sin, masks, sliding,
                                               real, deterministic, dropless, c.execution.remat,
                                               self.rows_sharding, fused, routes_in)
-            for i, is_moe in enumerate(pattern):
+            for i, kind in enumerate(pattern):
                 if out_kvs is not None:
                     new_keys.append(out_kvs[i][0])
                     new_values.append(out_kvs[i][1])
-                for r in range(repeats if is_moe else 0):  # metrics[i]: stacked over repeats
+                for r in range(repeats if kind.moe else 0):  # metrics[i]: stacked over repeats
                     moe[f"layer_{first + r * len(pattern) + i}"] = jax.tree.map(
                         lambda a, r=r: a[r], metrics[i])
             first += repeats * len(pattern)

@@ -14,10 +14,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any
+from collections.abc import Hashable
+from typing import Any, NamedTuple
 
 from sparsemixer_jax import routers
 from sparsemixer_jax.layers.attention_impls import ATTENTION_IMPLS, check_attention_dtype
+from sparsemixer_jax.layers.gated_deltanet import LAYOUTS, GatedDeltaNetConfig
 from sparsemixer_jax.layers.rope import RopeConfig
 from sparsemixer_jax.moe.config import NORMAL_INIT, MoEConfig
 from sparsemixer_jax.moe.dispatch import clamped_swiglu
@@ -25,9 +27,11 @@ from sparsemixer_jax.section import read_fields
 
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
 MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe", "glm4_moe", "gpt_oss",
-               "deepseek_v3")
+               "deepseek_v3", "qwen3_next", "qwen3_5_moe_text")
 ROPE_KINDS = ("default", "longrope", "yarn")
-NORMS = ("rms", "layer")
+#: ``"rms"``: RMSNorm scaled by its weight; ``"zero_centred_rms"``: by ``1 + weight`` (its
+#: weight starts at zero: Qwen3-Next, Qwen3.5); ``"layer"``: LayerNorm with bias.
+NORMS = ("rms", "zero_centred_rms", "layer")
 QK_NORMS = ("none", "head", "full")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # How cuDNN's fused attention takes packed documents (LMConfig.cudnn_document_mask).
@@ -133,7 +137,9 @@ class LMArchitecture:
       intermediate_size: width of the dense layers' MLP.
       moe_intermediate_size: width of each expert.
       moe_layers: one bool per layer, True where the feed-forward sublayer is routed.
-      norm: ``"rms"`` (RMSNorm, weight only) or ``"layer"`` (LayerNorm with bias, Phi-3.5-MoE).
+      norm: a name in :data:`NORMS`: ``"rms"`` (RMSNorm, weight only), ``"zero_centred_rms"``
+        (RMSNorm times ``1 + weight``, also the q/k norms: Qwen3-Next, Qwen3.5) or ``"layer"``
+        (LayerNorm with bias, Phi-3.5-MoE).
       norm_eps: epsilon of every norm.
       qk_norm: ``"none"``, ``"head"`` (RMSNorm over each head's query/key, Qwen3-MoE) or
         ``"full"`` (RMSNorm over the whole query/key projection, OLMoE).
@@ -147,6 +153,17 @@ class LMArchitecture:
         ``layer_types``); empty: every layer.
       attention_sinks: each attention head has a learned logit ``s_h`` in its softmax's
         denominator, ``exp(l_j) / (sum_i exp(l_i) + exp(s_h))`` (gpt-oss's ``sinks``).
+      attention_output_gate: the query projection also gives a gate per head and dimension,
+        and each head's output is multiplied by its sigmoid before the output projection
+        (Qwen3-Next's and Qwen3.5's gated attention; ``q_proj`` is ``[emb, H * 2 * head_dim]``,
+        per head its query then its gate).
+      linear_layers: one bool per layer, True where Gated DeltaNet
+        (:class:`~sparsemixer_jax.layers.gated_deltanet.GatedDeltaNet`) takes attention's
+        place (the hybrids' ``linear_attention`` layers); empty: attention on every layer.
+      linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
+        linear_value_head_dim, linear_conv_kernel_dim: the Gated DeltaNet layers' heads, head
+        widths and convolution taps (:meth:`deltanet`).
+      linear_layout: their projections, ``"fused"`` (Qwen3-Next) or ``"separate"`` (Qwen3.5).
       tie_word_embeddings: the LM head is the token embedding.
       max_position_embeddings: the longest sequence the checkpoint was made for (informational,
         and longrope's factor).
@@ -174,6 +191,14 @@ class LMArchitecture:
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()
     attention_sinks: bool = False
+    attention_output_gate: bool = False
+    linear_layers: tuple[bool, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    linear_layout: str = "fused"
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     qk_rope_head_dim: int = 0
@@ -228,6 +253,25 @@ class LMArchitecture:
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             _fail(f"sliding_layers has {len(self.sliding_layers)} entries for num_layers="
                   f"{self.num_layers}")
+        if any(self.linear_layers):
+            self._check_linear_layers()
+
+    def _check_linear_layers(self) -> None:
+        """The Gated DeltaNet layers' sizes (each field named as the ``config.json`` key)."""
+        if len(self.linear_layers) != self.num_layers:
+            _fail(f"linear_layers has {len(self.linear_layers)} entries for num_layers="
+                  f"{self.num_layers}")
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+            _check_count(name, getattr(self, name))
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            _fail(f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                  f"linear_num_key_heads={self.linear_num_key_heads} (each key head serves a "
+                  "whole group of value heads)")
+        if self.linear_layout not in LAYOUTS:
+            _fail(f"linear_layout={self.linear_layout!r}; choose one of {LAYOUTS}")
+        if self.kv_lora_rank:
+            _fail("Gated DeltaNet layers and latent attention do not go together")
 
     def _check_rope(self) -> None:
         """The rotary positions: their kind's settings and the rotated width (latent
@@ -289,6 +333,22 @@ class LMArchitecture:
         return int(self.head_dim * self.rope.partial_rotary_factor)
 
     @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """Each layer's :class:`LayerKind`, in order."""
+        linear = self.linear_layers or (False,) * self.num_layers
+        return tuple(LayerKind(m, n) for m, n in zip(self.moe_layers, linear, strict=True))
+
+    def deltanet(self, compute_dtype: str) -> GatedDeltaNetConfig:
+        """The Gated DeltaNet layers' section (norm epsilon and initialisation the model's)."""
+        return GatedDeltaNetConfig(
+            hidden_size=self.hidden_size, num_key_heads=self.linear_num_key_heads,
+            num_value_heads=self.linear_num_value_heads, key_head_dim=self.linear_key_head_dim,
+            value_head_dim=self.linear_value_head_dim,
+            conv_kernel_size=self.linear_conv_kernel_dim, layout=self.linear_layout,
+            norm_eps=self.norm_eps, compute_dtype=compute_dtype,
+            initializer_range=self.initializer_range)
+
+    @property
     def cache_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """``(heads, width)`` of a cached key and of a cached value: grouped-query attention's
         keys and values, or latent attention's normed latent (one "head" of ``kv_lora_rank``)
@@ -296,6 +356,13 @@ class LMArchitecture:
         if self.kv_lora_rank:
             return (1, self.kv_lora_rank), (1, self.qk_rope_head_dim)
         return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
+
+
+class LayerKind(NamedTuple):
+    """What a layer is: routed (``moe``) or dense, Gated DeltaNet (``linear``) or attention."""
+
+    moe: bool
+    linear: bool
 
 
 def _fail(message: str) -> None:
@@ -465,9 +532,11 @@ ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(LMArchitecture))
 EXECUTION_FIELDS = tuple(f.name for f in dataclasses.fields(LMExecution))
 
 
-def layer_pattern_stacks(moe_layers: tuple[bool, ...]) -> tuple[tuple[tuple[bool, ...], int], ...]:
+def layer_pattern_stacks(moe_layers: tuple[Hashable, ...]
+                         ) -> tuple[tuple[tuple[Hashable, ...], int], ...]:
     """How the layers are scanned: ``((unit, repeats), ...)`` whose units, each repeated, give
-    ``moe_layers`` in order.
+    ``moe_layers`` in order (one entry per layer: whether it is routed, or its
+    :class:`LayerKind`).
 
     Each stack compiles its unit once, so compile time does not grow with depth. Runs of
     identical layers are one stack each; when a pattern repeats with a short period (Qwen-MoE's

@@ -45,12 +45,12 @@ def stack_routes(config: LMConfig, routes: jax.Array | None) -> list[jax.Array |
     routes of its MoE layers as the scan takes them, int32 ``[repeats, MoE layers of the unit,
     B, T, K]``; None for every stack when ``routes`` is None, and for a stack without MoE
     layers."""
-    stacks = layer_pattern_stacks(config.arch.moe_layers)
+    stacks = layer_pattern_stacks(config.arch.layer_kinds)
     if routes is None:
         return [None] * len(stacks)
     out, slot = [], 0
     for pattern, repeats in stacks:
-        per_unit = sum(pattern)
+        per_unit = sum(kind.moe for kind in pattern)
         if not per_unit:
             out.append(None)
             continue

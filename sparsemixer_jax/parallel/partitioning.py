@@ -52,6 +52,7 @@ LOGICAL_AXES = (
     "segment",  # segment (sentence A/B) embeddings
     "buckets",  # relative-position buckets
     "bias_heads",  # a logit bias per attention head (relative positions; gpt-oss's sinks)
+    "conv_taps",  # the taps of a causal convolution over positions (Gated DeltaNet's)
     "latent",  # latent attention's low-rank width (DeepSeek-V3's q_lora_rank, kv_lora_rank)
 )
 
@@ -75,6 +76,7 @@ DEFAULT_RULES: dict[str, str | tuple[str, ...] | None] = {
     "segment": None,
     "buckets": None,
     "bias_heads": None,
+    "conv_taps": None,
     "latent": None,
 }
 
@@ -103,6 +105,12 @@ PARAMETER_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (r"(generator_head|discriminator_head)/dense/bias", ("mlp",)),
     (r"(lm_head|generator_head)/kernel", ("embed", "vocab")),
     (r"(lm_head|generator_head)/bias", ("vocab",)),
+    # Gated DeltaNet (linear attention): its projections, convolution [channels, taps] and
+    # per-value-head decay parameters
+    (r"linear_attn/in_proj_[a-z]+/kernel", ("embed", "heads")),
+    (r"linear_attn/out_proj/kernel", ("heads", "embed")),
+    (r"linear_attn/conv1d", ("heads", "conv_taps")),
+    (r"linear_attn/(A_log|dt_bias)", ("bias_heads",)),
     # attention
     (_ATTENTION_IN + r"/kernel", ("embed", "heads")),
     (_ATTENTION_IN + r"/bias", ("heads",)),
