@@ -7,7 +7,8 @@ update. It checks what sharding promises: a device holds about a sixteenth of th
 and twice that of Adam state, the weights are gathered (all-gather) and the tokens travel to
 their experts (all-to-all), and no device computes every row's logits. The real sizes
 (``configs/{olmoe_1b_7b,mixtral_8x7b,phi35_moe,qwen3_30b_a3b}.py`` on the slices of docs/tpu.md,
-``configs/{gpt_oss_20b,gpt_oss_120b,moonlight_16b_a3b,glm45_air}.py`` on those of docs/gpu.md)
+``configs/{gpt_oss_20b,gpt_oss_120b,moonlight_16b_a3b,glm45_air}.py`` on those of docs/gpu.md,
+``configs/{qwen36_35b_a3b,qwen3_next_80b_a3b}.py`` on both)
 take minutes of CPU each and run with ``-m slow``. The packages are in
 requirements-compile.txt; without them these tests skip, saying which is missing.
 """
@@ -27,6 +28,8 @@ from configs import (
     olmoe_1b_7b,
     phi35_moe,
     qwen3_30b_a3b,
+    qwen3_next_80b_a3b,
+    qwen36_35b_a3b,
 )
 from sparsemixer_jax.aot import lm, targets
 from sparsemixer_jax.training.steps import count_params
@@ -35,7 +38,8 @@ from tests import kit
 CONFIGS = {"olmoe_1b_7b": olmoe_1b_7b, "mixtral_8x7b": mixtral_8x7b, "phi35_moe": phi35_moe,
            "qwen3_30b_a3b": qwen3_30b_a3b, "gpt_oss_20b": gpt_oss_20b,
            "gpt_oss_120b": gpt_oss_120b, "moonlight_16b_a3b": moonlight_16b_a3b,
-           "glm45_air": glm45_air}
+           "glm45_air": glm45_air, "qwen36_35b_a3b": qwen36_35b_a3b,
+           "qwen3_next_80b_a3b": qwen3_next_80b_a3b}
 
 
 def _two_layer_olmoe():
@@ -109,7 +113,8 @@ def test_cudnn_attention_without_cudnn_names_the_way_out():
 
 REAL_SIZES = [("olmoe_1b_7b", "tpu", "tpu:v5e:4x4"), ("olmoe_1b_7b", "h100", "h100:1x1x8")] + [
     (name, variant, spec)
-    for name in ("mixtral_8x7b", "phi35_moe", "qwen3_30b_a3b", "gpt_oss_120b", "glm45_air")
+    for name in ("mixtral_8x7b", "phi35_moe", "qwen3_30b_a3b", "gpt_oss_120b", "glm45_air",
+                 "qwen36_35b_a3b", "qwen3_next_80b_a3b")
     for variant, spec in (("tpu", "tpu:v5p:4x4x4"), ("h100", "h100:1x8x8"))] + [
     (name, variant, spec) for name in ("gpt_oss_20b", "moonlight_16b_a3b")
     for variant, spec in (("tpu", "tpu:v5p:2x2x2"), ("h100", "h100:1x1x8"))]

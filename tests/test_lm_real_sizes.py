@@ -1,5 +1,6 @@
 """The configs of the MoE families' real models (``configs/gpt_oss_20b.py``,
-``configs/gpt_oss_120b.py``, ``configs/moonlight_16b_a3b.py``, ``configs/glm45_air.py``) build the
+``configs/gpt_oss_120b.py``, ``configs/moonlight_16b_a3b.py``, ``configs/glm45_air.py``,
+``configs/qwen36_35b_a3b.py``, ``configs/qwen3_next_80b_a3b.py``) build the
 models their checkpoints' ``config.json`` describe, with the parameter counts their publishers
 give; and ``config.model.hf_keys``, through which they give the keys the model section has no
 field for, refuses what it cannot mean. Each model is built abstractly (shapes only, about a
@@ -13,14 +14,22 @@ import functools
 import pytest
 from flax import nnx
 
-from configs import glm45_air, gpt_oss_20b, gpt_oss_120b, moonlight_16b_a3b
+from configs import (
+    glm45_air,
+    gpt_oss_20b,
+    gpt_oss_120b,
+    moonlight_16b_a3b,
+    qwen3_next_80b_a3b,
+    qwen36_35b_a3b,
+)
 from sparsemixer_jax.aot import lm
 from sparsemixer_jax.models.lm_config import ARCH_FIELDS
 from sparsemixer_jax.tasks.language_model import LMTask
 from sparsemixer_jax.tasks.lm_sections import LMModelConfig
 
 CONFIGS = {"gpt_oss_20b": gpt_oss_20b, "gpt_oss_120b": gpt_oss_120b,
-           "moonlight_16b_a3b": moonlight_16b_a3b, "glm45_air": glm45_air}
+           "moonlight_16b_a3b": moonlight_16b_a3b, "glm45_air": glm45_air,
+           "qwen36_35b_a3b": qwen36_35b_a3b, "qwen3_next_80b_a3b": qwen3_next_80b_a3b}
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 
 
@@ -65,6 +74,16 @@ PUBLISHED_SHAPES = {
                       num_heads=96, num_kv_heads=8, head_dim=128, intermediate_size=10944,
                       moe_intermediate_size=1408, shared_expert_size=1408, num_experts=128,
                       top_k=8, partial_rotary_factor=0.5, qkv_bias=True, rope_theta=1e6),
+    # The Gated DeltaNet hybrids: three linear-attention layers before each attention layer.
+    "qwen36_35b_a3b": dict(vocab_size=248320, hidden_size=2048, num_layers=40, moe_layers=40,
+                           linear_layers=30, num_heads=16, num_kv_heads=2, head_dim=256,
+                           moe_intermediate_size=512, shared_expert_size=512, num_experts=256,
+                           top_k=8, partial_rotary_factor=0.25, rope_theta=1e7),
+    "qwen3_next_80b_a3b": dict(vocab_size=151936, hidden_size=2048, num_layers=48,
+                               moe_layers=48, linear_layers=36, num_heads=16, num_kv_heads=2,
+                               head_dim=256, moe_intermediate_size=512, shared_expert_size=512,
+                               num_experts=512, top_k=10, partial_rotary_factor=0.25,
+                               rope_theta=1e7),
 }
 
 
@@ -74,6 +93,7 @@ def _shape(config) -> dict:
     fields = (*ARCH_FIELDS, *(f.name for f in dataclasses.fields(config)))
     return {**{name: config.value(name) for name in fields},
             "moe_layers": sum(config.arch.moe_layers),
+            "linear_layers": sum(kind.linear for kind in config.arch.layer_kinds),
             "sliding_every": 2 if layers and layers == tuple(i % 2 == 0 for i in range(
                 config.arch.num_layers)) else 0,
             "rope_kind": config.arch.rope.kind, "rope_factor": config.arch.rope.factor,
@@ -92,11 +112,14 @@ def test_a_real_size_config_builds_the_published_shape(name):
 # Total parameters as published, in billions, and to what precision: gpt-oss's model card
 # (arXiv 2508.10925, its table of parameter counts) to hundredths, with the active count
 # without the unembedding; Moonlight's and GLM-4.5-Air's model cards to whole billions (16B;
-# 106B) with no active count of the same definition. Our counts must round to theirs: within
-# half the last published digit; for GLM-4.5-Air within 1 B (106.85 B built here: its card
-# does not say what its 106B leaves out, e.g. the embedding's 0.62 B).
+# 106B) with no active count of the same definition; Qwen3.6-35B-A3B's and Qwen3-Next-80B-A3B's
+# model cards to whole billions (35B; 80B; their "3B activated" is not defined as ours). Our
+# counts must round to theirs: within half the last published digit; for GLM-4.5-Air within
+# 1 B (106.85 B built here: its card does not say what its 106B leaves out, e.g. the
+# embedding's 0.62 B).
 PUBLISHED_COUNTS = {"gpt_oss_20b": (20.91, 3.61, 0.005), "gpt_oss_120b": (116.83, 5.13, 0.005),
-                    "moonlight_16b_a3b": (16, None, 0.5), "glm45_air": (106, None, 1.0)}
+                    "moonlight_16b_a3b": (16, None, 0.5), "glm45_air": (106, None, 1.0),
+                    "qwen36_35b_a3b": (35, None, 0.5), "qwen3_next_80b_a3b": (80, None, 0.5)}
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
