@@ -391,18 +391,22 @@ def logits_of(model, ids):
     return model(ids)
 
 
-def test_hf_checkpoint_loads_onto_the_mesh_and_exports_the_same(tmp_path):
+@pytest.mark.parametrize("model_type", ["mixtral", "glm4_moe_lite"])
+def test_hf_checkpoint_loads_onto_the_mesh_and_exports_the_same(tmp_path, model_type):
     """A Hugging Face checkpoint loaded straight onto a 1x2x2 mesh: its parameters sharded as
-    the rules say, its logits transformers' own, and its export (gathered one tensor at a time)
-    the tensors it was loaded from."""
+    the rules say (the experts over ``expert``, the width over ``fsdp``), its logits
+    transformers' own, and its export (gathered one tensor at a time) the tensors it was loaded
+    from."""
     from safetensors.numpy import load_file
 
-    path = os.path.join(os.path.dirname(__file__), "data", "hf", "mixtral")
+    path = os.path.join(os.path.dirname(__file__), "data", "hf", model_type)
     mesh = sharding.make_mesh(1, 2, jax.devices()[:4], fsdp=2)
     model, config = hf.load_pretrained(path, mesh=mesh)
-    moe = model.stacks[0].layers[0].mlp.moe
-    assert moe.w_gate[...].sharding.spec == P(None, "expert", "fsdp")
-    assert moe.w_gate[...].sharding.shard_shape(moe.w_gate[...].shape) == (3, 3, 8, 24)
+    stack, _, position = model.layer_index()[config.arch.moe_layers.index(True)]
+    gate = model.stacks[stack].layers[position].mlp.moe.w_gate[...]
+    assert gate.sharding.spec == P(None, "expert", "fsdp")
+    repeats, experts, width, mlp = gate.shape  # [repeats, N, emb, mlp]
+    assert gate.sharding.shard_shape(gate.shape) == (repeats, experts // 2, width // 2, mlp)
     assert model.embed_tokens.embedding[...].sharding.spec == P(None, "fsdp")
     reference = dict(np.load(os.path.join(path, "reference.npz")))
     logits = np.asarray(logits_of(model, reference["input_ids"]))

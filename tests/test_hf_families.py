@@ -74,7 +74,39 @@ def test_glm4_moe_reads_the_hubs_spelling_as_transformers_5s():
     assert hf.from_hf(written).replace(hf_config="") == softmax.replace(hf_config="")
 
 
-@pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v3"])
+def test_glm4_moe_lite_reads_the_hubs_spelling_and_refuses_in_one_line():
+    """GLM-4.7-Flash's own config.json: top-level rope_theta, rope_scaling null,
+    partial_rotary_factor 1.0, the router spelled as DeepSeek-V3's, first_k_dense_replace and
+    no mlp_layer_types (transformers' default: the first layer dense), the MTP layer count."""
+    with open(os.path.join(DATA, "glm4_moe_lite", "config.json")) as f:
+        new = json.load(f)
+    hub = {k: v for k, v in new.items() if k not in ("rope_parameters", "mlp_layer_types")}
+    hub.update(rope_theta=new["rope_parameters"]["rope_theta"], rope_scaling=None,
+               partial_rotary_factor=1.0, topk_method="noaux_tc", first_k_dense_replace=1,
+               num_nextn_predict_layers=1)
+    config = hf.from_hf(hub)
+    assert config.arch.moe_layers == (False, True, True, True)
+    dense_first = hf.from_hf({**new, "mlp_layer_types": ["dense"] + ["sparse"] * 3})
+    assert config.replace(hf_config="") == dense_first.replace(hf_config="")
+    assert hf.to_hf(config)["mlp_layer_types"] == ["dense", "sparse", "sparse", "sparse"]
+    for change, message in (
+            ({"first_k_dense_replace": 2}, r"first_k_dense_replace=2 disagrees with the dense "
+                                           r"layers \[0\] of mlp_layer_types"),
+            ({"mlp_layer_types": ["dense", "moe", "dense", "sparse"]},
+             r"mlp_layer_types\[1\]='moe' is not one of sparse, dense"),
+            ({"mlp_layer_types": ["dense", "sparse"]}, "mlp_layer_types has 2 entries for "
+                                                       "num_hidden_layers=4"),
+            ({"topk_method": "greedy"}, r"topk_method='greedy' is not implemented"),
+            ({"norm_topk_prob": False}, r"norm_topk_prob=False is not implemented"),
+            ({"num_key_value_heads": 2}, "latent attention expands keys and values for every "
+                                         "head: num_kv_heads=2"),
+            ({"partial_rotary_factor": 0.5}, "latent attention rotates qk_rope_head_dim")):
+        with pytest.raises(ValueError, match=message) as error:
+            hf.from_hf({**hub, **change})
+        assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v3", "glm4_moe_lite"])
 def test_every_router_that_composes_with_sigmoid_scores_takes_the_checkpoint(model_type):
     """Chosen at load, every router of the registry keeps the type's sigmoid scores, groups
     scored by their two best and scaling; the one whose formula has no sigmoid form is

@@ -14,7 +14,7 @@ import json
 import math
 from typing import Any
 
-from sparsemixer_jax.hf.families import LAYER_TYPES, Family, Key, family_of
+from sparsemixer_jax.hf.families import LAYER_TYPES, MLP_LAYER_TYPES, Family, Key, family_of
 from sparsemixer_jax.layers.rope import RopeConfig
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.routers import RouterConfig
@@ -152,6 +152,11 @@ def _layers(cfg: dict[str, Any], family: Family, num_layers: int, num_experts: i
                 "moe_intermediate_size": int(cfg.get("moe_intermediate_size",
                                                      family.default("moe_intermediate_size"))),
                 "intermediate_size": int(cfg["intermediate_size"])}
+    if family.dense_layers == "mlp_layer_types":
+        return {"moe_layers": _mlp_layer_types(cfg, family, num_layers),
+                "moe_intermediate_size": int(cfg.get("moe_intermediate_size",
+                                                     family.default("moe_intermediate_size"))),
+                "intermediate_size": int(cfg["intermediate_size"])}
     if not family.dense_layers:
         width = int(cfg["intermediate_size"])
         return {"moe_layers": (True,) * num_layers, "moe_intermediate_size": width,
@@ -163,6 +168,27 @@ def _layers(cfg: dict[str, Any], family: Family, num_layers: int, num_experts: i
             "moe_intermediate_size": int(cfg.get("moe_intermediate_size",
                                                  family.default("moe_intermediate_size"))),
             "intermediate_size": int(cfg.get("intermediate_size", 0))}
+
+
+def _mlp_layer_types(cfg: dict[str, Any], family: Family, num_layers: int) -> tuple[bool, ...]:
+    """Which layers are routed, from ``mlp_layer_types`` (by default the first layer dense, as
+    transformers' GLM-4.7-Flash); a ``first_k_dense_replace`` beside it (the Hub's files carry
+    one for other readers; transformers does not read it) must name the same dense layers."""
+    types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
+    for i, kind in enumerate(types):
+        if kind not in MLP_LAYER_TYPES:
+            _refuse(family.model_type, f"mlp_layer_types[{i}]={kind!r} is not one of "
+                                       f"{', '.join(MLP_LAYER_TYPES)}")
+    if len(types) != num_layers:
+        _refuse(family.model_type, f"mlp_layer_types has {len(types)} entries for "
+                                   f"num_hidden_layers={num_layers}")
+    routed = tuple(MLP_LAYER_TYPES[kind] for kind in types)
+    first = cfg.get("first_k_dense_replace")
+    if first is not None and routed != tuple(i >= first for i in range(num_layers)):
+        _refuse(family.model_type, f"first_k_dense_replace={first} disagrees with the dense "
+                                   f"layers {[i for i, r in enumerate(routed) if not r]} of "
+                                   "mlp_layer_types (what transformers builds)")
+    return routed
 
 
 def _layer_types(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
@@ -358,6 +384,11 @@ def _layer_keys(c: LMConfig, family: Family) -> dict[str, Any]:
                              f"{c.arch.moe_layers}")
         return dict(intermediate_size=c.arch.intermediate_size,
                     moe_intermediate_size=c.arch.moe_intermediate_size, first_k_dense_replace=first)
+    if family.dense_layers == "mlp_layer_types":
+        named = {routed: kind for kind, routed in MLP_LAYER_TYPES.items()}
+        return dict(intermediate_size=c.arch.intermediate_size,
+                    moe_intermediate_size=c.arch.moe_intermediate_size,
+                    mlp_layer_types=[named[routed] for routed in c.arch.moe_layers])
     if not all(c.arch.moe_layers):
         raise ValueError(f"{t} checkpoints have no dense layers; this model has "
                          f"{c.arch.moe_layers.count(False)}")

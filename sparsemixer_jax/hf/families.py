@@ -39,7 +39,9 @@ class Key:
 DENSE_LAYER_KEYS = {"": frozenset(),
                     "sparse_step": frozenset({"decoder_sparse_step", "mlp_only_layers",
                                               "moe_intermediate_size"}),
-                    "first_k": frozenset({"first_k_dense_replace", "moe_intermediate_size"})}
+                    "first_k": frozenset({"first_k_dense_replace", "moe_intermediate_size"}),
+                    "mlp_layer_types": frozenset({"mlp_layer_types", "first_k_dense_replace",
+                                                  "moe_intermediate_size"})}
 WINDOW_KEYS = {"every_layer": frozenset({"sliding_window"}),
                "switched": frozenset({"use_sliding_window", "sliding_window",
                                       "max_window_layers", "layer_types"}),
@@ -49,6 +51,8 @@ WINDOW_KEYS = {"every_layer": frozenset({"sliding_window"}),
                "none": frozenset()}
 #: ``layer_types`` entries (``"per_layer"`` windows): whether the layer's window applies.
 LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
+#: ``mlp_layer_types`` entries (``dense_layers="mlp_layer_types"``): whether the layer is routed.
+MLP_LAYER_TYPES = {"sparse": True, "dense": False}
 # The routed MoE sublayer's params, relative to a layer's ``mlp/moe``: what ``moe_names`` maps.
 MOE_PARAMS = ("router", "w_gate", "w_up", "w_down")
 #: Optional in ``moe_names``: the checkpoint's per-expert selection bias (the layer's bias state).
@@ -89,9 +93,12 @@ class Family:
       other_keys: further keys it accepts, read elsewhere (rope, dropout checks).
       dense_layers: which layers are dense: ``"sparse_step"`` (Qwen-MoE's
         ``decoder_sparse_step`` / ``mlp_only_layers``) or ``"first_k"`` (the first
-        ``first_k_dense_replace``: GLM-4.5, DeepSeek-V3); either way experts are
-        ``moe_intermediate_size`` wide and the dense MLP ``intermediate_size``. ``""``: every
-        layer is routed and ``intermediate_size`` is the expert width.
+        ``first_k_dense_replace``: GLM-4.5, DeepSeek-V3) or ``"mlp_layer_types"`` (one
+        ``"dense"`` / ``"sparse"`` per layer, by default the first dense: GLM-4.7-Flash; a
+        ``first_k_dense_replace`` beside it, which transformers does not read, must agree);
+        either way experts are ``moe_intermediate_size`` wide and the dense MLP
+        ``intermediate_size``. ``""``: every layer is routed and ``intermediate_size`` is the
+        expert width.
       window: how it spells sliding-window attention: ``"every_layer"`` (``sliding_window``,
         None = off), ``"switched"`` (``sliding_window`` on every layer while
         ``use_sliding_window``), ``"refused"`` (as switched, but per-layer windows are not
@@ -310,6 +317,28 @@ DEEPSEEK_V3 = Family(
     shared_expert_names="mlp.shared_experts", quantizations=frozenset({"fp8"}),
     latent_attention=True, moe_names=GLM4_MOE.moe_names)
 
+# GLM-4.7-Flash: DeepSeek-V3's latent attention on GLM-4.5's routing (sigmoid scores, the selection
+# bias, groups scored by their two best, scaling, shared experts), its dense layers named per layer.
+GLM4_MOE_LITE = Family(
+    model_type="glm4_moe_lite", architecture="Glm4MoeLiteForCausalLM",
+    experts_key="n_routed_experts",
+    defaults={"num_experts": 64, "num_experts_per_tok": 4, "rope_theta": 1e4,
+              "rms_norm_eps": 1e-5, "moe_intermediate_size": 1536, "attention_bias": False,
+              "n_shared_experts": 1, "routed_scaling_factor": 1.8, "n_group": 1, "topk_group": 1,
+              "q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
+              "qk_rope_head_dim": 64, "v_head_dim": 256, "rope_interleave": True},
+    keys=DEEPSEEK_V3.keys, router_keys=GLM4_MOE.router_keys, router_flags=GLM4_MOE.router_flags,
+    # The Hub's config.json: the router spelled out as DeepSeek-V3's (which transformers does
+    # not read: it computes these values only).
+    required={"norm_topk_prob": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+              "moe_layer_freq": 1, "pretraining_tp": 1},
+    flags={"shared_expert_gate": False, "selection_bias": True},
+    other_keys=frozenset({"qk_nope_head_dim", "qk_head_dim", "num_nextn_predict_layers",
+                          "partial_rotary_factor"}),
+    dense_layers="mlp_layer_types", shared_expert_count_key="n_shared_experts",
+    shared_expert_names="mlp.shared_experts", latent_attention=True,
+    moe_names=GLM4_MOE.moe_names)
+
 #: Types read as another where their keys are the other's: Kimi-K2's config.json says
 #: ``kimi_k2`` (with remote code) for DeepSeek-V3's architecture.
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -317,7 +346,7 @@ ALIASES = {"kimi_k2": "deepseek_v3"}
 #: The families, in :data:`sparsemixer_jax.models.lm_config.MODEL_TYPES`' order.
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (MIXTRAL, QWEN3_MOE, OLMOE, QWEN2_MOE,
                                                            PHIMOE, GLM4_MOE, GPT_OSS,
-                                                           DEEPSEEK_V3)}
+                                                           DEEPSEEK_V3, GLM4_MOE_LITE)}
 
 
 def family_of(model_type: Any, where: str = "config.json: model_type ") -> Family:

@@ -90,6 +90,9 @@ def hf_config_of(model: ScratchShape, router: RouterConfig, vocab_size: int,
                    mlp_only_layers=[i for i in range(m.num_layers) if i not in routed])
     elif family.dense_layers == "first_k":
         cfg["first_k_dense_replace"] = 0  # every layer routed, as the model section's others
+    elif family.dense_layers == "mlp_layer_types":  # every moe_every-th layer routed
+        cfg["mlp_layer_types"] = ["sparse" if (i + 1) % m.moe_every == 0 else "dense"
+                                  for i in range(m.num_layers)]
     cfg.update(m.hf_keys)
     return cfg
 
