@@ -133,6 +133,17 @@ CONFIGS = {
                           rope_interleave=False, attention_bias=True,
                           mlp_layer_types=["dense", "sparse", "dense", "sparse"],
                           rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+    # MiniMax-M2 in the Hub's keys: q/k RMSNorms over the whole projections (use_qk_norm,
+    # qk_norm_type "per_layer"), half of each head rotated (rotary_dim 4 of head_dim 8), sigmoid
+    # scores with a selection bias (scoring_func, use_routing_bias; the bias redrawn below),
+    # renormalised top-3 of 6, GQA 2, the MTP keys of its checkpoints (no MTP tensors).
+    "minimax_m2": dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=12, num_local_experts=6, num_experts_per_tok=3,
+                       rotary_dim=4, use_qk_norm=True, qk_norm_type="per_layer",
+                       scoring_func="sigmoid", use_routing_bias=True, shared_intermediate_size=0,
+                       attn_type_list=[1, 1, 1], use_mtp=True, num_mtp_modules=3,
+                       mtp_transformer_layers=1,
+                       rope_parameters={"rope_type": "default", "rope_theta": 20000.0}),
 }
 # DeepSeek-V3 as the Hub ships it: block-FP8 weights (e4m3 with a float32 weight_scale_inv per
 # block; blocks of 8 x 8 here, so kv_a_proj_with_mqa's 14 rows end in a partial block), the
@@ -165,7 +176,7 @@ MXFP4_CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, 
 # types after them, so that adding a type leaves the others' files as they are.
 SEEDS = {t: i for i, t in enumerate(("mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe",
                                      "glm4_moe", "gpt_oss", MXFP4, "deepseek_v3",
-                                     FP8, "glm4_moe_lite"))}
+                                     FP8, "glm4_moe_lite", "minimax_m2"))}
 PROMPT, NEW = 5, 8
 
 
@@ -347,8 +358,10 @@ def make(model_type: str) -> None:
     input_ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=generator)
     with torch.no_grad():
         logits = model(input_ids).logits.float().numpy()
+        # use_mtp off: MiniMax-M2's config.json says use_mtp (for its MTP modules, which
+        # transformers builds none of), which generate would read as assisted decoding.
         generated = model.generate(input_ids[:, :PROMPT], max_new_tokens=NEW, do_sample=False,
-                                   min_new_tokens=NEW, pad_token_id=0).numpy()
+                                   min_new_tokens=NEW, pad_token_id=0, use_mtp=False).numpy()
     np.savez_compressed(os.path.join(directory, "reference.npz"), input_ids=input_ids.numpy(),
                         logits=logits, generated=generated)
     print(f"{model_type}: {sum(p.numel() for p in model.parameters())} params -> {directory}")

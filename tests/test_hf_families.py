@@ -3,7 +3,10 @@
 import json
 import os
 
+import ml_dtypes
+import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from sparsemixer_jax import hf
 from sparsemixer_jax.hf.families import FAMILIES
@@ -11,6 +14,11 @@ from sparsemixer_jax.models.lm_config import MODEL_TYPES
 from sparsemixer_jax.routers.registry import ROUTERS
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "hf")
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
 
 
 def test_every_model_type_has_one_record():
@@ -106,15 +114,46 @@ def test_glm4_moe_lite_reads_the_hubs_spelling_and_refuses_in_one_line():
         assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v3", "glm4_moe_lite"])
+def test_minimax_m2_reads_the_hubs_spelling_and_refuses_in_one_line():
+    """MiniMax-M2's own config.json: top-level rope_theta, the rotated width as rotary_dim
+    alone; every key transformers computes at one value only is refused at another."""
+    with open(os.path.join(DATA, "minimax_m2", "config.json")) as f:
+        new = json.load(f)
+    hub = {k: v for k, v in new.items() if k != "rope_parameters"}
+    hub["rope_theta"] = new["rope_parameters"]["rope_theta"]
+    config = hf.from_hf(hub)
+    assert config.replace(hf_config="") == hf.from_hf(new).replace(hf_config="")
+    assert config.arch.rotary_dim == 4 and config.arch.qk_norm == "full"
+    assert config.selection_bias and config.arch.rope.theta == 20000.0
+    written = hf.to_hf(config)
+    assert written["rotary_dim"] == 4 and written["attn_type_list"] == [1, 1, 1]
+    for change, message in (
+            ({"use_qk_norm": False}, "use_qk_norm=False is not implemented"),
+            ({"qk_norm_type": "per_head"}, "qk_norm_type='per_head' is not implemented"),
+            ({"scoring_func": "softmax"}, "scoring_func='softmax' is not implemented"),
+            ({"use_routing_bias": False}, "use_routing_bias=False is not implemented"),
+            ({"shared_intermediate_size": 8}, "shared_intermediate_size=8 is not implemented"),
+            ({"attn_type_list": [1, 0, 1]}, r"attn_type_list\[1\]=0 is not implemented"),
+            ({"rotary_dim": 6, "partial_rotary_factor": 0.5},
+             "rotary_dim=6 disagrees with partial_rotary_factor=0.5 of head_dim=8"),
+            ({"rotary_dim": 9}, r"rotary_dim=9 must be an int in \[1, head_dim=8\]"),
+            ({"sliding_window": 4}, "key 'sliding_window' is not known")):
+        with pytest.raises(ValueError, match=message) as error:
+            hf.from_hf({**hub, **change})
+        assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "deepseek_v3", "glm4_moe_lite",
+                                        "minimax_m2"])
 def test_every_router_that_composes_with_sigmoid_scores_takes_the_checkpoint(model_type):
-    """Chosen at load, every router of the registry keeps the type's sigmoid scores, groups
-    scored by their two best and scaling; the one whose formula has no sigmoid form is
-    refused in one line saying so."""
+    """Chosen at load, every router of the registry keeps the type's sigmoid scores (and GLM's
+    and DeepSeek's groups scored by their two best and scaling); the one whose formula has no
+    sigmoid form is refused in one line saying so."""
     with open(os.path.join(DATA, model_type, "config.json")) as f:
         cfg = json.load(f)
     own = dict(hf.from_hf(cfg).router_options)
-    assert own["score"] == "sigmoid" and own["group_score"] == "top2_sum"
+    assert own["score"] == "sigmoid"
+    assert own.get("group_score") == (None if model_type == "minimax_m2" else "top2_sum")
     for name in ROUTERS:
         if name == "densemixer_blog":
             with pytest.raises(ValueError, match="score='sigmoid' does not compose with router "
@@ -124,3 +163,60 @@ def test_every_router_that_composes_with_sigmoid_scores_takes_the_checkpoint(mod
             continue
         config = hf.from_hf(cfg, router=name, jitter_eps=0.1 if "sparsemixer" in name else 0.0)
         assert config.router == name and dict(config.router_options) == own
+
+
+def _write_safetensors(path, arrays):
+    """``arrays`` (numpy, float8 ones as ml_dtypes) as a safetensors file (the numpy writer of
+    the safetensors package has no float8)."""
+    dtypes = {"float32": "F32", "float8_e4m3fn": "F8_E4M3"}
+    entries, blobs, offset = {}, [], 0
+    for name, value in arrays.items():
+        data = np.ascontiguousarray(value).tobytes()
+        entries[name] = {"dtype": dtypes[value.dtype.name], "shape": list(value.shape),
+                         "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps(entries).encode()
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+
+
+def test_minimax_m2_block_fp8_checkpoint_loads_dequantized(tmp_path):
+    """MiniMax-M2 as the Hub ships it: every projection of the layers (attention and experts)
+    e4m3 with a float32 weight_scale_inv per block (8 x 8 here: the experts' 12 rows end in a
+    partial block), the router, selection bias, norms, embeddings and head unquantized. The
+    model holds each e4m3 value times its block's scale exactly (float32 products of an e4m3
+    value and a float32 scale; the export writes them back unrounded)."""
+    source = os.path.join(DATA, "minimax_m2")
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    stored, want = {}, {}
+    for name, value in tensors.items():
+        if not (name.startswith("model.layers.") and name.endswith(("proj.weight", "w1.weight",
+                                                                     "w2.weight", "w3.weight"))):
+            stored[name] = want[name] = value
+            continue
+        rows, cols = -(-value.shape[0] // 8), -(-value.shape[1] // 8)
+        tiles = np.pad(np.abs(value), ((0, rows * 8 - value.shape[0]),
+                                       (0, cols * 8 - value.shape[1])))
+        scale = (tiles.reshape(rows, 8, cols, 8).max(axis=(1, 3)) / 448.0).astype(np.float32)
+        expanded = np.repeat(np.repeat(scale, 8, 0), 8, 1)[:value.shape[0], :value.shape[1]]
+        codes = (value / expanded).astype(ml_dtypes.float8_e4m3fn)
+        stored[name], stored[name[:-len("weight")] + "weight_scale_inv"] = codes, scale
+        want[name] = codes.astype(np.float32) * expanded
+    _write_safetensors(tmp_path / "model.safetensors", stored)
+    cfg = read_json(os.path.join(source, "config.json"))
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "float8_e4m3fn",
+                                  "activation_scheme": "dynamic", "weight_block_size": [8, 8],
+                                  "modules_to_not_convert": ["gate", "e_score_correction_bias",
+                                                             "lm_head"]}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    model, config = hf.load_pretrained(str(tmp_path))
+    hf.save_pretrained(model, config, str(tmp_path / "export"))
+    assert "quantization_config" not in read_json(tmp_path / "export" / "config.json")
+    written = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert written.keys() == want.keys()
+    for name, value in want.items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
+    assert not np.array_equal(written["model.layers.1.block_sparse_moe.experts.2.w2.weight"],
+                              tensors["model.layers.1.block_sparse_moe.experts.2.w2.weight"])

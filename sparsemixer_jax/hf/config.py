@@ -66,6 +66,8 @@ def _rope(cfg: dict, family: Family) -> RopeConfig:
     kind = params.get("rope_type", params.get("type", "default"))
     partial = float(params.get("partial_rotary_factor", cfg.get(
         "partial_rotary_factor", family.default("partial_rotary_factor"))) or 1.0)
+    if cfg.get("rotary_dim") is not None:  # MiniMax-M2's spelling of the rotated width
+        partial = _rotary_dim(cfg, family, params, partial)
     if kind == "default":
         return RopeConfig(theta=float(theta), partial_rotary_factor=partial)
     if kind == "yarn":
@@ -88,6 +90,23 @@ def _rope(cfg: dict, family: Family) -> RopeConfig:
                       short_mscale=float(params["short_mscale"]),
                       long_mscale=float(params["long_mscale"]),
                       original_max_position_embeddings=int(original))
+
+
+def _rotary_dim(cfg: dict[str, Any], family: Family, params: dict[str, Any], partial: float
+                ) -> float:
+    """The partial rotary factor of a ``rotary_dim`` key (rotated dimensions of a head), as
+    transformers reads it (``rotary_dim / head_dim`` where no factor is given); a factor given
+    beside it must rotate as many dimensions."""
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    rotary = cfg["rotary_dim"]
+    if isinstance(rotary, bool) or not isinstance(rotary, int) or not 0 < rotary <= head_dim:
+        _refuse(family.model_type, f"rotary_dim={rotary!r} must be an int in [1, "
+                                   f"head_dim={head_dim}]")
+    given = "partial_rotary_factor" in params or "partial_rotary_factor" in cfg
+    if given and int(head_dim * partial) != rotary:
+        _refuse(family.model_type, f"rotary_dim={rotary} disagrees with partial_rotary_factor="
+                                   f"{partial} of head_dim={head_dim}")
+    return partial if given else rotary / head_dim
 
 
 def _yarn(params: dict[str, Any], cfg: dict[str, Any], theta: float, partial: float
@@ -141,6 +160,13 @@ def _check_keys(cfg: dict[str, Any], family: Family) -> None:
     for key, only in family.required.items():
         if cfg.get(key, only) != only:
             _refuse(model_type, f"{key}={cfg[key]!r} is not implemented (only {only!r})")
+    for key, only in family.required_entries.items():
+        entries = cfg.get(key, [])
+        if not isinstance(entries, list):
+            _refuse(model_type, f"{key}={entries!r} is not a list")
+        for i, entry in enumerate(entries):
+            if entry != only:
+                _refuse(model_type, f"{key}[{i}]={entry!r} is not implemented (only {only!r})")
 
 
 def _layers(cfg: dict[str, Any], family: Family, num_layers: int, num_experts: int
@@ -458,6 +484,9 @@ def to_hf(config: LMConfig) -> dict[str, Any]:
     out.update(_window_keys(c, family))
     out.update({key.name: _written(c, family, key) for key in family.keys})
     out.update(family.required)
+    out.update({key: [only] * c.arch.num_layers for key, only in family.required_entries.items()})
+    if "rotary_dim" in family.other_keys:  # the Hub's spelling, beside rope_parameters' factor
+        out["rotary_dim"] = c.arch.rotary_dim
     out.update(_router_keys(c, family))
     out[ROUTING_KEY] = routing_record(c)
     return out

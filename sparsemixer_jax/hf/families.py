@@ -132,6 +132,8 @@ class Family:
       latent_attention: multi-head latent attention (DeepSeek-V3): ``head_dim`` is
         ``qk_nope_head_dim + qk_rope_head_dim`` (no ``head_dim`` key), one key/value head per
         query head, the attention tensors of :data:`LATENT_ATTENTION_NAMES`.
+      required_entries: list keys each of whose entries this model computes at one value only
+        (MiniMax-M2's ``attn_type_list``: 1, softmax attention, on every layer).
     """
 
     model_type: str
@@ -156,6 +158,7 @@ class Family:
     interleaved_experts: bool = False
     quantizations: frozenset[str] = frozenset()
     latent_attention: bool = False
+    required_entries: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.window not in WINDOW_KEYS:
@@ -169,7 +172,7 @@ class Family:
         """The type's own ``config.json`` keys (beyond every type's)."""
         return frozenset({k.name for k in (*self.keys, *self.router_keys)}
                          | WINDOW_KEYS[self.window] | DENSE_LAYER_KEYS[self.dense_layers]
-                         | set(self.required) | self.other_keys
+                         | set(self.required) | set(self.required_entries) | self.other_keys
                          | ({self.shared_expert_count_key} - {""}))
 
     def default(self, key: str) -> Any:
@@ -339,6 +342,27 @@ GLM4_MOE_LITE = Family(
     shared_expert_names="mlp.shared_experts", latent_attention=True,
     moe_names=GLM4_MOE.moe_names)
 
+# MiniMax-M2 in its Hub checkpoints' keys: transformers 5.23 reads rotary_dim (as the partial
+# rotary factor) and computes the other keys' one value (q/k norms over the whole projections,
+# sigmoid scores with the selection bias, no shared expert, softmax attention on every layer);
+# its multi-token-prediction modules are built by neither.
+MINIMAX_M2 = Family(
+    model_type="minimax_m2", architecture="MiniMaxM2ForCausalLM",
+    experts_key="num_local_experts",
+    defaults={"num_experts": 256, "num_experts_per_tok": 8, "rope_theta": 5e6,
+              "rms_norm_eps": 1e-6, "router_jitter_noise": 0.0},
+    keys=(Key("router_jitter_noise", ("moe_input_jitter",), float),),
+    router_flags={"score": "sigmoid"},
+    required={"use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
+              "use_routing_bias": True, "shared_intermediate_size": 0},
+    required_entries={"attn_type_list": 1},
+    flags={"qk_norm": "full", "selection_bias": True},
+    other_keys=frozenset({"rotary_dim", "partial_rotary_factor", "use_mtp", "num_mtp_modules",
+                          "mtp_transformer_layers"}),
+    quantizations=frozenset({"fp8"}),
+    moe_names={**_moe_names("block_sparse_moe", "w1", "w3", "w2"),
+               SELECTION_BIAS: "block_sparse_moe.e_score_correction_bias"})
+
 #: Types read as another where their keys are the other's: Kimi-K2's config.json says
 #: ``kimi_k2`` (with remote code) for DeepSeek-V3's architecture.
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -346,7 +370,8 @@ ALIASES = {"kimi_k2": "deepseek_v3"}
 #: The families, in :data:`sparsemixer_jax.models.lm_config.MODEL_TYPES`' order.
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (MIXTRAL, QWEN3_MOE, OLMOE, QWEN2_MOE,
                                                            PHIMOE, GLM4_MOE, GPT_OSS,
-                                                           DEEPSEEK_V3, GLM4_MOE_LITE)}
+                                                           DEEPSEEK_V3, GLM4_MOE_LITE,
+                                                           MINIMAX_M2)}
 
 
 def family_of(model_type: Any, where: str = "config.json: model_type ") -> Family:

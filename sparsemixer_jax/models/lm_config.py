@@ -25,7 +25,7 @@ from sparsemixer_jax.section import read_fields
 
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
 MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe", "glm4_moe", "gpt_oss",
-               "deepseek_v3", "glm4_moe_lite")
+               "deepseek_v3", "glm4_moe_lite", "minimax_m2")
 ROPE_KINDS = ("default", "longrope", "yarn")
 NORMS = ("rms", "layer")
 QK_NORMS = ("none", "head", "full")

@@ -97,7 +97,9 @@ class LMModelConfig:
         ``qwen2_moe``: q/k/v biases and a shared expert; ``phimoe``: LayerNorm, biases;
         ``glm4_moe``: sigmoid routing within groups, shared experts, partial rotary;
         ``gpt_oss``: attention sinks, sliding window on every other layer, biased router and
-        experts, clamped SwiGLU).
+        experts, clamped SwiGLU; ``deepseek_v3``, ``glm4_moe_lite``: latent attention, its
+        widths in ``hf_keys``; ``minimax_m2``: q/k norms over the projections, sigmoid routing
+        with a selection bias).
       hidden_size, num_layers, num_heads, num_kv_heads, head_dim (0 = hidden / heads): sizes.
       mlp_dim: width of each expert (and of the dense layers' MLP).
       num_experts: experts per MoE layer (0: a dense model, every feed-forward sublayer a
