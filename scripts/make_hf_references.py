@@ -20,12 +20,12 @@ that dropped them would still pass), and saves into
 greedy ``generate`` from the first 5 tokens for 8 new tokens (``generated [2, 13]``).
 Two more directories hold the quantized forms the Hub ships, gpt-oss in MXFP4
 (``gpt_oss_mxfp4``) and DeepSeek-V3 in block FP8 (``deepseek_v3_fp8``; see ``MXFP4`` and
-``FP8`` below).
+``FP8`` below), and one Mixtral with llama3 rope scaling (``mixtral_llama3``; ``LLAMA3``).
 
 The round trip back into transformers (run by hand; the saved directories come from the
 project's environment):
 
-    python scripts/hf_roundtrip_save.py /tmp/hf_saved                  # project venv, JAX
+    PYTHONPATH=. python scripts/hf_roundtrip_save.py /tmp/hf_saved     # project venv, JAX
     /tmp/torchenv/bin/python scripts/make_hf_references.py --check /tmp/hf_saved
 
 ``--check`` loads each ``/tmp/hf_saved/<type>`` with ``AutoModelForCausalLM.from_pretrained``
@@ -145,6 +145,15 @@ CONFIGS = {
                        mtp_transformer_layers=1,
                        rope_parameters={"rope_type": "default", "rope_theta": 20000.0}),
 }
+# Mixtral with llama3 rope scaling (transformers computes any type's rotary frequencies by the
+# rope_type its config names): factor 8 with its band edges at wavelengths 1024 and 128, so
+# that of head_dim 8's four frequencies (theta 500000: wavelengths 6.3, 167, 4.4e3, 1.2e5) one is
+# kept, one blended and two divided.
+LLAMA3 = "mixtral_llama3"
+LLAMA3_CONFIG = dict(CONFIGS["mixtral"], sliding_window=None,
+                     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 8.0,
+                                      "original_max_position_embeddings": 1024})
 # DeepSeek-V3 as the Hub ships it: block-FP8 weights (e4m3 with a float32 weight_scale_inv per
 # block; blocks of 8 x 8 here, so kv_a_proj_with_mqa's 14 rows end in a partial block), the
 # Hub's config.json spelling (rope_scaling with ``type``, rope_theta, topk_method, scoring_func,
@@ -176,14 +185,15 @@ MXFP4_CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, 
 # types after them, so that adding a type leaves the others' files as they are.
 SEEDS = {t: i for i, t in enumerate(("mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe",
                                      "glm4_moe", "gpt_oss", MXFP4, "deepseek_v3",
-                                     FP8, "glm4_moe_lite", "minimax_m2"))}
+                                     FP8, "glm4_moe_lite", "minimax_m2", LLAMA3))}
 PROMPT, NEW = 5, 8
 
 
 def build(model_type: str) -> torch.nn.Module:
     torch.manual_seed(SEEDS[model_type])
-    settings = {MXFP4: MXFP4_CONFIG, FP8: FP8_CONFIG}.get(model_type) or CONFIGS[model_type]
-    base = {MXFP4: "gpt_oss", FP8: "deepseek_v3"}.get(model_type, model_type)
+    settings = {MXFP4: MXFP4_CONFIG, FP8: FP8_CONFIG, LLAMA3: LLAMA3_CONFIG}.get(model_type) \
+        or CONFIGS[model_type]
+    base = {MXFP4: "gpt_oss", FP8: "deepseek_v3", LLAMA3: "mixtral"}.get(model_type, model_type)
     config = AutoConfig.for_model(base, **{**COMMON, **settings})
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config).float().eval()
@@ -405,6 +415,7 @@ if __name__ == "__main__":
                         "with --check also the ROUTED directories)")
     args = parser.parse_args()
     if args.check:
-        sys.exit(1 if check(args.check, args.types or [*CONFIGS, MXFP4, FP8, *ROUTED]) else 0)
-    for name in args.types or [*CONFIGS, MXFP4, FP8]:
+        sys.exit(1 if check(args.check, args.types or [*CONFIGS, MXFP4, FP8, LLAMA3, *ROUTED])
+                 else 0)
+    for name in args.types or [*CONFIGS, MXFP4, FP8, LLAMA3]:
         make(name)

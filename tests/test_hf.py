@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from sparsemixer_jax import hf
+from sparsemixer_jax.layers.rope import RopeConfig
 from sparsemixer_jax.models.lm_config import MODEL_TYPES, layer_pattern_stacks
 from sparsemixer_jax.models.lm_generate import _extend as extend
 from sparsemixer_jax.models.lm_generate import generate
@@ -230,6 +231,27 @@ def test_cached_decoding_gives_the_full_forward_logits(loaded, model_type):
     atol = 1e-5 * np.abs(full).max()
     np.testing.assert_allclose(cached[0], full[0, 3:], rtol=1e-5, atol=atol)
     np.testing.assert_allclose(cached[1, :8], full[1, 4:], rtol=1e-5, atol=atol)
+
+
+def test_llama3_rope_scaling_equals_transformers():
+    """llama3 rope scaling (any type; here Mixtral's) as transformers computes it: of head_dim
+    8's four frequencies one kept, one blended and two divided by the factor. Its logits are
+    transformers' within 1e-4 of the largest (float32 sums in another order), the default
+    rope's are not, and the export says llama3 with its settings."""
+    path = os.path.join(DATA, "mixtral_llama3")
+    ref = reference("mixtral_llama3")
+    model, config = hf.load_pretrained(path)
+    assert config.arch.rope.kind == "llama3" and config.arch.rope.high_freq_factor == 8.0
+    assert relative_error(logits_of(model, ref["input_ids"]), ref["logits"]) <= 1e-4
+    unscaled, _ = hf.load_pretrained(path, rope=RopeConfig(theta=config.arch.rope.theta))
+    assert relative_error(logits_of(unscaled, ref["input_ids"]), ref["logits"]) > 1e-3
+    written = hf.to_hf(config)["rope_parameters"]
+    assert hf.from_hf({**hf.read_config(path), "rope_parameters": written}).arch.rope == \
+        config.arch.rope
+    cfg = hf.read_config(path)
+    del cfg["rope_parameters"]["low_freq_factor"]
+    with pytest.raises(ValueError, match=r"llama3 rope scaling needs low_freq_factor$"):
+        hf.from_hf(cfg)
 
 
 def test_sampled_generation(loaded):

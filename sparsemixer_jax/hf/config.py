@@ -72,9 +72,20 @@ def _rope(cfg: dict, family: Family) -> RopeConfig:
         return RopeConfig(theta=float(theta), partial_rotary_factor=partial)
     if kind == "yarn":
         return _yarn(params, cfg, float(theta), partial)
+    if kind == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                               "original_max_position_embeddings") if params.get(k) is None]
+        if missing:
+            _refuse(model_type, f"llama3 rope scaling needs {', '.join(missing)}")
+        return RopeConfig(theta=float(theta), kind="llama3", factor=float(params["factor"]),
+                          low_freq_factor=float(params["low_freq_factor"]),
+                          high_freq_factor=float(params["high_freq_factor"]),
+                          original_max_position_embeddings=int(
+                              params["original_max_position_embeddings"]),
+                          partial_rotary_factor=partial)
     if kind != "longrope":
         _refuse(model_type, f"rope scaling {kind!r} is not implemented (implemented: default, "
-                            "longrope, yarn)")
+                            "longrope, yarn, llama3)")
     original = params.get("original_max_position_embeddings",
                           cfg.get("original_max_position_embeddings"))
     if original is None or "short_mscale" not in params or "long_mscale" not in params:
@@ -385,6 +396,10 @@ def _rope_parameters(rope: RopeConfig, family: Family) -> dict[str, Any]:
     if rope.kind == "yarn":
         out.update(factor=rope.factor, beta_fast=rope.beta_fast, beta_slow=rope.beta_slow,
                    truncate=rope.truncate, attention_factor=rope.attention_factor,
+                   original_max_position_embeddings=rope.original_max_position_embeddings)
+    if rope.kind == "llama3":
+        out.update(factor=rope.factor, low_freq_factor=rope.low_freq_factor,
+                   high_freq_factor=rope.high_freq_factor,
                    original_max_position_embeddings=rope.original_max_position_embeddings)
     if rope.kind == "longrope":
         out.update(short_factor=list(rope.short_factor), long_factor=list(rope.long_factor),

@@ -26,7 +26,7 @@ from sparsemixer_jax.section import read_fields
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
 MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe", "glm4_moe", "gpt_oss",
                "deepseek_v3", "glm4_moe_lite", "minimax_m2")
-ROPE_KINDS = ("default", "longrope", "yarn")
+ROPE_KINDS = ("default", "longrope", "yarn", "llama3")
 NORMS = ("rms", "layer")
 QK_NORMS = ("none", "head", "full")
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -243,6 +243,11 @@ class LMArchitecture:
         if rope.kind == "yarn" and not (rope.factor >= 1 and rope.beta_fast >= rope.beta_slow > 0
                                         and rope.original_max_position_embeddings >= 1):
             _fail(f"yarn needs factor >= 1, beta_fast >= beta_slow > 0 and "
+                  f"original_max_position_embeddings >= 1, got {rope}")
+        if rope.kind == "llama3" and not (rope.factor >= 1 and 0 < rope.low_freq_factor
+                                          < rope.high_freq_factor
+                                          and rope.original_max_position_embeddings >= 1):
+            _fail(f"llama3 rope needs factor >= 1, 0 < low_freq_factor < high_freq_factor and "
                   f"original_max_position_embeddings >= 1, got {rope}")
         if self.kv_lora_rank:
             self._check_latent_attention()
