@@ -144,6 +144,23 @@ CONFIGS = {
                        attn_type_list=[1, 1, 1], use_mtp=True, num_mtp_modules=3,
                        mtp_transformer_layers=1,
                        rope_parameters={"rope_type": "default", "rope_theta": 20000.0}),
+    # Llama 4's text model: MoE on layers 1 and 3 of 4 (interleave_moe_layer_step 2; the dense
+    # ones intermediate_size_mlp wide), top-2 of 4 gated by the chosen logits' sigmoids applied
+    # to the experts' inputs, a shared expert, attention biases; rotary positions on layers 0, 1
+    # and 3 (pairs interleaved, llama3 scaling whose three bands hold head_dim 8's
+    # frequencies), L2 q/k norms there and chunked attention of 4 < 12 tokens; layer 2 without
+    # rotary positions, its queries scaled by the temperature tuning (floor_scale 2, attn_scale
+    # 0.3, so the scale grows within the 12 tokens).
+    "llama4_text": dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
+                        intermediate_size=12, intermediate_size_mlp=24, num_local_experts=4,
+                        num_experts_per_tok=2, interleave_moe_layer_step=2,
+                        no_rope_layers=[1, 1, 0, 1], attention_chunk_size=4, use_qk_norm=True,
+                        attention_bias=True, attn_temperature_tuning=True, floor_scale=2,
+                        attn_scale=0.3,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                         "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 8.0,
+                                         "original_max_position_embeddings": 1024}),
 }
 # Mixtral with llama3 rope scaling (transformers computes any type's rotary frequencies by the
 # rope_type its config names): factor 8 with its band edges at wavelengths 1024 and 128, so
@@ -185,7 +202,8 @@ MXFP4_CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, 
 # types after them, so that adding a type leaves the others' files as they are.
 SEEDS = {t: i for i, t in enumerate(("mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe",
                                      "glm4_moe", "gpt_oss", MXFP4, "deepseek_v3",
-                                     FP8, "glm4_moe_lite", "minimax_m2", LLAMA3))}
+                                     FP8, "glm4_moe_lite", "minimax_m2", LLAMA3,
+                                     "llama4_text"))}
 PROMPT, NEW = 5, 8
 
 

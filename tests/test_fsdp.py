@@ -391,7 +391,8 @@ def logits_of(model, ids):
     return model(ids)
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "glm4_moe_lite", "minimax_m2"])
+@pytest.mark.parametrize("model_type", ["mixtral", "glm4_moe_lite", "minimax_m2",
+                                        "llama4_text"])
 def test_hf_checkpoint_loads_onto_the_mesh_and_exports_the_same(tmp_path, model_type):
     """A Hugging Face checkpoint loaded straight onto a 1x2x2 mesh: its parameters sharded as
     the rules say (the experts over ``expert``, the width over ``fsdp``), its logits

@@ -170,9 +170,9 @@ def test_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match="is not a Hugging Face model directory"):
         hf.load_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="'llama' is not supported; supported: "
-                                         + ", ".join(MODEL_TYPES) + " "):  # all ten
+                                         + ", ".join(MODEL_TYPES) + " "):  # all eleven
         hf.from_hf({**cfg, "model_type": "llama"})
-    assert len(MODEL_TYPES) == 10
+    assert len(MODEL_TYPES) == 11
     with pytest.raises(ValueError, match="key 'attn_logit_softcapping' is not known"):
         hf.from_hf({**cfg, "attn_logit_softcapping": 30.0})
     with pytest.raises(ValueError, match="rope scaling 'dynamic' is not implemented"):
@@ -206,7 +206,7 @@ def test_one_line_errors(tmp_path):
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "deepseek_v3", "glm4_moe",
-                                        "glm4_moe_lite", "minimax_m2"])
+                                        "glm4_moe_lite", "minimax_m2", "llama4_text"])
 def test_cached_decoding_gives_the_full_forward_logits(loaded, model_type):
     """Prefill 5 slots (row 0 left-padded by one), then one token at a time: every step's logits
     equal a full forward pass of the same real tokens (Mixtral: sliding window 5 < 12 tokens on
@@ -214,7 +214,9 @@ def test_cached_decoding_gives_the_full_forward_logits(loaded, model_type):
     attention, whose cache holds the normed latent and the rotated shared key; GLM-4.5: half of
     each head rotated, q/k norms before the rotation; GLM-4.7-Flash: latent attention with
     the rotated halves not interleaved, dense layers between MoE layers; MiniMax-M2: q/k norms
-    over the whole projections before the head split, half of each head rotated). Through
+    over the whole projections before the head split, half of each head rotated; Llama 4:
+    chunks of 4 on the rotary layers, a layer without rotary positions whose queries' scale
+    grows with the position). Through
     ``generate``'s own compiled step, at the shapes the generation test compiled it for."""
     model, _ = loaded[model_type]
     ids = jnp.asarray(reference(model_type)["input_ids"])

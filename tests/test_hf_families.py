@@ -170,6 +170,43 @@ def test_every_router_that_composes_with_sigmoid_scores_takes_the_checkpoint(mod
         assert config.router == name and dict(config.router_options) == own
 
 
+def test_llama4_text_reads_the_hubs_spelling_and_refuses_in_one_line():
+    """Llama 4's text config as the Hub's checkpoints spell it: top-level rope_theta and
+    rope_scaling (Scout's llama3 with equal band factors: nothing blended), the routed layers
+    listed in moe_layers, no layer_types (the rotary layers chunked), attn_temperature_tuning
+    as a number, for_llm_compressor. Its gates scale the experts' inputs, which only the switch
+    router computes: every other router of the registry is refused in one line saying so."""
+    new = read_json(os.path.join(DATA, "llama4_text", "config.json"))
+    hub = {k: v for k, v in new.items() if k not in ("rope_parameters", "layer_types",
+                                                      "interleave_moe_layer_step")}
+    rope = dict(new["rope_parameters"])
+    hub.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope, moe_layers=[1, 3],
+               attn_temperature_tuning=4, for_llm_compressor=False)
+    config = hf.from_hf(hub)
+    assert config.replace(hf_config="") == hf.from_hf(new).replace(hf_config="")
+    assert config.arch.sliding_layers == config.arch.rope_layers == (True, True, False, True)
+    assert config.input_gates and config.shared_expert_size == config.arch.moe_intermediate_size
+    scout = hf.from_hf({**hub, "rope_scaling": {**rope, "high_freq_factor": 1.0}})
+    assert scout.arch.rope.low_freq_factor == scout.arch.rope.high_freq_factor
+    for change, message in (
+            ({"no_rope_layers": [1, 2, 0, 1]}, r"no_rope_layers\[1\]=2 is not one of 0, 1"),
+            ({"layer_types": ["chunked_attention"] * 3 + ["sliding_attention"]},
+             r"layer_types\[3\]='sliding_attention' is not one of chunked_attention, "
+             r"full_attention"),
+            ({"moe_layers": [1, 4]}, r"moe_layers=\[1, 4\] must be layer indices below "
+                                     r"num_hidden_layers=4")):
+        with pytest.raises(ValueError, match=message) as error:
+            hf.from_hf({**hub, **change})
+        assert "\n" not in str(error.value)
+    for name in ROUTERS:
+        if name == "switch":
+            continue
+        with pytest.raises(ValueError, match=rf"input_gates .* take router 'switch' only, got "
+                                             rf"'{name}'") as error:
+            hf.from_hf(new, router=name, jitter_eps=0.1 if "sparsemixer" in name else 0.0)
+        assert "\n" not in str(error.value)
+
+
 def _write_safetensors(path, arrays):
     """``arrays`` (numpy, float8 ones as ml_dtypes) as a safetensors file (the numpy writer of
     the safetensors package has no float8)."""
@@ -228,16 +265,16 @@ def test_minimax_m2_block_fp8_checkpoint_loads_dequantized(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["glm4_moe_lite", "minimax_m2"])
+@pytest.mark.parametrize("model_type", ["glm4_moe_lite", "minimax_m2", "llama4_text"])
 def test_every_router_fine_tunes_the_checkpoint(model_type):
     """Each router of the registry chosen at load takes two SGD updates of the checkpoint in
     training mode (next-token loss plus the balance loss): both losses finite, and every MoE
     layer's router and every MoE layer's experts receive a gradient (moved by the update). The
-    one router whose formula has no sigmoid form is refused in one line (the fast test
-    above)."""
+    one router whose formula has no sigmoid form is refused in one line, and Llama 4 takes
+    switch alone (the fast tests above)."""
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 9)), jnp.int32)
     path = os.path.join(DATA, model_type)
-    for name in ROUTERS:
+    for name in ["switch"] if model_type == "llama4_text" else ROUTERS:
         if name == "densemixer_blog":
             continue
         model, _ = hf.load_pretrained(path, router=name,

@@ -16,7 +16,7 @@ routed a rollout to into int32 ``[tokens, MoE layers, top_k]`` (numpy only).
 Types: ``mixtral``, ``qwen3_moe``, ``olmoe``, ``qwen2_moe``, ``phimoe``, ``glm4_moe``,
 ``gpt_oss`` (MXFP4 experts dequantized on load), ``deepseek_v3`` (``kimi_k2`` read as it;
 block-FP8 weights dequantized on load), ``glm4_moe_lite``, ``minimax_m2`` (block-FP8 weights
-dequantized on load; docs/lm.md; one record each in
+dequantized on load), ``llama4_text`` (docs/lm.md; one record each in
 :mod:`sparsemixer_jax.hf.families`). Needs the ``safetensors`` package (``tokenizers`` for
 :func:`load_tokenizer`, ``jinja2`` to render chat templates): ``pip install
 'sparsemixer-jax[hf]'``; torch is never imported.

@@ -189,6 +189,16 @@ def _layers(cfg: dict[str, Any], family: Family, num_layers: int, num_experts: i
                 "moe_intermediate_size": int(cfg.get("moe_intermediate_size",
                                                      family.default("moe_intermediate_size"))),
                 "intermediate_size": int(cfg["intermediate_size"])}
+    if family.dense_layers == "moe_step":  # Llama 4
+        step = cfg.get("interleave_moe_layer_step") or 1
+        routed = cfg.get("moe_layers")
+        routed = range(step - 1, num_layers, step) if routed is None else routed
+        if any(not isinstance(i, int) or not 0 <= i < num_layers for i in routed):
+            _refuse(family.model_type, f"moe_layers={list(routed)} must be layer indices below "
+                                       f"num_hidden_layers={num_layers}")
+        return {"moe_layers": tuple(i in set(routed) for i in range(num_layers)),
+                "moe_intermediate_size": int(cfg["intermediate_size"]),
+                "intermediate_size": int(cfg.get("intermediate_size_mlp", 16384))}
     if family.dense_layers == "mlp_layer_types":
         return {"moe_layers": _mlp_layer_types(cfg, family, num_layers),
                 "moe_intermediate_size": int(cfg.get("moe_intermediate_size",
@@ -244,8 +254,38 @@ def _layer_types(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[s
             "sliding_layers": tuple(LAYER_TYPES[kind] for kind in types)}
 
 
+def _chunked(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
+    """Llama 4's attention: rotary positions on the layers ``no_rope_layers`` marks 1 (by
+    default all but every ``no_rope_layer_interval``-th), ``attention_chunk_size`` on those
+    ``layer_types`` names ``chunked_attention`` (by default the rotary ones), the temperature
+    tuning (``floor_scale``, ``attn_scale``) where ``attn_temperature_tuning``."""
+    t = family.model_type
+    interval = cfg.get("no_rope_layer_interval") or 4
+    rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
+    kinds = {"chunked_attention": True, "full_attention": False}
+    types = cfg.get("layer_types") or [
+        "chunked_attention" if on else "full_attention" for on in rope]
+    for key, values, allowed in (("no_rope_layers", rope, (0, 1)), ("layer_types", types, kinds)):
+        if len(values) != num_layers:
+            _refuse(t, f"{key} has {len(values)} entries for num_hidden_layers={num_layers}")
+        for i, value in enumerate(values):
+            if isinstance(value, bool) or value not in allowed:
+                _refuse(t, f"{key}[{i}]={value!r} is not one of {', '.join(map(str, allowed))}")
+    fields: dict[str, Any] = {"rope_layers": tuple(bool(on) for on in rope)}
+    chunk = cfg.get("attention_chunk_size", 8192)
+    if chunk is not None and "chunked_attention" in types:
+        fields.update(attention_chunk_size=int(chunk),
+                      sliding_layers=tuple(kinds[kind] for kind in types))
+    if cfg.get("attn_temperature_tuning", True):
+        fields.update(attn_temperature_floor=int(cfg.get("floor_scale", 8192)),
+                      attn_temperature_scale=float(cfg.get("attn_scale", 0.1)))
+    return fields
+
+
 def _window(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
     """``sliding_window`` as the type spells it (see ``Family.window``)."""
+    if family.window == "chunked":
+        return _chunked(cfg, family, num_layers)
     if family.window == "every_layer":
         return {"sliding_window": cfg.get("sliding_window")}
     if family.window == "none":
@@ -279,6 +319,8 @@ def _type_extras(cfg: dict[str, Any], family: Family, fields: dict[str, Any]
         count = int(cfg.get(family.shared_expert_count_key,
                             family.default(family.shared_expert_count_key)))
         extras["shared_expert_size"] = count * fields["moe_intermediate_size"]
+    if family.shared_expert_always:
+        extras["shared_expert_size"] = fields["moe_intermediate_size"]
     return extras
 
 
@@ -425,6 +467,10 @@ def _layer_keys(c: LMConfig, family: Family) -> dict[str, Any]:
                              f"{c.arch.moe_layers}")
         return dict(intermediate_size=c.arch.intermediate_size,
                     moe_intermediate_size=c.arch.moe_intermediate_size, first_k_dense_replace=first)
+    if family.dense_layers == "moe_step":
+        return dict(intermediate_size=c.arch.moe_intermediate_size,
+                    intermediate_size_mlp=c.arch.intermediate_size,
+                    moe_layers=[i for i, routed in enumerate(c.arch.moe_layers) if routed])
     if family.dense_layers == "mlp_layer_types":
         named = {routed: kind for kind, routed in MLP_LAYER_TYPES.items()}
         return dict(intermediate_size=c.arch.intermediate_size,
@@ -447,6 +493,16 @@ def _window_keys(c: LMConfig, family: Family) -> dict[str, Any]:
                 "layer_types": [named[on] for on in sliding]}
     if family.window == "none":
         return {}
+    if family.window == "chunked":
+        a, n = c.arch, c.arch.num_layers
+        chunked = a.sliding_layers if a.attention_chunk_size is not None else (False,) * n
+        return {"no_rope_layers": [int(on) for on in a.rope_layers or (True,) * n],
+                "layer_types": ["chunked_attention" if on else "full_attention"
+                                for on in chunked or (True,) * n],
+                "attention_chunk_size": a.attention_chunk_size,
+                "attn_temperature_tuning": a.attn_temperature_floor > 0,
+                "floor_scale": a.attn_temperature_floor or 8192,
+                "attn_scale": a.attn_temperature_scale}
     out: dict[str, Any] = {"use_sliding_window": c.arch.sliding_window is not None}
     if c.arch.sliding_window is not None:
         out["sliding_window"] = c.arch.sliding_window
@@ -461,6 +517,10 @@ def _router_keys(c: LMConfig, family: Family) -> dict[str, Any]:
     t = family.model_type
     if c.shared_expert_size and not family.has_shared_expert:
         raise ValueError(f"{t} checkpoints have no shared expert")
+    if family.shared_expert_always and c.shared_expert_size != c.arch.moe_intermediate_size:
+        raise ValueError(f"{t} checkpoints have one shared expert of the experts' width "
+                         f"{c.arch.moe_intermediate_size}; this model's is "
+                         f"{c.shared_expert_size}")
     options = {**RouterConfig().__dict__, **c.router_option_dict()}
     out = {key.name: key.write(options[key.fields[0]]) for key in family.router_keys}
     if family.shared_expert_count_key:

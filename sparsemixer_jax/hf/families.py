@@ -41,13 +41,18 @@ DENSE_LAYER_KEYS = {"": frozenset(),
                                               "moe_intermediate_size"}),
                     "first_k": frozenset({"first_k_dense_replace", "moe_intermediate_size"}),
                     "mlp_layer_types": frozenset({"mlp_layer_types", "first_k_dense_replace",
-                                                  "moe_intermediate_size"})}
+                                                  "moe_intermediate_size"}),
+                    "moe_step": frozenset({"moe_layers", "interleave_moe_layer_step",
+                                           "intermediate_size_mlp"})}
 WINDOW_KEYS = {"every_layer": frozenset({"sliding_window"}),
                "switched": frozenset({"use_sliding_window", "sliding_window",
                                       "max_window_layers", "layer_types"}),
                "refused": frozenset({"use_sliding_window", "sliding_window",
                                      "max_window_layers", "layer_types"}),
                "per_layer": frozenset({"sliding_window", "layer_types"}),
+               "chunked": frozenset({"attention_chunk_size", "layer_types", "no_rope_layers",
+                                     "no_rope_layer_interval", "attn_temperature_tuning",
+                                     "floor_scale", "attn_scale"}),
                "none": frozenset()}
 #: ``layer_types`` entries (``"per_layer"`` windows): whether the layer's window applies.
 LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
@@ -97,14 +102,19 @@ class Family:
         ``"dense"`` / ``"sparse"`` per layer, by default the first dense: GLM-4.7-Flash; a
         ``first_k_dense_replace`` beside it, which transformers does not read, must agree);
         either way experts are ``moe_intermediate_size`` wide and the dense MLP
-        ``intermediate_size``. ``""``: every layer is routed and ``intermediate_size`` is the
-        expert width.
+        ``intermediate_size``; or ``"moe_step"`` (Llama 4: the layers ``moe_layers`` names, by
+        default every ``interleave_moe_layer_step``-th, are routed, experts
+        ``intermediate_size`` wide and the dense MLP ``intermediate_size_mlp``). ``""``: every
+        layer is routed and ``intermediate_size`` is the expert width.
       window: how it spells sliding-window attention: ``"every_layer"`` (``sliding_window``,
         None = off), ``"switched"`` (``sliding_window`` on every layer while
         ``use_sliding_window``), ``"refused"`` (as switched, but per-layer windows are not
         computed, so only off is read), ``"per_layer"`` (``sliding_window`` on the layers
         ``layer_types`` names ``"sliding_attention"``; by default every other layer from the
-        first: gpt-oss) or ``"none"`` (no such keys).
+        first: gpt-oss), ``"chunked"`` (Llama 4: ``attention_chunk_size`` on the layers
+        ``layer_types`` names ``"chunked_attention"``, by default those with rotary positions,
+        which ``no_rope_layers`` names, with the temperature tuning of the others) or
+        ``"none"`` (no such keys).
       head_dim_fixed: ``head_dim`` must be ``hidden_size / num_attention_heads`` (OLMoE's key
         norm over the whole projection assumes it) and a from-scratch config omits it.
       fixed_top_k: the only ``num_experts_per_tok`` its router computes (0: any).
@@ -134,6 +144,11 @@ class Family:
         query head, the attention tensors of :data:`LATENT_ATTENTION_NAMES`.
       required_entries: list keys each of whose entries this model computes at one value only
         (MiniMax-M2's ``attn_type_list``: 1, softmax attention, on every layer).
+      halved_experts: with ``interleaved_experts``, gate and up are the first and second halves
+        of the fused tensor's last axis (Llama 4) instead of its even and odd columns.
+      shared_expert_always: every MoE layer has one shared expert as wide as the experts
+        (Llama 4), without a key.
+      dense_mlp: the dense layers' MLP prefix in a layer (``<prefix>.gate_proj.weight``, ...).
     """
 
     model_type: str
@@ -159,6 +174,9 @@ class Family:
     quantizations: frozenset[str] = frozenset()
     latent_attention: bool = False
     required_entries: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    halved_experts: bool = False
+    shared_expert_always: bool = False
+    dense_mlp: str = "mlp"
 
     def __post_init__(self) -> None:
         if self.window not in WINDOW_KEYS:
@@ -185,7 +203,8 @@ class Family:
     @property
     def has_shared_expert(self) -> bool:
         """Whether its checkpoints may hold a shared expert."""
-        return self.reads("shared_expert_size") or bool(self.shared_expert_count_key)
+        return self.reads("shared_expert_size") or bool(self.shared_expert_count_key) \
+            or self.shared_expert_always
 
     @property
     def router(self) -> str:
@@ -363,6 +382,31 @@ MINIMAX_M2 = Family(
     moe_names={**_moe_names("block_sparse_moe", "w1", "w3", "w2"),
                SELECTION_BIAS: "block_sparse_moe.e_score_correction_bias"})
 
+# Llama 4's text model (Scout, Maverick; the text_config of their multimodal checkpoints): the
+# experts gated on their inputs by the chosen logits' sigmoids, a shared expert, rotary positions
+# in interleaved pairs, chunked attention with L2 q/k norms on the rotary layers and temperature
+# tuning on the others.
+_LLAMA4_EXPERTS = "feed_forward.experts"
+LLAMA4_TEXT = Family(
+    model_type="llama4_text", architecture="Llama4ForCausalLM",
+    experts_key="num_local_experts",
+    defaults={"num_experts": 16, "num_experts_per_tok": 1, "rope_theta": 500000.0,
+              "rms_norm_eps": 1e-5, "attention_bias": False, "use_qk_norm": True},
+    keys=(_ATTENTION_BIAS,
+          Key("use_qk_norm", ("qk_norm",), lambda on: "l2" if on else "none",
+              lambda norm: norm == "l2")),
+    flags={"input_gates": True, "shared_expert_gate": False, "rope_interleave": True},
+    # transformers' Llama 4 applies no router jitter; for_llm_compressor (the Hub's) is read by
+    # neither.
+    other_keys=frozenset({"router_jitter_noise", "for_llm_compressor"}),
+    dense_layers="moe_step", window="chunked", interleaved_experts=True, halved_experts=True,
+    shared_expert_always=True, shared_expert_names="feed_forward.shared_expert",
+    dense_mlp="feed_forward", fused_router="feed_forward.router.weight",
+    moe_names={"router": "feed_forward.router.weight",
+               "w_gate": f"{_LLAMA4_EXPERTS}.gate_up_proj",
+               "w_up": f"{_LLAMA4_EXPERTS}.gate_up_proj",
+               "w_down": f"{_LLAMA4_EXPERTS}.down_proj"})
+
 #: Types read as another where their keys are the other's: Kimi-K2's config.json says
 #: ``kimi_k2`` (with remote code) for DeepSeek-V3's architecture.
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -371,7 +415,7 @@ ALIASES = {"kimi_k2": "deepseek_v3"}
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (MIXTRAL, QWEN3_MOE, OLMOE, QWEN2_MOE,
                                                            PHIMOE, GLM4_MOE, GPT_OSS,
                                                            DEEPSEEK_V3, GLM4_MOE_LITE,
-                                                           MINIMAX_M2)}
+                                                           MINIMAX_M2, LLAMA4_TEXT)}
 
 
 def family_of(model_type: Any, where: str = "config.json: model_type ") -> Family:

@@ -91,9 +91,10 @@ def llama3_inv_freq(rope: RopeConfig, dim: int) -> jax.Array:
     wavelength = 2 * math.pi / inv_freq
     low, high = rope.low_freq_factor, rope.high_freq_factor
     long = jnp.where(wavelength > length / low, inv_freq / rope.factor, inv_freq)
-    kept = (length / wavelength - low) / (high - low)
+    # Equal factors (Llama 4 Scout's): no band between, nothing blended.
+    kept = (length / wavelength - low) / (high - low if high > low else 1.0)
     blended = (1 - kept) * long / rope.factor + kept * long
-    middle = (wavelength >= length / high) & (wavelength <= length / low)
+    middle = (wavelength >= length / high) & (wavelength <= length / low) & (high > low)
     return jnp.where(middle, blended, long)
 
 
