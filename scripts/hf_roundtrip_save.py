@@ -6,7 +6,7 @@ routed by SparseMixer-v2*: its config.json records that routing (``sparsemixer_j
 which transformers keeps and ignores, computing Mixtral's own. ``OUT/qwen3_5_moe_exported`` is
 Qwen3.5-MoE's image-text-to-text directory exported as its text model (``qwen3_5_moe_text``).
 
-    python scripts/hf_roundtrip_save.py /tmp/hf_saved
+    PYTHONPATH=. python scripts/hf_roundtrip_save.py /tmp/hf_saved   # this checkout's package
 """
 
 import os
@@ -20,8 +20,8 @@ DATA = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "hf")
 if __name__ == "__main__":
     out = sys.argv[1]
     # gpt_oss_mxfp4 (MXFP4) and deepseek_v3_fp8 (block FP8): quantized checkpoints, saved in
-    # float32
-    for model_type in (*MODEL_TYPES, "gpt_oss_mxfp4", "deepseek_v3_fp8"):
+    # float32; mixtral_llama3: llama3 rope scaling
+    for model_type in (*MODEL_TYPES, "gpt_oss_mxfp4", "deepseek_v3_fp8", "mixtral_llama3"):
         model, config = hf.load_pretrained(os.path.join(DATA, model_type))
         hf.save_pretrained(model, config, os.path.join(out, model_type))
         print(f"{model_type}: saved to {os.path.join(out, model_type)}")

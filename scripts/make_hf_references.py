@@ -23,12 +23,13 @@ Two more directories hold the quantized forms the Hub ships, gpt-oss in MXFP4
 ``FP8`` below). The Gated DeltaNet hybrids ``qwen3_next`` and ``qwen3_5_moe`` (Qwen3.5-MoE's
 image-text-to-text model, its text model that of ``qwen3_5_moe_text``) are rewritten in the
 Hub's spelling with multi-token-prediction tensors added (``hub_spelling``); transformers reads
-each rewritten directory back to the same weights.
+each rewritten directory back to the same weights. A Mixtral with llama3 rope scaling is saved
+as ``mixtral_llama3`` (``LLAMA3``).
 
 The round trip back into transformers (run by hand; the saved directories come from the
 project's environment):
 
-    python scripts/hf_roundtrip_save.py /tmp/hf_saved                  # project venv, JAX
+    PYTHONPATH=. python scripts/hf_roundtrip_save.py /tmp/hf_saved     # project venv, JAX
     /tmp/torchenv/bin/python scripts/make_hf_references.py --check /tmp/hf_saved
 
 ``--check`` loads each ``/tmp/hf_saved/<type>`` with ``AutoModelForCausalLM.from_pretrained``
@@ -153,6 +154,47 @@ CONFIGS = {
                                               "partial_rotary_factor": 0.5,
                                               "mrope_section": [1, 1, 0],
                                               "mrope_interleaved": True}),
+    # GLM-4.7-Flash: DeepSeek-V3's latent attention (queries through q_lora_rank 12, keys/values
+    # through kv_lora_rank 10, 6 unrotated + 4 rotated dims, values of 5) with the rotated
+    # halves not interleaved, attention biases, dense layers 0 and 2 of 4 (mlp_layer_types),
+    # and GLM-4.5's routing: sigmoid scores with a selection bias (redrawn below), 4 groups of
+    # 2 keeping 2, renormalised top-3 of 8 scaled by 2.5, two shared experts.
+    "glm4_moe_lite": dict(num_hidden_layers=4, num_key_value_heads=4, intermediate_size=24,
+                          moe_intermediate_size=12, n_routed_experts=8, num_experts_per_tok=3,
+                          n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                          n_shared_experts=2, norm_topk_prob=True, q_lora_rank=12,
+                          kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+                          rope_interleave=False, attention_bias=True,
+                          mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+                          rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
+    # MiniMax-M2 in the Hub's keys: q/k RMSNorms over the whole projections (use_qk_norm,
+    # qk_norm_type "per_layer"), half of each head rotated (rotary_dim 4 of head_dim 8), sigmoid
+    # scores with a selection bias (scoring_func, use_routing_bias; the bias redrawn below),
+    # renormalised top-3 of 6, GQA 2, the MTP keys of its checkpoints (no MTP tensors).
+    "minimax_m2": dict(num_hidden_layers=3, num_key_value_heads=2, head_dim=8,
+                       intermediate_size=12, num_local_experts=6, num_experts_per_tok=3,
+                       rotary_dim=4, use_qk_norm=True, qk_norm_type="per_layer",
+                       scoring_func="sigmoid", use_routing_bias=True, shared_intermediate_size=0,
+                       attn_type_list=[1, 1, 1], use_mtp=True, num_mtp_modules=3,
+                       mtp_transformer_layers=1,
+                       rope_parameters={"rope_type": "default", "rope_theta": 20000.0}),
+    # Llama 4's text model: MoE on layers 1 and 3 of 4 (interleave_moe_layer_step 2; the dense
+    # ones intermediate_size_mlp wide), top-2 of 4 gated by the chosen logits' sigmoids applied
+    # to the experts' inputs, a shared expert, attention biases; rotary positions on layers 0, 1
+    # and 3 (pairs interleaved, llama3 scaling whose three bands hold head_dim 8's
+    # frequencies), L2 q/k norms there and chunked attention of 4 < 12 tokens; layer 2 without
+    # rotary positions, its queries scaled by the temperature tuning (floor_scale 2, attn_scale
+    # 0.3, so the scale grows within the 12 tokens).
+    "llama4_text": dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=8,
+                        intermediate_size=12, intermediate_size_mlp=24, num_local_experts=4,
+                        num_experts_per_tok=2, interleave_moe_layer_step=2,
+                        no_rope_layers=[1, 1, 0, 1], attention_chunk_size=4, use_qk_norm=True,
+                        attention_bias=True, attn_temperature_tuning=True, floor_scale=2,
+                        attn_scale=0.3,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0,
+                                         "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 8.0,
+                                         "original_max_position_embeddings": 1024}),
 }
 # Qwen3.5-MoE as the Hub ships it: the image-text-to-text model (a vision tower, the text model
 # under text_config and its tensors under model.language_model.*), config.json in the Hub's
@@ -163,6 +205,15 @@ VL = "qwen3_5_moe"
 VL_VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, patch_size=2,
                  temporal_patch_size=1, spatial_merge_size=1, out_hidden_size=32,
                  num_position_embeddings=16)
+# Mixtral with llama3 rope scaling (transformers computes any type's rotary frequencies by the
+# rope_type its config names): factor 8 with its band edges at wavelengths 1024 and 128, so
+# that of head_dim 8's four frequencies (theta 500000: wavelengths 6.3, 167, 4.4e3, 1.2e5) one is
+# kept, one blended and two divided.
+LLAMA3 = "mixtral_llama3"
+LLAMA3_CONFIG = dict(CONFIGS["mixtral"], sliding_window=None,
+                     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 8.0,
+                                      "original_max_position_embeddings": 1024})
 # DeepSeek-V3 as the Hub ships it: block-FP8 weights (e4m3 with a float32 weight_scale_inv per
 # block; blocks of 8 x 8 here, so kv_a_proj_with_mqa's 14 rows end in a partial block), the
 # Hub's config.json spelling (rope_scaling with ``type``, rope_theta, topk_method, scoring_func,
@@ -194,7 +245,8 @@ MXFP4_CONFIG = dict(hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, 
 # types after them, so that adding a type leaves the others' files as they are.
 SEEDS = {t: i for i, t in enumerate(("mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe",
                                      "glm4_moe", "gpt_oss", MXFP4, "deepseek_v3",
-                                     FP8, "qwen3_next", "qwen3_5_moe_text", VL))}
+                                     FP8, "qwen3_next", "qwen3_5_moe_text", VL,
+                                     "glm4_moe_lite", "minimax_m2", LLAMA3, "llama4_text"))}
 PROMPT, NEW = 5, 8
 
 
@@ -210,8 +262,10 @@ def build(model_type: str) -> torch.nn.Module:
         config.text_config._attn_implementation = "eager"
         model = AutoModelForImageTextToText.from_config(config).float().eval()
     else:
-        settings = {MXFP4: MXFP4_CONFIG, FP8: FP8_CONFIG}.get(model_type) or CONFIGS[model_type]
-        base = {MXFP4: "gpt_oss", FP8: "deepseek_v3"}.get(model_type, model_type)
+        settings = {MXFP4: MXFP4_CONFIG, FP8: FP8_CONFIG, LLAMA3: LLAMA3_CONFIG}.get(
+            model_type) or CONFIGS[model_type]
+        base = {MXFP4: "gpt_oss", FP8: "deepseek_v3", LLAMA3: "mixtral"}.get(model_type,
+                                                                             model_type)
         config = AutoConfig.for_model(base, **{**COMMON, **settings})
         config._attn_implementation = "eager"
         model = AutoModelForCausalLM.from_config(config).float().eval()
@@ -383,9 +437,10 @@ def hub_spelling(directory: str, model_type: str) -> None:
         json.dump(cfg, f, indent=2, sort_keys=True)
 
 
-def load(directory: str) -> torch.nn.Module:
-    """transformers' model of a saved directory in float32 (an MXFP4 one dequantized); raises
-    if transformers reports a tensor missing, unexpected or of another shape."""
+def load(directory: str, faults: list[str] | None = None) -> torch.nn.Module:
+    """transformers' model of a saved directory in float32 (an MXFP4 one dequantized): the
+    tensors transformers found missing, unexpected (other than the multi-token-prediction
+    ones it skips) or mismatched go to ``faults``, or raise where ``faults`` is None."""
     kwargs = {}
     with open(os.path.join(directory, "config.json")) as f:
         cfg = json.load(f)
@@ -396,10 +451,13 @@ def load(directory: str) -> torch.nn.Module:
         from transformers import AutoModelForImageTextToText as auto
     model, info = auto.from_pretrained(directory, attn_implementation="eager",
                                        dtype=torch.float32, output_loading_info=True, **kwargs)
-    faults = {k: v for k, v in info.items() if v and k != "error_msgs"
-              and not (k == "unexpected_keys" and all(n.startswith("mtp.") for n in v))}
-    if faults:
-        raise RuntimeError(f"{directory}: transformers reports {faults}")
+    found = [f"{kind}: {sorted(map(str, names))}" for kind, names in info.items()
+             if kind in ("missing_keys", "unexpected_keys", "mismatched_keys") and names
+             and not (kind == "unexpected_keys" and all(n.startswith("mtp.") for n in names))]
+    if faults is None and found:
+        raise RuntimeError(f"{directory}: transformers reports {found}")
+    if faults is not None:
+        faults.extend(found)
     return model.float().eval()
 
 
@@ -427,8 +485,10 @@ def make(model_type: str) -> None:
     input_ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=generator)
     with torch.no_grad():
         logits = model(input_ids).logits.float().numpy()
+        # use_mtp off: MiniMax-M2's config.json says use_mtp (for its MTP modules, which
+        # transformers builds none of), which generate would read as assisted decoding.
         generated = model.generate(input_ids[:, :PROMPT], max_new_tokens=NEW, do_sample=False,
-                                   min_new_tokens=NEW, pad_token_id=0).numpy()
+                                   min_new_tokens=NEW, pad_token_id=0, use_mtp=False).numpy()
     np.savez_compressed(os.path.join(directory, "reference.npz"), input_ids=input_ids.numpy(),
                         logits=logits, generated=generated)
     print(f"{model_type}: {sum(p.numel() for p in model.parameters())} params -> {directory}")
@@ -441,15 +501,16 @@ ROUTED = {"mixtral_sparsemixer": "mixtral", "qwen3_5_moe_exported": VL}
 HUB_SPELLING = ("qwen3_next", VL)
 
 
-def check(root: str) -> int:
+def check(root: str, types: list[str]) -> int:
     failures = 0
-    for model_type in (*CONFIGS, MXFP4, FP8, *ROUTED):  # (each loaded: no tensor missing)
+    for model_type in types:
         directory = os.path.join(root, model_type)
         if not os.path.isdir(directory):
             print(f"{model_type}: no {directory}")
             failures += 1
             continue
-        model = load(directory)
+        faults: list[str] = []
+        model = load(directory, faults)
         ref = np.load(os.path.join(OUT, ROUTED.get(model_type, model_type), "reference.npz"))
         if model_type in ROUTED:
             print(f"{model_type}: config.sparsemixer_jax_routing = "
@@ -457,10 +518,11 @@ def check(root: str) -> int:
         with torch.no_grad():
             logits = model(torch.as_tensor(ref["input_ids"])).logits.numpy()
         err = np.abs(logits - ref["logits"]).max() / np.abs(ref["logits"]).max()
-        ok = err <= 1e-4
+        ok = err <= 1e-4 and not faults
         failures += not ok
         print(f"{model_type}: transformers loads {directory}; logits max error {err:.2e} of the "
-              f"largest ({'ok' if ok else 'FAIL'})")
+              f"largest; tensors {'; '.join(faults) or 'all matched'} "
+              f"({'ok' if ok else 'FAIL'})")
     return failures
 
 
@@ -468,9 +530,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", metavar="DIR", help="compare transformers' logits of the "
                         "directories DIR/<type> with the references")
-    parser.add_argument("--types", nargs="*", default=[*CONFIGS, MXFP4, FP8, VL])
+    parser.add_argument("--types", nargs="*", help="the types to make or check (default: all; "
+                        "with --check also the ROUTED directories)")
     args = parser.parse_args()
     if args.check:
-        sys.exit(1 if check(args.check) else 0)
-    for name in args.types:
+        sys.exit(1 if check(args.check, args.types or [*CONFIGS, MXFP4, FP8, LLAMA3, VL, *ROUTED])
+                 else 0)
+    for name in args.types or [*CONFIGS, MXFP4, FP8, LLAMA3, VL]:
         make(name)

@@ -391,22 +391,24 @@ def logits_of(model, ids):
     return model(ids)
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_5_moe_text", "glm4_moe_lite",
+                                        "minimax_m2", "llama4_text"])
 def test_hf_checkpoint_loads_onto_the_mesh_and_exports_the_same(tmp_path, model_type):
     """A Hugging Face checkpoint loaded straight onto a 1x2x2 mesh: its parameters sharded as
-    the rules say, its logits transformers' own, and its export (gathered one tensor at a time)
-    the tensors it was loaded from (Qwen3.5: Gated DeltaNet layers, their convolution and
-    decay parameters included)."""
+    the rules say (the experts over ``expert``, the width over ``fsdp``), its logits
+    transformers' own, and its export (gathered one tensor at a time) the tensors it was loaded
+    from (Qwen3.5: Gated DeltaNet layers, their convolution and decay parameters included)."""
     from safetensors.numpy import load_file
 
     path = os.path.join(os.path.dirname(__file__), "data", "hf", model_type)
     mesh = sharding.make_mesh(1, 2, jax.devices()[:4], fsdp=2)
     model, config = hf.load_pretrained(path, mesh=mesh)
-    moe = model.stacks[0].layers[0].mlp.moe
-    assert moe.w_gate[...].sharding.spec == P(None, "expert", "fsdp")
-    if model_type == "mixtral":
-        assert moe.w_gate[...].sharding.shard_shape(moe.w_gate[...].shape) == (3, 3, 8, 24)
-    else:  # the width over fsdp, the rest whole
+    stack, _, position = model.layer_index()[config.arch.moe_layers.index(True)]
+    gate = model.stacks[stack].layers[position].mlp.moe.w_gate[...]
+    assert gate.sharding.spec == P(None, "expert", "fsdp")
+    repeats, experts, width, mlp = gate.shape  # [repeats, N, emb, mlp]
+    assert gate.sharding.shard_shape(gate.shape) == (repeats, experts // 2, width // 2, mlp)
+    if model_type == "qwen3_5_moe_text":  # the width over fsdp, the rest whole
         mixer = model.stacks[0].layers[0].linear_attn
         kernel = mixer.in_proj_qkv.kernel[...]  # 3 layers, width 32, queries + keys + values
         assert kernel.sharding.spec == P(None, "fsdp")

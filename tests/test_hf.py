@@ -18,7 +18,9 @@ from safetensors.numpy import load_file, save_file
 
 from sparsemixer_jax import hf
 from sparsemixer_jax.hf.families import family_of
-from sparsemixer_jax.models.lm_config import MODEL_TYPES, LayerKind, layer_pattern_stacks
+from sparsemixer_jax.layers.rope import RopeConfig
+from sparsemixer_jax.models.layer_stacks import LayerKind, layer_pattern_stacks
+from sparsemixer_jax.models.lm_config import MODEL_TYPES
 from sparsemixer_jax.models.lm_generate import _extend as extend
 from sparsemixer_jax.models.lm_generate import generate
 
@@ -173,9 +175,9 @@ def test_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match="is not a Hugging Face model directory"):
         hf.load_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="'llama' is not supported; supported: "
-                                         + ", ".join(MODEL_TYPES) + " "):  # all ten
+                                         + ", ".join(MODEL_TYPES) + " "):  # all thirteen
         hf.from_hf({**cfg, "model_type": "llama"})
-    assert len(MODEL_TYPES) == 10
+    assert len(MODEL_TYPES) == 13
     with pytest.raises(ValueError, match="key 'attn_logit_softcapping' is not known"):
         hf.from_hf({**cfg, "attn_logit_softcapping": 30.0})
     with pytest.raises(ValueError, match="rope scaling 'dynamic' is not implemented"):
@@ -209,7 +211,8 @@ def test_one_line_errors(tmp_path):
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "deepseek_v3", "glm4_moe",
-                                        "qwen3_next", "qwen3_5_moe_text"])
+                                        "qwen3_next", "qwen3_5_moe_text", "glm4_moe_lite",
+                                        "minimax_m2", "llama4_text"])
 def test_cached_decoding_gives_the_full_forward_logits(loaded, model_type):
     """Prefill 5 slots (row 0 left-padded by one), then one token at a time: every step's logits
     equal a full forward pass of the same real tokens (Mixtral: sliding window 5 < 12 tokens on
@@ -217,7 +220,10 @@ def test_cached_decoding_gives_the_full_forward_logits(loaded, model_type):
     attention, whose cache holds the normed latent and the rotated shared key; GLM-4.5: half of
     each head rotated, q/k norms before the rotation; Qwen3-Next and Qwen3.5: Gated DeltaNet
     layers, whose cache entries are the convolution's last inputs and the state, padding left
-    out of both). Through
+    out of both; GLM-4.7-Flash: latent attention with the rotated halves not interleaved, dense
+    layers between MoE layers; MiniMax-M2: q/k norms over the whole projections before the
+    head split, half of each head rotated; Llama 4: chunks of 4 on the rotary layers, a layer
+    without rotary positions whose queries' scale grows with the position). Through
     ``generate``'s own compiled step, at the shapes the generation test compiled it for."""
     model, _ = loaded[model_type]
     ids = jnp.asarray(reference(model_type)["input_ids"])
@@ -234,6 +240,27 @@ def test_cached_decoding_gives_the_full_forward_logits(loaded, model_type):
     atol = 1e-5 * np.abs(full).max()
     np.testing.assert_allclose(cached[0], full[0, 3:], rtol=1e-5, atol=atol)
     np.testing.assert_allclose(cached[1, :8], full[1, 4:], rtol=1e-5, atol=atol)
+
+
+def test_llama3_rope_scaling_equals_transformers():
+    """llama3 rope scaling (any type; here Mixtral's) as transformers computes it: of head_dim
+    8's four frequencies one kept, one blended and two divided by the factor. Its logits are
+    transformers' within 1e-4 of the largest (float32 sums in another order), the default
+    rope's are not, and the export says llama3 with its settings."""
+    path = os.path.join(DATA, "mixtral_llama3")
+    ref = reference("mixtral_llama3")
+    model, config = hf.load_pretrained(path)
+    assert config.arch.rope.kind == "llama3" and config.arch.rope.high_freq_factor == 8.0
+    assert relative_error(logits_of(model, ref["input_ids"]), ref["logits"]) <= 1e-4
+    unscaled, _ = hf.load_pretrained(path, rope=RopeConfig(theta=config.arch.rope.theta))
+    assert relative_error(logits_of(unscaled, ref["input_ids"]), ref["logits"]) > 1e-3
+    written = hf.to_hf(config)["rope_parameters"]
+    assert hf.from_hf({**hf.read_config(path), "rope_parameters": written}).arch.rope == \
+        config.arch.rope
+    cfg = hf.read_config(path)
+    del cfg["rope_parameters"]["low_freq_factor"]
+    with pytest.raises(ValueError, match=r"llama3 rope scaling needs low_freq_factor$"):
+        hf.from_hf(cfg)
 
 
 def test_sampled_generation(loaded):

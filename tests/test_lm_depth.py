@@ -18,7 +18,8 @@ import pytest
 from flax import nnx
 
 from sparsemixer_jax.models.causal_lm import CausalLM
-from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
+from sparsemixer_jax.models.layer_stacks import layer_pattern_stacks
+from sparsemixer_jax.models.lm_config import LMConfig
 
 
 def _config(num_layers: int, moe_every: int) -> LMConfig:

@@ -153,3 +153,26 @@ def test_latent_attention_without_its_widths_names_hf_keys():
     with pytest.raises(ValueError, match=r"^config\.model\.hf_type='deepseek_v3': its latent "
                                          r"attention's widths .* config\.model\.hf_keys"):
         LMModelConfig.from_config(SECTION | {"hf_type": "deepseek_v3"})
+
+
+def test_glm4_moe_lite_and_llama4_from_scratch_route_every_moe_every_th_layer():
+    """GLM-4.7-Flash names each layer dense or routed (mlp_layer_types), Llama 4 lists its
+    routed ones (moe_layers), so a model from scratch takes moe_every as the Qwen types do;
+    GLM's latent widths come in hf_keys."""
+    from sparsemixer_jax.hf.scratch import from_scratch_config
+    from sparsemixer_jax.routers import RouterConfig
+
+    latent = {"kv_lora_rank": 8, "q_lora_rank": None, "qk_nope_head_dim": 4,
+              "qk_rope_head_dim": 4, "v_head_dim": 4}
+    section = LMModelConfig.from_config(SECTION | {"hf_type": "glm4_moe_lite", "num_layers": 4,
+                                                   "num_experts": 4, "moe_every": 2,
+                                                   "hf_keys": latent})
+    config = from_scratch_config(section, RouterConfig(name="switch", top_k=2), 32)
+    assert config.arch.moe_layers == (False, True, False, True)
+    assert config.arch.kv_lora_rank == 8 and config.arch.head_dim == 8
+    # Llama 4 lists its routed layers: its experts and dense layers both mlp_dim wide.
+    llama4 = LMModelConfig.from_config(SECTION | {"hf_type": "llama4_text", "num_layers": 4,
+                                                  "num_experts": 4, "moe_every": 2})
+    config = from_scratch_config(llama4, RouterConfig(name="switch", top_k=1), 32)
+    assert config.arch.moe_layers == (False, True, False, True) and config.input_gates
+    assert config.arch.intermediate_size == config.arch.moe_intermediate_size == 8

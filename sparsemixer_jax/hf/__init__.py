@@ -17,7 +17,8 @@ Types: ``mixtral``, ``qwen3_moe``, ``olmoe``, ``qwen2_moe``, ``phimoe``, ``glm4_
 ``gpt_oss`` (MXFP4 experts dequantized on load), ``deepseek_v3`` (``kimi_k2`` read as it;
 block-FP8 weights dequantized on load), the Gated DeltaNet hybrids ``qwen3_next`` and
 ``qwen3_5_moe_text`` (``qwen3_5_moe``'s image-text-to-text directories read as their text
-model); docs/lm.md, and one record each in :mod:`sparsemixer_jax.hf.families`. Needs the
+model), ``glm4_moe_lite``, ``minimax_m2`` (block-FP8 weights dequantized on load),
+``llama4_text`` (docs/lm.md; one record each in :mod:`sparsemixer_jax.hf.families`). Needs the
 ``safetensors`` package (``tokenizers`` for :func:`load_tokenizer`, ``jinja2`` to render chat
 templates): ``pip install 'sparsemixer-jax[hf]'``; torch is never imported.
 """

@@ -29,7 +29,7 @@ from sparsemixer_jax.hf import fp8, mxfp4, safetensors_read
 from sparsemixer_jax.hf.config import from_hf, to_hf
 from sparsemixer_jax.hf.families import family_of
 from sparsemixer_jax.hf.tokenizer import read_json_object
-from sparsemixer_jax.hf.weights import Path, Slot, convert, read_table, saved_tensors
+from sparsemixer_jax.hf.weights import Path, Slot, convert, read_table, saved_tensors, saved_value
 from sparsemixer_jax.models.causal_lm import CausalLM
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.parallel import sharding
@@ -394,14 +394,14 @@ def _hf_shape(param_shape: tuple[int, ...], slot) -> tuple[int, ...]:
     if slot.transform == "down":  # [N, I, emb] -> [N, emb, I]
         n, width, emb = param_shape[1:]
         return (n, emb, width)
-    if slot.transform in ("even", "odd"):  # one of two interleaved halves of the last axis
+    if slot.transform in ("even", "odd", "first", "second"):  # one of two halves, last axis
         shape = param_shape[len(slot.index):]
         return (*shape[:-1], 2 * shape[-1])
     if slot.transform == "conv":  # [C, K] -> Conv1d's [C, 1, K]
         channels, taps = param_shape[len(slot.index):]
         return (channels, 1, taps)
     shape = tuple(param_shape[len(slot.index):])
-    return shape[::-1] if slot.transform == "T" else shape
+    return shape[::-1] if slot.transform == "T" or slot.transform.startswith("pairs") else shape
 
 
 def save_pretrained(model: CausalLM, config: LMConfig, out_dir: str, *,
@@ -488,9 +488,10 @@ def _saved_value(pure: dict, slots: list) -> np.ndarray:
             if omega is not None:
                 value = value * omega[slot.index[0]]
         value = _to_host(value)
-        values.append(value.T if slot.transform == "T" else
-                      value[:, None, :] if slot.transform == "conv" else value)
-    if len(values) == 2:  # "even" and "odd": interleaved along the last axis
+        values.append(saved_value(value, slot.transform))
+    if len(values) == 2 and slots[0].transform == "first":  # Llama 4's halves, last axis
+        values = [np.concatenate(values, axis=-1)]
+    elif len(values) == 2:  # "even" and "odd": interleaved along the last axis
         values = [np.stack(values, axis=-1).reshape(*values[0].shape[:-1], -1)]
     return np.ascontiguousarray(values[0])
 

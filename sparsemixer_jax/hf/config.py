@@ -17,11 +17,13 @@ from typing import Any
 from sparsemixer_jax.hf.families import (
     LAYER_TYPES,
     LINEAR_LAYER_TYPES,
+    MLP_LAYER_TYPES,
     Family,
     Key,
     family_of,
     text_model_config,
 )
+from sparsemixer_jax.hf.layer_layout import layer_fields, linear_layers, refuse, window_fields
 from sparsemixer_jax.layers.rope import RopeConfig
 from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.routers import RouterConfig
@@ -55,10 +57,6 @@ ROUTING_FIELDS = {"router": "router", "jitter_eps": "jitter_eps",
                   "norm_topk_prob": "norm_topk_prob", "options": "router_options"}
 
 
-def _refuse(model_type: str, message: str) -> None:
-    raise ValueError(f"config.json ({model_type}): {message}")
-
-
 def _rope(cfg: dict, family: Family) -> RopeConfig:
     """The rope settings from ``rope_parameters`` (5.x) or ``rope_theta`` + ``rope_scaling``
     (4.x)."""
@@ -73,28 +71,58 @@ def _rope(cfg: dict, family: Family) -> RopeConfig:
     kind = params.get("rope_type", params.get("type", "default"))
     partial = float(params.get("partial_rotary_factor", cfg.get(
         "partial_rotary_factor", family.default("partial_rotary_factor"))) or 1.0)
+    if cfg.get("rotary_dim") is not None:  # MiniMax-M2's spelling of the rotated width
+        partial = _rotary_dim(cfg, family, params, partial)
     if kind == "default":
         return RopeConfig(theta=float(theta), partial_rotary_factor=partial)
     if kind == "yarn":
         return _yarn(params, cfg, float(theta), partial)
+    if kind == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                               "original_max_position_embeddings") if params.get(k) is None]
+        if missing:
+            refuse(model_type, f"llama3 rope scaling needs {', '.join(missing)}")
+        return RopeConfig(theta=float(theta), kind="llama3", factor=float(params["factor"]),
+                          low_freq_factor=float(params["low_freq_factor"]),
+                          high_freq_factor=float(params["high_freq_factor"]),
+                          original_max_position_embeddings=int(
+                              params["original_max_position_embeddings"]),
+                          partial_rotary_factor=partial)
     if kind != "longrope":
-        _refuse(model_type, f"rope scaling {kind!r} is not implemented (implemented: default, "
-                            "longrope, yarn)")
+        refuse(model_type, f"rope scaling {kind!r} is not implemented (implemented: default, "
+                            "longrope, yarn, llama3)")
     original = params.get("original_max_position_embeddings",
                           cfg.get("original_max_position_embeddings"))
     if original is None or "short_mscale" not in params or "long_mscale" not in params:
-        _refuse(model_type, "longrope needs original_max_position_embeddings, short_mscale "
+        refuse(model_type, "longrope needs original_max_position_embeddings, short_mscale "
                             "and long_mscale (the form Phi-3.5-MoE's config.json has)")
     # Phi-3.5-MoE's mscales replace the attention factor that ``factor`` would give.
     for key in ("attention_factor", "partial_rotary_factor"):
         if params.get(key) not in (None, 1, 1.0):
-            _refuse(model_type, f"longrope with {key}={params[key]} is not implemented")
+            refuse(model_type, f"longrope with {key}={params[key]} is not implemented")
     return RopeConfig(theta=float(theta), kind="longrope",
                       short_factor=tuple(float(f) for f in params["short_factor"]),
                       long_factor=tuple(float(f) for f in params["long_factor"]),
                       short_mscale=float(params["short_mscale"]),
                       long_mscale=float(params["long_mscale"]),
                       original_max_position_embeddings=int(original))
+
+
+def _rotary_dim(cfg: dict[str, Any], family: Family, params: dict[str, Any], partial: float
+                ) -> float:
+    """The partial rotary factor of a ``rotary_dim`` key (rotated dimensions of a head), as
+    transformers reads it (``rotary_dim / head_dim`` where no factor is given); a factor given
+    beside it must rotate as many dimensions."""
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    rotary = cfg["rotary_dim"]
+    if isinstance(rotary, bool) or not isinstance(rotary, int) or not 0 < rotary <= head_dim:
+        refuse(family.model_type, f"rotary_dim={rotary!r} must be an int in [1, "
+                                   f"head_dim={head_dim}]")
+    given = "partial_rotary_factor" in params or "partial_rotary_factor" in cfg
+    if given and int(head_dim * partial) != rotary:
+        refuse(family.model_type, f"rotary_dim={rotary} disagrees with partial_rotary_factor="
+                                   f"{partial} of head_dim={head_dim}")
+    return partial if given else rotary / head_dim
 
 
 def _yarn(params: dict[str, Any], cfg: dict[str, Any], theta: float, partial: float
@@ -131,109 +159,30 @@ def _check_keys(cfg: dict[str, Any], family: Family) -> None:
     unknown = sorted(set(cfg) - (METADATA_KEYS | COMMON_KEYS | set(EXPERT_KEYS)
                                  | family.known_keys | {ROUTING_KEY}))
     if unknown:
-        _refuse(model_type, f"key {unknown[0]!r} is not known for this type and may change "
+        refuse(model_type, f"key {unknown[0]!r} is not known for this type and may change "
                             f"the computation, so it is refused (all unknown: {unknown})")
     quantization = cfg.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
         if method not in family.quantizations:
             supported = ", ".join(sorted(family.quantizations)) or "none"
-            _refuse(model_type, f"quantization_config.quant_method={method!r} is not supported "
+            refuse(model_type, f"quantization_config.quant_method={method!r} is not supported "
                                 f"for this type (supported: {supported})")
     if cfg.get("hidden_act", "silu") != "silu":
-        _refuse(model_type, f"hidden_act={cfg['hidden_act']!r}; only 'silu' is implemented")
+        refuse(model_type, f"hidden_act={cfg['hidden_act']!r}; only 'silu' is implemented")
     for key in ("attention_dropout", "hidden_dropout"):
         if cfg.get(key, 0.0):
-            _refuse(model_type, f"{key}={cfg[key]} is not implemented (only 0)")
+            refuse(model_type, f"{key}={cfg[key]} is not implemented (only 0)")
     for key, only in family.required.items():
         if cfg.get(key, only) != only:
-            _refuse(model_type, f"{key}={cfg[key]!r} is not implemented (only {only!r})")
-
-
-def _layers(cfg: dict[str, Any], family: Family, num_layers: int, num_experts: int
-            ) -> dict[str, Any]:
-    """``moe_layers`` and the expert / dense MLP widths (see ``Family.dense_layers``)."""
-    if family.dense_layers == "first_k":
-        first = int(cfg.get("first_k_dense_replace", family.default("first_k_dense_replace")))
-        return {"moe_layers": tuple(i >= first for i in range(num_layers)),
-                "moe_intermediate_size": int(cfg.get("moe_intermediate_size",
-                                                     family.default("moe_intermediate_size"))),
-                "intermediate_size": int(cfg["intermediate_size"])}
-    if family.dense_layers == "moe_only":
-        width = int(cfg.get("moe_intermediate_size", family.default("moe_intermediate_size")))
-        return {"moe_layers": (True,) * num_layers, "moe_intermediate_size": width,
-                "intermediate_size": 0}
-    if not family.dense_layers:
-        width = int(cfg["intermediate_size"])
-        return {"moe_layers": (True,) * num_layers, "moe_intermediate_size": width,
-                "intermediate_size": width}
-    step = int(cfg.get("decoder_sparse_step", 1))
-    dense = set(cfg.get("mlp_only_layers") or [])
-    return {"moe_layers": tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0
-                                for i in range(num_layers)),
-            "moe_intermediate_size": int(cfg.get("moe_intermediate_size",
-                                                 family.default("moe_intermediate_size"))),
-            "intermediate_size": int(cfg.get("intermediate_size", 0))}
-
-
-def _layer_types(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
-    """``sliding_window`` on the layers ``layer_types`` names ``sliding_attention`` (by default
-    every other layer from the first, as transformers' gpt-oss)."""
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    for i, kind in enumerate(types):
-        if kind not in LAYER_TYPES:
-            _refuse(family.model_type, f"layer_types[{i}]={kind!r} is not implemented "
-                                       f"(implemented: {', '.join(LAYER_TYPES)})")
-    if len(types) != num_layers:
-        _refuse(family.model_type, f"layer_types has {len(types)} entries for "
-                                   f"num_hidden_layers={num_layers}")
-    return {"sliding_window": cfg.get("sliding_window", family.default("sliding_window")),
-            "sliding_layers": tuple(LAYER_TYPES[kind] for kind in types)}
-
-
-def _linear_layers(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
-    """``linear_layers`` of a Gated DeltaNet hybrid: ``layer_types``, or without it every
-    ``full_attention_interval``-th layer attention (transformers' default, 4)."""
-    types = cfg.get("layer_types")
-    if types is None:
-        interval = cfg.get("full_attention_interval", 4)
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            _refuse(family.model_type, f"full_attention_interval={interval!r} must be an "
-                                       "integer >= 1")
-        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                 for i in range(num_layers)]
-    if not isinstance(types, list):
-        _refuse(family.model_type, f"layer_types={types!r} must be a list")
-    for i, kind in enumerate(types):
-        if kind not in LINEAR_LAYER_TYPES:
-            _refuse(family.model_type, f"layer_types[{i}]={kind!r} is not implemented "
-                                       f"(implemented: {', '.join(LINEAR_LAYER_TYPES)})")
-    if len(types) != num_layers:
-        _refuse(family.model_type, f"layer_types has {len(types)} entries for "
-                                   f"num_hidden_layers={num_layers}")
-    return {"linear_layers": tuple(LINEAR_LAYER_TYPES[kind] for kind in types)}
-
-
-def _window(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
-    """``sliding_window`` as the type spells it (see ``Family.window``)."""
-    if family.window == "every_layer":
-        return {"sliding_window": cfg.get("sliding_window")}
-    if family.window == "none":
-        return {}
-    if family.window == "per_layer":
-        return _layer_types(cfg, family, num_layers)
-    fields = {}
-    if cfg.get("use_sliding_window"):
-        if family.window == "refused":
-            _refuse(family.model_type, "use_sliding_window=true (sliding window on some layers "
-                                       "only) is not implemented")
-        fields["sliding_window"] = cfg.get("sliding_window")
-    layer_types = cfg.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types) and not cfg.get("use_sliding_window"):
-        _refuse(family.model_type, f"layer_types {sorted(set(layer_types))} (per-layer sliding "
-                                   "attention) is not implemented")
-    return fields
+            refuse(model_type, f"{key}={cfg[key]!r} is not implemented (only {only!r})")
+    for key, only in family.required_entries.items():
+        entries = cfg.get(key, [])
+        if not isinstance(entries, list):
+            refuse(model_type, f"{key}={entries!r} is not a list")
+        for i, entry in enumerate(entries):
+            if entry != only:
+                refuse(model_type, f"{key}[{i}]={entry!r} is not implemented (only {only!r})")
 
 
 def _type_extras(cfg: dict[str, Any], family: Family, fields: dict[str, Any]
@@ -250,6 +199,8 @@ def _type_extras(cfg: dict[str, Any], family: Family, fields: dict[str, Any]
         count = int(cfg.get(family.shared_expert_count_key,
                             family.default(family.shared_expert_count_key)))
         extras["shared_expert_size"] = count * fields["moe_intermediate_size"]
+    if family.shared_expert_always:
+        extras["shared_expert_size"] = fields["moe_intermediate_size"]
     return extras
 
 
@@ -261,9 +212,9 @@ def _check_sizes(cfg: dict[str, Any], family: Family) -> None:
         needed.append("intermediate_size")
     for key in needed:
         if cfg.get(key) is None:
-            _refuse(family.model_type, f"required key {key!r} is missing")
+            refuse(family.model_type, f"required key {key!r} is missing")
         if isinstance(cfg[key], bool) or not isinstance(cfg[key], int):
-            _refuse(family.model_type, f"{key}={cfg[key]!r} is not an integer")
+            refuse(family.model_type, f"{key}={cfg[key]!r} is not an integer")
 
 
 def routing_record(config: LMConfig) -> dict[str, Any]:
@@ -278,7 +229,7 @@ def _recorded_routing(record: Any, model_type: str) -> dict[str, Any]:
     checked by :class:`LMConfig`)."""
     if not isinstance(record, dict) or set(record) != set(ROUTING_FIELDS) or \
             not isinstance(record["options"], dict):
-        _refuse(model_type, f"{ROUTING_KEY} must be an object with the fields "
+        refuse(model_type, f"{ROUTING_KEY} must be an object with the fields "
                             f"{sorted(ROUTING_FIELDS)} (options an object), got {record!r}")
     fields = {ROUTING_FIELDS[name]: value for name, value in record.items()}
     fields["router_options"] = tuple(sorted(record["options"].items()))
@@ -312,26 +263,26 @@ def from_hf(cfg: dict[str, Any], **overrides: Any) -> LMConfig:
         head_dim = int(cfg.get("qk_nope_head_dim", family.default("qk_nope_head_dim"))) + \
             int(cfg.get("qk_rope_head_dim", family.default("qk_rope_head_dim")))
     if family.head_dim_fixed and head_dim != hidden // heads:
-        _refuse(model_type, f"head_dim={head_dim} differs from hidden_size / num_attention_heads "
+        refuse(model_type, f"head_dim={head_dim} differs from hidden_size / num_attention_heads "
                             "(this type's key norm assumes they agree)")
     kv_heads = cfg.get("num_key_value_heads") or heads
     num_layers = int(cfg["num_hidden_layers"])
     experts = {k: cfg[k] for k in EXPERT_KEYS if cfg.get(k) is not None}
     if len(set(experts.values())) > 1:
-        _refuse(model_type, f"the expert counts disagree: {experts}")
+        refuse(model_type, f"the expert counts disagree: {experts}")
     num_experts = int(next(iter(experts.values()), family.default("num_experts")))
     top_ks = {k: cfg[k] for k in TOP_K_KEYS if cfg.get(k) is not None}
     if len(set(top_ks.values())) > 1:
-        _refuse(model_type, f"the experts per token disagree: {top_ks}")
+        refuse(model_type, f"the experts per token disagree: {top_ks}")
     top_k = int(next(iter(top_ks.values()), family.default("num_experts_per_tok")))
     if family.fixed_top_k and top_k != family.fixed_top_k:
-        _refuse(model_type, f"num_experts_per_tok={top_k}; {model_type}'s {family.router} "
+        refuse(model_type, f"num_experts_per_tok={top_k}; {model_type}'s {family.router} "
                             f"router always picks {family.fixed_top_k} experts")
     fields: dict[str, Any] = {"router": "switch", "jitter_eps": 0.0,
-                              **_layers(cfg, family, num_layers, num_experts),
-                              **_window(cfg, family, num_layers), **family.flags}
+                              **layer_fields(cfg, family, num_layers, num_experts),
+                              **window_fields(cfg, family, num_layers), **family.flags}
     if family.linear_attention:
-        fields.update(_linear_layers(cfg, family, num_layers))
+        fields.update(linear_layers(cfg, family, num_layers))
     for key in family.keys:
         value = key.cast(cfg.get(key.name, family.default(key.name)))
         fields.update(dict.fromkeys(key.fields, value))
@@ -371,6 +322,10 @@ def _rope_parameters(rope: RopeConfig, family: Family) -> dict[str, Any]:
         out.update(factor=rope.factor, beta_fast=rope.beta_fast, beta_slow=rope.beta_slow,
                    truncate=rope.truncate, attention_factor=rope.attention_factor,
                    original_max_position_embeddings=rope.original_max_position_embeddings)
+    if rope.kind == "llama3":
+        out.update(factor=rope.factor, low_freq_factor=rope.low_freq_factor,
+                   high_freq_factor=rope.high_freq_factor,
+                   original_max_position_embeddings=rope.original_max_position_embeddings)
     if rope.kind == "longrope":
         out.update(short_factor=list(rope.short_factor), long_factor=list(rope.long_factor),
                    short_mscale=rope.short_mscale, long_mscale=rope.long_mscale,
@@ -395,6 +350,15 @@ def _layer_keys(c: LMConfig, family: Family) -> dict[str, Any]:
                              f"{c.arch.moe_layers}")
         return dict(intermediate_size=c.arch.intermediate_size,
                     moe_intermediate_size=c.arch.moe_intermediate_size, first_k_dense_replace=first)
+    if family.dense_layers == "moe_step":
+        return dict(intermediate_size=c.arch.moe_intermediate_size,
+                    intermediate_size_mlp=c.arch.intermediate_size,
+                    moe_layers=[i for i, routed in enumerate(c.arch.moe_layers) if routed])
+    if family.dense_layers == "mlp_layer_types":
+        named = {routed: kind for kind, routed in MLP_LAYER_TYPES.items()}
+        return dict(intermediate_size=c.arch.intermediate_size,
+                    moe_intermediate_size=c.arch.moe_intermediate_size,
+                    mlp_layer_types=[named[routed] for routed in c.arch.moe_layers])
     if not all(c.arch.moe_layers):
         raise ValueError(f"{t} checkpoints have no dense layers; this model has "
                          f"{c.arch.moe_layers.count(False)}")
@@ -419,6 +383,16 @@ def _window_keys(c: LMConfig, family: Family) -> dict[str, Any]:
             return {"layer_types": [named[on] for on in c.arch.linear_layers
                                    or (False,) * c.arch.num_layers]}
         return {}
+    if family.window == "chunked":
+        a, n = c.arch, c.arch.num_layers
+        chunked = a.sliding_layers if a.attention_chunk_size is not None else (False,) * n
+        return {"no_rope_layers": [int(on) for on in a.rope_layers or (True,) * n],
+                "layer_types": ["chunked_attention" if on else "full_attention"
+                                for on in chunked or (True,) * n],
+                "attention_chunk_size": a.attention_chunk_size,
+                "attn_temperature_tuning": a.attn_temperature_floor > 0,
+                "floor_scale": a.attn_temperature_floor or 8192,
+                "attn_scale": a.attn_temperature_scale}
     out: dict[str, Any] = {"use_sliding_window": c.arch.sliding_window is not None}
     if c.arch.sliding_window is not None:
         out["sliding_window"] = c.arch.sliding_window
@@ -433,6 +407,10 @@ def _router_keys(c: LMConfig, family: Family) -> dict[str, Any]:
     t = family.model_type
     if c.shared_expert_size and not family.has_shared_expert:
         raise ValueError(f"{t} checkpoints have no shared expert")
+    if family.shared_expert_always and c.shared_expert_size != c.arch.moe_intermediate_size:
+        raise ValueError(f"{t} checkpoints have one shared expert of the experts' width "
+                         f"{c.arch.moe_intermediate_size}; this model's is "
+                         f"{c.shared_expert_size}")
     options = {**RouterConfig().__dict__, **c.router_option_dict()}
     out = {key.name: key.write(options[key.fields[0]]) for key in family.router_keys}
     if family.shared_expert_count_key:
@@ -471,6 +449,9 @@ def to_hf(config: LMConfig) -> dict[str, Any]:
     out.update(_window_keys(c, family))
     out.update({key.name: _written(c, family, key) for key in family.keys})
     out.update(family.required)
+    out.update({key: [only] * c.arch.num_layers for key, only in family.required_entries.items()})
+    if "rotary_dim" in family.other_keys:  # the Hub's spelling, beside rope_parameters' factor
+        out["rotary_dim"] = c.arch.rotary_dim
     out.update(_router_keys(c, family))
     out[ROUTING_KEY] = routing_record(c)
     return out

@@ -39,13 +39,20 @@ class Key:
 DENSE_LAYER_KEYS = {"": frozenset(), "moe_only": frozenset({"moe_intermediate_size"}),
                     "sparse_step": frozenset({"decoder_sparse_step", "mlp_only_layers",
                                               "moe_intermediate_size"}),
-                    "first_k": frozenset({"first_k_dense_replace", "moe_intermediate_size"})}
+                    "first_k": frozenset({"first_k_dense_replace", "moe_intermediate_size"}),
+                    "mlp_layer_types": frozenset({"mlp_layer_types", "first_k_dense_replace",
+                                                  "moe_intermediate_size"}),
+                    "moe_step": frozenset({"moe_layers", "interleave_moe_layer_step",
+                                           "intermediate_size_mlp"})}
 WINDOW_KEYS = {"every_layer": frozenset({"sliding_window"}),
                "switched": frozenset({"use_sliding_window", "sliding_window",
                                       "max_window_layers", "layer_types"}),
                "refused": frozenset({"use_sliding_window", "sliding_window",
                                      "max_window_layers", "layer_types"}),
                "per_layer": frozenset({"sliding_window", "layer_types"}),
+               "chunked": frozenset({"attention_chunk_size", "layer_types", "no_rope_layers",
+                                     "no_rope_layer_interval", "attn_temperature_tuning",
+                                     "floor_scale", "attn_scale"}),
                "none": frozenset()}
 #: ``layer_types`` entries (``"per_layer"`` windows): whether the layer's window applies.
 LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
@@ -54,6 +61,8 @@ LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
 #: layer (4 by default) is attention, the others Gated DeltaNet.
 LINEAR_LAYER_TYPES = {"linear_attention": True, "full_attention": False}
 LINEAR_KEYS = frozenset({"layer_types", "full_attention_interval"})
+#: ``mlp_layer_types`` entries (``dense_layers="mlp_layer_types"``): whether the layer is routed.
+MLP_LAYER_TYPES = {"sparse": True, "dense": False}
 # The routed MoE sublayer's params, relative to a layer's ``mlp/moe``: what ``moe_names`` maps.
 MOE_PARAMS = ("router", "w_gate", "w_up", "w_down")
 #: Optional in ``moe_names``: the checkpoint's per-expert selection bias (the layer's bias state).
@@ -94,15 +103,23 @@ class Family:
       other_keys: further keys it accepts, read elsewhere (rope, dropout checks).
       dense_layers: which layers are dense: ``"sparse_step"`` (Qwen-MoE's
         ``decoder_sparse_step`` / ``mlp_only_layers``) or ``"first_k"`` (the first
-        ``first_k_dense_replace``: GLM-4.5, DeepSeek-V3); either way experts are
-        ``moe_intermediate_size`` wide and the dense MLP ``intermediate_size``. ``""``: every
+        ``first_k_dense_replace``: GLM-4.5, DeepSeek-V3) or ``"mlp_layer_types"`` (one
+        ``"dense"`` / ``"sparse"`` per layer, by default the first dense: GLM-4.7-Flash; a
+        ``first_k_dense_replace`` beside it, which transformers does not read, must agree);
+        either way experts are ``moe_intermediate_size`` wide and the dense MLP
+        ``intermediate_size``; or ``"moe_step"`` (Llama 4: the layers ``moe_layers`` names, by
+        default every ``interleave_moe_layer_step``-th, are routed, experts
+        ``intermediate_size`` wide and the dense MLP ``intermediate_size_mlp``). ``""``: every
         layer is routed and ``intermediate_size`` is the expert width.
       window: how it spells sliding-window attention: ``"every_layer"`` (``sliding_window``,
         None = off), ``"switched"`` (``sliding_window`` on every layer while
         ``use_sliding_window``), ``"refused"`` (as switched, but per-layer windows are not
         computed, so only off is read), ``"per_layer"`` (``sliding_window`` on the layers
         ``layer_types`` names ``"sliding_attention"``; by default every other layer from the
-        first: gpt-oss) or ``"none"`` (no such keys).
+        first: gpt-oss), ``"chunked"`` (Llama 4: ``attention_chunk_size`` on the layers
+        ``layer_types`` names ``"chunked_attention"``, by default those with rotary positions,
+        which ``no_rope_layers`` names, with the temperature tuning of the others) or
+        ``"none"`` (no such keys).
       head_dim_fixed: ``head_dim`` must be ``hidden_size / num_attention_heads`` (OLMoE's key
         norm over the whole projection assumes it) and a from-scratch config omits it.
       fixed_top_k: the only ``num_experts_per_tok`` its router computes (0: any).
@@ -138,6 +155,13 @@ class Family:
         one logged line per prefix naming how many tensors.
       renamed: tensor-name prefixes read as another (the image-text-to-text checkpoint's
         ``model.language_model.`` as ``model.``).
+      required_entries: list keys each of whose entries this model computes at one value only
+        (MiniMax-M2's ``attn_type_list``: 1, softmax attention, on every layer).
+      halved_experts: with ``interleaved_experts``, gate and up are the first and second halves
+        of the fused tensor's last axis (Llama 4) instead of its even and odd columns.
+      shared_expert_always: every MoE layer has one shared expert as wide as the experts
+        (Llama 4), without a key.
+      dense_mlp: the dense layers' MLP prefix in a layer (``<prefix>.gate_proj.weight``, ...).
     """
 
     model_type: str
@@ -165,6 +189,10 @@ class Family:
     linear_attention: bool = False
     skipped: Mapping[str, str] = dataclasses.field(default_factory=dict)
     renamed: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    required_entries: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    halved_experts: bool = False
+    shared_expert_always: bool = False
+    dense_mlp: str = "mlp"
 
     def __post_init__(self) -> None:
         if self.window not in WINDOW_KEYS:
@@ -178,7 +206,7 @@ class Family:
         """The type's own ``config.json`` keys (beyond every type's)."""
         return frozenset({k.name for k in (*self.keys, *self.router_keys)}
                          | WINDOW_KEYS[self.window] | DENSE_LAYER_KEYS[self.dense_layers]
-                         | set(self.required) | self.other_keys
+                         | set(self.required) | set(self.required_entries) | self.other_keys
                          | ({self.shared_expert_count_key} - {""})
                          | (LINEAR_KEYS if self.linear_attention else frozenset()))
 
@@ -192,7 +220,8 @@ class Family:
     @property
     def has_shared_expert(self) -> bool:
         """Whether its checkpoints may hold a shared expert."""
-        return self.reads("shared_expert_size") or bool(self.shared_expert_count_key)
+        return self.reads("shared_expert_size") or bool(self.shared_expert_count_key) \
+            or self.shared_expert_always
 
     @property
     def router(self) -> str:
@@ -368,6 +397,74 @@ QWEN3_5_MOE_TEXT = Family(
     renamed={"model.language_model.": "model."},
     moe_names=_MLP_MOE)
 
+# GLM-4.7-Flash: DeepSeek-V3's latent attention on GLM-4.5's routing (sigmoid scores, the selection
+# bias, groups scored by their two best, scaling, shared experts), its dense layers named per layer.
+GLM4_MOE_LITE = Family(
+    model_type="glm4_moe_lite", architecture="Glm4MoeLiteForCausalLM",
+    experts_key="n_routed_experts",
+    defaults={"num_experts": 64, "num_experts_per_tok": 4, "rope_theta": 1e4,
+              "rms_norm_eps": 1e-5, "moe_intermediate_size": 1536, "attention_bias": False,
+              "n_shared_experts": 1, "routed_scaling_factor": 1.8, "n_group": 1, "topk_group": 1,
+              "q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
+              "qk_rope_head_dim": 64, "v_head_dim": 256, "rope_interleave": True},
+    keys=DEEPSEEK_V3.keys, router_keys=GLM4_MOE.router_keys, router_flags=GLM4_MOE.router_flags,
+    # The Hub's config.json: the router spelled out as DeepSeek-V3's (which transformers does
+    # not read: it computes these values only).
+    required={"norm_topk_prob": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+              "moe_layer_freq": 1, "pretraining_tp": 1},
+    flags={"shared_expert_gate": False, "selection_bias": True},
+    other_keys=frozenset({"qk_nope_head_dim", "qk_head_dim", "num_nextn_predict_layers",
+                          "partial_rotary_factor"}),
+    dense_layers="mlp_layer_types", shared_expert_count_key="n_shared_experts",
+    shared_expert_names="mlp.shared_experts", latent_attention=True,
+    moe_names=GLM4_MOE.moe_names)
+
+# MiniMax-M2 in its Hub checkpoints' keys: transformers 5.23 reads rotary_dim (as the partial
+# rotary factor) and computes the other keys' one value (q/k norms over the whole projections,
+# sigmoid scores with the selection bias, no shared expert, softmax attention on every layer);
+# its multi-token-prediction modules are built by neither.
+MINIMAX_M2 = Family(
+    model_type="minimax_m2", architecture="MiniMaxM2ForCausalLM",
+    experts_key="num_local_experts",
+    defaults={"num_experts": 256, "num_experts_per_tok": 8, "rope_theta": 5e6,
+              "rms_norm_eps": 1e-6, "router_jitter_noise": 0.0},
+    keys=(Key("router_jitter_noise", ("moe_input_jitter",), float),),
+    router_flags={"score": "sigmoid"},
+    required={"use_qk_norm": True, "qk_norm_type": "per_layer", "scoring_func": "sigmoid",
+              "use_routing_bias": True, "shared_intermediate_size": 0},
+    required_entries={"attn_type_list": 1},
+    flags={"qk_norm": "full", "selection_bias": True},
+    other_keys=frozenset({"rotary_dim", "partial_rotary_factor", "use_mtp", "num_mtp_modules",
+                          "mtp_transformer_layers"}),
+    quantizations=frozenset({"fp8"}),
+    moe_names={**_moe_names("block_sparse_moe", "w1", "w3", "w2"),
+               SELECTION_BIAS: "block_sparse_moe.e_score_correction_bias"})
+
+# Llama 4's text model (Scout, Maverick; the text_config of their multimodal checkpoints): the
+# experts gated on their inputs by the chosen logits' sigmoids, a shared expert, rotary positions
+# in interleaved pairs, chunked attention with L2 q/k norms on the rotary layers and temperature
+# tuning on the others.
+_LLAMA4_EXPERTS = "feed_forward.experts"
+LLAMA4_TEXT = Family(
+    model_type="llama4_text", architecture="Llama4ForCausalLM",
+    experts_key="num_local_experts",
+    defaults={"num_experts": 16, "num_experts_per_tok": 1, "rope_theta": 500000.0,
+              "rms_norm_eps": 1e-5, "attention_bias": False, "use_qk_norm": True},
+    keys=(_ATTENTION_BIAS,
+          Key("use_qk_norm", ("qk_norm",), lambda on: "l2" if on else "none",
+              lambda norm: norm == "l2")),
+    flags={"input_gates": True, "shared_expert_gate": False, "rope_interleave": True},
+    # transformers' Llama 4 applies no router jitter; for_llm_compressor (the Hub's) is read by
+    # neither.
+    other_keys=frozenset({"router_jitter_noise", "for_llm_compressor"}),
+    dense_layers="moe_step", window="chunked", interleaved_experts=True, halved_experts=True,
+    shared_expert_always=True, shared_expert_names="feed_forward.shared_expert",
+    dense_mlp="feed_forward", fused_router="feed_forward.router.weight",
+    moe_names={"router": "feed_forward.router.weight",
+               "w_gate": f"{_LLAMA4_EXPERTS}.gate_up_proj",
+               "w_up": f"{_LLAMA4_EXPERTS}.gate_up_proj",
+               "w_down": f"{_LLAMA4_EXPERTS}.down_proj"})
+
 #: Types read as another where their keys are the other's: Kimi-K2's config.json says
 #: ``kimi_k2`` (with remote code) for DeepSeek-V3's architecture.
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -379,7 +476,8 @@ TEXT_MODELS = {"qwen3_5_moe": "qwen3_5_moe_text"}
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (MIXTRAL, QWEN3_MOE, OLMOE, QWEN2_MOE,
                                                            PHIMOE, GLM4_MOE, GPT_OSS,
                                                            DEEPSEEK_V3, QWEN3_NEXT,
-                                                           QWEN3_5_MOE_TEXT)}
+                                                           QWEN3_5_MOE_TEXT, GLM4_MOE_LITE,
+                                                           MINIMAX_M2, LLAMA4_TEXT)}
 
 
 def family_of(model_type: Any, where: str = "config.json: model_type ") -> Family:

@@ -82,7 +82,7 @@ def hf_config_of(model: ScratchShape, router: RouterConfig, vocab_size: int,
     sections = _section_values(m, router)
     cfg.update({key.name: sections[key.fields[0]] for key in family.keys
                 if key.fields[0] in sections})
-    if family.dense_layers:
+    if family.dense_layers and family.dense_layers != "moe_step":
         cfg["moe_intermediate_size"] = m.mlp_dim
     if family.dense_layers == "sparse_step":
         routed = [i for i in range(m.num_layers) if (i + 1) % m.moe_every == 0]
@@ -90,6 +90,12 @@ def hf_config_of(model: ScratchShape, router: RouterConfig, vocab_size: int,
                    mlp_only_layers=[i for i in range(m.num_layers) if i not in routed])
     elif family.dense_layers == "first_k":
         cfg["first_k_dense_replace"] = 0  # every layer routed, as the model section's others
+    elif family.dense_layers == "moe_step":  # Llama 4: experts and dense MLP mlp_dim wide
+        cfg.update(intermediate_size_mlp=m.mlp_dim,
+                   moe_layers=[i for i in range(m.num_layers) if (i + 1) % m.moe_every == 0])
+    elif family.dense_layers == "mlp_layer_types":  # every moe_every-th layer routed
+        cfg["mlp_layer_types"] = ["sparse" if (i + 1) % m.moe_every == 0 else "dense"
+                                  for i in range(m.num_layers)]
     cfg.update(m.hf_keys)
     return cfg
 

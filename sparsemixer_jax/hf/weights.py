@@ -22,7 +22,12 @@ Written: the per-expert layout, which transformers 4.x and 5.x both load. gpt-os
 have one layout only (the record's ``interleaved_experts``): ``mlp.experts.gate_up_proj``
 ``[N, emb, 2 * I]`` with gate and up interleaved (even and odd columns) and its bias
 ``[N, 2 * I]`` alike, ``mlp.experts.down_proj`` ``[N, I, emb]`` and its bias, the router
-``mlp.router.weight`` and ``mlp.router.bias``; read and written as they are.
+``mlp.router.weight`` and ``mlp.router.bias``; read and written as they are. Llama 4's too:
+``feed_forward.experts.gate_up_proj`` ``[N, emb, 2 * I]`` with gate and up its halves,
+``feed_forward.experts.down_proj`` ``[N, I, emb]``, ``feed_forward.router.weight``, the shared
+expert ``feed_forward.shared_expert.*`` and the dense layers' ``feed_forward.*``; its q/k
+projections (and biases) hold each head's rotary pairs, reordered to halves on load and back
+on save (:func:`pair_order`).
 """
 
 from __future__ import annotations
@@ -57,7 +62,10 @@ class Slot(NamedTuple):
     index: tuple[int, ...]
     # "same", "T" (2-D transpose), "gate"/"up" (halves of fused gate_up), "down",
     # "even"/"odd" (the interleaved columns of gpt-oss's gate_up_proj, on the last axis),
-    # "conv" (a depthwise Conv1d weight [C, 1, K] as the param [C, K])
+    # "conv" (a depthwise Conv1d weight [C, 1, K] as the param [C, K]),
+    # "first"/"second" (the halves of Llama 4's gate_up_proj, on the last axis), "pairs<D>"
+    # (transposed, each head of D columns reordered from rotary pairs to halves: Llama 4's q/k),
+    # "bpairs<D>" (such a projection's bias reordered alike)
     transform: str
 
 
@@ -71,6 +79,13 @@ def convert(value: np.ndarray, transform: str) -> np.ndarray:
         return value[..., 0::2] if transform == "even" else value[..., 1::2]
     if transform == "conv":
         return value[:, 0, :]
+    if transform in ("first", "second"):
+        half = value.shape[-1] // 2
+        return value[..., :half] if transform == "first" else value[..., half:]
+    if transform.startswith("pairs"):
+        return value.T[:, pair_order(value.shape[0], int(transform[5:]))]
+    if transform.startswith("bpairs"):  # the bias of such a projection
+        return value[pair_order(value.shape[0], int(transform[6:]))]
     if transform in ("gate", "up"):  # [N, 2I, emb] -> [N, emb, I]
         half = value.shape[1] // 2
         part = value[:, :half] if transform == "gate" else value[:, half:]
@@ -78,6 +93,13 @@ def convert(value: np.ndarray, transform: str) -> np.ndarray:
     return np.swapaxes(value, 1, 2)  # "down": [N, emb, I] -> [N, I, emb]
 
 
+def pair_order(width: int, head_dim: int) -> np.ndarray:
+    """The column order that turns each head of ``head_dim`` rotary pairs ``(x0, x1), (x2,
+    x3), ...`` into halves ``(x0, x2, ...), (x1, x3, ...)`` (what the model's rotation takes;
+    the same order on queries and keys keeps their dot products, and a norm over a head is
+    unchanged), over ``width`` columns."""
+    head = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+    return (np.arange(0, width, head_dim)[:, None] + head).reshape(-1)
 
 
 def _layer_tensors(config: LMConfig, number: int, stack: int, repeat: int, pos: int
@@ -96,12 +118,12 @@ def _layer_tensors(config: LMConfig, number: int, stack: int, repeat: int, pos: 
         yield from _latent_attention(config, layer, (*base, "self_attn"), repeat)
     else:
         yield from _attention(config, layer, (*base, "self_attn"), repeat)
+    family = family_of(config.arch.model_type)
     if not config.arch.moe_layers[number]:
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            yield f"{layer}.mlp.{proj}.weight", Slot((*base, "mlp", proj, "kernel"),
-                                                     (repeat,), "T")
+            yield (f"{layer}.{family.dense_mlp}.{proj}.weight",
+                   Slot((*base, "mlp", proj, "kernel"), (repeat,), "T"))
         return
-    family = family_of(config.arch.model_type)
     names = family.moe_names
     moe = (*base, "mlp", "moe")
     yield f"{layer}.{names['router']}", Slot((*moe, "router", "kernel"), (repeat,), "T")
@@ -112,8 +134,7 @@ def _layer_tensors(config: LMConfig, number: int, stack: int, repeat: int, pos: 
                Slot((*moe, "expert_bias"), (repeat,), "same"))
     if family.interleaved_experts:
         yield from _interleaved_experts(config, layer, moe, repeat, names)
-        return
-    for expert in range(config.num_experts):
+    for expert in range(0 if family.interleaved_experts else config.num_experts):
         for param in ("w_gate", "w_up", "w_down"):
             yield (f"{layer}.{names[param].format(e=expert)}",
                    Slot((*moe, param), (repeat, expert), "T"))
@@ -130,12 +151,18 @@ def _attention(config: LMConfig, layer: str, attn: Path, repeat: int
                ) -> Iterator[tuple[str, Slot]]:
     """Grouped-query attention's tensors: projections (biases per config), sinks, q/k norms."""
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        yield f"{layer}.self_attn.{proj}.weight", Slot((*attn, proj, "kernel"), (repeat,), "T")
+        # Rotary pairs (Llama 4) reordered to the halves the model rotates.
+        pairs = config.arch.rope_interleave and proj in ("q_proj", "k_proj")
+        transform = f"pairs{config.arch.head_dim}" if pairs else "T"
+        yield f"{layer}.self_attn.{proj}.weight", Slot((*attn, proj, "kernel"), (repeat,),
+                                                       transform)
         if (config.arch.out_bias if proj == "o_proj" else config.arch.qkv_bias):
-            yield f"{layer}.self_attn.{proj}.bias", Slot((*attn, proj, "bias"), (repeat,), "same")
+            yield (f"{layer}.self_attn.{proj}.bias",
+                   Slot((*attn, proj, "bias"), (repeat,),
+                        f"bpairs{config.arch.head_dim}" if pairs else "same"))
     if config.arch.attention_sinks:
         yield f"{layer}.self_attn.sinks", Slot((*attn, "sinks"), (repeat,), "same")
-    if config.arch.qk_norm != "none":
+    if config.arch.qk_norm not in ("none", "l2"):  # l2 has no weight
         for norm in ("q_norm", "k_norm"):
             yield (f"{layer}.self_attn.{norm}.weight",
                    Slot((*attn, norm, "weight"), (repeat,), "same"))
@@ -180,11 +207,27 @@ def _interleaved_experts(config: LMConfig, layer: str, moe: Path, repeat: int,
                          names: dict[str, str]) -> Iterator[tuple[str, Slot]]:
     """gpt-oss's experts: whole ``[N, ...]`` tensors, gate and up from the even and odd
     columns of one (each such name comes twice, once per param)."""
-    params = [("w_gate", "even"), ("w_up", "odd"), ("w_down", "same")]
+    gate, up = ("first", "second") if family_of(config.arch.model_type).halved_experts \
+        else ("even", "odd")
+    params = [("w_gate", gate), ("w_up", up), ("w_down", "same")]
     if config.expert_biases:
-        params += [("b_gate", "even"), ("b_up", "odd"), ("b_down", "same")]
+        params += [("b_gate", gate), ("b_up", up), ("b_down", "same")]
     for param, transform in params:
         yield f"{layer}.{names[param]}", Slot((*moe, param), (repeat,), transform)
+
+
+def saved_value(value: np.ndarray, transform: str) -> np.ndarray:
+    """A param slice as the checkpoint tensor of its one slot (:func:`convert` undone; the
+    halves and interleaved pairs of two slots are joined by the caller)."""
+    if transform == "T":
+        return value.T
+    if transform == "conv":  # a depthwise convolution's [channels, taps] as [channels, 1, taps]
+        return value[:, None, :]
+    if transform.startswith(("pairs", "bpairs")):
+        head_dim = int(transform.removeprefix("b").removeprefix("pairs"))
+        inverse = np.argsort(pair_order(value.shape[-1], head_dim))
+        return value[..., inverse].T if transform.startswith("pairs") else value[inverse]
+    return value
 
 
 def saved_tensors(config: LMConfig, layers: Layers) -> Iterator[tuple[str, Slot]]:

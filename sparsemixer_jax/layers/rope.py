@@ -1,7 +1,7 @@
 """Rotary position embeddings of :class:`sparsemixer_jax.models.causal_lm.CausalLM`: their
 settings (:class:`RopeConfig`, a field of the model's config), the frequencies of each kind
-(default, Phi-3.5-MoE's longrope, gpt-oss's YaRN) and the rotation, as transformers 5.23
-computes them (``modeling_rope_utils.py``)."""
+(default, Phi-3.5-MoE's longrope, gpt-oss's YaRN, Llama 3's llama3) and the rotation, as
+transformers 5.23 computes them (``modeling_rope_utils.py``)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,15 @@ class RopeConfig:
 
     Attributes:
       theta: the base wavelength (``rope_theta``).
-      kind: ``"default"``, ``"longrope"`` (Phi-3 / Phi-3.5-MoE) or ``"yarn"`` (gpt-oss).
+      kind: ``"default"``, ``"longrope"`` (Phi-3 / Phi-3.5-MoE), ``"yarn"`` (gpt-oss) or
+        ``"llama3"`` (Llama 3.1 / 4's frequency bands: :func:`llama3_inv_freq`).
       short_factor, long_factor: longrope's per-frequency divisors (``head_dim / 2`` each).
       short_mscale, long_mscale: longrope's scales of cos/sin below / above
         ``original_max_position_embeddings``.
-      original_max_position_embeddings: longrope's switch point; YaRN's pretraining length.
+      original_max_position_embeddings: longrope's switch point; YaRN's and llama3's
+        pretraining length.
+      low_freq_factor, high_freq_factor: llama3's band edges (wavelengths of
+        ``original_max_position_embeddings`` divided by each).
       factor, beta_fast, beta_slow, truncate: YaRN's context extension factor, the rotation
         counts bounding its correction range, and whether that range is rounded outwards
         (:func:`sparsemixer_jax.layers.rope.yarn_inv_freq`).
@@ -36,7 +40,7 @@ class RopeConfig:
     """
 
     theta: float = 10000.0
-    kind: Literal["default", "longrope", "yarn"] = "default"
+    kind: Literal["default", "longrope", "yarn", "llama3"] = "default"
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     short_mscale: float = 1.0
@@ -49,6 +53,8 @@ class RopeConfig:
     truncate: bool = True
     attention_factor: float = 1.0
     mscale_all_dim: float = 0.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
 
 
 def yarn_inv_freq(rope: RopeConfig, dim: int) -> jax.Array:
@@ -74,6 +80,24 @@ def yarn_inv_freq(rope: RopeConfig, dim: int) -> jax.Array:
     return interpolation * (1 - keep) + extrapolation * keep
 
 
+def llama3_inv_freq(rope: RopeConfig, dim: int) -> jax.Array:
+    """llama3's frequencies ``[dim / 2]`` (float32): each frequency ``1 / theta^(2i / dim)``
+    whose wavelength is shorter than ``L / high_freq_factor`` is kept, one longer than ``L /
+    low_freq_factor`` divided by ``factor``, and one in between blended, weighting the kept
+    frequency by ``(L / wavelength - low_freq_factor) / (high_freq_factor -
+    low_freq_factor)`` (``L``: ``original_max_position_embeddings``)."""
+    inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    length = rope.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    low, high = rope.low_freq_factor, rope.high_freq_factor
+    long = jnp.where(wavelength > length / low, inv_freq / rope.factor, inv_freq)
+    # Equal factors (Llama 4 Scout's): no band between, nothing blended.
+    kept = (length / wavelength - low) / (high - low if high > low else 1.0)
+    blended = (1 - kept) * long / rope.factor + kept * long
+    middle = (wavelength >= length / high) & (wavelength <= length / low) & (high > low)
+    return jnp.where(middle, blended, long)
+
+
 def rope_cos_sin(rope: RopeConfig, rotary_dim: int, positions: jax.Array,
                  num_positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """cos and sin ``[B, T, head_dim]`` (float32) of the rotary embedding at int ``positions``
@@ -87,7 +111,7 @@ def rope_cos_sin(rope: RopeConfig, rotary_dim: int, positions: jax.Array,
     call plus one) exceeds ``original_max_position_embeddings``. As in transformers 5.23's
     ``phimoe``, the frequencies keep the short factors beyond that point; only the scale
     switches. YaRN (gpt-oss) takes :func:`yarn_inv_freq` and scales cos/sin by
-    ``attention_factor``.
+    ``attention_factor``; llama3 takes :func:`llama3_inv_freq`.
     """
     d = rotary_dim
     inv_freq = 1.0 / (rope.theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
@@ -101,6 +125,8 @@ def rope_cos_sin(rope: RopeConfig, rotary_dim: int, positions: jax.Array,
     elif rope.kind == "yarn":
         inv_freq = yarn_inv_freq(rope, d)
         scale = jnp.asarray(rope.attention_factor, jnp.float32)
+    elif rope.kind == "llama3":
+        inv_freq = llama3_inv_freq(rope, d)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb) * scale, jnp.sin(emb) * scale

@@ -11,7 +11,7 @@ attention (:mod:`sparsemixer_jax.models.latent_attention`), and ``ffn`` is the p
 a dense SwiGLU MLP.
 
 Layers are scanned: the layers are grouped into stacks of a repeating unit
-(:func:`sparsemixer_jax.models.lm_config.layer_pattern_stacks`), each stack's parameters carry a
+(:func:`sparsemixer_jax.models.layer_stacks.layer_pattern_stacks`), each stack's parameters carry a
 leading ``repeats`` axis, and :func:`jax.lax.scan` runs it, so compile time does not grow with
 depth. Parameters are float32; ``compute_dtype`` sets the matmuls' dtype (norm statistics,
 softmax, routing and the logits in float32).
@@ -44,7 +44,8 @@ from sparsemixer_jax.layers.norms import LayerNorm, RMSNorm
 from sparsemixer_jax.layers.packed_attention import check_rows_fit, segment_layout
 from sparsemixer_jax.layers.rope import rope_cos_sin
 from sparsemixer_jax.models.latent_attention import LatentAttention
-from sparsemixer_jax.models.lm_config import LayerKind, LMConfig, layer_pattern_stacks
+from sparsemixer_jax.models.layer_stacks import LayerKind, layer_pattern_stacks
+from sparsemixer_jax.models.lm_config import LMConfig
 from sparsemixer_jax.models.lm_routes import check_routes, gathered_routes, stack_routes
 from sparsemixer_jax.moe import MoEFeedForward
 from sparsemixer_jax.moe.shared import SharedExperts
@@ -97,7 +98,8 @@ def make_attention(config: LMConfig, rngs: nnx.Rngs,
     options = AttentionOptions(
         arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, names=HF_NAMES,
         qkv_bias=arch.qkv_bias, out_bias=arch.out_bias,
-        implementation=config.execution.attention_impl, qk_norm=arch.qk_norm,
+        implementation=config.execution.attention_impl,
+        qk_norm="none" if arch.qk_norm == "l2" else arch.qk_norm,  # l2: the layer's (no weight)
         clip_qkv=arch.clip_qkv, sinks=arch.attention_sinks, output_gate=arch.attention_output_gate)
     make = linear_maker(config, rngs)
     zero_centred = arch.norm == "zero_centred_rms"  # the q/k norms are the model's kind
@@ -166,13 +168,14 @@ class DecoderLayer(nnx.Module):
             self.self_attn = LatentAttention(config, rngs) if config.arch.kv_lora_rank \
                 else make_attention(config, rngs, mesh)
         self.post_attention_layernorm = make_norm(config)
+        self.l2_eps = config.arch.norm_eps if config.arch.qk_norm == "l2" else None
         self.is_moe = is_moe = kind.moe
         if is_moe:
             self.mlp = MoEBlock(config, mesh, rngs)
         else:
             self.mlp = GatedMLP(config, config.arch.intermediate_size, rngs)
 
-    def _mix(self, h, cos, sin, mask, kv, token_mask, fused):
+    def _mix(self, h, cos, sin, mask, kv, token_mask, fused, rope_on, temperature):
         """The token-mixing sublayer on the normed ``h [B, T, emb]`` (arguments as
         :meth:`__call__`'s): ``(y [B, T, emb], the layer's new cache entries or None)``."""
         if self.linear:  # its cache entries: the convolution's last inputs and the state
@@ -183,12 +186,19 @@ class DecoderLayer(nnx.Module):
             y, out = self.linear_attn(h, segment_ids=segment_ids, token_mask=token_mask,
                                       cache=None if kv is None else DeltaNetCache(*kv[:2]))
             return y, None if kv is None else tuple(out)
+        if rope_on is not None:  # the identity rotation where the layer has no rotary positions
+            cos, sin = jnp.where(rope_on, cos, 1.0), jnp.where(rope_on, sin, 0.0)
         gate = None
         if isinstance(self.self_attn, Attention) and self.self_attn.options.output_gate:
             q, gate = self.self_attn.project_q_and_gate(h, cos, sin)
             k, v = self.self_attn.project_kv(h, cos, sin)
         else:
             q, k, v = self.self_attn.qkv(h, cos, sin)
+        on = True if rope_on is None else rope_on
+        if self.l2_eps is not None:  # Llama 4: each rotated head over its root mean square
+            q, k = (jnp.where(on, _l2_normed(a, self.l2_eps), a) for a in (q, k))
+        if temperature is not None:
+            q = q * jnp.where(on, 1.0, temperature)[:, :, None, None].astype(q.dtype)
         new_kv = None
         if kv is not None:
             keys, values, index = kv
@@ -201,14 +211,17 @@ class DecoderLayer(nnx.Module):
         return self.self_attn.attend(q, k, v, mask[:, None], causal=kv is None, **attend), new_kv
 
     def __call__(self, x, cos, sin, mask, kv, token_mask, deterministic, dropless, fused=None,
-                 routes=None):
+                 routes=None, rope_on=None, temperature=None):
         """``x [B, T, emb]``; ``kv``: this layer's cache ``(keys, values, index)`` or None;
         ``fused``: how cuDNN may take ``mask``
         (:class:`~sparsemixer_jax.layers.attention.FusedMask`); ``routes [B, T, K]``: the
-        experts an MoE layer replays.
+        experts an MoE layer replays; ``rope_on``: bool scalar, whether this layer rotates
+        (None: it does); ``temperature [B, T]``: the scale of the queries of a layer that does
+        not (Llama 4), or None.
 
         Returns ``(x, (keys, values) or None, (balance_loss, z_loss))``."""
-        y, new_kv = self._mix(self.input_layernorm(x), cos, sin, mask, kv, token_mask, fused)
+        y, new_kv = self._mix(self.input_layernorm(x), cos, sin, mask, kv, token_mask, fused,
+                              rope_on, temperature)
         x = x + y.astype(x.dtype)
         h = self.post_attention_layernorm(x)
         if self.is_moe:
@@ -216,6 +229,12 @@ class DecoderLayer(nnx.Module):
         else:
             y, metrics = self.mlp(h), {}
         return x + y.astype(x.dtype), new_kv, metrics
+
+
+def _l2_normed(x: jax.Array, eps: float) -> jax.Array:
+    """``x [..., D]`` divided by its root mean square over ``D`` (in float32), no weight."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 class LayerUnit(nnx.Module):
@@ -239,7 +258,7 @@ def _make_stack(config: LMConfig, pattern: tuple[LayerKind, ...], repeats: int, 
 
 def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token_mask,
                 deterministic, dropless, remat: str = "none", rows_sharding=None, fused=None,
-                routes=None):
+                routes=None, rope_on=None, temperature=None):
     """Runs a stack (a :class:`LayerUnit` whose state has a leading ``repeats`` axis) with
     ``jax.lax.scan``: each step merges one repeat's state, runs its layers, and returns the
     state again (router RNG counts and Default MoE's vectors change in training). ``masks``:
@@ -251,13 +270,15 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
     mask
     (:class:`~sparsemixer_jax.layers.attention.FusedMask`; None where there is a window).
     ``routes``: int32 ``[repeats, MoE layers of the unit, B, T, K]``, the experts they replay
-    (:func:`~sparsemixer_jax.models.lm_routes.stack_routes`), or None.
+    (:func:`~sparsemixer_jax.models.lm_routes.stack_routes`), or None. ``rope_on``: bool
+    ``[repeats, unit layers]``, which layers rotate (None: all); ``temperature``: as
+    :meth:`DecoderLayer.__call__` takes it.
     """
     graphdef, state = nnx.split(stack)
 
     def body(h, xs):
         h = sharding.keep_rows_split(h, rows_sharding)
-        unit_state, unit_kvs, unit_sliding, unit_routes = xs
+        unit_state, unit_kvs, unit_sliding, unit_routes, unit_rope = xs
         unit = nnx.merge(graphdef, unit_state)
         new_kvs, metrics = [], []
         moe_slot = 0  # the unit's MoE layers take unit_routes in order
@@ -268,8 +289,9 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
             layer_routes = None
             if unit_routes is not None and layer.is_moe:
                 layer_routes, moe_slot = unit_routes[moe_slot], moe_slot + 1
-            h, new_kv, layer_metrics = layer(h, cos, sin, mask, kv, token_mask, deterministic,
-                                             dropless, fused, layer_routes)
+            h, new_kv, layer_metrics = layer(
+                h, cos, sin, mask, kv, token_mask, deterministic, dropless, fused, layer_routes,
+                None if unit_rope is None else unit_rope[i], temperature)
             new_kvs.append(new_kv)
             metrics.append(layer_metrics)
         out_kvs = None if unit_kvs is None else tuple(new_kvs)
@@ -283,7 +305,8 @@ def _scan_stack(stack: LayerUnit, x, kvs, index, cos, sin, masks, sliding, token
         policy = {"full": None, "elementwise": recompute_elementwise}.get(
             remat, getattr(jax.checkpoint_policies, remat, None))
         body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    x, (new_state, new_kvs, metrics) = jax.lax.scan(body, x, (state, kvs, sliding, routes))
+    x, (new_state, new_kvs, metrics) = jax.lax.scan(body, x, (state, kvs, sliding, routes,
+                                                              rope_on))
     nnx.update(stack, new_state)
     return x, new_kvs, metrics.unpack()
 
@@ -337,6 +360,11 @@ def _positions_and_masks(config: LMConfig, real: jax.Array, positions: jax.Array
             raise ValueError("segment_ids (packed sequences) are for full forward passes, "
                              "not for cached decoding")
         mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    chunk = config.arch.attention_chunk_size
+    if chunk is not None:  # Llama 4: keys of the query's own chunk of positions
+        k_pos = positions if cache is None else jnp.cumsum(k_real, axis=1) - 1
+        local = mask & (positions[:, :, None] // chunk == k_pos[:, None, :] // chunk)
+        return positions, (mask, local) if config.arch.sliding_layers else (local, None)
     if config.arch.sliding_window is None:
         return positions, (mask, None)
     # A key at most sliding_window - 1 positions back (transformers' sliding overlay); left
@@ -355,7 +383,8 @@ def _fused_mask(config: LMConfig, token_mask: jax.Array | None, segment_ids: jax
     otherwise and for the other implementations, which read the mask as it is."""
     run = config.execution
     if run.attention_impl not in ("cudnn", "splash") or cache is not None \
-            or config.arch.sliding_window is not None:
+            or config.arch.sliding_window is not None \
+            or config.arch.attention_chunk_size is not None:
         return None
     all_real = token_mask is None or (not isinstance(token_mask, jax.core.Tracer)
                                       and bool(np.all(np.asarray(token_mask))))
@@ -476,12 +505,17 @@ class CausalLM(nnx.Module):
         if cache is not None and c.arch.rope.kind == "longrope":
             num_positions = jnp.max(positions) + 1
         cos, sin = rope_cos_sin(c.arch.rope, c.arch.rotary_dim, positions, num_positions)
+        temperature = None
+        if c.arch.attn_temperature_floor:  # Llama 4's, for the layers without rotary positions
+            floors = jnp.floor((positions.astype(jnp.float32) + 1) / c.arch.attn_temperature_floor)
+            temperature = 1.0 + c.arch.attn_temperature_scale * jnp.log1p(floors)
         if fused is not None and fused.segments is not None:
             # Rows that cuDNN's packed layout cannot hold would get another attention than the
             # mask's: NaN logits instead (cos feeds every layer and takes no gradient).
             cos = jnp.where(fused.segments.fits, cos, jnp.nan)
         x, (new_keys, new_values), moe = self._run_stacks(x, cache, cos, sin, masks, real,
-                                                          deterministic, fused, routes)
+                                                          deterministic, fused, routes,
+                                                          temperature)
         chosen = gathered_routes(moe, b, t, c.top_k)
         aux = _summed_moe_aux(moe)
         x = self.norm(x)
@@ -495,7 +529,7 @@ class CausalLM(nnx.Module):
     def _run_stacks(self, x: jax.Array, cache: KVCache | None, cos: jax.Array, sin: jax.Array,
                     masks: tuple[jax.Array, jax.Array | None], real: jax.Array,
                     deterministic: bool, fused: FusedMask | None = None,
-                    routes: jax.Array | None = None
+                    routes: jax.Array | None = None, temperature: jax.Array | None = None
                     ) -> tuple[jax.Array, tuple[list, list], dict[str, dict]]:
         """Runs every stack on ``x [B, T, emb]`` (:func:`_scan_stack`; ``masks`` as
         :func:`_positions_and_masks` gives them, ``real`` the token mask, ``fused`` as
@@ -512,14 +546,16 @@ class CausalLM(nnx.Module):
         for stack, (pattern, repeats), routes_in in zip(
                 self.stacks, self.stack_patterns, stack_routes(c, routes), strict=True):
             kvs = None if kv_in is None else tuple(next(kv_in) for _ in pattern)
-            sliding = None
+            sliding = rope_on = None
+            layer = first + jnp.arange(repeats)[:, None] * len(pattern) + jnp.arange(len(pattern))
             if masks[1] is not None:  # which layers of the stack take the window
-                layer = first + jnp.arange(repeats)[:, None] * len(pattern) + \
-                    jnp.arange(len(pattern))
                 sliding = jnp.asarray(c.arch.sliding_layers)[layer]
+            if c.arch.rope_layers:  # which rotate
+                rope_on = jnp.asarray(c.arch.rope_layers)[layer]
             x, out_kvs, metrics = _scan_stack(stack, x, kvs, index, cos, sin, masks, sliding,
                                               real, deterministic, dropless, c.execution.remat,
-                                              self.rows_sharding, fused, routes_in)
+                                              self.rows_sharding, fused, routes_in, rope_on,
+                                              temperature)
             for i, kind in enumerate(pattern):
                 if out_kvs is not None:
                     new_keys.append(out_kvs[i][0])

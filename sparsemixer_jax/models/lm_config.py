@@ -14,25 +14,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Hashable
-from typing import Any, NamedTuple
+from typing import Any
 
 from sparsemixer_jax import routers
 from sparsemixer_jax.layers.attention_impls import ATTENTION_IMPLS, check_attention_dtype
 from sparsemixer_jax.layers.gated_deltanet import LAYOUTS, GatedDeltaNetConfig
 from sparsemixer_jax.layers.rope import RopeConfig
+from sparsemixer_jax.models.layer_stacks import LayerKind
 from sparsemixer_jax.moe.config import NORMAL_INIT, MoEConfig
 from sparsemixer_jax.moe.dispatch import clamped_swiglu
 from sparsemixer_jax.section import read_fields
 
 #: The Hugging Face model types this model reproduces (``config.json``'s ``model_type``).
 MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "phimoe", "glm4_moe", "gpt_oss",
-               "deepseek_v3", "qwen3_next", "qwen3_5_moe_text")
-ROPE_KINDS = ("default", "longrope", "yarn")
+               "deepseek_v3", "qwen3_next", "qwen3_5_moe_text", "glm4_moe_lite", "minimax_m2",
+               "llama4_text")
+ROPE_KINDS = ("default", "longrope", "yarn", "llama3")
 #: ``"rms"``: RMSNorm scaled by its weight; ``"zero_centred_rms"``: by ``1 + weight`` (its
 #: weight starts at zero: Qwen3-Next, Qwen3.5); ``"layer"``: LayerNorm with bias.
 NORMS = ("rms", "zero_centred_rms", "layer")
-QK_NORMS = ("none", "head", "full")
+QK_NORMS = ("none", "head", "full", "l2")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # How cuDNN's fused attention takes packed documents (LMConfig.cudnn_document_mask).
 CUDNN_DOCUMENT_MASKS = ("bias", "offsets")
@@ -132,8 +133,10 @@ class LMArchitecture:
       q_lora_rank: the queries' latent width (latent attention; 0: one query projection).
       qk_rope_head_dim, v_head_dim: latent attention's rotated query/key width (the last
         dimensions of each head) and value head width.
-      rope_interleave: latent attention's rotated dimensions are pairs ``(x0, x1), (x2, x3)``
-        (DeepSeek's layout) instead of halves.
+      rope_interleave: the checkpoint's rotated dimensions are pairs ``(x0, x1), (x2, x3)``
+        (DeepSeek's and Llama 4's layout) instead of halves: latent attention reorders them as
+        it runs; grouped-query attention's q/k projections are reordered on load and back on
+        save (:mod:`sparsemixer_jax.hf.weights`).
       intermediate_size: width of the dense layers' MLP.
       moe_intermediate_size: width of each expert.
       moe_layers: one bool per layer, True where the feed-forward sublayer is routed.
@@ -141,16 +144,26 @@ class LMArchitecture:
         (RMSNorm times ``1 + weight``, also the q/k norms: Qwen3-Next, Qwen3.5) or ``"layer"``
         (LayerNorm with bias, Phi-3.5-MoE).
       norm_eps: epsilon of every norm.
-      qk_norm: ``"none"``, ``"head"`` (RMSNorm over each head's query/key, Qwen3-MoE) or
-        ``"full"`` (RMSNorm over the whole query/key projection, OLMoE).
+      qk_norm: ``"none"``, ``"head"`` (RMSNorm over each head's query/key, Qwen3-MoE),
+        ``"full"`` (RMSNorm over the whole query/key projection, OLMoE) or ``"l2"`` (each
+        head's rotated query and key divided by its root mean square, no weight, on the layers
+        with rotary positions: Llama 4).
       qkv_bias, out_bias, lm_head_bias: biases of the q/k/v projections, of the output
         projection and of the LM head.
       clip_qkv: clamp queries, keys and values to ``[-clip_qkv, clip_qkv]`` (OLMoE), or None.
       rope: :class:`RopeConfig`.
       sliding_window: keys further back than this many positions are masked (every layer, or
         those of ``sliding_layers``), or None.
-      sliding_layers: one bool per layer, True where ``sliding_window`` applies (gpt-oss's
-        ``layer_types``); empty: every layer.
+      sliding_layers: one bool per layer, True where ``sliding_window`` or
+        ``attention_chunk_size`` applies (gpt-oss's and Llama 4's ``layer_types``); empty:
+        every layer.
+      attention_chunk_size: a query attends to the keys of its own chunk of this many positions
+        only (Llama 4's chunked attention; on the ``sliding_layers``), or None.
+      rope_layers: one bool per layer, True where queries and keys are rotated (Llama 4's
+        ``no_rope_layers``); empty: every layer.
+      attn_temperature_floor, attn_temperature_scale: > 0: the queries of the layers without
+        rotary positions are multiplied by ``1 + scale * log(1 + floor((p + 1) / floor))`` at
+        position ``p`` (Llama 4's temperature tuning); 0: off.
       attention_sinks: each attention head has a learned logit ``s_h`` in its softmax's
         denominator, ``exp(l_j) / (sum_i exp(l_i) + exp(s_h))`` (gpt-oss's ``sinks``).
       attention_output_gate: the query projection also gives a gate per head and dimension,
@@ -204,6 +217,10 @@ class LMArchitecture:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    attention_chunk_size: int | None = None
+    rope_layers: tuple[bool, ...] = ()
+    attn_temperature_floor: int = 0
+    attn_temperature_scale: float = 0.1
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     initializer_range: float = 0.02
@@ -250,9 +267,18 @@ class LMArchitecture:
             _fail(f"clip_qkv must be > 0 or None, got {self.clip_qkv}")
         if self.sliding_window is not None and self.sliding_window < 1:
             _fail(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
-        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
-            _fail(f"sliding_layers has {len(self.sliding_layers)} entries for num_layers="
-                  f"{self.num_layers}")
+        for name in ("sliding_layers", "rope_layers"):
+            if getattr(self, name) and len(getattr(self, name)) != self.num_layers:
+                _fail(f"{name} has {len(getattr(self, name))} entries for num_layers="
+                      f"{self.num_layers}")
+        chunk = self.attention_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                  or chunk < 1 or self.sliding_window is not None):
+            _fail(f"attention_chunk_size must be an int >= 1 without a sliding_window, or None; "
+                  f"got {chunk!r} (sliding_window={self.sliding_window})")
+        if self.attn_temperature_floor < 0:
+            _fail(f"attn_temperature_floor must be >= 0 (0: off), got "
+                  f"{self.attn_temperature_floor}")
         if any(self.linear_layers):
             self._check_linear_layers()
 
@@ -287,6 +313,11 @@ class LMArchitecture:
         if rope.kind == "yarn" and not (rope.factor >= 1 and rope.beta_fast >= rope.beta_slow > 0
                                         and rope.original_max_position_embeddings >= 1):
             _fail(f"yarn needs factor >= 1, beta_fast >= beta_slow > 0 and "
+                  f"original_max_position_embeddings >= 1, got {rope}")
+        if rope.kind == "llama3" and not (rope.factor >= 1 and 0 < rope.low_freq_factor
+                                          <= rope.high_freq_factor
+                                          and rope.original_max_position_embeddings >= 1):
+            _fail(f"llama3 rope needs factor >= 1, 0 < low_freq_factor <= high_freq_factor and "
                   f"original_max_position_embeddings >= 1, got {rope}")
         if self.kv_lora_rank:
             self._check_latent_attention()
@@ -358,13 +389,6 @@ class LMArchitecture:
         return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
 
 
-class LayerKind(NamedTuple):
-    """What a layer is: routed (``moe``) or dense, Gated DeltaNet (``linear``) or attention."""
-
-    moe: bool
-    linear: bool
-
-
 def _fail(message: str) -> None:
     raise ValueError(f"LMConfig: {message}")
 
@@ -408,6 +432,9 @@ class LMConfig:
       moe_input_jitter: in training, the MoE sublayer's input is multiplied by
         ``U(1 - e, 1 + e)`` per element (Mixtral's ``router_jitter_noise``, Phi-3.5-MoE's
         ``input_jitter_noise``); 0: none.
+      input_gates: the MoE layers gate the experts' inputs by the sigmoids of the chosen
+        logits and sum their outputs (Llama 4; :class:`~sparsemixer_jax.moe.config.MoEConfig`),
+        with the ``switch`` router only.
       router_aux_loss_coef: weight of the load-balancing loss in training (read by the task).
       execution: :class:`LMExecution`, how the model computes (dtypes, the MoE layers'
         dispatch, attention's implementation, rematerialisation); never written to
@@ -431,6 +458,7 @@ class LMConfig:
     norm_topk_prob: bool = False
     router_options: tuple[tuple[str, Any], ...] = ()
     moe_input_jitter: float = 0.0
+    input_gates: bool = False
     router_aux_loss_coef: float = 0.0
     execution: LMExecution = LMExecution()
     hf_config: str = ""
@@ -451,6 +479,10 @@ class LMConfig:
         if arch.attention_sinks and impl != "einsum":
             _fail(f"attention_sinks need attention_impl='einsum' (jax.nn.dot_product_attention "
                   f"has no sink logit), got {impl!r}")
+        if self.input_gates and self.router != "switch":
+            _fail(f"input_gates (Llama 4's sigmoid gates on the experts' inputs) take router "
+                  f"'switch' only, got {self.router!r}: the other routers' gradient estimators "
+                  "are defined for gates that scale the experts' outputs")
         if arch.kv_lora_rank and impl != "einsum":
             _fail(f"latent attention takes attention_impl='einsum' only, got {impl!r}")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
@@ -504,6 +536,7 @@ class LMConfig:
             activation=activation, activation_dropout=0.0, init=NORMAL_INIT, gated=True,
             expert_biases=self.expert_biases, router_bias=self.router_bias,
             selection_bias=self.selection_bias, input_jitter=self.moe_input_jitter,
+            input_gates=self.input_gates,
             init_std=self.arch.initializer_range).check()
         router = routers.check_router(self.router, top_k=self.top_k, jitter_eps=self.jitter_eps,
                                       num_experts=self.num_experts, where="",
@@ -530,33 +563,3 @@ class LMConfig:
 #: :meth:`LMConfig.build`, :meth:`LMConfig.replace` and :meth:`LMConfig.value` take by name.
 ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(LMArchitecture))
 EXECUTION_FIELDS = tuple(f.name for f in dataclasses.fields(LMExecution))
-
-
-def layer_pattern_stacks(moe_layers: tuple[Hashable, ...]
-                         ) -> tuple[tuple[tuple[Hashable, ...], int], ...]:
-    """How the layers are scanned: ``((unit, repeats), ...)`` whose units, each repeated, give
-    ``moe_layers`` in order (one entry per layer: whether it is routed, or its
-    :class:`LayerKind`).
-
-    Each stack compiles its unit once, so compile time does not grow with depth. Runs of
-    identical layers are one stack each; when a pattern repeats with a short period (Qwen-MoE's
-    ``decoder_sparse_step=2``: dense, MoE, dense, MoE, ...), the period is the unit instead, so
-    the number of stacks stays small whatever the depth.
-    """
-    layers = tuple(moe_layers)
-    runs: list[tuple[tuple[bool, ...], int]] = []
-    for is_moe in layers:
-        if runs and runs[-1][0] == (is_moe,):
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append(((is_moe,), 1))
-    if len(runs) <= 4:
-        return tuple(runs)
-    for period in range(2, len(layers) // 2 + 1):
-        repeats = len(layers) // period
-        if layers[: period * repeats] == layers[:period] * repeats:
-            rest = layers[period * repeats:]
-            tail = layer_pattern_stacks(rest) if rest else ()
-            if len(tail) <= 2:
-                return ((layers[:period], repeats), *tail)
-    return tuple(runs)

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsemixer_jax import routers
-from sparsemixer_jax.models.lm_config import LMConfig, layer_pattern_stacks
+from sparsemixer_jax.models.layer_stacks import layer_pattern_stacks
+from sparsemixer_jax.models.lm_config import LMConfig
 
 
 def num_moe_layers(config: LMConfig) -> int:
@@ -41,7 +42,7 @@ def check_routes(config: LMConfig, routes, batch: int, length: int) -> jax.Array
 
 
 def stack_routes(config: LMConfig, routes: jax.Array | None) -> list[jax.Array | None]:
-    """Per scanned stack (:func:`~sparsemixer_jax.models.lm_config.layer_pattern_stacks`), the
+    """Per scanned stack (:func:`~sparsemixer_jax.models.layer_stacks.layer_pattern_stacks`), the
     routes of its MoE layers as the scan takes them, int32 ``[repeats, MoE layers of the unit,
     B, T, K]``; None for every stack when ``routes`` is None, and for a stack without MoE
     layers."""

@@ -71,6 +71,9 @@ class MoEConfig:
         element (Mixtral's ``router_jitter_noise``, Phi-3.5-MoE's ``input_jitter_noise``); 0:
         none.
       init_std: the standard deviation of ``init="normal"`` (the types' ``initializer_range``).
+      input_gates: each chosen expert's gate is the sigmoid of its router logit and scales the
+        expert's input, the outputs summed unscaled (Llama 4; the router only selects: its
+        ``switch`` top-k of the logits), instead of the router's gates scaling the outputs.
     """
 
     num_experts: int = 0
@@ -90,6 +93,7 @@ class MoEConfig:
     selection_bias: bool = dataclasses.field(default=False, metadata=_FAMILY)
     input_jitter: float = dataclasses.field(default=0.0, metadata=_FAMILY)
     init_std: float = dataclasses.field(default=0.02, metadata=_FAMILY)
+    input_gates: bool = dataclasses.field(default=False, metadata=_FAMILY)
 
     @classmethod
     def from_config(cls, section: Any, where: str = "config.model.") -> MoEConfig:

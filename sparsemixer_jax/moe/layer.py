@@ -274,7 +274,7 @@ class MoEFeedForward(nnx.Module):
             drop_key = self.dropout_rng()
         params = tuple(p[...].astype(self.dtype) for p in self.expert_params())
         xc = x.astype(self.dtype)
-        xr = jnp.repeat(xc, k, axis=1) if k > 1 else xc  # [B, T * k, emb], row t*k+s = token t
+        xr, gate = self._expert_rows(xc, logits, expert, gate)
         f = self._expert_outputs(xr, group, params, drop_key, capacity, dropless)
         if k == 1:  # drop the k axis: the same ops (and float rounding) as the top-1 layer
             f, gate = f[:, :, 0], gate[..., 0]
@@ -292,6 +292,19 @@ class MoEFeedForward(nnx.Module):
         if record_routes:  # int32 ids, not a float metric
             metrics["routes"] = _recorded_routes(expert, token_mask)
         return y.astype(x.dtype), metrics
+
+    def _expert_rows(self, x: jax.Array, logits: jax.Array, expert: jax.Array,
+                     gate: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The rows the experts take, ``[B, T * k, emb]`` (row ``t * k + s``: token ``t`` of
+        ``x [B, T, emb]``; ``x`` itself for top-1), and the gates of their outputs: ``gate``,
+        or under ``input_gates`` (Llama 4) the rows scaled by the sigmoids of their experts'
+        logits (``logits [B, T, N]``, ``expert [B, T, k]``) and gates of 1."""
+        k = expert.shape[-1]
+        rows = jnp.repeat(x, k, axis=1) if k > 1 else x
+        if not self.moe.input_gates:
+            return rows, gate
+        scale = jax.nn.sigmoid(jnp.take_along_axis(logits, expert, axis=-1))
+        return (rows * scale.reshape(*rows.shape[:2], 1)).astype(self.dtype), jnp.ones_like(gate)
 
     def _replayed(self, routed: routers.RouterOutput, routes: jax.Array | None,
                   tokens: tuple[int, int]) -> routers.RouterOutput:

@@ -97,14 +97,17 @@ class LMModelConfig:
         ``qwen2_moe``: q/k/v biases and a shared expert; ``phimoe``: LayerNorm, biases;
         ``glm4_moe``: sigmoid routing within groups, shared experts, partial rotary;
         ``gpt_oss``: attention sinks, sliding window on every other layer, biased router and
-        experts, clamped SwiGLU).
+        experts, clamped SwiGLU; ``deepseek_v3``, ``glm4_moe_lite``: latent attention, its
+        widths in ``hf_keys``; ``minimax_m2``: q/k norms over the projections, sigmoid routing
+        with a selection bias; ``llama4_text``: input-gated experts with a shared one, chunked
+        attention, layers without rotary positions; the ``switch`` router only).
       hidden_size, num_layers, num_heads, num_kv_heads, head_dim (0 = hidden / heads): sizes.
       mlp_dim: width of each expert (and of the dense layers' MLP).
       num_experts: experts per MoE layer (0: a dense model, every feed-forward sublayer a
         SwiGLU MLP of width ``mlp_dim``; trained from scratch, not exported to Hugging Face,
         whose MoE types have no such model); moe_every: layers ``k - 1, 2k - 1, ...`` are
-        routed, the others dense (``qwen3_moe`` / ``qwen2_moe`` only; the others route every
-        layer).
+        routed, the others dense (``qwen3_moe`` / ``qwen2_moe`` / ``glm4_moe_lite`` /
+        ``llama4_text`` only; the others route every layer).
       shared_expert_dim: ``qwen2_moe``'s shared expert width (0: ``mlp_dim``).
       tie_embeddings, rope_theta, norm_eps, initializer_range, max_position_embeddings: as the
         type's ``config.json`` keys.
@@ -179,8 +182,9 @@ class LMModelConfig:
             if getattr(m, name) != only:
                 raise ValueError(f"{where}{name}={getattr(m, name)!r}: the language model "
                                  f"takes only {only!r}")
-        if m.moe_every != 1 and family.dense_layers != "sparse_step":
-            alternating = types_with(lambda f: f.dense_layers == "sparse_step")
+        any_layer = ("sparse_step", "mlp_layer_types", "moe_step")  # dense layers anywhere
+        if m.moe_every != 1 and family.dense_layers not in any_layer:
+            alternating = types_with(lambda f: f.dense_layers in any_layer)
             layout = "routes every layer" if not family.dense_layers else \
                 "has its dense layers first (first_k_dense_replace)"
             raise ValueError(f"{where}moe_every={m.moe_every}: {m.hf_type} {layout}; dense "
