@@ -73,6 +73,23 @@ def electra_run(tmp_path_factory):
                                  workdir=os.path.join(directory, "run"), results=results)
 
 
+@pytest.fixture(scope="session")
+def translation_run(tmp_path_factory):
+    """``(workdir, results)``: the tiny translation run of ``tests/tiny_wmt_config.py`` without
+    test BLEU, trained once for the whole test run (both pytest-xdist workers, as
+    ``electra_run``): last and best checkpoints at steps 3 and 6. The finished run that
+    ``test_checkpoint.py`` damages copies of and the uninterrupted reference of
+    ``test_preemption.py``. Shared: a test that changes the workdir copies it first."""
+    from sparsemixer_jax.tasks import translation
+    from tests import kit, tiny_wmt_config
+
+    def build(directory):
+        return translation.train_and_evaluate(
+            tiny_wmt_config.tiny(**{"decode.test_bleu": False}), directory)
+
+    return kit.built_once(tmp_path_factory, "translation", build)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def free_compiled_programs():
     """After each module, JAX's caches of traced and compiled programs are dropped. Each XLA CPU

@@ -65,10 +65,11 @@ def largest_data_file(step_dir):
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A finished 6-step run: last and best checkpoints at 3 and 6, eight metrics lines."""
-    workdir = str(tmp_path_factory.mktemp("finished"))
-    results = translation.train_and_evaluate(tiny(), workdir)
+def finished(translation_run):
+    """A finished 6-step run of ``tiny()``: last and best checkpoints at 3 and 6, eight metrics
+    lines. The test run's one training of it (tests/conftest.py's ``translation_run``, which
+    ``test_preemption.py`` reads too): tests damage copies of it, never the run itself."""
+    workdir, results = translation_run
     assert steps_on_disk(workdir, "last") == [3, 6] and steps_on_disk(workdir, "best") == [3, 6]
     return workdir, results
 
