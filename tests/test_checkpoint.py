@@ -2,7 +2,9 @@
 a one-line error naming the directory, and no intact best checkpoint or metrics line is lost.
 
 One finished tiny run (``finished``: last and best checkpoints at steps 3 and 6) is copied with
-``shutil.copytree`` and damaged in each test; nothing is retrained except where a test must.
+``shutil.copytree`` and damaged in each test; nothing is retrained except where a test must. That
+run is the test run's one training of the tiny translation config without test BLEU
+(tests/conftest.py's ``translation_run``, the reference of ``test_preemption.py`` too).
 """
 
 import argparse

@@ -3,7 +3,9 @@ config and data errors, loading the discriminator, the README command. The loop 
 the non-finite stop) is tested once with a fake task in ``test_loop.py``.
 
 All runs use ``tests/tiny_electra_config.py`` on a generated corpus (one sequence shape, so each
-step function compiles once and the in-process runs share the compilations).
+step function compiles once and the in-process runs share the compilations). The straight run and
+its corpus are the test run's one pretraining of that config (tests/conftest.py's
+``electra_run``, which ``test_glue.py`` fine-tunes too).
 """
 
 import functools
