@@ -49,6 +49,47 @@ def straight_run(task, tmp_path_factory):
     return workdir, task.run(workdir)
 
 
+@pytest.fixture(scope="session")
+def electra_run(tmp_path_factory):
+    """The tiny ELECTRA of ``tests/tiny_electra_config.py`` pretrained once for the whole test
+    run (both pytest-xdist workers: :func:`tests.kit.built_once`), on its generated corpus:
+    ``.corpus`` (the directory of ``train.txt`` and ``valid.txt``), ``.workdir`` (the finished
+    6-step run) and ``.results`` (what ``pretraining.pretrain`` returned). The straight run of
+    ``test_pretrain.py`` and the pretrained model ``test_glue.py`` fine-tunes. Shared by every
+    module that uses it: a test that changes the workdir copies it first. Only the files are
+    shared; each module compiles its own programs (``free_compiled_programs``)."""
+    import types
+
+    from sparsemixer_jax.tasks import pretraining
+    from tests import kit, tiny_electra_config
+
+    def build(directory):
+        corpus = tiny_electra_config.write_corpus(os.path.join(directory, "corpus"))
+        return pretraining.pretrain(kit.tiny_config("pretraining", corpus),
+                                    os.path.join(directory, "run"))
+
+    directory, results = kit.built_once(tmp_path_factory, "electra", build)
+    return types.SimpleNamespace(corpus=os.path.join(directory, "corpus"),
+                                 workdir=os.path.join(directory, "run"), results=results)
+
+
+@pytest.fixture(scope="session")
+def translation_run(tmp_path_factory):
+    """``(workdir, results)``: the tiny translation run of ``tests/tiny_wmt_config.py`` without
+    test BLEU, trained once for the whole test run (both pytest-xdist workers, as
+    ``electra_run``): last and best checkpoints at steps 3 and 6. The finished run that
+    ``test_checkpoint.py`` damages copies of and the uninterrupted reference of
+    ``test_preemption.py``. Shared: a test that changes the workdir copies it first."""
+    from sparsemixer_jax.tasks import translation
+    from tests import kit, tiny_wmt_config
+
+    def build(directory):
+        return translation.train_and_evaluate(
+            tiny_wmt_config.tiny(**{"decode.test_bleu": False}), directory)
+
+    return kit.built_once(tmp_path_factory, "translation", build)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def free_compiled_programs():
     """After each module, JAX's caches of traced and compiled programs are dropped. Each XLA CPU

@@ -9,9 +9,11 @@ imports jax at module level before conftest has set XLA's flags: conftest runs f
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -113,6 +115,29 @@ def read_metrics(workdir: str) -> list[dict]:
     """The records of ``workdir/metrics.jsonl``, in order."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[str], dict]) -> tuple[str, dict]:
+    """``(directory, returned)``: ``build(directory)`` run once per test run, for every
+    pytest-xdist worker, and what it returned (JSON-serialisable). The first worker to get here
+    builds under an exclusive lock on a file in the directory the workers' temporary
+    directories share; the others wait on the lock, then read the finished directory. A build
+    that failed part-way (no record of its return value) is removed and built again. The
+    directory is shared: a test that changes it must copy it first."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-user/pytest-N, one per run, above every worker's own
+    directory, record = str(root / name), str(root / f"{name}.returned.json")
+    with open(str(root / f"{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if not os.path.exists(record):
+            shutil.rmtree(directory, ignore_errors=True)
+            returned = build(directory)
+            with open(record + ".tmp", "w") as f:
+                json.dump(returned, f)
+            os.replace(record + ".tmp", record)
+    with open(record) as f:
+        return directory, json.load(f)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,9 @@
 a one-line error naming the directory, and no intact best checkpoint or metrics line is lost.
 
 One finished tiny run (``finished``: last and best checkpoints at steps 3 and 6) is copied with
-``shutil.copytree`` and damaged in each test; nothing is retrained except where a test must.
+``shutil.copytree`` and damaged in each test; nothing is retrained except where a test must. That
+run is the test run's one training of the tiny translation config without test BLEU
+(tests/conftest.py's ``translation_run``, the reference of ``test_preemption.py`` too).
 """
 
 import argparse
@@ -65,10 +67,11 @@ def largest_data_file(step_dir):
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    """A finished 6-step run: last and best checkpoints at 3 and 6, eight metrics lines."""
-    workdir = str(tmp_path_factory.mktemp("finished"))
-    results = translation.train_and_evaluate(tiny(), workdir)
+def finished(translation_run):
+    """A finished 6-step run of ``tiny()``: last and best checkpoints at 3 and 6, eight metrics
+    lines. The test run's one training of it (tests/conftest.py's ``translation_run``, which
+    ``test_preemption.py`` reads too): tests damage copies of it, never the run itself."""
+    workdir, results = translation_run
     assert steps_on_disk(workdir, "last") == [3, 6] and steps_on_disk(workdir, "best") == [3, 6]
     return workdir, results
 

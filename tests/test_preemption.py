@@ -124,9 +124,10 @@ def checkpointed(read, workdir, config):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("uninterrupted"))
-    return workdir, translation.train_and_evaluate(tiny(), workdir)
+def uninterrupted(translation_run):
+    """The run of ``tiny()`` never stopped: the test run's one training of it (tests/conftest.py's
+    ``translation_run``, which ``test_checkpoint.py`` reads too)."""
+    return translation_run
 
 
 def test_sigterm_checkpoints_the_step_in_flight_and_the_rerun_matches_a_run_never_stopped(

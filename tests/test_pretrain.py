@@ -3,7 +3,9 @@ config and data errors, loading the discriminator, the README command. The loop 
 the non-finite stop) is tested once with a fake task in ``test_loop.py``.
 
 All runs use ``tests/tiny_electra_config.py`` on a generated corpus (one sequence shape, so each
-step function compiles once and the in-process runs share the compilations).
+step function compiles once and the in-process runs share the compilations). The straight run and
+its corpus are the test run's one pretraining of that config (tests/conftest.py's
+``electra_run``, which ``test_glue.py`` fine-tunes too).
 """
 
 import functools
@@ -35,8 +37,16 @@ tiny = functools.partial(kit.tiny_config, "pretraining")
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return tiny_electra_config.write_corpus(str(tmp_path_factory.mktemp("corpus")))
+def corpus(electra_run):
+    """The generated corpus of the shared pretraining run (tests/conftest.py's ``electra_run``)."""
+    return electra_run.corpus
+
+
+@pytest.fixture(scope="module")
+def straight_run(electra_run):
+    """The uninterrupted run with the module's tiny config: the test run's one pretraining of it
+    (``electra_run``, which ``test_glue.py`` fine-tunes too), in place of the module's own."""
+    return electra_run.workdir, electra_run.results
 
 
 @pytest.fixture(scope="module")
