@@ -5,7 +5,7 @@
 
 For every arm of every ``lm_throughput`` run in the measured JSON files (``--measured``), the
 update that was timed is compiled without the GPU, in a checkout of the commit the file names
-(``--tree COMMIT=DIR``, e.g. made by ``git worktree add DIR COMMIT``;
+(``--tree COMMIT=DIR``, e.g. made by ``git clone . DIR && git -C DIR checkout COMMIT``;
 ``lab/benchmarks/compile_arm.py`` runs there), for one GPU of the kind that ran it, and read
 by the current roofline (:func:`sparsemixer_jax.aot.roofline.program_ops`). Each program's
 operations are written as rows ``[class, FLOPs, bytes, runs per update]``, identical rows
