@@ -2,11 +2,11 @@
 
     PYTHONPATH=TREE python lab/benchmarks/compile_arm.py --arm ARM.json --out DIR   (cwd: TREE)
 
-``TREE`` is a checkout of the commit a run of ``docs/results`` names (``git clone . TREE && git -C
-TREE checkout COMMIT``); :mod:`lab.benchmarks.roofline_programs` runs this file there, so that the program
-compiled is the one that was timed, not what the current code makes of the same arm. This file
-therefore imports nothing of the current tree: it is run by path and uses the tree's own
-modules, through the interfaces those commits have: a tree whose
+``TREE`` is a checkout of the commit a run of ``docs/results`` names (``git clone . TREE &&
+git -C TREE checkout COMMIT``); :mod:`lab.benchmarks.roofline_programs` runs this file there, so
+that the program compiled is the one that was timed, not what the current code makes of the
+same arm. This file therefore imports nothing of the current tree: it is run by path and uses
+the tree's own modules, through the interfaces those commits have: a tree whose
 ``lab.benchmarks.roofline_fit`` compiles an arm itself (``_compile_into``, from ``c06cbc4``
 until the per-kind fit), one whose ``aot.lm`` compiles a run (``compile_lm(run, devices)``: the
 per-kind fit's and later), and older ones that build the model from the config
