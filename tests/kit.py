@@ -13,6 +13,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -404,3 +405,16 @@ def lm_logits_and_grads(config, ids: jax.Array, segment_ids: jax.Array, token_ma
 
     (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     return np.asarray(logits), grads, nnx.split(model)
+
+
+def run_docs_example(monkeypatch, section: str) -> dict:
+    """The names that the first ``python`` block under ``section`` (a heading of docs/lm.md,
+    e.g. ``"## Routing replay"``) defines, run from the repository's root as the docs say."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "lm.md")) as f:
+        text = f.read()
+    code = re.search(r"```python\n(.*?)```", text[text.index(section):], re.S).group(1)
+    monkeypatch.chdir(root)
+    names: dict = {}
+    exec(code, names)  # the project's own documentation
+    return names

@@ -8,12 +8,12 @@ bytes of ``[tokens, num_hidden_layers, top_k]``. Numpy only.
 
 import base64
 import os
-import re
 
 import numpy as np
 import pytest
 
 from sparsemixer_jax import hf
+from tests import kit
 
 HF_DATA = os.path.join(os.path.dirname(__file__), "data", "hf")
 
@@ -174,14 +174,7 @@ def test_sglang_refusals(first_dense):
 
 def test_the_docs_example_runs_and_keeps_the_moe_layers_rows(monkeypatch):
     """docs/lm.md's example, run from the repository's root as it says."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "docs", "lm.md")) as f:
-        text = f.read()
-    section = text[text.index("## Routes from an inference engine"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    monkeypatch.chdir(root)
-    names: dict = {}
-    exec(code, names)  # the project's own documentation
+    names = kit.run_docs_example(monkeypatch, "## Routes from an inference engine")
     want = np.concatenate([names["prompt_rows"], names["generated_rows"]])[:, 1:]
     assert names["routes"].dtype == np.int32
     np.testing.assert_array_equal(names["routes"], want)

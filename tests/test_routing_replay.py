@@ -8,7 +8,6 @@ layer scan, jit and the decode cache, and the one-line refusals.
 """
 
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -309,14 +308,7 @@ def test_rollouts_record_the_routes_a_full_forward_replays(models):
 def test_the_docs_example_replays_a_vllm_rollout(monkeypatch):
     """docs/lm.md's routing replay example, run from the repository's root as it says (the
     rollout test's shapes and sampling, so that generate's programs are compiled once)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "docs", "lm.md")) as f:
-        text = f.read()
-    section = text[text.index("## Routing replay"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    monkeypatch.chdir(root)
-    names: dict = {}
-    exec(code, names)  # the project's own documentation
+    names = kit.run_docs_example(monkeypatch, "## Routing replay")
     routes, replay = np.asarray(names["routes"]), names["replay"]
     assert np.all(routes[:, 9] == -1) and np.all(routes[1, 0] == -1)
     np.testing.assert_array_equal(replay, routes)  # the engine's rows, where the batch has them

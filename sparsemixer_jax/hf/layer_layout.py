@@ -62,19 +62,28 @@ def layer_fields(cfg: dict[str, Any], family: Family, num_layers: int, num_exper
             "intermediate_size": int(cfg.get("intermediate_size", 0))}
 
 
+def _per_layer(family: Family, key: str, entries: list, meanings: dict[str, bool],
+               num_layers: int, *, unknown: str = "") -> tuple[bool, ...]:
+    """``entries`` (the ``config.json`` list ``key``, one per layer) read through ``meanings``:
+    an entry it lacks (``unknown`` says how; by default the implemented ones are named), then a
+    length other than ``num_layers``, refused in one line."""
+    unknown = unknown or f"is not implemented (implemented: {', '.join(meanings)})"
+    for i, kind in enumerate(entries):
+        if kind not in meanings:
+            refuse(family.model_type, f"{key}[{i}]={kind!r} {unknown}")
+    if len(entries) != num_layers:
+        refuse(family.model_type, f"{key} has {len(entries)} entries for "
+                                   f"num_hidden_layers={num_layers}")
+    return tuple(meanings[kind] for kind in entries)
+
+
 def _mlp_layer_types(cfg: dict[str, Any], family: Family, num_layers: int) -> tuple[bool, ...]:
     """Which layers are routed, from ``mlp_layer_types`` (by default the first layer dense, as
     transformers' GLM-4.7-Flash); a ``first_k_dense_replace`` beside it (the Hub's files carry
     one for other readers; transformers does not read it) must name the same dense layers."""
     types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
-    for i, kind in enumerate(types):
-        if kind not in MLP_LAYER_TYPES:
-            refuse(family.model_type, f"mlp_layer_types[{i}]={kind!r} is not one of "
-                                       f"{', '.join(MLP_LAYER_TYPES)}")
-    if len(types) != num_layers:
-        refuse(family.model_type, f"mlp_layer_types has {len(types)} entries for "
-                                   f"num_hidden_layers={num_layers}")
-    routed = tuple(MLP_LAYER_TYPES[kind] for kind in types)
+    routed = _per_layer(family, "mlp_layer_types", types, MLP_LAYER_TYPES, num_layers,
+                        unknown=f"is not one of {', '.join(MLP_LAYER_TYPES)}")
     first = cfg.get("first_k_dense_replace")
     if first is not None and routed != tuple(i >= first for i in range(num_layers)):
         refuse(family.model_type, f"first_k_dense_replace={first} disagrees with the dense "
@@ -88,15 +97,9 @@ def _layer_types(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[s
     every other layer from the first, as transformers' gpt-oss)."""
     types = cfg.get("layer_types") or [
         "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    for i, kind in enumerate(types):
-        if kind not in LAYER_TYPES:
-            refuse(family.model_type, f"layer_types[{i}]={kind!r} is not implemented "
-                                       f"(implemented: {', '.join(LAYER_TYPES)})")
-    if len(types) != num_layers:
-        refuse(family.model_type, f"layer_types has {len(types)} entries for "
-                                   f"num_hidden_layers={num_layers}")
     return {"sliding_window": cfg.get("sliding_window", family.default("sliding_window")),
-            "sliding_layers": tuple(LAYER_TYPES[kind] for kind in types)}
+            "sliding_layers": _per_layer(family, "layer_types", types, LAYER_TYPES,
+                                         num_layers)}
 
 
 def linear_layers(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
@@ -112,14 +115,8 @@ def linear_layers(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[
                  for i in range(num_layers)]
     if not isinstance(types, list):
         refuse(family.model_type, f"layer_types={types!r} must be a list")
-    for i, kind in enumerate(types):
-        if kind not in LINEAR_LAYER_TYPES:
-            refuse(family.model_type, f"layer_types[{i}]={kind!r} is not implemented "
-                                       f"(implemented: {', '.join(LINEAR_LAYER_TYPES)})")
-    if len(types) != num_layers:
-        refuse(family.model_type, f"layer_types has {len(types)} entries for "
-                                   f"num_hidden_layers={num_layers}")
-    return {"linear_layers": tuple(LINEAR_LAYER_TYPES[kind] for kind in types)}
+    return {"linear_layers": _per_layer(family, "layer_types", types, LINEAR_LAYER_TYPES,
+                                        num_layers)}
 
 
 def _chunked(cfg: dict[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
